@@ -1,0 +1,100 @@
+"""MXFP8 (OCP MX v1.0, E4M3 elements, UE8M0 scales, blocks of 32 along K): the one place for its math.
+
+Used by the converter, the runtime backends and the tests alike. Rules (../shared/docs/mxfp8.md):
+
+- block: 32 consecutive elements along the last dim (K); K % 32 == 0 is required.
+- scale exponent e ("rceil"): the smallest integer with amax <= 448 * 2^e, derived exactly from
+  frexp (no rounded log2). byte = e + 127 clamped to [0, 254]; an all-zero block gets byte 0.
+  "floor" (OCP reference): e = floor(log2 amax) - 8; elements above 448 are clipped (lossier).
+- elements: round-to-nearest-even cast of w / 2^(byte-127) to float8_e4m3fn, saturated to +-448.
+- scales are stored as uint8 (safetensors U8), never float8_e8m0fnu.
+"""
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32
+E4M3_MAX = 448.0
+SCALE_BIAS = 127
+SCALE_MAX_BYTE = 254  # 255 is NaN in E8M0
+ROUNDING_MODES = ("rceil", "floor")
+
+
+class MXFP8Error(ValueError):
+    """Bad input for MXFP8 quantization (names the tensor)."""
+
+
+def _block_amax(w: torch.Tensor) -> torch.Tensor:
+    blocks = w.float().reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)  # [..., K/32, 32]
+    return blocks.abs().amax(dim=-1)  # [..., K/32]
+
+
+def scale_exponents(amax: torch.Tensor, rounding: str = "rceil") -> torch.Tensor:
+    """Unclamped int32 exponents e per block from fp32 block amax (amax > 0 assumed where used).
+
+    frexp gives amax = m * 2^x with m in [0.5, 1); 448 = 0.875 * 2^9, so
+    rceil: amax <= 448 * 2^e  <=>  e >= x - 9 when m <= 0.875, else e >= x - 8 (exact comparisons).
+    floor: floor(log2 amax) - 8 = (x - 1) - 8.
+    """
+    mant, expo = torch.frexp(amax.float())
+    expo = expo.to(torch.int32)
+    if rounding == "rceil":
+        return torch.where(mant <= 0.875, expo - 9, expo - 8)
+    if rounding == "floor":
+        return expo - 9
+    raise MXFP8Error(f"unknown scale rounding {rounding!r}; use one of {ROUNDING_MODES}")
+
+
+def _check(w: torch.Tensor, name: str) -> None:
+    if w.ndim < 1 or w.shape[-1] % BLOCK != 0:
+        raise MXFP8Error(
+            f"{name}: last dim (K) of shape {tuple(w.shape)} is not a multiple of {BLOCK}; "
+            f"MXFP8 needs whole 32-element blocks — leave this tensor unquantized")
+    if w.is_floating_point() and not bool(torch.isfinite(w).all()):
+        raise MXFP8Error(f"{name}: contains NaN or Inf; fix the source checkpoint (refusing to quantize)")
+
+
+def quantize(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., K] float -> (q [..., K] float8_e4m3fn, scale [..., K/32] uint8)."""
+    _check(w, name)
+    amax = _block_amax(w)  # [..., K/32]
+    e = scale_exponents(amax, rounding)
+    byte = (e + SCALE_BIAS).clamp(0, SCALE_MAX_BYTE)
+    byte = torch.where(amax == 0, torch.zeros_like(byte), byte)
+    # Multiply by 2^-(byte-127) exactly: ldexp by an integer power of two is exact in fp32 here
+    # (results lie within [2^-22, 448] or round to zero far below e4m3's smallest subnormal).
+    blocks = w.float().reshape(*amax.shape, BLOCK)  # [..., K/32, 32]
+    scaled = torch.ldexp(blocks, (SCALE_BIAS - byte).unsqueeze(-1).to(torch.float32))
+    q = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)  # RNE, saturated
+    return q.reshape(w.shape), byte.to(torch.uint8)
+
+
+def scale_multipliers(scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 UE8M0 bytes -> 2^(byte-127) (exact for every byte 0..254)."""
+    s = scale.to(torch.int32) - SCALE_BIAS
+    return torch.ldexp(torch.ones_like(s, dtype=torch.float32), s.to(torch.float32)).to(dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(q [..., K] e4m3, scale [..., K/32] uint8) -> w [..., K] in dtype (computed in fp32)."""
+    k = q.shape[-1]
+    if scale.shape[-1] * BLOCK != k or scale.shape[:-1] != q.shape[:-1]:
+        raise MXFP8Error(f"scale shape {tuple(scale.shape)} does not match values {tuple(q.shape)} "
+                         f"(expected [..., {k // BLOCK}])")
+    vals = q.view(torch.float8_e4m3fn).float().reshape(*scale.shape, BLOCK)  # [..., K/32, 32]
+    return (vals * scale_multipliers(scale).unsqueeze(-1)).reshape(q.shape).to(dtype)
+
+
+def fake_quantize(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor") -> torch.Tensor:
+    """quantize then dequantize, in w's dtype (what a backend computes with)."""
+    q, s = quantize(w, rounding, name)
+    return dequantize(q, s, w.dtype)
+
+
+def error_stats(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> dict:
+    """||W - deq(Q)|| / ||W|| and max |W - deq(Q)|, in float64."""
+    w64 = w.double()
+    diff = w64 - dequantize(q, scale).double()
+    norm = float(w64.norm())
+    return {"rel_fro_error": float(diff.norm()) / norm if norm > 0 else 0.0,
+            "max_abs_error": float(diff.abs().max()) if diff.numel() else 0.0}

@@ -1,0 +1,52 @@
+"""Reference MoE backend: dequantize with porter.mxfp8, grouped matmul per expert. Any device."""
+from __future__ import annotations
+
+import torch
+
+from porter import mxfp8
+from runtime.moe.contract import MoeQuantInfo, MoeRouting, route, swiglu_oai
+
+
+class TorchMoE:
+    name = "torch"
+
+    @classmethod
+    def check_supported(cls, device: torch.device) -> None:
+        return None  # runs wherever torch runs
+
+    def __init__(self, quant: MoeQuantInfo, routing: MoeRouting):
+        quant.validate()
+        self.quant, self.routing = quant, routing
+
+    def _expert_weights(self, e: int, dtype: torch.dtype):
+        q = self.quant
+        if q.is_mxfp8:  # dequantize one expert at a time: no full-precision copy kept
+            w13 = mxfp8.dequantize(q.w13_weight[e], q.w13_weight_scale[e], dtype)  # [2I, H]
+            w2 = mxfp8.dequantize(q.w2_weight[e], q.w2_weight_scale[e], dtype)  # [H, I]
+        else:
+            w13, w2 = q.w13_weight[e].to(dtype), q.w2_weight[e].to(dtype)
+        return w13, w2
+
+    def forward_topk(self, hidden_states, topk_ids, topk_weights):
+        """hidden [T, H], topk_ids [T, k], topk_weights [T, k] (renormalised) -> routed output [T, H],
+        routed_scaling_factor applied here, once."""
+        q = self.quant
+        dtype = hidden_states.dtype
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+        inter = q.intermediate_size
+        for e in torch.unique(topk_ids).tolist():
+            tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+            w13, w2 = self._expert_weights(e, dtype)
+            x = hidden_states[tok]  # [n, H]
+            gate_up = x @ w13.t()  # [n, 2I]
+            act = swiglu_oai(gate_up[:, :inter], gate_up[:, inter:],
+                             q.gemm1_alpha[e].to(dtype), q.gemm1_beta[e].to(dtype),
+                             q.gemm1_clamp_limit[e].to(dtype))
+            y = act @ w2.t()  # [n, H]
+            out.index_add_(0, tok, y.float() * topk_weights[tok, slot].float().unsqueeze(1))
+        return (out * self.routing.routed_scaling_factor).to(dtype)
+
+    def __call__(self, hidden_states):
+        topk_ids, topk_weights = route(hidden_states, self.routing)
+        return self.forward_topk(hidden_states, topk_ids, topk_weights)
+

@@ -1,0 +1,168 @@
+"""Read a source checkpoint: local dir or Hugging Face repo id, safetensors only, lazily.
+
+Never unpickles: a checkpoint that has only `*.bin` / `*.pt` weights is refused.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from safetensors import safe_open
+
+from converters import minimax_m3 as arch
+
+log = logging.getLogger("porter")
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+INDEX_NAME = "model.safetensors.index.json"
+
+# safetensors header dtype strings -> torch dtypes
+ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "I8": torch.int8,
+    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+    "F8_E8M0": getattr(torch, "float8_e8m0fnu", torch.uint8),
+}
+
+
+class SourceError(ValueError):
+    """The source cannot be used (the message names the file and what to do)."""
+
+
+@dataclass
+class Source:
+    path: Path
+    raw_config: dict
+    config: arch.TextConfig
+    meta: dict  # tensor name -> (torch dtype, shape tuple)
+    files: dict  # tensor name -> shard Path
+    repo_id: Optional[str] = None
+    commit: Optional[str] = None
+    _handles: dict = field(default_factory=dict, repr=False)
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor, memory-mapped from its shard (no copy until it is touched)."""
+        f = self.files[name]
+        if f not in self._handles:
+            self._handles[f] = safe_open(str(f), framework="pt")
+        t = self._handles[f].get_tensor(name)
+        if t.dtype == ST_DTYPES["F8_E8M0"] and t.dtype != torch.uint8:
+            t = t.view(torch.uint8)  # E8M0 scale bytes: reinterpret, never value-convert
+        return t
+
+    @property
+    def shard_files(self) -> list[Path]:
+        return sorted(set(self.files.values()))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(tensor_nbytes(d, s) for d, s in self.meta.values())
+
+
+def tensor_nbytes(dtype: torch.dtype, shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (no tensor data read)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise SourceError(f"{path}: not a safetensors file (truncated header)")
+        n = int.from_bytes(raw, "little")
+        if n > 100_000_000:
+            raise SourceError(f"{path}: not a safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except json.JSONDecodeError as e:
+            raise SourceError(f"{path}: corrupt safetensors header ({e}); re-download this shard") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def load_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SourceError(f"{path}: missing; a MiniMax-M3 checkpoint needs config.json beside its shards") from None
+    except json.JSONDecodeError as e:
+        raise SourceError(f"{path}: invalid JSON ({e})") from None
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors shards of a checkpoint dir (from the index when present); refuses pickles."""
+    index = path / INDEX_NAME
+    if index.exists():
+        weight_map = load_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise SourceError(f"{index}: no weight_map object")
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f for f in files if not f.exists()]
+        if missing:
+            raise SourceError(f"{missing[0]}: listed in {INDEX_NAME} but missing; re-download the checkpoint")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise SourceError(f"{path}: only pickle weights ({', '.join(pickles[:3])}); porter never unpickles. "
+                          "Convert them to safetensors with a trusted tool first")
+    raise SourceError(f"{path}: no *.safetensors weights found")
+
+
+def open_local(path: Path, repo_id: Optional[str] = None, commit: Optional[str] = None) -> Source:
+    path = Path(path)
+    if not path.is_dir():
+        raise SourceError(f"{path}: not a directory (give a checkpoint dir or a Hugging Face repo id)")
+    raw = load_json(path / "config.json")
+    if raw.get("quantization_config") and raw["quantization_config"].get("quant_method") not in (None, "none"):
+        raise SourceError(f"{path / 'config.json'}: already quantized "
+                          f"({raw['quantization_config'].get('quant_method')}); porter converts the BF16 release")
+    config = arch.resolve_config(raw)
+    meta, files = {}, {}
+    for f in weight_files(path):
+        for name, info in read_header(f).items():
+            if info.get("dtype") not in ST_DTYPES:
+                raise SourceError(f"{f}: tensor {name!r} has unsupported dtype {info.get('dtype')}")
+            if name in meta:
+                raise SourceError(f"{f}: tensor {name!r} also appears in {files[name]}")
+            meta[name] = (ST_DTYPES[info["dtype"]], tuple(info["shape"]))
+            files[name] = f
+    return Source(path, raw, config, meta, files, repo_id=repo_id, commit=commit)
+
+
+def open_source(source: str | Path, revision: Optional[str] = None) -> Source:
+    """A local dir, or a Hugging Face repo id resolved through the hub cache (porter.hub)."""
+    p = Path(source).expanduser()
+    if p.exists():
+        return open_local(p)
+    if str(source).startswith((".", "/", "~")) or str(source).count("/") != 1:
+        raise SourceError(f"{source}: no such directory, and not a Hugging Face repo id (owner/name)")
+    from porter import hub
+    path, commit = hub.download(str(source), revision)
+    return open_local(path, repo_id=str(source), commit=commit)
+
+
+def canonical_tensors(source: Source, names: Optional[set] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical name, tensor) for an original checkpoint, not quantized, experts stacked
+    ([E, 2I, H] [gate; up] and [E, H, I]). Text-model tensors only. `names` restricts what is built."""
+    for t in arch.plan_tensors(source.config, source.meta, quantize="none"):
+        if arch.canonical_name(t.name) is None and not t.name.startswith(("model.", "lm_head.")):
+            continue
+        if t.group == "carried" or (names is not None and t.name not in names):
+            continue
+        yield t.name, build_tensor(t, source.read)
+
+
+def build_tensor(t: arch.OutTensor, read) -> torch.Tensor:
+    if getattr(t, "per_expert", False):
+        return torch.stack([t.build(read, e) for e in range(t.shape[0])])
+    return t.build(read)

@@ -1,0 +1,93 @@
+"""The `porter` command line: convert and verify. Errors are one line and a non-zero exit (2 for bad
+input); `-v` shows tracebacks."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+log = logging.getLogger("porter")
+
+
+def _setup_logging(verbose: int, quiet: bool) -> None:
+    level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO)
+    logging.basicConfig(level=level, format="%(levelname)s %(message)s" if verbose else "%(message)s",
+                        stream=sys.stderr, force=True)
+
+
+def _input_errors():
+    from converters.minimax_m3 import ConfigError, LayoutError
+    from porter.convert import ConvertError
+    from porter.mxfp8 import MXFP8Error
+    from porter.source import SourceError
+    return (ConfigError, LayoutError, ConvertError, MXFP8Error, SourceError, FileNotFoundError,
+            NotADirectoryError, PermissionError, ValueError)
+
+
+def _run(ctx, fn):
+    verbose = ctx.obj.get("verbose", 0)
+    try:
+        return fn()
+    except click.exceptions.Exit:
+        raise
+    except KeyboardInterrupt:
+        click.echo("porter: interrupted (finished shards are kept; rerun with --resume)", err=True)
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 — the CLI boundary: one line, or a traceback with -v
+        if verbose:
+            raise
+        from runtime.moe import BackendUnavailable
+        code = 2 if isinstance(e, _input_errors() + (BackendUnavailable,)) else 1
+        click.echo(f"porter: error: {e}", err=True)
+        sys.exit(code)
+
+
+@click.group()
+@click.option("-v", "--verbose", count=True, help="More logging; show tracebacks on errors.")
+@click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bars.")
+@click.version_option(package_name="porter")
+@click.pass_context
+def main(ctx, verbose, quiet):
+    """porter: MiniMax-M3 checkpoints -> MXFP8 artifacts that run fast and provably right."""
+    ctx.obj = {"verbose": verbose, "quiet": quiet}
+    _setup_logging(verbose, quiet)
+
+
+@main.command()
+@click.argument("source")
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Output folder.")
+@click.option("--revision", default=None, help="Hub revision (branch, tag or commit) for a repo id.")
+@click.option("--quantize", type=click.Choice(["experts", "all", "none"]), default="experts", show_default=True,
+              help="experts: routed experts; all: every linear but embeddings, lm_head, router and norms; "
+                   "none: keep bf16 (exact comparisons).")
+@click.option("--gate-up", type=click.Choice(["auto", "interleaved", "uninterleaved"]), default="auto",
+              show_default=True, help="Row order of a fused source gate_up_proj (auto: the config's "
+                                      "gate_up_interleaved). Output is always [gate; up].")
+@click.option("--scale-rounding", type=click.Choice(["rceil", "floor"]), default="rceil", show_default=True,
+              help="rceil: smallest power of two that fits (never clips). floor: OCP reference rule, lossier.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Shard size cap, e.g. 5GB, 500MB.")
+@click.option("--force", is_flag=True, help="Overwrite a non-empty output folder.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted conversion into the same folder.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (reads, quantized tensors, shards, memory); write nothing.")
+@click.pass_context
+def convert(ctx, source, output, revision, quantize, gate_up, scale_rounding, max_shard_size, force, resume, dry_run):
+    """Convert SOURCE (a local dir or a Hugging Face repo id) to a porter MXFP8 artifact."""
+    from porter.convert import convert as do_convert
+    _run(ctx, lambda: do_convert(source, output, revision=revision, quantize=quantize, gate_up=gate_up,
+                                 scale_rounding=scale_rounding, max_shard_size=max_shard_size, force=force,
+                                 resume=resume, dry_run=dry_run, progress=not ctx.obj["quiet"]))
+
+
+def _register_verify():
+    try:
+        from porter.verify import verify_command
+    except ImportError:
+        return
+    main.add_command(verify_command)
+
+
+_register_verify()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""`porter convert`: a MiniMax-M3 checkpoint -> MXFP8 porter artifact, tensor at a time.
+
+Order of work: resolve the source and its config, plan every output tensor (names, dtypes, shapes,
+shards) from the safetensors headers alone, then produce one group at a time (a plain tensor, or one
+layer's stacked experts), write it into the open shard and let it go. Shards are `.partial` until
+complete; a journal lets `--resume` skip finished shards after a crash; `porter.json`, `config.json`
+and finally `model.safetensors.index.json` are written only when every shard is done.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+import porter
+from converters import minimax_m3 as arch
+from porter import manifest, mxfp8
+from porter.safetensors_io import Entry, ShardWriter, file_sha256
+from porter.source import INDEX_NAME, Source, open_source
+
+log = logging.getLogger("porter")
+
+COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+              "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
+              "preprocessor_config.json", "processor_config.json")
+JOURNAL = ".porter-journal.json"
+
+
+class ConvertError(RuntimeError):
+    pass
+
+
+def parse_size(text) -> int:
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", str(text).upper())
+    if not m:
+        raise ConvertError(f"--max-shard-size {text!r}: use a size like 5GB, 500MB or a byte count")
+    unit = m.group(2) or "B"
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+@dataclass
+class Plan:
+    source: Source
+    tensors: list  # arch.OutTensor in write order
+    shards: list  # [(file name, [Entry, ...])]
+    options: dict
+    shard_of: dict = field(default_factory=dict)  # entry name -> file name
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(e.nbytes for _, es in self.shards for e in es)
+
+    def peak_bytes_estimate(self) -> int:
+        """Largest group held at once: source values (fp32 working copy of one expert) plus the group's
+        output tensors (one layer's quantized experts)."""
+        peak = 0
+        for t in self.tensors:
+            out = sum(e.nbytes for e in entries_for(t))
+            one = _numel(t.shape[1:] if getattr(t, "per_expert", False) else t.shape) * 4 * 3
+            peak = max(peak, out + one)
+        return peak
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def entries_for(t: arch.OutTensor) -> list[Entry]:
+    if not t.quantize:
+        return [Entry(t.name, t.dtype, tuple(t.shape))]
+    scale_shape = tuple(t.shape[:-1]) + (t.shape[-1] // mxfp8.BLOCK,)
+    return [Entry(t.name, torch.float8_e4m3fn, tuple(t.shape)),
+            Entry(arch.scale_name(t.name), torch.uint8, scale_shape)]
+
+
+def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding="rceil",
+              max_shard_size="5GB") -> Plan:
+    if scale_rounding not in mxfp8.ROUNDING_MODES:
+        raise ConvertError(f"--scale-rounding must be one of {mxfp8.ROUNDING_MODES}")
+    tensors = arch.plan_tensors(source.config, source.meta, quantize, gate_up)
+    cap = parse_size(max_shard_size)
+    groups, current, size = [], [], 0
+    for e in (e for t in tensors for e in entries_for(t)):
+        if current and size + e.nbytes > cap:
+            groups.append(current)
+            current, size = [], 0
+        current.append(e)
+        size += e.nbytes
+    if current:
+        groups.append(current)
+    n = len(groups)
+    shards = [(f"model-{i:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups, 1)]
+    options = {"quantize": quantize, "gate_up": gate_up, "scale_rounding": scale_rounding, "max_shard_size": cap}
+    plan = Plan(source, tensors, shards, options)
+    plan.shard_of = {e.name: f for f, es in shards for e in es}
+    return plan
+
+
+def fingerprint(plan: Plan) -> str:
+    """Identifies a conversion: porter version, options, source identity and the full output plan."""
+    src = plan.source
+    ident = {"porter": porter.__version__, "options": plan.options, "commit": src.commit,
+             "source_files": [(f.name, f.stat().st_size) for f in src.shard_files],
+             "shards": [(f, [(e.name, str(e.dtype), e.shape) for e in es]) for f, es in plan.shards]}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def convert(source, output, *, revision: Optional[str] = None, quantize: str = "experts", gate_up: str = "auto",
+            scale_rounding: str = "rceil", max_shard_size="5GB", force: bool = False, resume: bool = False,
+            dry_run: bool = False, progress: bool = True) -> dict:
+    """Convert; returns a summary dict. Mirrors `porter convert` (see `porter convert --help`)."""
+    t0 = time.time()
+    src = open_source(source, revision)
+    plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size)
+    out = Path(output)
+    if dry_run:
+        return describe_plan(plan, out)
+    done = _prepare_output(out, plan, force, resume)
+    stats = _produce(plan, out, done, progress)
+    _finish(plan, out, stats)
+    secs = time.time() - t0
+    summary = {"output": str(out), "shards": len(plan.shards), "tensors": len(stats),
+               "quantized": sum(1 for t in plan.tensors if t.quantize), "output_bytes": plan.output_bytes,
+               "source_bytes": src.total_bytes, "seconds": secs}
+    log.info("converted %s -> %s: %d tensors (%d quantized) in %d shard(s), %.2f GB written, %.1f s",
+             source, out, summary["tensors"], summary["quantized"], summary["shards"],
+             plan.output_bytes / 1e9, secs)
+    return summary
+
+
+def describe_plan(plan: Plan, out: Path) -> dict:
+    src = plan.source
+    q = [t for t in plan.tensors if t.quantize]
+    log.info("dry run: nothing will be written to %s", out)
+    log.info("read %d file(s) from %s (%.3f GB)", len(src.shard_files), src.path, src.total_bytes / 1e9)
+    for f in src.shard_files:
+        log.info("  read  %s", f.name)
+    log.info("quantize to MXFP8 (%s scales): %d tensor(s), e.g. %s", plan.options["scale_rounding"], len(q),
+             ", ".join(t.name for t in q[:3]) or "none")
+    carried = [t for t in plan.tensors if not t.quantize]
+    log.info("carry unchanged: %d tensor(s)", len(carried))
+    for f, es in plan.shards:
+        log.info("  write %s  %.3f GB  %d tensors", f, sum(e.nbytes for e in es) / 1e9, len(es))
+    log.info("expected peak memory: %.3f GB (largest group in flight)", plan.peak_bytes_estimate() / 1e9)
+    return {"dry_run": True, "shards": [(f, sum(e.nbytes for e in es)) for f, es in plan.shards],
+            "quantized": [t.name for t in q], "output_bytes": plan.output_bytes,
+            "peak_bytes_estimate": plan.peak_bytes_estimate(), "reads": [str(f) for f in src.shard_files]}
+
+
+def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool) -> dict:
+    """Returns the shards already complete (for --resume) as {file: journal record}."""
+    fp = fingerprint(plan)
+    journal = _read_journal(out)
+    if out.exists() and any(out.iterdir()):
+        if resume and journal.get("fingerprint") == fp:
+            return _verified_done(out, journal)
+        if resume:
+            raise ConvertError(f"{out}: --resume, but what is there comes from a different source or options; "
+                               "use --force to start over")
+        if not force:
+            hint = (f" (an interrupted conversion of this source is there: {len(journal.get('shards', {}))} of "
+                    f"{len(plan.shards)} shards done; add --resume)" if journal.get("fingerprint") == fp else "")
+            raise ConvertError(f"{out}: output folder is not empty{hint}; use --force to overwrite")
+        _clear_output(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_journal(out, {"fingerprint": fp, "shards": {}})
+    return {}
+
+
+def _clear_output(out: Path) -> None:
+    """--force: remove what a previous conversion left (only porter's own file kinds)."""
+    for p in out.iterdir():
+        if p.is_file() and (p.name.startswith("model-") or p.name in (INDEX_NAME, "porter.json", "config.json",
+                                                                       JOURNAL) or p.name in COPY_FILES):
+            p.unlink()
+
+
+def _read_journal(out: Path) -> dict:
+    try:
+        return json.loads((out / JOURNAL).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _write_journal(out: Path, journal: dict) -> None:
+    tmp = out / (JOURNAL + ".tmp")
+    tmp.write_text(json.dumps(journal))
+    tmp.replace(out / JOURNAL)
+
+
+def _verified_done(out: Path, journal: dict) -> dict:
+    done = {}
+    for f, rec in journal.get("shards", {}).items():
+        path = out / f
+        if path.exists() and file_sha256(path) == rec["sha256"]:
+            done[f] = rec
+        else:
+            log.warning("resume: %s is missing or changed; it will be rewritten", f)
+    log.info("resume: %d shard(s) already complete and verified", len(done))
+    return done
+
+
+def _produce(plan: Plan, out: Path, done: dict, progress: bool) -> dict:
+    """Make and write every tensor; returns per-tensor manifest records."""
+    stats = {n: r for rec in done.values() for n, r in rec["tensors"].items()}
+    writers = {}
+    pending = {f: len(es) for f, es in plan.shards}
+    entries_of = dict(plan.shards)
+    journal = _read_journal(out)
+    total = sum(_numel(plan.source.meta[s][1]) * plan.source.meta[s][0].itemsize
+                for t in plan.tensors for s in dict.fromkeys(t.sources))
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    try:
+        for t in plan.tensors:
+            entries = entries_for(t)
+            src_bytes = sum(_numel(plan.source.meta[s][1]) * plan.source.meta[s][0].itemsize
+                            for s in dict.fromkeys(t.sources))
+            if all(plan.shard_of[e.name] in done for e in entries):
+                bar.update(src_bytes)
+                continue
+            values, record = produce(t, plan.source.read, plan.options["scale_rounding"])
+            for e, v in zip(entries, values):
+                f = plan.shard_of[e.name]
+                if f in done:
+                    continue
+                if f not in writers:
+                    writers[f] = ShardWriter(out / f, entries_of[f], metadata={"format": "pt"})
+                writers[f].write(e.name, v)
+                stats[e.name] = {**record.get(e.name, {}), "shard": f, "dtype": str(e.dtype).replace("torch.", ""),
+                                 "shape": list(e.shape), "sha256": writers[f].tensor_sha256[e.name]}
+                pending[f] -= 1
+                if pending[f] == 0:
+                    sha = writers.pop(f).close()
+                    journal["shards"][f] = {"sha256": sha,
+                                            "tensors": {x.name: stats[x.name] for x in entries_of[f]}}
+                    _write_journal(out, journal)
+            del values
+            plan.source._handles.clear()  # unmap source shards: RSS must not grow with the model
+            bar.update(src_bytes)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        bar.close()
+    return stats
+
+
+def produce(t: arch.OutTensor, read, rounding: str) -> tuple[list, dict]:
+    """The output tensors of one planned tensor (value, or value + scale) and their error records."""
+    if getattr(t, "per_expert", False):
+        return _produce_experts(t, read, rounding)
+    value = t.build(read)
+    if not t.quantize:
+        return [value.contiguous()], {}
+    q, s = mxfp8.quantize(value, rounding, name=_src_label(t))
+    err = mxfp8.error_stats(value, q, s)
+    rec = {"source_dtype": str(value.dtype).replace("torch.", ""), "scale": arch.scale_name(t.name), **err}
+    return [q, s], {t.name: rec}
+
+
+def _src_label(t) -> str:
+    return t.sources[0] if len(t.sources) == 1 else f"{t.name} (from {t.sources[0]}, ...)"
+
+
+def _produce_experts(t, read, rounding):
+    """One layer's experts, one expert at a time: [E, N, K] values (+ [E, N, K/32] scales)."""
+    e_count = t.shape[0]
+    if not t.quantize:
+        return [torch.stack([t.build(read, e) for e in range(e_count)])], {}
+    q = torch.empty(t.shape, dtype=torch.float8_e4m3fn)  # [E, N, K]
+    s = torch.empty(tuple(t.shape[:-1]) + (t.shape[-1] // mxfp8.BLOCK,), dtype=torch.uint8)  # [E, N, K/32]
+    err_sq = ref_sq = 0.0
+    max_abs = 0.0
+    for e in range(e_count):
+        w = t.build(read, e)  # [N, K]
+        q[e], s[e] = mxfp8.quantize(w, rounding, name=f"{t.name}[expert {e}] (from {t.sources[0]} ...)")
+        diff = w.double() - mxfp8.dequantize(q[e], s[e]).double()
+        err_sq += float(diff.square().sum())
+        ref_sq += float(w.double().square().sum())
+        max_abs = max(max_abs, float(diff.abs().max()))
+    rec = {"source_dtype": str(w.dtype).replace("torch.", ""), "scale": arch.scale_name(t.name),
+           "rel_fro_error": (err_sq / ref_sq) ** 0.5 if ref_sq else 0.0, "max_abs_error": max_abs}
+    return [q, s], {t.name: rec}
+
+
+def _finish(plan: Plan, out: Path, stats: dict) -> None:
+    src = plan.source
+    for name in COPY_FILES:
+        if (src.path / name).exists():
+            shutil.copyfile(src.path / name, out / name)
+    cfg = dict(src.raw_config)
+    cfg["quantization_config"] = manifest.quantization_config(plan)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    shard_sha = {f: rec["sha256"] for f, rec in _read_journal(out)["shards"].items()}
+    manifest.write(out, plan, stats, shard_sha)
+    weight_map = {name: rec["shard"] for name, rec in stats.items()}
+    index = {"metadata": {"total_size": plan.output_bytes, "format": "porter"}, "weight_map": weight_map}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2))  # last: its presence means complete
+    (out / JOURNAL).unlink(missing_ok=True)

@@ -1,0 +1,86 @@
+"""porter.json (the manifest) and the config.json `quantization_config` of a porter artifact."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import porter
+from converters import minimax_m3 as arch
+from porter import mxfp8
+
+MANIFEST = "porter.json"
+FORMAT = "porter-mxfp8"
+FORMAT_VERSION = 1
+
+
+def quantization_config(plan) -> dict:
+    """Describes what was done, in the vendor `quant_method: mxfp8` vocabulary plus porter's layout facts."""
+    q = plan.options["quantize"]
+    ignored = arch.ignored_layers(plan.tensors)
+    return {
+        "quant_method": "mxfp8" if q != "none" else "none",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [1, mxfp8.BLOCK],
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "scale_dtype": "uint8",
+        "scale_rounding": plan.options["scale_rounding"],
+        "scope": q,
+        "ignored_layers": ignored,
+        "modules_to_not_convert": ignored,
+        # porter's layout differs from the vendor release: experts are stacked per layer and scales are
+        # named `*weight_scale`. Loaders other than porter's runtime need the vendor layout.
+        "porter_layout": {"experts": "stacked w13_weight [E, 2I, H] ([gate; up]) + w2_weight [E, H, I]",
+                          "scale_suffix": "weight_scale", "gate_up_order": "gate_up"},
+    }
+
+
+def write(out: Path, plan, stats: dict, shard_sha: dict) -> None:
+    src, cfg = plan.source, plan.source.config
+    doc = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "porter_version": porter.__version__,
+        "architecture": arch.ARCHITECTURE,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": {"repo_id": src.repo_id, "path": str(src.path.resolve()), "commit": src.commit,
+                   "files": [f.name for f in src.shard_files]},
+        "options": plan.options,
+        "resolved_config": cfg.to_dict(),
+        "provenance": cfg.provenance,
+        "swiglu": {"alpha": cfg.swiglu_alpha, "beta": cfg.swiglu_beta, "limit": cfg.swiglu_limit,
+                   "provenance": {k: cfg.provenance[f"swiglu_{k}"] for k in ("alpha", "beta", "limit")}},
+        "layout": {"gate_up_order": "gate_up", "source_gate_up": plan.options["gate_up"],
+                   "block_size": mxfp8.BLOCK, "element_dtype": "float8_e4m3fn", "scale_dtype": "uint8",
+                   "scale_encoding": "ue8m0 byte b -> 2^(b-127); 0 for all-zero blocks",
+                   "scale_rounding": plan.options["scale_rounding"],
+                   "scale_rule": ("smallest e with amax <= 448*2^e" if plan.options["scale_rounding"] == "rceil"
+                                  else "floor(log2 amax) - 8 (OCP; clips)")},
+        "shards": {f: {"tensors": len(es), "bytes": sum(e.nbytes for e in es) + _header_len(es),
+                       "sha256": shard_sha[f]} for f, es in plan.shards},
+        "tensors": stats,
+    }
+    (out / MANIFEST).write_text(json.dumps(doc, indent=1))
+
+
+def _header_len(entries) -> int:
+    from porter.safetensors_io import header_bytes
+    return len(header_bytes(entries, {"format": "pt"}))
+
+
+def read(path: Path) -> dict:
+    p = Path(path) / MANIFEST
+    try:
+        doc = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{p}: missing; this is not a porter artifact (run `porter convert` first)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: invalid JSON ({e})") from None
+    if doc.get("format") != FORMAT:
+        raise ValueError(f"{p}: format {doc.get('format')!r} is not {FORMAT!r}")
+    return doc
+
+
+def is_artifact(path: Path) -> bool:
+    return (Path(path) / MANIFEST).exists()

@@ -1,0 +1,104 @@
+"""Streaming safetensors writing: the header is known up front (from the plan), tensors are appended
+one at a time in plan order, and sha256 of every tensor and of the whole file are computed on the fly.
+
+A shard is written as `<name>.partial` and renamed only when complete, so a crash never leaves a file
+that looks finished.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint8: "U8", torch.int8: "I8",
+    torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL",
+}
+
+
+@dataclass
+class Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def header_bytes(entries: list[Entry], metadata: dict | None = None) -> bytes:
+    header, offset = {}, 0
+    if metadata:
+        header["__metadata__"] = metadata
+    for e in entries:
+        header[e.name] = {"dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape),
+                          "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+
+
+class ShardWriter:
+    def __init__(self, path: Path, entries: list[Entry], metadata: dict | None = None):
+        self.path, self.entries = Path(path), entries
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        self._next = 0
+        self._file_hash = hashlib.sha256()
+        self.tensor_sha256: dict = {}
+        self._f = open(self.partial, "wb")
+        self._emit(header_bytes(entries, metadata))
+
+    def _emit(self, data) -> None:
+        self._f.write(data)
+        self._file_hash.update(data)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        e = self.entries[self._next]
+        if name != e.name:
+            raise RuntimeError(f"{self.path.name}: expected tensor {e.name!r} next, got {name!r}")
+        if t.dtype != e.dtype or tuple(t.shape) != tuple(e.shape):
+            raise RuntimeError(f"{name}: planned {e.dtype} {tuple(e.shape)}, produced {t.dtype} {tuple(t.shape)}")
+        data = tensor_bytes(t)
+        self.tensor_sha256[name] = hashlib.sha256(data).hexdigest()
+        self._emit(data)
+        self._next += 1
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self.entries)
+
+    def close(self) -> str:
+        """Finish the shard (fsync + rename) and return its sha256."""
+        if not self.done:
+            raise RuntimeError(f"{self.path.name}: closed after {self._next} of {len(self.entries)} tensors")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self.partial, self.path)
+        return self._file_hash.hexdigest()
+
+    def abort(self) -> None:
+        self._f.close()
+
+
+def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

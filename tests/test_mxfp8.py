@@ -1,0 +1,133 @@
+"""porter.mxfp8 against a plain float64 re-derivation of the rules (issue #2, rule 5)."""
+import math
+
+import pytest
+import torch
+
+from porter import mxfp8
+
+# every finite non-negative float8_e4m3fn value, indexed by its code (0x00 .. 0x7E = 448)
+GRID = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+
+
+def ref_round_e4m3(v: float) -> float:
+    """Round-to-nearest-even onto the E4M3 grid, saturating at 448 (float64, by table)."""
+    a = min(abs(v), 448.0)
+    hi = int(torch.searchsorted(GRID, torch.tensor(a, dtype=torch.float64)))
+    if hi < len(GRID) and GRID[hi] == a:
+        return math.copysign(a, v)
+    lo = hi - 1
+    dl, dh = a - float(GRID[lo]), float(GRID[hi]) - a
+    pick = lo if dl < dh or (dl == dh and lo % 2 == 0) else hi  # tie -> even mantissa (even code)
+    return math.copysign(float(GRID[pick]), v)
+
+
+def ref_quantize(w: torch.Tensor, rounding="rceil"):
+    """Block by block in float64: smallest e with amax <= 448 * 2^e (rceil) or floor(log2 amax) - 8."""
+    w64 = w.double().reshape(-1, w.shape[-1] // 32, 32)
+    q = torch.zeros_like(w64)
+    s = torch.zeros(w64.shape[:-1], dtype=torch.int64)
+    for r in range(w64.shape[0]):
+        for b in range(w64.shape[1]):
+            blk = w64[r, b]
+            amax = float(blk.abs().max())
+            if amax == 0:
+                continue
+            if rounding == "rceil":
+                e = math.floor(math.log2(amax / 448)) - 2
+                while 448 * 2.0 ** e < amax:
+                    e += 1
+            else:
+                e = math.floor(math.log2(amax))
+                e += 1 if 2.0 ** (e + 1) <= amax else 0
+                e -= 1 if 2.0 ** e > amax else 0
+                e -= 8
+            byte = min(max(e + 127, 0), 254)
+            s[r, b] = byte
+            scale = 2.0 ** (byte - 127)
+            q[r, b] = torch.tensor([ref_round_e4m3(float(x) / scale) for x in blk], dtype=torch.float64)
+    return q.reshape(w.shape), s.reshape(*w.shape[:-1], w.shape[-1] // 32)
+
+
+def assert_matches_reference(w, rounding="rceil"):
+    q, s = mxfp8.quantize(w, rounding)
+    q_ref, s_ref = ref_quantize(w, rounding)
+    assert s.dtype == torch.uint8 and q.dtype == torch.float8_e4m3fn
+    assert torch.equal(s.long(), s_ref), (s.long() - s_ref).abs().max()
+    assert torch.equal(q.double(), q_ref)
+    return q, s
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_random_matches_reference(dtype):
+    w = (torch.randn(6, 128) * torch.logspace(-3, 3, 6).unsqueeze(1)).to(dtype)
+    assert_matches_reference(w)
+
+
+def test_exact_powers_of_two_and_448_ties():
+    rows = []
+    for k in (-20, -1, 0, 3, 40):
+        rows.append(torch.full((32,), 2.0 ** k))  # exact power of two
+        tie = torch.linspace(-1, 1, 32) * 448 * 2.0 ** k
+        tie[5] = 448 * 2.0 ** k  # amax/448 exactly 2^k: e = k, the block reaches exactly 448
+        rows.append(tie)
+        above = tie.clone()
+        above[5] = torch.nextafter(torch.tensor(448 * 2.0 ** k), torch.tensor(math.inf))  # just above: e = k+1
+        rows.append(above)
+    w = torch.stack(rows)
+    q, s = assert_matches_reference(w)
+    assert int(s[1, 0]) == 127 - 20 and float(q[1, 5].float()) == 448.0
+    assert int(s[2, 0]) == 127 - 19
+
+
+def test_zero_blocks_and_extreme_exponents():
+    w = torch.zeros(4, 64)
+    w[1, :32] = 1e-40  # fp32 subnormal: e far below -127 -> byte clamps to 0
+    w[1, 40] = 3e-39
+    w[2, :32] = (torch.linspace(-1, 1, 32, dtype=torch.float64) * 3e38).float()  # huge: e = 120
+    w[3, 32:] = torch.randn(32) * 1e-30
+    q, s = assert_matches_reference(w)
+    assert s[0].tolist() == [0, 0]  # all-zero blocks get byte 0, elements 0
+    assert torch.all(q[0].float() == 0)
+    assert int(s[2, 0]) == 127 + 120
+    assert int(s[1, 0]) == 0
+
+
+def test_floor_rule_matches_reference_and_clips():
+    w = torch.randn(4, 96) * 10
+    w[0, 3] = 1.9 * 2 ** 4  # mantissa above 1.75: floor clips to 448 * 2^(4-8) = 28 < 30.4
+    q, s = assert_matches_reference(w, "floor")
+    deq = mxfp8.dequantize(q, s)
+    assert float(deq[0, 3]) == 28.0
+    q2, s2 = mxfp8.quantize(w, "rceil")
+    assert mxfp8.error_stats(w, q2, s2)["rel_fro_error"] <= mxfp8.error_stats(w, q, s)["rel_fro_error"]
+
+
+def test_dequantize_and_error_stats():
+    w = torch.randn(16, 256, dtype=torch.bfloat16)
+    q, s = mxfp8.quantize(w)
+    deq = mxfp8.dequantize(q, s)
+    ref = (q.double().reshape(16, 8, 32) * torch.pow(2.0, s.double() - 127).unsqueeze(-1)).reshape(16, 256)
+    assert torch.equal(deq.double(), ref)
+    stats = mxfp8.error_stats(w, q, s)
+    # e4m3 has 3 mantissa bits: relative rounding error per element <= 2^-4; typical Frobenius ~3%
+    assert 0.005 < stats["rel_fro_error"] < 0.0625
+    assert stats["max_abs_error"] == float((w.double() - ref).abs().max())
+
+
+def test_bad_inputs_name_the_tensor():
+    with pytest.raises(mxfp8.MXFP8Error, match="layers.3.w1.*multiple of 32"):
+        mxfp8.quantize(torch.randn(4, 48), name="layers.3.w1")
+    w = torch.randn(4, 64)
+    w[2, 7] = float("nan")
+    with pytest.raises(mxfp8.MXFP8Error, match="experts.5.*NaN or Inf"):
+        mxfp8.quantize(w, name="experts.5")
+    w[2, 7] = float("inf")
+    with pytest.raises(mxfp8.MXFP8Error, match="NaN or Inf"):
+        mxfp8.quantize(w)
+
+
+def test_scale_bytes_never_255_and_stored_as_uint8():
+    w = torch.randn(64, 64, dtype=torch.float32).clamp(-4, 4) * (3e38 / 4)
+    _, s = mxfp8.quantize(w)
+    assert s.dtype == torch.uint8 and int(s.max()) <= 254

@@ -222,3 +222,15 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     print(build_tiny_checkpoint(args.out_dir, args.layout, args.seed))
+
+
+def synthetic_overrides(num_layers: int, hidden: int = 1024, intermediate: int = 1024, experts: int = 16) -> dict:
+    """text_config overrides for a larger synthetic checkpoint (benchmarks, memory tests): layer 0 dense,
+    the rest sparse attention + MoE."""
+    sp = copy.deepcopy(TINY_TEXT["sparse_attention_config"])
+    sp["sparse_attention_freq"] = [0] + [1] * (num_layers - 1)
+    sp["sparse_disable_index_value"] = [0] + [1] * (num_layers - 1)
+    return {"num_hidden_layers": num_layers, "hidden_size": hidden, "intermediate_size": intermediate,
+            "shared_intermediate_size": intermediate, "dense_intermediate_size": 2 * intermediate,
+            "num_local_experts": experts, "moe_layer_freq": [0] + [1] * (num_layers - 1),
+            "sparse_attention_config": sp}

@@ -4,11 +4,11 @@ __version__ = "0.1.0"
 
 def convert(*args, **kwargs):
     """Python API mirroring `porter convert` (see porter.convert.convert)."""
-    from porter.convert import convert as _convert
+    from porter.conversion import convert as _convert
     return _convert(*args, **kwargs)
 
 
 def verify(*args, **kwargs):
     """Python API mirroring `porter verify` (see porter.verify.verify)."""
-    from porter.verify import verify as _verify
+    from porter.verification import verify as _verify
     return _verify(*args, **kwargs)

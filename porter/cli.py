@@ -18,7 +18,7 @@ def _setup_logging(verbose: int, quiet: bool) -> None:
 
 def _input_errors():
     from converters.minimax_m3 import ConfigError, LayoutError
-    from porter.convert import ConvertError
+    from porter.conversion import ConvertError
     from porter.mxfp8 import MXFP8Error
     from porter.source import SourceError
     return (ConfigError, LayoutError, ConvertError, MXFP8Error, SourceError, FileNotFoundError,
@@ -70,10 +70,15 @@ def main(ctx, verbose, quiet):
 @click.option("--force", is_flag=True, help="Overwrite a non-empty output folder.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion into the same folder.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (reads, quantized tensors, shards, memory); write nothing.")
+@click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bar.")
 @click.pass_context
-def convert(ctx, source, output, revision, quantize, gate_up, scale_rounding, max_shard_size, force, resume, dry_run):
+def convert(ctx, source, output, revision, quantize, gate_up, scale_rounding, max_shard_size, force, resume, dry_run,
+            quiet):
     """Convert SOURCE (a local dir or a Hugging Face repo id) to a porter MXFP8 artifact."""
-    from porter.convert import convert as do_convert
+    from porter.conversion import convert as do_convert
+    if quiet:
+        ctx.obj["quiet"] = True
+        _setup_logging(ctx.obj["verbose"], True)
     _run(ctx, lambda: do_convert(source, output, revision=revision, quantize=quantize, gate_up=gate_up,
                                  scale_rounding=scale_rounding, max_shard_size=max_shard_size, force=force,
                                  resume=resume, dry_run=dry_run, progress=not ctx.obj["quiet"]))
@@ -81,7 +86,7 @@ def convert(ctx, source, output, revision, quantize, gate_up, scale_rounding, ma
 
 def _register_verify():
     try:
-        from porter.verify import verify_command
+        from porter.verification import verify_command
     except ImportError:
         return
     main.add_command(verify_command)

@@ -282,6 +282,14 @@ def _src_label(t) -> str:
     return t.sources[0] if len(t.sources) == 1 else f"{t.name} (from {t.sources[0]}, ...)"
 
 
+def _expert_label(t, e, read) -> str:
+    """Names the source tensor(s) of expert e, the non-finite one first when there is one."""
+    n = len(t.sources) // t.shape[0] if len(t.sources) % t.shape[0] == 0 else 0
+    srcs = t.sources[e * n:(e + 1) * n] if n else t.sources
+    bad = [s for s in srcs if n and not bool(torch.isfinite(read(s)).all())]
+    return f"{bad[0] if bad else ', '.join(srcs)} (expert {e} of {t.name})"
+
+
 def _produce_experts(t, read, rounding):
     """One layer's experts, one expert at a time: [E, N, K] values (+ [E, N, K/32] scales)."""
     e_count = t.shape[0]
@@ -293,7 +301,7 @@ def _produce_experts(t, read, rounding):
     max_abs = 0.0
     for e in range(e_count):
         w = t.build(read, e)  # [N, K]
-        q[e], s[e] = mxfp8.quantize(w, rounding, name=f"{t.name}[expert {e}] (from {t.sources[0]} ...)")
+        q[e], s[e] = mxfp8.quantize(w, rounding, name=_expert_label(t, e, read))
         diff = w.double() - mxfp8.dequantize(q[e], s[e]).double()
         err_sq += float(diff.square().sum())
         ref_sq += float(w.double().square().sum())

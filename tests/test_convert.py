@@ -1,0 +1,295 @@
+"""porter convert end to end on tiny checkpoints built in code (issue #2)."""
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+import porter
+from converters import minimax_m3 as arch
+from porter import mxfp8
+from porter.cli import main as cli
+from porter.source import read_header
+from tiny_checkpoint import build_tiny_checkpoint
+
+
+def load_all(d: Path) -> dict:
+    out = {}
+    for f in sorted(Path(d).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out |= {k: h.get_tensor(k) for k in h.keys()}
+    return out
+
+
+def source_tensors(d: Path) -> dict:
+    return load_all(d)
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_vendor, tmp_path_factory):
+    out = tmp_path_factory.mktemp("conv") / "out"
+    porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False)
+    return out
+
+
+def test_experts_equal_quantization_of_source(tiny_vendor, converted):
+    src, dst = source_tensors(tiny_vendor), load_all(converted)
+    cfg = arch.resolve_config(json.loads((tiny_vendor / "config.json").read_text()))
+    for layer in range(cfg.num_hidden_layers):
+        if not cfg.is_moe(layer):
+            assert arch.experts_w13_name(layer) not in dst
+            continue
+        p = f"language_model.model.layers.{layer}.block_sparse_moe.experts."
+        w13 = dst[arch.experts_w13_name(layer)]
+        w13_s = dst[arch.experts_w13_name(layer).replace("w13_weight", "w13_weight_scale")]
+        w2, w2_s = dst[arch.experts_w2_name(layer)], dst[arch.experts_w2_name(layer) + "_scale"]
+        assert w13.dtype == torch.float8_e4m3fn and w13_s.dtype == torch.uint8
+        assert tuple(w13.shape) == (8, 128, 64) and tuple(w13_s.shape) == (8, 128, 2)
+        assert tuple(w2.shape) == (8, 64, 64) and tuple(w2_s.shape) == (8, 64, 2)
+        for e in range(cfg.num_local_experts):
+            gate_up = torch.cat([src[p + f"{e}.w1.weight"], src[p + f"{e}.w3.weight"]])  # [gate; up]
+            q, s = mxfp8.quantize(gate_up)
+            assert torch.equal(w13[e].view(torch.uint8), q.view(torch.uint8)) and torch.equal(w13_s[e], s)
+            q, s = mxfp8.quantize(src[p + f"{e}.w2.weight"])
+            assert torch.equal(w2[e].view(torch.uint8), q.view(torch.uint8)) and torch.equal(w2_s[e], s)
+
+
+def test_unquantized_tensors_bit_identical(tiny_vendor, converted):
+    src, dst = source_tensors(tiny_vendor), load_all(converted)
+    carried = 0
+    for name, t in src.items():
+        if ".experts." in name:
+            continue
+        canon = arch.canonical_name(name) or name
+        assert dst[canon].dtype == t.dtype, name
+        assert dst[canon].view(torch.uint8).equal(t.view(torch.uint8)), name
+        carried += 1
+    assert "vision_tower.vision_model.embeddings.patch_embedding.weight" in dst
+    assert dst["model.layers.1.block_sparse_moe.gate.weight"].dtype == torch.float32
+    assert carried == len([n for n in src if ".experts." not in n])
+
+
+def test_index_manifest_and_shards_consistent(converted):
+    index = json.loads((converted / "model.safetensors.index.json").read_text())
+    doc = json.loads((converted / "porter.json").read_text())
+    shards = sorted(p.name for p in converted.glob("*.safetensors"))
+    assert len(shards) > 1 and shards == sorted(doc["shards"])
+    assert all(s.endswith(f"-of-{len(shards):05d}.safetensors") for s in shards)
+    assert set(index["weight_map"]) == set(doc["tensors"])
+    assert not list(converted.glob("*.partial")) and not (converted / ".porter-journal.json").exists()
+    for f in shards:
+        data = (converted / f).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == doc["shards"][f]["sha256"]
+        assert len(data) == doc["shards"][f]["bytes"]
+        assert len(data) <= 300_000 or doc["shards"][f]["tensors"] == 1
+        header = read_header(converted / f)
+        with safe_open(str(converted / f), "pt") as h:
+            for name in h.keys():
+                rec = doc["tensors"][name]
+                assert index["weight_map"][name] == f == rec["shard"]
+                t = h.get_tensor(name)
+                assert list(t.shape) == rec["shape"] == header[name]["shape"]
+                assert str(t.dtype).replace("torch.", "") == rec["dtype"]
+                assert hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() == rec["sha256"]
+    w13 = doc["tensors"]["model.layers.2.block_sparse_moe.experts.w13_weight"]
+    assert 0.005 < w13["rel_fro_error"] < 0.0625 and w13["max_abs_error"] > 0
+    assert doc["swiglu"] == {"alpha": 1.702, "beta": 1.0, "limit": 7.0,
+                             "provenance": {"alpha": "config:text_config.swiglu_alpha", "beta": "default",
+                                            "limit": "config:text_config.swiglu_limit"}}
+    assert doc["layout"]["gate_up_order"] == "gate_up" and doc["layout"]["block_size"] == 32
+    cfg = json.loads((converted / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "mxfp8" and qc["weight_block_size"] == [1, 32]
+    assert "model.layers.1.block_sparse_moe.gate" in qc["ignored_layers"]
+    assert "lm_head" in qc["ignored_layers"] and "model.layers.1.self_attn.q_proj" in qc["ignored_layers"]
+    assert (converted / "tokenizer.json").read_bytes() == (Path(doc["source"]["path"]) / "tokenizer.json").read_bytes()
+
+
+def test_both_layouts_convert_to_the_same_tensors(tiny_vendor, tiny_transformers, converted, tmp_path):
+    porter.convert(tiny_transformers, tmp_path / "hf", progress=False)
+    a, b = load_all(converted), load_all(tmp_path / "hf")
+    text = [k for k in a if k.startswith(("model.", "lm_head."))]
+    assert set(text) == set(b)
+    for k in text:
+        assert a[k].view(torch.uint8).equal(b[k].view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("how", ["flag", "config"])
+def test_interleaved_gate_up_is_uninterleaved(tiny_transformers, tmp_path, how):
+    marked = {"gate_up_interleaved": True} if how == "config" else None
+    src = build_tiny_checkpoint(tmp_path / "inter", layout="transformers", gate_up="interleaved",
+                                text_overrides=marked)
+    if how == "config":
+        assert json.loads((src / "config.json").read_text())["gate_up_interleaved"] is True
+    porter.convert(src, tmp_path / "a", gate_up="interleaved" if how == "flag" else "auto", progress=False)
+    porter.convert(tiny_transformers, tmp_path / "b", progress=False)
+    a, b = load_all(tmp_path / "a"), load_all(tmp_path / "b")
+    name = arch.experts_w13_name(1)
+    assert a[name].view(torch.uint8).equal(b[name].view(torch.uint8))
+    if how == "flag":  # without the flag the interleaved rows would be taken as [gate; up]: different
+        porter.convert(src, tmp_path / "c", progress=False)
+        assert not load_all(tmp_path / "c")[name].view(torch.uint8).equal(b[name].view(torch.uint8))
+
+
+def test_quantize_all_scope(tiny_vendor, tmp_path):
+    porter.convert(tiny_vendor, tmp_path / "all", quantize="all", progress=False)
+    dst = load_all(tmp_path / "all")
+    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.index_k_proj.weight",
+                 "model.layers.0.mlp.down_proj.weight", "model.layers.2.block_sparse_moe.shared_experts.up_proj.weight"]:
+        assert dst[name].dtype == torch.float8_e4m3fn and arch.scale_name(name) in dst, name
+    for name in ["model.embed_tokens.weight", "lm_head.weight", "model.layers.1.block_sparse_moe.gate.weight",
+                 "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.index_q_norm.weight",
+                 "multi_modal_projector.linear_1.weight"]:
+        assert dst[name].dtype != torch.float8_e4m3fn and arch.scale_name(name) not in dst, name
+
+
+def test_quantize_none_keeps_everything_exact(tiny_vendor, tmp_path):
+    porter.convert(tiny_vendor, tmp_path / "none", quantize="none", progress=False)
+    src, dst = source_tensors(tiny_vendor), load_all(tmp_path / "none")
+    w13 = dst[arch.experts_w13_name(3)]
+    p = "language_model.model.layers.3.block_sparse_moe.experts."
+    assert w13.dtype == torch.bfloat16
+    assert torch.equal(w13[5], torch.cat([src[p + "5.w1.weight"], src[p + "5.w3.weight"]]))
+    assert not any(k.endswith("_scale") for k in dst)
+
+
+def test_dry_run_writes_nothing(tiny_vendor, tmp_path):
+    out = tmp_path / "dry"
+    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert not out.exists()
+    plan = porter.convert(tiny_vendor, out, dry_run=True)
+    assert plan["output_bytes"] > 0 and len(plan["quantized"]) == 6 and not out.exists()
+    assert plan["peak_bytes_estimate"] > 0
+
+
+def test_non_empty_output_refused_then_force(tiny_vendor, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out)])
+    assert res.exit_code == 2 and "not empty" in res.output and "--force" in res.output
+    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--force", "-q"])
+    assert res.exit_code == 0, res.output
+    assert (out / "model.safetensors.index.json").exists() and (out / "keep.txt").exists()
+
+
+def test_crash_then_resume_skips_finished_shards(tiny_vendor, tmp_path, monkeypatch, converted):
+    import porter.conversion as pc
+    out = tmp_path / "r"
+    real, calls = pc.produce, {"n": 0}
+
+    def dying(t, read, rounding):
+        calls["n"] += 1
+        if calls["n"] == 60:
+            raise RuntimeError("simulated crash")
+        return real(t, read, rounding)
+
+    monkeypatch.setattr(pc, "produce", dying)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False)
+    assert not (out / "model.safetensors.index.json").exists() and not (out / "porter.json").exists()
+    finished = {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
+    assert 0 < len(finished) < 4
+    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", "300KB"])
+    assert res.exit_code == 2 and "--resume" in res.output
+    monkeypatch.setattr(pc, "produce", real)
+    porter.convert(tiny_vendor, out, max_shard_size="300KB", resume=True, progress=False)
+    assert all((out / f).stat().st_mtime_ns == m for f, m in finished.items())  # not rewritten
+    a, b = load_all(out), load_all(converted)
+    assert set(a) == set(b) and all(a[k].view(torch.uint8).equal(b[k].view(torch.uint8)) for k in a)
+    assert json.loads((out / "porter.json").read_text())["tensors"] == \
+        json.loads((converted / "porter.json").read_text())["tensors"]
+
+
+def _corrupt(src: Path, dst: Path, fn):
+    shutil.copytree(src, dst)
+    fn(dst)
+    return dst
+
+
+def test_nan_weight_is_named_and_no_complete_output(tiny_vendor, tmp_path):
+    def poison(d):
+        index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+        name = "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight"
+        f = d / index[name]
+        tensors = load_all_file(f)
+        tensors[name][1, 2] = float("nan")
+        from safetensors.torch import save_file
+        save_file(tensors, str(f))
+    src = _corrupt(tiny_vendor, tmp_path / "nan", poison)
+    res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    errors = [line for line in res.output.splitlines() if "porter: error" in line]
+    assert len(errors) == 1 and "NaN" in errors[0], res.output
+    assert errors[0].split("porter: error: ")[1].startswith(
+        "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight")
+    assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
+
+
+def load_all_file(f):
+    with safe_open(str(f), "pt") as h:
+        return {k: h.get_tensor(k).clone() for k in h.keys()}
+
+
+def test_pickle_only_refused(tmp_path):
+    d = tmp_path / "pkl"
+    d.mkdir()
+    build = build_tiny_checkpoint(tmp_path / "ok")
+    shutil.copy(build / "config.json", d / "config.json")
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    res = CliRunner().invoke(cli, ["convert", str(d), "--output", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "never unpickles" in res.output
+
+
+def test_missing_tensor_and_bad_config_are_named(tiny_vendor, tmp_path):
+    def drop(d):
+        index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+        name = "language_model.model.layers.1.self_attn.index_q_proj.weight"
+        f = d / index[name]
+        tensors = load_all_file(f)
+        del tensors[name]
+        from safetensors.torch import save_file
+        save_file(tensors, str(f))
+    src = _corrupt(tiny_vendor, tmp_path / "miss", drop)
+    res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "index_q_proj" in res.output
+
+    def bad(d):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["text_config"]["swiglu_limit"] = "seven"
+        (d / "config.json").write_text(json.dumps(cfg))
+    src = _corrupt(tiny_vendor, tmp_path / "bad", bad)
+    res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(tmp_path / "o2")])
+    assert res.exit_code == 2 and "swiglu_limit" in res.output
+
+
+def test_k_not_multiple_of_32_is_refused(tmp_path):
+    src = build_tiny_checkpoint(tmp_path / "k", text_overrides={"intermediate_size": 48})
+    res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "multiple of 32" in res.output
+
+
+def test_hub_offline_cached_and_uncached(tiny_vendor, tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--MiniMaxAI--Tiny-M3"
+    shutil.copytree(tiny_vendor, repo / "snapshots" / sha)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    out = tmp_path / "o"
+    porter.convert("MiniMaxAI/Tiny-M3", out, progress=False)
+    src = json.loads((out / "porter.json").read_text())["source"]
+    assert src["repo_id"] == "MiniMaxAI/Tiny-M3" and src["commit"] == sha
+    res = CliRunner().invoke(cli, ["convert", "MiniMaxAI/Not-Cached", "--output", str(tmp_path / "o2")])
+    assert res.exit_code == 2 and "not in the Hugging Face cache" in res.output
+    assert len(res.output.strip().splitlines()) == 1

@@ -301,7 +301,10 @@ def _produce_experts(t, read, rounding):
     max_abs = 0.0
     for e in range(e_count):
         w = t.build(read, e)  # [N, K]
-        q[e], s[e] = mxfp8.quantize(w, rounding, name=_expert_label(t, e, read))
+        try:
+            q[e], s[e] = mxfp8.quantize(w, rounding, name=t.name)
+        except mxfp8.MXFP8Error as err:  # name the offending source tensor, not the stacked output
+            raise mxfp8.MXFP8Error(str(err).replace(t.name, _expert_label(t, e, read), 1)) from None
         diff = w.double() - mxfp8.dequantize(q[e], s[e]).double()
         err_sq += float(diff.square().sum())
         ref_sq += float(w.double().square().sum())

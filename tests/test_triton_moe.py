@@ -1,0 +1,273 @@
+"""Triton MXFP8 fused MoE (runtime/moe/triton_backend.py) against the torch reference backend.
+
+GPU tests (marked gpu, skipped without CUDA) draw fresh random weights, routing and activations on
+every run (no fixed seed) and poison the CUDA caching allocator with NaN bytes first, so any output
+element or intermediate the kernels fail to write shows up as NaN. CPU tests cover the pure-torch
+helpers (alignment, fp16 range-guard analysis, config fitting) and the backend's refusals.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from porter import mxfp8
+from runtime.moe import BackendUnavailable, resolve_backend
+from runtime.moe import triton_backend as tb
+from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params
+from runtime.moe.torch_backend import TorchMoE
+
+CUDA = torch.cuda.is_available()
+REL_TOL = 1e-2
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def make_quant(e, h, i, device, weight_scale=0.03, swiglu=None, row_gain=None):
+    """Random MXFP8 expert weights (quantized with porter.mxfp8) and per-expert SwiGLU params."""
+    w13 = torch.randn(e, 2 * i, h, device=device) * weight_scale  # [E, 2I, H]
+    w2 = torch.randn(e, h, i, device=device) * weight_scale  # [E, H, I]
+    if row_gain is not None:  # [E, 2I, 1] per-row power-of-two gains (scale-byte spread)
+        w13 = w13 * row_gain
+    q13, s13 = mxfp8.quantize(w13)
+    q2, s2 = mxfp8.quantize(w2)
+    if swiglu is None:  # non-default and different per expert
+        swiglu = {"gemm1_alpha": torch.empty(e, device=device).uniform_(1.0, 2.5),
+                  "gemm1_beta": torch.empty(e, device=device).uniform_(0.0, 1.5),
+                  "gemm1_clamp_limit": torch.empty(e, device=device).uniform_(3.0, 9.0)}
+    return MoeQuantInfo(q13, s13, q2, s2, **swiglu)
+
+
+def skewed_routing(t, e, k, device, empty_experts=2):
+    """Uneven routing: Zipf-like expert popularity; the last `empty_experts` experts get no token."""
+    pop = 1.0 / torch.arange(1, e + 1, device=device, dtype=torch.float32) ** 1.2
+    pop[e - empty_experts:] = 0
+    pop = pop[torch.randperm(e, device=device)]  # popular experts anywhere in the id range
+    ids = torch.multinomial(pop.expand(t, e), k, replacement=False)  # [T, k] distinct per token
+    w = torch.rand(t, k, device=device) + 0.05
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+def poison_allocator(nbytes=1 << 28):
+    """Fill cached CUDA memory with 0xFF (NaN in fp32/fp16/bf16) so unwritten outputs read NaN."""
+    torch.cuda.empty_cache()
+    blocks = [torch.full((nbytes // 8,), -1, dtype=torch.int64, device="cuda") for _ in range(4)]
+    torch.cuda.synchronize()
+    del blocks
+
+
+def check_against_torch(quant, t, k, h, rsf=2.5, config=None, x_scale=1.0):
+    e = quant.num_experts
+    routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, rsf)
+    x = (torch.randn(t, h, device="cuda") * x_scale).to(torch.bfloat16)
+    ids, w = skewed_routing(t, e, k, "cuda")
+    assert torch.bincount(ids.flatten(), minlength=e).eq(0).any()  # some experts get no token
+    ref = TorchMoE(quant, routing).forward_topk(x, ids, w)
+    moe = tb.TritonMoE(quant, routing)
+    poison_allocator()
+    out = moe.forward_topk(x, ids, w, config)
+    torch.cuda.synchronize()
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or overflowed output elements"
+    err = rel(out, ref)
+    assert err <= REL_TOL, f"T={t}: rel error {err:.3e} > {REL_TOL}"
+    return moe, x, ids, w, out
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("t", [1, 3, 16, 64, 257, 4096])
+def test_matches_torch_small_dims(t):
+    quant = make_quant(16, 256, 128, "cuda")
+    check_against_torch(quant, t, 4, 256)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("t", [1, 4, 64, 1024])
+def test_matches_torch_minimax_like_dims(t):
+    # H, I multiples of every tile (BK 256, BN 128) like MiniMax-M3's 6144 / 3072, 32 experts
+    quant = make_quant(32, 1536, 768, "cuda")
+    check_against_torch(quant, t, 4, 1536)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("split1,split2", [(1, 1), (2, 3), (3, 4), (4, 2)])
+def test_split_k_paths_and_counter_reuse(split1, split2):
+    quant = make_quant(8, 768, 384, "cuda")
+    cfg = tb.MoeConfig(16, 32, 128, split1, 4, 3, 64, 128, split2, 4, 3)
+    moe, x, ids, w, out = check_against_torch(quant, 2, 4, 768, config=cfg)
+    again = moe.forward_topk(x, ids, w, cfg)  # GEMM1's tile counters must have been re-zeroed
+    assert rel(again, out) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("t", [1, 7, 200])
+def test_in_kernel_alignment_equals_torch_alignment(t):
+    e, k = 24, 4
+    ids, _ = skewed_routing(t, e, k, "cuda", empty_experts=5)
+    for bm in (16, 32, 64):
+        s_ref, e_ref = tb.align_tokens(ids, e, bm)
+        poison_allocator()
+        s_k, e_k = tb.align_tokens_triton(ids, e, bm)
+        assert torch.equal(s_k, s_ref) and torch.equal(e_k, e_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("octaves", [-16, 24])
+def test_weight_scale_bytes_outside_fp16_window_are_offset(octaves):
+    # bytes (about 114 at sigma 0.03) moved to about 98 / 138, outside [112, 134]; the spread stays
+    # small, so an exact per-expert offset exists and the fp16 path is kept
+    quant = make_quant(8, 512, 256, "cuda", weight_scale=0.03 * 2.0 ** octaves)
+    moe, *_ = check_against_torch(quant, 16, 4, 512)
+    assert moe.prepared.fp16_1 and moe.prepared.fp16_2
+    assert int(moe.prepared.shift13.abs().max()) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+def test_wide_scale_spread_falls_back_to_bf16():
+    e, h, i = 8, 512, 256
+    gain = torch.ones(e, 2 * i, 1, device="cuda")
+    gain[:, ::2] = 2.0 ** 24  # 24-octave spread inside every expert: no fp16-exact offset exists
+    quant = make_quant(e, h, i, "cuda", weight_scale=0.03 * 2.0 ** -12, row_gain=gain)
+    moe, *_ = check_against_torch(quant, 16, 4, h)
+    assert not moe.prepared.fp16_1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("x_scale", [3e5, 1e-4])
+def test_activations_outside_fp16_range(x_scale):
+    # 3e5 overflows fp16 (max 65504) unless pre-scaled; at 1e-4 many inputs are fp16-subnormal unless pre-scaled
+    quant = make_quant(8, 512, 256, "cuda", swiglu=make_swiglu_params(8, 1.702, 1.0, 7.0, "cuda"))
+    moe, *_ = check_against_torch(quant, 16, 4, 512, x_scale=x_scale)
+    assert moe.prepared.fp16_1 and moe.prepared.fp16_2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("limit,x_scale", [(math.inf, 30.0), (1e4, 1e-4), (1e4, 300.0)])
+def test_large_swiglu_bound_runs_gemm2_in_bf16(limit, x_scale):
+    quant = make_quant(8, 512, 256, "cuda", swiglu=make_swiglu_params(8, 1.702, 1.0, limit, "cuda"))
+    moe, *_ = check_against_torch(quant, 16, 4, 512, x_scale=x_scale)
+    assert moe.prepared.fp16_1 and not moe.prepared.fp16_2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+def test_call_routes_and_applies_rsf_once():
+    e, h, i, k = 16, 256, 128, 4
+    quant = make_quant(e, h, i, "cuda")
+    routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.randn(e, device="cuda") * 0.1, k, 2.5)
+    x = torch.randn(33, h, device="cuda").to(torch.bfloat16)
+    ref = TorchMoE(quant, routing)(x)
+    poison_allocator()
+    out = tb.TritonMoE(quant, routing)(x)
+    assert rel(out, ref) <= REL_TOL
+    assert resolve_backend("triton", torch.device("cuda")) == "triton"
+
+
+# ---------------------------------------------------------------------------------------- CPU
+
+def test_check_supported_refuses_cpu_naming_capability():
+    with pytest.raises(BackendUnavailable, match="capability"):
+        tb.TritonMoE.check_supported(torch.device("cpu"))
+    with pytest.raises(BackendUnavailable, match="capability"):
+        resolve_backend("triton", torch.device("cpu"))
+
+
+def test_rejects_unquantized_weights():
+    e, h, i = 4, 64, 32
+    quant = MoeQuantInfo(torch.randn(e, 2 * i, h), None, torch.randn(e, h, i), None,
+                         **make_swiglu_params(e, 1.702, 1.0, 7.0, "cpu"))
+    routing = MoeRouting(torch.randn(e, h), torch.zeros(e), 2, 1.0)
+    with pytest.raises(ValueError, match="MXFP8"):
+        tb.TritonMoE(quant, routing)
+
+
+@pytest.mark.parametrize("t,e,k,bm", [(1, 8, 2, 16), (37, 16, 4, 16), (300, 128, 4, 64), (5, 3, 3, 32)])
+def test_align_tokens_invariants(t, e, k, bm):
+    ids, _ = skewed_routing(t, e, k, "cpu", empty_experts=min(2, e - k))
+    sorted_ids, expert_ids = tb.align_tokens(ids, e, bm)
+    n = t * k
+    assert sorted_ids.numel() == expert_ids.numel() * bm == tb.max_blocks(n, e, bm) * bm
+    flat = ids.flatten()
+    valid = sorted_ids[sorted_ids < n].long()
+    assert torch.equal(torch.sort(valid).values, torch.arange(n))  # every slot exactly once
+    blocks = sorted_ids.view(-1, bm)
+    for b in range(blocks.shape[0]):
+        slots = blocks[b][blocks[b] < n].long()
+        if expert_ids[b] == e:  # unused tail block
+            assert slots.numel() == 0
+            continue
+        assert (flat[slots] == expert_ids[b]).all()  # one expert per block
+        assert torch.equal(slots, torch.sort(slots).values)  # stable within the expert
+    used = expert_ids[expert_ids < e]
+    assert torch.equal(used, torch.sort(used).values)
+    assert set(used.tolist()) == set(flat.tolist())  # experts without tokens get no block
+
+
+def test_fp16_window_is_exact_for_every_e4m3_value():
+    # the kernel's fp16 dequant: fp16(e4m3) * fp16(2^(s-127)) must equal the exact fp32 product
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    vals = codes.float()
+    vals = vals[torch.isfinite(vals)]
+    lo, hi = tb.FP16_EXACT_BYTES
+    for s in range(lo, hi + 1):
+        sf = torch.tensor(2.0 ** (s - 127))
+        exact = vals * sf
+        fp16 = (vals.half() * sf.half()).float()
+        assert torch.equal(fp16, exact), f"byte {s}"
+    big = (vals.half() * torch.tensor(2.0 ** (hi + 1 - 127)).half()).float()
+    assert not torch.isfinite(big).all()  # one byte past the window overflows: the bound is tight
+
+
+def test_weight_shifts_move_bytes_into_window():
+    lo, hi = tb.FP16_EXACT_BYTES
+    base = torch.randint(lo + 2, lo + 8, (4, 16, 8), dtype=torch.int32)
+    base[1] += 40  # expert 1 above the window
+    base[2] -= 30  # expert 2 below it
+    base[3, 0, 0] = 0  # an all-zero block does not count
+    d, ok = tb.weight_shifts(base.to(torch.uint8))
+    assert ok and d[0] == 0 and d[1] > 0 and d[2] < 0 and d[3] == 0
+    for ex in range(4):
+        nz = base[ex][base[ex] > 0] - d[ex]
+        assert int(nz.min()) >= lo and int(nz.max()) <= hi
+    wide = base.clone()
+    wide[0, 0, 1] = lo + 8 + (hi - lo) + 1  # spread of 23 octaves
+    assert not tb.weight_shifts(wide.to(torch.uint8))[1]
+
+
+def test_act_fp16_bound_covers_swiglu_output():
+    from runtime.moe.contract import swiglu_oai
+    alpha = torch.tensor([1.702, 0.5, 0.05])
+    beta = torch.tensor([1.0, -2.0, 1.0])
+    limit = torch.tensor([7.0, 100.0, 1.0])
+    assert tb.act_fp16_ok(alpha, beta, limit)
+    # the bound holds on extreme pre-activations (clamped above, and deep negative gates)
+    g = torch.cat([torch.randn(3, 100000, dtype=torch.float64) * 1e4, -torch.rand(3, 1000, dtype=torch.float64) * 100], 1)
+    u = torch.randn_like(g) * 1e4
+    act = swiglu_oai(g, u, alpha.double()[:, None], beta.double()[:, None], limit.double()[:, None])
+    bound = torch.maximum(limit.double(), 0.2785 / alpha.double()) * (limit.double() + beta.double().abs())
+    assert (act.abs().amax(dim=1) <= bound).all()
+    assert not tb.act_fp16_ok(alpha, beta, torch.tensor([7.0, 1e4, 7.0]))
+    assert not tb.act_fp16_ok(alpha, beta, torch.tensor([7.0, math.inf, 7.0]))
+    assert not tb.act_fp16_ok(torch.tensor([1.0, -1.0, 1.0]), beta, limit)
+
+
+@pytest.mark.parametrize("t", [1, 4, 16, 256, 1024, 4096])
+@pytest.mark.parametrize("h,i", [(6144, 3072), (256, 128), (96, 160)])
+def test_fit_config_divides_dims(t, h, i):
+    cfg = tb.fit_config(tb.default_config(t), h, i)
+    assert i % cfg.bn1 == 0 and h % cfg.bn2 == 0
+    assert h % (cfg.bk1 * cfg.split1) == 0 and i % (cfg.bk2 * cfg.split2) == 0
+    assert cfg.bk1 % 32 == 0 and cfg.bk2 % 32 == 0

@@ -375,7 +375,7 @@ class OutTensor:
     shape: tuple
     dtype: torch.dtype  # dtype of the value before quantization (the source dtype)
     sources: list  # source tensor names read to make it
-    build: Callable  # (read: name -> Tensor) -> Tensor
+    build: Callable  # (read) -> Tensor; per-expert tensors: (read, e) -> [row parts of expert e]
     quantize: bool = False
     group: str = "misc"  # tensors of one group are produced together (one MoE layer's experts)
 
@@ -503,12 +503,12 @@ def _stack_experts(cfg, layer, found, src_meta, quantize):
     q = quantize != "none"
     w13_src = [found[(e, w)] for e in range(e_count) for w in ("w1", "w3")]
     w2_src = [found[(e, "w2")] for e in range(e_count)]
-    # w1 = gate, w3 = up -> [gate; up]; built per expert by the writer (stack_rows) so one expert at a time
+    # w1 = gate, w3 = up -> [gate; up]. Experts are built one at a time, as row parts (no concat copy).
     w13 = OutTensor(experts_w13_name(layer), (e_count, 2 * i, h), dtype, w13_src,
-                    lambda read, e: torch.cat([read(found[(e, "w1")]), read(found[(e, "w3")])], 0),
+                    lambda read, e: [read(found[(e, "w1")]), read(found[(e, "w3")])],
                     quantize=q, group=f"experts{layer}")
     w2 = OutTensor(experts_w2_name(layer), (e_count, h, i), dtype, w2_src,
-                   lambda read, e: read(found[(e, "w2")]), quantize=q, group=f"experts{layer}")
+                   lambda read, e: [read(found[(e, "w2")])], quantize=q, group=f"experts{layer}")
     w13.per_expert = w2.per_expert = True
     return [w13, w2]
 
@@ -525,10 +525,11 @@ def _fused_experts(cfg, layer, found, src_meta, quantize, interleaved):
     gu, dn = found["gate_up_proj"], found["down_proj"]
     fix = uninterleave_gate_up if interleaved else (lambda w: w)
     q = quantize != "none"
+    # read(name, e) reads only expert e's slice of the fused tensor
     w13 = OutTensor(experts_w13_name(layer), want["gate_up_proj"], src_meta[gu][0], [gu],
-                    lambda read, e: fix(read(gu)[e]), quantize=q, group=f"experts{layer}")
+                    lambda read, e: [fix(read(gu, e))], quantize=q, group=f"experts{layer}")
     w2 = OutTensor(experts_w2_name(layer), want["down_proj"], src_meta[dn][0], [dn],
-                   lambda read, e: read(dn)[e], quantize=q, group=f"experts{layer}")
+                   lambda read, e: [read(dn, e)], quantize=q, group=f"experts{layer}")
     w13.per_expert = w2.per_expert = True
     return [w13, w2]
 

@@ -272,10 +272,14 @@ def produce(t: arch.OutTensor, read, rounding: str) -> tuple[list, dict]:
     value = t.build(read)
     if not t.quantize:
         return [value.contiguous()], {}
-    q, s = mxfp8.quantize(value, rounding, name=_src_label(t))
-    err = mxfp8.error_stats(value, q, s)
-    rec = {"source_dtype": str(value.dtype).replace("torch.", ""), "scale": arch.scale_name(t.name), **err}
-    return [q, s], {t.name: rec}
+    q, s, err = mxfp8.quantize_with_error(value, rounding, name=_src_label(t))
+    return [q, s], {t.name: _error_record(t, value.dtype, err)}
+
+
+def _error_record(t, src_dtype, err) -> dict:
+    rel = (err["err_sq"] / err["ref_sq"]) ** 0.5 if err["ref_sq"] else 0.0
+    return {"source_dtype": str(src_dtype).replace("torch.", ""), "scale": arch.scale_name(t.name),
+            "rel_fro_error": rel, "max_abs_error": err["max_abs_error"]}
 
 
 def _src_label(t) -> str:
@@ -291,27 +295,29 @@ def _expert_label(t, e, read) -> str:
 
 
 def _produce_experts(t, read, rounding):
-    """One layer's experts, one expert at a time: [E, N, K] values (+ [E, N, K/32] scales)."""
+    """One layer's experts, one expert (and row part) at a time: [E, N, K] values (+ [E, N, K/32] scales).
+    Quantization is per row, so quantizing w1 and w3 separately equals quantizing [w1; w3]."""
     e_count = t.shape[0]
     if not t.quantize:
-        return [torch.stack([t.build(read, e) for e in range(e_count)])], {}
+        return [torch.stack([torch.cat(t.build(read, e)) for e in range(e_count)])], {}
     q = torch.empty(t.shape, dtype=torch.float8_e4m3fn)  # [E, N, K]
     s = torch.empty(tuple(t.shape[:-1]) + (t.shape[-1] // mxfp8.BLOCK,), dtype=torch.uint8)  # [E, N, K/32]
-    err_sq = ref_sq = 0.0
-    max_abs = 0.0
+    total = {"err_sq": 0.0, "ref_sq": 0.0, "max_abs_error": 0.0}
     for e in range(e_count):
-        w = t.build(read, e)  # [N, K]
-        try:
-            q[e], s[e] = mxfp8.quantize(w, rounding, name=t.name)
-        except mxfp8.MXFP8Error as err:  # name the offending source tensor, not the stacked output
-            raise mxfp8.MXFP8Error(str(err).replace(t.name, _expert_label(t, e, read), 1)) from None
-        diff = w.double() - mxfp8.dequantize(q[e], s[e]).double()
-        err_sq += float(diff.square().sum())
-        ref_sq += float(w.double().square().sum())
-        max_abs = max(max_abs, float(diff.abs().max()))
-    rec = {"source_dtype": str(w.dtype).replace("torch.", ""), "scale": arch.scale_name(t.name),
-           "rel_fro_error": (err_sq / ref_sq) ** 0.5 if ref_sq else 0.0, "max_abs_error": max_abs}
-    return [q, s], {t.name: rec}
+        row = 0
+        for part in t.build(read, e):  # [rows, K]
+            rows = slice(row, row + part.shape[0])
+            try:
+                q[e, rows], s[e, rows], err = mxfp8.quantize_with_error(part, rounding, name=t.name)
+            except mxfp8.MXFP8Error as exc:  # name the offending source tensor, not the stacked output
+                raise mxfp8.MXFP8Error(str(exc).replace(t.name, _expert_label(t, e, read), 1)) from None
+            total["err_sq"] += err["err_sq"]
+            total["ref_sq"] += err["ref_sq"]
+            total["max_abs_error"] = max(total["max_abs_error"], err["max_abs_error"])
+            row += part.shape[0]
+        if row != t.shape[1]:
+            raise arch.LayoutError(f"{t.name}: expert {e} has {row} rows, expected {t.shape[1]}")
+    return [q, s], {t.name: _error_record(t, t.dtype, total)}
 
 
 def _finish(plan: Plan, out: Path, stats: dict) -> None:

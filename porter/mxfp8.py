@@ -24,11 +24,6 @@ class MXFP8Error(ValueError):
     """Bad input for MXFP8 quantization (names the tensor)."""
 
 
-def _block_amax(w: torch.Tensor) -> torch.Tensor:
-    blocks = w.float().reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)  # [..., K/32, 32]
-    return blocks.abs().amax(dim=-1)  # [..., K/32]
-
-
 def scale_exponents(amax: torch.Tensor, rounding: str = "rceil") -> torch.Tensor:
     """Unclamped int32 exponents e per block from fp32 block amax (amax > 0 assumed where used).
 
@@ -45,28 +40,48 @@ def scale_exponents(amax: torch.Tensor, rounding: str = "rceil") -> torch.Tensor
     raise MXFP8Error(f"unknown scale rounding {rounding!r}; use one of {ROUNDING_MODES}")
 
 
-def _check(w: torch.Tensor, name: str) -> None:
+def _check_shape(w: torch.Tensor, name: str) -> None:
     if w.ndim < 1 or w.shape[-1] % BLOCK != 0:
         raise MXFP8Error(
             f"{name}: last dim (K) of shape {tuple(w.shape)} is not a multiple of {BLOCK}; "
             f"MXFP8 needs whole 32-element blocks — leave this tensor unquantized")
-    if w.is_floating_point() and not bool(torch.isfinite(w).all()):
+
+
+def _quantize_blocks(w: torch.Tensor, rounding: str, name: str):
+    """-> (x: fp32 [..., K/32, 32] scaled and clamped, q: e4m3 same shape, byte: int32 [..., K/32])."""
+    _check_shape(w, name)
+    x = w.float()
+    x = x.clone() if x is w else x  # private fp32 copy: scaled in place below
+    x = x.reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)  # [..., K/32, 32]
+    amax = torch.maximum(x.amax(dim=-1), -x.amin(dim=-1))  # [..., K/32]; NaN propagates
+    if not bool(torch.isfinite(amax).all()):
         raise MXFP8Error(f"{name}: contains NaN or Inf; fix the source checkpoint (refusing to quantize)")
+    e = scale_exponents(amax, rounding)
+    byte = (e + SCALE_BIAS).clamp(0, SCALE_MAX_BYTE)
+    byte = torch.where(amax == 0, torch.zeros_like(byte), byte)
+    # Multiply by 2^(127 - byte): an exact power-of-two scaling in fp32 (the factor is representable for
+    # every byte, and products either stay exact or fall far below e4m3's smallest subnormal).
+    x.mul_(torch.ldexp(torch.ones_like(amax), (SCALE_BIAS - byte).float()).unsqueeze(-1))
+    x.clamp_(-E4M3_MAX, E4M3_MAX)  # saturate (torch < 2.13 casts finite overflow to NaN)
+    return x, x.to(torch.float8_e4m3fn), byte  # the cast rounds to nearest even
 
 
 def quantize(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., K] float -> (q [..., K] float8_e4m3fn, scale [..., K/32] uint8)."""
-    _check(w, name)
-    amax = _block_amax(w)  # [..., K/32]
-    e = scale_exponents(amax, rounding)
-    byte = (e + SCALE_BIAS).clamp(0, SCALE_MAX_BYTE)
-    byte = torch.where(amax == 0, torch.zeros_like(byte), byte)
-    # Multiply by 2^-(byte-127) exactly: ldexp by an integer power of two is exact in fp32 here
-    # (results lie within [2^-22, 448] or round to zero far below e4m3's smallest subnormal).
-    blocks = w.float().reshape(*amax.shape, BLOCK)  # [..., K/32, 32]
-    scaled = torch.ldexp(blocks, (SCALE_BIAS - byte).unsqueeze(-1).to(torch.float32))
-    q = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)  # RNE, saturated
+    _, q, byte = _quantize_blocks(w, rounding, name)
     return q.reshape(w.shape), byte.to(torch.uint8)
+
+
+def quantize_with_error(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor"):
+    """quantize() plus the pieces of the error statistics, computed on the same fp32 blocks:
+    -> (q, scale, {"err_sq", "ref_sq", "max_abs_error"}) with err_sq = ||W - deq(Q)||^2, ref_sq = ||W||^2."""
+    ref_sq = float(w.float().square().sum(dtype=torch.float64))
+    x, q, byte = _quantize_blocks(w, rounding, name)
+    x.sub_(q.float())  # scaled-domain rounding (and clipping) error, exact in fp32
+    step = torch.ldexp(torch.ones(byte.shape), (byte - SCALE_BIAS).float())  # [..., K/32]
+    err_sq = float((x.square().sum(dim=-1, dtype=torch.float64) * step.double().square()).sum())
+    max_abs = float((x.abs().amax(dim=-1) * step).max()) if x.numel() else 0.0
+    return q.reshape(w.shape), byte.to(torch.uint8), {"err_sq": err_sq, "ref_sq": ref_sq, "max_abs_error": max_abs}
 
 
 def scale_multipliers(scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -44,12 +44,13 @@ class Source:
     commit: Optional[str] = None
     _handles: dict = field(default_factory=dict, repr=False)
 
-    def read(self, name: str) -> torch.Tensor:
-        """One tensor, memory-mapped from its shard (no copy until it is touched)."""
+    def read(self, name: str, index: Optional[int] = None) -> torch.Tensor:
+        """One tensor (or its [index] slice along dim 0, read alone) from its shard."""
         f = self.files[name]
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), framework="pt")
-        t = self._handles[f].get_tensor(name)
+        h = self._handles[f]
+        t = h.get_tensor(name) if index is None else h.get_slice(name)[index]
         if t.dtype == ST_DTYPES["F8_E8M0"] and t.dtype != torch.uint8:
             t = t.view(torch.uint8)  # E8M0 scale bytes: reinterpret, never value-convert
         return t
@@ -164,5 +165,5 @@ def canonical_tensors(source: Source, names: Optional[set] = None) -> Iterator[t
 
 def build_tensor(t: arch.OutTensor, read) -> torch.Tensor:
     if getattr(t, "per_expert", False):
-        return torch.stack([t.build(read, e) for e in range(t.shape[0])])
+        return torch.stack([torch.cat(t.build(read, e)) for e in range(t.shape[0])])
     return t.build(read)

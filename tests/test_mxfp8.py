@@ -131,3 +131,13 @@ def test_scale_bytes_never_255_and_stored_as_uint8():
     w = torch.randn(64, 64, dtype=torch.float32).clamp(-4, 4) * (3e38 / 4)
     _, s = mxfp8.quantize(w)
     assert s.dtype == torch.uint8 and int(s.max()) <= 254
+
+
+def test_quantize_with_error_matches_float64_stats():
+    w = torch.randn(32, 256, dtype=torch.bfloat16) * 3
+    q, s, parts = mxfp8.quantize_with_error(w)
+    q2, s2 = mxfp8.quantize(w)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    ref = mxfp8.error_stats(w, q, s)
+    assert abs((parts["err_sq"] / parts["ref_sq"]) ** 0.5 - ref["rel_fro_error"]) <= 1e-9
+    assert parts["max_abs_error"] == ref["max_abs_error"]

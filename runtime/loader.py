@@ -1,0 +1,151 @@
+"""Weight stores (porter artifact or original HF checkpoint) and model assembly, eager or layer-streaming.
+
+Both stores hand out tensors under the canonical names of converters/minimax_m3.py, memory-mapped from the
+safetensors shards (safe_open): nothing is read until touched. On CPU the model keeps those mmapped tensors
+as they are; on CUDA each tensor is copied to the device once. No dtype conversion happens at load (Linear
+casts or MXFP8-dequantizes per call), so exactly one copy of every weight exists.
+
+Layer streaming (`runtime.load(..., lazy=True)`): embeddings, final norm and lm_head are resident;
+`model.layers` is a `LazyLayers` whose `[i]` builds decoder layer i from the store on first access and
+drops the previously built layer first, so at most one decoder layer is materialized at a time (its KV
+cache lives in the separate KVCache and survives). `model.layers.release()` frees the resident layer.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from safetensors import safe_open
+
+from converters import minimax_m3 as arch
+from porter import manifest
+from runtime.models.minimax_m3 import DecoderLayer, MiniMaxM3, Rope
+
+log = logging.getLogger("porter.runtime")
+
+TOP_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+class LoadError(ValueError):
+    """The path is not a loadable porter artifact / MiniMax-M3 checkpoint (the message says why)."""
+
+
+class ArtifactStore:
+    """A porter artifact: porter.json manifest + config.json + shards with a model.safetensors.index.json."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.manifest = manifest.read(path)
+        except ValueError as e:
+            raise LoadError(str(e)) from None
+        self.config = arch.resolve_config(_json(path / "config.json"))
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            self.files = {n: path / f for n, f in _json(index)["weight_map"].items()}
+        else:
+            shards = sorted(path.glob("*.safetensors"))
+            if not shards:
+                raise LoadError(f"{path}: no safetensors shards")
+            self.files = {n: s for s in shards for n in safe_open(str(s), framework="pt").keys()}
+        self._handles: dict = {}
+
+    def names(self) -> set:
+        return set(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        f = self.files[name]
+        if f not in self._handles:
+            if not f.exists():
+                raise LoadError(f"{f}: shard listed in the index is missing")
+            self._handles[f] = safe_open(str(f), framework="pt")
+        return self._handles[f].get_tensor(name)  # memory-mapped
+
+
+class SourceStore:
+    """An original (bf16) HF checkpoint, vendor or transformers layout, via porter.source: experts are
+    stacked to [E, 2I, H] [gate; up] / [E, H, I] when read (one layer at a time)."""
+
+    def __init__(self, path: Path):
+        from porter import source
+        self.source = source.open_source(path)
+        self.config = self.source.config
+        plan = arch.plan_tensors(self.config, self.source.meta, quantize="none")
+        self.plan = {t.name: t for t in plan if t.group != "carried"}
+        self._build = source.build_tensor
+
+    def names(self) -> set:
+        return set(self.plan)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._build(self.plan[name], self.source.read)
+
+
+def open_store(path) -> ArtifactStore | SourceStore:
+    path = Path(path).expanduser()
+    if manifest.is_artifact(path):
+        return ArtifactStore(path)
+    if path.is_dir() and (path / "config.json").exists():
+        return SourceStore(path)
+    raise LoadError(f"{path}: neither a porter artifact (porter.json) nor a checkpoint dir (config.json)")
+
+
+def _json(p: Path) -> dict:
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise LoadError(f"{p}: missing") from None
+
+
+def getter(store, names: set, device: torch.device) -> Callable[[str], Optional[torch.Tensor]]:
+    """name -> tensor on device (None when absent: e.g. no weight_scale for an unquantized linear)."""
+    def get(name):
+        if name not in names:
+            if name.endswith("_scale"):
+                return None
+            raise LoadError(f"tensor {name!r} is missing from {getattr(store, 'path', None) or store.source.path}")
+        t = store.get(name)
+        return t if t.device == device else t.to(device)
+    return get
+
+
+class LazyLayers:
+    """Sequence of decoder layers built on access; at most one is resident (see module docstring)."""
+
+    def __init__(self, n: int, build: Callable[[int], DecoderLayer]):
+        self._n, self._build = n, build
+        self._index, self._layer = None, None
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> DecoderLayer:
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        if self._index != i:
+            self.release()
+            self._layer, self._index = self._build(i), i
+        return self._layer
+
+    def __iter__(self):
+        return (self[i] for i in range(self._n))
+
+    def release(self) -> None:
+        self._index, self._layer = None, None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def build_model(store, device: torch.device, dtype: torch.dtype, make_backend: Callable, lazy: bool) -> MiniMaxM3:
+    cfg, names = store.config, store.names()
+    get = getter(store, names, device)
+    rope = Rope(cfg.rotary_dim, cfg.rope_theta, device)
+    top = {n: get(n) for n in TOP_NAMES if n in names}
+    build = lambda i: DecoderLayer(cfg, get, i, rope, device, make_backend)
+    layers = LazyLayers(cfg.num_hidden_layers, build) if lazy else [build(i) for i in range(cfg.num_hidden_layers)]
+    return MiniMaxM3(cfg, top, layers, device, dtype)

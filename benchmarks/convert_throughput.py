@@ -30,7 +30,7 @@ out.mkdir(parents=True, exist_ok=True)
 t0 = time.perf_counter()
 for f in sorted(src.glob("*.safetensors")):
     save_file(load_file(str(f)), str(out / f.name))
-print(time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(time.perf_counter() - t0, VMHWM())
 """
 
 CONVERT = """
@@ -39,12 +39,14 @@ sys.path.insert(0, {root!r})
 import porter
 t0 = time.perf_counter()
 porter.convert(sys.argv[1], sys.argv[2], progress=False)
-print(time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(time.perf_counter() - t0, VMHWM())
 """
+# peak RSS of the child itself (ru_maxrss would inherit the parent's peak across fork+exec)
+HWM = 'VMHWM = lambda: int([l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1])\n'
 
 
 def child(code: str, *args) -> tuple[float, int]:
-    out = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", HWM + code, *map(str, args)], capture_output=True, text=True, check=True)
     secs, rss_kb = out.stdout.split()
     return float(secs), int(rss_kb) * 1024
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import queue
 import re
+import threading
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from tqdm import tqdm
@@ -219,61 +221,103 @@ def _verified_done(out: Path, journal: dict) -> dict:
     return done
 
 
+class _WriterThread:
+    """Writes shards in a background thread so hashing and disk I/O overlap with quantization.
+
+    Items arrive in plan order through a small bounded queue (memory stays bounded); the thread owns
+    the ShardWriters, the per-tensor sha256, shard closing and the journal."""
+
+    def __init__(self, plan: Plan, out: Path, done: dict, stats: dict):
+        self.plan, self.out, self.done, self.stats = plan, out, done, stats
+        self.entries_of = dict(plan.shards)
+        self.pending = {f: len(es) for f, es in plan.shards}
+        self.journal = _read_journal(out)
+        self.writers: dict = {}
+        self.error: Optional[BaseException] = None
+        self.queue: queue.Queue = queue.Queue(maxsize=3)
+        self.thread = threading.Thread(target=self._loop, name="porter-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, name: str, tensor: Optional[torch.Tensor], record: Optional[dict] = None) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put((name, tensor, record))
+
+    def _loop(self) -> None:
+        try:
+            while (item := self.queue.get()) is not None:
+                self._write(*item)
+        except BaseException as e:  # surfaced in the main thread by put()/finish()
+            self.error = e
+            while self.queue.get() is not None:  # drain so the producer never blocks
+                pass
+
+    def _write(self, name, tensor, record) -> None:
+        f = self.plan.shard_of[name]
+        if record is not None:
+            self.stats.setdefault(name, {}).update(record)
+        if tensor is None or f in self.done:
+            return
+        if f not in self.writers:
+            self.writers[f] = ShardWriter(self.out / f, self.entries_of[f], metadata={"format": "pt"})
+        if not self.writers[f].write(name, tensor):
+            return
+        e = next(x for x in self.entries_of[f] if x.name == name)
+        self.stats.setdefault(name, {}).update(
+            shard=f, dtype=str(e.dtype).replace("torch.", ""), shape=list(e.shape),
+            sha256=self.writers[f].tensor_sha256[name])
+        self.pending[f] -= 1
+        if self.pending[f] == 0:
+            sha = self.writers.pop(f).close()
+            self.journal["shards"][f] = {"sha256": sha, "tensors": {x.name: self.stats[x.name]
+                                                                   for x in self.entries_of[f]}}
+            _write_journal(self.out, self.journal)
+
+    def finish(self, ok: bool) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        if not ok or self.error is not None:
+            for w in self.writers.values():
+                w.abort()
+        if ok and self.error is not None:
+            raise self.error
+
+
 def _produce(plan: Plan, out: Path, done: dict, progress: bool) -> dict:
     """Make and write every tensor; returns per-tensor manifest records."""
     stats = {n: r for rec in done.values() for n, r in rec["tensors"].items()}
-    writers = {}
-    pending = {f: len(es) for f, es in plan.shards}
-    entries_of = dict(plan.shards)
-    journal = _read_journal(out)
-    total = sum(_numel(plan.source.meta[s][1]) * plan.source.meta[s][0].itemsize
-                for t in plan.tensors for s in dict.fromkeys(t.sources))
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    src_bytes = lambda t: sum(_numel(plan.source.meta[s][1]) * plan.source.meta[s][0].itemsize
+                              for s in dict.fromkeys(t.sources))
+    bar = tqdm(total=sum(src_bytes(t) for t in plan.tensors), unit="B", unit_scale=True, desc="convert",
+               disable=not progress)
+    writer = _WriterThread(plan, out, done, stats)
+    ok = False
     try:
         for t in plan.tensors:
-            entries = entries_for(t)
-            src_bytes = sum(_numel(plan.source.meta[s][1]) * plan.source.meta[s][0].itemsize
-                            for s in dict.fromkeys(t.sources))
-            if all(plan.shard_of[e.name] in done for e in entries):
-                bar.update(src_bytes)
-                continue
-            values, record = produce(t, plan.source.read, plan.options["scale_rounding"])
-            for e, v in zip(entries, values):
-                f = plan.shard_of[e.name]
-                if f in done:
-                    continue
-                if f not in writers:
-                    writers[f] = ShardWriter(out / f, entries_of[f], metadata={"format": "pt"})
-                writers[f].write(e.name, v)
-                stats[e.name] = {**record.get(e.name, {}), "shard": f, "dtype": str(e.dtype).replace("torch.", ""),
-                                 "shape": list(e.shape), "sha256": writers[f].tensor_sha256[e.name]}
-                pending[f] -= 1
-                if pending[f] == 0:
-                    sha = writers.pop(f).close()
-                    journal["shards"][f] = {"sha256": sha,
-                                            "tensors": {x.name: stats[x.name] for x in entries_of[f]}}
-                    _write_journal(out, journal)
-            del values
-            plan.source._handles.clear()  # unmap source shards: RSS must not grow with the model
-            bar.update(src_bytes)
-    except BaseException:
-        for w in writers.values():
-            w.abort()
-        raise
+            if not all(plan.shard_of[e.name] in done for e in entries_for(t)):
+                for name, chunk, record in produce(t, plan.source.read, plan.options["scale_rounding"]):
+                    writer.put(name, chunk, record)
+                plan.source._handles.clear()  # unmap source shards: RSS must not grow with the model
+            bar.update(src_bytes(t))
+        ok = True
     finally:
+        writer.finish(ok)
         bar.close()
     return stats
 
 
-def produce(t: arch.OutTensor, read, rounding: str) -> tuple[list, dict]:
-    """The output tensors of one planned tensor (value, or value + scale) and their error records."""
+def produce(t: arch.OutTensor, read, rounding: str) -> Iterator[tuple]:
+    """Yields (output tensor name, tensor or leading chunk of it, error record or None) in write order."""
     if getattr(t, "per_expert", False):
-        return _produce_experts(t, read, rounding)
+        yield from _produce_experts(t, read, rounding)
+        return
     value = t.build(read)
     if not t.quantize:
-        return [value.contiguous()], {}
+        yield t.name, value.contiguous(), None
+        return
     q, s, err = mxfp8.quantize_with_error(value, rounding, name=_src_label(t))
-    return [q, s], {t.name: _error_record(t, value.dtype, err)}
+    yield t.name, q, _error_record(t, value.dtype, err)
+    yield arch.scale_name(t.name), s, None
 
 
 def _error_record(t, src_dtype, err) -> dict:
@@ -295,29 +339,32 @@ def _expert_label(t, e, read) -> str:
 
 
 def _produce_experts(t, read, rounding):
-    """One layer's experts, one expert (and row part) at a time: [E, N, K] values (+ [E, N, K/32] scales).
-    Quantization is per row, so quantizing w1 and w3 separately equals quantizing [w1; w3]."""
+    """One layer's experts, one expert (and row part) at a time. Values stream out expert by expert
+    ([E, N, K] in order); the small scales [E, N, K/32] follow once all experts are done. Quantization is
+    per row, so quantizing w1 and w3 separately equals quantizing [w1; w3]."""
     e_count = t.shape[0]
     if not t.quantize:
-        return [torch.stack([torch.cat(t.build(read, e)) for e in range(e_count)])], {}
-    q = torch.empty(t.shape, dtype=torch.float8_e4m3fn)  # [E, N, K]
+        for e in range(e_count):
+            yield t.name, torch.cat(t.build(read, e)), None
+        return
     s = torch.empty(tuple(t.shape[:-1]) + (t.shape[-1] // mxfp8.BLOCK,), dtype=torch.uint8)  # [E, N, K/32]
     total = {"err_sq": 0.0, "ref_sq": 0.0, "max_abs_error": 0.0}
     for e in range(e_count):
         row = 0
         for part in t.build(read, e):  # [rows, K]
-            rows = slice(row, row + part.shape[0])
             try:
-                q[e, rows], s[e, rows], err = mxfp8.quantize_with_error(part, rounding, name=t.name)
+                q, s[e, row:row + part.shape[0]], err = mxfp8.quantize_with_error(part, rounding, name=t.name)
             except mxfp8.MXFP8Error as exc:  # name the offending source tensor, not the stacked output
                 raise mxfp8.MXFP8Error(str(exc).replace(t.name, _expert_label(t, e, read), 1)) from None
+            yield t.name, q, None
             total["err_sq"] += err["err_sq"]
             total["ref_sq"] += err["ref_sq"]
             total["max_abs_error"] = max(total["max_abs_error"], err["max_abs_error"])
             row += part.shape[0]
         if row != t.shape[1]:
             raise arch.LayoutError(f"{t.name}: expert {e} has {row} rows, expected {t.shape[1]}")
-    return [q, s], {t.name: _error_record(t, t.dtype, total)}
+    yield t.name, None, _error_record(t, t.dtype, total)
+    yield arch.scale_name(t.name), s, None
 
 
 def _finish(plan: Plan, out: Path, stats: dict) -> None:

@@ -11,6 +11,8 @@ Used by the converter, the runtime backends and the tests alike. Rules (../share
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 BLOCK = 32
@@ -47,13 +49,16 @@ def _check_shape(w: torch.Tensor, name: str) -> None:
             f"MXFP8 needs whole 32-element blocks — leave this tensor unquantized")
 
 
-def _quantize_blocks(w: torch.Tensor, rounding: str, name: str):
-    """-> (x: fp32 [..., K/32, 32] scaled and clamped, q: e4m3 same shape, byte: int32 [..., K/32])."""
+def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[list] = None):
+    """-> (x: fp32 [..., K/32, 32] scaled and clamped, q: e4m3 same shape, byte: int32 [..., K/32]).
+    If `ref` is a list, the per-block sums of squares of w (fp32 [..., K/32]) are appended to it."""
     _check_shape(w, name)
     x = w.float()
     x = x.clone() if x is w else x  # private fp32 copy: scaled in place below
     x = x.reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)  # [..., K/32, 32]
     amax = torch.maximum(x.amax(dim=-1), -x.amin(dim=-1))  # [..., K/32]; NaN propagates
+    if ref is not None:
+        ref.append(x.square().sum(dim=-1))
     if not bool(torch.isfinite(amax).all()):
         raise MXFP8Error(f"{name}: contains NaN or Inf; fix the source checkpoint (refusing to quantize)")
     e = scale_exponents(amax, rounding)
@@ -74,13 +79,15 @@ def quantize(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor") -> 
 
 def quantize_with_error(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor"):
     """quantize() plus the pieces of the error statistics, computed on the same fp32 blocks:
-    -> (q, scale, {"err_sq", "ref_sq", "max_abs_error"}) with err_sq = ||W - deq(Q)||^2, ref_sq = ||W||^2."""
-    ref_sq = float(w.float().square().sum(dtype=torch.float64))
-    x, q, byte = _quantize_blocks(w, rounding, name)
+    -> (q, scale, {"err_sq", "ref_sq", "max_abs_error"}) with err_sq = ||W - deq(Q)||^2, ref_sq = ||W||^2.
+    Per-block sums are fp32 (32 terms), block totals are summed in float64."""
+    ref = []
+    x, q, byte = _quantize_blocks(w, rounding, name, ref)
     x.sub_(q.float())  # scaled-domain rounding (and clipping) error, exact in fp32
-    step = torch.ldexp(torch.ones(byte.shape), (byte - SCALE_BIAS).float())  # [..., K/32]
-    err_sq = float((x.square().sum(dim=-1, dtype=torch.float64) * step.double().square()).sum())
-    max_abs = float((x.abs().amax(dim=-1) * step).max()) if x.numel() else 0.0
+    step = torch.ldexp(torch.ones(byte.shape), (byte - SCALE_BIAS).float()).double()  # [..., K/32]
+    err_sq = float((x.square().sum(dim=-1).double() * step.square()).sum())
+    max_abs = float((x.abs().amax(dim=-1).double() * step).max()) if x.numel() else 0.0
+    ref_sq = float(ref[0].double().sum())
     return q.reshape(w.shape), byte.to(torch.uint8), {"err_sq": err_sq, "ref_sq": ref_sq, "max_abs_error": max_abs}
 
 

@@ -58,6 +58,8 @@ class ShardWriter:
         self.path, self.entries = Path(path), entries
         self.partial = self.path.with_name(self.path.name + ".partial")
         self._next = 0
+        self._written = 0  # bytes of the current entry written so far
+        self._tensor_hash = None
         self._file_hash = hashlib.sha256()
         self.tensor_sha256: dict = {}
         self._f = open(self.partial, "wb")
@@ -67,16 +69,33 @@ class ShardWriter:
         self._f.write(data)
         self._file_hash.update(data)
 
-    def write(self, name: str, t: torch.Tensor) -> None:
+    def write(self, name: str, t: torch.Tensor) -> bool:
+        """Append the next tensor whole, or a leading chunk of it (rows along dim 0, in order).
+        Returns True when the tensor is complete."""
+        if self._next >= len(self.entries):
+            raise RuntimeError(f"{self.path.name}: all {len(self.entries)} tensors already written, got {name!r}")
         e = self.entries[self._next]
         if name != e.name:
             raise RuntimeError(f"{self.path.name}: expected tensor {e.name!r} next, got {name!r}")
-        if t.dtype != e.dtype or tuple(t.shape) != tuple(e.shape):
+        # a chunk is whole rows: its trailing dims equal the entry's (bytes are counted below)
+        trailing = tuple(t.shape[1:]) == tuple(e.shape[len(e.shape) - t.ndim + 1:]) if 0 < t.ndim <= len(e.shape) \
+            else tuple(t.shape) == tuple(e.shape)
+        if t.dtype != e.dtype or not trailing:
             raise RuntimeError(f"{name}: planned {e.dtype} {tuple(e.shape)}, produced {t.dtype} {tuple(t.shape)}")
         data = tensor_bytes(t)
-        self.tensor_sha256[name] = hashlib.sha256(data).hexdigest()
+        if self._tensor_hash is None:
+            self._tensor_hash = hashlib.sha256()
+        self._tensor_hash.update(data)
         self._emit(data)
+        self._written += len(data)
+        if self._written > e.nbytes:
+            raise RuntimeError(f"{name}: produced more bytes than planned ({self._written} > {e.nbytes})")
+        if self._written < e.nbytes:
+            return False
+        self.tensor_sha256[name] = self._tensor_hash.hexdigest()
+        self._tensor_hash, self._written = None, 0
         self._next += 1
+        return True
 
     @property
     def done(self) -> bool:

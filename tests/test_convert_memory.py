@@ -10,11 +10,13 @@ from tiny_checkpoint import build_tiny_checkpoint, synthetic_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURE = """
-import json, resource, sys
+import json, sys
 sys.path.insert(0, {root!r})
 import porter
 porter.convert(sys.argv[1], sys.argv[2], max_shard_size="200MB", progress=False)
-print(json.dumps({{"peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}}))
+# VmHWM is this process's own peak; ru_maxrss would carry the parent's peak across fork+exec
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
+print(json.dumps({{"peak_rss_kb": int(hwm)}}))
 """
 
 

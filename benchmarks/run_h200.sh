@@ -1,5 +1,6 @@
 #!/bin/bash
-# One H200 call for issue #5: the GPU tests of the Triton MoE backend, then the MoE-layer benchmark.
+# One H200 call for issue #5: the GPU tests of the Triton MoE backend, then the MoE-layer benchmark
+# (tile-config A/B: python3 benchmarks/moe_ab_h200.py --out DIR, results in bench_ab_*).
 # Logs and results go to $OUT (the device tool's return folder) and to benchmarks/results/.
 #   bash benchmarks/run_h200.sh            # tests + benchmark
 #   BENCH_ARGS=--sweep bash benchmarks/run_h200.sh   # also time alternative tile configs

@@ -109,6 +109,18 @@ def test_split_k_paths_and_counter_reuse(split1, split2):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("t,cfg", [
+    (3, tb.MoeConfig(16, 32, 256, 2, 4, 3, 64, 256, 2, 4, 3, True)),  # fused gate+up tile, split-K
+    (300, tb.MoeConfig(64, 64, 64, 1, 4, 3, 128, 64, 1, 4, 3, False, True, True)),  # weight as LHS
+    (300, tb.MoeConfig(128, 64, 128, 1, 8, 3, 128, 128, 1, 8, 3, True, True, True)),
+    (40, tb.MoeConfig(32, 32, 256, 1, 4, 4, 64, 256, 1, 4, 4, True))])
+def test_tile_variants(t, cfg):
+    quant = make_quant(16, 768, 384, "cuda")
+    check_against_torch(quant, t, 4, 768, config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
 @pytest.mark.parametrize("t", [1, 7, 200])
 def test_in_kernel_alignment_equals_torch_alignment(t):
     e, k = 24, 4

@@ -32,18 +32,30 @@ class MoeConfig:
     split2: int
     warps2: int
     stages2: int
+    fused1: bool = False  # GEMM1: one [2*BN1, BK1] gate+up tile and one MMA per step
+    swap1: bool = False  # weight as the left MMA operand (prefill, BM >= 64)
+    swap2: bool = False
 
 
 def default_config(num_tokens: int) -> MoeConfig:
-    """Decode: BM16 with BK256/4 warps/3 stages (doc §6.1) and split-K for 1-4 tokens (§6.3).
-    Prefill: larger BM so each weight tile is reused across more rows."""
+    """Tile configs from the H200 A/B (benchmarks/moe_ab_h200.py; benchmarks/results/bench_ab.log).
+
+    Decode (BM16): the doc's BN64/BK256/4 warps shape; GEMM1 as one fused [gate; up] tile of
+    2 x 32 rows. Split-K no longer pays once the dequant is hoisted (T=1: 85 us unsplit vs 92 us
+    split 2). 4 stages for 5..128 tokens, 3 elsewhere. BM32 at <= 1024 tokens (~32 rows per
+    expert: every weight tile streamed once). Prefill: wgmma tiles, BM128 from 2048 tokens (T=4096:
+    8.90 ms vs 9.67 ms for BM64)."""
     if num_tokens <= 4:
-        return MoeConfig(16, 32, 128, 2, 4, 4, 32, 256, 2, 4, 3)
-    if num_tokens <= 256:
-        return MoeConfig(16, 64, 128, 1, 4, 4, 128, 128, 1, 4, 4)
+        return MoeConfig(16, 32, 256, 1, 4, 3, 64, 256, 1, 4, 3, True)
+    if num_tokens <= 128:
+        return MoeConfig(16, 32, 256, 1, 4, 4, 64, 256, 1, 4, 4, True)
+    if num_tokens <= 512:
+        return MoeConfig(16, 32, 256, 1, 4, 3, 64, 256, 1, 4, 3, True)
     if num_tokens <= 1024:
-        return MoeConfig(32, 64, 128, 1, 4, 4, 128, 128, 1, 4, 4)
-    return MoeConfig(64, 64, 128, 1, 8, 3, 128, 128, 1, 8, 3)
+        return MoeConfig(32, 32, 256, 1, 4, 3, 64, 256, 1, 4, 3, True)
+    if num_tokens < 2048:
+        return MoeConfig(64, 64, 128, 1, 8, 3, 128, 64, 1, 4, 4)
+    return MoeConfig(128, 64, 128, 1, 8, 3, 128, 128, 1, 8, 3)
 
 
 def fit_config(cfg: MoeConfig, hidden: int, inter: int) -> MoeConfig:
@@ -143,6 +155,18 @@ class PreparedMoE:
     shift2: torch.Tensor  # [E] int32
     epi13: torch.Tensor  # [E] fp32, 2^d_e
     epi2: torch.Tensor  # [E] fp32, 2^d_e
+    wmode1: int = 1  # kernel WMODE of GEMM1 / GEMM2 (see _wmode)
+    wmode2: int = 1
+
+    @staticmethod
+    def _wmode(w_fp8: bool, fp16: bool, shift: torch.Tensor) -> int:
+        """The kernels' WMODE: 0 16-bit weights, 1 fp16 (no offset, fast), 2 fp16 + per-expert
+        offset, 3 bf16 fallback."""
+        if not w_fp8:
+            return 0
+        if not fp16:
+            return 3
+        return 2 if bool(shift.ne(0).any()) else 1
 
     @property
     def num_experts(self) -> int:
@@ -165,7 +189,8 @@ def prepare(w13, w13_scale, w2, w2_scale, alpha, beta, limit) -> PreparedMoE:
     d2 = d2 if ok2 else torch.zeros_like(d2)
     pow2 = lambda t: torch.ldexp(torch.ones(e, dtype=torch.float32), t.float()).to(dev)
     return PreparedMoE(w13, w13_scale, w2, w2_scale, alpha, beta, limit, w_fp8, ok13, ok2,
-                       d13.to(dev), d2.to(dev), pow2(d13), pow2(d2))
+                       d13.to(dev), d2.to(dev), pow2(d13), pow2(d2),
+                       PreparedMoE._wmode(w_fp8, ok13, d13), PreparedMoE._wmode(w_fp8, ok2, d2))
 
 
 _counters: dict = {}
@@ -225,7 +250,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         sorted_ids, expert_ids, act, part, counts, n, h, inter, e, maxp, n1,
         x16.stride(0), p.w13.stride(0), p.w13.stride(1), p.w13_scale.stride(0) if p.w_fp8 else 0,
         p.w13_scale.stride(1) if p.w_fp8 else 0,
-        TOPK=k, W_FP8=p.w_fp8, MMA_FP16=p.fp16_1, PRESCALED=p.fp16_1, SPLIT_K=cfg.split1,
+        TOPK=k, WMODE=p.wmode1, PRESCALED=p.fp16_1, FUSED_GU=cfg.fused1, SWAP=cfg.swap1, SPLIT_K=cfg.split1,
         BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, num_warps=cfg.warps1, num_stages=cfg.stages1)
     n2 = h // cfg.bn2
     K.gemm2_reduce_kernel[(nblk * n2 * cfg.split2,)](
@@ -233,7 +258,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         n, inter, h, e, float(routed_scaling_factor), n2,
         p.w2.stride(0), p.w2.stride(1), p.w2_scale.stride(0) if p.w_fp8 else 0,
         p.w2_scale.stride(1) if p.w_fp8 else 0,
-        TOPK=k, W_FP8=p.w_fp8, MMA_FP16=p.fp16_2, SPLIT_K=cfg.split2,
+        TOPK=k, WMODE=p.wmode2, SWAP=cfg.swap2, SPLIT_K=cfg.split2,
         BM=cfg.bm, BN=cfg.bn2, BK=cfg.bk2, num_warps=cfg.warps2, num_stages=cfg.stages2)
     return out.to(hidden.dtype)
 

@@ -1,0 +1,125 @@
+"""A/B of tile configs for the Triton MXFP8 MoE on one GPU (issue #5 tuning aid; one device call).
+
+For each T: the whole layer (CUDA-graph replay median) and per-kernel device times (torch.profiler)
+for a list of MoeConfig candidates, the bf16-weight twin with the default config, and the current
+default. Prints a table per T and writes bench_ab_<gpu>.json into --out.
+
+  python3 benchmarks/moe_ab_h200.py [--out DIR] [--tokens 1,4,16,64,256,4096]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from moe_layer import E, H, I, TOPK, RSF, ALPHA, BETA, LIMIT, build_weights, graph_time_us  # noqa: E402
+from runtime.moe import triton_backend as tb  # noqa: E402
+from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params  # noqa: E402
+
+C = tb.MoeConfig
+# bm, bn1, bk1, split1, warps1, stages1, bn2, bk2, split2, warps2, stages2, fused1, swap1, swap2
+DECODE_T1 = [C(16, 32, 256, 1, 4, 3, 64, 256, 1, 4, 3, True), C(16, 32, 256, 2, 4, 3, 64, 256, 2, 4, 3, True),
+             C(16, 32, 256, 3, 4, 3, 32, 256, 3, 4, 3, True), C(16, 64, 128, 2, 4, 4, 64, 128, 2, 4, 4),
+             C(16, 32, 128, 4, 4, 4, 32, 128, 4, 4, 4, True), C(16, 32, 256, 2, 4, 4, 64, 256, 2, 4, 4, True),
+             C(16, 64, 256, 2, 4, 3, 64, 256, 3, 4, 3)]
+DECODE = [C(16, 32, 256, 1, 4, 3, 64, 256, 1, 4, 3, True), C(16, 64, 256, 1, 4, 3, 64, 256, 1, 4, 3),
+          C(16, 64, 128, 1, 4, 4, 128, 128, 1, 4, 4), C(16, 32, 256, 1, 4, 4, 64, 256, 1, 4, 4, True),
+          C(16, 64, 256, 1, 8, 3, 128, 256, 1, 8, 3, True), C(16, 32, 256, 2, 4, 3, 64, 256, 2, 4, 3, True)]
+PREFILL = [C(64, 64, 128, 1, 8, 3, 128, 128, 1, 8, 3), C(64, 128, 64, 1, 8, 4, 128, 64, 1, 4, 4),
+           C(128, 64, 64, 1, 8, 3, 128, 64, 1, 8, 3, False, True, True),
+           C(64, 64, 64, 1, 4, 3, 128, 64, 1, 4, 3, False, True, True),
+           C(128, 64, 64, 1, 8, 3, 128, 64, 1, 8, 3, True, True, True),
+           C(128, 64, 128, 1, 8, 3, 128, 128, 1, 8, 3, False, True, True),
+           C(128, 128, 64, 1, 8, 3, 128, 64, 1, 8, 4, False, True, True)]
+
+
+def candidates(t):
+    if t <= 4:
+        return DECODE_T1 if t == 1 else DECODE_T1[:3] + DECODE[:3]
+    if t <= 256:
+        return DECODE
+    return PREFILL
+
+
+def kernel_times(fn, calls=10):
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    res = {}
+    for ev in prof.key_averages():
+        for key in ("gemm1", "gemm2", "prep"):
+            if ev.key.startswith(key):
+                res[key] = ev.device_time_total / calls if hasattr(ev, "device_time_total") else ev.cuda_time_total / calls
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/tmp_ab"))
+    ap.add_argument("--tokens", default="1,4,16,64,256,4096")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    t0 = time.time()
+    (q13, s13, q2, s2), (b13, b2) = build_weights(dev)
+    sw = make_swiglu_params(E, ALPHA, BETA, LIMIT, dev)
+    quant = MoeQuantInfo(q13, s13, q2, s2, **sw)
+    routing = MoeRouting(torch.randn(E, H, device=dev) * 0.02, torch.zeros(E, device=dev), TOPK, RSF)
+    moe = tb.TritonMoE(quant, routing)
+    bf16 = tb.prepare(b13, None, b2, None, sw["gemm1_alpha"], sw["gemm1_beta"], sw["gemm1_clamp_limit"])
+    print(f"weights {time.time() - t0:.1f}s wmode {moe.prepared.wmode1} {moe.prepared.wmode2}", flush=True)
+    expert_bytes = 2 * I * H + 2 * I * H // 32 + H * I + H * I // 32
+    results = []
+    for t in [int(v) for v in args.tokens.split(",")]:
+        torch.manual_seed(t)
+        x = torch.randn(t, H, device=dev).to(torch.bfloat16)
+        ids = torch.rand(t, E, device=dev).topk(TOPK, dim=-1).indices
+        w = torch.rand(t, TOPK, device=dev) + 0.1
+        w = w / w.sum(-1, keepdim=True)
+        touched = int(torch.unique(ids).numel()) * expert_bytes
+        ref = moe.forward_topk(x, ids, w, tb.default_config(t)).float()
+        rows = []
+        cands = [("default", tb.default_config(t))] + [(f"c{j}", c) for j, c in enumerate(candidates(t))]
+        for name, cfg in cands:
+            try:
+                fn = lambda: moe.forward_topk(x, ids, w, cfg)
+                err = float((fn().float() - ref).norm() / ref.norm())
+                us = graph_time_us(fn, reps=30 if t >= 1024 else 60)
+                kt = kernel_times(fn)
+            except Exception as ex:  # report, keep going
+                print(f"T={t} {name} {cfg} FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+                continue
+            row = {"T": t, "name": name, "cfg": tb.fit_config(cfg, H, I).__dict__, "us": us, "TBps": touched / us / 1e6,
+                   "gemm1_us": kt.get("gemm1"), "gemm2_us": kt.get("gemm2"), "prep_us": kt.get("prep"), "diff_vs_default": err}
+            rows.append(row)
+            print(f"T={t:5d} {name:8s} {us:9.1f} us {row['TBps']:.2f} TB/s  g1 {kt.get('gemm1', 0):8.1f} g2 "
+                  f"{kt.get('gemm2', 0):8.1f} prep {kt.get('prep', 0):6.1f}  diff {err:.1e}  {tb.fit_config(cfg, H, I)}",
+                  flush=True)
+        try:
+            cfg = tb.default_config(t)
+            fb = lambda: tb.fused_moe(bf16, x, ids, w, RSF, cfg)
+            us = graph_time_us(fb, reps=30 if t >= 1024 else 60)
+            kt = kernel_times(fb)
+            rows.append({"T": t, "name": "bf16_default", "us": us, "gemm1_us": kt.get("gemm1"), "gemm2_us": kt.get("gemm2")})
+            print(f"T={t:5d} bf16     {us:9.1f} us  g1 {kt.get('gemm1', 0):8.1f} g2 {kt.get('gemm2', 0):8.1f}", flush=True)
+        except Exception as ex:
+            print(f"T={t} bf16 FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+        results += rows
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_ab_" + torch.cuda.get_device_name().replace(" ", "_") + ".json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

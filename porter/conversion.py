@@ -9,6 +9,7 @@ and finally `model.safetensors.index.json` are written only when every shard is 
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 import logging
 import queue
@@ -16,6 +17,9 @@ import re
 import threading
 import shutil
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
@@ -339,9 +343,10 @@ def _expert_label(t, e, read) -> str:
 
 
 def _produce_experts(t, read, rounding):
-    """One layer's experts, one expert (and row part) at a time. Values stream out expert by expert
-    ([E, N, K] in order); the small scales [E, N, K/32] follow once all experts are done. Quantization is
-    per row, so quantizing w1 and w3 separately equals quantizing [w1; w3]."""
+    """One layer's experts, one expert row part at a time. Values stream out expert by expert ([E, N, K]
+    in order); the small scales [E, N, K/32] follow once all experts are done. Quantization is per row, so
+    quantizing w1 and w3 separately equals quantizing [w1; w3]. Parts are quantized by a small thread pool
+    (torch releases the GIL) while this thread reads the next ones; results are yielded in order."""
     e_count = t.shape[0]
     if not t.quantize:
         for e in range(e_count):
@@ -349,22 +354,50 @@ def _produce_experts(t, read, rounding):
         return
     s = torch.empty(tuple(t.shape[:-1]) + (t.shape[-1] // mxfp8.BLOCK,), dtype=torch.uint8)  # [E, N, K/32]
     total = {"err_sq": 0.0, "ref_sq": 0.0, "max_abs_error": 0.0}
-    for e in range(e_count):
-        row = 0
-        for part in t.build(read, e):  # [rows, K]
-            try:
-                q, s[e, row:row + part.shape[0]], err = mxfp8.quantize_with_error(part, rounding, name=t.name)
-            except mxfp8.MXFP8Error as exc:  # name the offending source tensor, not the stacked output
-                raise mxfp8.MXFP8Error(str(exc).replace(t.name, _expert_label(t, e, read), 1)) from None
-            yield t.name, q, None
-            total["err_sq"] += err["err_sq"]
-            total["ref_sq"] += err["ref_sq"]
-            total["max_abs_error"] = max(total["max_abs_error"], err["max_abs_error"])
-            row += part.shape[0]
-        if row != t.shape[1]:
-            raise arch.LayoutError(f"{t.name}: expert {e} has {row} rows, expected {t.shape[1]}")
+    in_flight: deque = deque()
+
+    def collect():
+        e, row, fut = in_flight.popleft()
+        try:
+            q, scale, err = fut.result()
+        except mxfp8.MXFP8Error as exc:  # name the offending source tensor, not the stacked output
+            raise mxfp8.MXFP8Error(str(exc).replace(t.name, _expert_label(t, e, read), 1)) from None
+        s[e, row:row + q.shape[0]] = scale
+        total["err_sq"] += err["err_sq"]
+        total["ref_sq"] += err["ref_sq"]
+        total["max_abs_error"] = max(total["max_abs_error"], err["max_abs_error"])
+        return q
+
+    with _quantize_pool() as pool:
+        for e in range(e_count):
+            row = 0
+            for part in t.build(read, e):  # [rows, K]
+                in_flight.append((e, row, pool.submit(mxfp8.quantize_with_error, part, rounding, t.name)))
+                row += part.shape[0]
+                while len(in_flight) > QUANTIZE_WORKERS:
+                    yield t.name, collect(), None
+            if row != t.shape[1]:
+                raise arch.LayoutError(f"{t.name}: expert {e} has {row} rows, expected {t.shape[1]}")
+        while in_flight:
+            yield t.name, collect(), None
     yield t.name, None, _error_record(t, t.dtype, total)
     yield arch.scale_name(t.name), s, None
+
+
+QUANTIZE_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
+@contextmanager
+def _quantize_pool():
+    """Worker threads for quantization, each running single-threaded torch ops (no oversubscription)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    pool = ThreadPoolExecutor(QUANTIZE_WORKERS, thread_name_prefix="porter-quantize")
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        torch.set_num_threads(threads)
 
 
 def _finish(plan: Plan, out: Path, stats: dict) -> None:

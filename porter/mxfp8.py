@@ -58,7 +58,7 @@ def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[li
     x = x.reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)  # [..., K/32, 32]
     amax = torch.maximum(x.amax(dim=-1), -x.amin(dim=-1))  # [..., K/32]; NaN propagates
     if ref is not None:
-        ref.append(x.square().sum(dim=-1))
+        ref.append(torch.linalg.vecdot(x, x))  # per-block sum of squares (square() is a slow pow on CPU)
     if not bool(torch.isfinite(amax).all()):
         raise MXFP8Error(f"{name}: contains NaN or Inf; fix the source checkpoint (refusing to quantize)")
     e = scale_exponents(amax, rounding)
@@ -66,7 +66,7 @@ def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[li
     byte = torch.where(amax == 0, torch.zeros_like(byte), byte)
     # Multiply by 2^(127 - byte): an exact power-of-two scaling in fp32 (the factor is representable for
     # every byte, and products either stay exact or fall far below e4m3's smallest subnormal).
-    x.mul_(torch.ldexp(torch.ones_like(amax), (SCALE_BIAS - byte).float()).unsqueeze(-1))
+    x.mul_(pow2(SCALE_BIAS - byte).unsqueeze(-1))
     x.clamp_(-E4M3_MAX, E4M3_MAX)  # saturate (torch < 2.13 casts finite overflow to NaN)
     return x, x.to(torch.float8_e4m3fn), byte  # the cast rounds to nearest even
 
@@ -83,18 +83,36 @@ def quantize_with_error(w: torch.Tensor, rounding: str = "rceil", name: str = "t
     Per-block sums are fp32 (32 terms), block totals are summed in float64."""
     ref = []
     x, q, byte = _quantize_blocks(w, rounding, name, ref)
-    x.sub_(q.float())  # scaled-domain rounding (and clipping) error, exact in fp32
-    step = torch.ldexp(torch.ones(byte.shape), (byte - SCALE_BIAS).float()).double()  # [..., K/32]
-    err_sq = float((x.square().sum(dim=-1).double() * step.square()).sum())
+    x.sub_(e4m3_to_float(q))  # scaled-domain rounding (and clipping) error, exact in fp32
+    step = pow2(byte - SCALE_BIAS).double()  # [..., K/32]
+    err_sq = float((torch.linalg.vecdot(x, x).double() * step.square()).sum())
     max_abs = float((x.abs().amax(dim=-1).double() * step).max()) if x.numel() else 0.0
     ref_sq = float(ref[0].double().sum())
     return q.reshape(w.shape), byte.to(torch.uint8), {"err_sq": err_sq, "ref_sq": ref_sq, "max_abs_error": max_abs}
 
 
+_E4M3_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # code -> value
+
+
+def e4m3_to_float(q: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn -> float32 by table lookup (same values as q.float(), several times faster on CPU)."""
+    if q.device.type != "cpu":
+        return q.float()
+    codes = q.reshape(-1).view(torch.uint8).int()
+    return torch.index_select(_E4M3_TABLE, 0, codes).reshape(q.shape)
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e as float32 for integer e in [-149, 127], built from exponent bits (exact; no pow)."""
+    e = e.to(torch.int32)
+    normal = (e + 127).clamp_min(0) << 23
+    subnormal = torch.ones_like(e) << (e + 149).clamp(0, 22)
+    return torch.where(e >= -126, normal, subnormal).view(torch.float32)
+
+
 def scale_multipliers(scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 UE8M0 bytes -> 2^(byte-127) (exact for every byte 0..254)."""
-    s = scale.to(torch.int32) - SCALE_BIAS
-    return torch.ldexp(torch.ones_like(s, dtype=torch.float32), s.to(torch.float32)).to(dtype)
+    return pow2(scale.to(torch.int32) - SCALE_BIAS).to(dtype)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

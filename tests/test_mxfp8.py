@@ -141,3 +141,16 @@ def test_quantize_with_error_matches_float64_stats():
     ref = mxfp8.error_stats(w, q, s)
     assert abs((parts["err_sq"] / parts["ref_sq"]) ** 0.5 - ref["rel_fro_error"]) <= 1e-9
     assert parts["max_abs_error"] == ref["max_abs_error"]
+
+
+def test_e4m3_table_decode_equals_cast():
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # all but the two NaN codes
+    assert torch.equal(mxfp8.e4m3_to_float(codes), codes.float())
+
+
+def test_pow2_exact_over_the_whole_range():
+    e = torch.arange(-149, 128)
+    assert torch.equal(mxfp8.pow2(e).double(), torch.pow(2.0, e.double()))
+    assert torch.equal(mxfp8.scale_multipliers(torch.arange(255, dtype=torch.uint8)).double(),
+                       torch.pow(2.0, torch.arange(255).double() - 127))

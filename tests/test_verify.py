@@ -1,0 +1,264 @@
+"""`porter verify` (issue #4): a faithful conversion passes; tampered artifacts fail naming the layer or
+the tensor and shard; bad input exits 2; layer streaming equals the full run in a fraction of the memory.
+
+Tampering (tests/verify_tamper.py) rewrites one tensor in place in its shard; `reseal=True` also fixes
+porter.json (tensor and shard sha256) so integrity passes and only the comparison with the reference
+(the numerics) can catch it."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import porter
+from porter.cli import main
+from porter.verification import DEFAULT_PROMPT, Thresholds, verify
+from verify_tamper import (copy_artifact, edit_config, flip_byte, read_tensor, rewrite_tensor, shift_scales,
+                           swap_gate_up, zero_scales)
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYER = 2  # the tampered MoE layer (layers 1-3 are MoE in the tiny checkpoint)
+W13 = f"model.layers.{LAYER}.block_sparse_moe.experts.w13_weight"
+EXPERT = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # CPU op overheads dominate on tiny tensors; two OpenMP threads make index_add_ ~1000x slower here
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_vendor, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("verify") / "art"
+    porter.convert(tiny_vendor, out, progress=False)
+    return out
+
+
+def cli(*args):
+    res = CliRunner().invoke(main, ["-q", "verify", *map(str, args)])
+    if res.exception and not isinstance(res.exception, SystemExit):
+        raise res.exception
+    return res
+
+
+def tampered(artifact: Path, tmp_path: Path) -> Path:
+    return copy_artifact(artifact, tmp_path / "art")
+
+
+# ---------------------------------------------------------------------------------------------------
+# A faithful conversion
+
+
+def test_faithful_conversion_passes(artifact, tmp_path):
+    report, plot = tmp_path / "r.json", tmp_path / "r.svg"
+    res = cli(artifact, "--report", report, "--plot", plot, "--max-new-tokens", 4)
+    assert res.exit_code == 0, res.output
+    assert "verdict: PASS" in res.output and "integrity: ok" in res.output
+    assert "sparse/moe" in res.output  # per-layer table rows
+    rep = json.loads(report.read_text())
+    assert rep["verdict"] == "pass" and rep["passed"] and rep["failing_layer"] is None
+    assert rep["integrity"]["passed"] and rep["integrity"]["issues"] == []
+    assert [r["layer"] for r in rep["layers"]] == [0, 1, 2, 3]
+    for r in rep["layers"]:
+        assert {"cosine", "rel_error", "layer_error", "weight_error", "worst_tensor", "kind"} <= set(r)
+        assert r["weight_error"] < 0.06 and r["cosine"] > 0.9
+    assert rep["layers"][0]["weight_error"] == 0.0  # dense layer: nothing quantized, bit-identical
+    assert set(rep["logits"]) >= {"kl", "top1", "top5", "max_abs_diff"}
+    gen = rep["generation"][0]
+    assert {"reference_text", "converted_text", "first_divergence", "reference_tokens"} <= set(gen)
+    assert rep["prompts"] == [DEFAULT_PROMPT]
+    assert rep["thresholds"] == vars(Thresholds())
+    root = ET.parse(plot).getroot()
+    assert root.tag.endswith("svg") and "polyline" in plot.read_text()
+
+
+def test_unquantized_conversion_is_exact(tiny_vendor, tmp_path):
+    out = tmp_path / "none"
+    porter.convert(tiny_vendor, out, quantize="none", progress=False)
+    res = verify(out, max_new_tokens=3)
+    assert res.passed, res.report["summary"]
+    assert all(r["layer_error"] == 0 and r["weight_error"] == 0 for r in res.report["layers"])
+    assert res.report["logits"]["kl"] == 0 and res.report["generation"][0]["first_divergence"] is None
+
+
+def test_threshold_flags_override(artifact):
+    res = cli(artifact, "--max-weight-error", 0.01, "--max-new-tokens", 0)
+    assert res.exit_code == 1
+    assert "layer 1: tensor model.layers.1.block_sparse_moe.experts." in res.output  # first quantized layer
+    assert "FAIL  <- first failing layer" in res.output
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tampered artifacts: the right layer / tensor is named
+
+
+def test_scales_shifted_resealed_caught_by_numerics(artifact, tmp_path):
+    art = tampered(artifact, tmp_path)
+    rewrite_tensor(art, W13 + "_scale", shift_scales(+1), reseal=True)
+    res = verify(art, max_new_tokens=0)
+    rep = res.report
+    assert rep["integrity"]["passed"]  # re-sealed: only the numerics can see it
+    assert not res.passed and res.failing_layer == LAYER
+    checks = {(f.check, f.layer) for f in res.failures}
+    assert ("weights", LAYER) in checks and ("layer", LAYER) in checks  # weights and the layer's own output
+    assert all(f.layer in (None, LAYER, LAYER + 1) for f in res.failures)  # nothing upstream blamed
+    w = next(f for f in res.failures if f.check == "weights")
+    assert w.tensor.startswith(W13) and w.shard == json.loads((art / "porter.json").read_text())["tensors"][W13]["shard"]
+    assert rep["layers"][LAYER - 1]["layer_error"] < 0.08 and rep["layers"][LAYER + 1]["layer_error"] < 0.08
+
+
+def test_scales_shifted_checksum_mismatch(artifact, tmp_path):
+    art = tampered(artifact, tmp_path)
+    rewrite_tensor(art, W13 + "_scale", shift_scales(+1), reseal=False)
+    res = cli(art, "--max-new-tokens", 0)
+    assert res.exit_code == 1
+    assert f"tensor {W13}_scale in shard model-00001-of-00001.safetensors: sha256 differs" in res.output
+    assert "integrity: FAILED" in res.output
+
+
+def test_gate_up_swapped_in_one_expert(artifact, tmp_path):
+    art = tampered(artifact, tmp_path)
+    rewrite_tensor(art, W13, swap_gate_up(EXPERT))
+    rewrite_tensor(art, W13 + "_scale", swap_gate_up(EXPERT))
+    res = verify(art, max_new_tokens=0)
+    assert res.report["integrity"]["passed"] and not res.passed
+    assert res.failing_layer == LAYER
+    w = next(f for f in res.failures if f.check == "weights")
+    assert w.tensor == f"{W13}[expert {EXPERT}]" and w.value > 1.0
+    assert f"layer {LAYER}: tensor {W13}[expert {EXPERT}]" in res.report["summary"]
+
+
+def test_one_expert_scales_zeroed(artifact, tmp_path):
+    art = tampered(artifact, tmp_path)
+    rewrite_tensor(art, W13 + "_scale", zero_scales(EXPERT))  # re-sealed: checksums agree
+    res = cli(art, "--max-new-tokens", 0)
+    assert res.exit_code == 1
+    assert f"tensor {W13}_scale in shard model-00001-of-00001.safetensors" in res.output
+    assert f"scale byte 0 (2^-127) but non-zero values, first at expert {EXPERT}," in res.output
+
+
+def test_shard_checksum_mismatch(artifact, tmp_path):
+    art = tampered(artifact, tmp_path)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    flip_byte(art, name, index=10)
+    res = verify(art)
+    assert not res.passed and "layers" not in res.report  # integrity first: numerics not run
+    f, = res.failures
+    assert f.check == "integrity" and f.tensor == name and f.shard == "model-00001-of-00001.safetensors"
+
+
+def test_wrong_swiglu_limit_in_artifact_config(artifact, tmp_path):
+    art = tampered(artifact, tmp_path)
+    edit_config(art, swiglu_limit=5.0)
+    res = cli(art)
+    assert res.exit_code == 1
+    assert "config.json resolves swiglu_limit = 5.0 but porter.json resolved_config says 7.0" in res.output
+
+
+def test_scale_byte_255_named(artifact, tmp_path):
+    art = tampered(artifact, tmp_path)
+    name = "model.layers.1.block_sparse_moe.experts.w2_weight_scale"
+    rewrite_tensor(art, name, lambda s: s.index_fill(0, torch.tensor([5]), 255))
+    res = verify(art)
+    assert any(f.tensor == name and "255" in f.message and "expert 5" in f.message for f in res.failures)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input: exit 2, one line
+
+
+def test_input_errors_exit_2(artifact, tiny_vendor, tmp_path):
+    res = cli(tmp_path / "nope")
+    assert res.exit_code == 2 and "no such directory" in res.output
+    res = cli(tiny_vendor)  # a checkpoint, not an artifact
+    assert res.exit_code == 2 and "not a porter artifact" in res.output
+    res = cli(artifact, "--reference", tmp_path / "missing")
+    assert res.exit_code == 2 and "--reference not found" in res.output
+    res = cli(artifact, "--reference", artifact)
+    assert res.exit_code == 2 and "is a porter artifact" in res.output
+    art = tampered(artifact, tmp_path)
+    man = json.loads((art / "porter.json").read_text())
+    man["source"]["path"] = str(tmp_path / "gone")
+    (art / "porter.json").write_text(json.dumps(man))
+    res = cli(art)
+    assert res.exit_code == 2 and "pass --reference" in res.output
+    assert cli(art, "--reference", tiny_vendor, "--max-new-tokens", 0).exit_code == 0
+    if importlib.util.find_spec("matplotlib") is None:
+        res = cli(artifact, "--plot", tmp_path / "p.png")
+        assert res.exit_code == 2 and "PNG needs matplotlib" in res.output
+
+
+def test_transformers_layout_artifact_passes(tiny_transformers, tmp_path):
+    out = tmp_path / "hf"
+    porter.convert(tiny_transformers, out, progress=False)
+    res = verify(out, max_new_tokens=0)
+    assert res.passed, res.report["summary"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layer streaming
+
+
+def _numbers(rep):
+    return rep["layers"], rep["logits"], rep["generation"], rep["embeddings"]
+
+
+def test_streaming_numbers_equal_full_run(artifact):
+    prompts = [DEFAULT_PROMPT, "Hello world"]
+    full = verify(artifact, streaming=False, max_new_tokens=2, prompts=prompts)
+    stream = verify(artifact, streaming=True, max_new_tokens=2, prompts=prompts)
+    assert not full.report["streaming"]["enabled"] and stream.report["streaming"]["enabled"]
+    assert _numbers(stream.report) == _numbers(full.report)
+
+
+def test_streaming_picked_automatically_when_it_would_not_fit(artifact, monkeypatch):
+    import porter.verification as v
+    monkeypatch.setattr(v, "_memory_available", lambda device: 1 << 20)  # 1 MB free
+    res = verify(artifact, max_new_tokens=0)
+    assert res.report["streaming"]["enabled"] and res.report["streaming"]["reason"].startswith("auto")
+    assert res.passed
+
+
+MEASURE = """
+import json, sys
+import torch
+torch.set_num_threads(1)
+sys.path.insert(0, {root!r})
+from porter.verification import verify
+r = verify(sys.argv[1], streaming=sys.argv[2] == "stream", max_new_tokens=1, prompts=["Hello world, hello porter."])
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(json.dumps({{"hwm_kb": hwm, "numbers": [r.report["layers"], r.report["logits"], r.report["generation"]],
+                   "passed": r.passed, "streaming": r.report["streaming"]["enabled"]}}))
+"""
+
+
+def _peak(art: Path, mode: str) -> dict:
+    # VmHWM of a fresh child (not ru_maxrss: that survives exec and starts from the parent's peak)
+    res = subprocess.run([sys.executable, "-c", MEASURE.format(root=str(ROOT)), str(art), mode],
+                         capture_output=True, text=True, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_streaming_peak_memory_under_40_percent_of_full_load(tmp_path):
+    from tiny_checkpoint import build_tiny_checkpoint, synthetic_overrides
+    # 8 layers (7 MoE x 16 experts of 3 x [1024, 1024]): ~0.74 GB bf16 source, ~0.41 GB artifact
+    src = build_tiny_checkpoint(tmp_path / "src", text_overrides=synthetic_overrides(8), max_shard_tensors=64)
+    art = tmp_path / "art"
+    porter.convert(src, art, max_shard_size="200MB", progress=False)
+    full, stream = _peak(art, "full"), _peak(art, "stream")
+    assert full["passed"] and stream["passed"] and stream["streaming"] and not full["streaming"]
+    assert stream["numbers"] == full["numbers"]
+    ratio = stream["hwm_kb"] / full["hwm_kb"]
+    assert ratio < 0.40, (stream["hwm_kb"], full["hwm_kb"], ratio)

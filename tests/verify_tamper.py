@@ -1,0 +1,107 @@
+"""Tampering helpers for the `porter verify` tests: rewrite one tensor of an artifact in place, and
+optionally re-seal porter.json (the tensor's and the shard's sha256) so that integrity passes and only
+the numerics (the comparison with the reference) can catch the change."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from porter.safetensors_io import DTYPE_NAMES, file_sha256
+from porter.source import ST_DTYPES, read_header
+
+
+def copy_artifact(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _locate(art: Path, name: str):
+    art = Path(art)
+    man = json.loads((art / "porter.json").read_text())
+    shard = art / man["tensors"][name]["shard"]
+    header = read_header(shard)
+    with open(shard, "rb") as f:
+        hlen = int.from_bytes(f.read(8), "little")
+    info = header[name]
+    start, end = info["data_offsets"]
+    return man, shard, 8 + hlen + start, end - start, ST_DTYPES[info["dtype"]], tuple(info["shape"])
+
+
+def read_tensor(art: Path, name: str) -> torch.Tensor:
+    _, shard, off, n, dtype, shape = _locate(art, name)
+    with open(shard, "rb") as f:
+        f.seek(off)
+        raw = bytearray(f.read(n))
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).clone()
+
+
+def rewrite_tensor(art: Path, name: str, fn: Callable[[torch.Tensor], torch.Tensor], reseal: bool = True) -> None:
+    """Replace tensor `name` by fn(tensor) (same dtype and shape), bytes overwritten in place in its shard.
+    reseal=True also updates porter.json (tensor sha256 and shard sha256) so integrity still passes."""
+    art = Path(art)
+    man, shard, off, n, dtype, shape = _locate(art, name)
+    new = fn(read_tensor(art, name)).contiguous()
+    assert new.dtype == dtype and tuple(new.shape) == shape, (new.dtype, new.shape)
+    data = new.view(torch.uint8).reshape(-1).numpy().tobytes()
+    assert len(data) == n
+    with open(shard, "r+b") as f:
+        f.seek(off)
+        f.write(data)
+    if reseal:
+        man["tensors"][name]["sha256"] = hashlib.sha256(data).hexdigest()
+        man["shards"][shard.name]["sha256"] = file_sha256(shard)
+        (art / "porter.json").write_text(json.dumps(man, indent=1))
+
+
+def flip_byte(art: Path, name: str, index: int = 0) -> None:
+    """Flip one bit of one data byte of `name` without touching porter.json (a checksum mismatch)."""
+    _, shard, off, n, _, _ = _locate(art, name)
+    with open(shard, "r+b") as f:
+        f.seek(off + index)
+        b = f.read(1)[0]
+        f.seek(off + index)
+        f.write(bytes([b ^ 0x01]))
+
+
+def edit_config(art: Path, **text_fields) -> None:
+    """Change text-config fields of the artifact's config.json (vendor layout: under text_config)."""
+    p = Path(art) / "config.json"
+    cfg = json.loads(p.read_text())
+    (cfg.get("text_config", cfg)).update(text_fields)
+    p.write_text(json.dumps(cfg, indent=2))
+
+
+def shift_scales(delta: int, expert=None):
+    def fn(s):
+        s = s.clone()
+        sel = s if expert is None else s[expert]
+        nz = sel != 0
+        sel[nz] = (sel[nz].to(torch.int32) + delta).clamp(1, 254).to(torch.uint8)
+        return s
+    return fn
+
+
+def zero_scales(expert: int):
+    def fn(s):
+        s = s.clone()
+        s[expert] = 0
+        return s
+    return fn
+
+
+def swap_gate_up(expert: int):
+    """w13 [E, 2I, H] ([gate; up]) -> the expert's halves swapped (values and, separately, scales)."""
+    def fn(t):
+        t = t.clone()
+        i = t.shape[1] // 2
+        t[expert] = torch.cat([t[expert, i:], t[expert, :i]])
+        return t
+    return fn
+
+
+assert DTYPE_NAMES  # (re-exported dtype tables are the ones porter writes)

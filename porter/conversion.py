@@ -122,7 +122,7 @@ def fingerprint(plan: Plan) -> str:
     """Identifies a conversion: porter version, options, source identity and the full output plan."""
     src = plan.source
     ident = {"porter": porter.__version__, "options": plan.options, "commit": src.commit,
-             "source_files": [(f.name, f.stat().st_size) for f in src.shard_files],
+             "source_files": [(f.name, f.stat().st_size if f.exists() else None) for f in src.shard_files],
              "shards": [(f, [(e.name, str(e.dtype), e.shape) for e in es]) for f, es in plan.shards]}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -135,7 +135,7 @@ def convert(source, output, *, revision: Optional[str] = None, quantize: str = "
             dry_run: bool = False, progress: bool = True) -> dict:
     """Convert; returns a summary dict. Mirrors `porter convert` (see `porter convert --help`)."""
     t0 = time.time()
-    src = open_source(source, revision)
+    src = open_source(source, revision, headers_only=dry_run)
     plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size)
     out = Path(output)
     if dry_run:

@@ -70,3 +70,23 @@ def download(repo_id: str, revision=None) -> tuple[Path, str]:
     log.info("fetching %d shard(s) of %s@%s", len(shards), repo_id, commit[:12])
     path = _snapshot(repo_id, commit, META_PATTERNS + shards)
     return path, commit
+
+
+def headers_only(repo_id: str, revision=None) -> tuple[Path, str, dict]:
+    """For --dry-run: config/index/tokenizer plus every shard's safetensors header, fetched with HTTP range
+    requests (no tensor data). Returns (dir with the metadata files, commit, {file: header dict})."""
+    from huggingface_hub import get_safetensors_metadata
+    meta_dir = _snapshot(repo_id, revision, META_PATTERNS)
+    commit = meta_dir.name
+    local = sorted(meta_dir.glob("*.safetensors"))
+    if local:  # already fully cached
+        from porter.source import read_header
+        return meta_dir, commit, {f.name: read_header(f) for f in local}
+    try:
+        info = get_safetensors_metadata(repo_id, revision=commit)
+    except Exception as e:  # offline, or no safetensors
+        raise SourceError(f"{repo_id}: cannot read shard headers for --dry-run ({type(e).__name__}: {e}); "
+                          "the dry run needs the hub or a cached snapshot") from None
+    headers = {f: {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in fm.tensors.items()}
+               for f, fm in info.files_metadata.items()}
+    return meta_dir, commit, headers

@@ -119,7 +119,10 @@ def weight_files(path: Path) -> list[Path]:
     raise SourceError(f"{path}: no *.safetensors weights found")
 
 
-def open_local(path: Path, repo_id: Optional[str] = None, commit: Optional[str] = None) -> Source:
+def open_local(path: Path, repo_id: Optional[str] = None, commit: Optional[str] = None,
+               headers: Optional[dict] = None) -> Source:
+    """A checkpoint dir. `headers` ({file: safetensors header}) stands in for shards not present locally
+    (a --dry-run of a hub repo reads headers only)."""
     path = Path(path)
     if not path.is_dir():
         raise SourceError(f"{path}: not a directory (give a checkpoint dir or a Hugging Face repo id)")
@@ -129,8 +132,11 @@ def open_local(path: Path, repo_id: Optional[str] = None, commit: Optional[str] 
                           f"({raw['quantization_config'].get('quant_method')}); porter converts the BF16 release")
     config = arch.resolve_config(raw)
     meta, files = {}, {}
-    for f in weight_files(path):
-        for name, info in read_header(f).items():
+    shards = {path / f: h for f, h in headers.items()} if headers else {f: None for f in weight_files(path)}
+    for f, header in shards.items():
+        for name, info in (header if header is not None else read_header(f)).items():
+            if name == "__metadata__":
+                continue
             if info.get("dtype") not in ST_DTYPES:
                 raise SourceError(f"{f}: tensor {name!r} has unsupported dtype {info.get('dtype')}")
             if name in meta:
@@ -140,14 +146,18 @@ def open_local(path: Path, repo_id: Optional[str] = None, commit: Optional[str] 
     return Source(path, raw, config, meta, files, repo_id=repo_id, commit=commit)
 
 
-def open_source(source: str | Path, revision: Optional[str] = None) -> Source:
-    """A local dir, or a Hugging Face repo id resolved through the hub cache (porter.hub)."""
+def open_source(source: str | Path, revision: Optional[str] = None, headers_only: bool = False) -> Source:
+    """A local dir, or a Hugging Face repo id resolved through the hub cache (porter.hub).
+    headers_only: for a repo id, fetch only metadata and shard headers (enough to plan a --dry-run)."""
     p = Path(source).expanduser()
     if p.exists():
         return open_local(p)
     if str(source).startswith((".", "/", "~")) or str(source).count("/") != 1:
         raise SourceError(f"{source}: no such directory, and not a Hugging Face repo id (owner/name)")
     from porter import hub
+    if headers_only:
+        path, commit, headers = hub.headers_only(str(source), revision)
+        return open_local(path, repo_id=str(source), commit=commit, headers=headers)
     path, commit = hub.download(str(source), revision)
     return open_local(path, repo_id=str(source), commit=commit)
 

@@ -293,3 +293,37 @@ def test_hub_offline_cached_and_uncached(tiny_vendor, tmp_path, monkeypatch):
     res = CliRunner().invoke(cli, ["convert", "MiniMaxAI/Not-Cached", "--output", str(tmp_path / "o2")])
     assert res.exit_code == 2 and "not in the Hugging Face cache" in res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+def test_hub_dry_run_reads_headers_only(tiny_vendor, tmp_path, monkeypatch):
+    """--dry-run of a repo id fetches config/index/tokenizer and shard headers, never tensor data."""
+    import huggingface_hub
+    import huggingface_hub.constants as c
+    from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
+    cache, sha = tmp_path / "hub", "fedcba9876543210fedcba9876543210fedcba98"
+    snap = cache / "models--MiniMaxAI--Tiny-M3" / "snapshots" / sha
+    snap.mkdir(parents=True)
+    for f in tiny_vendor.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, snap / f.name)
+    (cache / "models--MiniMaxAI--Tiny-M3" / "refs").mkdir()
+    (cache / "models--MiniMaxAI--Tiny-M3" / "refs" / "main").write_text(sha)
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    asked = []
+
+    def fake_metadata(repo_id, revision=None, **kw):
+        asked.append((repo_id, revision))
+        files = {}
+        for f in sorted(tiny_vendor.glob("*.safetensors")):
+            files[f.name] = SafetensorsFileMetadata(metadata={}, tensors={
+                n: TensorInfo(dtype=h["dtype"], shape=h["shape"], data_offsets=tuple(h["data_offsets"]))
+                for n, h in read_header(f).items()})
+        return SafetensorsRepoMetadata(metadata=None, sharded=True, weight_map={}, files_metadata=files)
+
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", fake_metadata)
+    plan = porter.convert("MiniMaxAI/Tiny-M3", tmp_path / "o", dry_run=True)
+    assert asked == [("MiniMaxAI/Tiny-M3", sha)]
+    local = porter.convert(tiny_vendor, tmp_path / "o2", dry_run=True)
+    assert plan["output_bytes"] == local["output_bytes"] and plan["quantized"] == local["quantized"]
+    assert not (tmp_path / "o").exists() and not list(snap.glob("*.safetensors"))

@@ -558,26 +558,14 @@ def decide_streaming(streaming, device: torch.device, need: int) -> tuple[bool, 
 def _load(store, device: torch.device, dtype, backend: str, lazy: bool):
     """runtime.load on an already opened store (verify keeps the store: the weight comparison reads the
     same tensors, and layer streaming unmaps the shards after every layer)."""
-    from runtime.loader import build_model
-    from runtime.moe import make_moe, resolve_backend
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    quantized = any(n.endswith("experts.w13_weight_scale") for n in store.names())
-    name = resolve_backend(backend, device, quantized=quantized)
-    log.info("loading %s on %s (%s, MoE backend %s, lazy=%s)", getattr(store, "path", None)
-             or store.source.path, device, dtype, name, lazy)
-    return build_model(store, device, dtype, lambda quant, routing: make_moe(name, quant, routing), lazy)
+    import runtime
+    return runtime.load(store, device=device, dtype=dtype, backend=backend, lazy=lazy)
 
 
 def _unmap(*stores) -> None:
     """Drop the stores' safe_open handles (each maps a whole shard); tensors still in use keep theirs."""
     for st in stores:
-        handles = getattr(st, "_handles", None)
-        if handles is None and hasattr(st, "source"):
-            handles = st.source._handles
-        if handles is not None:
-            handles.clear()
+        st.close()
 
 
 @torch.inference_mode()

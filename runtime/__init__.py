@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from runtime.loader import LoadError, open_store, build_model
+from runtime.loader import ArtifactStore, LoadError, SourceStore, build_model, open_store
 from runtime.moe import BackendUnavailable, make_moe, resolve_backend
 
 __all__ = ["load", "LoadError", "BackendUnavailable"]
@@ -25,7 +25,8 @@ log = logging.getLogger("porter.runtime")
 
 
 def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str = "auto", lazy: bool = False):
-    """Load a porter artifact dir (porter.json) or an original MiniMax-M3 HF checkpoint dir.
+    """Load a porter artifact dir (porter.json) or an original MiniMax-M3 HF checkpoint dir (or an already
+    opened store from runtime.loader.open_store, which the caller keeps, e.g. to read weights or close()).
 
     dtype: compute dtype (default float32 on CPU, bfloat16 on CUDA). backend: MoE backend, checked against
     the device before any weight is read (BackendUnavailable with a one-line reason). lazy: stream decoder
@@ -36,8 +37,8 @@ def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str =
         device = torch.device("cuda", torch.cuda.current_device())
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    store = open_store(path)
+    store = path if isinstance(path, (ArtifactStore, SourceStore)) else open_store(path)
     quantized = any(n.endswith("experts.w13_weight_scale") for n in store.names())
     name = resolve_backend(backend, device, quantized=quantized)
-    log.info("loading %s on %s (%s, MoE backend %s, lazy=%s)", path, device, dtype, name, lazy)
+    log.info("loading %s on %s (%s, MoE backend %s, lazy=%s)", store.path, device, dtype, name, lazy)
     return build_model(store, device, dtype, lambda quant, routing: make_moe(name, quant, routing), lazy)

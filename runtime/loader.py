@@ -57,6 +57,10 @@ class ArtifactStore:
     def names(self) -> set:
         return set(self.files)
 
+    def close(self) -> None:
+        """Drop the safe_open handles (each maps a whole shard); tensors still referenced keep theirs."""
+        self._handles.clear()
+
     def get(self, name: str) -> torch.Tensor:
         f = self.files[name]
         if f not in self._handles:
@@ -73,6 +77,7 @@ class SourceStore:
     def __init__(self, path: Path):
         from porter import source
         self.source = source.open_source(path)
+        self.path = self.source.path
         self.config = self.source.config
         plan = arch.plan_tensors(self.config, self.source.meta, quantize="none")
         self.plan = {t.name: t for t in plan if t.group != "carried"}
@@ -83,6 +88,9 @@ class SourceStore:
 
     def get(self, name: str) -> torch.Tensor:
         return self._build(self.plan[name], self.source.read)
+
+    def close(self) -> None:
+        self.source._handles.clear()
 
 
 def open_store(path) -> ArtifactStore | SourceStore:
@@ -107,7 +115,7 @@ def getter(store, names: set, device: torch.device) -> Callable[[str], Optional[
         if name not in names:
             if name.endswith("_scale"):
                 return None
-            raise LoadError(f"tensor {name!r} is missing from {getattr(store, 'path', None) or store.source.path}")
+            raise LoadError(f"tensor {name!r} is missing from {store.path}")
         t = store.get(name)
         return t if t.device == device else t.to(device)
     return get

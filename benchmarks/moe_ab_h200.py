@@ -25,27 +25,34 @@ from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params  #
 
 C = tb.MoeConfig
 # bm, bn1, bk1, split1, warps1, stages1, bn2, bk2, split2, warps2, stages2, fused1, swap1, swap2
-DECODE_T1 = [C(16, 32, 256, 1, 4, 3, 64, 256, 1, 4, 3, True), C(16, 32, 256, 2, 4, 3, 64, 256, 2, 4, 3, True),
-             C(16, 32, 256, 3, 4, 3, 32, 256, 3, 4, 3, True), C(16, 64, 128, 2, 4, 4, 64, 128, 2, 4, 4),
-             C(16, 32, 128, 4, 4, 4, 32, 128, 4, 4, 4, True), C(16, 32, 256, 2, 4, 4, 64, 256, 2, 4, 4, True),
-             C(16, 64, 256, 2, 4, 3, 64, 256, 3, 4, 3)]
-DECODE = [C(16, 32, 256, 1, 4, 3, 64, 256, 1, 4, 3, True), C(16, 64, 256, 1, 4, 3, 64, 256, 1, 4, 3),
-          C(16, 64, 128, 1, 4, 4, 128, 128, 1, 4, 4), C(16, 32, 256, 1, 4, 4, 64, 256, 1, 4, 4, True),
-          C(16, 64, 256, 1, 8, 3, 128, 256, 1, 8, 3, True), C(16, 32, 256, 2, 4, 3, 64, 256, 2, 4, 3, True)]
-PREFILL = [C(64, 64, 128, 1, 8, 3, 128, 128, 1, 8, 3), C(64, 128, 64, 1, 8, 4, 128, 64, 1, 4, 4),
-           C(128, 64, 64, 1, 8, 3, 128, 64, 1, 8, 3, False, True, True),
-           C(64, 64, 64, 1, 4, 3, 128, 64, 1, 4, 3, False, True, True),
-           C(128, 64, 64, 1, 8, 3, 128, 64, 1, 8, 3, True, True, True),
-           C(128, 64, 128, 1, 8, 3, 128, 128, 1, 8, 3, False, True, True),
-           C(128, 128, 64, 1, 8, 3, 128, 64, 1, 8, 4, False, True, True)]
+OLD = {"nosort": False, "fused_out": False, "pdl": False}  # round-1 path: prep, GEMM1, GEMM2, cast
+NOPDL = {"pdl": False}
+T1 = C(16, 32, 256, 1, 4, 3, 64, 256, 1, 4, 3, True)
 
 
 def candidates(t):
+    """(name, config or None = default, path options) per T."""
+    paths = [("old_path", None, OLD), ("no_pdl", None, NOPDL)]
     if t <= 4:
-        return DECODE_T1 if t == 1 else DECODE_T1[:3] + DECODE[:3]
+        return paths + [("stages4", C(16, 32, 256, 1, 4, 4, 64, 256, 1, 4, 4, True), {}),
+                        ("split2", C(16, 32, 256, 2, 4, 3, 64, 256, 2, 4, 3, True), {}),
+                        ("bn2_32", C(16, 32, 256, 1, 4, 3, 32, 256, 1, 4, 3, True), {})]
     if t <= 256:
-        return DECODE
-    return PREFILL
+        return paths
+    if t <= 1024:
+        return [("old_path", None, OLD), ("bm64", C(64, 64, 128, 1, 8, 3, 128, 128, 1, 8, 3), {}),
+                ("bm64b", C(64, 64, 128, 1, 8, 3, 128, 64, 1, 4, 4), {})]
+    return [("old_path", None, OLD),
+            ("fused128", C(128, 64, 128, 1, 8, 3, 128, 128, 1, 8, 3, True), {}),
+            ("bn128", C(128, 128, 64, 1, 8, 3, 128, 128, 1, 8, 3), {}),
+            ("bm256", C(256, 64, 64, 1, 8, 3, 128, 64, 1, 8, 3, True), {}),
+            ("fused256", C(128, 128, 64, 1, 8, 3, 256, 64, 1, 8, 3, True), {})]
+
+
+def call(prepared, x, ids, w, cfg, opts):
+    tb.USE_PDL = opts.get("pdl", None)
+    kw = {k: v for k, v in opts.items() if k != "pdl"}
+    return lambda: tb.fused_moe(prepared, x, ids, w, RSF, cfg, **kw)
 
 
 def kernel_times(fn, calls=10):
@@ -68,7 +75,7 @@ def kernel_times(fn, calls=10):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/tmp_ab"))
-    ap.add_argument("--tokens", default="1,4,16,64,256,4096")
+    ap.add_argument("--tokens", default="1,4,16,64,256,1024,4096")
     args = ap.parse_args()
     dev = torch.device("cuda")
     t0 = time.time()
@@ -88,33 +95,38 @@ def main():
         w = torch.rand(t, TOPK, device=dev) + 0.1
         w = w / w.sum(-1, keepdim=True)
         touched = int(torch.unique(ids).numel()) * expert_bytes
-        ref = moe.forward_topk(x, ids, w, tb.default_config(t)).float()
+        tb.USE_PDL = False
+        ref = tb.fused_moe(moe.prepared, x, ids, w, RSF, tb.default_config(t), nosort=False, fused_out=False).float()
         rows = []
-        cands = [("default", tb.default_config(t))] + [(f"c{j}", c) for j, c in enumerate(candidates(t))]
-        for name, cfg in cands:
+        cands = [("default", None, {})] + candidates(t)
+        for name, cfg, opts in cands:
+            cfg = cfg or tb.default_config(t)
             try:
-                fn = lambda: moe.forward_topk(x, ids, w, cfg)
+                fn = call(moe.prepared, x, ids, w, cfg, opts)
                 err = float((fn().float() - ref).norm() / ref.norm())
-                us = graph_time_us(fn, reps=30 if t >= 1024 else 60)
+                us = graph_time_us(fn, reps=30 if t >= 1024 else 100)
                 kt = kernel_times(fn)
             except Exception as ex:  # report, keep going
                 print(f"T={t} {name} {cfg} FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
                 continue
-            row = {"T": t, "name": name, "cfg": tb.fit_config(cfg, H, I).__dict__, "us": us, "TBps": touched / us / 1e6,
-                   "gemm1_us": kt.get("gemm1"), "gemm2_us": kt.get("gemm2"), "prep_us": kt.get("prep"), "diff_vs_default": err}
+            row = {"T": t, "name": name, "opts": opts, "cfg": tb.fit_config(cfg, H, I).__dict__, "us": us,
+                   "TBps": touched / us / 1e6, "gemm1_us": kt.get("gemm1"), "gemm2_us": kt.get("gemm2"),
+                   "prep_us": kt.get("prep"), "diff_vs_default": err}
             rows.append(row)
-            print(f"T={t:5d} {name:8s} {us:9.1f} us {row['TBps']:.2f} TB/s  g1 {kt.get('gemm1', 0):8.1f} g2 "
-                  f"{kt.get('gemm2', 0):8.1f} prep {kt.get('prep', 0):6.1f}  diff {err:.1e}  {tb.fit_config(cfg, H, I)}",
-                  flush=True)
-        try:
-            cfg = tb.default_config(t)
-            fb = lambda: tb.fused_moe(bf16, x, ids, w, RSF, cfg)
-            us = graph_time_us(fb, reps=30 if t >= 1024 else 60)
-            kt = kernel_times(fb)
-            rows.append({"T": t, "name": "bf16_default", "us": us, "gemm1_us": kt.get("gemm1"), "gemm2_us": kt.get("gemm2")})
-            print(f"T={t:5d} bf16     {us:9.1f} us  g1 {kt.get('gemm1', 0):8.1f} g2 {kt.get('gemm2', 0):8.1f}", flush=True)
-        except Exception as ex:
-            print(f"T={t} bf16 FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+            print(f"T={t:5d} {name:9s} {us:9.1f} us {row['TBps']:.2f} TB/s  g1 {kt.get('gemm1', 0):8.1f} g2 "
+                  f"{kt.get('gemm2', 0):8.1f} prep {kt.get('prep', 0):6.1f}  diff {err:.1e}  {opts} "
+                  f"{tb.fit_config(cfg, H, I)}", flush=True)
+        for name, opts in (("bf16", {}), ("bf16_old", OLD)):
+            try:
+                fb = call(bf16, x, ids, w, tb.default_config(t), opts)
+                us = graph_time_us(fb, reps=30 if t >= 1024 else 100)
+                rows.append({"T": t, "name": name, "us": us})
+                print(f"T={t:5d} {name:9s} {us:9.1f} us", flush=True)
+            except Exception as ex:
+                print(f"T={t} {name} FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+            if t > 256:
+                break
+        tb.USE_PDL = None
         results += rows
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_ab_" + torch.cuda.get_device_name().replace(" ", "_") + ".json"), "w") as f:

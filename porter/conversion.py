@@ -294,6 +294,7 @@ def _produce(plan: Plan, out: Path, done: dict, progress: bool) -> dict:
                               for s in dict.fromkeys(t.sources))
     bar = tqdm(total=sum(src_bytes(t) for t in plan.tensors), unit="B", unit_scale=True, desc="convert",
                disable=not progress)
+    _reuse_freed_memory()
     writer = _WriterThread(plan, out, done, stats)
     ok = False
     try:
@@ -308,6 +309,20 @@ def _produce(plan: Plan, out: Path, done: dict, progress: bool) -> dict:
         writer.finish(ok)
         bar.close()
     return stats
+
+
+def _reuse_freed_memory() -> None:
+    """glibc hands every multi-MB temporary its own mmap and unmaps it on free, so each quantized part
+    page-faults its memory in again (measured: a third of the conversion's CPU time was kernel time).
+    Raising the mmap/trim thresholds keeps freed blocks in the heap for reuse; the working set (one
+    expert's temporaries) is what stays resident. No-op where glibc's mallopt is unavailable."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: serve allocations below 1 GiB from the heap
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap for reuse
+    except (OSError, AttributeError):
+        pass
 
 
 def produce(t: arch.OutTensor, read, rounding: str) -> Iterator[tuple]:

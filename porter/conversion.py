@@ -299,11 +299,16 @@ def _produce(plan: Plan, out: Path, done: dict, progress: bool) -> dict:
     ok = False
     try:
         for t in plan.tensors:
+            shown = 0  # source bytes already shown for t (experts advance the bar part by part)
             if not all(plan.shard_of[e.name] in done for e in entries_for(t)):
                 for name, chunk, record in produce(t, plan.source.read, plan.options["scale_rounding"]):
                     writer.put(name, chunk, record)
+                    if getattr(t, "per_expert", False) and name == t.name and chunk is not None:
+                        step = chunk.numel() * t.dtype.itemsize
+                        bar.update(step)
+                        shown += step
                 plan.source._handles.clear()  # unmap source shards: RSS must not grow with the model
-            bar.update(src_bytes(t))
+            bar.update(max(0, src_bytes(t) - shown))
         ok = True
     finally:
         writer.finish(ok)

@@ -17,6 +17,7 @@ log = logging.getLogger("porter.runtime")
 
 BACKENDS = ("auto", "torch", "triton", "flashinfer-trtllm")
 TRTLLM_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
+HOPPER = (9, 0)
 
 
 class BackendUnavailable(RuntimeError):
@@ -46,12 +47,15 @@ def resolve_backend(name: str, device: torch.device, quantized: bool = True) -> 
         choice, why = "torch", ("device is " + device.type) if quantized else "weights are not MXFP8"
     else:
         cap = torch.cuda.get_device_capability(device)
+        sm = f"SM{cap[0]}{cap[1]}"
         if cap in TRTLLM_CAPABILITIES and _importable("flashinfer"):
-            choice, why = "flashinfer-trtllm", f"SM{cap[0]}{cap[1]} with flashinfer installed"
-        elif cap >= (8, 0) and _importable("triton"):
-            choice, why = "triton", f"SM{cap[0]}{cap[1]} with triton installed"
+            choice, why = "flashinfer-trtllm", f"{sm} with flashinfer installed"
+        elif cap == HOPPER and _importable("triton"):
+            choice, why = "triton", f"{sm} (Hopper) with triton installed"
         else:
-            choice, why = "torch", f"SM{cap[0]}{cap[1]}: no faster backend applies"
+            hint = " (backend='triton' also runs on SM80+)" if cap >= (8, 0) and _importable("triton") else ""
+            need = " (install flashinfer-python for the TRT-LLM kernels)" if cap in TRTLLM_CAPABILITIES else ""
+            choice, why = "torch", f"{sm}: no tuned backend for this GPU{need}{hint}"
     _backend_class(choice).check_supported(device)
     log.info("MoE backend: %s (auto: %s)", choice, why)
     return choice

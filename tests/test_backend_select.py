@@ -1,0 +1,42 @@
+"""backend="auto": TRT-LLM on SM100/103/107 with flashinfer, Triton on SM90, torch otherwise (issue #3)."""
+import logging
+
+import pytest
+import torch
+
+import runtime.moe as moe
+
+
+class _Anywhere:
+    @classmethod
+    def check_supported(cls, device):
+        return None
+
+
+@pytest.mark.parametrize("cap,installed,want", [
+    ((10, 0), {"flashinfer", "triton"}, "flashinfer-trtllm"),
+    ((10, 3), {"flashinfer"}, "flashinfer-trtllm"),
+    ((10, 7), {"flashinfer"}, "flashinfer-trtllm"),
+    ((10, 0), {"triton"}, "torch"),  # no flashinfer: not a silent Triton pick on Blackwell
+    ((9, 0), {"triton", "flashinfer"}, "triton"),
+    ((9, 0), set(), "torch"),
+    ((8, 0), {"triton"}, "torch"),
+    ((12, 0), {"triton", "flashinfer"}, "torch"),  # SM120: TRT-LLM cubins do not run there
+])
+def test_auto_choice_by_capability(monkeypatch, caplog, cap, installed, want):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(moe, "_importable", lambda name: name in installed)
+    monkeypatch.setattr(moe, "_backend_class", lambda name: _Anywhere)
+    with caplog.at_level(logging.INFO, logger="porter.runtime"):
+        assert moe.resolve_backend("auto", torch.device("cuda")) == want
+    assert f"MoE backend: {want} (auto: SM{cap[0]}{cap[1]}" in caplog.text
+
+
+def test_auto_on_cpu_and_unquantized():
+    assert moe.resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert moe.resolve_backend("auto", torch.device("cpu"), quantized=False) == "torch"
+
+
+def test_unknown_backend_is_one_clear_error():
+    with pytest.raises(moe.BackendUnavailable, match="unknown MoE backend 'cutlass'"):
+        moe.resolve_backend("cutlass", torch.device("cpu"))

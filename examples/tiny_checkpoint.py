@@ -139,31 +139,33 @@ def to_vendor_names(w: dict) -> dict:
 
 
 def to_transformers_names(w: dict, text: dict, interleaved: bool = False) -> dict:
-    """Fuse to MiniMaxM3VLForCausalLM names (gate_up gate-first, or GPT-OSS interleaved)."""
-    out, e = {}, text["num_local_experts"]
+    """Fuse to MiniMaxM3VLForCausalLM names (gate_up gate-first, or GPT-OSS interleaved experts)."""
+    out = {}
     for k, t in w.items():
-        if ".experts." in k or k.endswith(("up_proj.weight",)):
-            continue
-        k = k.replace(".self_attn.index_q_", ".self_attn.indexer.q_").replace(".self_attn.index_k_", ".self_attn.indexer.k_")
-        k = k.replace(".block_sparse_moe.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
-        k = k.replace(".block_sparse_moe.", ".mlp.")
-        if k.endswith("gate_proj.weight"):
-            up = w[k.replace(".mlp.", ".block_sparse_moe.", 1).replace("gate_proj", "up_proj")
-                   if k.replace(".mlp.", ".block_sparse_moe.", 1).replace("gate_proj", "up_proj") in w
-                   else k.replace("gate_proj", "up_proj")]
-            k, t = k.replace("gate_proj", "gate_up_proj"), torch.cat([t, up])
-        out[k] = t
+        if ".experts." in k or k.endswith("up_proj.weight"):
+            continue  # experts are fused below; up_proj joins its gate_proj
+        if k.endswith("gate_proj.weight"):  # dense MLP or shared expert: gate_up_proj = [gate; up]
+            t = torch.cat([t, w[k.replace("gate_proj", "up_proj")]])
+            k = k.replace("gate_proj", "gate_up_proj")
+        out[_transformers_name(k)] = t
     for layer in range(text["num_hidden_layers"]):
         m = f"model.layers.{layer}.block_sparse_moe.experts."
         if m + "0.w1.weight" not in w:
             continue
-        gate_up = torch.stack([torch.cat([w[m + f"{x}.w1.weight"], w[m + f"{x}.w3.weight"]]) for x in range(e)])
+        experts = range(text["num_local_experts"])
+        gate_up = torch.stack([torch.cat([w[m + f"{x}.w1.weight"], w[m + f"{x}.w3.weight"]]) for x in experts])
         if interleaved:
             from converters.minimax_m3 import interleave_gate_up
             gate_up = interleave_gate_up(gate_up)
-        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up.contiguous()
-        out[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack([w[m + f"{x}.w2.weight"] for x in range(e)])
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up.contiguous()  # [E, 2I, H]
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack([w[m + f"{x}.w2.weight"] for x in experts])
     return out
+
+
+def _transformers_name(k: str) -> str:
+    k = k.replace(".self_attn.index_q_", ".self_attn.indexer.q_").replace(".self_attn.index_k_", ".self_attn.indexer.k_")
+    k = k.replace(".block_sparse_moe.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+    return k.replace(".block_sparse_moe.", ".mlp.")
 
 
 def train_tokenizer(vocab_size: int):
@@ -193,9 +195,7 @@ def build_tiny_checkpoint(out_dir, layout: str = "vendor", seed: int = 0, text_o
         tensors = to_vendor_names(weights) | vision_weights(seed)
     elif layout == "transformers":
         tensors = to_transformers_names(weights, text, interleaved=gate_up == "interleaved")
-        cfg = transformers_config(text)
-        if gate_up == "interleaved" and (text_overrides or {}).get("gate_up_interleaved") is None:
-            pass  # unmarked: the user must say --gate-up interleaved
+        cfg = transformers_config(text)  # interleaved rows are marked only if text_overrides says so
     else:
         raise ValueError(f"layout must be vendor or transformers, not {layout!r}")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -404,7 +404,8 @@ def _produce_experts(t, read, rounding):
     yield arch.scale_name(t.name), s, None
 
 
-QUANTIZE_WORKERS = max(1, min(4, os.cpu_count() or 1))
+# one more worker than cores: the main thread (reads) and the writer thread (hash, disk) leave gaps
+QUANTIZE_WORKERS = max(1, min(8, (os.cpu_count() or 1) + 1))
 
 
 @contextmanager

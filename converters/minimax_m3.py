@@ -378,6 +378,7 @@ class OutTensor:
     build: Callable  # (read) -> Tensor; per-expert tensors: (read, e) -> [row parts of expert e]
     quantize: bool = False
     group: str = "misc"  # tensors of one group are produced together (one MoE layer's experts)
+    per_expert: bool = False  # a stacked [E, N, K] expert tensor, built one expert at a time
 
 
 def experts_w13_name(layer: int) -> str:
@@ -386,6 +387,14 @@ def experts_w13_name(layer: int) -> str:
 
 def experts_w2_name(layer: int) -> str:
     return f"model.layers.{layer}.block_sparse_moe.experts.w2_weight"
+
+
+_STACKED_EXPERTS = re.compile(r"^model\.layers\.\d+\.block_sparse_moe\.experts\.(w13|w2)_weight$")
+
+
+def is_stacked_experts(name: str) -> bool:
+    """A canonical stacked expert tensor ([E, 2I, H] w13 or [E, H, I] w2)."""
+    return bool(_STACKED_EXPERTS.match(name))
 
 
 def scale_name(weight_name: str) -> str:
@@ -506,10 +515,9 @@ def _stack_experts(cfg, layer, found, src_meta, quantize):
     # w1 = gate, w3 = up -> [gate; up]. Experts are built one at a time, as row parts (no concat copy).
     w13 = OutTensor(experts_w13_name(layer), (e_count, 2 * i, h), dtype, w13_src,
                     lambda read, e: [read(found[(e, "w1")]), read(found[(e, "w3")])],
-                    quantize=q, group=f"experts{layer}")
+                    quantize=q, group=f"experts{layer}", per_expert=True)
     w2 = OutTensor(experts_w2_name(layer), (e_count, h, i), dtype, w2_src,
-                   lambda read, e: [read(found[(e, "w2")])], quantize=q, group=f"experts{layer}")
-    w13.per_expert = w2.per_expert = True
+                   lambda read, e: [read(found[(e, "w2")])], quantize=q, group=f"experts{layer}", per_expert=True)
     return [w13, w2]
 
 
@@ -527,10 +535,9 @@ def _fused_experts(cfg, layer, found, src_meta, quantize, interleaved):
     q = quantize != "none"
     # read(name, e) reads only expert e's slice of the fused tensor
     w13 = OutTensor(experts_w13_name(layer), want["gate_up_proj"], src_meta[gu][0], [gu],
-                    lambda read, e: [fix(read(gu, e))], quantize=q, group=f"experts{layer}")
+                    lambda read, e: [fix(read(gu, e))], quantize=q, group=f"experts{layer}", per_expert=True)
     w2 = OutTensor(experts_w2_name(layer), want["down_proj"], src_meta[dn][0], [dn],
-                   lambda read, e: [read(dn, e)], quantize=q, group=f"experts{layer}")
-    w13.per_expert = w2.per_expert = True
+                   lambda read, e: [read(dn, e)], quantize=q, group=f"experts{layer}", per_expert=True)
     return [w13, w2]
 
 

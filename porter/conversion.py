@@ -30,8 +30,8 @@ from tqdm import tqdm
 import porter
 from converters import minimax_m3 as arch
 from porter import manifest, mxfp8
-from porter.safetensors_io import Entry, ShardWriter, file_sha256
-from porter.source import INDEX_NAME, Source, open_source
+from porter.safetensors_io import Entry, ShardWriter, dtype_name, file_sha256, nbytes
+from porter.source import INDEX_NAME, Source, build_expert, open_source
 
 log = logging.getLogger("porter")
 
@@ -75,16 +75,9 @@ class Plan:
         peak = 0
         for t in self.tensors:
             out = sum(e.nbytes for e in entries_for(t))
-            one = _numel(t.shape[1:] if getattr(t, "per_expert", False) else t.shape) * 4 * 3
+            one = nbytes(torch.float32, t.shape[1:] if t.per_expert else t.shape) * 3
             peak = max(peak, out + one)
         return peak
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def entries_for(t: arch.OutTensor) -> list[Entry]:
@@ -264,12 +257,11 @@ class _WriterThread:
             return
         if f not in self.writers:
             self.writers[f] = ShardWriter(self.out / f, self.entries_of[f], metadata={"format": "pt"})
-        if not self.writers[f].write(name, tensor):
+        e = self.writers[f].write(name, tensor)
+        if e is None:  # a leading chunk; the tensor is not complete yet
             return
-        e = next(x for x in self.entries_of[f] if x.name == name)
         self.stats.setdefault(name, {}).update(
-            shard=f, dtype=str(e.dtype).replace("torch.", ""), shape=list(e.shape),
-            sha256=self.writers[f].tensor_sha256[name])
+            shard=f, dtype=dtype_name(e.dtype), shape=list(e.shape), sha256=self.writers[f].tensor_sha256[name])
         self.pending[f] -= 1
         if self.pending[f] == 0:
             sha = self.writers.pop(f).close()
@@ -290,8 +282,7 @@ class _WriterThread:
 def _produce(plan: Plan, out: Path, done: dict, progress: bool) -> dict:
     """Make and write every tensor; returns per-tensor manifest records."""
     stats = {n: r for rec in done.values() for n, r in rec["tensors"].items()}
-    src_bytes = lambda t: sum(_numel(plan.source.meta[s][1]) * plan.source.meta[s][0].itemsize
-                              for s in dict.fromkeys(t.sources))
+    src_bytes = lambda t: sum(plan.source.nbytes(s) for s in dict.fromkeys(t.sources))
     bar = tqdm(total=sum(src_bytes(t) for t in plan.tensors), unit="B", unit_scale=True, desc="convert",
                disable=not progress)
     _reuse_freed_memory()
@@ -303,11 +294,11 @@ def _produce(plan: Plan, out: Path, done: dict, progress: bool) -> dict:
             if not all(plan.shard_of[e.name] in done for e in entries_for(t)):
                 for name, chunk, record in produce(t, plan.source.read, plan.options["scale_rounding"]):
                     writer.put(name, chunk, record)
-                    if getattr(t, "per_expert", False) and name == t.name and chunk is not None:
+                    if t.per_expert and name == t.name and chunk is not None:
                         step = chunk.numel() * t.dtype.itemsize
                         bar.update(step)
                         shown += step
-                plan.source._handles.clear()  # unmap source shards: RSS must not grow with the model
+                plan.source.close()  # unmap source shards: RSS must not grow with the model
             bar.update(max(0, src_bytes(t) - shown))
         ok = True
     finally:
@@ -332,7 +323,7 @@ def _reuse_freed_memory() -> None:
 
 def produce(t: arch.OutTensor, read, rounding: str) -> Iterator[tuple]:
     """Yields (output tensor name, tensor or leading chunk of it, error record or None) in write order."""
-    if getattr(t, "per_expert", False):
+    if t.per_expert:
         yield from _produce_experts(t, read, rounding)
         return
     value = t.build(read)
@@ -346,7 +337,7 @@ def produce(t: arch.OutTensor, read, rounding: str) -> Iterator[tuple]:
 
 def _error_record(t, src_dtype, err) -> dict:
     rel = (err["err_sq"] / err["ref_sq"]) ** 0.5 if err["ref_sq"] else 0.0
-    return {"source_dtype": str(src_dtype).replace("torch.", ""), "scale": arch.scale_name(t.name),
+    return {"source_dtype": dtype_name(src_dtype), "scale": arch.scale_name(t.name),
             "rel_fro_error": rel, "max_abs_error": err["max_abs_error"]}
 
 
@@ -370,7 +361,7 @@ def _produce_experts(t, read, rounding):
     e_count = t.shape[0]
     if not t.quantize:
         for e in range(e_count):
-            yield t.name, torch.cat(t.build(read, e)), None
+            yield t.name, build_expert(t, read, e), None
         return
     s = torch.empty(tuple(t.shape[:-1]) + (t.shape[-1] // mxfp8.BLOCK,), dtype=torch.uint8)  # [E, N, K/32]
     total = {"err_sq": 0.0, "ref_sq": 0.0, "max_abs_error": 0.0}

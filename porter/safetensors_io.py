@@ -11,14 +11,30 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
-DTYPE_NAMES = {
+DTYPE_NAMES = {  # torch dtype -> safetensors header dtype
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint8: "U8", torch.int8: "I8",
     torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL",
 }
+# safetensors header dtype -> torch dtype (read side; E8M0 scale bytes are reinterpreted as uint8 on read)
+ST_DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()} | \
+    {"F8_E8M0": getattr(torch, "float8_e8m0fnu", torch.uint8)}
+
+
+def nbytes(dtype: torch.dtype, shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * dtype.itemsize
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's own spelling without the module ("bfloat16"), as porter.json records dtypes."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -29,10 +45,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return nbytes(self.dtype, self.shape)
 
 
 def header_bytes(entries: list[Entry], metadata: dict | None = None) -> bytes:
@@ -69,9 +82,9 @@ class ShardWriter:
         self._f.write(data)
         self._file_hash.update(data)
 
-    def write(self, name: str, t: torch.Tensor) -> bool:
+    def write(self, name: str, t: torch.Tensor) -> Optional[Entry]:
         """Append the next tensor whole, or a leading chunk of it (rows along dim 0, in order).
-        Returns True when the tensor is complete."""
+        Returns the tensor's Entry once it is complete, None while chunks are still due."""
         if self._next >= len(self.entries):
             raise RuntimeError(f"{self.path.name}: all {len(self.entries)} tensors already written, got {name!r}")
         e = self.entries[self._next]
@@ -91,11 +104,11 @@ class ShardWriter:
         if self._written > e.nbytes:
             raise RuntimeError(f"{name}: produced more bytes than planned ({self._written} > {e.nbytes})")
         if self._written < e.nbytes:
-            return False
+            return None
         self.tensor_sha256[name] = self._tensor_hash.hexdigest()
         self._tensor_hash, self._written = None, 0
         self._next += 1
-        return True
+        return e
 
     @property
     def done(self) -> bool:
@@ -115,9 +128,16 @@ class ShardWriter:
         self._f.close()
 
 
-def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+def file_sha256(path: Path) -> str:
+    return range_sha256(path, 0, Path(path).stat().st_size)
+
+
+def range_sha256(path: Path, offset: int, length: int, chunk: int = 1 << 24) -> str:
+    """sha256 of `length` bytes of a file from `offset` (a tensor's data: porter.source.tensor_span)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(chunk):
+        f.seek(offset)
+        while length > 0 and (block := f.read(min(length, chunk))):
             h.update(block)
+            length -= len(block)
     return h.hexdigest()

@@ -14,19 +14,13 @@ import torch
 from safetensors import safe_open
 
 from converters import minimax_m3 as arch
+from porter.safetensors_io import ST_DTYPES, nbytes
 
 log = logging.getLogger("porter")
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 INDEX_NAME = "model.safetensors.index.json"
 
-# safetensors header dtype strings -> torch dtypes
-ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "I8": torch.int8,
-    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
-    "F8_E8M0": getattr(torch, "float8_e8m0fnu", torch.uint8),
-}
 
 
 class SourceError(ValueError):
@@ -55,20 +49,20 @@ class Source:
             t = t.view(torch.uint8)  # E8M0 scale bytes: reinterpret, never value-convert
         return t
 
+    def close(self) -> None:
+        """Drop the safe_open handles (each maps a whole shard); tensors still referenced keep theirs."""
+        self._handles.clear()
+
+    def nbytes(self, name: str) -> int:
+        return nbytes(*self.meta[name])
+
     @property
     def shard_files(self) -> list[Path]:
         return sorted(set(self.files.values()))
 
     @property
     def total_bytes(self) -> int:
-        return sum(tensor_nbytes(d, s) for d, s in self.meta.values())
-
-
-def tensor_nbytes(dtype: torch.dtype, shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
+        return sum(nbytes(d, s) for d, s in self.meta.values())
 
 
 def read_header(path: Path) -> dict:
@@ -86,6 +80,14 @@ def read_header(path: Path) -> dict:
             raise SourceError(f"{path}: corrupt safetensors header ({e}); re-download this shard") from None
     header.pop("__metadata__", None)
     return header
+
+
+def tensor_span(path: Path, info: dict) -> tuple[int, int]:
+    """(absolute byte offset, byte length) of a tensor's data from its header entry `info`."""
+    with open(path, "rb") as f:
+        data_start = 8 + int.from_bytes(f.read(8), "little")
+    begin, end = info["data_offsets"]
+    return data_start + begin, end - begin
 
 
 def load_json(path: Path) -> dict:
@@ -174,6 +176,11 @@ def canonical_tensors(source: Source, names: Optional[set] = None) -> Iterator[t
 
 
 def build_tensor(t: arch.OutTensor, read) -> torch.Tensor:
-    if getattr(t, "per_expert", False):
-        return torch.stack([torch.cat(t.build(read, e)) for e in range(t.shape[0])])
+    if t.per_expert:
+        return torch.stack([build_expert(t, read, e) for e in range(t.shape[0])])
     return t.build(read)
+
+
+def build_expert(t: arch.OutTensor, read, e: int) -> torch.Tensor:
+    """Expert e of a stacked expert tensor ([N, K]), reading only that expert's source rows."""
+    return torch.cat(t.build(read, e))

@@ -88,8 +88,8 @@ from tqdm import tqdm
 from converters import minimax_m3 as arch
 from porter import manifest as manifest_mod
 from porter import mxfp8
-from porter.safetensors_io import DTYPE_NAMES, file_sha256
-from porter.source import read_header
+from porter.safetensors_io import DTYPE_NAMES, dtype_name, file_sha256, range_sha256
+from porter.source import read_header, tensor_span
 
 log = logging.getLogger("porter")
 
@@ -230,28 +230,7 @@ def _tokenizer(art: Path, ref: Path):
 # Integrity
 
 
-_TORCH_DTYPES = {str(dt).replace("torch.", ""): name for dt, name in DTYPE_NAMES.items()}
-
-
-def _tensor_bytes_sha(path: Path, info: dict, header_len: int) -> str:
-    import hashlib
-    start, end = info["data_offsets"]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(8 + header_len + start)
-        left = end - start
-        while left:
-            block = f.read(min(left, 1 << 24))
-            if not block:
-                break
-            h.update(block)
-            left -= len(block)
-    return h.hexdigest()
-
-
-def _header_len(path: Path) -> int:
-    with open(path, "rb") as f:
-        return int.from_bytes(f.read(8), "little")
+_TORCH_DTYPES = {dtype_name(dt): name for dt, name in DTYPE_NAMES.items()}  # porter.json -> header spelling
 
 
 def check_integrity(art: Path, man: dict, ref_config=None, progress: bool = False) -> list[Failure]:
@@ -278,9 +257,8 @@ def check_integrity(art: Path, man: dict, ref_config=None, progress: bool = Fals
         sha = file_sha256(p)
         bar.update(rec.get("bytes", 0))
         if sha != rec.get("sha256"):
-            hl = _header_len(p)
             changed = [n for n in by_shard.get(f, []) if n in headers[f]
-                       and _tensor_bytes_sha(p, headers[f][n], hl) != tensors[n].get("sha256")]
+                       and range_sha256(p, *tensor_span(p, headers[f][n])) != tensors[n].get("sha256")]
             for n in changed:
                 issues.append(Failure("integrity", f"tensor {n} in shard {f}: sha256 differs from porter.json "
                                       "(the data changed after conversion)", tensor=n, shard=f))
@@ -462,20 +440,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _ref_pieces(store, name: str):
-    """The reference tensor `name`, as (index, piece) one leading slice at a time when it is 3-D."""
-    plan = getattr(store, "plan", None)
-    t = plan.get(name) if isinstance(plan, dict) else None
-    if t is not None and getattr(t, "per_expert", False):  # SourceStore: read one expert at a time
-        read = store.source.read
-        for e in range(t.shape[0]):
-            yield e, torch.cat(t.build(read, e))
-        return
-    w = store.get(name)
-    if w.ndim == 3:
-        for e in range(w.shape[0]):
-            yield e, w[e]
+    """The reference tensor `name` as (expert, piece): one expert at a time for stacked experts."""
+    if arch.is_stacked_experts(name):
+        yield from store.experts(name)
     else:
-        yield None, w
+        yield None, store.get(name)
 
 
 def weight_errors(conv_store, ref_store, names: list, tensors: dict, device=None) -> list[dict]:
@@ -555,41 +524,10 @@ def decide_streaming(streaming, device: torch.device, need: int) -> tuple[bool, 
     return False, f"auto: both models need ~{gb(need)}, {gb(avail)} available on {device}"
 
 
-def _load(store, device: torch.device, dtype, backend: str, lazy: bool):
-    """runtime.load on an already opened store (verify keeps the store: the weight comparison reads the
-    same tensors, and layer streaming unmaps the shards after every layer)."""
-    import runtime
-    return runtime.load(store, device=device, dtype=dtype, backend=backend, lazy=lazy)
-
-
-def _unmap(*stores) -> None:
-    """Drop the stores' safe_open handles (each maps a whole shard); tensors still in use keep theirs."""
-    for st in stores:
-        st.close()
-
-
-@torch.inference_mode()
-def _generate(model, store, ids: torch.Tensor, n: int, eos, stream: bool) -> list:
-    """Greedy continuation of ids [1, T] (new token ids). Full load: model.generate. Streaming: the same
-    KV-cache loop, layer by layer, unmapping the shards after each layer (one layer resident)."""
-    if not stream:
-        return model.generate(ids, max_new_tokens=n, eos_token_id=eos)[0, ids.shape[1]:].tolist()
-    cache = model.new_cache(1, ids.shape[1] + n)
-    x, start, new = ids.to(model.device), 0, []
-    for _ in range(n):
-        positions = torch.arange(start, start + x.shape[1], device=model.device)
-        h = model.embed(x)
-        for i in range(len(model.layers)):
-            h = model.layers[i](h, positions, cache.layers[i])
-            _unmap(store)
-        start += x.shape[1]
-        nxt = model.final(h[:, -1:])[:, -1].argmax(-1, keepdim=True)  # [1, 1]
-        new.append(int(nxt))
-        if eos is not None and int(nxt) == eos:
-            break
-        x = nxt
-    model.layers.release()
-    return new
+def _generate(model, ids: torch.Tensor, n: int, eos) -> list:
+    """Greedy continuation of ids [1, T] (new token ids). With layer streaming (model.layers lazy) every
+    decoding step streams the layers again; releasing a layer also unmaps its shards."""
+    return model.generate(ids, max_new_tokens=n, eos_token_id=eos)[0, ids.shape[1]:].tolist()
 
 
 def _kl_top(lr: torch.Tensor, lc: torch.Tensor) -> dict:
@@ -619,6 +557,7 @@ def verify(artifact, prompts=None, reference=None, backend: str = "auto", device
     Raises VerifyInputError (and runtime LoadError / BackendUnavailable) for bad input; returns the result
     (result.passed) otherwise.
     """
+    import runtime
     from runtime.loader import open_store
 
     t0 = time.time()
@@ -658,10 +597,11 @@ def verify(artifact, prompts=None, reference=None, backend: str = "auto", device
     stream, why = decide_streaming(streaming, device, conv_bytes + ref_bytes)
     rep["streaming"] = {"enabled": stream, "reason": why, "artifact_bytes": conv_bytes, "reference_bytes": ref_bytes}
     log.info("verify: %s mode (%s)", "layer-streaming" if stream else "full-load", why)
-    ref = _load(ref_store, device, dtype, "auto", stream)
+    # runtime.load on the opened stores: verify keeps them for the weight comparison
+    ref = runtime.load(ref_store, device=device, dtype=dtype, backend="auto", lazy=stream)
     conv_store = open_store(art)
-    conv = _load(conv_store, device, dtype, backend, stream)
-    rep["dtype"] = str(conv.dtype).replace("torch.", "")
+    conv = runtime.load(conv_store, device=device, dtype=dtype, backend=backend, lazy=stream)
+    rep["dtype"] = dtype_name(conv.dtype)
     cfg = conv.cfg
     ids = []
     for p in prompts:
@@ -693,8 +633,7 @@ def verify(artifact, prompts=None, reference=None, backend: str = "auto", device
                 h_ref[k], h_conv[k] = r, c
             del lr, lc
             wrows = weight_errors(conv_store, ref_store, _layer_names(conv_store.names(), i), man["tensors"], device)
-            if stream:  # unmap what this layer touched: file-backed pages count as resident while mapped
-                _unmap(ref_store, conv_store)
+            # streaming: the next layer access releases this one, which also unmaps what it touched
             worst = max(wrows, key=lambda w: w["error"]) if wrows else None
             layers.append({"layer": i, "kind": _layer_kind(cfg, i), "cosine": e2e.cosine, "rel_error": e2e.rel,
                            "layer_error": local.rel, "weight_error": worst["error"] if worst else 0.0,
@@ -721,8 +660,8 @@ def verify(artifact, prompts=None, reference=None, backend: str = "auto", device
     gens = []
     if max_new_tokens > 0:
         for p, x in zip(prompts, ids):
-            gr = _generate(ref, ref_store, x, max_new_tokens, eos, stream)
-            gc = _generate(conv, conv_store, x, max_new_tokens, eos, stream)
+            gr = _generate(ref, x, max_new_tokens, eos)
+            gc = _generate(conv, x, max_new_tokens, eos)
             div = next((j for j, (a, b) in enumerate(zip(gr, gc)) if a != b),
                        None if len(gr) == len(gc) else min(len(gr), len(gc)))
             gens.append({"prompt": p, "reference_tokens": gr, "converted_tokens": gc, "first_divergence": div,

@@ -8,7 +8,8 @@ casts or MXFP8-dequantizes per call), so exactly one copy of every weight exists
 Layer streaming (`runtime.load(..., lazy=True)`): embeddings, final norm and lm_head are resident;
 `model.layers` is a `LazyLayers` whose `[i]` builds decoder layer i from the store on first access and
 drops the previously built layer first, so at most one decoder layer is materialized at a time (its KV
-cache lives in the separate KVCache and survives). `model.layers.release()` frees the resident layer.
+cache lives in the separate KVCache and survives). `model.layers.release()` frees the resident layer and
+closes the store's shard handles, so pages mapped for it stop counting as resident.
 """
 from __future__ import annotations
 
@@ -69,6 +70,11 @@ class ArtifactStore:
             self._handles[f] = safe_open(str(f), framework="pt")
         return self._handles[f].get_tensor(name)  # memory-mapped
 
+    def experts(self, name: str):
+        """(e, expert e) of a stacked [E, N, K] tensor, one expert at a time (slices of the mapped tensor)."""
+        w = self.get(name)
+        return ((e, w[e]) for e in range(w.shape[0]))
+
 
 class SourceStore:
     """An original (bf16) HF checkpoint, vendor or transformers layout, via porter.source: experts are
@@ -81,16 +87,22 @@ class SourceStore:
         self.config = self.source.config
         plan = arch.plan_tensors(self.config, self.source.meta, quantize="none")
         self.plan = {t.name: t for t in plan if t.group != "carried"}
-        self._build = source.build_tensor
 
     def names(self) -> set:
         return set(self.plan)
 
     def get(self, name: str) -> torch.Tensor:
-        return self._build(self.plan[name], self.source.read)
+        from porter.source import build_tensor
+        return build_tensor(self.plan[name], self.source.read)
+
+    def experts(self, name: str):
+        """(e, expert e) of a stacked [E, N, K] tensor, reading only that expert's source rows each time."""
+        from porter.source import build_expert
+        t = self.plan[name]
+        return ((e, build_expert(t, self.source.read, e)) for e in range(t.shape[0]))
 
     def close(self) -> None:
-        self.source._handles.clear()
+        self.source.close()
 
 
 def open_store(path) -> ArtifactStore | SourceStore:
@@ -124,8 +136,8 @@ def getter(store, names: set, device: torch.device) -> Callable[[str], Optional[
 class LazyLayers:
     """Sequence of decoder layers built on access; at most one is resident (see module docstring)."""
 
-    def __init__(self, n: int, build: Callable[[int], DecoderLayer]):
-        self._n, self._build = n, build
+    def __init__(self, n: int, build: Callable[[int], DecoderLayer], on_release: Callable[[], None] = lambda: None):
+        self._n, self._build, self._on_release = n, build, on_release
         self._index, self._layer = None, None
 
     def __len__(self) -> int:
@@ -144,6 +156,7 @@ class LazyLayers:
 
     def release(self) -> None:
         self._index, self._layer = None, None
+        self._on_release()  # e.g. store.close(): unmap the shards the layer (and anything since) touched
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -155,5 +168,6 @@ def build_model(store, device: torch.device, dtype: torch.dtype, make_backend: C
     rope = Rope(cfg.rotary_dim, cfg.rope_theta, device)
     top = {n: get(n) for n in TOP_NAMES if n in names}
     build = lambda i: DecoderLayer(cfg, get, i, rope, device, make_backend)
-    layers = LazyLayers(cfg.num_hidden_layers, build) if lazy else [build(i) for i in range(cfg.num_hidden_layers)]
+    layers = (LazyLayers(cfg.num_hidden_layers, build, store.close) if lazy
+              else [build(i) for i in range(cfg.num_hidden_layers)])
     return MiniMaxM3(cfg, top, layers, device, dtype)

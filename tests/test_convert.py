@@ -26,10 +26,6 @@ def load_all(d: Path) -> dict:
     return out
 
 
-def source_tensors(d: Path) -> dict:
-    return load_all(d)
-
-
 @pytest.fixture(scope="module")
 def converted(tiny_vendor, tmp_path_factory):
     out = tmp_path_factory.mktemp("conv") / "out"
@@ -38,7 +34,7 @@ def converted(tiny_vendor, tmp_path_factory):
 
 
 def test_experts_equal_quantization_of_source(tiny_vendor, converted):
-    src, dst = source_tensors(tiny_vendor), load_all(converted)
+    src, dst = load_all(tiny_vendor), load_all(converted)
     cfg = arch.resolve_config(json.loads((tiny_vendor / "config.json").read_text()))
     for layer in range(cfg.num_hidden_layers):
         if not cfg.is_moe(layer):
@@ -60,7 +56,7 @@ def test_experts_equal_quantization_of_source(tiny_vendor, converted):
 
 
 def test_unquantized_tensors_bit_identical(tiny_vendor, converted):
-    src, dst = source_tensors(tiny_vendor), load_all(converted)
+    src, dst = load_all(tiny_vendor), load_all(converted)
     carried = 0
     for name, t in src.items():
         if ".experts." in name:
@@ -150,7 +146,7 @@ def test_quantize_all_scope(tiny_vendor, tmp_path):
 
 def test_quantize_none_keeps_everything_exact(tiny_vendor, tmp_path):
     porter.convert(tiny_vendor, tmp_path / "none", quantize="none", progress=False)
-    src, dst = source_tensors(tiny_vendor), load_all(tmp_path / "none")
+    src, dst = load_all(tiny_vendor), load_all(tmp_path / "none")
     w13 = dst[arch.experts_w13_name(3)]
     p = "language_model.model.layers.3.block_sparse_moe.experts."
     assert w13.dtype == torch.bfloat16
@@ -213,16 +209,20 @@ def _corrupt(src: Path, dst: Path, fn):
     return dst
 
 
+def _edit_source_shard(d: Path, name: str, fn) -> None:
+    """Rewrite the source shard holding `name` after fn(tensors dict) edits it in place."""
+    from safetensors.torch import save_file
+    f = d / json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_all_file(f)
+    fn(tensors)
+    save_file(tensors, str(f))
+
+
 def test_nan_weight_is_named_and_no_complete_output(tiny_vendor, tmp_path):
-    def poison(d):
-        index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
-        name = "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight"
-        f = d / index[name]
-        tensors = load_all_file(f)
+    name = "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight"
+    def poison(tensors):
         tensors[name][1, 2] = float("nan")
-        from safetensors.torch import save_file
-        save_file(tensors, str(f))
-    src = _corrupt(tiny_vendor, tmp_path / "nan", poison)
+    src = _corrupt(tiny_vendor, tmp_path / "nan", lambda d: _edit_source_shard(d, name, poison))
     res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(tmp_path / "o")])
     assert res.exit_code == 2
     errors = [line for line in res.output.splitlines() if "porter: error" in line]
@@ -248,15 +248,8 @@ def test_pickle_only_refused(tmp_path):
 
 
 def test_missing_tensor_and_bad_config_are_named(tiny_vendor, tmp_path):
-    def drop(d):
-        index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
-        name = "language_model.model.layers.1.self_attn.index_q_proj.weight"
-        f = d / index[name]
-        tensors = load_all_file(f)
-        del tensors[name]
-        from safetensors.torch import save_file
-        save_file(tensors, str(f))
-    src = _corrupt(tiny_vendor, tmp_path / "miss", drop)
+    name = "language_model.model.layers.1.self_attn.index_q_proj.weight"
+    src = _corrupt(tiny_vendor, tmp_path / "miss", lambda d: _edit_source_shard(d, name, lambda ts: ts.pop(name)))
     res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(tmp_path / "o")])
     assert res.exit_code == 2 and "index_q_proj" in res.output
 

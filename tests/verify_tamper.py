@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 
-from porter.safetensors_io import DTYPE_NAMES, file_sha256
-from porter.source import ST_DTYPES, read_header
+from porter.safetensors_io import ST_DTYPES, file_sha256
+from porter.source import read_header, tensor_span
 
 
 def copy_artifact(src: Path, dst: Path) -> Path:
@@ -24,12 +24,9 @@ def _locate(art: Path, name: str):
     art = Path(art)
     man = json.loads((art / "porter.json").read_text())
     shard = art / man["tensors"][name]["shard"]
-    header = read_header(shard)
-    with open(shard, "rb") as f:
-        hlen = int.from_bytes(f.read(8), "little")
-    info = header[name]
-    start, end = info["data_offsets"]
-    return man, shard, 8 + hlen + start, end - start, ST_DTYPES[info["dtype"]], tuple(info["shape"])
+    info = read_header(shard)[name]
+    offset, length = tensor_span(shard, info)
+    return man, shard, offset, length, ST_DTYPES[info["dtype"]], tuple(info["shape"])
 
 
 def read_tensor(art: Path, name: str) -> torch.Tensor:
@@ -103,5 +100,3 @@ def swap_gate_up(expert: int):
         return t
     return fn
 
-
-assert DTYPE_NAMES  # (re-exported dtype tables are the ones porter writes)

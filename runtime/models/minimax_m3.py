@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from converters.minimax_m3 import TextConfig
+from converters.minimax_m3 import TextConfig, scale_name
 from porter import mxfp8
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params, swiglu_oai
 
@@ -51,7 +51,7 @@ class Linear:
 
 
 def linear(get: Getter, name: str) -> Linear:
-    return Linear(get(name + ".weight"), get(name + ".weight_scale"))
+    return Linear(get(name + ".weight"), get(scale_name(name + ".weight")))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -220,10 +220,10 @@ class MoE:
         self.routing = MoeRouting(router_weight=get(p + "gate.weight").float(),  # [E, H] fp32
                                   e_score_correction_bias=get(p + "e_score_correction_bias").float(),  # [E]
                                   top_k=cfg.num_experts_per_tok, routed_scaling_factor=cfg.routed_scaling_factor)
-        e = p + "experts."
+        w13, w2 = p + "experts.w13_weight", p + "experts.w2_weight"
         self.quant = MoeQuantInfo(
-            w13_weight=get(e + "w13_weight"), w13_weight_scale=get(e + "w13_weight_scale"),  # [E, 2I, H]
-            w2_weight=get(e + "w2_weight"), w2_weight_scale=get(e + "w2_weight_scale"),  # [E, H, I]
+            w13_weight=get(w13), w13_weight_scale=get(scale_name(w13)),  # [E, 2I, H]
+            w2_weight=get(w2), w2_weight_scale=get(scale_name(w2)),  # [E, H, I]
             **make_swiglu_params(cfg.num_local_experts, cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit,
                                  device))
         self.experts = make_backend(self.quant, self.routing)

@@ -46,13 +46,10 @@ class ArtifactStore:
             raise LoadError(str(e)) from None
         self.config = arch.resolve_config(_json(path / "config.json"))
         index = path / "model.safetensors.index.json"
-        if index.exists():
-            self.files = {n: path / f for n, f in _json(index)["weight_map"].items()}
-        else:
-            shards = sorted(path.glob("*.safetensors"))
-            if not shards:
-                raise LoadError(f"{path}: no safetensors shards")
-            self.files = {n: s for s in shards for n in safe_open(str(s), framework="pt").keys()}
+        if not index.exists():  # porter writes the index last: without it the conversion did not finish
+            raise LoadError(f"{index}: missing — the conversion did not finish; rerun "
+                            "`porter convert ... --resume` into this folder")
+        self.files = {n: path / f for n, f in _json(index)["weight_map"].items()}
         self._handles: dict = {}
 
     def names(self) -> set:

@@ -163,3 +163,14 @@ def test_auto_backend_on_cpu_is_torch(ckpts, caplog):
         model = runtime.load(art, device="cpu")
     assert "MoE backend: torch" in caplog.text
     assert type(next(l for l in model.layers if hasattr(l.mlp, "quant")).mlp.experts).__name__ == "TorchMoE"
+
+
+def test_interrupted_artifact_is_refused(tmp_path, tiny_vendor):
+    """No index (porter writes it last) means an unfinished conversion: load must not treat it as complete."""
+    import runtime
+    from porter import convert
+    art = tmp_path / "art"
+    convert(tiny_vendor, art, progress=False)
+    (art / "model.safetensors.index.json").unlink()
+    with pytest.raises(runtime.LoadError, match="did not finish.*--resume"):
+        runtime.load(art)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -203,7 +203,7 @@ def _resolve_rope(text, prefix, values, prov):
     if rope.get("rope_type", "default") != "default" or text.get("rope_scaling"):
         raise ConfigError(f"config field '{prefix}rope_parameters.rope_type' / 'rope_scaling': only plain "
                           "RoPE is supported (MiniMax-M3 uses none)")
-    for key, where in ((f"rope_parameters.rope_theta", "config"), ("rope_theta", "legacy")):
+    for key, where in (("rope_parameters.rope_theta", "config"), ("rope_theta", "legacy")):
         found, theta = _lookup(text, key)
         if found:
             values["rope_theta"] = _typed(prefix + key, theta, "float")

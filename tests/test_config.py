@@ -1,5 +1,4 @@
 """Config resolution: each default, each legacy key, provenance, bad values named (issue #2, rule 3)."""
-import copy
 
 import pytest
 

@@ -1,7 +1,6 @@
 """porter convert end to end on tiny checkpoints built in code (issue #2)."""
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 

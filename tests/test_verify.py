@@ -20,7 +20,7 @@ from click.testing import CliRunner
 import porter
 from porter.cli import main
 from porter.verification import DEFAULT_PROMPT, Thresholds, verify
-from verify_tamper import (copy_artifact, edit_config, flip_byte, read_tensor, rewrite_tensor, shift_scales,
+from verify_tamper import (copy_artifact, edit_config, flip_byte, rewrite_tensor, shift_scales,
                            swap_gate_up, zero_scales)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
 import torch
+from porter.errors import PorterError
 
 ARCHITECTURE = "minimax_m3"
 MODEL_TYPES = ("minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3")
@@ -35,11 +36,11 @@ SPARSE_ATTN, FULL_ATTN = "minimax_m3_sparse", "full_attention"
 MOE_MLP, DENSE_MLP = "sparse", "dense"
 
 
-class ConfigError(ValueError):
+class ConfigError(PorterError, ValueError):
     """A config field is missing, of the wrong type or impossible (the message names it)."""
 
 
-class LayoutError(ValueError):
+class LayoutError(PorterError, ValueError):
     """A tensor is missing, unexpected or of the wrong shape (the message names it)."""
 
 
@@ -422,7 +423,7 @@ def plan_tensors(cfg: TextConfig, src_meta: dict, quantize: str = "experts",
     only meaningful for a fused source gate_up_proj.
     """
     if quantize not in ("experts", "all", "none"):
-        raise ValueError(f"--quantize must be experts, all or none, not {quantize!r}")
+        raise PorterError(f"--quantize must be experts, all or none, not {quantize!r}")
     interleaved = cfg.gate_up_interleaved if gate_up == "auto" else gate_up == "interleaved"
     canon = {}  # canonical -> source name
     carried = []  # non-text tensors, kept as they are

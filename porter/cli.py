@@ -1,13 +1,23 @@
-"""The `porter` command line: convert and verify. Errors are one line and a non-zero exit (2 for bad
-input); `-v` shows tracebacks."""
+"""The `porter` command line: convert and verify.
+
+Exit codes (porter/errors.py; docs/architecture.md): 0 success, 1 `verify` says "not faithful",
+2 bad input (a `PorterError`: one line naming the file, tensor or field and what to do),
+3 internal error (a bug: please report; `-v` shows the traceback), 130 interrupted.
+"""
 from __future__ import annotations
 
 import logging
 import sys
+import traceback
 
 import click
 
+from porter.errors import EXIT_INTERNAL, PorterError
+from porter.verification import verify_command
+
 log = logging.getLogger("porter")
+
+EXIT_INTERRUPTED = 130
 
 
 def _setup_logging(verbose: int, quiet: bool) -> None:
@@ -16,31 +26,33 @@ def _setup_logging(verbose: int, quiet: bool) -> None:
                         stream=sys.stderr, force=True)
 
 
-def _input_errors():
-    from converters.minimax_m3 import ConfigError, LayoutError
-    from porter.conversion import ConvertError
-    from porter.mxfp8 import MXFP8Error
-    from porter.source import SourceError
-    return (ConfigError, LayoutError, ConvertError, MXFP8Error, SourceError, FileNotFoundError,
-            NotADirectoryError, PermissionError, ValueError)
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
 
 
 def _run(ctx, fn):
-    verbose = ctx.obj.get("verbose", 0)
+    """The CLI boundary: run `fn`, turning a `PorterError` into one line + exit 2 and anything else into
+    an internal-error line + exit 3. With `-v` the traceback is printed first; the exit code is the same."""
+    verbose = (ctx.obj or {}).get("verbose", 0)
     try:
         return fn()
-    except click.exceptions.Exit:
+    except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
         raise
     except KeyboardInterrupt:
         click.echo("porter: interrupted (finished shards are kept; rerun with --resume)", err=True)
-        sys.exit(130)
-    except Exception as e:  # noqa: BLE001 — the CLI boundary: one line, or a traceback with -v
+        sys.exit(EXIT_INTERRUPTED)
+    except PorterError as e:
         if verbose:
-            raise
-        from runtime.moe import BackendUnavailable
-        code = 2 if isinstance(e, _input_errors() + (BackendUnavailable,)) else 1
-        click.echo(f"porter: error: {e}", err=True)
-        sys.exit(code)
+            traceback.print_exc()
+        click.echo(f"porter: error: {_one_line(e)}", err=True)
+        sys.exit(e.exit_code)
+    except Exception as e:  # noqa: BLE001 — anything that is not a PorterError is a bug in porter
+        if verbose:
+            traceback.print_exc()
+        click.echo(f"porter: internal error: {type(e).__name__}: {_one_line(e)} "
+                   "(please report; -v shows the traceback)", err=True)
+        sys.exit(EXIT_INTERNAL)
 
 
 @click.group()
@@ -49,7 +61,9 @@ def _run(ctx, fn):
 @click.version_option(package_name="porter")
 @click.pass_context
 def main(ctx, verbose, quiet):
-    """porter: MiniMax-M3 checkpoints -> MXFP8 artifacts that run fast and provably right."""
+    """porter: MiniMax-M3 checkpoints -> MXFP8 artifacts that run fast and provably right.
+
+    Exit codes: 0 ok, 1 not faithful (verify), 2 bad input, 3 internal error."""
     ctx.obj = {"verbose": verbose, "quiet": quiet}
     _setup_logging(verbose, quiet)
 
@@ -84,15 +98,7 @@ def convert(ctx, source, output, revision, quantize, gate_up, scale_rounding, ma
                                  resume=resume, dry_run=dry_run, progress=not ctx.obj["quiet"]))
 
 
-def _register_verify():
-    try:
-        from porter.verification import verify_command
-    except ImportError:
-        return
-    main.add_command(verify_command)
-
-
-_register_verify()
+main.add_command(verify_command)
 
 if __name__ == "__main__":
     main()

@@ -32,6 +32,7 @@ from converters import minimax_m3 as arch
 from porter import manifest, mxfp8
 from porter.safetensors_io import Entry, ShardWriter, dtype_name, file_sha256, nbytes
 from porter.source import INDEX_NAME, Source, build_expert, open_source
+from porter.errors import PorterError
 
 log = logging.getLogger("porter")
 
@@ -41,8 +42,8 @@ COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 JOURNAL = ".porter-journal.json"
 
 
-class ConvertError(RuntimeError):
-    pass
+class ConvertError(PorterError):
+    """Bad options or output folder for a conversion (the message says what to do)."""
 
 
 def parse_size(text) -> int:

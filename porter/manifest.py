@@ -8,10 +8,15 @@ from pathlib import Path
 import porter
 from converters import minimax_m3 as arch
 from porter import mxfp8
+from porter.errors import PorterError
 
 MANIFEST = "porter.json"
 FORMAT = "porter-mxfp8"
 FORMAT_VERSION = 1
+
+
+class ManifestError(PorterError, ValueError):
+    """porter.json is missing, not JSON, or not a porter artifact manifest (the message names the file)."""
 
 
 def quantization_config(plan) -> dict:
@@ -74,11 +79,11 @@ def read(path: Path) -> dict:
     try:
         doc = json.loads(p.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"{p}: missing; this is not a porter artifact (run `porter convert` first)") from None
+        raise ManifestError(f"{p}: missing; this is not a porter artifact (run `porter convert` first)") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: invalid JSON ({e})") from None
+        raise ManifestError(f"{p}: invalid JSON ({e}); reconvert or restore this file") from None
     if doc.get("format") != FORMAT:
-        raise ValueError(f"{p}: format {doc.get('format')!r} is not {FORMAT!r}")
+        raise ManifestError(f"{p}: format {doc.get('format')!r} is not {FORMAT!r}; not a porter artifact")
     return doc
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from porter.errors import PorterError
 
 BLOCK = 32
 E4M3_MAX = 448.0
@@ -22,7 +23,7 @@ SCALE_MAX_BYTE = 254  # 255 is NaN in E8M0
 ROUNDING_MODES = ("rceil", "floor")
 
 
-class MXFP8Error(ValueError):
+class MXFP8Error(PorterError, ValueError):
     """Bad input for MXFP8 quantization (names the tensor)."""
 
 

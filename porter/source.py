@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from converters import minimax_m3 as arch
 from porter.safetensors_io import ST_DTYPES, nbytes
+from porter.errors import PorterError
 
 log = logging.getLogger("porter")
 
@@ -23,7 +24,7 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 
-class SourceError(ValueError):
+class SourceError(PorterError, ValueError):
     """The source cannot be used (the message names the file and what to do)."""
 
 

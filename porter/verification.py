@@ -90,6 +90,7 @@ from porter import manifest as manifest_mod
 from porter import mxfp8
 from porter.safetensors_io import DTYPE_NAMES, dtype_name, file_sha256, range_sha256
 from porter.source import read_header, tensor_span
+from porter.errors import PorterError
 
 log = logging.getLogger("porter")
 
@@ -105,7 +106,7 @@ STRUCTURAL = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_h
               "index_head_dim")
 
 
-class VerifyInputError(ValueError):
+class VerifyInputError(PorterError, ValueError):
     """Bad input to verify (missing dir, not an artifact, reference not found): CLI exit 2."""
 
 

@@ -25,13 +25,14 @@ from safetensors import safe_open
 from converters import minimax_m3 as arch
 from porter import manifest
 from runtime.models.minimax_m3 import DecoderLayer, MiniMaxM3, Rope
+from porter.errors import PorterError
 
 log = logging.getLogger("porter.runtime")
 
 TOP_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 
-class LoadError(ValueError):
+class LoadError(PorterError, ValueError):
     """The path is not a loadable porter artifact / MiniMax-M3 checkpoint (the message says why)."""
 
 

@@ -12,6 +12,7 @@ import logging
 import torch
 
 from runtime.moe.contract import MoeQuantInfo, MoeRouting
+from porter.errors import PorterError
 
 log = logging.getLogger("porter.runtime")
 
@@ -20,8 +21,8 @@ TRTLLM_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 HOPPER = (9, 0)
 
 
-class BackendUnavailable(RuntimeError):
-    pass
+class BackendUnavailable(PorterError, RuntimeError):
+    """The requested MoE backend cannot run here (the message names the device/package and what to do)."""
 
 
 def _backend_class(name: str):

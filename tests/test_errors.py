@@ -1,0 +1,93 @@
+"""One error taxonomy: user-facing errors are `PorterError`s (exit 2, one line); anything else is an
+internal error (exit 3, "please report", traceback with -v); Ctrl-C is 130. Checked through the real CLI."""
+import pytest
+from click.testing import CliRunner
+
+import porter.conversion
+import porter.verification
+from converters.minimax_m3 import ConfigError, LayoutError
+from porter.cli import main
+from porter.conversion import ConvertError
+from porter.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, PorterError
+from porter.manifest import ManifestError
+from porter.mxfp8 import MXFP8Error
+from porter.source import SourceError
+from porter.verification import VerifyInputError
+from runtime.loader import LoadError
+from runtime.moe import BackendUnavailable
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("cls", [ConfigError, LayoutError, ConvertError, MXFP8Error, SourceError, ManifestError,
+                                 LoadError, VerifyInputError, BackendUnavailable])
+def test_user_facing_errors_are_porter_errors(cls):
+    assert issubclass(cls, PorterError) and cls.exit_code == EXIT_BAD_INPUT == 2
+
+
+def test_verify_command_is_registered():
+    assert {"convert", "verify"} <= set(main.commands)
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    missing = tmp_path / "no-such-checkpoint"
+    res = invoke("convert", missing, "--output", tmp_path / "o")
+    assert res.exit_code == 2
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("porter: error: ") and str(missing) in lines[0]
+    assert "Traceback" not in res.output and not (tmp_path / "o").exists()
+
+
+def test_verify_bad_input_exit_2(tmp_path):
+    res = invoke("verify", tmp_path / "nothing-here")
+    assert res.exit_code == 2 and res.output.strip().splitlines() == [f"porter: error: {tmp_path / 'nothing-here'}: "
+                                                                      "no such directory"]
+
+
+def test_bare_valueerror_is_internal_not_bad_input(tmp_path, monkeypatch):
+    """A ValueError from a bug must not pass for bad input (exit 2): it is an internal error, exit 3."""
+    def boom(*a, **k):
+        raise ValueError("a bug\nspanning lines")
+    monkeypatch.setattr(porter.conversion, "convert", boom)
+    res = invoke("convert", tmp_path, "--output", tmp_path / "o")
+    assert res.exit_code == EXIT_INTERNAL == 3
+    assert res.output.strip().splitlines() == ["porter: internal error: ValueError: a bug spanning lines "
+                                               "(please report; -v shows the traceback)"]
+
+
+def test_internal_error_with_v_shows_traceback_and_keeps_exit_3(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise ZeroDivisionError("division by zero")
+    monkeypatch.setattr(porter.conversion, "convert", boom)
+    res = invoke("-v", "convert", tmp_path, "--output", tmp_path / "o")
+    assert res.exit_code == 3
+    assert "Traceback (most recent call last)" in res.output and "in boom" in res.output
+    assert res.output.rstrip().endswith("(please report; -v shows the traceback)")
+
+
+def test_porter_error_with_v_shows_traceback_and_keeps_exit_2(tmp_path, monkeypatch):
+    def bad(*a, **k):
+        raise SourceError("x/config.json: field 'hidden_size' must be positive; fix the config")
+    monkeypatch.setattr(porter.conversion, "convert", bad)
+    res = invoke("-v", "convert", tmp_path, "--output", tmp_path / "o")
+    assert res.exit_code == 2 and "Traceback" in res.output
+    assert res.output.rstrip().endswith("porter: error: x/config.json: field 'hidden_size' must be positive; "
+                                        "fix the config")
+
+
+def test_verify_internal_error_exit_3(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise KeyError("layers.0")
+    monkeypatch.setattr(porter.verification, "verify", boom)
+    res = invoke("verify", tmp_path)
+    assert res.exit_code == 3 and "internal error: KeyError" in res.output
+
+
+def test_interrupt_exit_130(tmp_path, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(porter.conversion, "convert", interrupted)
+    res = invoke("convert", tmp_path, "--output", tmp_path / "o")
+    assert res.exit_code == 130 and "--resume" in res.output

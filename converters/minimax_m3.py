@@ -25,10 +25,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
+
 from porter.errors import PorterError
+from porter.layout import OutTensor, ignored_layers, layer_of, scale_name  # noqa: F401 (scale_name, ignored_layers: re-exported for callers not yet on porter.layout)
 
 ARCHITECTURE = "minimax_m3"
 MODEL_TYPES = ("minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3")
@@ -95,6 +97,14 @@ class TextConfig:
 
     def is_sparse_attention(self, layer: int) -> bool:
         return self.layer_types[layer] == SPARSE_ATTN
+
+
+def manifest_facts(cfg: TextConfig) -> dict:
+    """What porter.json records about this architecture beyond the resolved config: its name and the
+    SwiGLU-OAI parameters with their provenance (verify compares them; docs/artifact-format.md)."""
+    return {"architecture": ARCHITECTURE,
+            "swiglu": {"alpha": cfg.swiglu_alpha, "beta": cfg.swiglu_beta, "limit": cfg.swiglu_limit,
+                       "provenance": {k: cfg.provenance[f"swiglu_{k}"] for k in ("alpha", "beta", "limit")}}}
 
 
 # field -> (flat key, legacy key path inside text_config, default, kind)
@@ -354,7 +364,6 @@ def canonical_name(src: str) -> Optional[str]:
     return src
 
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(gate_up_proj|down_proj)$")
 _FUSED_GATE_UP = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe\.shared_experts))\.gate_up_proj\.weight$")
@@ -362,24 +371,6 @@ _FUSED_GATE_UP = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe\.sha
 # Linears quantized by `--quantize all` (the vendor MXFP8 release's scope, minimax-m3.md §5).
 _ALL_SCOPE = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o|index_q|index_k)_proj"
                         r"|mlp\.(gate|up|down)_proj|block_sparse_moe\.shared_experts\.(gate|up|down)_proj)\.weight$")
-
-
-def layer_of(canonical: str) -> Optional[int]:
-    m = _LAYER.match(canonical)
-    return int(m.group(1)) if m else None
-
-
-@dataclass
-class OutTensor:
-    """One output tensor, produced lazily from source tensors (tensor-at-a-time conversion)."""
-    name: str
-    shape: tuple
-    dtype: torch.dtype  # dtype of the value before quantization (the source dtype)
-    sources: list  # source tensor names read to make it
-    build: Callable  # (read) -> Tensor; per-expert tensors: (read, e) -> [row parts of expert e]
-    quantize: bool = False
-    group: str = "misc"  # tensors of one group are produced together (one MoE layer's experts)
-    per_expert: bool = False  # a stacked [E, N, K] expert tensor, built one expert at a time
 
 
 def experts_w13_name(layer: int) -> str:
@@ -398,11 +389,6 @@ def is_stacked_experts(name: str) -> bool:
     return bool(_STACKED_EXPERTS.match(name))
 
 
-def scale_name(weight_name: str) -> str:
-    """Name of the uint8 scale stored beside a quantized weight."""
-    return weight_name[: -len("weight")] + "weight_scale" if weight_name.endswith("weight") else weight_name + "_scale"
-
-
 def uninterleave_gate_up(w: torch.Tensor) -> torch.Tensor:
     """[..., 2I, H] rows gate0, up0, gate1, up1, ... (GPT-OSS) -> [gate; up]."""
     return torch.cat([w[..., 0::2, :], w[..., 1::2, :]], dim=-2)
@@ -415,15 +401,19 @@ def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
 
 
 def plan_tensors(cfg: TextConfig, src_meta: dict, quantize: str = "experts",
-                 gate_up: str = "auto") -> list[OutTensor]:
+                 gate_up: str = "auto", layout: str = "porter") -> list[OutTensor]:
     """Every output tensor, in write order, from the source tensor metadata {name: (dtype, shape)}.
 
     quantize: "experts" (routed experts), "all" (+ every other linear but embeddings, lm_head, router,
     norms), "none". gate_up: "auto" (config's gate_up_interleaved), "interleaved" or "uninterleaved" —
-    only meaningful for a fused source gate_up_proj.
+    only meaningful for a fused source gate_up_proj. layout: "porter" (canonical names, stacked experts)
+    or "hf" (the vendor release's names and per-expert tensors, which vLLM and sglang load; see
+    `to_hf_layout`).
     """
     if quantize not in ("experts", "all", "none"):
         raise PorterError(f"--quantize must be experts, all or none, not {quantize!r}")
+    if layout not in LAYOUTS:
+        raise PorterError(f"--layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     interleaved = cfg.gate_up_interleaved if gate_up == "auto" else gate_up == "interleaved"
     canon = {}  # canonical -> source name
     carried = []  # non-text tensors, kept as they are
@@ -455,9 +445,11 @@ def plan_tensors(cfg: TextConfig, src_meta: dict, quantize: str = "experts",
         for c in sorted(by_layer.pop(layer, [])):
             out.extend(_plain_or_split(c, canon[c], src_meta, quantize))
         if layer in experts:
-            out.extend(_stack_experts(cfg, layer, experts[layer], src_meta, quantize))
+            make = _stack_experts if layout == "porter" else _split_vendor_experts
+            out.extend(make(cfg, layer, experts[layer], src_meta, quantize))
         elif layer in fused:
-            out.extend(_fused_experts(cfg, layer, fused[layer], src_meta, quantize, interleaved))
+            make = _fused_experts if layout == "porter" else _split_fused_experts
+            out.extend(make(cfg, layer, fused[layer], src_meta, quantize, interleaved))
     if by_layer:
         extra = sorted(by_layer)
         raise LayoutError(f"tensors for layer(s) {extra} exceed num_hidden_layers={cfg.num_hidden_layers} "
@@ -466,7 +458,7 @@ def plan_tensors(cfg: TextConfig, src_meta: dict, quantize: str = "experts",
         dtype, shape = src_meta[src]
         out.append(OutTensor(src, tuple(shape), dtype, [src], _read_one(src), group="carried"))
     _check_out(cfg, out)
-    return out
+    return out if layout == "porter" else to_hf_layout(cfg, out)
 
 
 def _top_order(name):
@@ -498,6 +490,22 @@ def _plain_or_split(c, src, src_meta, quantize):
 
 
 def _stack_experts(cfg, layer, found, src_meta, quantize):
+    _check_vendor_experts(cfg, layer, found, src_meta)
+    e_count, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    dtype = src_meta[found[(0, "w1")]][0]
+    q = quantize != "none"
+    w13_src = [found[(e, w)] for e in range(e_count) for w in ("w1", "w3")]
+    w2_src = [found[(e, "w2")] for e in range(e_count)]
+    # w1 = gate, w3 = up -> [gate; up]. Experts are built one at a time, as row parts (no concat copy).
+    w13 = OutTensor(experts_w13_name(layer), (e_count, 2 * i, h), dtype, w13_src,
+                    read_expert_rows=lambda read, e: [read(found[(e, "w1")]), read(found[(e, "w3")])],
+                    quantize=q, group=f"experts{layer}")
+    w2 = OutTensor(experts_w2_name(layer), (e_count, h, i), dtype, w2_src,
+                   read_expert_rows=lambda read, e: [read(found[(e, "w2")])], quantize=q, group=f"experts{layer}")
+    return [w13, w2]
+
+
+def _check_vendor_experts(cfg, layer, found, src_meta):
     e_count = cfg.num_local_experts
     missing = [f"experts.{e}.{w}" for e in range(e_count) for w in ("w1", "w2", "w3") if (e, w) not in found]
     extra = [f"experts.{e}.{w}" for (e, w) in found if e >= e_count]
@@ -509,20 +517,9 @@ def _stack_experts(cfg, layer, found, src_meta, quantize):
         want = (h, i) if w == "w2" else (i, h)
         if tuple(src_meta[src][1]) != want:
             raise LayoutError(f"{src}: shape {tuple(src_meta[src][1])}, expected {want} from the config")
-    dtype = src_meta[found[(0, "w1")]][0]
-    q = quantize != "none"
-    w13_src = [found[(e, w)] for e in range(e_count) for w in ("w1", "w3")]
-    w2_src = [found[(e, "w2")] for e in range(e_count)]
-    # w1 = gate, w3 = up -> [gate; up]. Experts are built one at a time, as row parts (no concat copy).
-    w13 = OutTensor(experts_w13_name(layer), (e_count, 2 * i, h), dtype, w13_src,
-                    lambda read, e: [read(found[(e, "w1")]), read(found[(e, "w3")])],
-                    quantize=q, group=f"experts{layer}", per_expert=True)
-    w2 = OutTensor(experts_w2_name(layer), (e_count, h, i), dtype, w2_src,
-                   lambda read, e: [read(found[(e, "w2")])], quantize=q, group=f"experts{layer}", per_expert=True)
-    return [w13, w2]
 
 
-def _fused_experts(cfg, layer, found, src_meta, quantize, interleaved):
+def _check_fused_experts(cfg, layer, found, src_meta) -> dict:
     e_count, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
     want = {"gate_up_proj": (e_count, 2 * i, h), "down_proj": (e_count, h, i)}
     for part, shape in want.items():
@@ -531,14 +528,19 @@ def _fused_experts(cfg, layer, found, src_meta, quantize, interleaved):
         if tuple(src_meta[found[part]][1]) != shape:
             raise LayoutError(f"{found[part]}: shape {tuple(src_meta[found[part]][1])}, expected {shape} "
                               "from the config")
+    return want
+
+
+def _fused_experts(cfg, layer, found, src_meta, quantize, interleaved):
+    want = _check_fused_experts(cfg, layer, found, src_meta)
     gu, dn = found["gate_up_proj"], found["down_proj"]
     fix = uninterleave_gate_up if interleaved else (lambda w: w)
     q = quantize != "none"
     # read(name, e) reads only expert e's slice of the fused tensor
     w13 = OutTensor(experts_w13_name(layer), want["gate_up_proj"], src_meta[gu][0], [gu],
-                    lambda read, e: [fix(read(gu, e))], quantize=q, group=f"experts{layer}", per_expert=True)
+                    read_expert_rows=lambda read, e: [fix(read(gu, e))], quantize=q, group=f"experts{layer}")
     w2 = OutTensor(experts_w2_name(layer), want["down_proj"], src_meta[dn][0], [dn],
-                   lambda read, e: [read(dn, e)], quantize=q, group=f"experts{layer}", per_expert=True)
+                   read_expert_rows=lambda read, e: [read(dn, e)], quantize=q, group=f"experts{layer}")
     return [w13, w2]
 
 
@@ -591,13 +593,3 @@ def _check_out(cfg, out):
         if t.quantize and t.shape[-1] % 32:
             raise LayoutError(f"{t.sources[0]}: K={t.shape[-1]} is not a multiple of 32, cannot be MXFP8; "
                               "use --quantize none or experts")
-
-
-def ignored_layers(out: list[OutTensor]) -> list[str]:
-    """Module names of the linears left unquantized (vendor `ignored_layers` semantics)."""
-    names = []
-    for t in out:
-        if t.quantize or not t.name.endswith(".weight") or len(t.shape) != 2:
-            continue
-        names.append(t.name[: -len(".weight")])
-    return names

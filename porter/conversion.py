@@ -31,7 +31,8 @@ import porter
 from converters import minimax_m3 as arch
 from porter import manifest, mxfp8
 from porter.safetensors_io import Entry, ShardWriter, dtype_name, file_sha256, nbytes
-from porter.source import INDEX_NAME, Source, build_expert, open_source
+from porter.layout import OutTensor, scale_name
+from porter.source import INDEX_NAME, Source, open_source
 from porter.errors import PorterError
 
 log = logging.getLogger("porter")
@@ -61,7 +62,9 @@ def parse_size(text) -> int:
 @dataclass
 class Plan:
     source: Source
-    tensors: list  # arch.OutTensor in write order
+    config: arch.TextConfig  # resolved from source.raw_config by the converter
+    architecture_facts: dict  # the converter's records for porter.json (arch.manifest_facts)
+    tensors: list  # OutTensor in write order
     shards: list  # [(file name, [Entry, ...])]
     options: dict
     shard_of: dict = field(default_factory=dict)  # entry name -> file name
@@ -81,19 +84,20 @@ class Plan:
         return peak
 
 
-def entries_for(t: arch.OutTensor) -> list[Entry]:
+def entries_for(t: OutTensor) -> list[Entry]:
     if not t.quantize:
         return [Entry(t.name, t.dtype, tuple(t.shape))]
     scale_shape = tuple(t.shape[:-1]) + (t.shape[-1] // mxfp8.BLOCK,)
     return [Entry(t.name, torch.float8_e4m3fn, tuple(t.shape)),
-            Entry(arch.scale_name(t.name), torch.uint8, scale_shape)]
+            Entry(scale_name(t.name), torch.uint8, scale_shape)]
 
 
 def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding="rceil",
               max_shard_size="5GB") -> Plan:
     if scale_rounding not in mxfp8.ROUNDING_MODES:
         raise ConvertError(f"--scale-rounding must be one of {mxfp8.ROUNDING_MODES}")
-    tensors = arch.plan_tensors(source.config, source.meta, quantize, gate_up)
+    config = arch.resolve_config(source.raw_config)
+    tensors = arch.plan_tensors(config, source.meta, quantize, gate_up)
     cap = parse_size(max_shard_size)
     groups, current, size = [], [], 0
     for e in (e for t in tensors for e in entries_for(t)):
@@ -107,7 +111,7 @@ def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding
     n = len(groups)
     shards = [(f"model-{i:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups, 1)]
     options = {"quantize": quantize, "gate_up": gate_up, "scale_rounding": scale_rounding, "max_shard_size": cap}
-    plan = Plan(source, tensors, shards, options)
+    plan = Plan(source, config, arch.manifest_facts(config), tensors, shards, options)
     plan.shard_of = {e.name: f for f, es in shards for e in es}
     return plan
 
@@ -322,7 +326,7 @@ def _reuse_freed_memory() -> None:
         pass
 
 
-def produce(t: arch.OutTensor, read, rounding: str) -> Iterator[tuple]:
+def produce(t: OutTensor, read, rounding: str) -> Iterator[tuple]:
     """Yields (output tensor name, tensor or leading chunk of it, error record or None) in write order."""
     if t.per_expert:
         yield from _produce_experts(t, read, rounding)
@@ -333,12 +337,12 @@ def produce(t: arch.OutTensor, read, rounding: str) -> Iterator[tuple]:
         return
     q, s, err = mxfp8.quantize_with_error(value, rounding, name=_src_label(t))
     yield t.name, q, _error_record(t, value.dtype, err)
-    yield arch.scale_name(t.name), s, None
+    yield scale_name(t.name), s, None
 
 
 def _error_record(t, src_dtype, err) -> dict:
     rel = (err["err_sq"] / err["ref_sq"]) ** 0.5 if err["ref_sq"] else 0.0
-    return {"source_dtype": dtype_name(src_dtype), "scale": arch.scale_name(t.name),
+    return {"source_dtype": dtype_name(src_dtype), "scale": scale_name(t.name),
             "rel_fro_error": rel, "max_abs_error": err["max_abs_error"]}
 
 
@@ -362,7 +366,7 @@ def _produce_experts(t, read, rounding):
     e_count = t.shape[0]
     if not t.quantize:
         for e in range(e_count):
-            yield t.name, build_expert(t, read, e), None
+            yield t.name, t.build_expert(read, e), None
         return
     s = torch.empty(tuple(t.shape[:-1]) + (t.shape[-1] // mxfp8.BLOCK,), dtype=torch.uint8)  # [E, N, K/32]
     total = {"err_sq": 0.0, "ref_sq": 0.0, "max_abs_error": 0.0}
@@ -383,7 +387,7 @@ def _produce_experts(t, read, rounding):
     with _quantize_pool() as pool:
         for e in range(e_count):
             row = 0
-            for part in t.build(read, e):  # [rows, K]
+            for part in t.expert_rows(read, e):  # [rows, K]
                 in_flight.append((e, row, pool.submit(mxfp8.quantize_with_error, part, rounding, t.name)))
                 row += part.shape[0]
                 while len(in_flight) > QUANTIZE_WORKERS:
@@ -393,7 +397,7 @@ def _produce_experts(t, read, rounding):
         while in_flight:
             yield t.name, collect(), None
     yield t.name, None, _error_record(t, t.dtype, total)
-    yield arch.scale_name(t.name), s, None
+    yield scale_name(t.name), s, None
 
 
 # one more worker than cores: the main thread (reads) and the writer thread (hash, disk) leave gaps

@@ -1,4 +1,8 @@
-"""porter.json (the manifest) and the config.json `quantization_config` of a porter artifact."""
+"""porter.json (the manifest) and the config.json `quantization_config` of a porter artifact.
+
+Format layer (docs/architecture.md, docs/artifact-format.md): the architecture's own facts (its name, its
+activation parameters) come from the converter through the plan (`plan.architecture_facts`), never from
+here."""
 from __future__ import annotations
 
 import json
@@ -6,9 +10,9 @@ import time
 from pathlib import Path
 
 import porter
-from converters import minimax_m3 as arch
 from porter import mxfp8
 from porter.errors import PorterError
+from porter.layout import ignored_layers
 
 MANIFEST = "porter.json"
 FORMAT = "porter-mxfp8"
@@ -22,7 +26,7 @@ class ManifestError(PorterError, ValueError):
 def quantization_config(plan) -> dict:
     """Describes what was done, in the vendor `quant_method: mxfp8` vocabulary plus porter's layout facts."""
     q = plan.options["quantize"]
-    ignored = arch.ignored_layers(plan.tensors)
+    ignored = ignored_layers(plan.tensors)
     return {
         "quant_method": "mxfp8" if q != "none" else "none",
         "activation_scheme": "dynamic",
@@ -42,20 +46,22 @@ def quantization_config(plan) -> dict:
 
 
 def write(out: Path, plan, stats: dict, shard_sha: dict) -> None:
-    src, cfg = plan.source, plan.source.config
+    """plan: the conversion plan — `source`, `config` (resolved, with `to_dict()` and `provenance`),
+    `architecture_facts` ({"architecture": name, ...more top-level records}), `options`, `shards`."""
+    src, cfg = plan.source, plan.config
+    facts = dict(plan.architecture_facts)
     doc = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "porter_version": porter.__version__,
-        "architecture": arch.ARCHITECTURE,
+        "architecture": facts.pop("architecture"),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": {"repo_id": src.repo_id, "path": str(src.path.resolve()), "commit": src.commit,
                    "files": [f.name for f in src.shard_files]},
         "options": plan.options,
         "resolved_config": cfg.to_dict(),
         "provenance": cfg.provenance,
-        "swiglu": {"alpha": cfg.swiglu_alpha, "beta": cfg.swiglu_beta, "limit": cfg.swiglu_limit,
-                   "provenance": {k: cfg.provenance[f"swiglu_{k}"] for k in ("alpha", "beta", "limit")}},
+        **facts,
         "layout": {"gate_up_order": "gate_up", "source_gate_up": plan.options["gate_up"],
                    "block_size": mxfp8.BLOCK, "element_dtype": "float8_e4m3fn", "scale_dtype": "uint8",
                    "scale_encoding": "ue8m0 byte b -> 2^(b-127); 0 for all-zero blocks",

@@ -1,5 +1,8 @@
 """Read a source checkpoint: local dir or Hugging Face repo id, safetensors only, lazily.
 
+Format layer (docs/architecture.md): this module knows safetensors and Hugging Face checkpoint folders,
+not any architecture. It hands its caller the raw config.json and every tensor's dtype and shape from the
+shard headers; resolving that config is the architecture's job (converters/<arch>.py).
 Never unpickles: a checkpoint that has only `*.bin` / `*.pt` weights is refused.
 """
 from __future__ import annotations
@@ -8,13 +11,12 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from safetensors import safe_open
 
-from converters import minimax_m3 as arch
-from porter.safetensors_io import ST_DTYPES, nbytes
+from porter.safetensors_io import ST_DTYPES, nbytes, parse_header
 from porter.errors import PorterError
 
 log = logging.getLogger("porter")
@@ -30,9 +32,10 @@ class SourceError(PorterError, ValueError):
 
 @dataclass
 class Source:
+    """A checkpoint folder: its raw config.json (unresolved), tensor metadata from the shard headers, and
+    lazy reads. The caller resolves `raw_config` with its architecture's rules."""
     path: Path
     raw_config: dict
-    config: arch.TextConfig
     meta: dict  # tensor name -> (torch dtype, shape tuple)
     files: dict  # tensor name -> shard Path
     repo_id: Optional[str] = None
@@ -67,20 +70,10 @@ class Source:
 
 
 def read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file (no tensor data read)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise SourceError(f"{path}: not a safetensors file (truncated header)")
-        n = int.from_bytes(raw, "little")
-        if n > 100_000_000:
-            raise SourceError(f"{path}: not a safetensors file (header length {n})")
-        try:
-            header = json.loads(f.read(n))
-        except json.JSONDecodeError as e:
-            raise SourceError(f"{path}: corrupt safetensors header ({e}); re-download this shard") from None
-    header.pop("__metadata__", None)
-    return header
+    """The JSON header of a safetensors file (no tensor data read), validated against the file size: a
+    truncated file, broken JSON, offsets that disagree with the file or an unknown dtype is an error naming
+    the file (porter.safetensors_io.parse_header)."""
+    return parse_header(path)[1]
 
 
 def tensor_span(path: Path, info: dict) -> tuple[int, int]:
@@ -124,16 +117,19 @@ def weight_files(path: Path) -> list[Path]:
 
 def open_local(path: Path, repo_id: Optional[str] = None, commit: Optional[str] = None,
                headers: Optional[dict] = None) -> Source:
-    """A checkpoint dir. `headers` ({file: safetensors header}) stands in for shards not present locally
+    """A checkpoint dir: raw config.json and the tensors its safetensors headers list (nothing resolved,
+    no tensor data read). `headers` ({file: safetensors header}) stands in for shards not present locally
     (a --dry-run of a hub repo reads headers only)."""
     path = Path(path)
     if not path.is_dir():
         raise SourceError(f"{path}: not a directory (give a checkpoint dir or a Hugging Face repo id)")
     raw = load_json(path / "config.json")
-    if raw.get("quantization_config") and raw["quantization_config"].get("quant_method") not in (None, "none"):
-        raise SourceError(f"{path / 'config.json'}: already quantized "
-                          f"({raw['quantization_config'].get('quant_method')}); porter converts the BF16 release")
-    config = arch.resolve_config(raw)
+    if not isinstance(raw, dict):
+        raise SourceError(f"{path / 'config.json'}: must hold a JSON object")
+    qc = raw.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else qc
+    if qc and method not in (None, "none"):
+        raise SourceError(f"{path / 'config.json'}: already quantized ({method}); porter converts the BF16 release")
     meta, files = {}, {}
     shards = {path / f: h for f, h in headers.items()} if headers else {f: None for f in weight_files(path)}
     for f, header in shards.items():
@@ -146,7 +142,7 @@ def open_local(path: Path, repo_id: Optional[str] = None, commit: Optional[str] 
                 raise SourceError(f"{f}: tensor {name!r} also appears in {files[name]}")
             meta[name] = (ST_DTYPES[info["dtype"]], tuple(info["shape"]))
             files[name] = f
-    return Source(path, raw, config, meta, files, repo_id=repo_id, commit=commit)
+    return Source(path, raw, meta, files, repo_id=repo_id, commit=commit)
 
 
 def open_source(source: str | Path, revision: Optional[str] = None, headers_only: bool = False) -> Source:
@@ -163,25 +159,3 @@ def open_source(source: str | Path, revision: Optional[str] = None, headers_only
         return open_local(path, repo_id=str(source), commit=commit, headers=headers)
     path, commit = hub.download(str(source), revision)
     return open_local(path, repo_id=str(source), commit=commit)
-
-
-def canonical_tensors(source: Source, names: Optional[set] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(canonical name, tensor) for an original checkpoint, not quantized, experts stacked
-    ([E, 2I, H] [gate; up] and [E, H, I]). Text-model tensors only. `names` restricts what is built."""
-    for t in arch.plan_tensors(source.config, source.meta, quantize="none"):
-        if arch.canonical_name(t.name) is None and not t.name.startswith(("model.", "lm_head.")):
-            continue
-        if t.group == "carried" or (names is not None and t.name not in names):
-            continue
-        yield t.name, build_tensor(t, source.read)
-
-
-def build_tensor(t: arch.OutTensor, read) -> torch.Tensor:
-    if t.per_expert:
-        return torch.stack([build_expert(t, read, e) for e in range(t.shape[0])])
-    return t.build(read)
-
-
-def build_expert(t: arch.OutTensor, read, e: int) -> torch.Tensor:
-    """Expert e of a stacked expert tensor ([N, K]), reading only that expert's source rows."""
-    return torch.cat(t.build(read, e))

@@ -37,7 +37,12 @@ class LoadError(PorterError, ValueError):
 
 
 class ArtifactStore:
-    """A porter artifact: porter.json manifest + config.json + shards with a model.safetensors.index.json."""
+    """A porter artifact: porter.json manifest + config.json + shards with a model.safetensors.index.json.
+
+    What callers use (the same on SourceStore): `path`, `config`, `is_artifact`, `names()`, `get(name)`,
+    `experts(name)`, `carried_names()`, `get_carried(name)`, `total_bytes()`, `close()`."""
+
+    is_artifact = True
 
     def __init__(self, path: Path):
         self.path = path
@@ -73,31 +78,56 @@ class ArtifactStore:
         w = self.get(name)
         return ((e, w[e]) for e in range(w.shape[0]))
 
+    def carried_names(self) -> set:
+        """Tensors outside the text model (vision tower, projectors, MTP), under their source names."""
+        return {n for n in self.files if arch.canonical_name(n) is None}
+
+    def get_carried(self, name: str) -> torch.Tensor:
+        return self.get(name)
+
+    def total_bytes(self) -> int:
+        """Bytes of the artifact's shards (from porter.json; no file is read)."""
+        return sum(int(r.get("bytes", 0)) for r in self.manifest.get("shards", {}).values())
+
 
 class SourceStore:
     """An original (bf16) HF checkpoint, vendor or transformers layout, via porter.source: experts are
-    stacked to [E, 2I, H] [gate; up] / [E, H, I] when read (one layer at a time)."""
+    stacked to [E, 2I, H] [gate; up] / [E, H, I] when read (one layer at a time). Same methods as
+    ArtifactStore."""
+
+    is_artifact = False
 
     def __init__(self, path: Path):
         from porter import source
         self.source = source.open_source(path)
         self.path = self.source.path
-        self.config = self.source.config
+        self.config = arch.resolve_config(self.source.raw_config)
         plan = arch.plan_tensors(self.config, self.source.meta, quantize="none")
         self.plan = {t.name: t for t in plan if t.group != "carried"}
+        self._carried = {t.name for t in plan if t.group == "carried"}
 
     def names(self) -> set:
         return set(self.plan)
 
     def get(self, name: str) -> torch.Tensor:
-        from porter.source import build_tensor
-        return build_tensor(self.plan[name], self.source.read)
+        return self.plan[name].build(self.source.read)
 
     def experts(self, name: str):
         """(e, expert e) of a stacked [E, N, K] tensor, reading only that expert's source rows each time."""
-        from porter.source import build_expert
         t = self.plan[name]
-        return ((e, build_expert(t, self.source.read, e)) for e in range(t.shape[0]))
+        return ((e, t.build_expert(self.source.read, e)) for e in range(t.shape[0]))
+
+    def carried_names(self) -> set:
+        """Tensors outside the text model (vision tower, projectors, MTP), under their source names."""
+        return set(self._carried)
+
+    def get_carried(self, name: str) -> torch.Tensor:
+        """A carried tensor exactly as stored in the checkpoint."""
+        return self.source.read(name)
+
+    def total_bytes(self) -> int:
+        """Bytes of the checkpoint's tensors (from the safetensors headers; no tensor data read)."""
+        return self.source.total_bytes
 
     def close(self) -> None:
         self.source.close()

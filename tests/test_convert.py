@@ -13,6 +13,7 @@ import porter
 from converters import minimax_m3 as arch
 from porter import mxfp8
 from porter.cli import main as cli
+from porter.layout import scale_name
 from porter.source import read_header
 from tiny_checkpoint import build_tiny_checkpoint
 
@@ -136,11 +137,11 @@ def test_quantize_all_scope(tiny_vendor, tmp_path):
     dst = load_all(tmp_path / "all")
     for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.index_k_proj.weight",
                  "model.layers.0.mlp.down_proj.weight", "model.layers.2.block_sparse_moe.shared_experts.up_proj.weight"]:
-        assert dst[name].dtype == torch.float8_e4m3fn and arch.scale_name(name) in dst, name
+        assert dst[name].dtype == torch.float8_e4m3fn and scale_name(name) in dst, name
     for name in ["model.embed_tokens.weight", "lm_head.weight", "model.layers.1.block_sparse_moe.gate.weight",
                  "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.index_q_norm.weight",
                  "multi_modal_projector.linear_1.weight"]:
-        assert dst[name].dtype != torch.float8_e4m3fn and arch.scale_name(name) not in dst, name
+        assert dst[name].dtype != torch.float8_e4m3fn and scale_name(name) not in dst, name
 
 
 def test_quantize_none_keeps_everything_exact(tiny_vendor, tmp_path):

@@ -22,8 +22,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from converters.minimax_m3 import TextConfig, scale_name
+from converters.minimax_m3 import TextConfig
 from porter import mxfp8
+from porter.layout import scale_name
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params, swiglu_oai
 
 Getter = Callable[[str], Optional[torch.Tensor]]  # canonical name -> tensor on the device, or None

@@ -1,14 +1,20 @@
-"""porter: MiniMax-M3 Hugging Face checkpoints -> MXFP8 artifacts, with a runtime and a verifier."""
-__version__ = "0.1.0"
+"""porter: MiniMax-M3 Hugging Face checkpoints -> MXFP8 artifacts, with a runtime and a verifier.
+
+The Python API mirrors the command line: `porter.convert(...)` is `porter convert`, `porter.verify(...)` is
+`porter verify` (docs/architecture.md). The runtime is the separate `runtime` package (`runtime.load`).
+"""
+from porter.version import __version__
+
+__all__ = ["__version__", "convert", "verify"]
 
 
 def convert(*args, **kwargs):
-    """Python API mirroring `porter convert` (see porter.convert.convert)."""
+    """`porter convert` as a function; see porter.conversion.convert for the arguments."""
     from porter.conversion import convert as _convert
     return _convert(*args, **kwargs)
 
 
 def verify(*args, **kwargs):
-    """Python API mirroring `porter verify` (see porter.verify.verify)."""
+    """`porter verify` as a function; see porter.verification.verify for the arguments."""
     from porter.verification import verify as _verify
     return _verify(*args, **kwargs)

@@ -27,13 +27,13 @@ from typing import Iterator, Optional
 import torch
 from tqdm import tqdm
 
-import porter
 from converters import minimax_m3 as arch
 from porter import manifest, mxfp8
 from porter.safetensors_io import Entry, ShardWriter, dtype_name, file_sha256, nbytes
 from porter.layout import OutTensor, scale_name
 from porter.source import INDEX_NAME, Source, open_source
 from porter.errors import PorterError
+from porter.version import __version__
 
 log = logging.getLogger("porter")
 
@@ -93,11 +93,13 @@ def entries_for(t: OutTensor) -> list[Entry]:
 
 
 def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding="rceil",
-              max_shard_size="5GB") -> Plan:
+              max_shard_size="5GB", layout="porter") -> Plan:
     if scale_rounding not in mxfp8.ROUNDING_MODES:
         raise ConvertError(f"--scale-rounding must be one of {mxfp8.ROUNDING_MODES}")
     config = arch.resolve_config(source.raw_config)
-    tensors = arch.plan_tensors(config, source.meta, quantize, gate_up)
+    if layout == "hf":
+        arch.check_hf_source(source.raw_config, str(source.path / "config.json"))
+    tensors = arch.plan_tensors(config, source.meta, quantize, gate_up, layout)
     cap = parse_size(max_shard_size)
     groups, current, size = [], [], 0
     for e in (e for t in tensors for e in entries_for(t)):
@@ -110,7 +112,8 @@ def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding
         groups.append(current)
     n = len(groups)
     shards = [(f"model-{i:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups, 1)]
-    options = {"quantize": quantize, "gate_up": gate_up, "scale_rounding": scale_rounding, "max_shard_size": cap}
+    options = {"quantize": quantize, "gate_up": gate_up, "scale_rounding": scale_rounding, "max_shard_size": cap,
+               "layout": layout}
     plan = Plan(source, config, arch.manifest_facts(config), tensors, shards, options)
     plan.shard_of = {e.name: f for f, es in shards for e in es}
     return plan
@@ -119,7 +122,7 @@ def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding
 def fingerprint(plan: Plan) -> str:
     """Identifies a conversion: porter version, options, source identity and the full output plan."""
     src = plan.source
-    ident = {"porter": porter.__version__, "options": plan.options, "commit": src.commit,
+    ident = {"porter": __version__, "options": plan.options, "commit": src.commit,
              "source_files": [(f.name, f.stat().st_size if f.exists() else None) for f in src.shard_files],
              "shards": [(f, [(e.name, str(e.dtype), e.shape) for e in es]) for f, es in plan.shards]}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
@@ -128,13 +131,15 @@ def fingerprint(plan: Plan) -> str:
 # ----------------------------------------------------------------------------------------------------
 
 
-def convert(source, output, *, revision: Optional[str] = None, quantize: str = "experts", gate_up: str = "auto",
+def convert(source, output, *, revision: Optional[str] = None, quantize: Optional[str] = None, gate_up: str = "auto",
             scale_rounding: str = "rceil", max_shard_size="5GB", force: bool = False, resume: bool = False,
-            dry_run: bool = False, progress: bool = True) -> dict:
-    """Convert; returns a summary dict. Mirrors `porter convert` (see `porter convert --help`)."""
+            dry_run: bool = False, progress: bool = True, layout: str = "porter") -> dict:
+    """Convert; returns a summary dict. Mirrors `porter convert` (see `porter convert --help`).
+    quantize=None: the layout's default scope (arch.DEFAULT_SCOPE)."""
     t0 = time.time()
+    quantize = quantize or arch.DEFAULT_SCOPE.get(layout, "experts")
     src = open_source(source, revision, headers_only=dry_run)
-    plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size)
+    plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size, layout)
     out = Path(output)
     if dry_run:
         return describe_plan(plan, out)
@@ -422,8 +427,12 @@ def _finish(plan: Plan, out: Path, stats: dict) -> None:
     for name in COPY_FILES:
         if (src.path / name).exists():
             shutil.copyfile(src.path / name, out / name)
-    cfg = dict(src.raw_config)
-    cfg["quantization_config"] = manifest.quantization_config(plan)
+    if plan.options["layout"] == "hf":  # vendor config, top-level quantization_config the engines read
+        cfg = arch.hf_config_json(src.raw_config, arch.hf_quantization_config(
+            plan.tensors, plan.options["quantize"], plan.options["scale_rounding"]))
+    else:
+        cfg = dict(src.raw_config)
+        cfg["quantization_config"] = manifest.quantization_config(plan)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     shard_sha = {f: rec["sha256"] for f, rec in _read_journal(out)["shards"].items()}
     manifest.write(out, plan, stats, shard_sha)

@@ -9,10 +9,10 @@ import json
 import time
 from pathlib import Path
 
-import porter
 from porter import mxfp8
 from porter.errors import PorterError
 from porter.layout import ignored_layers
+from porter.version import __version__
 
 MANIFEST = "porter.json"
 FORMAT = "porter-mxfp8"
@@ -53,7 +53,7 @@ def write(out: Path, plan, stats: dict, shard_sha: dict) -> None:
     doc = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "porter_version": porter.__version__,
+        "porter_version": __version__,
         "architecture": facts.pop("architecture"),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": {"repo_id": src.repo_id, "path": str(src.path.resolve()), "commit": src.commit,

@@ -1,0 +1,138 @@
+"""The layering rule of docs/architecture.md, checked on the imports of every module (parsed, not run).
+
+    cli (porter.cli, the porter package's API)
+      > conversion | verification | inspect      (siblings: none imports another)
+      > runtime
+      > converters                               (one file per architecture)
+      > format (porter.mxfp8, safetensors_io, source, manifest, layout, errors, hub, plot, ...)
+
+A module may import its own layer or any layer below, never one above. Imports inside functions count.
+Also: transformers (a test-only oracle) is never imported outside tests, flashinfer only by the TRT-LLM
+backend, and nothing unpickles.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("porter", "converters", "runtime")
+
+CLI, ENTRY, RUNTIME, CONVERTERS, FORMAT = 4, 3, 2, 1, 0
+LAYER_NAMES = {CLI: "cli", ENTRY: "conversion|verification|inspect", RUNTIME: "runtime",
+               CONVERTERS: "converters", FORMAT: "format"}
+ENTRY_MODULES = {"porter.conversion", "porter.verification", "porter.inspect"}
+FLASHINFER_MODULES = {"runtime.moe.flashinfer_trtllm"}
+
+
+def layer(module: str) -> int:
+    if module in ("porter", "porter.cli", "porter.__main__"):
+        return CLI
+    if module in ENTRY_MODULES:
+        return ENTRY
+    top = module.split(".")[0]
+    if top == "runtime":
+        return RUNTIME
+    if top == "converters":
+        return CONVERTERS
+    if top == "porter":
+        return FORMAT
+    raise KeyError(module)
+
+
+def modules() -> dict:
+    out = {}
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(f.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = f
+    return out
+
+
+MODULES = modules()
+
+
+def imports(module: str, path: Path) -> list[tuple[int, str]]:
+    """(line, imported module) for every import statement, at any depth. `from pkg import name` counts
+    as importing pkg.name when that is a module, else pkg."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                anchor = module.split(".") if is_pkg else module.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                found.append((node.lineno, sub if sub in MODULES else base))
+    return found
+
+
+def own(name: str) -> bool:
+    return name.split(".")[0] in PACKAGES
+
+
+def test_every_module_has_a_layer():
+    assert len(MODULES) > 20 and {"porter.cli", "porter.layout", "converters.minimax_m3", "runtime.loader"} <= set(MODULES)
+    for m in MODULES:
+        layer(m)
+
+
+def test_layer_table_examples():
+    """The rule's table itself, so a slip in `layer` cannot hollow out the check below."""
+    assert layer("porter.cli") > layer("porter.verification") == layer("porter.conversion") > layer("runtime.loader")
+    assert layer("runtime.models.minimax_m3") > layer("converters.minimax_m3") > layer("porter.layout")
+    assert layer("porter.source") == layer("porter.manifest") == layer("porter.mxfp8") == FORMAT
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_follow_the_layers(module):
+    mine = layer(module)
+    bad = []
+    for line, name in imports(module, MODULES[module]):
+        if not own(name):
+            continue
+        target = name if name in MODULES else name.rsplit(".", 1)[0]
+        theirs = layer(target)
+        if theirs > mine:
+            bad.append(f"{MODULES[module].relative_to(ROOT)}:{line}: {LAYER_NAMES[mine]} module {module} imports "
+                       f"{LAYER_NAMES[theirs]} module {target}")
+        elif mine == ENTRY and theirs == ENTRY and target != module:
+            bad.append(f"{MODULES[module].relative_to(ROOT)}:{line}: {module} imports its sibling {target}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_oracle_no_pickle_flashinfer_only_in_its_backend(module):
+    bad = []
+    for line, name in imports(module, MODULES[module]):
+        top = name.split(".")[0]
+        if top == "transformers":
+            bad.append(f"{module}:{line}: imports transformers (a test-only oracle)")
+        if top in ("pickle", "dill", "cloudpickle"):
+            bad.append(f"{module}:{line}: imports {top} (porter never unpickles)")
+        if top == "flashinfer" and module not in FLASHINFER_MODULES:
+            bad.append(f"{module}:{line}: imports flashinfer outside the TRT-LLM backend")
+    tree = ast.parse(MODULES[module].read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
+            bad.append(f"{module}:{node.lineno}: torch.load unpickles")
+        if isinstance(node, ast.keyword) and node.arg == "trust_remote_code":
+            bad.append(f"{module}:{node.lineno}: trust_remote_code")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_check_catches_a_violation(tmp_path):
+    """A format module importing a converter is reported (the check is not vacuous)."""
+    f = tmp_path / "layout.py"
+    f.write_text("import torch\n\ndef f():\n    from converters.minimax_m3 import TextConfig\n")
+    found = [n for _, n in imports("porter.layout", f) if own(n)]
+    assert found == ["converters.minimax_m3"] and layer("converters.minimax_m3") > layer("porter.layout")

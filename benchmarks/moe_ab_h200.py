@@ -1,8 +1,9 @@
-"""A/B of tile configs for the Triton MXFP8 MoE on one GPU (issue #5 tuning aid; one device call).
+"""A/B of tile configs for the Triton MXFP8 MoE on one GPU (tuning aid; one device call).
 
 For each T: the whole layer (CUDA-graph replay median) and per-kernel device times (torch.profiler)
 for a list of MoeConfig candidates, the bf16-weight twin with the default config, and the current
-default. Prints a table per T and writes bench_ab_<gpu>.json into --out.
+default (FP8 prefill on). diff = rel difference to the W8A16 path. Prints a table per T and writes
+bench_ab_<gpu>.json into --out.
 
   python3 benchmarks/moe_ab_h200.py [--out DIR] [--tokens 1,4,16,64,256,4096]
 """
@@ -24,29 +25,28 @@ from runtime.moe import triton_backend as tb  # noqa: E402
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params  # noqa: E402
 
 C = tb.MoeConfig
-# bm, bn1, bk1, split1, warps1, stages1, bn2, bk2, split2, warps2, stages2, fused1, swap1, swap2
+# bm, bn1, bk1, warps1, stages1, bn2, bk2, warps2, stages2, swap1, swap2, fp8
 OLD = {"nosort": False, "fused_out": False, "pdl": False}  # round-1 path: prep, GEMM1, GEMM2, cast
 NOPDL = {"pdl": False}
-T1 = C(16, 32, 256, 1, 4, 3, 64, 256, 1, 4, 3, True)
 
 
 def candidates(t):
     """(name, config or None = default, path options) per T."""
-    paths = [("old_path", None, OLD), ("no_pdl", None, NOPDL)]
-    if t <= 4:
-        return paths + [("stages4", C(16, 32, 256, 1, 4, 4, 64, 256, 1, 4, 4, True), {}),
-                        ("split2", C(16, 32, 256, 2, 4, 3, 64, 256, 2, 4, 3, True), {}),
-                        ("bn2_32", C(16, 32, 256, 1, 4, 3, 32, 256, 1, 4, 3, True), {})]
-    if t <= 256:
-        return paths
-    if t <= 1024:
-        return [("old_path", None, OLD), ("bm64", C(64, 64, 128, 1, 8, 3, 128, 128, 1, 8, 3), {}),
-                ("bm64b", C(64, 64, 128, 1, 8, 3, 128, 64, 1, 4, 4), {})]
-    return [("old_path", None, OLD),
-            ("fused128", C(128, 64, 128, 1, 8, 3, 128, 128, 1, 8, 3, True), {}),
-            ("bn128", C(128, 128, 64, 1, 8, 3, 128, 128, 1, 8, 3), {}),
-            ("bm256", C(256, 64, 64, 1, 8, 3, 128, 64, 1, 8, 3, True), {}),
-            ("fused256", C(128, 128, 64, 1, 8, 3, 256, 64, 1, 8, 3, True), {})]
+    if t <= 4:  # decode: N split finer (more programs on 132 SMs), deeper pipelines, wider K steps
+        return [("no_pdl", None, NOPDL), ("bn1_16", C(16, 16, 256, 4, 3, 64, 256, 4, 3), {}),
+                ("bk512", C(16, 32, 512, 4, 3, 64, 512, 4, 3), {}),
+                ("bk128_s6", C(16, 32, 128, 4, 6, 64, 128, 4, 6), {}),
+                ("w2_bn2_32", C(16, 32, 256, 2, 3, 32, 256, 2, 3), {}),
+                ("bn1_16_bk512_s4", C(16, 16, 512, 4, 4, 64, 512, 4, 4), {})]
+    if t < 256:
+        return []
+    return [("w8a16", tb.default_config(t, False), {}),
+            ("fp8x2_64", C(64, 64, 128, 4, 3, 128, 128, 4, 3, fp8=2), {}),
+            ("fp8x1_64", C(64, 64, 128, 4, 3, 128, 128, 4, 3, fp8=1), {}),
+            ("fp8x2_64s4", C(64, 64, 128, 4, 4, 128, 128, 4, 4, fp8=2), {}),
+            ("fp8x2_128", C(128, 64, 128, 8, 3, 128, 128, 8, 3, fp8=2), {}),
+            ("fp8x2_128s4", C(128, 64, 128, 8, 4, 128, 128, 8, 4, fp8=2), {}),
+            ("fp8x2_wide", C(64, 128, 128, 8, 4, 256, 128, 8, 4, fp8=2), {})]
 
 
 def call(prepared, x, ids, w, cfg, opts):
@@ -66,7 +66,7 @@ def kernel_times(fn, calls=10):
         torch.cuda.synchronize()
     res = {}
     for ev in prof.key_averages():
-        for key in ("gemm1", "gemm2", "prep"):
+        for key in ("gemm1", "gemm2", "prep", "quant_rows"):
             if ev.key.startswith(key):
                 res[key] = ev.device_time_total / calls if hasattr(ev, "device_time_total") else ev.cuda_time_total / calls
     return res
@@ -96,11 +96,12 @@ def main():
         w = w / w.sum(-1, keepdim=True)
         touched = int(torch.unique(ids).numel()) * expert_bytes
         tb.USE_PDL = False
-        ref = tb.fused_moe(moe.prepared, x, ids, w, RSF, tb.default_config(t), nosort=False, fused_out=False).float()
+        ref = tb.fused_moe(moe.prepared, x, ids, w, RSF, tb.default_config(t, False), nosort=False,
+                           fused_out=False).float()
         rows = []
         cands = [("default", None, {})] + candidates(t)
         for name, cfg, opts in cands:
-            cfg = cfg or tb.default_config(t)
+            cfg = cfg or tb.default_config(t, True)
             try:
                 fn = call(moe.prepared, x, ids, w, cfg, opts)
                 err = float((fn().float() - ref).norm() / ref.norm())
@@ -111,14 +112,14 @@ def main():
                 continue
             row = {"T": t, "name": name, "opts": opts, "cfg": tb.fit_config(cfg, H, I).__dict__, "us": us,
                    "TBps": touched / us / 1e6, "gemm1_us": kt.get("gemm1"), "gemm2_us": kt.get("gemm2"),
-                   "prep_us": kt.get("prep"), "diff_vs_default": err}
+                   "prep_us": kt.get("prep"), "quant_rows_us": kt.get("quant_rows"), "diff_vs_w8a16": err}
             rows.append(row)
             print(f"T={t:5d} {name:9s} {us:9.1f} us {row['TBps']:.2f} TB/s  g1 {kt.get('gemm1', 0):8.1f} g2 "
-                  f"{kt.get('gemm2', 0):8.1f} prep {kt.get('prep', 0):6.1f}  diff {err:.1e}  {opts} "
+                  f"{kt.get('gemm2', 0):8.1f} prep {kt.get('prep', 0):6.1f} q {kt.get('quant_rows', 0):6.1f}  diff {err:.1e}  {opts} "
                   f"{tb.fit_config(cfg, H, I)}", flush=True)
-        for name, opts in (("bf16", {}), ("bf16_old", OLD)):
+        for name, opts in (("bf16", {}),):
             try:
-                fb = call(bf16, x, ids, w, tb.default_config(t), opts)
+                fb = call(bf16, x, ids, w, tb.default_config(t, False), opts)
                 us = graph_time_us(fb, reps=30 if t >= 1024 else 100)
                 rows.append({"T": t, "name": name, "us": us})
                 print(f"T={t:5d} {name:9s} {us:9.1f} us", flush=True)

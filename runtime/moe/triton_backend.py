@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 
+from porter import mxfp8
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, route
 
 FP16_EXACT_BYTES = (112, 134)  # e8m0 bytes for which fp16(e4m3) * fp16(2^(s-127)) is exact
@@ -20,63 +22,75 @@ ALIGN_IN_KERNEL_MAX_SLOTS = 1024  # above this the torch sort is cheaper than on
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Tile shapes. GEMM1 tiles are BN1 gate + BN1 up rows of w13; GEMM2 tiles BN2 rows of w2."""
+    """Tile shapes. GEMM1 tiles are BN1 gate + BN1 matching up rows of w13 (one [2*BN1, BK1] weight
+    tile and one MMA per K step); GEMM2 tiles BN2 rows of w2."""
     bm: int
     bn1: int
     bk1: int
-    split1: int
     warps1: int
     stages1: int
     bn2: int
     bk2: int
-    split2: int
     warps2: int
     stages2: int
-    fused1: bool = False  # GEMM1: one [2*BN1, BK1] gate+up tile and one MMA per step
-    swap1: bool = False  # weight as the left MMA operand (prefill, BM >= 64)
+    swap1: bool = False  # W8A16: weight as the left MMA operand (prefill, BM >= 64)
     swap2: bool = False
+    fp8: int = 0  # 0: W8A16 (weights dequantized to fp16); 1 / 2: e4m3 activations in 1 / 2 terms, fp8 MMA
 
 
-def default_config(num_tokens: int) -> MoeConfig:
+# Prefill path choice, measured on one H200 at MiniMax-M3 dims (E=128, H=6144, I=3072, top-4; whole layer,
+# CUDA-graph medians, µs; benchmarks/moe_layer.py, benchmarks/results/moe_layer_NVIDIA_H200.md):
+#   T      W8A16   FP8 2 terms   FP8 1 term (rel err 4.8e-2, over the 2e-2 bound: not used)
+#   256    1888    2331          2217
+#   1024   4132    2611          2389
+#   4096   8041    6005          4998
+# FP8 wins from 1024 tokens on; 256..1023 were not measured between those points, so W8A16 stays there.
+# Rel error vs the torch reference: W8A16 3.9e-3, FP8 with two terms 4.2e-3.
+FP8_PREFILL_MIN_TOKENS = 1024  # the FP8 path from here on (when enabled), W8A16 below
+FP8_TERMS = 2  # e4m3 terms per activation (one term: layer rel error 4.8e-2, over the 2e-2 bound)
+FP8_PREFILL = None  # None: PORTER_MOE_FP8 env ("0" disables), default on
+
+
+def default_config(num_tokens: int, fp8_prefill: bool = False) -> MoeConfig:
     """Tile configs from the H200 A/B (benchmarks/moe_ab_h200.py; benchmarks/results/bench_ab.log).
 
     Decode (BM16): the doc's BN64/BK256/4 warps shape; GEMM1 as one fused [gate; up] tile of
-    2 x 32 rows. Split-K no longer pays once the dequant is hoisted (T=1: 85 us unsplit vs 92 us
-    split 2). 4 stages for 5..128 tokens, 3 elsewhere. BM32 at <= 1024 tokens (~32 rows per
-    expert: every weight tile streamed once). Prefill: wgmma tiles, BM128 from 2048 tokens (T=4096:
-    8.90 ms vs 9.67 ms for BM64), GEMM1 as one fused [gate; up] 128-row tile (T=4096: GEMM1 5.17 ms
-    vs 6.05 ms for two 64-row tiles; whole layer 8.05 vs 8.89 ms). T <= 4 runs the NOSORT path
-    (fused_moe), which forces BM = 16."""
+    2 x 32 rows. Split-K does not pay once the dequant is hoisted (T=1: 85 us unsplit vs 92 us
+    split 2), so there is none. 4 stages for 5..128 tokens, 3 elsewhere. BM32 at <= 1024 tokens (~32
+    rows per expert: every weight tile streamed once). W8A16 prefill: wgmma tiles, BM128 from 2048
+    tokens (T=4096: 8.90 ms vs 9.67 ms for BM64), GEMM1 as one fused [gate; up] 128-row tile (T=4096:
+    GEMM1 5.17 ms vs 6.05 ms for two 64-row tiles). T <= 4 runs the NOSORT path (fused_moe), which
+    forces BM = 16. fp8_prefill: the FP8 path at T >= FP8_PREFILL_MIN_TOKENS, tile from the H200 A/B at
+    T=4096 (benchmarks/results/bench_ab.log: BM64/4 warps/3 stages 5.94 ms; 4 stages 6.73, BM128/8 warps
+    7.28, 64x256 tiles 10.5)."""
+    if fp8_prefill and num_tokens >= FP8_PREFILL_MIN_TOKENS:
+        return MoeConfig(64, 64, 128, 4, 3, 128, 128, 4, 3, fp8=FP8_TERMS)
     if num_tokens <= 4:
-        return MoeConfig(16, 32, 256, 1, 4, 3, 64, 256, 1, 4, 3, True)
+        return MoeConfig(16, 32, 256, 4, 3, 64, 256, 4, 3)
     if num_tokens <= 128:
-        return MoeConfig(16, 32, 256, 1, 4, 4, 64, 256, 1, 4, 4, True)
+        return MoeConfig(16, 32, 256, 4, 4, 64, 256, 4, 4)
     if num_tokens <= 512:
-        return MoeConfig(16, 32, 256, 1, 4, 3, 64, 256, 1, 4, 3, True)
+        return MoeConfig(16, 32, 256, 4, 3, 64, 256, 4, 3)
     if num_tokens <= 1024:
-        return MoeConfig(32, 32, 256, 1, 4, 3, 64, 256, 1, 4, 3, True)
+        return MoeConfig(32, 32, 256, 4, 3, 64, 256, 4, 3)
     if num_tokens < 2048:
-        return MoeConfig(64, 64, 128, 1, 8, 3, 128, 64, 1, 4, 4)
-    return MoeConfig(128, 64, 128, 1, 8, 3, 128, 128, 1, 8, 3, True)
+        return MoeConfig(64, 64, 128, 8, 3, 128, 64, 4, 4)
+    return MoeConfig(128, 64, 128, 8, 3, 128, 128, 8, 3)
 
 
 def fit_config(cfg: MoeConfig, hidden: int, inter: int) -> MoeConfig:
-    """Shrink tiles so BN divides N and BK * split divides K (no masks in the weight stream)."""
-    def bn(b, n):  # n is a multiple of 32 (MXFP8), so this stops at >= 32 for b >= 32
+    """Shrink tiles so BN divides N and BK divides K (no masks in the weight stream)."""
+    def div(b, n):  # n is a multiple of 32 (MXFP8), so this stops at >= 32 for b >= 32
         while n % b:
             b //= 2
         return b
 
-    def bk_split(bk, split, k):
-        while split > 1 and (k // 32) % split:
-            split -= 1
-        while (k // split) % bk:
-            bk //= 2
-        return bk, split
-
-    bk1, s1 = bk_split(cfg.bk1, cfg.split1, hidden)
-    bk2, s2 = bk_split(cfg.bk2, cfg.split2, inter)
-    return replace(cfg, bn1=bn(cfg.bn1, inter), bk1=bk1, split1=s1, bn2=bn(cfg.bn2, hidden), bk2=bk2, split2=s2)
+    if cfg.fp8 and (hidden % FP8_BLOCK_K or inter % FP8_BLOCK_K):
+        cfg = replace(cfg, fp8=0)  # the rebased weight blocks need K % 128 == 0: W8A16 instead
+    if cfg.fp8:  # one K step per rebased weight block
+        return replace(cfg, bn1=div(cfg.bn1, inter), bk1=FP8_BLOCK_K, bn2=div(cfg.bn2, hidden), bk2=FP8_BLOCK_K)
+    return replace(cfg, bn1=div(cfg.bn1, inter), bk1=div(cfg.bk1, hidden), bn2=div(cfg.bn2, hidden),
+                   bk2=div(cfg.bk2, inter))
 
 
 def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -129,6 +143,29 @@ def weight_shifts(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return torch.tensor(shifts, dtype=torch.int32), fp16_ok
 
 
+FP8_BLOCK_K = 128  # K extent of one rebased weight scale on the FP8 path
+
+
+def rebase_block128(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 (q [E, N, K] e4m3, scale [E, N, K/32] uint8) -> block FP8 for the fp8 MMA: (q' [E, N, K]
+    e4m3, sc [E, N, K/128] fp32) with sc = 2^(S-127), S the largest of the block's four scale bytes,
+    and q' = rne_e4m3(q * 2^(s-S)). The shift is exact wherever the shifted value stays in e4m3's normal
+    range; only values of a 32-group whose scale lies several octaves below its block's largest lose
+    low bits (rel error <= 5e-7 on Gaussian, Student-t and outlier-column weights; a test bounds it).
+    One expert at a time (fp32 temporaries of one expert)."""
+    e, n, k = q.shape
+    out_q = torch.empty_like(q)
+    out_s = torch.empty((e, n, k // FP8_BLOCK_K), dtype=torch.float32, device=q.device)
+    g = FP8_BLOCK_K // mxfp8.BLOCK
+    for i in range(e):
+        s = scale[i].to(torch.int32).reshape(n, k // FP8_BLOCK_K, g)  # [N, K/128, 4]
+        top = s.amax(dim=-1, keepdim=True)
+        vals = q[i].float().reshape(n, k // FP8_BLOCK_K, g, mxfp8.BLOCK) * mxfp8.pow2(s - top)[..., None]
+        out_q[i] = vals.reshape(n, k).to(torch.float8_e4m3fn)
+        out_s[i] = mxfp8.pow2(top[..., 0] - mxfp8.SCALE_BIAS)
+    return out_q, out_s
+
+
 def act_fp16_ok(alpha: torch.Tensor, beta: torch.Tensor, limit: torch.Tensor) -> bool:
     """True when |SwiGLU-OAI| < 2^15 for every expert, from the bound max(|L|, 0.2785/alpha)(|L|+|b|)
     (0.2785 = max over g < 0 of |g sigmoid(g)|): then act can be stored in fp16 for GEMM2.
@@ -159,6 +196,16 @@ class PreparedMoE:
     epi2: torch.Tensor  # [E] fp32, 2^d_e
     wmode1: int = 1  # kernel WMODE of GEMM1 / GEMM2 (see _wmode)
     wmode2: int = 1
+    fp8_blocks: Optional[tuple] = None  # the FP8 path's rebased weights, made on first use (fp8_weights)
+
+    def fp8_weights(self) -> tuple:
+        """(w13 e4m3 [E, 2I, H], s13 fp32 [E, 2I, H/128], w2 e4m3 [E, H, I], s2 fp32 [E, H, I/128]):
+        the weights rebased to one power-of-two scale per (row, 128 K), made once per layer on the
+        first FP8 prefill call. This is a second copy of the experts in e4m3 (1 B per weight + 1/32 B
+        of scales: 7.5 GB per MiniMax-M3 layer); FP8_PREFILL = False / PORTER_MOE_FP8=0 avoids it."""
+        if self.fp8_blocks is None:
+            self.fp8_blocks = (*rebase_block128(self.w13, self.w13_scale), *rebase_block128(self.w2, self.w2_scale))
+        return self.fp8_blocks
 
     @staticmethod
     def _wmode(w_fp8: bool, fp16: bool, shift: torch.Tensor) -> int:
@@ -195,20 +242,10 @@ def prepare(w13, w13_scale, w2, w2_scale, alpha, beta, limit) -> PreparedMoE:
                        PreparedMoE._wmode(w_fp8, ok13, d13), PreparedMoE._wmode(w_fp8, ok2, d2))
 
 
-_counters: dict = {}
 _out_scratch: dict = {}
 FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scratch of T x H
 NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per routed slot (BM 16)
 USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORTER_MOE_PDL env, default on
-
-
-def _split_counters(device, n: int) -> torch.Tensor:
-    """Zeroed per-tile arrival counters for GEMM1 split-K; the last arriver re-zeroes its own."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _counters[device] = buf
-    return buf
 
 
 def _fused_out_scratch(device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,24 +272,43 @@ def _pdl_enabled(device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def fp8_prefill_enabled(device) -> bool:
+    """The FP8 prefill path needs fp8 MMA (SM89+); FP8_PREFILL / PORTER_MOE_FP8=0 turn it off."""
+    import os
+    flag = FP8_PREFILL
+    if flag is None:
+        flag = os.environ.get("PORTER_MOE_FP8", "1") != "0"
+    if not flag or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               routed_scaling_factor: float, cfg: MoeConfig | None = None, nosort: bool | None = None,
               fused_out: bool | None = None) -> torch.Tensor:
     """hidden [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in hidden's dtype.
 
     Paths (launches): NOSORT for T*k <= NOSORT_MAX_SLOTS: [prescale], GEMM1, GEMM2 writing the
-    output directly (fused output); else prep (align in kernel or torch, prescale, zeroing), GEMM1,
-    GEMM2 (atomics), cast. nosort / fused_out override the choice (tests, A/B); fused_out is
-    honoured on the NOSORT path only (see below)."""
+    output directly (fused output); else prep (align in kernel or torch, prescale or e4m3 quantize,
+    zeroing), GEMM1, [FP8: act quantize], GEMM2 (atomics), cast. nosort / fused_out override the
+    choice (tests, A/B); fused_out is honoured on the NOSORT path only (see below); cfg.fp8 runs
+    the sorted path."""
     from runtime.moe import triton_kernels as K
     t, h = hidden.shape
     k = topk_ids.shape[1]
     e = p.num_experts
     inter = p.w2.shape[2]
     n = t * k
+    dev = hidden.device
+    cfg = cfg or default_config(t, p.w_fp8 and fp8_prefill_enabled(dev))
+    if cfg.fp8 and (h % FP8_BLOCK_K or inter % FP8_BLOCK_K):
+        cfg = default_config(t, False)  # the FP8 path's weight blocks need K % 128 == 0
+    fp8 = cfg.fp8 > 0
+    if fp8 and not p.w_fp8:
+        raise ValueError("MoeConfig.fp8 needs MXFP8 weights (float8_e4m3fn + uint8 scales)")
     if nosort is None:
         nosort = n <= NOSORT_MAX_SLOTS
-    nosort = nosort and n <= 64
+    nosort = nosort and n <= 64 and not fp8
     # Fused output only on the NOSORT path. On the sorted path (T = 64..256 at MiniMax-M3 dims,
     # 10^4+ programs) the last arriver sometimes read rows missing other programs' adds (rel 1e-2
     # vs the unfused path on H200, even with per-thread gpu fences); not understood yet, so the
@@ -260,11 +316,9 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     # T = 1, 4 (fp32 atomic order).
     fused_out = nosort if fused_out is None else fused_out
     fused_out = fused_out and nosort and t <= FUSED_OUT_MAX_TOKENS
-    cfg = cfg or default_config(t)
     if nosort:
         cfg = replace(cfg, bm=max(16, triton_next_pow2(n)))
     cfg = fit_config(cfg, h, inter)
-    dev = hidden.device
     pdl = {"launch_pdl": True} if _pdl_enabled(dev) else {}
     hidden = hidden.contiguous()
     topk_ids = topk_ids.contiguous()
@@ -292,39 +346,54 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     else:
         out = torch.empty((t, h), dtype=torch.float32, device=dev)  # zeroed by prep, reduced by atomics
         y = out_counts = None
-    x16 = torch.empty((t, h), dtype=torch.float16, device=dev) if p.fp16_1 else hidden
+    # GEMM1's activation operand: [terms, T, H] e4m3 (FP8), [T, H] fp16 (W8A16 with guards) or hidden
+    quant_x = 1 + cfg.fp8 if fp8 else int(p.fp16_1)  # _quant_row's QUANT
+    if fp8:
+        xq = torch.empty((cfg.fp8, t, h), dtype=torch.float8_e4m3fn, device=dev)
+    else:
+        xq = torch.empty((1, t, h), dtype=torch.float16, device=dev) if p.fp16_1 else hidden[None]
     xscale = torch.empty(t, dtype=torch.float32, device=dev)
     zero_out = not fused_out
-    if in_kernel_align or p.fp16_1 or zero_out:
+    if in_kernel_align or quant_x or zero_out:
         K.prep_kernel[(t + int(in_kernel_align),)](
-            hidden, x16, xscale, out, topk_ids, sorted_ids, expert_ids, cursor,
+            hidden, xq, xq[-1], xscale, out, topk_ids, sorted_ids, expert_ids, cursor,
             t, h, n, e, nblk, hidden.stride(0),
-            DO_ALIGN=in_kernel_align, PRESCALE=p.fp16_1, ZERO_OUT=zero_out, HP=triton_next_pow2(h),
+            DO_ALIGN=in_kernel_align, QUANT=quant_x, ZERO_OUT=zero_out, HP=triton_next_pow2(h),
             BM=cfg.bm, EP=ep, C=64, CB=128, num_warps=8)
-    pdl1 = pdl  # each GEMM waits (griddepcontrol.wait) for the previous kernel before any access
-    act_dtype = torch.float16 if p.fp16_2 else torch.bfloat16
-    act = torch.empty((maxp, inter), dtype=act_dtype, device=dev)  # rows in sorted (or slot) order
-    n1 = inter // cfg.bn1
-    if cfg.split1 > 1:
-        part = torch.empty((cfg.split1, maxp, 2 * inter), dtype=torch.float32, device=dev)
-        counts = _split_counters(dev, nblk * n1)
+    wmode1 = 4 if fp8 else p.wmode1
+    wmode2 = 4 if fp8 else p.wmode2
+    if fp8:
+        w13, s13, w2, s2 = p.fp8_weights()
     else:
-        part = counts = act
-    K.gemm1_swiglu_kernel[(nblk * n1 * cfg.split1,)](
-        x16, xscale, p.w13, p.w13_scale, p.shift13, p.epi13, p.alpha, p.beta, p.limit,
-        sorted_ids, expert_ids, act, part, counts, n, h, inter, e, maxp, n1,
-        x16.stride(0), p.w13.stride(0), p.w13.stride(1), p.w13_scale.stride(0) if p.w_fp8 else 0,
-        p.w13_scale.stride(1) if p.w_fp8 else 0,
-        TOPK=k, WMODE=p.wmode1, PRESCALED=p.fp16_1, FUSED_GU=cfg.fused1, SWAP=cfg.swap1, SPLIT_K=cfg.split1,
-        BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, NOSORT=nosort, USE_PDL=bool(pdl1),
-        num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl1)
+        w13, s13, w2, s2 = p.w13, p.w13_scale, p.w2, p.w2_scale
+    ss13 = (s13.stride(0), s13.stride(1)) if p.w_fp8 else (0, 0)
+    ss2 = (s2.stride(0), s2.stride(1)) if p.w_fp8 else (0, 0)
+    # act rows in sorted (or slot) order; bf16 before the FP8 path's quantize kernel
+    act_dtype = torch.float16 if p.fp16_2 and not fp8 else torch.bfloat16
+    act = torch.empty((maxp, inter), dtype=act_dtype, device=dev)
+    n1 = inter // cfg.bn1
+    K.gemm1_swiglu_kernel[(nblk * n1,)](
+        xq, t * h, xscale, w13, s13, p.shift13, p.epi13, p.alpha, p.beta, p.limit,
+        sorted_ids, expert_ids, act, n, h, inter, e, n1,
+        xq.stride(1), w13.stride(0), w13.stride(1), *ss13,
+        TOPK=k, WMODE=wmode1, PRESCALED=quant_x > 0, TERMS=cfg.fp8, SWAP=cfg.swap1 and not fp8,
+        BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, NOSORT=nosort, USE_PDL=bool(pdl),
+        num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
+    if fp8:  # act -> [terms, MAXP, I] e4m3 + per-row 2^m
+        aq = torch.empty((cfg.fp8, maxp, inter), dtype=torch.float8_e4m3fn, device=dev)
+        ascale = torch.empty(maxp, dtype=torch.float32, device=dev)
+        K.quant_rows_kernel[(maxp,)](act, aq, aq[-1], ascale, sorted_ids, n, inter,
+                                     QUANT=1 + cfg.fp8, DP=triton_next_pow2(inter), USE_PDL=bool(pdl),
+                                     num_warps=8, **pdl)
+        act = aq
+    else:
+        act, ascale = act[None], xscale
     n2 = h // cfg.bn2
-    K.gemm2_reduce_kernel[(nblk * n2 * cfg.split2,)](
-        act, p.w2, p.w2_scale, p.shift2, p.epi2, topk_w, out, sorted_ids, expert_ids,
+    K.gemm2_reduce_kernel[(nblk * n2,)](
+        act, maxp * inter, ascale, w2, s2, p.shift2, p.epi2, topk_w, out, sorted_ids, expert_ids,
         n, inter, h, e, float(routed_scaling_factor), n2,
-        p.w2.stride(0), p.w2.stride(1), p.w2_scale.stride(0) if p.w_fp8 else 0,
-        p.w2_scale.stride(1) if p.w_fp8 else 0,
-        TOPK=k, WMODE=p.wmode2, SWAP=cfg.swap2, SPLIT_K=cfg.split2,
+        w2.stride(0), w2.stride(1), *ss2,
+        TOPK=k, WMODE=wmode2, TERMS=cfg.fp8, SWAP=cfg.swap2 and not fp8,
         BM=cfg.bm, BN=cfg.bn2, BK=cfg.bk2, y_ptr=y if fused_out else out,
         count_ptr=out_counts if fused_out else out, NOSORT=nosort, FUSED_OUT=fused_out, USE_PDL=bool(pdl),
         num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl)
@@ -342,8 +411,8 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     expert_ids = torch.empty(nblk, dtype=torch.int32, device=dev)
     cursor = torch.empty(ep, dtype=torch.int32, device=dev)
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
-    K.prep_kernel[(1,)](dummy, dummy, dummy, dummy, topk_ids.contiguous(), sorted_ids, expert_ids, cursor,
-                        0, 1, n, num_experts, nblk, 1, DO_ALIGN=True, PRESCALE=False, ZERO_OUT=False, HP=16,
+    K.prep_kernel[(1,)](dummy, dummy, dummy, dummy, dummy, topk_ids.contiguous(), sorted_ids, expert_ids, cursor,
+                        0, 1, n, num_experts, nblk, 1, DO_ALIGN=True, QUANT=0, ZERO_OUT=False, HP=16,
                         BM=block_m, EP=ep, C=64, CB=128, num_warps=8)
     return sorted_ids, expert_ids
 

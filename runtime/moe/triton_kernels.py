@@ -1,17 +1,29 @@
-"""Triton kernels of the Hopper (SM90, runs on SM80+) MXFP8 fused MoE (issue #5).
+"""Triton kernels of the Hopper (SM90, runs on SM80+) MXFP8 fused MoE.
 
-Design (../shared/docs/hopper-mxfp8-moe.md §6): weight-only W8A16. Weights are read exactly as stored
-(w13 [E, 2I, H] / w2 [E, H, I] float8_e4m3fn, K contiguous, one UE8M0 byte per 32 along K) and
-dequantized in registers to fp16, e4m3 * 2^(s-127), with the weight as the RHS of an fp16 MMA
-(fp32 accumulate). Launches per forward (see triton_backend.fused_moe):
+Weights are read exactly as stored (w13 [E, 2I, H] / w2 [E, H, I] float8_e4m3fn, K contiguous, one
+UE8M0 byte per 32 along K). Two ways to multiply them (triton_backend.default_config picks per T):
+  * W8A16 (decode and small prefill): the weight tile is dequantized in registers to fp16,
+    e4m3 * 2^(s-127), as the RHS of an fp16 MMA (fp32 accumulate); activations in fp16.
+  * FP8 (prefill): activations are quantized per token to e4m3 with a power-of-two scale (one or
+    two e4m3 terms, see _quant_row); the weights, rebased once at first use to one power-of-two
+    scale per (row, 128 K) (triton_backend.rebase_block128: a power-of-two shift of the stored e4m3
+    values), feed the fp8 MMA; each 128-wide K step's fp32 partial is multiplied by its block scale
+    before it joins the accumulator and the token scale is applied in the epilogue (both exact).
+    One fp8 MMA per 32-wide MXFP8 group with its scale applied to each partial measured 1.4x slower
+    than the W8A16 path at T=4096 on the H200, hence the rebase.
+Launches per forward (see triton_backend.fused_moe):
   * T*k <= 16 (NOSORT): prescale (T programs), GEMM1 (+ SwiGLU-OAI), GEMM2 (+ routing weight,
     top-k reduce by atomics into a persistent zeroed fp32 scratch, bf16 output written by the last
     arriver per (token, N tile)): no alignment, no zeroing, no cast kernel.
-  * larger T: prep (align + prescale + zero the fp32 output), GEMM1, GEMM2 (atomics), cast.
+  * larger T: prep (align + prescale/quantize + zero the fp32 output), GEMM1, [FP8: act quantize],
+    GEMM2 (atomics), cast.
   On SM90 the GEMMs are launched with programmatic dependent launch (griddepcontrol.wait first
   thing in the kernel), which hides most of the launch gap between kernels (T=1: 79 -> 69 us).
+No split-K: one program owns each output tile for the whole K (split-K measured slower on the
+H200 once the dequant was hoisted, benchmarks/results/bench_ab.log), so no partial-sum hand-off.
 
-fp16 range guards (fp16 is exact for every e4m3 * 2^(s-127) only for bytes s in [112, 134]):
+fp16 range guards of the W8A16 path (fp16 is exact for every e4m3 * 2^(s-127) only for bytes s in
+[112, 134]):
   * weights: per expert a power-of-two offset d_e is folded out of the scale bytes (s - d_e) and
     2^d_e multiplied back in the fp32 epilogue. Exact when the expert's bytes (ignoring byte 0 =
     all-zero block) span <= 22 octaves; otherwise that GEMM runs in bf16 (exact for bytes 1..254).
@@ -69,14 +81,48 @@ def _align(topk_ids_ptr, sorted_ptr, expert_ids_ptr, cursor_ptr, N, E, MAXB,
 
 
 @triton.jit
-def prep_kernel(hidden_ptr, x16_ptr, xscale_ptr, out_ptr, topk_ids_ptr, sorted_ptr, expert_ids_ptr,
+def _pow2_shift(amax, TOP: tl.constexpr):
+    """(2^-m, 2^m) as exact fp32 with amax * 2^-m in [2^TOP, 2^(TOP+1)) (m from amax's exponent
+    field; 2^0 for amax == 0)."""
+    expo = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 amax), normal
+    shift = tl.where(amax > 0, expo - TOP, 0)
+    shift = tl.minimum(tl.maximum(shift, -100), 100)
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # 2^-shift, exact
+    up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    return down, up
+
+
+@triton.jit
+def _quant_row(x, q_ptr, lo_ptr, scale_ptr, offs, mask, QUANT: tl.constexpr):
+    """Store one fp32 row x as the MMA operand, with its power-of-two scale 2^m at scale_ptr.
+
+    QUANT 1: fp16 x * 2^-m, amax in [2^14, 2^15) (exact; keeps fp16 MMA operands in range).
+    QUANT 2: e4m3 hi = rne(x * 2^-m), amax in [2^7, 2^8) (e4m3 max 448).
+    QUANT 3: QUANT 2 plus a second e4m3 term lo = rne(x * 2^-m - hi) at lo_ptr: hi + lo carries ~8
+    significant bits (e4m3 alone 4), so a bf16 row is nearly exact."""
+    amax = tl.max(tl.abs(x), axis=0)
+    if QUANT == 1:
+        down, up = _pow2_shift(amax, 14)
+        tl.store(q_ptr + offs, (x * down).to(tl.float16), mask=mask)
+    else:
+        down, up = _pow2_shift(amax, 7)
+        xs = x * down
+        hi = xs.to(tl.float8e4nv)
+        tl.store(q_ptr + offs, hi, mask=mask)
+        if QUANT == 3:
+            tl.store(lo_ptr + offs, (xs - hi.to(tl.float32)).to(tl.float8e4nv), mask=mask)
+    tl.store(scale_ptr, up)
+
+
+@triton.jit
+def prep_kernel(hidden_ptr, xq_ptr, xlo_ptr, xscale_ptr, out_ptr, topk_ids_ptr, sorted_ptr, expert_ids_ptr,
                 cursor_ptr, T, H, N, E, MAXB, stride_h,
-                DO_ALIGN: tl.constexpr, PRESCALE: tl.constexpr, ZERO_OUT: tl.constexpr, HP: tl.constexpr,
+                DO_ALIGN: tl.constexpr, QUANT: tl.constexpr, ZERO_OUT: tl.constexpr, HP: tl.constexpr,
                 BM: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, CB: tl.constexpr):
     """With DO_ALIGN: program 0 aligns the tokens and programs 1..T handle tokens 0..T-1; without it
-    programs 0..T-1 do. Per token: its fp16 copy with its power-of-two pre-scale (PRESCALE) and its
-    fp32 output row zeroed for GEMM2's atomics (ZERO_OUT; the fused-output path keeps a persistent
-    zeroed scratch instead)."""
+    programs 0..T-1 do. Per token: its MMA operand row with its power-of-two scale (QUANT > 0, see
+    _quant_row) and its fp32 output row zeroed for GEMM2's atomics (ZERO_OUT; the fused-output path
+    keeps a persistent zeroed scratch instead)."""
     pid = tl.program_id(0)
     if DO_ALIGN:
         if pid == 0:
@@ -89,16 +135,25 @@ def prep_kernel(hidden_ptr, x16_ptr, xscale_ptr, out_ptr, topk_ids_ptr, sorted_p
     m = offs < H
     if ZERO_OUT:
         tl.store(out_ptr + t * H + offs, tl.zeros([HP], dtype=tl.float32), mask=m)
-    if PRESCALE:
+    if QUANT > 0:
         x = tl.load(hidden_ptr + t * stride_h + offs, mask=m, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
-        expo = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 amax), normal
-        shift = tl.where(amax > 0, expo - 14, 0)
-        shift = tl.minimum(tl.maximum(shift, -100), 100)
-        down = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # 2^-shift, exact
-        up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
-        tl.store(x16_ptr + t * H + offs, (x * down).to(tl.float16), mask=m)
-        tl.store(xscale_ptr + t, up)
+        _quant_row(x, xq_ptr + t * H, xlo_ptr + t * H, xscale_ptr + t, offs, m, QUANT)
+
+
+@triton.jit
+def quant_rows_kernel(src_ptr, q_ptr, lo_ptr, scale_ptr, sorted_ptr, N, D,
+                      QUANT: tl.constexpr, DP: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """FP8 path, between the GEMMs: row p of act [MAXP, D] (sorted order) -> e4m3 term(s) + 2^m.
+    Padding rows (slot id N) are skipped: GEMM2 masks them."""
+    p = tl.program_id(0).to(tl.int64)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    if tl.load(sorted_ptr + p) >= N:
+        return
+    offs = tl.arange(0, DP)
+    m = offs < D
+    x = tl.load(src_ptr + p * D + offs, mask=m, other=0.0).to(tl.float32)
+    _quant_row(x, q_ptr + p * D, lo_ptr + p * D, scale_ptr + p, offs, m, QUANT)
 
 
 @triton.jit
@@ -136,14 +191,6 @@ def _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE: tl.constexpr, BN: tl.constexpr,
     return tl.reshape(wd, (BN, BK))
 
 
-@triton.jit
-def _tile_ids(NUM_N, SPLIT_K: tl.constexpr):
-    pid = tl.program_id(0)
-    pid_k = pid % SPLIT_K
-    pid_n = (pid // SPLIT_K) % NUM_N
-    pid_m = pid // (SPLIT_K * NUM_N)
-    return pid_m, pid_n, pid_k
-
 
 @triton.jit
 def _fence_gpu():
@@ -174,27 +221,81 @@ def _block_rows(sorted_ptr, expert_ids_ptr, pid_m, N, BM: tl.constexpr, NOSORT: 
 
 
 @triton.jit
-def gemm1_swiglu_kernel(x_ptr, xscale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr,
-                        alpha_ptr, beta_ptr, limit_ptr,
-                        sorted_ptr, expert_ids_ptr, act_ptr, part_ptr, count_ptr,
-                        N, K, INTER, E, MAXP, NUM_N,
+def _operand_ptrs(a_ptr, a_rows, stride_a, w_ptr, s_ptr, e64, w_rows, stride_we, stride_wn, stride_se,
+                  stride_sn, WMODE: tl.constexpr, BK: tl.constexpr):
+    """Pointers of the first K step: A and W tiles [*, BK]; scale pointers [ROWS, BK/32] (MXFP8 bytes)
+    or, for WMODE 4 (FP8, BK = 128), [ROWS] (one fp32 block scale per row and 128 K)."""
+    offs_k = tl.arange(0, BK)
+    if WMODE == 4:
+        s_ptrs = s_ptr + e64 * stride_se + w_rows * stride_sn
+    else:
+        s_ptrs = s_ptr + e64 * stride_se + w_rows[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
+    a_ptrs = a_ptr + a_rows[:, None] * stride_a + offs_k[None, :]
+    w_ptrs = w_ptr + e64 * stride_we + w_rows[:, None] * stride_wn + offs_k[None, :]
+    return a_ptrs, w_ptrs, s_ptrs
+
+
+@triton.jit
+def _mma_loop(a_ptrs, alo_off, amask, w_ptrs, s_ptrs, sh_ptr, k_len, a_dtype: tl.constexpr,
+              WMODE: tl.constexpr, TERMS: tl.constexpr, SWAP: tl.constexpr, ROWS: tl.constexpr,
+              BM: tl.constexpr, BK: tl.constexpr):
+    """acc [BM, ROWS] fp32 = A W^T over k_len (the K loop of both GEMMs). A rows outside amask read 0.
+
+    WMODE 0..3: the weight tile is dequantized (_dequant_tile) and one 16-bit MMA runs per BK step;
+    SWAP makes the weight the MMA's left operand (acc^T = W A^T).
+    WMODE 4 (FP8, BK = 128): A is e4m3 (TERMS 2: plus a second e4m3 term, alo_off elements further
+    on), W the rebased e4m3 weights with one fp32 power-of-two scale per (row, 128 K); per K step one
+    fp8 MMA (two with TERMS 2, chained) whose fp32 result is multiplied by the block scales per weight
+    row (exact) and added to the accumulator. A's per-row power-of-two scale is the caller's."""
+    if WMODE == 4:
+        acc = tl.zeros((BM, ROWS), dtype=tl.float32)
+        for _ in range(0, k_len, BK):
+            w = tl.load(w_ptrs)  # [ROWS, BK] e4m3
+            a = tl.load(a_ptrs, mask=amask[:, None], other=0.0)  # [BM, BK] e4m3
+            part = tl.dot(a, tl.trans(w))
+            if TERMS == 2:
+                part = tl.dot(tl.load(a_ptrs + alo_off, mask=amask[:, None], other=0.0), tl.trans(w), part)
+            acc += part * tl.load(s_ptrs)[None, :]  # [ROWS] fp32 block scales
+            a_ptrs += BK
+            w_ptrs += BK
+            s_ptrs += 1
+    else:
+        if SWAP:
+            acc_t = tl.zeros((ROWS, BM), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, ROWS), dtype=tl.float32)
+        for _ in range(0, k_len, BK):
+            a = tl.load(a_ptrs, mask=amask[:, None], other=0.0).to(a_dtype)  # [BM, BK]
+            w = _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE, ROWS, BK)  # [ROWS, BK]
+            if SWAP:
+                acc_t = tl.dot(w, tl.trans(a), acc_t)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+            a_ptrs += BK
+            w_ptrs += BK
+            s_ptrs += BK // 32
+        if SWAP:
+            acc = tl.trans(acc_t)
+    return acc
+
+
+@triton.jit
+def gemm1_swiglu_kernel(x_ptr, xlo_off, xscale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr,
+                        alpha_ptr, beta_ptr, limit_ptr, sorted_ptr, expert_ids_ptr, act_ptr,
+                        N, K, INTER, E, NUM_N,
                         stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                         TOPK: tl.constexpr, WMODE: tl.constexpr, PRESCALED: tl.constexpr,
-                        FUSED_GU: tl.constexpr, SWAP: tl.constexpr, SPLIT_K: tl.constexpr,
+                        TERMS: tl.constexpr, SWAP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         NOSORT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """act[p, n] = SwiGLU-OAI(x W_gate^T, x W_up^T) for sorted row p, columns [n, n+BN) of I.
 
-    FUSED_GU: one [2BN, BK] weight tile per step (BN gate rows then the BN matching up rows), one
-    MMA, split in the epilogue; else two [BN, BK] tiles and two MMAs per step.
-    SWAP: the weight is the MMA's left operand (acc^T = W x^T). On SM90 with BM >= 64 that keeps
-    the dequantized tile in registers (wgmma reads A from registers) instead of writing it back to
-    shared memory for the B operand (prefill).
-    Grid (MAXB * I/BN * SPLIT_K,), split fastest then N tile: neighbouring programs stream adjacent
-    rows of one expert (DRAM locality). With SPLIT_K > 1 each program stores an fp32 partial slab;
-    the last of the SPLIT_K programs of a tile (per-tile counter, acq_rel) sums them and runs the
-    epilogue."""
-    pid_m, pid_n, pid_k = _tile_ids(NUM_N, SPLIT_K)
+    One [2BN, K] weight slab per program (BN gate rows then the BN matching up rows), one MMA per K
+    step, split in the epilogue. Grid (MAXB * I/BN,), N tile fastest: neighbouring programs stream
+    adjacent rows of one expert (DRAM locality)."""
+    pid = tl.program_id(0)
+    pid_n = pid % NUM_N
+    pid_m = pid // NUM_N
     if USE_PDL:
         # programmatic dependent launch: this grid launched early (hiding the launch gap) and
         # waits here until the previous kernel has finished and its writes are visible
@@ -206,99 +307,25 @@ def gemm1_swiglu_kernel(x_ptr, xscale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr,
         return  # NOSORT: a later slot of an expert an earlier slot's block computes
     e64 = e.to(tl.int64)
     xrow = tok // TOPK
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    offs_sk = tl.arange(0, BK // 32)
-    k_len = K // SPLIT_K
-    k0 = tl.multiple_of(pid_k * k_len, BK)  # fit_config: BK * SPLIT_K divides K
-    x_ptrs = x_ptr + xrow[:, None] * stride_xm + (k0 + offs_k)[None, :]
-    sh_ptr = shift_ptr + e
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    r = tl.arange(0, 2 * BN)
+    wrow = pid_n * BN + (r % BN) + (r // BN) * INTER  # [gate rows; up rows] of this tile
+    x_ptrs, w_ptrs, s_ptrs = _operand_ptrs(x_ptr, xrow, stride_xm, w_ptr, s_ptr, e64, wrow, stride_we,
+                                           stride_wn, stride_se, stride_sn, WMODE, BK)
     if WMODE == 0:
         mma_dtype: tl.constexpr = w_ptr.dtype.element_ty
     elif WMODE == 3:
         mma_dtype: tl.constexpr = tl.bfloat16
     else:
         mma_dtype: tl.constexpr = tl.float16
-    if FUSED_GU:
-        r = tl.arange(0, 2 * BN)
-        wrow = pid_n * BN + (r % BN) + (r // BN) * INTER  # [gate rows; up rows] of this tile
-        w_ptrs = w_ptr + e64 * stride_we + wrow[:, None] * stride_wn + (k0 + offs_k)[None, :]
-        s_ptrs = s_ptr + e64 * stride_se + wrow[:, None] * stride_sn + (k0 // 32 + offs_sk)[None, :]
-        if SWAP:
-            acc_t = tl.zeros((2 * BN, BM), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
-        for _ in range(0, k_len, BK):
-            x = tl.load(x_ptrs, mask=tmask[:, None], other=0.0).to(mma_dtype)  # [BM, BK]
-            w = _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE, 2 * BN, BK)  # [2BN, BK]
-            if SWAP:
-                acc_t = tl.dot(w, tl.trans(x), acc_t)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
-            x_ptrs += BK
-            w_ptrs += BK
-            s_ptrs += BK // 32
-        if SWAP:
-            acc = tl.trans(acc_t)
-        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
-    else:
-        wg_ptrs = w_ptr + e64 * stride_we + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
-        wu_ptrs = wg_ptrs + INTER * stride_wn  # up rows follow the I gate rows ([gate; up])
-        sg_ptrs = s_ptr + e64 * stride_se + offs_n[:, None] * stride_sn + (k0 // 32 + offs_sk)[None, :]
-        su_ptrs = sg_ptrs + INTER * stride_sn
-        if SWAP:
-            acc_gt = tl.zeros((BN, BM), dtype=tl.float32)
-            acc_ut = tl.zeros((BN, BM), dtype=tl.float32)
-        for _ in range(0, k_len, BK):
-            x = tl.load(x_ptrs, mask=tmask[:, None], other=0.0).to(mma_dtype)  # [BM, BK]
-            wg = _dequant_tile(wg_ptrs, sg_ptrs, sh_ptr, WMODE, BN, BK)  # [BN, BK]
-            wu = _dequant_tile(wu_ptrs, su_ptrs, sh_ptr, WMODE, BN, BK)
-            if SWAP:
-                acc_gt = tl.dot(wg, tl.trans(x), acc_gt)
-                acc_ut = tl.dot(wu, tl.trans(x), acc_ut)
-            else:
-                acc_g = tl.dot(x, tl.trans(wg), acc_g)
-                acc_u = tl.dot(x, tl.trans(wu), acc_u)
-            x_ptrs += BK
-            wg_ptrs += BK
-            wu_ptrs += BK
-            sg_ptrs += BK // 32
-            su_ptrs += BK // 32
-        if SWAP:
-            acc_g = tl.trans(acc_gt)
-            acc_u = tl.trans(acc_ut)
-    if SPLIT_K > 1:
-        two_i = 2 * INTER
-        slab = part_ptr + rows[:, None].to(tl.int64) * two_i + offs_n[None, :]  # [SPLIT, MAXP, 2I]
-        tl.store(slab + pid_k.to(tl.int64) * MAXP * two_i, acc_g, mask=tmask[:, None])
-        tl.store(slab + pid_k.to(tl.int64) * MAXP * two_i + INTER, acc_u, mask=tmask[:, None])
-        tl.debug_barrier()  # all partial stores of this program precede its release below
-        counter = count_ptr + pid_m * NUM_N + pid_n
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-        if arrived != SPLIT_K - 1:
-            return
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for j in range(SPLIT_K):
-            base = slab + j * MAXP * two_i
-            acc_g += tl.load(base, mask=tmask[:, None], other=0.0, cache_modifier=".cg")
-            acc_u += tl.load(base + INTER, mask=tmask[:, None], other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(counter, 0)  # leave the counter zeroed for the next call
-    _swiglu_store(acc_g, acc_u, e, xrow, tmask, rows, offs_n, xscale_ptr, epi_ptr, alpha_ptr,
-                  beta_ptr, limit_ptr, act_ptr, INTER, PRESCALED)
-
-
-@triton.jit
-def _swiglu_store(acc_g, acc_u, e, xrow, tmask, rows, offs_n, xscale_ptr, epi_ptr, alpha_ptr,
-                  beta_ptr, limit_ptr, act_ptr, INTER, PRESCALED: tl.constexpr):
-    """Undo the fp16 guards (2^d_e, per-token 2^m), SwiGLU-OAI in fp32, store act."""
-    scale = tl.load(epi_ptr + e)
+    acc = _mma_loop(x_ptrs, xlo_off, tmask, w_ptrs, s_ptrs, shift_ptr + e, K, mma_dtype,
+                    WMODE, TERMS, SWAP, 2 * BN, BM, BK)  # [BM, 2BN]
+    acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+    # undo the operand scales: 2^d_e of the weights (WMODE 2), per-token 2^m of x
+    rs = tl.full((BM, 1), 1.0, dtype=tl.float32)
+    if WMODE == 2:
+        rs = rs * tl.load(epi_ptr + e)
     if PRESCALED:
-        rs = tl.load(xscale_ptr + xrow, mask=tmask, other=1.0)[:, None] * scale  # [BM, 1]
-    else:
-        rs = scale
+        rs = rs * tl.load(xscale_ptr + xrow, mask=tmask, other=1.0)[:, None]  # [BM, 1]
     gate = acc_g * rs
     up = acc_u * rs
     alpha = tl.load(alpha_ptr + e)
@@ -307,29 +334,34 @@ def _swiglu_store(acc_g, acc_u, e, xrow, tmask, rows, offs_n, xscale_ptr, epi_pt
     gate = tl.minimum(gate, limit)
     up = tl.maximum(tl.minimum(up, limit), -limit)
     act = gate * tl.sigmoid(alpha * gate) * (up + beta)
+    offs_n = pid_n * BN + tl.arange(0, BN)
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * INTER + offs_n[None, :]
     tl.store(a_ptrs, act.to(act_ptr.dtype.element_ty), mask=tmask[:, None])
 
 
 @triton.jit
-def gemm2_reduce_kernel(act_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, topk_w_ptr, out_ptr,
+def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, topk_w_ptr, out_ptr,
                         sorted_ptr, expert_ids_ptr, N, K, HID, E, rsf, NUM_N,
                         stride_we, stride_wn, stride_se, stride_sn,
-                        TOPK: tl.constexpr, WMODE: tl.constexpr, SWAP: tl.constexpr,
-                        SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        TOPK: tl.constexpr, WMODE: tl.constexpr, TERMS: tl.constexpr, SWAP: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         y_ptr=None, count_ptr=None, NOSORT: tl.constexpr = False,
                         FUSED_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
-    """out[token, n] += rsf * w_route * (act W2^T)[p, n] by fp32 atomics: the top-k reduce (and the
-    split-K reduce when SPLIT_K > 1) happen in the atomics. Grid (MAXB * H/BN * SPLIT_K,).
-    SWAP as in GEMM1 (weight as the left MMA operand).
+    """out[token, n] += rsf * w_route * (act W2^T)[p, n] by fp32 atomics: the top-k reduce happens
+    in the atomics. Grid (MAXB * H/BN,). SWAP, WMODE, TERMS as in GEMM1; WMODE 4 reads act as e4m3
+    term(s) with the per-row scale 2^m at ascale_ptr.
 
     FUSED_OUT: out is a persistent zeroed fp32 scratch and count_ptr persistent zeroed per
-    (token, N tile) arrival counters. After its atomics a program bumps the counters of its rows
-    (acq_rel, after a CTA barrier); the program that brings a row's counter to TOPK * SPLIT_K (the
-    last contribution) reads the finished fp32 row tile, stores it to y in y's dtype (no separate
-    cast kernel, no zeroing kernel) and re-zeroes the scratch tile and the counter for the next call.
-    Calls sharing the scratch must be stream-ordered (they are: one stream, one forward at a time)."""
-    pid_m, pid_n, pid_k = _tile_ids(NUM_N, SPLIT_K)
+    (token, N tile) arrival counters. After its atomics every thread fences them (fence.acq_rel.gpu),
+    a CTA barrier follows, then the counters of its rows are bumped with acq_rel atomics (release:
+    this CTA's adds; acquire: all earlier arrivers' adds, each released the same way). The program
+    that brings a row's counter to TOPK (the last contribution) crosses a CTA barrier and a fence
+    again, reads the finished fp32 row tile from L2 (.cg), stores it to y in y's dtype and re-zeroes
+    the scratch tile and the counter for the next call. Calls sharing the scratch must be
+    stream-ordered (they are: one stream, one forward at a time)."""
+    pid = tl.program_id(0)
+    pid_n = pid % NUM_N
+    pid_m = pid // NUM_N
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     e, rows, tok, tmask, active = _block_rows(sorted_ptr, expert_ids_ptr, pid_m, N, BM, NOSORT)
@@ -339,46 +371,25 @@ def gemm2_reduce_kernel(act_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, topk_w_ptr, o
         return
     e64 = e.to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    offs_sk = tl.arange(0, BK // 32)
-    k_len = K // SPLIT_K
-    k0 = tl.multiple_of(pid_k * k_len, BK)  # fit_config: BK * SPLIT_K divides K
-    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :]
-    w_ptrs = w_ptr + e64 * stride_we + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
-    s_ptrs = s_ptr + e64 * stride_se + offs_n[:, None] * stride_sn + (k0 // 32 + offs_sk)[None, :]
-    sh_ptr = shift_ptr + e
-    if SWAP:
-        acc_t = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for _ in range(0, k_len, BK):
-        a = tl.load(a_ptrs, mask=tmask[:, None], other=0.0)  # [BM, BK] fp16 / bf16
-        w = _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE, BN, BK)
-        if SWAP:
-            acc_t = tl.dot(w, tl.trans(a), acc_t)
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
-        a_ptrs += BK
-        w_ptrs += BK
-        s_ptrs += BK // 32
-    if SWAP:
-        acc = tl.trans(acc_t)
-    route_w = tl.load(topk_w_ptr + tok, mask=tmask, other=0.0).to(tl.float32)  # [BM]
-    acc = acc * (route_w * (tl.load(epi_ptr + e) * rsf))[:, None]
+    a_ptrs, w_ptrs, s_ptrs = _operand_ptrs(act_ptr, rows.to(tl.int64), K, w_ptr, s_ptr, e64, offs_n,
+                                           stride_we, stride_wn, stride_se, stride_sn, WMODE, BK)
+    acc = _mma_loop(a_ptrs, alo_off, tmask, w_ptrs, s_ptrs, shift_ptr + e, K, act_ptr.dtype.element_ty,
+                    WMODE, TERMS, SWAP, BN, BM, BK)  # [BM, BN]
+    row_scale = tl.load(topk_w_ptr + tok, mask=tmask, other=0.0).to(tl.float32) * rsf  # [BM]
+    if WMODE == 2:
+        row_scale = row_scale * tl.load(epi_ptr + e)
+    if WMODE == 4:
+        row_scale = row_scale * tl.load(ascale_ptr + rows, mask=tmask, other=1.0)
+    acc = acc * row_scale[:, None]
     trow = (tok // TOPK).to(tl.int64)
     o_ptrs = out_ptr + trow[:, None] * HID + offs_n[None, :]
     tl.atomic_add(o_ptrs, acc, mask=tmask[:, None], sem="relaxed")
     if FUSED_OUT:
-        # Each thread fences its own value atomics (gpu scope) before the CTA barrier, so the
-        # counter release below covers every thread's contributions. Known issue: on the sorted
-        # path at T = 64..256 (MiniMax-M3 dims) the last arriver still sometimes read incomplete
-        # rows (rel ~1e-2 vs unfused) with or without these fences; the backend therefore uses
-        # FUSED_OUT only on the NOSORT path (<= 16 slots), where it matched to 3e-6.
         _fence_gpu()
         tl.debug_barrier()
         c_ptrs = count_ptr + trow * NUM_N + pid_n
         arrived = tl.atomic_add(c_ptrs, 1, mask=tmask, sem="acq_rel")
-        last = tmask & (arrived == TOPK * SPLIT_K - 1)
+        last = tmask & (arrived == TOPK - 1)
         tl.debug_barrier()  # the acquiring threads' view is shared before any thread reads rows
         _fence_gpu()
         if tl.max(last.to(tl.int32), axis=0) > 0:

@@ -221,6 +221,22 @@ def _block_rows(sorted_ptr, expert_ids_ptr, pid_m, N, BM: tl.constexpr, NOSORT: 
 
 
 @triton.jit
+def _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM: tl.constexpr, NOSORT: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    """(N tile, expert, rows, slot ids, valid mask, has work) of this program; grid order: N tile
+    fastest, so neighbouring programs stream adjacent rows of one expert (DRAM locality). No work:
+    a block past the last used one (the grid is sized for the worst case: no host sync) or, NOSORT,
+    a later slot of an expert an earlier slot's block computes. With USE_PDL (programmatic dependent
+    launch) the grid was launched early to hide the launch gap and waits here until the previous
+    kernel has finished and its writes are visible."""
+    pid = tl.program_id(0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    e, rows, tok, tmask, active = _block_rows(sorted_ptr, expert_ids_ptr, pid // NUM_N, N, BM, NOSORT)
+    return pid % NUM_N, e, rows, tok, tmask, active & (e < E)
+
+
+@triton.jit
 def _operand_ptrs(a_ptr, a_rows, stride_a, w_ptr, s_ptr, e64, w_rows, stride_we, stride_wn, stride_se,
                   stride_sn, WMODE: tl.constexpr, BK: tl.constexpr):
     """Pointers of the first K step: A and W tiles [*, BK]; scale pointers [ROWS, BK/32] (MXFP8 bytes)
@@ -291,20 +307,11 @@ def gemm1_swiglu_kernel(x_ptr, xlo_off, xscale_ptr, w_ptr, s_ptr, shift_ptr, epi
     """act[p, n] = SwiGLU-OAI(x W_gate^T, x W_up^T) for sorted row p, columns [n, n+BN) of I.
 
     One [2BN, K] weight slab per program (BN gate rows then the BN matching up rows), one MMA per K
-    step, split in the epilogue. Grid (MAXB * I/BN,), N tile fastest: neighbouring programs stream
-    adjacent rows of one expert (DRAM locality)."""
-    pid = tl.program_id(0)
-    pid_n = pid % NUM_N
-    pid_m = pid // NUM_N
-    if USE_PDL:
-        # programmatic dependent launch: this grid launched early (hiding the launch gap) and
-        # waits here until the previous kernel has finished and its writes are visible
-        tl.extra.cuda.gdc_wait()
-    e, rows, tok, tmask, active = _block_rows(sorted_ptr, expert_ids_ptr, pid_m, N, BM, NOSORT)
-    if e >= E:
-        return  # past the last used block (the grid is sized for the worst case: no host sync)
-    if not active:
-        return  # NOSORT: a later slot of an expert an earlier slot's block computes
+    step, split in the epilogue. Grid (MAXB * I/BN,)."""
+    pid_n, e, rows, tok, tmask, has_work = _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT,
+                                                          USE_PDL)
+    if not has_work:
+        return
     e64 = e.to(tl.int64)
     xrow = tok // TOPK
     r = tl.arange(0, 2 * BN)
@@ -359,15 +366,9 @@ def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, e
     again, reads the finished fp32 row tile from L2 (.cg), stores it to y in y's dtype and re-zeroes
     the scratch tile and the counter for the next call. Calls sharing the scratch must be
     stream-ordered (they are: one stream, one forward at a time)."""
-    pid = tl.program_id(0)
-    pid_n = pid % NUM_N
-    pid_m = pid // NUM_N
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    e, rows, tok, tmask, active = _block_rows(sorted_ptr, expert_ids_ptr, pid_m, N, BM, NOSORT)
-    if e >= E:
-        return
-    if not active:
+    pid_n, e, rows, tok, tmask, has_work = _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT,
+                                                          USE_PDL)
+    if not has_work:
         return
     e64 = e.to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)

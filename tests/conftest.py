@@ -1,14 +1,32 @@
-"""Shared fixtures: tiny random MiniMax-M3 checkpoints built in code (examples/tiny_checkpoint.py)."""
+"""Shared fixtures: tiny random MiniMax-M3 checkpoints built in code (examples/tiny_checkpoint.py), and
+seeded random number generators for every test.
+
+`tiny_checkpoint` is imported under that one name (examples/ is on sys.path), never as
+`examples.tiny_checkpoint`: two names would make two module objects with separate state.
+"""
+import random
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
 from tiny_checkpoint import build_tiny_checkpoint  # noqa: E402
+
+TEST_SEED = 0
+
+
+@pytest.fixture(autouse=True)
+def _seeded_rngs():
+    """Every test starts from the same global RNG state (torch CPU and CUDA, Python's random), so a draw
+    without an explicit generator is still the same on every run: no test passes or fails by luck."""
+    random.seed(TEST_SEED)
+    torch.manual_seed(TEST_SEED)  # seeds every CUDA device too
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from examples.tiny_checkpoint import TINY_TEXT, build_tiny_checkpoint, transformers_config
+from tiny_checkpoint import TINY_TEXT, build_tiny_checkpoint, transformers_config
 from porter import mxfp8
 
 SHORT, LONG = 6, 40  # prompt lengths: below topk*block (8) and 5x above it

@@ -456,3 +456,18 @@ def test_pdl_and_fused_output_gates_on_cpu():
     assert not tb._pdl_enabled(torch.device("cpu"))
     assert not tb.fp8_prefill_enabled(torch.device("cpu"))
     assert tb.FUSED_OUT_MAX_TOKENS >= 256 and tb.NOSORT_MAX_SLOTS >= 4
+
+
+def test_fp8_prefill_copy_is_skipped_when_it_does_not_fit(monkeypatch):
+    """A resident model leaves no room for the FP8 path's rebased copy of the experts: the check says
+    no (prefill then stays on W8A16) instead of allocating it and dying out of memory."""
+    q = make_quant(4, 256, 128, "cpu")
+    p = tb.prepare(q.w13_weight, q.w13_weight_scale, q.w2_weight, q.w2_weight_scale,
+                   q.gemm1_alpha, q.gemm1_beta, q.gemm1_clamp_limit)
+    need = (p.w13.numel() + p.w2.numel()) * (1 + 4 / tb.FP8_BLOCK_K)  # 4*256*256 + 4*256*128 elements
+    assert need == (4 * 256 * 256 + 4 * 256 * 128) * (1 + 4 / 128)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (int(need), 1 << 40))
+    assert not p.fp8_weights_fit()  # needs a 25% margin
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (int(1.25 * need) + 1, 1 << 40))
+    assert p.fp8_weights_fit()
+    assert p.fp8_blocks is None  # the check allocates nothing

@@ -6,6 +6,7 @@ token alignment, launch-config choice and the TritonMoE class with TorchMoE's in
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -14,6 +15,8 @@ import torch
 
 from porter import mxfp8
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, route
+
+log = logging.getLogger("porter.runtime")
 
 FP16_EXACT_BYTES = (112, 134)  # e8m0 bytes for which fp16(e4m3) * fp16(2^(s-127)) is exact
 ACT_FP16_MAX_LOG2 = 15  # keep fp16 MMA operands below 2^15 (fp16 max is 65504)
@@ -49,6 +52,7 @@ class MoeConfig:
 FP8_PREFILL_MIN_TOKENS = 1024  # the FP8 path from here on (when enabled), W8A16 below
 FP8_TERMS = 2  # e4m3 terms per activation (one term: layer rel error 4.8e-2, over the 2e-2 bound)
 FP8_PREFILL = None  # None: PORTER_MOE_FP8 env ("0" disables), default on
+_FP8_NO_ROOM_WARNED: list = []  # warn once per process
 
 
 def default_config(num_tokens: int, fp8_prefill: bool = False) -> MoeConfig:
@@ -207,6 +211,22 @@ class PreparedMoE:
             self.fp8_blocks = (*rebase_block128(self.w13, self.w13_scale), *rebase_block128(self.w2, self.w2_scale))
         return self.fp8_blocks
 
+    def fp8_weights_fit(self) -> bool:
+        """Whether the rebased copy (fp8_weights) exists or fits in the device's free memory with a
+        25% margin. A fully resident model leaves no room for a second copy of every layer's experts;
+        then prefill stays on the W8A16 path instead of dying with an out-of-memory error."""
+        if self.fp8_blocks is not None:
+            return True
+        need = (self.w13.numel() + self.w2.numel()) * (1 + 4 / FP8_BLOCK_K)  # e4m3 + fp32 per 128
+        free, _ = torch.cuda.mem_get_info(self.w13.device)
+        if free >= 1.25 * need:
+            return True
+        if not _FP8_NO_ROOM_WARNED:
+            _FP8_NO_ROOM_WARNED.append(True)
+            log.warning("FP8 prefill path off: its rebased expert copy needs %.1f GB per layer, %.1f GB "
+                        "free; prefill runs on the W8A16 path (same results, slower)", need / 1e9, free / 1e9)
+        return False
+
     @staticmethod
     def _wmode(w_fp8: bool, fp16: bool, shift: torch.Tensor) -> int:
         """The kernels' WMODE: 0 16-bit weights, 1 fp16 (no offset, fast), 2 fp16 + per-expert
@@ -301,8 +321,8 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     n = t * k
     dev = hidden.device
     cfg = cfg or default_config(t, p.w_fp8 and fp8_prefill_enabled(dev))
-    if cfg.fp8 and (h % FP8_BLOCK_K or inter % FP8_BLOCK_K):
-        cfg = default_config(t, False)  # the FP8 path's weight blocks need K % 128 == 0
+    if cfg.fp8 and (h % FP8_BLOCK_K or inter % FP8_BLOCK_K or not p.fp8_weights_fit()):
+        cfg = default_config(t, False)  # K % 128 == 0 for the rebased blocks, and room for them
     fp8 = cfg.fp8 > 0
     if fp8 and not p.w_fp8:
         raise ValueError("MoeConfig.fp8 needs MXFP8 weights (float8_e4m3fn + uint8 scales)")

@@ -72,9 +72,12 @@ def main(ctx, verbose, quiet):
 @click.argument("source")
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Output folder.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) for a repo id.")
-@click.option("--quantize", type=click.Choice(["experts", "all", "none"]), default="experts", show_default=True,
+@click.option("--quantize", type=click.Choice(["experts", "all", "none"]), default=None,
               help="experts: routed experts; all: every linear but embeddings, lm_head, router and norms; "
-                   "none: keep bf16 (exact comparisons).")
+                   "none: keep bf16 (exact comparisons). Default: experts (porter layout), all (hf layout).")
+@click.option("--layout", type=click.Choice(["porter", "hf"]), default="porter", show_default=True,
+              help="porter: stacked experts for porter's runtime; hf: the vendor release's names and per-expert "
+                   "tensors, which vLLM and sglang load (docs/serving-engines.md).")
 @click.option("--gate-up", type=click.Choice(["auto", "interleaved", "uninterleaved"]), default="auto",
               show_default=True, help="Row order of a fused source gate_up_proj (auto: the config's "
                                       "gate_up_interleaved). Output is always [gate; up].")
@@ -86,8 +89,8 @@ def main(ctx, verbose, quiet):
 @click.option("--dry-run", is_flag=True, help="Print the plan (reads, quantized tensors, shards, memory); write nothing.")
 @click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bar.")
 @click.pass_context
-def convert(ctx, source, output, revision, quantize, gate_up, scale_rounding, max_shard_size, force, resume, dry_run,
-            quiet):
+def convert(ctx, source, output, revision, quantize, layout, gate_up, scale_rounding, max_shard_size, force, resume,
+            dry_run, quiet):
     """Convert SOURCE (a local dir or a Hugging Face repo id) to a porter MXFP8 artifact."""
     from porter.conversion import convert as do_convert
     if quiet:
@@ -95,7 +98,7 @@ def convert(ctx, source, output, revision, quantize, gate_up, scale_rounding, ma
         _setup_logging(ctx.obj["verbose"], True)
     _run(ctx, lambda: do_convert(source, output, revision=revision, quantize=quantize, gate_up=gate_up,
                                  scale_rounding=scale_rounding, max_shard_size=max_shard_size, force=force,
-                                 resume=resume, dry_run=dry_run, progress=not ctx.obj["quiet"]))
+                                 resume=resume, dry_run=dry_run, progress=not ctx.obj["quiet"], layout=layout))
 
 
 main.add_command(verify_command)

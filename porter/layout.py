@@ -18,14 +18,20 @@ ReadFn = Callable[..., torch.Tensor]
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+HF_LAYOUT_PREFIX = "language_model."  # text-model names of the hf layout (converters/<arch>.py, hf_name)
+
+
 def scale_name(weight_name: str) -> str:
     """Name of the uint8 scale stored beside a quantized weight: `X.weight` -> `X.weight_scale`,
-    `X.w13_weight` -> `X.w13_weight_scale`."""
+    `X.w13_weight` -> `X.w13_weight_scale`. In the hf layout (vendor names, `language_model.` prefix)
+    `X.weight` -> `X.weight_scale_inv`, the only scale name sglang loads (docs/serving-engines.md)."""
+    if weight_name.startswith(HF_LAYOUT_PREFIX) and weight_name.endswith(".weight"):
+        return weight_name + "_scale_inv"
     return weight_name[: -len("weight")] + "weight_scale" if weight_name.endswith("weight") else weight_name + "_scale"
 
 
 def is_scale_name(name: str) -> bool:
-    return name.endswith("_scale")
+    return name.endswith(("_scale", "_scale_inv"))
 
 
 def layer_of(name: str) -> Optional[int]:

@@ -139,3 +139,18 @@ def error_stats(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> dict:
     norm = float(w64.norm())
     return {"rel_fro_error": float(diff.norm()) / norm if norm > 0 else 0.0,
             "max_abs_error": float(diff.abs().max()) if diff.numel() else 0.0}
+
+
+def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Block-scaled FP8 source checkpoints (DeepSeek-V3 style, `weight_block_size [bn, bk]`, usually
+    [128, 128]): (q [..., N, K] e4m3, scale_inv float [..., ceil(N/bn), ceil(K/bk)]) -> q * scale_inv
+    per [bn, bk] tile (edge tiles are partial), computed in fp32."""
+    bn, bk = block
+    n, k = q.shape[-2], q.shape[-1]
+    want = (*q.shape[:-2], -(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape) != want:
+        raise MXFP8Error(f"scale_inv shape {tuple(scale_inv.shape)} does not match values {tuple(q.shape)} "
+                         f"with block [{bn}, {bk}] (expected {list(want)})")
+    s = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return (e4m3_to_float(q.view(torch.float8_e4m3fn)) * s).to(dtype)

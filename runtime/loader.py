@@ -57,15 +57,27 @@ class ArtifactStore:
                             "`porter convert ... --resume` into this folder")
         self.files = {n: path / f for n, f in _json(index)["weight_map"].items()}
         self._handles: dict = {}
+        # hf layout (vendor names, per-expert tensors): canonical name -> hf name, or per expert the hf
+        # row parts that stack to [E, N, K] when the model touches them (arch.hf_canonical_map)
+        hf = (self.manifest.get("options") or {}).get("layout") == "hf"
+        self._hf = arch.hf_canonical_map(self.files) if hf else None
 
     def names(self) -> set:
-        return set(self.files)
+        return set(self.files) if self._hf is None else set(self._hf)
 
     def close(self) -> None:
         """Drop the safe_open handles (each maps a whole shard); tensors still referenced keep theirs."""
         self._handles.clear()
 
     def get(self, name: str) -> torch.Tensor:
+        if self._hf is not None:
+            spec = self._hf[name]
+            if isinstance(spec, list):  # per-expert hf tensors -> stacked [E, N, K] (a copy, made here)
+                return torch.stack([torch.cat([self._get(p) for p in parts]) for parts in spec])
+            name = spec
+        return self._get(name)
+
+    def _get(self, name: str) -> torch.Tensor:
         f = self.files[name]
         if f not in self._handles:
             if not f.exists():
@@ -75,6 +87,8 @@ class ArtifactStore:
 
     def experts(self, name: str):
         """(e, expert e) of a stacked [E, N, K] tensor, one expert at a time (slices of the mapped tensor)."""
+        if self._hf is not None:
+            return ((e, torch.cat([self._get(p) for p in parts])) for e, parts in enumerate(self._hf[name]))
         w = self.get(name)
         return ((e, w[e]) for e in range(w.shape[0]))
 
@@ -83,7 +97,7 @@ class ArtifactStore:
         return {n for n in self.files if arch.canonical_name(n) is None}
 
     def get_carried(self, name: str) -> torch.Tensor:
-        return self.get(name)
+        return self._get(name)
 
     def total_bytes(self) -> int:
         """Bytes of the artifact's shards (from porter.json; no file is read)."""

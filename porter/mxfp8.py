@@ -50,9 +50,12 @@ def _check_shape(w: torch.Tensor, name: str) -> None:
             f"MXFP8 needs whole 32-element blocks — leave this tensor unquantized")
 
 
-def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[list] = None):
+def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[list] = None,
+                     keep_scale: Optional[torch.Tensor] = None):
     """-> (x: fp32 [..., K/32, 32] scaled and clamped, q: e4m3 same shape, byte: int32 [..., K/32]).
-    If `ref` is a list, the per-block sums of squares of w (fp32 [..., K/32]) are appended to it."""
+    If `ref` is a list, the per-block sums of squares of w (fp32 [..., K/32]) are appended to it.
+    keep_scale (uint8 [..., K/32]): use these scale bytes instead of the rounding rule — for values that
+    came from MXFP8 with exactly these scales, re-quantizing is then the identity on bytes."""
     _check_shape(w, name)
     x = w.float()
     x = x.clone() if x is w else x  # private fp32 copy: scaled in place below
@@ -62,9 +65,15 @@ def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[li
         ref.append(torch.linalg.vecdot(x, x))  # per-block sum of squares (square() is a slow pow on CPU)
     if not bool(torch.isfinite(amax).all()):
         raise MXFP8Error(f"{name}: contains NaN or Inf; fix the source checkpoint (refusing to quantize)")
-    e = scale_exponents(amax, rounding)
-    byte = (e + SCALE_BIAS).clamp(0, SCALE_MAX_BYTE)
-    byte = torch.where(amax == 0, torch.zeros_like(byte), byte)
+    if keep_scale is None:
+        e = scale_exponents(amax, rounding)
+        byte = (e + SCALE_BIAS).clamp(0, SCALE_MAX_BYTE)
+        byte = torch.where(amax == 0, torch.zeros_like(byte), byte)
+    else:
+        byte = keep_scale.to(device=amax.device, dtype=torch.int32)
+        if byte.shape != amax.shape or bool((amax > E4M3_MAX * pow2(byte - SCALE_BIAS)).any()):
+            raise MXFP8Error(f"{name}: values do not fit the scale bytes they were read with "
+                             f"({tuple(byte.shape)} for blocks {tuple(amax.shape)})")
     # Multiply by 2^(127 - byte): an exact power-of-two scaling in fp32 (the factor is representable for
     # every byte, and products either stay exact or fall far below e4m3's smallest subnormal).
     x.mul_(pow2(SCALE_BIAS - byte).unsqueeze(-1))
@@ -78,12 +87,13 @@ def quantize(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor") -> 
     return q.reshape(w.shape), byte.to(torch.uint8)
 
 
-def quantize_with_error(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor"):
+def quantize_with_error(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor",
+                        keep_scale: Optional[torch.Tensor] = None):
     """quantize() plus the pieces of the error statistics, computed on the same fp32 blocks:
     -> (q, scale, {"err_sq", "ref_sq", "max_abs_error"}) with err_sq = ||W - deq(Q)||^2, ref_sq = ||W||^2.
     Per-block sums are fp32 (32 terms), block totals are summed in float64."""
-    ref = []
-    x, q, byte = _quantize_blocks(w, rounding, name, ref)
+    ref = []  # keep_scale: see _quantize_blocks (an MXFP8 source keeps its own scale bytes)
+    x, q, byte = _quantize_blocks(w, rounding, name, ref, keep_scale)
     x.sub_(e4m3_to_float(q))  # scaled-domain rounding (and clipping) error, exact in fp32
     step = pow2(byte - SCALE_BIAS).double()  # [..., K/32]
     err_sq = float((torch.linalg.vecdot(x, x).double() * step.square()).sum())

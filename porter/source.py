@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
+from porter import prequantized
 from porter.safetensors_io import ST_DTYPES, nbytes, parse_header
 from porter.errors import PorterError
 
@@ -40,10 +41,19 @@ class Source:
     files: dict  # tensor name -> shard Path
     repo_id: Optional[str] = None
     commit: Optional[str] = None
+    # a pre-quantized source (porter.prequantized.Scheme): its quantized weights are listed in `meta` as
+    # bfloat16 and dequantized by read(); their scale tensors are not listed
+    prequantized: Optional[object] = None
     _handles: dict = field(default_factory=dict, repr=False)
 
     def read(self, name: str, index: Optional[int] = None) -> torch.Tensor:
         """One tensor (or its [index] slice along dim 0, read alone) from its shard."""
+        if self.prequantized is not None and name in self.prequantized.scales:
+            scale = self._read_stored(self.prequantized.scales[name], index)
+            return self.prequantized.dequantize(self._read_stored(name, index), scale)
+        return self._read_stored(name, index)
+
+    def _read_stored(self, name: str, index: Optional[int] = None) -> torch.Tensor:
         f = self.files[name]
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), framework="pt")
@@ -59,6 +69,13 @@ class Source:
 
     def nbytes(self, name: str) -> int:
         return nbytes(*self.meta[name])
+
+    @property
+    def stored_meta(self) -> dict:
+        """`meta` without the pre-quantized weights: the tensors whose stored bytes are what read() returns
+        (only these may be copied byte for byte)."""
+        scales = self.prequantized.scales if self.prequantized is not None else {}
+        return {n: m for n, m in self.meta.items() if n not in scales}
 
     @property
     def shard_files(self) -> list[Path]:
@@ -126,10 +143,7 @@ def open_local(path: Path, repo_id: Optional[str] = None, commit: Optional[str] 
     raw = load_json(path / "config.json")
     if not isinstance(raw, dict):
         raise SourceError(f"{path / 'config.json'}: must hold a JSON object")
-    qc = raw.get("quantization_config")
-    method = qc.get("quant_method") if isinstance(qc, dict) else qc
-    if qc and method not in (None, "none"):
-        raise SourceError(f"{path / 'config.json'}: already quantized ({method}); porter converts the BF16 release")
+    scheme = prequantized.detect(raw, path / "config.json")  # None, or MXFP8 / block-FP8; else refused
     meta, files = {}, {}
     shards = {path / f: h for f, h in headers.items()} if headers else {f: None for f in weight_files(path)}
     for f, header in shards.items():
@@ -142,7 +156,10 @@ def open_local(path: Path, repo_id: Optional[str] = None, commit: Optional[str] 
                 raise SourceError(f"{f}: tensor {name!r} also appears in {files[name]}")
             meta[name] = (ST_DTYPES[info["dtype"]], tuple(info["shape"]))
             files[name] = f
-    return Source(path, raw, meta, files, repo_id=repo_id, commit=commit)
+    if scheme is not None:
+        meta = scheme.adopt(meta, str(path))
+        log.info("source is pre-quantized: %s; dequantized tensor by tensor", scheme.describe())
+    return Source(path, raw, meta, files, repo_id=repo_id, commit=commit, prequantized=scheme)
 
 
 def open_source(source: str | Path, revision: Optional[str] = None, headers_only: bool = False) -> Source:

@@ -1,0 +1,147 @@
+"""Pre-quantized source checkpoints: detect the scheme from config.json, dequantize tensor by tensor.
+
+Two schemes are understood (docs/serving-engines.md, docs/artifact-format.md):
+- `quant_method: "mxfp8"` — the vendor MXFP8 release and porter's own `--layout hf` output: F8_E4M3
+  `X.weight [N, K]` + U8 (or F8_E8M0) `X.weight_scale_inv [N, K/32]`, one UE8M0 byte per 32 along K.
+- `quant_method: "fp8"` with `weight_block_size [bn, bk]` (usually [128, 128], DeepSeek-V3 style):
+  F8_E4M3 `X.weight [N, K]` + float `X.weight_scale_inv [ceil(N/bn), ceil(K/bk)]`, w = q * scale_inv.
+Anything else is refused with one line. A quantized weight is presented to the planner as a bfloat16
+tensor of its shape (its scale disappears from the tensor list) and dequantized when read, so the plan,
+the requantization and the error statistics are the same code as for a bf16 source. MXFP8 values are
+exactly representable in bfloat16 (3 mantissa bits, same exponent range), so MXFP8 -> MXFP8 with the
+rceil rule reproduces every value exactly; block-FP8 products are rounded to bfloat16 once.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from porter import mxfp8
+from porter.errors import PorterError
+
+SCALE_SUFFIX = ".weight_scale_inv"
+DEQUANTIZED_DTYPE = torch.bfloat16
+
+
+class PrequantizedError(PorterError, ValueError):
+    """A quantized source the converter cannot read (the message names the field or tensor)."""
+
+
+@dataclass
+class Scheme:
+    """How a source checkpoint is quantized, and which of its weights carry scales."""
+    method: str  # "mxfp8" | "fp8-block"
+    block: tuple  # (1, 32) for MXFP8, (bn, bk) for block FP8
+    config: dict  # the source's quantization_config, as found
+    scales: dict = field(default_factory=dict)  # weight tensor name -> its scale tensor name
+    _local: threading.local = field(default_factory=threading.local, repr=False)
+
+    def describe(self) -> str:
+        return f"{self.method} (block {list(self.block)}), {len(self.scales)} quantized weights"
+
+    def adopt(self, meta: dict, where: str) -> dict:
+        """Source tensor metadata as the planner should see it: each quantized weight becomes a bfloat16
+        tensor of its shape and its scale is consumed. Checks every pair's dtypes and shapes."""
+        out = {}
+        for name, (dtype, shape) in meta.items():
+            if name.endswith(SCALE_SUFFIX):
+                continue
+            scale = name[: -len(".weight")] + SCALE_SUFFIX if name.endswith(".weight") else None
+            if scale in meta:
+                self._check_pair(name, dtype, shape, meta[scale], where)
+                self.scales[name] = scale
+                out[name] = (DEQUANTIZED_DTYPE, tuple(shape))
+            elif dtype == torch.float8_e4m3fn:
+                raise PrequantizedError(f"{where}: tensor {name!r} is float8_e4m3fn but has no {scale or 'scale'} "
+                                        "beside it; the checkpoint is incomplete")
+            else:
+                out[name] = (dtype, tuple(shape))
+        orphans = [n for n in meta if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] + ".weight" not in meta]
+        if orphans:
+            raise PrequantizedError(f"{where}: scale {orphans[0]!r} has no weight beside it")
+        return out
+
+    def _check_pair(self, name, dtype, shape, scale_meta, where):
+        s_dtype, s_shape = scale_meta
+        if dtype != torch.float8_e4m3fn:
+            raise PrequantizedError(f"{where}: tensor {name!r} has a scale but dtype {dtype}, expected float8_e4m3fn")
+        *lead, n, k = shape
+        bn, bk = self.block
+        want = (*lead, -(-n // bn), -(-k // bk))
+        if self.method == "mxfp8":
+            ok_dtype = s_dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+            if k % mxfp8.BLOCK:
+                raise PrequantizedError(f"{where}: tensor {name!r} K={k} is not a multiple of 32 (MXFP8 source)")
+        else:
+            ok_dtype = s_dtype in (torch.float32, torch.bfloat16, torch.float16)
+        if not ok_dtype or tuple(s_shape) != want:
+            raise PrequantizedError(f"{where}: scale of {name!r} is {s_dtype} {list(s_shape)}, expected "
+                                    f"{'uint8' if self.method == 'mxfp8' else 'float32'} {list(want)} "
+                                    f"for {self.method} block {list(self.block)}")
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """(values, scale) as stored -> bfloat16 values. MXFP8: the scale bytes are remembered for this
+        value (`kept_scale`), so that re-quantizing it reproduces the source bytes."""
+        if self.method != "mxfp8":
+            return mxfp8.dequantize_fp8_block(q, scale, self.block, DEQUANTIZED_DTYPE)
+        scale = scale.view(torch.uint8)
+        value = mxfp8.dequantize(q, scale, DEQUANTIZED_DTYPE)
+        kept = getattr(self._local, "kept", None)
+        if kept is None:
+            kept = self._local.kept = deque(maxlen=16)  # this thread's recent reads (weak: values are big)
+        kept.append((weakref.ref(value), scale))
+        return value
+
+    def kept_scale(self, value: torch.Tensor) -> Optional[torch.Tensor]:
+        """The MXFP8 scale bytes `value` was dequantized with on this thread, None if it was not.
+
+        Why: rceil on dequantized values is lossless but not always byte-identical — a block whose largest
+        element rounded down to 224 * 2^e gets exponent e - 1 the second time (same values, other bytes).
+        Keeping the source's exponent makes MXFP8 -> MXFP8 the identity on bytes."""
+        for ref, scale in getattr(self._local, "kept", ()):
+            if ref() is value:
+                return scale
+        return None
+
+
+def quantization_config_of(raw: dict) -> Optional[dict]:
+    """The checkpoint's quantization_config: top level, else inside text_config (vLLM reads both)."""
+    qc = raw.get("quantization_config")
+    if qc is None and isinstance(raw.get("text_config"), dict):
+        qc = raw["text_config"].get("quantization_config")
+    return qc
+
+
+def detect(raw: dict, config_path: Path) -> Optional[Scheme]:
+    """The source's quantization scheme from its config.json, None for an unquantized checkpoint."""
+    qc = quantization_config_of(raw)
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise PrequantizedError(f"{config_path}: quantization_config must be an object")
+    method = qc.get("quant_method")
+    if method in (None, "none"):
+        return None
+    block = qc.get("weight_block_size")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise PrequantizedError(f"{config_path}: quantization_config.activation_scheme "
+                                f"{qc.get('activation_scheme')!r} is not supported; porter reads checkpoints "
+                                "with dynamic activation scales only")
+    if method == "mxfp8":
+        if block not in (None, [1, mxfp8.BLOCK]):
+            raise PrequantizedError(f"{config_path}: quant_method mxfp8 with weight_block_size {block}; MXFP8 "
+                                    "blocks are [1, 32]")
+        return Scheme("mxfp8", (1, mxfp8.BLOCK), qc)
+    if method == "fp8" and isinstance(block, list) and len(block) == 2 and all(
+            isinstance(b, int) and b > 0 for b in block):
+        return Scheme("fp8-block", tuple(block), qc)
+    what = f"fp8 without a [bn, bk] weight_block_size (got {block!r})" if method == "fp8" else repr(method)
+    raise PrequantizedError(f"{config_path}: quantization_config.quant_method {what} is not supported; porter "
+                            "converts bf16, MXFP8 (quant_method mxfp8) and block-FP8 (quant_method fp8 with "
+                            "weight_block_size) checkpoints")

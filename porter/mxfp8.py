@@ -87,19 +87,26 @@ def quantize(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor") -> 
     return q.reshape(w.shape), byte.to(torch.uint8)
 
 
-def quantize_with_error(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor",
+def quantize_with_error(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor", host_stats: bool = True,
                         keep_scale: Optional[torch.Tensor] = None):
-    """quantize() plus the pieces of the error statistics, computed on the same fp32 blocks:
+    """quantize() plus the pieces of the error statistics, computed on the same fp32 blocks, on w's device
+    (CPU or CUDA: the same ops, so the same bytes):
     -> (q, scale, {"err_sq", "ref_sq", "max_abs_error"}) with err_sq = ||W - deq(Q)||^2, ref_sq = ||W||^2.
-    Per-block sums are fp32 (32 terms), block totals are summed in float64."""
-    ref = []  # keep_scale: see _quantize_blocks (an MXFP8 source keeps its own scale bytes)
+    Per-block sums are fp32 (32 terms), block totals are summed in float64. host_stats=False leaves the
+    three numbers as float64 0-dim tensors on w's device (no device sync here). keep_scale: see
+    _quantize_blocks (an MXFP8 source keeps its own scale bytes)."""
+    ref = []
     x, q, byte = _quantize_blocks(w, rounding, name, ref, keep_scale)
     x.sub_(e4m3_to_float(q))  # scaled-domain rounding (and clipping) error, exact in fp32
     step = pow2(byte - SCALE_BIAS).double()  # [..., K/32]
-    err_sq = float((torch.linalg.vecdot(x, x).double() * step.square()).sum())
-    max_abs = float((x.abs().amax(dim=-1).double() * step).max()) if x.numel() else 0.0
-    ref_sq = float(ref[0].double().sum())
-    return q.reshape(w.shape), byte.to(torch.uint8), {"err_sq": err_sq, "ref_sq": ref_sq, "max_abs_error": max_abs}
+    err_sq = (torch.linalg.vecdot(x, x).double() * step.square()).sum()
+    max_abs = (x.abs().amax(dim=-1).double() * step).max() if x.numel() else torch.zeros((), dtype=torch.float64,
+                                                                                           device=w.device)
+    ref_sq = ref[0].double().sum()
+    stats = {"err_sq": err_sq, "ref_sq": ref_sq, "max_abs_error": max_abs}
+    if host_stats:
+        stats = {k: float(v) for k, v in stats.items()}
+    return q.reshape(w.shape), byte.to(torch.uint8), stats
 
 
 _E4M3_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # code -> value

@@ -1,8 +1,10 @@
-"""Streaming safetensors writing: the header is known up front (from the plan), tensors are appended
-one at a time in plan order, and sha256 of every tensor and of the whole file are computed on the fly.
+"""safetensors files without the safetensors library: validated headers, pread/pwrite at known offsets.
 
-A shard is written as `<name>.partial` and renamed only when complete, so a crash never leaves a file
-that looks finished.
+Reading: `parse_header` checks a header against its file (every malformed file is named), `TensorReader`
+reads tensors with pread from any thread (no mmap: file pages never count as the process's RSS).
+Writing: the output header is known up front from the plan, so every tensor's byte range in its shard
+is known and tensors can be written out of order with pwrite (porter.conversion). Shards are written as
+`<name>.partial` and renamed only when complete, so a crash never leaves a file that looks finished.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from porter.errors import PorterError
 
 DTYPE_NAMES = {  # torch dtype -> safetensors header dtype
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -63,69 +67,151 @@ def header_bytes(entries: list[Entry], metadata: dict | None = None) -> bytes:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().cpu()
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-class ShardWriter:
-    def __init__(self, path: Path, entries: list[Entry], metadata: dict | None = None):
-        self.path, self.entries = Path(path), entries
-        self.partial = self.path.with_name(self.path.name + ".partial")
-        self._next = 0
-        self._written = 0  # bytes of the current entry written so far
-        self._tensor_hash = None
-        self._file_hash = hashlib.sha256()
-        self.tensor_sha256: dict = {}
-        self._f = open(self.partial, "wb")
-        self._emit(header_bytes(entries, metadata))
+class MalformedSafetensors(PorterError):
+    """A safetensors file that cannot be read as one (the message names the file and what to do)."""
 
-    def _emit(self, data) -> None:
-        self._f.write(data)
-        self._file_hash.update(data)
 
-    def write(self, name: str, t: torch.Tensor) -> Optional[Entry]:
-        """Append the next tensor whole, or a leading chunk of it (rows along dim 0, in order).
-        Returns the tensor's Entry once it is complete, None while chunks are still due."""
-        if self._next >= len(self.entries):
-            raise RuntimeError(f"{self.path.name}: all {len(self.entries)} tensors already written, got {name!r}")
-        e = self.entries[self._next]
-        if name != e.name:
-            raise RuntimeError(f"{self.path.name}: expected tensor {e.name!r} next, got {name!r}")
-        # a chunk is whole rows: its trailing dims equal the entry's (bytes are counted below)
-        trailing = tuple(t.shape[1:]) == tuple(e.shape[len(e.shape) - t.ndim + 1:]) if 0 < t.ndim <= len(e.shape) \
-            else tuple(t.shape) == tuple(e.shape)
-        if t.dtype != e.dtype or not trailing:
-            raise RuntimeError(f"{name}: planned {e.dtype} {tuple(e.shape)}, produced {t.dtype} {tuple(t.shape)}")
-        data = tensor_bytes(t)
-        if self._tensor_hash is None:
-            self._tensor_hash = hashlib.sha256()
-        self._tensor_hash.update(data)
-        self._emit(data)
-        self._written += len(data)
-        if self._written > e.nbytes:
-            raise RuntimeError(f"{name}: produced more bytes than planned ({self._written} > {e.nbytes})")
-        if self._written < e.nbytes:
-            return None
-        self.tensor_sha256[name] = self._tensor_hash.hexdigest()
-        self._tensor_hash, self._written = None, 0
-        self._next += 1
-        return e
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 
-    @property
-    def done(self) -> bool:
-        return self._next == len(self.entries)
 
-    def close(self) -> str:
-        """Finish the shard (fsync + rename) and return its sha256."""
-        if not self.done:
-            raise RuntimeError(f"{self.path.name}: closed after {self._next} of {len(self.entries)} tensors")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        os.replace(self.partial, self.path)
-        return self._file_hash.hexdigest()
+def parse_header(path: Path) -> tuple[int, dict]:
+    """(data start offset, header dict without `__metadata__`) of a safetensors file, validated against
+    the file size: every tensor has a known dtype, a shape of non-negative ints and data_offsets whose
+    length is the shape's byte count, the tensors tile the data region exactly (no gap, no overlap) and
+    the region ends where the file ends. Raises MalformedSafetensors naming the file."""
+    path = Path(path)
+    redo = "re-download or re-create this shard"
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise MalformedSafetensors(f"{path}: not a safetensors file ({size} bytes, no header); {redo}")
+        n = int.from_bytes(raw, "little")
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise MalformedSafetensors(f"{path}: header length {n} does not fit the file ({size} bytes): "
+                                       f"truncated or not a safetensors file; {redo}")
+        text = f.read(n)
+    try:
+        header = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MalformedSafetensors(f"{path}: corrupt safetensors header (invalid JSON: {e}); {redo}") from None
+    if not isinstance(header, dict):
+        raise MalformedSafetensors(f"{path}: corrupt safetensors header (not a JSON object); {redo}")
+    header.pop("__metadata__", None)
+    spans = []
+    for name, info in header.items():
+        spans.append((*_entry_span(path, name, info, redo), name))
+    data_len, at = size - 8 - n, 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            what = "overlaps the previous tensor" if begin < at else f"leaves a gap of {begin - at} bytes"
+            raise MalformedSafetensors(f"{path}: tensor {name!r} data_offsets [{begin}, {end}] {what}; {redo}")
+        at = end
+    if at != data_len:
+        raise MalformedSafetensors(f"{path}: header describes {at} bytes of tensor data but the file holds "
+                                   f"{data_len} (truncated or padded); {redo}")
+    return 8 + n, header
 
-    def abort(self) -> None:
-        self._f.close()
+
+def _entry_span(path, name, info, redo) -> tuple[int, int]:
+    bad = lambda why: MalformedSafetensors(f"{path}: tensor {name!r}: {why}; {redo}")  # noqa: E731
+    if not isinstance(info, dict):
+        raise bad("header entry is not an object")
+    dtype = info.get("dtype")
+    if not isinstance(dtype, str) or dtype not in ST_DTYPES:
+        raise MalformedSafetensors(f"{path}: tensor {name!r} has unsupported dtype {dtype!r} "
+                                   f"(porter reads {', '.join(sorted(ST_DTYPES))})")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise bad(f"data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
+    want = nbytes(ST_DTYPES[dtype], shape)
+    if offsets[1] - offsets[0] != want:
+        raise bad(f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but {dtype} {shape} needs {want}")
+    return offsets[0], offsets[1]
+
+
+def pread_into(fd: int, buf: memoryview, offset: int, path) -> None:
+    """Fill buf from the file at offset (os.preadv releases the GIL; no mmap, so no file-backed RSS)."""
+    got = 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if n == 0:
+            raise MalformedSafetensors(f"{path}: file ends at byte {offset + got}, inside tensor data: "
+                                       "truncated; re-download or re-create this shard")
+        got += n
+
+
+def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buf):
+        done += os.pwrite(fd, buf[done:], offset + done)
+
+
+class TensorReader:
+    """Reads source tensors (or one row along dim 0) with pread into fresh tensors, from any thread.
+
+    spans: tensor name -> (file path, absolute data offset, dtype, shape), from parse_header. `pin`
+    allocates page-locked buffers (for asynchronous host->device copies)."""
+
+    def __init__(self, files: dict):
+        self.spans: dict = {}
+        self._fds: dict = {}
+        for path in sorted(set(files.values())):
+            start, header = parse_header(path)
+            for name, info in header.items():
+                self.spans[name] = (path, start + info["data_offsets"][0], ST_DTYPES[info["dtype"]],
+                                    tuple(info["shape"]))
+
+    def read(self, name: str, index: Optional[int] = None, pin: bool = False) -> torch.Tensor:
+        path, offset, dtype, shape = self.spans[name]
+        if dtype == ST_DTYPES["F8_E8M0"]:
+            dtype = torch.uint8  # E8M0 scale bytes: reinterpret, never value-convert
+        if index is not None:
+            if not 0 <= index < shape[0]:
+                raise IndexError(f"{name}: row {index} of {shape[0]}")
+            offset += index * nbytes(dtype, shape[1:])
+            shape = shape[1:]
+        out = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        if out.numel():
+            pread_into(self._fd(path), memoryview(out.reshape(-1).view(torch.uint8).numpy()), offset, path)
+        return out
+
+    def read_bytes(self, name: str, begin: int, length: int, pin: bool = False) -> torch.Tensor:
+        """`length` raw bytes of a tensor's data from byte `begin` (a verbatim copy, chunk by chunk)."""
+        path, offset, _, _ = self.spans[name]
+        out = torch.empty(length, dtype=torch.uint8, pin_memory=pin)
+        pread_into(self._fd(path), memoryview(out.numpy()), offset + begin, path)
+        return out
+
+    def _fd(self, path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds.setdefault(path, os.open(path, os.O_RDONLY))
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def atomic_write_text(path: Path, text: str, before_rename=None) -> None:
+    """Write a small file so that it is either absent/old or complete: temp file, fsync, rename."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    if before_rename is not None:
+        before_rename()
+    os.replace(tmp, path)
 
 
 def file_sha256(path: Path) -> str:

@@ -176,31 +176,48 @@ def test_non_empty_output_refused_then_force(tiny_vendor, tmp_path):
 
 
 def test_crash_then_resume_skips_finished_shards(tiny_vendor, tmp_path, monkeypatch, converted):
-    import porter.conversion as pc
+    import porter.pipeline as pp
     out = tmp_path / "r"
-    real, calls = pc.produce, {"n": 0}
+    real = pp.Pipeline._copy
 
-    def dying(t, read, rounding):
-        calls["n"] += 1
-        if calls["n"] == 60:
+    def dying(self, u, cost):
+        if u.index >= 60:
             raise RuntimeError("simulated crash")
-        return real(t, read, rounding)
+        return real(self, u, cost)
 
-    monkeypatch.setattr(pc, "produce", dying)
+    monkeypatch.setattr(pp.Pipeline, "_copy", dying)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False)
+        porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=1)
     assert not (out / "model.safetensors.index.json").exists() and not (out / "porter.json").exists()
     finished = {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
     assert 0 < len(finished) < 4
     res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", "300KB"])
     assert res.exit_code == 2 and "--resume" in res.output
-    monkeypatch.setattr(pc, "produce", real)
+    monkeypatch.setattr(pp.Pipeline, "_copy", real)
     porter.convert(tiny_vendor, out, max_shard_size="300KB", resume=True, progress=False)
     assert all((out / f).stat().st_mtime_ns == m for f, m in finished.items())  # not rewritten
     a, b = load_all(out), load_all(converted)
     assert set(a) == set(b) and all(a[k].view(torch.uint8).equal(b[k].view(torch.uint8)) for k in a)
     assert json.loads((out / "porter.json").read_text())["tensors"] == \
         json.loads((converted / "porter.json").read_text())["tensors"]
+
+
+def test_workers_do_not_change_a_byte(tiny_vendor, tmp_path, converted):
+    """Shards, index, config and every per-tensor record are identical for 1 and 4 workers (and the
+    module fixture's default); CPU statistics are summed in plan order."""
+    runs = {}
+    for w in (1, 4):
+        porter.convert(tiny_vendor, tmp_path / f"w{w}", max_shard_size="300KB", progress=False, workers=w,
+                       device="cpu")
+        runs[w] = tmp_path / f"w{w}"
+    for d in (runs[4], converted):
+        names = sorted(p.name for p in runs[1].iterdir())
+        assert names == sorted(p.name for p in d.iterdir())
+        for n in names:
+            if n != "porter.json":
+                assert (runs[1] / n).read_bytes() == (d / n).read_bytes(), n
+        a, b = (json.loads((x / "porter.json").read_text()) for x in (runs[1], d))
+        assert a["tensors"] == b["tensors"] and a["shards"] == b["shards"]
 
 
 def _corrupt(src: Path, dst: Path, fn):

@@ -1,0 +1,625 @@
+"""The conversion engine: read -> quantize -> hash -> write on every core (or the GPU), in a memory budget.
+
+Work is cut into units in plan order: one expert of a stacked expert tensor, a byte range of a tensor
+carried verbatim, or one whole plain tensor. The plan fixes every shard's header, so every output byte
+has a known place: a worker writes its results with pwrite as soon as they exist, in any order. Only the
+hashes are sequential: each shard's sha256 and each tensor's sha256 take their bytes from a reorder
+buffer, hashed by whichever worker completes the next range (hashlib, pread/pwrite and torch ops all
+release the GIL, so threads scale). A unit takes its working set plus its output bytes from the budget
+before it starts; output bytes go back once both hashes have consumed them, so memory stays flat with
+model size. Bytes, hashes and error statistics do not depend on the worker count or on timing: units
+are fixed by the plan and statistics are summed in plan order.
+
+Generic over `porter.layout.OutTensor` lists: nothing here knows an architecture.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from porter import mxfp8
+from porter.errors import PorterError
+from porter.layout import OutTensor, scale_name
+from porter.safetensors_io import Entry, TensorReader, dtype_name, header_bytes, pwrite_all, tensor_bytes
+
+log = logging.getLogger("porter")
+
+SHARD_METADATA = {"format": "pt"}
+COPY_CHUNK_BYTES = 64 << 20  # verbatim tensors are copied in ranges of this size
+QUANT_CHUNK_ELEMS = 1 << 22  # CPU quantizes this many elements per call: a 16 MB fp32 working copy
+CUDA_CONTEXT_BYTES = 600 << 20  # host memory of a CUDA context and its libraries
+
+
+class ProduceError(PorterError):
+    """A source tensor does not hold what the plan expects (the message names it)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# fault injection for the crash/resume tests: PORTER_FAULT_KILL="event:n" SIGKILLs the process at the
+# n-th occurrence of `event`; PORTER_FAULT_LOG=FILE appends every event name (to pick kill points).
+
+_FAULT = {"kill": os.environ.get("PORTER_FAULT_KILL"), "log": os.environ.get("PORTER_FAULT_LOG"), "counts": {}}
+_FAULT_LOCK = threading.Lock()
+
+
+def fault_point(event: str) -> None:
+    if not (_FAULT["kill"] or _FAULT["log"]):
+        return
+    with _FAULT_LOCK:
+        n = _FAULT["counts"][event] = _FAULT["counts"].get(event, 0) + 1
+        if _FAULT["log"]:
+            with open(_FAULT["log"], "a") as f:
+                f.write(f"{event}:{n}\n")
+        if _FAULT["kill"] == f"{event}:{n}":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------------
+# sizing
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def memory_status() -> dict:
+    """This process's RssAnon / RssFile / VmHWM and the machine's MemAvailable, in bytes (Linux)."""
+    out = {}
+    for path, keys in (("/proc/self/status", ("RssAnon", "RssFile", "VmHWM", "VmRSS")),
+                       ("/proc/meminfo", ("MemAvailable", "MemTotal"))):
+        try:
+            for line in open(path):
+                k, _, v = line.partition(":")
+                if k in keys:
+                    out[k] = int(v.split()[0]) * 1024
+        except OSError:
+            pass
+    return out
+
+
+def default_max_memory() -> int:
+    """Half of the memory available now (the page cache and the rest of the machine keep the other half)."""
+    return int(memory_status().get("MemAvailable", 8 << 30) * 0.5)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, not {device!r}")
+    if device == "auto":
+        if torch.cuda.is_available():
+            log.info("device auto: quantizing on the GPU (%s); --device cpu to use the CPU",
+                     torch.cuda.get_device_name(0))
+            return torch.device("cuda")
+        log.debug("device auto: no CUDA GPU, quantizing on the CPU")
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# units of work
+
+
+@dataclass
+class Place:
+    shard: str
+    offset: int  # absolute byte offset of the entry's data in its shard
+    nbytes: int
+
+
+def places_of(shards: list) -> dict:
+    """entry name -> Place, from the plan's shards [(file, [Entry, ...])] (the header is fixed up front)."""
+    places = {}
+    for f, entries in shards:
+        offset = len(header_bytes(entries, SHARD_METADATA))
+        for e in entries:
+            places[e.name] = Place(f, offset, e.nbytes)
+            offset += e.nbytes
+    return places
+
+
+def verbatim_source(t: OutTensor, meta: dict) -> Optional[str]:
+    """The source tensor that `t` is a byte-for-byte copy of, or None. Proven by calling the converter's
+    builder with a probe reader: only an identity builder hands the probe back unchanged. Such tensors
+    (embeddings, lm_head: 2.5 GB each at MiniMax-M3 size) are copied in ranges, never held whole."""
+    if t.per_expert or t.quantize or len(t.sources) != 1:
+        return None
+    src = t.sources[0]
+    if meta.get(src) is None or (meta[src][0], tuple(meta[src][1])) != (t.dtype, tuple(t.shape)):
+        return None
+    probe = object()
+    try:
+        got = t.build(lambda name, index=None: probe if (name == src and index is None) else None)
+    except Exception:  # noqa: BLE001 — any builder that does more than return read(src) is not a copy
+        return None
+    return src if got is probe else None
+
+
+@dataclass
+class Unit:
+    index: int  # position in plan order
+    t: OutTensor
+    kind: str  # "expert" | "copy" | "whole"
+    expert: int = 0
+    begin: int = 0  # copy: byte range of the tensor
+    length: int = 0
+    src_bytes: int = 0  # source bytes consumed (progress)
+    cost: int = 0  # working set + output bytes (budget)
+
+
+def unit_costs(t: OutTensor, device: torch.device) -> tuple[int, int]:
+    """(working set, output bytes) of one unit of t, bytes. CPU quantization works in chunks of
+    QUANT_CHUNK_ELEMS (fp32 copy, scaled copy, decoded copy); the GPU path holds pinned parts instead."""
+    shape = tuple(t.shape[1:]) if t.per_expert else tuple(t.shape)
+    elems = 1
+    for d in shape:
+        elems *= d
+    src = elems * t.dtype.itemsize
+    if not t.quantize:
+        return src, src
+    out = elems + elems // mxfp8.BLOCK
+    temps = 3 * 4 * min(elems, QUANT_CHUNK_ELEMS) if device.type == "cpu" else elems + elems // mxfp8.BLOCK
+    return src + temps, out
+
+
+def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], device: torch.device) -> list:
+    units = []
+    for t in tensors:
+        if skip(t):
+            continue
+        work, out = unit_costs(t, device)
+        src = verbatim_source(t, meta)
+        if t.per_expert:
+            for e in range(t.shape[0]):
+                units.append(Unit(len(units), t, "expert", expert=e, src_bytes=_src_bytes(t), cost=work + out))
+        elif src is not None:
+            total = out
+            for begin in range(0, max(total, 1), COPY_CHUNK_BYTES):
+                n = min(COPY_CHUNK_BYTES, total - begin)
+                units.append(Unit(len(units), t, "copy", begin=begin, length=n, src_bytes=n, cost=n))
+        else:
+            units.append(Unit(len(units), t, "whole", src_bytes=_src_bytes(t), cost=work + out))
+    return units
+
+
+def _src_bytes(t: OutTensor) -> int:
+    shape = tuple(t.shape[1:]) if t.per_expert else tuple(t.shape)
+    n = t.dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.device, max_memory: int) -> dict:
+    """Expected peak RSS of a conversion (what --dry-run prints) and the budget the pipeline runs in:
+    this process as it is now (torch loaded; + the CUDA context on a GPU), plus the bytes in flight
+    (each worker's unit plus one finished unit's output waiting for its hash, capped by --max-memory),
+    plus the scale arrays of two stacked expert tensors (filled while their experts are in flight)."""
+    mem = memory_status()
+    base = mem.get("RssAnon", 0) + mem.get("RssFile", 0) + (CUDA_CONTEXT_BYTES if device.type == "cuda" else 0)
+    costs = [(0, min(COPY_CHUNK_BYTES, _src_bytes(t))) if verbatim_source(t, meta) is not None
+             else unit_costs(t, device) for t in tensors]  # a copied range is both read and output buffer
+    unit = max((w + o for w, o in costs), default=0)
+    out = max((o for _, o in costs), default=0)
+    scales = sum(sorted(scale_array_bytes(t) for t in tensors)[-2:])
+    inflight = max(unit, min(workers * (unit + out), budget_for(max_memory, base, scales)))
+    return {"base": base, "unit": unit, "workers": workers, "inflight": inflight, "scales": scales,
+            "total": base + inflight + scales, "max_memory": max_memory}
+
+
+def scale_array_bytes(t: OutTensor) -> int:
+    """The [E, N, K/32] scale array a stacked expert tensor keeps in memory until its last expert is in."""
+    if not (t.per_expert and t.quantize):
+        return 0
+    n = t.shape[-1] // mxfp8.BLOCK
+    for d in t.shape[:-1]:
+        n *= d
+    return n
+
+
+def budget_for(max_memory: int, base: int, reserved: int) -> int:
+    return max_memory - base - reserved
+
+
+# ---------------------------------------------------------------------------------------------------
+# ordered hashing and shard files
+
+
+class Budget:
+    """Bytes in flight. acquire() blocks until they fit (a unit larger than the whole budget runs alone)."""
+
+    def __init__(self, total: int):
+        self.total, self.used, self.peak = max(1, total), 0, 0
+        self.cond = threading.Condition()
+        self.aborted = False
+
+    def acquire(self, n: int) -> bool:
+        with self.cond:
+            while not self.aborted and self.used and self.used + n > self.total:
+                self.cond.wait()
+            if self.aborted:
+                return False
+            self.used += n
+            self.peak = max(self.peak, self.used)
+            return True
+
+    def release(self, n: int) -> None:
+        if n:
+            with self.cond:
+                self.used -= n
+                self.cond.notify_all()
+
+    def abort(self) -> None:
+        with self.cond:
+            self.aborted = True
+            self.cond.notify_all()
+
+
+class Chunk:
+    """Output bytes in flight: kept alive (and counted in the budget) until every hash has consumed them."""
+
+    def __init__(self, data: memoryview, keep, consumers: int, budget: Budget, cost: int):
+        self.data, self.keep, self.left, self.budget, self.cost = data, keep, consumers, budget, cost
+        self.lock = threading.Lock()
+
+    def consumed(self) -> None:
+        with self.lock:
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            self.data = self.keep = None
+            self.budget.release(self.cost)
+
+
+class OrderedHash:
+    """sha256 of the byte range [start, start + length), fed chunks in any order, hashed in order by
+    whichever thread delivers the next one."""
+
+    def __init__(self, start: int, length: int, on_done: Callable[[str], None]):
+        self.sha, self.next, self.end, self.on_done = hashlib.sha256(), start, start + length, on_done
+        self.pending: dict = {}
+        self.lock = threading.Lock()
+        self.busy = False
+        if length == 0:
+            on_done(self.sha.hexdigest())
+
+    def add(self, offset: int, chunk: Chunk) -> None:
+        with self.lock:
+            self.pending[offset] = chunk
+            if self.busy:
+                return
+            self.busy = True
+        while True:
+            with self.lock:
+                chunk = self.pending.pop(self.next, None)
+                if chunk is None:
+                    self.busy = False
+                    return
+                self.next += len(chunk.data)
+                finished = self.next == self.end
+            self.sha.update(chunk.data)  # releases the GIL
+            chunk.consumed()
+            if finished:
+                self.on_done(self.sha.hexdigest())
+
+
+class ShardOut:
+    """One output shard: `.partial` written with pwrite, renamed after its hash, every tensor's hash and
+    every error record are in (`todo` counts those events)."""
+
+    def __init__(self, path: Path, entries: list, todo: int, on_closed: Callable, budget: Budget):
+        self.path, self.entries, self.on_closed = path, entries, on_closed
+        self.partial = path.with_name(path.name + ".partial")
+        header = header_bytes(entries, SHARD_METADATA)
+        size = len(header) + sum(e.nbytes for e in entries)
+        self.fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self.fd, size)
+        self.lock = threading.Lock()
+        self.todo = todo + 1  # + the file hash
+        self.sha256 = None
+        self.file_hash = OrderedHash(0, size, self._hashed)
+        pwrite_all(self.fd, memoryview(header), 0)
+        self.file_hash.add(0, Chunk(memoryview(header), None, 1, budget, 0))
+
+    def _hashed(self, sha: str) -> None:
+        self.sha256 = sha
+        self.event()
+
+    def event(self) -> None:
+        with self.lock:
+            self.todo -= 1
+            last = self.todo == 0
+        if last:
+            os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = None
+            os.replace(self.partial, self.path)
+            fault_point("shard-renamed")
+            self.on_closed(self)
+
+    def abort(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+# ---------------------------------------------------------------------------------------------------
+# the pipeline
+
+
+@dataclass
+class _Job:
+    """A stacked expert tensor in flight: its scale array and per-expert error sums, until all are in."""
+    left: int
+    scale: Optional[torch.Tensor]
+    errs: list
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Pipeline:
+    def __init__(self, plan, out: Path, done: dict, stats: dict, *, workers: int, max_memory: int,
+                 device: torch.device, on_shard_done: Callable[[str, dict], None], progress=None):
+        self.plan, self.out, self.done, self.stats = plan, out, done, stats
+        self.workers, self.device, self.on_shard_done, self.progress = workers, device, on_shard_done, progress
+        self.places = places_of(plan.shards)
+        self.entries_of = dict(plan.shards)
+        self.rounding = plan.options["scale_rounding"]
+        self.reader = TensorReader(plan.source.files)
+        self.pin = device.type == "cuda"
+        self.lock = threading.RLock()  # re-entered when a zero-byte tensor's hash completes at creation
+        self.shards: dict = {}
+        self.tensor_hash: dict = {}
+        self.jobs: dict = {}
+        self.error: Optional[tuple] = None
+        self.estimate = memory_estimate(plan.tensors, plan.source.meta, workers, device, max_memory)
+        self.budget = Budget(self.estimate["inflight"])
+        self.local = threading.local()
+
+    # -- reads
+    def read(self, name: str, index: Optional[int] = None) -> torch.Tensor:
+        pre = self.plan.source.prequantized  # a quantized source weight: dequantized (porter.prequantized)
+        if pre is not None and name in pre.scales:  # (an MXFP8 one remembers its scale: pre.kept_scale)
+            return pre.dequantize(self.reader.read(name, index), self.reader.read(pre.scales[name], index))
+        return self.reader.read(name, index, pin=self.pin)
+
+    # -- shard bookkeeping
+    def _todo(self, f: str) -> int:
+        """Events a shard waits for besides its file hash: each tensor's hash, each quantized tensor's
+        error record."""
+        quantized_values = {t.name for t in self.plan.tensors if t.quantize}
+        return sum(1 + (e.name in quantized_values) for e in self.entries_of[f])
+
+    def _shard(self, f: str) -> ShardOut:
+        with self.lock:
+            s = self.shards.get(f)
+            if s is None:
+                s = self.shards[f] = ShardOut(self.out / f, self.entries_of[f], self._todo(f), self._closed,
+                                                  self.budget)
+                for e in self.entries_of[f]:
+                    p = self.places[e.name]
+                    self.tensor_hash[e.name] = OrderedHash(
+                        p.offset, p.nbytes, lambda sha, e=e, s=s: self._tensor_hashed(s, e, sha))
+            return s
+
+    def _tensor_hashed(self, shard: ShardOut, e: Entry, sha: str) -> None:
+        with self.lock:
+            self.stats.setdefault(e.name, {}).update(shard=self.places[e.name].shard, dtype=dtype_name(e.dtype),
+                                                     shape=list(e.shape), sha256=sha)
+        shard.event()
+
+    def _closed(self, shard: ShardOut) -> None:
+        f = shard.path.name
+        with self.lock:
+            record = {"sha256": shard.sha256, "tensors": {e.name: dict(self.stats[e.name]) for e in shard.entries}}
+            self.on_shard_done(f, record)
+
+    def _record_error(self, t: OutTensor, record: dict) -> None:
+        f = self.places[t.name].shard
+        if f in self.done:
+            return
+        shard = self._shard(f)
+        with self.lock:
+            self.stats.setdefault(t.name, {}).update(record)
+        shard.event()
+
+    def deposit(self, name: str, offset: int, value: torch.Tensor, unit_cost: list) -> None:
+        """Write value's bytes at `offset` within tensor `name` and hand them to both hashes."""
+        place = self.places[name]
+        if place.shard in self.done:
+            return
+        data = tensor_bytes(value)
+        if offset + len(data) > place.nbytes:
+            raise RuntimeError(f"{name}: produced bytes beyond its planned {place.nbytes}")
+        shard = self._shard(place.shard)
+        pwrite_all(shard.fd, data, place.offset + offset)
+        unit_cost[0] -= len(data)  # from now on the chunk releases these bytes
+        chunk = Chunk(data, value, 2, self.budget, len(data))
+        self.tensor_hash[name].add(place.offset + offset, chunk)
+        shard.file_hash.add(place.offset + offset, chunk)
+
+    # -- units
+    def run(self, units: list) -> None:
+        threads = torch.get_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, available_cores() // self.workers))
+        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="porter-convert")
+        try:
+            futures = []
+            for u in units:
+                if self.error is not None or not self.budget.acquire(u.cost):
+                    break
+                futures.append(pool.submit(self._run_unit, u))
+            for fut in futures:
+                fut.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            torch.set_num_threads(threads)
+            self.reader.close()
+            if self.error is not None:
+                for s in self.shards.values():
+                    s.abort()
+        if self.error is not None:
+            raise self.error[1]
+        left = [f for f, s in self.shards.items() if s.fd is not None]
+        if left:
+            raise RuntimeError(f"internal: shard(s) {left} not complete after every unit ran")
+
+    def _run_unit(self, u: Unit) -> None:
+        cost = [u.cost]
+        try:
+            if self.error is None:
+                {"expert": self._expert, "copy": self._copy, "whole": self._whole}[u.kind](u, cost)
+                fault_point("unit")
+                if self.progress is not None:
+                    with self.lock:
+                        self.progress.update(u.src_bytes)
+        except BaseException as e:  # noqa: BLE001 — the first failure in plan order is raised by run()
+            with self.lock:
+                if self.error is None or u.index < self.error[0]:
+                    self.error = (u.index, e)
+            self.budget.abort()
+        finally:
+            self.budget.release(cost[0])
+
+    def _copy(self, u: Unit, cost: list) -> None:
+        src = u.t.sources[0]
+        self.deposit(u.t.name, u.begin, self.reader.read_bytes(src, u.begin, u.length), cost)
+
+    def _whole(self, u: Unit, cost: list) -> None:
+        t = u.t
+        value = t.build(self.read)
+        _check_produced(t, value, tuple(t.shape))
+        if not t.quantize:
+            self.deposit(t.name, 0, value.contiguous(), cost)
+            return
+        label = t.sources[0] if len(t.sources) == 1 else f"{t.name} (from {t.sources[0]}, ...)"
+        q, s, errs = self._quantize(value, label)
+        self.deposit(t.name, 0, q, cost)
+        self.deposit(scale_name(t.name), 0, s, cost)
+        self._record_error(t, error_record(t, value.dtype, _sum_errs(errs)))
+
+    def _expert(self, u: Unit, cost: list) -> None:
+        t, e = u.t, u.expert
+        n, k = t.shape[1], t.shape[-1]
+        job = self._job(t)
+        row, errs = 0, []
+        row_bytes = (1 if t.quantize else t.dtype.itemsize) * k
+        for part in t.expert_rows(self.read, e):  # [rows, K]
+            _check_produced(t, part, (part.shape[0], k))
+            if row + part.shape[0] > n:
+                break
+            if t.quantize:
+                try:
+                    q, s, part_errs = self._quantize(part, t.name)
+                except mxfp8.MXFP8Error as exc:  # name the offending source tensor, not the stacked output
+                    raise mxfp8.MXFP8Error(str(exc).replace(t.name, _expert_label(t, e, self.read), 1)) from None
+                self.deposit(t.name, (e * n + row) * row_bytes, q, cost)
+                job.scale[e, row:row + part.shape[0]] = s
+                errs += part_errs
+            else:
+                self.deposit(t.name, (e * n + row) * row_bytes, part.contiguous(), cost)
+            row += part.shape[0]
+        if row != n:
+            raise ProduceError(f"{t.name}: expert {e} has {row if row <= n else 'more than ' + str(n)} rows, "
+                              f"expected {n}")
+        self._expert_done(t, job, e, errs, cost)
+
+    def _job(self, t: OutTensor) -> _Job:
+        with self.lock:
+            job = self.jobs.get(t.name)
+            if job is None:
+                scale = (torch.empty(tuple(t.shape[:-1]) + (t.shape[-1] // mxfp8.BLOCK,), dtype=torch.uint8)
+                         if t.quantize else None)  # [E, N, K/32]
+                job = self.jobs[t.name] = _Job(t.shape[0], scale, [None] * t.shape[0])
+            return job
+
+    def _expert_done(self, t: OutTensor, job: _Job, e: int, errs: list, cost: list) -> None:
+        with job.lock:
+            job.errs[e] = errs
+            job.left -= 1
+            last = job.left == 0
+        if not last:
+            return
+        with self.lock:
+            self.jobs.pop(t.name, None)
+        if t.quantize:
+            self.deposit(scale_name(t.name), 0, job.scale, [0])
+            self._record_error(t, error_record(t, t.dtype, _sum_errs([x for es in job.errs for x in es])))
+
+    def _quantize(self, w: torch.Tensor, name: str) -> tuple:
+        """-> (q, scale, [error sums per chunk, in row order]) on the pipeline's device, results on the CPU."""
+        pre = self.plan.source.prequantized
+        keep = pre.kept_scale(w) if pre is not None else None  # an MXFP8 source keeps its scale bytes
+        if self.device.type == "cuda":
+            return self._quantize_cuda(w, name, keep)
+        rows = max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[-1])) if w.ndim == 2 else w.shape[0] if w.ndim else 1
+        if w.ndim != 2 or rows >= w.shape[0]:
+            q, s, err = mxfp8.quantize_with_error(w, self.rounding, name, keep_scale=keep)
+            return q, s, [err]
+        qs, ss, errs = [], [], []
+        for r in range(0, w.shape[0], rows):
+            q, s, err = mxfp8.quantize_with_error(w[r:r + rows], self.rounding, name,
+                                                  keep_scale=None if keep is None else keep[r:r + rows])
+            qs.append(q)
+            ss.append(s)
+            errs.append(err)
+        return torch.cat(qs), torch.cat(ss), errs
+
+    def _quantize_cuda(self, w: torch.Tensor, name: str, keep: Optional[torch.Tensor] = None) -> tuple:
+        """One CUDA stream per worker thread: pinned part -> GPU (async), quantize and error sums on the
+        GPU, values and scales -> pinned host buffers (async). Workers in flight overlap each other's
+        copies, kernels and disk I/O (reads ahead, pwrite and hashing behind)."""
+        stream = getattr(self.local, "stream", None)
+        if stream is None:
+            stream = self.local.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            x = w.to(self.device, non_blocking=True)
+            q, s, err = mxfp8.quantize_with_error(x, self.rounding, name, host_stats=False, keep_scale=keep)
+            q_host = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
+            s_host = torch.empty(s.shape, dtype=s.dtype, pin_memory=True)
+            q_host.copy_(q, non_blocking=True)
+            s_host.copy_(s, non_blocking=True)
+            stats = torch.stack([err["err_sq"], err["ref_sq"], err["max_abs_error"]]).to("cpu", non_blocking=True)
+            stream.synchronize()
+        del x, q, s  # w (pinned) stays alive until here: its async copy has finished
+        return q_host, s_host, [{"err_sq": float(stats[0]), "ref_sq": float(stats[1]),
+                                 "max_abs_error": float(stats[2])}]
+
+
+def _check_produced(t: OutTensor, value: torch.Tensor, shape: tuple) -> None:
+    if value.dtype != t.dtype or tuple(value.shape) != shape:
+        raise RuntimeError(f"{t.name}: planned {t.dtype} {shape}, produced {value.dtype} {tuple(value.shape)}")
+
+
+def _sum_errs(errs: list) -> dict:
+    total = {"err_sq": 0.0, "ref_sq": 0.0, "max_abs_error": 0.0}
+    for err in errs:  # plan order: the same float sums whatever the worker count
+        total["err_sq"] += err["err_sq"]
+        total["ref_sq"] += err["ref_sq"]
+        total["max_abs_error"] = max(total["max_abs_error"], err["max_abs_error"])
+    return total
+
+
+def error_record(t: OutTensor, src_dtype, err: dict) -> dict:
+    rel = (err["err_sq"] / err["ref_sq"]) ** 0.5 if err["ref_sq"] else 0.0
+    return {"source_dtype": dtype_name(src_dtype), "scale": scale_name(t.name),
+            "rel_fro_error": rel, "max_abs_error": err["max_abs_error"]}
+
+
+def _expert_label(t: OutTensor, e: int, read) -> str:
+    """Names the source tensor(s) of expert e, the non-finite one first when there is one."""
+    n = len(t.sources) // t.shape[0] if len(t.sources) % t.shape[0] == 0 else 0
+    srcs = t.sources[e * n:(e + 1) * n] if n else t.sources
+    bad = [s for s in srcs if n and not bool(torch.isfinite(read(s).float()).all())]
+    return f"{bad[0] if bad else ', '.join(srcs)} (expert {e} of {t.name})"

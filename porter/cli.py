@@ -101,6 +101,21 @@ def convert(ctx, source, output, revision, quantize, layout, gate_up, scale_roun
                                  resume=resume, dry_run=dry_run, progress=not ctx.obj["quiet"], layout=layout))
 
 
+@main.command("inspect")
+@click.argument("path", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+def inspect_command(ctx, path, as_json):
+    """What PATH (a porter artifact or a checkpoint folder) holds: source and commit, resolved config with
+    provenance, layout, quantized and ignored modules, sizes, the ten worst tensors by relative error.
+    Reads headers and JSON only."""
+    import json
+
+    from porter.inspect import inspect, render
+    report = _run(ctx, lambda: inspect(path))
+    click.echo(json.dumps(report, indent=1) if as_json else render(report))
+
+
 main.add_command(verify_command)
 
 if __name__ == "__main__":

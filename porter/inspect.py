@@ -1,0 +1,202 @@
+"""`porter inspect DIR`: what a porter artifact or a checkpoint folder holds, without loading tensor data.
+
+Reads config.json, porter.json (when present), the index and the safetensors headers only. Reports the
+source and commit, every resolved config field with its provenance, the layout (porter, hf, vendor or
+transformers checkpoint, pre-quantized scheme), which linears are quantized and which the
+quantization_config lists as ignored (and whether each module is exactly one of the two), sizes by dtype,
+and the ten tensors with the largest relative quantization error (from porter.json).
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+from converters import minimax_m3 as arch
+from porter import manifest as manifest_mod
+from porter import prequantized
+from porter.errors import PorterError
+from porter.safetensors_io import nbytes
+from porter.source import INDEX_NAME, read_header, weight_files
+
+WORST = 10
+_SCALE = re.compile(r"(\.weight|_weight)_scale(_inv)?$")
+_SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})(/|$)")
+
+
+class InspectError(PorterError, ValueError):
+    """The folder cannot be inspected (the message names the file)."""
+
+
+def inspect(path) -> dict:
+    """A JSON-able report of the artifact or checkpoint at `path`."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise InspectError(f"{path}: not a directory (give a porter artifact or a checkpoint folder)")
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise InspectError(f"{path / 'config.json'}: missing; not a checkpoint or porter artifact") from None
+    except json.JSONDecodeError as e:
+        raise InspectError(f"{path / 'config.json'}: invalid JSON ({e})") from None
+    man = manifest_mod.read(path) if manifest_mod.is_artifact(path) else None
+    tensors = _tensor_meta(path)
+    cfg = arch.resolve_config(raw)
+    qc = prequantized.quantization_config_of(raw)
+    quantized, unquantized = _modules(tensors)
+    ignored = list((qc or {}).get("ignored_layers") or [])
+    report = {
+        "path": str(path.resolve()),
+        "kind": "porter artifact" if man else "checkpoint",
+        "source": _source(path, man),
+        "layout": _layout(raw, man, tensors),
+        "quantization": {
+            "quant_method": (qc or {}).get("quant_method"),
+            "scope": (man or {}).get("options", {}).get("quantize"),
+            "scale_rounding": (man or {}).get("options", {}).get("scale_rounding"),
+            "quantized_modules": len(quantized),
+            "quantized": _summarize(quantized),
+            "ignored_layers": ignored,
+            "modules_to_not_convert_equal": (qc or {}).get("modules_to_not_convert") == (qc or {}).get("ignored_layers"),
+            "contract": _contract(quantized, unquantized, ignored, qc),
+        },
+        "config": {k: {"value": v, "from": cfg.provenance.get(k)} for k, v in cfg.to_dict().items()},
+        "sizes": _sizes(tensors),
+        "worst_tensors": _worst(man),
+    }
+    return report
+
+
+def _tensor_meta(path: Path) -> dict:
+    """{name: (dtype name, shape)} from the safetensors headers (no tensor data read)."""
+    try:
+        files = weight_files(path)
+    except PorterError as e:
+        raise InspectError(str(e)) from None
+    out = {}
+    for f in files:
+        for name, info in read_header(f).items():
+            out[name] = (info["dtype"], tuple(info["shape"]), f.name)
+    if (path / INDEX_NAME).exists():
+        listed = set(json.loads((path / INDEX_NAME).read_text()).get("weight_map", {}))
+        if listed != set(out):
+            missing = sorted(listed - set(out))[:1] or sorted(set(out) - listed)[:1]
+            raise InspectError(f"{path / INDEX_NAME}: index and shard headers disagree (e.g. {missing[0]!r})")
+    return out
+
+
+def _source(path: Path, man) -> dict:
+    if man:
+        src = man.get("source", {})
+        return {"repo_id": src.get("repo_id"), "path": src.get("path"), "commit": src.get("commit"),
+                "porter_version": man.get("porter_version"), "created": man.get("created"),
+                "options": man.get("options")}
+    m = _SNAPSHOT.search(str(path.resolve()))  # a Hugging Face cache snapshot folder names its commit
+    return {"repo_id": None, "path": str(path.resolve()), "commit": m.group(1) if m else None}
+
+
+def _layout(raw: dict, man, tensors: dict) -> str:
+    if man:
+        return (man.get("options") or {}).get("layout", "porter")
+    qc = prequantized.quantization_config_of(raw)
+    kind = "transformers" if raw.get("model_type") == "minimax_m3_vl_text" else "vendor"
+    if qc and qc.get("quant_method") not in (None, "none"):
+        return f"{kind} checkpoint, pre-quantized ({qc.get('quant_method')}, block {qc.get('weight_block_size')})"
+    return f"{kind} checkpoint"
+
+
+def _modules(tensors: dict) -> tuple[list, list]:
+    """(quantized module names, unquantized 2-D `.weight` module names). A module is quantized when its
+    weight is F8_E4M3 with a scale beside it."""
+    quantized, plain = [], []
+    for name, (dtype, shape, _) in tensors.items():
+        if _SCALE.search(name):
+            continue
+        module = name[: -len(".weight")] if name.endswith(".weight") else name
+        has_scale = any(module + suf in tensors for suf in (".weight_scale", ".weight_scale_inv")) or \
+            name + "_scale" in tensors
+        if dtype == "F8_E4M3" and has_scale:
+            quantized.append(module)
+        elif name.endswith(".weight") and len(shape) == 2:
+            plain.append(module)
+    return quantized, plain
+
+
+def _summarize(modules: list) -> dict:
+    """Quantized module names with layer and expert numbers folded: {pattern: count}."""
+    pat = Counter(re.sub(r"\.experts\.\d+\.", ".experts.{e}.", re.sub(r"\.layers\.\d+\.", ".layers.{l}.", m))
+                  for m in modules)
+    return dict(sorted(pat.items()))
+
+
+def _contract(quantized: list, plain: list, ignored: list, qc) -> dict:
+    """Each text-model linear must be quantized or listed, not both and not neither (both engines load
+    either mistake without an error)."""
+    if not qc or qc.get("quant_method") in (None, "none"):
+        return {"checked": False, "why": "no quantization_config"}
+    listed = set(ignored)
+    both = sorted(m for m in quantized if m in listed)
+    neither = sorted(m for m in plain if m not in listed and _is_text_linear(m))
+    return {"checked": True, "both": both, "neither": neither, "ok": not both and not neither}
+
+
+def _is_text_linear(module: str) -> bool:
+    m = module.removeprefix("language_model.")
+    return m.startswith("model.layers.") or m == "lm_head"
+
+
+def _sizes(tensors: dict) -> dict:
+    from porter.safetensors_io import ST_DTYPES
+    by_dtype: Counter = Counter()
+    for dtype, shape, _ in tensors.values():
+        by_dtype[dtype] += nbytes(ST_DTYPES[dtype], shape)
+    return {"tensors": len(tensors), "shards": len({f for *_, f in tensors.values()}),
+            "bytes": sum(by_dtype.values()), "bytes_by_dtype": dict(sorted(by_dtype.items()))}
+
+
+def _worst(man) -> list:
+    if not man:
+        return []
+    rows = [{"tensor": n, "rel_fro_error": r["rel_fro_error"], "max_abs_error": r.get("max_abs_error")}
+            for n, r in man.get("tensors", {}).items() if r.get("rel_fro_error") is not None]
+    return sorted(rows, key=lambda r: -r["rel_fro_error"])[:WORST]
+
+
+def _human(n: int) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def render(rep: dict) -> str:
+    """The report as terminal text."""
+    src, q, sz = rep["source"], rep["quantization"], rep["sizes"]
+    lines = [f"{rep['path']}: {rep['kind']}, layout {rep['layout']}",
+             f"source: {src.get('repo_id') or src.get('path')}  commit: {src.get('commit') or 'unknown'}"]
+    if src.get("options"):
+        lines.append("options: " + ", ".join(f"{k}={v}" for k, v in src["options"].items()))
+    lines.append(f"size: {_human(sz['bytes'])} in {sz['tensors']} tensors, {sz['shards']} shard(s); " +
+                 ", ".join(f"{d} {_human(b)}" for d, b in sz["bytes_by_dtype"].items()))
+    lines.append(f"quantization: {q['quant_method'] or 'none'}" + (f" (scope {q['scope']})" if q["scope"] else "") +
+                 f"; {q['quantized_modules']} quantized modules")
+    for pat, n in q["quantized"].items():
+        lines.append(f"  quantized {n:5d} x {pat}")
+    lines.append(f"ignored_layers ({len(q['ignored_layers'])}): " + (", ".join(q["ignored_layers"][:8]) +
+                 (" ..." if len(q["ignored_layers"]) > 8 else "") if q["ignored_layers"] else "none"))
+    c = q["contract"]
+    if c["checked"]:
+        lines.append("each linear quantized xor listed: " + ("yes" if c["ok"] else
+                     f"NO (both: {c['both'][:3]}, neither: {c['neither'][:3]})"))
+    lines.append("resolved config (value  <- from):")
+    for k, v in rep["config"].items():
+        val = json.dumps(v["value"])
+        lines.append(f"  {k:26s} {val if len(val) <= 60 else val[:57] + '...':60s} <- {v['from']}")
+    if rep["worst_tensors"]:
+        lines.append(f"worst {len(rep['worst_tensors'])} tensors by relative error ||W - deq(Q)|| / ||W||:")
+        for r in rep["worst_tensors"]:
+            lines.append(f"  {r['rel_fro_error']:.4e}  max|err| {r['max_abs_error']:.3e}  {r['tensor']}")
+    else:
+        lines.append("worst tensors: n/a (no porter.json with error statistics)")
+    return "\n".join(lines)

@@ -37,7 +37,7 @@ def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str =
         device = torch.device("cuda", torch.cuda.current_device())
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    store = path if isinstance(path, (ArtifactStore, SourceStore)) else open_store(path)
+    store = path if hasattr(path, "names") and hasattr(path, "get") else open_store(path)  # an opened store
     quantized = any(n.endswith("experts.w13_weight_scale") for n in store.names())
     name = resolve_backend(backend, device, quantized=quantized)
     log.info("loading %s on %s (%s, MoE backend %s, lazy=%s)", store.path, device, dtype, name, lazy)

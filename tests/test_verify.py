@@ -1,9 +1,9 @@
-"""`porter verify` (issue #4): a faithful conversion passes; tampered artifacts fail naming the layer or
-the tensor and shard; bad input exits 2; layer streaming equals the full run in a fraction of the memory.
+"""`porter verify`: a faithful conversion passes; tampered artifacts fail naming the layer or the tensor,
+expert and shard; bad input exits 2; layer streaming equals the full run in a fraction of the memory.
 
 Tampering (tests/verify_tamper.py) rewrites one tensor in place in its shard; `reseal=True` also fixes
 porter.json (tensor and shard sha256) so integrity passes and only the comparison with the reference
-(the numerics) can catch it."""
+(the exact re-derivation, then the numerics) can catch it. Planted converter bugs: test_verify_mapping.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -69,6 +69,16 @@ def test_faithful_conversion_passes(artifact, tmp_path):
     rep = json.loads(report.read_text())
     assert rep["verdict"] == "pass" and rep["passed"] and rep["failing_layer"] is None
     assert rep["integrity"]["passed"] and rep["integrity"]["issues"] == []
+    ex = rep["exact"]
+    assert ex["passed"] and ex["layout"] == "vendor" and ex["rounding"] == "rceil" and ex["unmapped_sources"] == []
+    quantized = [t for t in ex["tensors"] if t["quantized"]]
+    assert len(quantized) == 6 and all(t["mismatched"] == 0 and t["units"] == 8 for t in quantized)  # 3 layers x 2
+    # every 32-block of every expert compared: w13 [8, 128, 64] and w2 [8, 64, 64] -> 8*128*2 and 8*64*2 blocks
+    assert sorted({t["blocks"] for t in quantized}) == [8 * 64 * 2, 8 * 128 * 2]
+    assert all(0.02 < t["weight_error"] < 0.035 for t in quantized)  # rceil MXFP8: ~2.7 % rms
+    carried = [t for t in ex["tensors"] if not t["quantized"]]
+    assert any(t["tensor"].startswith("vision_tower.") for t in carried)
+    assert all(t["mismatched"] == 0 and t["blocks"] > 0 for t in carried)
     assert [r["layer"] for r in rep["layers"]] == [0, 1, 2, 3]
     for r in rep["layers"]:
         assert {"cosine", "rel_error", "layer_error", "weight_error", "worst_tensor", "kind"} <= set(r)
@@ -76,7 +86,9 @@ def test_faithful_conversion_passes(artifact, tmp_path):
     assert rep["layers"][0]["weight_error"] == 0.0  # dense layer: nothing quantized, bit-identical
     assert set(rep["logits"]) >= {"kl", "top1", "top5", "max_abs_diff"}
     gen = rep["generation"][0]
-    assert {"reference_text", "converted_text", "first_divergence", "reference_tokens"} <= set(gen)
+    assert {"reference_text", "converted_text", "first_divergence", "converted_tokens", "reference_argmax",
+            "kl", "top1"} <= set(gen)
+    assert len(gen["converted_tokens"]) == len(gen["kl"]) == len(gen["reference_argmax"]) == 4
     assert rep["prompts"] == [DEFAULT_PROMPT]
     assert rep["thresholds"] == vars(Thresholds())
     root = ET.parse(plot).getroot()
@@ -87,9 +99,11 @@ def test_unquantized_conversion_is_exact(tiny_vendor, tmp_path):
     out = tmp_path / "none"
     porter.convert(tiny_vendor, out, quantize="none", progress=False)
     res = verify(out, max_new_tokens=3)
-    assert res.passed, res.report["summary"]
-    assert all(r["layer_error"] == 0 and r["weight_error"] == 0 for r in res.report["layers"])
-    assert res.report["logits"]["kl"] == 0 and res.report["generation"][0]["first_divergence"] is None
+    assert res.passed, res.report.summary
+    assert not any(t.quantized for t in res.report.exact.tensors) and res.report.exact.passed
+    assert all(r.layer_error == 0 and r.weight_error == 0 for r in res.report.layers)
+    assert res.report.logits.kl == 0 and res.report.generation[0].first_divergence is None
+    assert res.report.generation[0].kl == [0.0, 0.0, 0.0]
 
 
 def test_threshold_flags_override(artifact):
@@ -103,19 +117,40 @@ def test_threshold_flags_override(artifact):
 # Tampered artifacts: the right layer / tensor is named
 
 
-def test_scales_shifted_resealed_caught_by_numerics(artifact, tmp_path):
+def test_scales_shifted_resealed_caught_by_bytes_and_numerics(artifact, tmp_path):
     art = tampered(artifact, tmp_path)
     rewrite_tensor(art, W13 + "_scale", shift_scales(+1), reseal=True)
     res = verify(art, max_new_tokens=0)
     rep = res.report
-    assert rep["integrity"]["passed"]  # re-sealed: only the numerics can see it
+    assert rep.integrity.passed  # re-sealed: only the comparison with the reference can see it
     assert not res.passed and res.failing_layer == LAYER
     checks = {(f.check, f.layer) for f in res.failures}
-    assert ("weights", LAYER) in checks and ("layer", LAYER) in checks  # weights and the layer's own output
+    assert ("exact", LAYER) in checks and ("weights", LAYER) in checks and ("layer", LAYER) in checks
     assert all(f.layer in (None, LAYER, LAYER + 1) for f in res.failures)  # nothing upstream blamed
-    w = next(f for f in res.failures if f.check == "weights")
-    assert w.tensor.startswith(W13) and w.shard == json.loads((art / "porter.json").read_text())["tensors"][W13]["shard"]
-    assert rep["layers"][LAYER - 1]["layer_error"] < 0.08 and rep["layers"][LAYER + 1]["layer_error"] < 0.08
+    ex = next(f for f in res.failures if f.check == "exact")
+    assert ex.tensor == W13 and ex.shard == json.loads((art / "porter.json").read_text())["tensors"][W13]["shard"]
+    blocks = 8 * 128 * 2  # every non-zero block of every expert moved
+    assert f"{blocks} of {blocks} 32-block(s) differ from the re-derivation ({blocks} with a different scale byte)" \
+        in ex.message
+    assert rep.layers[LAYER - 1].layer_error < 0.08 and rep.layers[LAYER + 1].layer_error < 0.08
+
+
+def test_one_element_off_by_one_ulp_named_to_the_block(artifact, tmp_path):
+    """Invisible to the statistics (weight error moves by ~1e-4), caught as exactly one 32-block."""
+    art = tampered(artifact, tmp_path)
+
+    def nudge(q):
+        q = q.clone()
+        raw = q.view(torch.uint8)
+        b = int(raw[EXPERT, 70, 37])
+        raw[EXPERT, 70, 37] = b ^ 0x01 if (b ^ 0x01) & 0x7F != 0x7F else b ^ 0x02  # one e4m3 ulp (never NaN)
+        return q
+    rewrite_tensor(art, W13, nudge)
+    res = verify(art, max_new_tokens=0)
+    ex, = [f for f in res.failures if f.check == "exact"]
+    assert not res.passed and ex.tensor == W13 and ex.expert == EXPERT and ex.value == 1
+    assert f"first at expert {EXPERT}, row 70, block 1 (elements 32..63)" in ex.message
+    assert not any(f.check == "weights" for f in res.failures)  # the second opinion alone would pass it
 
 
 def test_scales_shifted_checksum_mismatch(artifact, tmp_path):
@@ -132,11 +167,13 @@ def test_gate_up_swapped_in_one_expert(artifact, tmp_path):
     rewrite_tensor(art, W13, swap_gate_up(EXPERT))
     rewrite_tensor(art, W13 + "_scale", swap_gate_up(EXPERT))
     res = verify(art, max_new_tokens=0)
-    assert res.report["integrity"]["passed"] and not res.passed
+    assert res.report.integrity.passed and not res.passed
     assert res.failing_layer == LAYER
+    ex = next(f for f in res.failures if f.check == "exact")
+    assert ex.tensor == W13 and ex.expert == EXPERT and f"in 1 expert(s) (expert {EXPERT}: " in ex.message
     w = next(f for f in res.failures if f.check == "weights")
-    assert w.tensor == f"{W13}[expert {EXPERT}]" and w.value > 1.0
-    assert f"layer {LAYER}: tensor {W13}[expert {EXPERT}]" in res.report["summary"]
+    assert w.tensor == W13 and w.expert == EXPERT and w.value > 1.0
+    assert res.report.summary.startswith(f"layer {LAYER}: tensor {W13} (shard model-00001-of-00001.safetensors): ")
 
 
 def test_one_expert_scales_zeroed(artifact, tmp_path):
@@ -153,7 +190,7 @@ def test_shard_checksum_mismatch(artifact, tmp_path):
     name = "model.layers.1.self_attn.q_proj.weight"
     flip_byte(art, name, index=10)
     res = verify(art)
-    assert not res.passed and "layers" not in res.report  # integrity first: numerics not run
+    assert not res.passed and res.report.layers == [] and res.report.exact is None  # integrity first
     f, = res.failures
     assert f.check == "integrity" and f.tensor == name and f.shard == "model-00001-of-00001.safetensors"
 
@@ -203,7 +240,8 @@ def test_transformers_layout_artifact_passes(tiny_transformers, tmp_path):
     out = tmp_path / "hf"
     porter.convert(tiny_transformers, out, progress=False)
     res = verify(out, max_new_tokens=0)
-    assert res.passed, res.report["summary"]
+    assert res.passed, res.report.summary
+    assert res.report.exact.layout == "transformers" and res.report.exact.passed
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -211,22 +249,26 @@ def test_transformers_layout_artifact_passes(tiny_transformers, tmp_path):
 
 
 def _numbers(rep):
-    return rep["layers"], rep["logits"], rep["generation"], rep["embeddings"]
+    return rep.layers, rep.logits, rep.generation, rep.embeddings
 
 
 def test_streaming_numbers_equal_full_run(artifact):
     prompts = [DEFAULT_PROMPT, "Hello world"]
     full = verify(artifact, streaming=False, max_new_tokens=2, prompts=prompts)
     stream = verify(artifact, streaming=True, max_new_tokens=2, prompts=prompts)
-    assert not full.report["streaming"]["enabled"] and stream.report["streaming"]["enabled"]
+    assert not full.report.streaming.enabled and stream.report.streaming.enabled
     assert _numbers(stream.report) == _numbers(full.report)
 
 
 def test_streaming_picked_automatically_when_it_would_not_fit(artifact, monkeypatch):
-    import porter.verification as v
-    monkeypatch.setattr(v, "_memory_available", lambda device: 1 << 20)  # 1 MB free
-    res = verify(artifact, max_new_tokens=0)
-    assert res.report["streaming"]["enabled"] and res.report["streaming"]["reason"].startswith("auto")
+    import porter.verification.generation as g
+    monkeypatch.setattr(g, "memory_available", lambda device: 1 << 20)  # 1 MB free
+    res = verify(artifact)
+    st = res.report.streaming
+    assert st.enabled and st.reason.startswith("auto")
+    # the converted model does not fit either: no generation by default, and the report says how to ask
+    assert res.report.max_new_tokens == 0 and res.report.generation == []
+    assert st.generation.startswith("skipped: the converted model") and "--max-new-tokens N" in st.generation
     assert res.passed
 
 
@@ -238,8 +280,9 @@ sys.path.insert(0, {root!r})
 from porter.verification import verify
 r = verify(sys.argv[1], streaming=sys.argv[2] == "stream", max_new_tokens=1, prompts=["Hello world, hello porter."])
 hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-print(json.dumps({{"hwm_kb": hwm, "numbers": [r.report["layers"], r.report["logits"], r.report["generation"]],
-                   "passed": r.passed, "streaming": r.report["streaming"]["enabled"]}}))
+d = r.report.to_dict()
+print(json.dumps({{"hwm_kb": hwm, "numbers": [d["layers"], d["logits"], d["generation"]],
+                   "passed": r.passed, "streaming": d["streaming"]["enabled"]}}))
 """
 
 

@@ -1,0 +1,165 @@
+"""`porter verify`: prove a porter MXFP8 artifact faithful to the checkpoint it came from, or say where not.
+
+    porter verify out/m3-mxfp8                       # reference = the source named in porter.json
+    porter verify out/m3-mxfp8 --reference DIR|REPO --prompt "..." --report r.json --plot r.svg
+
+Steps (one module each; what each proves and what it does not: docs/verify.md):
+1. integrity.py — the files are what porter.json says (sha256, headers, index, scales, config).
+2. exact.py — every tensor re-derived from the source through verify's own mapping table (mapping.py)
+   and porter.mxfp8 with the recorded rule: bytes identical, carried tensors bit-identical; weight error
+   as a second opinion.
+3. generation.py + numerics.py — the converted model generates; one teacher-forced pass of both models
+   (same runtime) gives per-layer agreement, logits agreement and the continuation's scores.
+4. verdict.py — thresholds, failures, the report (report.py: table, JSON, plot).
+Exit codes (CLI): 0 faithful, 1 not faithful, 2 bad input (VerifyInputError and other PorterErrors),
+3 internal error.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from converters import minimax_m3 as arch
+from porter.errors import PorterError
+from porter.safetensors_io import dtype_name
+from porter.verification import generation as gen
+from porter.verification.exact import rederive
+from porter.verification.inputs import (DEFAULT_PROMPT, check_plot_path, encode_prompts, open_artifact,
+                                        reference_path, tokenizer)
+from porter.verification.integrity import check_integrity
+from porter.verification.mapping import ArtifactReader, Mapping, ReferenceStore, SourceShards
+from porter.verification.numerics import compare_models
+from porter.verification.report import format_table, write_outputs
+from porter.verification.verdict import (SCOPE_DEFAULTS, Failure, LayerRow, Report, StreamingInfo, Thresholds,
+                                         VerifyInputError, VerifyResult, conclude, judge_exact, judge_numerics)
+
+__all__ = ["verify", "Thresholds", "VerifyResult", "VerifyInputError", "Report", "Failure", "DEFAULT_PROMPT",
+           "SCOPE_DEFAULTS", "format_table"]
+
+log = logging.getLogger("porter")
+DEFAULT_MAX_NEW_TOKENS = gen.DEFAULT_MAX_NEW_TOKENS
+
+
+@dataclass
+class _Inputs:
+    art: Path
+    man: dict
+    ref_path: Path
+    ref_config: object
+    tok: object
+    device: torch.device
+
+
+def verify(artifact, prompts=None, reference=None, backend: str = "auto", device="cpu",
+           max_new_tokens: Optional[int] = None, report=None, plot=None, thresholds=None, streaming="auto",
+           dtype: Optional[torch.dtype] = None, progress: bool = False) -> VerifyResult:
+    """Verify a porter artifact against its reference checkpoint; mirrors `porter verify`.
+
+    prompts: list of strings (default: DEFAULT_PROMPT). reference: dir or repo id (default: porter.json's
+    source). max_new_tokens: greedy tokens of the converted model (None: 16 when it fits the device, else 0).
+    thresholds: Thresholds or {name: value}. streaming: "auto" | True | False (layer streaming of the
+    teacher-forced pass). Raises PorterError subclasses for bad input; returns the result otherwise.
+    """
+    t0 = time.time()
+    inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, plot)
+    rep.max_new_tokens = max_new_tokens
+    rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
+    if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
+        return _finish(rep, list(rep.integrity.issues), report, plot, t0)
+    shards, reader = SourceShards(inp.ref_path), ArtifactReader(inp.art, inp.man)
+    mapping = Mapping(shards, interleaved=_interleaved(inp.man, inp.ref_config))
+    rep.exact = rederive(reader, mapping, inp.man.get("options", {}).get("scale_rounding"), inp.device, progress)
+    failures = judge_exact(rep.exact, rep.thresholds)
+    if any(t.problem for t in rep.exact.tensors):
+        log.info("verify: numerics skipped: some artifact tensors have no comparable source (see above)")
+        return _finish(rep, failures, report, plot, t0)
+    _numerics(rep, inp, ReferenceStore(mapping, reader, inp.ref_config), backend, streaming, max_new_tokens,
+              dtype, progress)
+    return _finish(rep, failures + judge_numerics(rep, rep.thresholds), report, plot, t0)
+
+
+def _open(artifact, prompts, reference, backend, device, thresholds, plot) -> tuple[_Inputs, Report]:
+    art, man = open_artifact(artifact)
+    scope = man.get("options", {}).get("quantize", "experts")
+    th = thresholds if isinstance(thresholds, Thresholds) else Thresholds.build(thresholds, scope)
+    ref_path = reference_path(man, reference)
+    check_plot_path(plot)
+    try:
+        raw = json.loads((ref_path / "config.json").read_text())
+        ref_config = arch.resolve_config(raw)
+    except (PorterError, json.JSONDecodeError) as e:
+        raise VerifyInputError(f"reference {ref_path / 'config.json'}: {e}") from None
+    method = (raw.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "none"):
+        raise VerifyInputError(f"reference {ref_path}: pre-quantized ({method}); verify re-derives the artifact from "
+                               "an unquantized (bf16) checkpoint — pass that one with --reference")
+    tok, tok_path = tokenizer(art, ref_path)
+    prompts = list(prompts) if prompts else [DEFAULT_PROMPT]
+    rep = Report(str(art.resolve()), str(ref_path), str(tok_path), man.get("porter_version"), backend, str(device),
+                 scope, man.get("options", {}).get("scale_rounding"), th, prompts, 0)
+    return _Inputs(art, man, ref_path, ref_config, tok, torch.device(device)), rep
+
+
+def _interleaved(man: dict, ref_config) -> bool:
+    """Row order of a fused source gate_up_proj, as the conversion was told (porter.json options.gate_up)."""
+    opt = man.get("options", {}).get("gate_up", "auto")
+    return ref_config.gate_up_interleaved if opt == "auto" else opt == "interleaved"
+
+
+def _numerics(rep: Report, inp: _Inputs, ref_store: ReferenceStore, backend, streaming, max_new_tokens, dtype,
+              progress) -> None:
+    import runtime
+    conv_bytes = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values())
+    ref_bytes = sum(ref_store.mapping.shards.nbytes(n) for n in ref_store.mapping.shards.meta)
+    plan = gen.plan_runs(streaming, max_new_tokens, inp.device, conv_bytes, ref_bytes)
+    rep.streaming = StreamingInfo(plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation)
+    rep.max_new_tokens = plan.new_tokens
+    ids = encode_prompts(inp.tok, rep.prompts)
+    rep.prompt_tokens = [int(x.shape[1]) for x in ids]
+    conv = runtime.load(inp.art, device=inp.device, dtype=dtype, backend=backend, lazy=plan.stream)
+    rep.dtype = dtype_name(conv.dtype)
+    conts = _generate(conv, inp, plan, ids, backend, dtype)
+    seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
+    ref = runtime.load(ref_store, device=inp.device, dtype=conv.dtype, backend="auto", lazy=plan.stream)
+    res = compare_models(ref, conv, seqs, rep.prompt_tokens, progress)
+    rep.embeddings, rep.logits = res.embeddings, res.logits
+    rep.layers = [_layer_row(rep, conv.cfg, i, s) for i, s in enumerate(res.layers)]
+    rep.generation = [gen.score(p, c, tr, tc, inp.tok) for p, c, (tr, tc) in zip(rep.prompts, conts, res.tails) if c]
+
+
+def _generate(conv, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype) -> list:
+    """Continuations of the converted model (empty lists when generation is skipped)."""
+    if not plan.new_tokens:
+        return [[] for _ in ids]
+    import runtime
+    model = conv
+    if plan.stream and plan.generation == "resident":  # fits alone: decode resident, stream the pass
+        model = runtime.load(inp.art, device=inp.device, dtype=dtype, backend=backend, lazy=False)
+    eos = conv.cfg.eos_token_id if isinstance(conv.cfg.eos_token_id, int) else None
+    out = [gen.greedy(model, x, plan.new_tokens, eos) for x in ids]
+    if hasattr(conv.layers, "release"):
+        conv.layers.release()
+    return out
+
+
+def _layer_row(rep: Report, cfg, i: int, s) -> LayerRow:
+    kind = f"{'sparse' if cfg.is_sparse_attention(i) else 'full'}/{'moe' if cfg.is_moe(i) else 'dense'}"
+    mine = [t for t in rep.exact.tensors if t.layer == i and t.quantized]
+    worst = max(mine, key=lambda t: t.weight_error) if mine else None
+    label = None if worst is None else worst.tensor + (f"[expert {worst.worst_expert}]"
+                                                        if worst.worst_expert is not None else "")
+    return LayerRow(i, kind, s.cosine, s.rel_error, s.layer_error, worst.weight_error if worst else 0.0, label,
+                    worst.shard if worst else None)
+
+
+def _finish(rep: Report, failures: list[Failure], report, plot, t0) -> VerifyResult:
+    conclude(rep, failures)
+    rep.seconds = round(time.time() - t0, 3)
+    write_outputs(rep, report, plot)
+    return VerifyResult(rep.passed, rep, failures)

@@ -1,0 +1,230 @@
+"""Step 2 of `porter verify`: re-derive every artifact tensor from the source and compare bytes.
+
+MXFP8 is deterministic, so each quantized tensor is re-quantized from its source (found through verify's
+own mapping table, mapping.py) with porter.mxfp8 and the rule recorded in porter.json, and its e4m3 bytes
+and scale bytes must be identical; mismatches are counted per 32-element block (a block differs when any
+of its 32 value bytes or its scale byte differs), per tensor and per expert. Tensors that were not
+quantized must be bit-identical to their source (same dtype, same bytes). The relative weight error
+||deq(Q) - W|| / ||W|| is computed on the same pass as a second opinion (threshold max_weight_error).
+
+Streaming, tensor by tensor and expert by expert, in row chunks of bounded size: on the verify device
+when it is a GPU, else on every CPU core (one single-threaded worker per core).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from porter import mxfp8
+from porter.verification.mapping import ArtifactReader, Derivation, Mapping
+from porter.verification.verdict import ExactResult, TensorCheck
+
+log = logging.getLogger("porter")
+
+CHUNK_ELEMENTS = 1 << 22  # elements compared at a time per worker (bounded memory)
+READ_GBPS = 2.0  # disk read rate assumed by the cost estimate (NVMe class; a network disk is slower)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass
+class UnitResult:
+    """One expert (or a whole plain tensor): counts of compared and differing blocks (or elements)."""
+    expert: Optional[int]
+    compared: int = 0
+    mismatched: int = 0
+    scale_mismatched: int = 0
+    first: Optional[str] = None
+    err_sq: float = 0.0
+    ref_sq: float = 0.0
+    problem: Optional[str] = None
+
+    @property
+    def weight_error(self) -> float:
+        return math.sqrt(self.err_sq / self.ref_sq) if self.ref_sq > 0 else (0.0 if self.err_sq == 0 else math.inf)
+
+
+def rederive(reader: ArtifactReader, mapping: Mapping, rounding: Optional[str], device: torch.device,
+             progress: bool = False) -> ExactResult:
+    t0 = time.time()
+    jobs = [(n, mapping.derive(reader.canonical(n), reader.experts(n))) for n in reader.weights()]
+    src_bytes = sum(mapping.shards.nbytes(s) for _, d in jobs if d for s in d.sources)
+    art_bytes = sum(reader.nbytes(n) for n, _ in jobs)
+    workers = 2 if device.type == "cuda" else (os.cpu_count() or 1)
+    log.info("verify: exact re-derivation reads %.3f GB (source %.3f GB + artifact %.3f GB); estimated %s on %s",
+             (src_bytes + art_bytes) / 1e9, src_bytes / 1e9, art_bytes / 1e9,
+             _estimate(jobs, mapping, src_bytes + art_bytes, device, workers), _where(device, workers))
+    bar = tqdm(total=src_bytes, unit="B", unit_scale=True, desc="exact bytes", disable=not progress)
+    with _pool(workers) as pool:
+        checks = _run_window(jobs, reader, mapping, rounding, device, pool, 2 * workers, bar)
+    bar.close()
+    used = {s for _, d in jobs if d for s in d.sources}
+    unmapped = sorted(set(mapping.shards.meta) - used)
+    passed = all(c.exact for c in checks) and not unmapped
+    return ExactResult(passed, mapping.layout, rounding if any(c.quantized for c in checks) else None, str(device),
+                       src_bytes + art_bytes, round(time.time() - t0, 3), checks, unmapped)
+
+
+def _run_window(jobs, reader, mapping, rounding, device, pool, window: int, bar) -> list[TensorCheck]:
+    """Tensors in order, at most ~`window` units in flight. Shard handles are dropped after each tensor
+    so the pages mapped for it stop counting as resident (memory does not grow with the model)."""
+    checks, pending = [], deque()
+
+    def finish_oldest():
+        name, der, fs = pending.popleft()
+        checks.append(_aggregate(name, der, reader, [f.result() for f in fs], mapping.layout))
+        reader.close()
+        mapping.shards.close()
+        bar.update(sum(mapping.shards.nbytes(x) for x in der.sources) if der else 0)
+
+    for n, d in jobs:
+        units = range(d.experts) if d and d.experts is not None else [None]
+        pending.append((n, d, [pool.submit(_unit, reader, d, n, e, rounding, device) for e in units] if d else []))
+        while sum(len(fs) for _, _, fs in pending) > window:
+            finish_oldest()
+    while pending:
+        finish_oldest()
+    return checks
+
+
+def _where(device: torch.device, workers: int) -> str:
+    return str(device) if device.type == "cuda" else f"cpu ({workers} worker(s), one per core)"
+
+
+def _estimate(jobs, mapping: Mapping, read_bytes: int, device: torch.device, workers: int) -> str:
+    """Wall time from a quantize rate measured now on the device and the assumed disk rate."""
+    elems = sum(math.prod(mapping.shards.meta[s][1]) for _, d in jobs if d for s in d.sources)
+    w = torch.randn(256, 4096).bfloat16().to(device)
+    mxfp8.quantize(w)
+    t = time.perf_counter()
+    for _ in range(3):
+        mxfp8.quantize(w)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    rate = 3 * w.numel() / max(time.perf_counter() - t, 1e-9)  # elements/s, this thread
+    per_core = 1 if device.type == "cuda" else workers
+    compute = 3 * elems / (rate * per_core)  # quantize, compare, dequantize for the error: ~3 quantize costs
+    disk = read_bytes / (READ_GBPS * 1e9)
+    return f"~{max(compute, disk):.1f} s (compute ~{compute:.1f} s at {rate / 1e6:.0f} M elem/s per worker, " \
+           f"reads ~{disk:.1f} s at an assumed {READ_GBPS:g} GB/s)"
+
+
+@contextmanager
+def _pool(workers: int):
+    """Worker threads, each running single-threaded torch ops (no oversubscription)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="porter-verify")
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        torch.set_num_threads(threads)
+
+
+def _unit(reader: ArtifactReader, d: Derivation, name: str, e: Optional[int], rounding, device) -> UnitResult:
+    src = d.value(e)
+    q, s = reader.get(name, e)
+    label = f"{name}" + (f"[expert {e}]" if e is not None else "")
+    if tuple(q.shape) != tuple(src.shape):
+        return UnitResult(e, problem=f"{label}: shape {list(q.shape)} but re-derived from {_srcs(d)} "
+                                     f"{list(src.shape)}")
+    if s is None:
+        if q.dtype != src.dtype:
+            return UnitResult(e, problem=f"{label}: dtype {q.dtype} but its source {_srcs(d)} is {src.dtype} "
+                                         "(an unquantized tensor must be carried bit-identical)")
+        return _compare_carried(src, q, e)
+    if q.dtype != torch.float8_e4m3fn or s.dtype != torch.uint8:
+        return UnitResult(e, problem=f"{label}: values {q.dtype} / scale {s.dtype}, MXFP8 needs float8_e4m3fn / uint8")
+    return _compare_quantized(src, q, s, rounding, device, e, name)
+
+
+def _srcs(d: Derivation) -> str:
+    return d.sources[0] + (f" (+{len(d.sources) - 1})" if len(d.sources) > 1 else "")
+
+
+def _compare_quantized(src, q, s, rounding, device, e, name) -> UnitResult:
+    """src [N, K], q [N, K] e4m3, s [N, K/32] uint8; row chunks re-quantized on `device`."""
+    res = UnitResult(e)
+    k = src.shape[-1]
+    src2, q2, s2 = src.reshape(-1, k), q.reshape(-1, k), s.reshape(-1, k // mxfp8.BLOCK)
+    step = max(1, CHUNK_ELEMENTS // k)
+    for r0 in range(0, src2.shape[0], step):
+        w = src2[r0:r0 + step].to(device)
+        qr, sr = mxfp8.quantize(w, rounding, name)
+        qa, sa = q2[r0:r0 + step].to(device), s2[r0:r0 + step].to(device)
+        scale_bad = sa != sr
+        bad = (qa.view(torch.uint8) != qr.view(torch.uint8)).reshape(*sa.shape, mxfp8.BLOCK).any(-1) | scale_bad
+        n_bad = int(bad.sum())
+        res.scale_mismatched += int(scale_bad.sum())
+        if n_bad and res.first is None:
+            row, block = bad.nonzero()[0].tolist()
+            res.first = _position(e, r0 + row, src.shape, block)
+        res.compared += sa.numel()
+        res.mismatched += n_bad
+        wf = w.float()
+        res.err_sq += float((mxfp8.dequantize(qa, sa) - wf).double().square().sum())
+        res.ref_sq += float(wf.double().square().sum())
+    return res
+
+
+def _compare_carried(src: torch.Tensor, art: torch.Tensor, e) -> UnitResult:
+    """Byte equality, element by element, in chunks (on CPU: a memory compare needs no device)."""
+    res = UnitResult(e)
+    a, b = src.reshape(-1), art.reshape(-1)
+    for i in range(0, a.numel(), CHUNK_ELEMENTS):
+        ca, cb = a[i:i + CHUNK_ELEMENTS], b[i:i + CHUNK_ELEMENTS]
+        diff = (ca.view(torch.uint8).reshape(ca.numel(), -1) != cb.view(torch.uint8).reshape(cb.numel(), -1)).any(-1)
+        n = int(diff.sum())
+        if n and res.first is None:
+            res.first = _element(i + int(diff.nonzero()[0]), src.shape, e)
+        res.compared += ca.numel()
+        res.mismatched += n
+    return res
+
+
+def _position(e, row: int, shape, block: int) -> str:
+    lead = f"expert {e}, " if e is not None else ""
+    return f"{lead}row {row}, block {block} (elements {block * mxfp8.BLOCK}..{block * mxfp8.BLOCK + mxfp8.BLOCK - 1})"
+
+
+def _element(flat: int, shape, e) -> str:
+    idx = []
+    for dim in reversed(shape):
+        flat, r = divmod(flat, dim)
+        idx.append(r)
+    return (f"expert {e}, " if e is not None else "") + f"element {list(reversed(idx))}"
+
+
+def _aggregate(name: str, d: Optional[Derivation], reader: ArtifactReader, units: list, layout: str) -> TensorCheck:
+    rec = reader.tensors[name]
+    m = _LAYER.match(reader.canonical(name))
+    tc = TensorCheck(name, rec.get("shard"), int(m.group(1)) if m else None, bool(rec.get("scale")),
+                     d.sources if d else [], units=len(units))
+    if d is None:
+        tc.problem = f"no source tensor for it in the {layout} mapping table (see docs/verify.md)"
+        return tc
+    problems = [u.problem for u in units if u.problem]
+    if problems:
+        tc.problem = problems[0] + (f" (and {len(problems) - 1} more expert(s))" if len(problems) > 1 else "")
+        return tc
+    tc.blocks, tc.mismatched = sum(u.compared for u in units), sum(u.mismatched for u in units)
+    tc.scale_mismatched = sum(u.scale_mismatched for u in units)
+    bad = [u for u in units if u.mismatched]
+    tc.first_mismatch = bad[0].first if bad else None
+    if d.experts is not None:
+        tc.mismatched_by_expert = {u.expert: u.mismatched for u in bad}
+    if tc.quantized:
+        worst = max(units, key=lambda u: u.weight_error)
+        tc.weight_error, tc.worst_expert = worst.weight_error, worst.expert
+    return tc

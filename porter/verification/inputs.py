@@ -1,0 +1,84 @@
+"""What `porter verify` is given: the artifact, its reference checkpoint, the tokenizer and the prompts."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from porter import manifest as manifest_mod
+from porter.errors import PorterError
+from porter.verification.verdict import VerifyInputError
+
+DEFAULT_PROMPT = ("The quick brown fox jumps over the lazy dog. MiniMax-M3 is a mixture of experts language "
+                  "model: each token is routed to a few experts, and a shared expert sees every token.")
+
+
+def open_artifact(path) -> tuple[Path, dict]:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise VerifyInputError(f"{p}: no such directory")
+    if not p.is_dir():
+        raise VerifyInputError(f"{p}: not a directory (give the output folder of `porter convert`)")
+    if not manifest_mod.is_artifact(p):
+        raise VerifyInputError(f"{p}: not a porter artifact (no porter.json); run `porter convert` first")
+    try:
+        return p, manifest_mod.read(p)
+    except (PorterError, ValueError) as e:  # ManifestError; a manifest without the ManifestError class
+        raise VerifyInputError(str(e)) from None
+
+
+def reference_path(man: dict, reference) -> Path:
+    """--reference (dir or repo id), else the source recorded in porter.json (path, then repo id + commit)."""
+    if reference is None:
+        src = man.get("source", {})
+        p = Path(src["path"]) if src.get("path") else None
+        if p is not None and (p / "config.json").exists():
+            return p
+        if src.get("repo_id"):
+            return _from_hub(src["repo_id"], src.get("commit"))
+        raise VerifyInputError(f"reference checkpoint {p} (from porter.json) not found; pass --reference DIR|REPO_ID")
+    p = Path(str(reference)).expanduser()
+    if p.exists():
+        if manifest_mod.is_artifact(p):
+            raise VerifyInputError(f"{p}: --reference is a porter artifact; give the original bf16 checkpoint")
+        if not (p / "config.json").exists():
+            raise VerifyInputError(f"{p}: --reference has no config.json; not a MiniMax-M3 checkpoint dir")
+        return p
+    if str(reference).count("/") == 1 and not str(reference).startswith((".", "/", "~")):
+        return _from_hub(str(reference), None)
+    raise VerifyInputError(f"{reference}: --reference not found (no such directory, not a repo id)")
+
+
+def _from_hub(repo_id: str, commit: Optional[str]) -> Path:
+    from porter import hub
+    try:
+        return hub.download(repo_id, commit)[0]
+    except PorterError as e:
+        raise VerifyInputError(f"reference: {e}") from None
+
+
+def tokenizer(art: Path, ref: Path):
+    from tokenizers import Tokenizer
+    for d in (art, ref):
+        if (d / "tokenizer.json").exists():
+            return Tokenizer.from_file(str(d / "tokenizer.json")), d / "tokenizer.json"
+    raise VerifyInputError(f"{art}: no tokenizer.json in the artifact or the reference {ref}")
+
+
+def encode_prompts(tok, prompts: list[str]) -> list[torch.Tensor]:
+    """Each prompt as LongTensor [1, T]."""
+    ids = []
+    for p in prompts:
+        enc = tok.encode(p).ids
+        if not enc:
+            raise VerifyInputError(f"prompt {p!r} tokenizes to nothing")
+        ids.append(torch.tensor([enc], dtype=torch.long))
+    return ids
+
+
+def check_plot_path(plot) -> None:
+    if plot is not None and str(plot).lower().endswith(".png"):
+        from porter.plot import png_available
+        if not png_available():
+            raise VerifyInputError(f"{plot}: PNG needs matplotlib (not installed); use an .svg path")

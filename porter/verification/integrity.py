@@ -1,0 +1,230 @@
+"""Step 1 of `porter verify`, no model run: the artifact is what porter.json says it is.
+
+Every shard's sha256 against porter.json (a mismatch is traced to the tensor by the per-tensor sha256);
+every shard header entry (dtype, shape) against porter.json and the index; scale tensors sane (uint8
+[..., K/32], no byte 255 = E8M0 NaN, no byte 0 on a block with non-zero values); config.json resolved
+field by field against porter.json's resolved_config; the reference's resolved config against it too.
+This proves the files were not changed after conversion; it cannot prove the conversion was right
+(porter.json is written by the same converter): that is the exact re-derivation's job (exact.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from converters import minimax_m3 as arch
+from porter import mxfp8
+from porter.errors import PorterError
+from porter.safetensors_io import DTYPE_NAMES, dtype_name, file_sha256, range_sha256
+from porter.source import read_header, tensor_span
+from porter.verification.verdict import Failure, IntegrityResult, VerifyInputError
+
+INDEX = "model.safetensors.index.json"
+_HEADER_DTYPES = {dtype_name(dt): name for dt, name in DTYPE_NAMES.items()}  # porter.json -> header spelling
+
+# fields of the resolved config that fix tensor shapes: a reference that differs here is not the source
+STRUCTURAL = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "intermediate_size", "dense_intermediate_size", "shared_intermediate_size",
+              "n_shared_experts", "num_local_experts", "layer_types", "mlp_layer_types", "index_n_heads",
+              "index_head_dim")
+
+
+def check_integrity(art: Path, man: dict, ref_config=None, progress: bool = False) -> IntegrityResult:
+    tensors, shards = man.get("tensors", {}), man.get("shards", {})
+    headers, issues = _check_shards(art, tensors, shards, progress)
+    issues += _check_headers(headers, tensors, shards)
+    issues += _check_index(art, tensors)
+    issues += _check_scales(art, tensors, headers)
+    issues += _check_config(art, man, ref_config)
+    return IntegrityResult(not issues, len(shards), len(tensors), issues)
+
+
+def _by_shard(tensors: dict) -> dict:
+    out: dict = {}
+    for name, rec in tensors.items():
+        out.setdefault(rec.get("shard"), []).append(name)
+    return out
+
+
+def _check_shards(art: Path, tensors: dict, shards: dict, progress: bool) -> tuple[dict, list[Failure]]:
+    """Reads every header and hashes every shard; returns ({shard: header}, failures)."""
+    issues, headers, by_shard = [], {}, _by_shard(tensors)
+    bar = tqdm(total=sum(r.get("bytes", 0) for r in shards.values()), unit="B", unit_scale=True, desc="sha256",
+               disable=not progress)
+    for f, rec in shards.items():
+        p = art / f
+        if not p.exists():
+            issues.append(Failure("integrity", f"shard {f} is missing (listed in porter.json)", shard=f))
+            continue
+        try:
+            headers[f] = read_header(p)
+        except PorterError as e:
+            issues.append(Failure("integrity", f"shard {f}: {e}", shard=f))
+            continue
+        sha = file_sha256(p)
+        bar.update(rec.get("bytes", 0))
+        if sha != rec.get("sha256"):
+            issues += _locate_change(p, f, headers[f], by_shard.get(f, []), tensors, sha, rec.get("sha256"))
+    bar.close()
+    return headers, issues
+
+
+def _locate_change(p: Path, f: str, header: dict, names: list, tensors: dict, sha: str, want) -> list[Failure]:
+    changed = [n for n in names if n in header
+               and range_sha256(p, *tensor_span(p, header[n])) != tensors[n].get("sha256")]
+    out = [Failure("integrity", f"tensor {n} in shard {f}: sha256 differs from porter.json "
+                   "(the data changed after conversion)", tensor=n, shard=f) for n in changed]
+    if not changed:
+        out.append(Failure("integrity", f"shard {f}: sha256 {sha[:12]}… differs from porter.json "
+                           f"{str(want)[:12]}… (header or padding changed)", shard=f))
+    return out
+
+
+def _check_headers(headers: dict, tensors: dict, shards: dict) -> list[Failure]:
+    out, by_shard = [], _by_shard(tensors)
+    for f, header in headers.items():
+        for n in sorted(set(header) - set(by_shard.get(f, []))):
+            out.append(Failure("integrity", f"tensor {n} in shard {f} is not in porter.json", tensor=n, shard=f))
+    for name, rec in tensors.items():
+        f = rec.get("shard")
+        if f not in headers:
+            if f not in shards:
+                out.append(Failure("integrity", f"tensor {name}: shard {f} is not listed in porter.json",
+                                   tensor=name, shard=f))
+            continue
+        info = headers[f].get(name)
+        if info is None:
+            out.append(Failure("integrity", f"tensor {name} is missing from shard {f}", tensor=name, shard=f))
+            continue
+        want = _HEADER_DTYPES.get(rec.get("dtype"))
+        if info.get("dtype") != want or list(info.get("shape", [])) != list(rec.get("shape", [])):
+            out.append(Failure("integrity", f"tensor {name} in shard {f}: header says {info.get('dtype')} "
+                               f"{info.get('shape')}, porter.json {want} {rec.get('shape')}", tensor=name, shard=f))
+    return out
+
+
+def _check_index(art: Path, tensors: dict) -> list[Failure]:
+    p = art / INDEX
+    if not p.exists():
+        return [Failure("integrity", f"{p.name} is missing (an interrupted conversion?)")]
+    try:
+        wm = json.loads(p.read_text()).get("weight_map", {})
+    except json.JSONDecodeError as e:
+        return [Failure("integrity", f"{p.name}: invalid JSON ({e})")]
+    out = []
+    for n in sorted(set(wm) ^ set(tensors)):
+        where = "index but not porter.json" if n in wm else "porter.json but not the index"
+        out.append(Failure("integrity", f"tensor {n} is in the {where}", tensor=n, shard=wm.get(n)))
+    for n in sorted(set(wm) & set(tensors)):
+        if wm[n] != tensors[n].get("shard"):
+            out.append(Failure("integrity", f"tensor {n}: index says shard {wm[n]}, porter.json "
+                               f"{tensors[n].get('shard')}", tensor=n, shard=wm[n]))
+    return out
+
+
+def where(idx: tuple, ndim: int) -> str:
+    """A block position in words: expert/row/block for stacked experts, row/block otherwise."""
+    return f"expert {idx[0]}, row {idx[1]}, block {idx[2]}" if ndim == 3 else \
+        ", ".join(f"{k} {v}" for k, v in zip(("row", "block"), idx[-2:]))
+
+
+def _check_scales(art: Path, tensors: dict, headers: dict) -> list[Failure]:
+    from safetensors import safe_open
+    out, handles = [], {}
+    for w, rec in tensors.items():
+        s = rec.get("scale")
+        if rec.get("dtype") == "float8_e4m3fn" and not s:
+            out.append(Failure("integrity", f"tensor {w}: float8 values without a scale in porter.json", tensor=w,
+                               shard=rec.get("shard")))
+        if not s:
+            continue
+        srec, f = tensors.get(s), rec.get("shard")
+        if srec is None:
+            out.append(Failure("integrity", f"tensor {w}: its scale {s} is not in porter.json", tensor=w, shard=f))
+            continue
+        sf = srec.get("shard")
+        if f not in headers or sf not in headers or w not in headers[f] or s not in headers[sf]:
+            continue  # already reported
+        bad = _scale_shape_problem(rec, srec)
+        if bad:
+            out.append(Failure("integrity", f"tensor {s} in shard {sf}: {bad}", tensor=s, shard=sf))
+            continue
+        for file in (f, sf):
+            handles.setdefault(file, safe_open(str(art / file), framework="pt"))
+        out += _scale_bytes(handles[f].get_tensor(w), handles[sf].get_tensor(s), s, sf)
+    return out
+
+
+def _scale_shape_problem(rec: dict, srec: dict):
+    shape, sshape = list(rec["shape"]), list(srec["shape"])
+    if srec.get("dtype") != "uint8" or rec.get("dtype") != "float8_e4m3fn" or shape[-1] % mxfp8.BLOCK or \
+            sshape != shape[:-1] + [shape[-1] // mxfp8.BLOCK]:
+        return (f"{srec.get('dtype')} {sshape} does not fit MXFP8 values {rec.get('dtype')} {shape} "
+                "(want uint8 [..., K/32])")
+    return None
+
+
+def _scale_bytes(values: torch.Tensor, scale: torch.Tensor, s: str, sf: str) -> list[Failure]:
+    bad = (scale == 255).nonzero()
+    if len(bad):
+        return [Failure("integrity", f"tensor {s} in shard {sf}: {len(bad)} scale byte(s) 255 (E8M0 NaN), "
+                        f"first at {where(tuple(bad[0].tolist()), scale.ndim)}", tensor=s, shard=sf)]
+    zero = scale == 0
+    if not bool(zero.any()):
+        return []
+    vals = values.view(torch.uint8).reshape(*scale.shape, mxfp8.BLOCK)
+    nonzero = (vals & 0x7F).amax(-1) > 0  # e4m3 magnitude bits (sign-only -0.0 counts as zero)
+    bad = (zero & nonzero).nonzero()
+    if not len(bad):
+        return []
+    return [Failure("integrity", f"tensor {s} in shard {sf}: {len(bad)} block(s) with scale byte 0 (2^-127) but "
+                    f"non-zero values, first at {where(tuple(bad[0].tolist()), scale.ndim)} — a zeroed scale "
+                    "(only all-zero blocks get byte 0)", tensor=s, shard=sf)]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _check_config(art: Path, man: dict, ref_config) -> list[Failure]:
+    want = man.get("resolved_config", {})
+    try:
+        raw = json.loads((art / "config.json").read_text())
+        have = json.loads(json.dumps(arch.resolve_config(raw).to_dict()))
+    except FileNotFoundError:
+        return [Failure("integrity", "config.json is missing from the artifact")]
+    except (json.JSONDecodeError, PorterError) as e:
+        return [Failure("integrity", f"config.json: {e}")]
+    out = [Failure("integrity", f"config.json resolves {k} = {have.get(k)!r} but porter.json resolved_config "
+                   f"says {want.get(k)!r}", field=k) for k in sorted(set(have) | set(want))
+           if not _same(have.get(k), want.get(k))]
+    sw = man.get("swiglu", {})
+    out += [Failure("integrity", f"porter.json swiglu.{k} = {sw.get(k)!r} but resolved_config swiglu_{k} = "
+                    f"{want.get(f'swiglu_{k}')!r}", field=f"swiglu_{k}") for k in ("alpha", "beta", "limit")
+            if not _same(sw.get(k), want.get(f"swiglu_{k}"))]
+    qc, scope = raw.get("quantization_config") or {}, man.get("options", {}).get("quantize")
+    if scope and qc.get("scope") not in (None, scope):
+        out.append(Failure("integrity", f"config.json quantization_config.scope = {qc.get('scope')!r} but "
+                           f"porter.json options.quantize = {scope!r}", field="quantization_config.scope"))
+    return out + (_check_reference_config(want, ref_config) if ref_config is not None else [])
+
+
+def _check_reference_config(want: dict, ref_config) -> list[Failure]:
+    ref, out = json.loads(json.dumps(ref_config.to_dict())), []
+    for k in sorted(set(ref) | set(want)):
+        if _same(ref.get(k), want.get(k)):
+            continue
+        if k in STRUCTURAL:
+            raise VerifyInputError(f"the reference is not the source of this artifact: {k} is "
+                                   f"{ref.get(k)!r} there, {want.get(k)!r} in porter.json")
+        out.append(Failure("integrity", f"the reference resolves {k} = {ref.get(k)!r} but the artifact "
+                           f"(porter.json) says {want.get(k)!r}", field=k))
+    return out

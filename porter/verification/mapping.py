@@ -1,0 +1,281 @@
+"""Where each artifact tensor comes from, written independently of the converter's plan.
+
+`porter convert` plans its output in converters/minimax_m3.py; if verify asked that plan where a tensor
+came from, a layout bug (gate/up reversed, experts permuted, w2 transposed) would be on both sides of
+every comparison. So verify keeps its own small declarative table per source layout, reads source
+tensors by their own names straight from the safetensors shards, and derives every artifact tensor
+(expert by expert) from them. A rule is (artifact-name regex, source-name templates, op); the first rule
+whose regex matches and whose source tensors all exist is used. Templates: {m} the model root
+(`language_model.model.`, `model.language_model.` or `model.`), {h} the lm_head root, {E} the expert,
+other fields from the regex's named groups.
+
+ops: copy | gate_half / up_half (rows [:N/2] / [N/2:] of a fused [2N, K]) | experts_rows (expert E =
+rows of the templates concatenated: [w1; w3]) | expert_slice (expert E = source[E]) |
+expert_slice_interleaved (source[E] rows gate0, up0, gate1, … -> [gate; up]) | index (source[E], E from
+the name: one expert's 2-D weight) | index_w1 / index_w3 (the gate / up rows of source[E]), + _interleaved.
+Stacked artifact tensors ([E, N, K]) are derived expert by expert by the expert_* ops.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from safetensors import safe_open
+
+from porter.safetensors_io import ST_DTYPES, nbytes
+from porter.source import read_header, weight_files
+
+
+@dataclass(frozen=True)
+class Rule:
+    artifact: str  # regex, full match on the artifact (canonical) tensor name
+    sources: tuple  # source-name templates
+    op: str = "copy"
+
+
+_L = r"model\.layers\.(?P<L>\d+)\."
+_W13 = _L + r"block_sparse_moe\.experts\.w13_weight"
+_W2 = _L + r"block_sparse_moe\.experts\.w2_weight"
+_TOP = (Rule(r"lm_head\.(?P<rest>.+)", ("{h}{rest}",)), Rule(r"model\.(?P<rest>.+)", ("{m}{rest}",)))
+
+# MiniMaxAI release: `language_model.` prefix, per-expert w1 (gate), w3 (up), w2 (down).
+VENDOR = (
+    Rule(_W13, ("{m}layers.{L}.block_sparse_moe.experts.{E}.w1.weight",
+                "{m}layers.{L}.block_sparse_moe.experts.{E}.w3.weight"), "experts_rows"),
+    Rule(_W2, ("{m}layers.{L}.block_sparse_moe.experts.{E}.w2.weight",), "experts_rows"),
+) + _TOP
+
+# transformers 5.23: fused experts gate_up_proj [E, 2I, H] (gate first) / down_proj [E, H, I], `mlp.` names,
+# fused dense/shared gate_up_proj.weight [2N, H], `self_attn.indexer.*`.
+def transformers_rules(interleaved: bool) -> tuple:
+    return (
+        Rule(_W13, ("{m}layers.{L}.mlp.experts.gate_up_proj",),
+             "expert_slice_interleaved" if interleaved else "expert_slice"),
+        Rule(_W2, ("{m}layers.{L}.mlp.experts.down_proj",), "expert_slice"),
+        # one expert's 2-D weight (an artifact in the hf layout): rows of the fused tensor's expert E
+        Rule(_L + r"block_sparse_moe\.experts\.(?P<E>\d+)\.w(?P<w>[13])\.weight", ("{m}layers.{L}.mlp.experts.gate_up_proj",),
+             "index_w{w}" + ("_interleaved" if interleaved else "")),
+        Rule(_L + r"block_sparse_moe\.experts\.(?P<E>\d+)\.w2\.weight", ("{m}layers.{L}.mlp.experts.down_proj",), "index"),
+        Rule(_L + r"block_sparse_moe\.gate\.weight", ("{m}layers.{L}.mlp.gate.weight",)),
+        Rule(_L + r"block_sparse_moe\.e_score_correction_bias", ("{m}layers.{L}.mlp.gate.e_score_correction_bias",)),
+        Rule(_L + r"block_sparse_moe\.shared_experts\.(?P<part>gate|up)_proj\.weight",
+             ("{m}layers.{L}.mlp.shared_experts.gate_up_proj.weight",), "{part}_half"),
+        Rule(_L + r"block_sparse_moe\.shared_experts\.(?P<rest>.+)", ("{m}layers.{L}.mlp.shared_experts.{rest}",)),
+        Rule(_L + r"mlp\.(?P<part>gate|up)_proj\.weight", ("{m}layers.{L}.mlp.gate_up_proj.weight",), "{part}_half"),
+        Rule(_L + r"self_attn\.index_(?P<x>[qk])_(?P<y>proj|norm)\.weight",
+             ("{m}layers.{L}.self_attn.indexer.{x}_{y}.weight",)),
+    ) + _TOP
+
+
+CARRIED = Rule(r"(?P<name>.+)", ("{name}",))  # tensors outside the text model keep their source names
+MODEL_ROOTS = ("language_model.model.", "model.language_model.", "model.")
+HEAD_ROOTS = ("language_model.lm_head.", "lm_head.")
+PER_EXPERT = re.compile(r"model\.layers\.(?P<L>\d+)\.block_sparse_moe\.experts\.(?P<E>\d+)\.w(?P<w>[123])\.weight")
+STACKED = re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.(w13|w2)_weight")
+
+
+class SourceShards:
+    """A checkpoint's safetensors shards, read by the tensors' own names (no renaming, no plan)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.files, self.meta = {}, {}  # name -> shard Path / (torch dtype, shape)
+        for f in weight_files(self.path):
+            for name, info in read_header(f).items():
+                self.files[name], self.meta[name] = f, (ST_DTYPES[info["dtype"]], tuple(info["shape"]))
+        self._handles: dict = {}
+
+    def _handle(self, name: str):
+        return _open(self._handles, self.files[name])
+
+    def read(self, name: str, row: Optional[int] = None) -> torch.Tensor:
+        h = self._handle(name)
+        return h.get_tensor(name) if row is None else h.get_slice(name)[row]
+
+    def nbytes(self, name: str) -> int:
+        return nbytes(*self.meta[name])
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+@dataclass
+class Derivation:
+    """How artifact tensor `tensor` is re-derived: value(None) for a plain tensor, value(e) -> expert e
+    ([N, K]) for a stacked [E, N, K] one."""
+    tensor: str
+    rule: Rule
+    sources: list  # every source tensor read
+    experts: Optional[int]
+    value: Callable[[Optional[int]], torch.Tensor]
+
+
+class Mapping:
+    """The source side: artifact tensor name -> Derivation from `shards`, by one layout's table."""
+
+    def __init__(self, shards: SourceShards, interleaved: bool = False):
+        self.shards = shards
+        names = set(shards.meta)
+        if any(re.search(r"\.experts\.\d+\.w1\.weight$", n) for n in names):
+            self.layout, self.rules = "vendor", VENDOR
+        elif any(n.endswith("mlp.experts.gate_up_proj") for n in names):
+            self.layout = "transformers" + (" (interleaved gate/up)" if interleaved else "")
+            self.rules = transformers_rules(interleaved)
+        else:  # no routed experts: both tables read the same
+            self.layout, self.rules = "vendor", VENDOR
+        self.roots = {"m": _root(names, MODEL_ROOTS, "embed_tokens.weight"), "h": _root(names, HEAD_ROOTS, "weight")}
+
+    def derive(self, tensor: str, experts: Optional[int]) -> Optional[Derivation]:
+        """None when no rule finds this tensor's sources (the caller reports it)."""
+        for rule in self.rules + (CARRIED,):
+            m = re.fullmatch(rule.artifact, tensor)
+            if not m:
+                continue
+            fields = self.roots | m.groupdict()
+            per_expert = rule.op.startswith("expert")
+            if per_expert and not experts:
+                continue
+            units = range(experts) if per_expert else [None]
+            srcs = [t.format(**{**fields, "E": e}) for e in units for t in rule.sources]
+            if srcs and all(s in self.shards.meta for s in srcs):
+                op = rule.op.format(**fields)
+                return Derivation(tensor, rule, list(dict.fromkeys(srcs)), experts if per_expert else None,
+                                  self._reader(op, rule.sources, fields))
+        return None
+
+    def _reader(self, op: str, templates: tuple, fields: dict) -> Callable:
+        read, src = self.shards.read, lambda e=None: [t.format(**{**fields, "E": e}) for t in templates]
+        if op == "copy":
+            return lambda e: read(src()[0])
+        if op in ("gate_half", "up_half"):
+            return lambda e: _half(read(src()[0]), op == "up_half")
+        if op == "experts_rows":
+            return lambda e: torch.cat([read(s) for s in src(e)])  # [w1; w3] rows: [2I, H]
+        if op == "expert_slice":
+            return lambda e: read(src()[0], e)
+        if op == "expert_slice_interleaved":
+            return lambda e: _deinterleave(read(src()[0], e))
+        if op.startswith("index"):  # expert E named in the tensor's own name
+            pick = {"index": lambda w: w, "index_w1": lambda w: _half(w, False), "index_w3": lambda w: _half(w, True),
+                    "index_w1_interleaved": lambda w: w[0::2], "index_w3_interleaved": lambda w: w[1::2]}[op]
+            return lambda e: pick(read(src()[0], int(fields["E"])))
+        raise ValueError(f"mapping table: unknown op {op!r}")
+
+
+def _open(handles: dict, f: Path):
+    """A shard's safe_open handle, opened on first use; close() may clear `handles` from another thread
+    at any time (tensors already read keep their mapping)."""
+    h = handles.get(f)
+    if h is None:
+        h = handles[f] = safe_open(str(f), framework="pt")
+    return h
+
+
+def _root(names: set, roots: tuple, probe: str) -> str:
+    return next((r for r in roots if r + probe in names), roots[-1])
+
+
+def _half(w: torch.Tensor, second: bool) -> torch.Tensor:
+    n = w.shape[0] // 2
+    return w[n:] if second else w[:n]
+
+
+def _deinterleave(w: torch.Tensor) -> torch.Tensor:
+    """[2I, H] rows gate0, up0, gate1, up1, … -> [gate; up]."""
+    return torch.cat([w[0::2], w[1::2]])
+
+
+class ArtifactReader:
+    """The artifact side, per artifact layout (porter.json options.layout); each tensor's scale is the one
+    porter.json names for it. porter: canonical names, experts stacked [E, N, K] (read expert by expert);
+    hf: the vendor release's names (`language_model.` + canonical) with one 2-D tensor per expert."""
+
+    LAYOUTS = ("porter", "hf")
+    HF_PREFIX = "language_model."
+
+    def __init__(self, art: Path, man: dict):
+        from porter.verification.verdict import VerifyInputError
+        self.layout = man.get("options", {}).get("layout", "porter")
+        if self.layout not in self.LAYOUTS:
+            raise VerifyInputError(f"{art}: artifact layout {self.layout!r} (porter.json options.layout) cannot be "
+                                   f"verified by this porter; it verifies {', '.join(self.LAYOUTS)}")
+        self.art, self.tensors = Path(art), man.get("tensors", {})
+        self._handles: dict = {}
+
+    def weights(self) -> list[str]:
+        """Artifact tensors that are values (not scales), in manifest order."""
+        scales = {r.get("scale") for r in self.tensors.values() if r.get("scale")}
+        return [n for n in self.tensors if n not in scales]
+
+    def experts(self, name: str) -> Optional[int]:
+        return int(self.tensors[name]["shape"][0]) if STACKED.fullmatch(name) else None
+
+    def canonical(self, name: str) -> str:
+        """The canonical (porter) name the mapping table is written for."""
+        if self.layout == "hf" and name.startswith(self.HF_PREFIX):
+            return name[len(self.HF_PREFIX):]
+        return name
+
+    def text_model(self) -> dict:
+        """{canonical name: experts or None} the runtime reads, stacked experts grouped per layer."""
+        out = {}
+        for n in self.weights():
+            c = self.canonical(n)
+            if not c.startswith(("model.", "lm_head.")):
+                continue
+            m = PER_EXPERT.fullmatch(c)
+            if m is None:
+                out[c] = self.experts(n)
+                continue
+            stacked = f"model.layers.{m['L']}.block_sparse_moe.experts.{'w2' if m['w'] == '2' else 'w13'}_weight"
+            out[stacked] = max(out.get(stacked) or 0, int(m["E"]) + 1)
+        return out
+
+    def get(self, name: str, e: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(values, scale or None) of tensor `name`, or of its expert e."""
+        rec = self.tensors[name]
+        q = self._read(name)
+        s = self._read(rec["scale"]) if rec.get("scale") else None
+        return (q, s) if e is None else (q[e], None if s is None else s[e])
+
+    def _read(self, name: str) -> torch.Tensor:
+        return _open(self._handles, self.art / self.tensors[name]["shard"]).get_tensor(name)
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of the tensor and its scale."""
+        rec = self.tensors[name]
+        names = [name] + ([rec["scale"]] if rec.get("scale") else [])
+        return sum(nbytes(getattr(torch, self.tensors[n]["dtype"]), self.tensors[n]["shape"]) for n in names)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+class ReferenceStore:
+    """The reference model's weights for runtime.load, derived through the Mapping (not the converter's
+    plan): canonical names, unquantized, stacked experts built expert by expert."""
+
+    def __init__(self, mapping: Mapping, reader: ArtifactReader, config):
+        self.mapping, self.config, self.path = mapping, config, mapping.shards.path
+        self._derivations = {}
+        for n, experts in reader.text_model().items():
+            d = mapping.derive(n, experts)
+            if d is not None:
+                self._derivations[n] = d
+
+    def names(self) -> set:
+        return set(self._derivations)
+
+    def get(self, name: str) -> torch.Tensor:
+        d = self._derivations[name]
+        return d.value(None) if d.experts is None else torch.stack([d.value(e) for e in range(d.experts)])
+
+    def experts(self, name: str):
+        d = self._derivations[name]
+        return ((e, d.value(e)) for e in range(d.experts))
+
+    def close(self) -> None:
+        self.mapping.shards.close()

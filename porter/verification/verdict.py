@@ -1,0 +1,295 @@
+"""The verdict of `porter verify`: thresholds, failures, the report dataclasses, the terminal table.
+
+Threshold defaults and how they were calibrated: docs/verify.md ("Thresholds").
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+from porter.errors import PorterError
+
+
+class VerifyInputError(PorterError, ValueError):
+    """Bad input to verify (missing dir, not an artifact, reference not found): CLI exit 2."""
+
+
+@dataclass
+class Thresholds:
+    """max_* fail above, min_* below. Defaults depend on the artifact's quantize scope: SCOPE_DEFAULTS."""
+    max_weight_error: float = 0.06
+    max_layer_error: float = 0.08
+    min_cosine: float = 0.90
+    max_kl: float = 0.10
+    min_top1: float = 0.50
+    min_top5: float = 0.70
+    min_matching_tokens: int = 0  # greedy tokens the reference must agree on (0: report only)
+
+    @classmethod
+    def build(cls, overrides: Optional[dict] = None, scope: str = "experts") -> "Thresholds":
+        t = cls(**SCOPE_DEFAULTS.get(scope, {}))
+        known = {f.name for f in fields(cls)}
+        for k, v in (overrides or {}).items():
+            if v is None:
+                continue
+            if k not in known:
+                raise VerifyInputError(f"unknown threshold {k!r}; known: {', '.join(sorted(known))}")
+            setattr(t, k, type(getattr(t, k))(v))
+        return t
+
+
+# "experts" = the dataclass defaults; "all" also quantizes attention, whose error moves the router input
+# (on the tiny random model that flips routes), so activation thresholds are looser; "none" is exact.
+SCOPE_DEFAULTS = {
+    "experts": {},
+    "all": {"max_layer_error": 0.5, "min_cosine": 0.75, "max_kl": 0.3, "min_top1": 0.30, "min_top5": 0.45},
+    "none": {"max_weight_error": 0.0, "max_layer_error": 1e-6, "min_cosine": 0.999999, "max_kl": 1e-6,
+             "min_top1": 1.0, "min_top5": 1.0},
+}
+
+
+@dataclass
+class Failure:
+    check: str  # integrity | exact | mapping | weights | layer | cosine | logits | generation
+    message: str
+    layer: Optional[int] = None
+    tensor: Optional[str] = None
+    shard: Optional[str] = None
+    field: Optional[str] = None
+    expert: Optional[int] = None
+    value: Optional[float] = None
+    threshold: Optional[float] = None
+
+
+@dataclass
+class IntegrityResult:
+    passed: bool
+    shards: int
+    tensors: int
+    issues: list  # [Failure]
+
+
+@dataclass
+class TensorCheck:
+    """Exact re-derivation of one artifact tensor (all its experts) from the source."""
+    tensor: str
+    shard: Optional[str]
+    layer: Optional[int]
+    quantized: bool
+    sources: list  # source tensor names it was re-derived from
+    units: int = 0  # experts (1 for a plain tensor)
+    blocks: int = 0  # 32-blocks (quantized) or elements (carried) compared
+    mismatched: int = 0  # blocks (quantized) or elements (carried) that differ
+    scale_mismatched: int = 0  # of those blocks, the ones whose scale byte differs
+    mismatched_by_expert: dict = field(default_factory=dict)  # expert -> count (stacked experts only)
+    first_mismatch: Optional[str] = None
+    weight_error: float = 0.0  # worst ||deq(Q) - W|| / ||W|| over experts (0 for carried tensors)
+    worst_expert: Optional[int] = None
+    problem: Optional[str] = None  # shape/dtype/missing: no comparison possible
+
+    @property
+    def exact(self) -> bool:
+        return self.problem is None and self.mismatched == 0
+
+
+@dataclass
+class ExactResult:
+    passed: bool
+    layout: str  # source layout the mapping table recognised
+    rounding: Optional[str]
+    device: str
+    bytes_read: int
+    seconds: float
+    tensors: list  # [TensorCheck]
+    unmapped_sources: list  # source tensors no artifact tensor was derived from
+
+
+@dataclass
+class LayerRow:
+    layer: int
+    kind: str
+    cosine: float
+    rel_error: float
+    layer_error: float
+    weight_error: float
+    worst_tensor: Optional[str]
+    worst_shard: Optional[str]
+
+
+@dataclass
+class LogitStats:
+    kl: float
+    top1: float
+    top5: float
+    max_abs_diff: float
+    positions: int
+
+
+@dataclass
+class GenerationRow:
+    """Greedy continuation by the converted model, scored by one teacher-forced reference pass.
+    Per continuation position j: the reference's KL(ref||conv) and its argmax at the position that
+    predicts converted token j; first_divergence = first j where that argmax differs from token j."""
+    prompt: str
+    converted_tokens: list
+    converted_text: str
+    reference_argmax: list
+    reference_text: str
+    kl: list
+    top1: list  # 1.0 where reference argmax == converted model argmax at that position (teacher-forced)
+    first_divergence: Optional[int]
+
+
+@dataclass
+class StreamingInfo:
+    enabled: bool
+    reason: str
+    artifact_bytes: int
+    reference_bytes: int
+    generation: str  # how the converted model generated: resident | streaming | skipped (why)
+
+
+@dataclass
+class Report:
+    artifact: str
+    reference: str
+    tokenizer: str
+    porter_version: Optional[str]
+    backend: str
+    device: str
+    scope: str
+    scale_rounding: Optional[str]
+    thresholds: Thresholds
+    prompts: list
+    max_new_tokens: int
+    integrity: Optional[IntegrityResult] = None
+    exact: Optional[ExactResult] = None
+    streaming: Optional[StreamingInfo] = None
+    dtype: Optional[str] = None
+    prompt_tokens: list = field(default_factory=list)
+    embeddings: Optional[dict] = None
+    layers: list = field(default_factory=list)  # [LayerRow]
+    logits: Optional[LogitStats] = None
+    generation: list = field(default_factory=list)  # [GenerationRow]
+    passed: bool = False
+    failing_layer: Optional[int] = None
+    summary: str = ""
+    failures: list = field(default_factory=list)  # [Failure]
+    seconds: float = 0.0
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if self.passed else "fail"
+
+    def to_dict(self) -> dict:
+        return _jsonable(asdict(self) | {"verdict": self.verdict})
+
+    def write_json(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+
+@dataclass
+class VerifyResult:
+    passed: bool
+    report: Report
+    failures: list = field(default_factory=list)
+
+    @property
+    def failing_layer(self) -> Optional[int]:
+        return self.report.failing_layer
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+# ---------------------------------------------------------------------------------------------------
+# Judging
+
+
+def judge_exact(ex: ExactResult, th: Thresholds) -> list[Failure]:
+    """Bytes first (any mismatch fails), then the statistical weight error as a second opinion."""
+    out = [Failure("mapping", f"source tensor {n} was not carried into the artifact (no artifact tensor is "
+                   "derived from it)", tensor=n) for n in ex.unmapped_sources]
+    for t in ex.tensors:
+        if t.problem:
+            out.append(Failure("exact", f"tensor {t.tensor} (shard {t.shard}): {t.problem}", layer=t.layer,
+                               tensor=t.tensor, shard=t.shard))
+        elif t.mismatched:
+            out.append(_mismatch_failure(t))
+        if t.quantized and t.weight_error > th.max_weight_error:
+            label = t.tensor + (f"[expert {t.worst_expert}]" if t.worst_expert is not None else "")
+            out.append(Failure("weights", f"tensor {label} (shard {t.shard}): weight error {t.weight_error:.4g} "
+                               f"vs the reference > {th.max_weight_error}", layer=t.layer, tensor=t.tensor,
+                               shard=t.shard, expert=t.worst_expert, value=t.weight_error,
+                               threshold=th.max_weight_error))
+    return out
+
+
+def _mismatch_failure(t: TensorCheck) -> Failure:
+    unit = "32-block(s)" if t.quantized else "element(s)"
+    what = f"{t.mismatched} of {t.blocks} {unit} differ from the re-derivation"
+    if t.quantized:
+        what += f" ({t.scale_mismatched} with a different scale byte)"
+    if t.mismatched_by_expert:
+        worst = sorted(t.mismatched_by_expert.items(), key=lambda kv: -kv[1])[:4]
+        what += (f" in {len(t.mismatched_by_expert)} expert(s) ("
+                 + ", ".join(f"expert {e}: {n}" for e, n in worst) + ("…" if len(t.mismatched_by_expert) > 4 else "")
+                 + ")")
+    first = min(t.mismatched_by_expert) if t.mismatched_by_expert else None
+    return Failure("exact", f"tensor {t.tensor} (shard {t.shard}): {what}; first at {t.first_mismatch}",
+                   layer=t.layer, tensor=t.tensor, shard=t.shard, expert=first, value=t.mismatched)
+
+
+def judge_numerics(rep: Report, th: Thresholds) -> list[Failure]:
+    out = []
+    for row in rep.layers:
+        i = row.layer
+        if row.layer_error > th.max_layer_error:
+            out.append(Failure("layer", f"layer {i} ({row.kind}): output error of the layer alone "
+                               f"{row.layer_error:.4g} > {th.max_layer_error}", layer=i,
+                               value=row.layer_error, threshold=th.max_layer_error))
+        if row.cosine < th.min_cosine:
+            out.append(Failure("cosine", f"layer {i} ({row.kind}): residual-stream cosine {row.cosine:.6f} "
+                               f"< {th.min_cosine}", layer=i, value=row.cosine, threshold=th.min_cosine))
+    lg = rep.logits
+    for value, bad, thr, what in ((lg.kl, lg.kl > th.max_kl, th.max_kl, "KL(ref||conv)"),
+                                  (lg.top1, lg.top1 < th.min_top1, th.min_top1, "top-1 agreement"),
+                                  (lg.top5, lg.top5 < th.min_top5, th.min_top5, "top-5 overlap")):
+        if bad:
+            out.append(Failure("logits", f"final logits: {what} {value:.4g} crosses {thr}", value=value,
+                               threshold=thr))
+    for g in rep.generation:
+        d = g.first_divergence
+        if th.min_matching_tokens and d is not None and d < th.min_matching_tokens:
+            out.append(Failure("generation", f"the reference's greedy choice differs from the converted model's "
+                               f"at generated token {d} < {th.min_matching_tokens}", value=d,
+                               threshold=th.min_matching_tokens))
+    return out
+
+
+def conclude(rep: Report, failures: list[Failure]) -> None:
+    """Set passed / failing_layer / summary: the first failure of the earliest failing layer leads."""
+    rep.failures = failures
+    rep.passed = not failures
+    layers = [f.layer for f in failures if f.layer is not None]
+    rep.failing_layer = min(layers) if layers else None
+    lead = [f for f in failures if f.layer == rep.failing_layer] or failures
+    if lead:
+        f = lead[0]
+        rep.summary = (f"layer {f.layer}: " if f.layer is not None and not f.message.startswith("layer") else "") \
+            + f.message
+    else:
+        rep.summary = "faithful: bytes re-derived exactly, every numeric check within its threshold"

@@ -1,0 +1,81 @@
+"""Generation at scale: the converted model generates, the reference is scored by one teacher-forced pass.
+Those numbers equal what a token-by-token run of both models gives (KV cache, one step per token), and
+verify says what each pass costs before it runs."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import porter
+import runtime
+from porter.verification import verify
+from porter.verification.numerics import kl_per_position
+
+PROMPTS = ["Hello world, hello porter.", "The sparse attention keeps the best blocks of keys for each query. " * 2]
+N = 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_vendor, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gen") / "art"
+    porter.convert(tiny_vendor, out, progress=False)
+    return out
+
+
+def per_token(model, ids: torch.Tensor, tokens: list) -> torch.Tensor:
+    """Logits [n, V] predicting each of `tokens`, one decoding step per token over the KV cache."""
+    cache = model.new_cache(1, ids.shape[1] + len(tokens))
+    rows = [model(ids, cache)[0, -1]]
+    for t in tokens[:-1]:
+        rows.append(model(torch.tensor([[t]]), cache)[0, -1])
+    return torch.stack(rows)
+
+
+def test_teacher_forced_equals_per_token(artifact, tiny_vendor):
+    rep = verify(artifact, prompts=PROMPTS, max_new_tokens=N).report
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tiny_vendor / "tokenizer.json"))
+    ref, conv = runtime.load(tiny_vendor), runtime.load(artifact)
+    assert len(rep.generation) == 2
+    for g, prompt in zip(rep.generation, PROMPTS):
+        ids = torch.tensor([tok.encode(prompt).ids])
+        assert g.converted_tokens == conv.generate(ids, N)[0, ids.shape[1]:].tolist() and len(g.converted_tokens) == N
+        lr, lc = per_token(ref, ids, g.converted_tokens), per_token(conv, ids, g.converted_tokens)
+        assert lc.argmax(-1).tolist() == g.converted_tokens  # greedy: the converted model's own choices
+        assert lr.argmax(-1).tolist() == g.reference_argmax
+        kl = kl_per_position(lr, lc)
+        assert torch.allclose(torch.tensor(g.kl, dtype=torch.float64), kl, rtol=1e-5, atol=1e-7), (g.kl, kl)  # measured: 2e-8
+        assert g.top1 == (lr.argmax(-1) == lc.argmax(-1)).double().tolist()
+        want = next((j for j, (a, b) in enumerate(zip(g.reference_argmax, g.converted_tokens)) if a != b), None)
+        assert g.first_divergence == want
+
+
+def test_costs_printed_before_running(artifact, caplog):
+    with caplog.at_level(logging.INFO, logger="porter"):
+        verify(artifact, max_new_tokens=3)
+    text = caplog.text
+    lines = [r.getMessage() for r in caplog.records]
+    exact = next(m for m in lines if m.startswith("verify: exact re-derivation reads"))
+    assert "GB (source" in exact and "estimated ~" in exact and "cpu (" in exact
+    assert any(m.startswith("verify: generation (3 tokens, converted model resident) reads") for m in lines)
+    assert any(m.startswith("verify: teacher-forced pass (reference + converted, ") for m in lines)
+    assert text.index("exact re-derivation reads") < text.index("teacher-forced pass")
+
+
+def test_no_generation_when_the_converted_model_does_not_fit(artifact, monkeypatch):
+    import porter.verification.generation as g
+    monkeypatch.setattr(g, "memory_available", lambda device: 1 << 20)
+    rep = verify(artifact).report
+    assert rep.max_new_tokens == 0 and rep.generation == [] and rep.streaming.enabled
+    asked = verify(artifact, max_new_tokens=2).report  # asked for: layer-streamed generation
+    assert asked.streaming.generation == "streaming" and len(asked.generation[0].converted_tokens) == 2

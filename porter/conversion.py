@@ -142,7 +142,7 @@ def convert(source, output, *, revision: Optional[str] = None, quantize: Optiona
     plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size, layout)
     dev = _check_device(device)
     out = Path(output)
-    estimate = pipeline.memory_estimate(plan.tensors, src.meta, workers, dev, max_memory)
+    estimate = pipeline.memory_estimate(plan.tensors, src.stored_meta, workers, dev, max_memory)
     if dry_run:
         return describe_plan(plan, out, estimate)
     if estimate["base"] + estimate["unit"] + estimate["scales"] > max_memory:

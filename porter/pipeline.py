@@ -382,7 +382,7 @@ class Pipeline:
         self.tensor_hash: dict = {}
         self.jobs: dict = {}
         self.error: Optional[tuple] = None
-        self.estimate = memory_estimate(plan.tensors, plan.source.meta, workers, device, max_memory)
+        self.estimate = memory_estimate(plan.tensors, plan.source.stored_meta, workers, device, max_memory)
         self.budget = Budget(self.estimate["inflight"])
         self.local = threading.local()
 

@@ -86,10 +86,16 @@ def main(ctx, verbose, quiet):
 @click.option("--force", is_flag=True, help="Overwrite a non-empty output folder.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion into the same folder.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (reads, quantized tensors, shards, memory); write nothing.")
+@click.option("--workers", type=int, default=None, help="Worker threads for read/quantize/hash/write "
+                                                         "[default: the cores available].")
+@click.option("--max-memory", default=None, help="Memory budget, e.g. 16GB [default: half the available RAM].")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where to quantize: auto uses a CUDA GPU when there is one (and says so). Output is "
+                   "byte-identical either way.")
 @click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bar.")
 @click.pass_context
 def convert(ctx, source, output, revision, quantize, layout, gate_up, scale_rounding, max_shard_size, force, resume,
-            dry_run, quiet):
+            dry_run, workers, max_memory, device, quiet):
     """Convert SOURCE (a local dir or a Hugging Face repo id) to a porter MXFP8 artifact."""
     from porter.conversion import convert as do_convert
     if quiet:
@@ -97,7 +103,8 @@ def convert(ctx, source, output, revision, quantize, layout, gate_up, scale_roun
         _setup_logging(ctx.obj["verbose"], True)
     _run(ctx, lambda: do_convert(source, output, revision=revision, quantize=quantize, gate_up=gate_up,
                                  scale_rounding=scale_rounding, max_shard_size=max_shard_size, force=force,
-                                 resume=resume, dry_run=dry_run, progress=not ctx.obj["quiet"], layout=layout))
+                                 resume=resume, dry_run=dry_run, progress=not ctx.obj["quiet"], layout=layout,
+                                 workers=workers, max_memory=max_memory, device=device))
 
 
 @main.command("inspect")

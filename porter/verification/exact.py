@@ -61,11 +61,11 @@ def rederive(reader: ArtifactReader, mapping: Mapping, rounding: Optional[str], 
     src_bytes = sum(mapping.shards.nbytes(s) for _, d in jobs if d for s in d.sources)
     art_bytes = sum(reader.nbytes(n) for n, _ in jobs)
     workers = 2 if device.type == "cuda" else (os.cpu_count() or 1)
-    log.info("verify: exact re-derivation reads %.3f GB (source %.3f GB + artifact %.3f GB); estimated %s on %s",
-             (src_bytes + art_bytes) / 1e9, src_bytes / 1e9, art_bytes / 1e9,
-             _estimate(jobs, mapping, src_bytes + art_bytes, device, workers), _where(device, workers))
     bar = tqdm(total=src_bytes, unit="B", unit_scale=True, desc="exact bytes", disable=not progress)
     with _pool(workers) as pool:
+        log.info("verify: exact re-derivation reads %.3f GB (source %.3f GB + artifact %.3f GB); estimated %s on %s",
+                 (src_bytes + art_bytes) / 1e9, src_bytes / 1e9, art_bytes / 1e9,
+                 _estimate(jobs, mapping, src_bytes + art_bytes, device, workers), _where(device, workers))
         checks = _run_window(jobs, reader, mapping, rounding, device, pool, 2 * workers, bar)
     bar.close()
     used = {s for _, d in jobs if d for s in d.sources}
@@ -102,20 +102,18 @@ def _where(device: torch.device, workers: int) -> str:
 
 
 def _estimate(jobs, mapping: Mapping, read_bytes: int, device: torch.device, workers: int) -> str:
-    """Wall time from a quantize rate measured now on the device and the assumed disk rate."""
+    """Wall time from one chunk compared now, as the workers will (single-threaded on CPU), plus reading
+    at an assumed disk rate."""
     elems = sum(math.prod(mapping.shards.meta[s][1]) for _, d in jobs if d for s in d.sources)
-    w = torch.randn(256, 4096).bfloat16().to(device)
-    mxfp8.quantize(w)
+    w = torch.randn(256, 4096, generator=torch.Generator().manual_seed(0)).bfloat16()
+    q, s = mxfp8.quantize(w)
+    _compare_quantized(w, q, s, "rceil", device, None, "estimate")  # warm-up
     t = time.perf_counter()
-    for _ in range(3):
-        mxfp8.quantize(w)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    rate = 3 * w.numel() / max(time.perf_counter() - t, 1e-9)  # elements/s, this thread
-    per_core = 1 if device.type == "cuda" else workers
-    compute = 3 * elems / (rate * per_core)  # quantize, compare, dequantize for the error: ~3 quantize costs
+    _compare_quantized(w, q, s, "rceil", device, None, "estimate")
+    rate = w.numel() / max(time.perf_counter() - t, 1e-9)  # elements/s of one worker
+    compute = elems / (rate * (1 if device.type == "cuda" else workers))
     disk = read_bytes / (READ_GBPS * 1e9)
-    return f"~{max(compute, disk):.1f} s (compute ~{compute:.1f} s at {rate / 1e6:.0f} M elem/s per worker, " \
+    return f"~{compute + disk:.1f} s (compare ~{compute:.1f} s at {rate / 1e6:.0f} M elem/s per worker, " \
            f"reads ~{disk:.1f} s at an assumed {READ_GBPS:g} GB/s)"
 
 

@@ -305,3 +305,14 @@ def test_streaming_peak_memory_under_40_percent_of_full_load(tmp_path):
     assert stream["numbers"] == full["numbers"]
     ratio = stream["hwm_kb"] / full["hwm_kb"]
     assert ratio < 0.40, (stream["hwm_kb"], full["hwm_kb"], ratio)
+
+
+def test_a_bug_inside_a_step_is_exit_3_never_not_faithful(artifact, monkeypatch):
+    import porter.verification as v
+
+    def broken(*a, **k):
+        raise RuntimeError("index out of range in a kernel")
+    monkeypatch.setattr(v, "compare_models", broken)
+    res = CliRunner().invoke(main, ["-q", "verify", str(artifact), "--max-new-tokens", "0"])
+    assert res.exit_code == 3 and "internal error: RuntimeError: index out of range" in res.output
+    assert "verdict" not in res.output

@@ -1,0 +1,108 @@
+"""Shared pieces of the engine harnesses (run as subprocesses in the engines venv, one per engine).
+
+Each harness builds the engine's own MiniMax-M3 model on CPU from porter's config.json (text_config and the
+top-level quantization_config), fills every parameter with a sentinel, feeds porter's `--layout hf` tensors
+through the engine's own `load_weights`, and reports what it found as JSON for tests/engines/test_engines.py.
+"""
+from __future__ import annotations
+
+import enum
+import importlib.machinery
+import json
+import sys
+import types
+from pathlib import Path
+
+import transformers  # noqa: F401  (import before the torchvision stub: transformers probes torchvision)
+
+import torch
+from safetensors import safe_open
+
+HF_PREFIX = "language_model."
+# attention KV-cache scale buffers: defaults by design, no checkpoint tensor feeds them
+KV_SCALE_SUFFIXES = ("attn.k_scale", "attn.v_scale", "attn.q_scale", "attn.prob_scale")
+
+
+def stub_torchvision() -> None:
+    """The PyPI torchvision cannot load beside the CPU torch wheel; the engines' model modules only need
+    `torchvision.transforms.InterpolationMode` (and importable submodules) at import time."""
+    class InterpolationMode(enum.Enum):
+        NEAREST = "nearest"
+        BILINEAR = "bilinear"
+        BICUBIC = "bicubic"
+        LANCZOS = "lanczos"
+        BOX = "box"
+        HAMMING = "hamming"
+        NEAREST_EXACT = "nearest-exact"
+
+    class _Any:
+        def __init__(self, *a, **k): pass
+        def __call__(self, *a, **k): return _Any()
+        def __getattr__(self, k): return _Any()
+
+    class _Module(types.ModuleType):
+        def __getattr__(self, k):
+            if k.startswith("__"):
+                raise AttributeError(k)
+            return InterpolationMode if k == "InterpolationMode" else _Any
+
+    names = ["torchvision", "torchvision.transforms", "torchvision.transforms.functional", "torchvision.transforms.v2",
+             "torchvision.transforms.v2.functional", "torchvision.io", "torchvision.ops", "torchvision.models"]
+    for name in names:
+        m = _Module(name)
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        m.__path__ = []
+        sys.modules[name] = m
+    for name in names[1:]:
+        parent, child = name.rsplit(".", 1)
+        setattr(sys.modules[parent], child, sys.modules[name])
+
+
+def read_artifact(art: Path) -> dict:
+    """Every tensor of porter's artifact by name (tiny: read fully)."""
+    index = json.loads((art / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for f in sorted(set(index.values())):
+        with safe_open(str(art / f), "pt") as h:
+            out |= {k: h.get_tensor(k) for k in h.keys()}
+    return out
+
+
+def text_weights(tensors: dict) -> list:
+    """(name without `language_model.`, tensor) for the text model, as the VL wrappers hand them on."""
+    return [(n[len(HF_PREFIX):], t) for n, t in tensors.items() if n.startswith(HF_PREFIX)]
+
+
+def fill_sentinel(model) -> None:
+    """NaN in float params, byte 0xFF in uint8 (E8M0 NaN; porter never writes it) and 0x7F (E4M3 NaN) in fp8."""
+    for _, p in model.named_parameters():
+        with torch.no_grad():
+            if p.dtype == torch.uint8:
+                p.data.fill_(0xFF)
+            elif p.dtype == torch.float8_e4m3fn:
+                p.data.view(torch.uint8).fill_(0x7F)
+            elif p.dtype.is_floating_point:
+                p.data.fill_(float("nan"))
+            else:
+                p.data.fill_(-1)
+
+
+def sentinel_left(p: torch.Tensor) -> int:
+    """Elements still holding the sentinel."""
+    t = p.data
+    if t.dtype == torch.uint8:
+        return int((t == 0xFF).sum())
+    if t.dtype == torch.float8_e4m3fn:
+        return int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    if t.dtype.is_floating_point:
+        return int(torch.isnan(t).sum())
+    return int((t == -1).sum())
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and \
+        torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def is_kv_scale(name: str) -> bool:
+    return name.endswith(KV_SCALE_SUFFIXES)

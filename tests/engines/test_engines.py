@@ -1,0 +1,88 @@
+"""vLLM 0.33.0 and sglang 0.5.23 load porter's `--layout hf` output through their own code (CPU).
+
+Run by tests/engines/run.sh (its own venv with both engines). One subprocess per engine (each sets
+process-wide distributed and platform state): tests/engines/vllm_harness.py and sglang_harness.py build the
+engine's MiniMax-M3 model from porter's config.json with the real MXFP8 quantization config, fill every
+parameter with a sentinel, feed the artifact through the engine's own load_weights and report; this file
+asserts on the reports.
+"""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from converters import minimax_m3 as arch
+from porter.cli import main as cli
+from porter.source import open_local
+from tiny_checkpoint import build_tiny_checkpoint
+
+HERE = Path(__file__).resolve().parent
+ENGINES = {"vllm": ("vllm_harness.py", "0.33.0", 29555), "sglang": ("sglang_harness.py", "0.5.23", 29633)}
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    """porter's tiny `--layout hf` output (default scope: all), made through the CLI; and the ignore list
+    porter writes when nothing is quantized (every text linear listed)."""
+    d = tmp_path_factory.mktemp("engines")
+    src = build_tiny_checkpoint(d / "src", layout="vendor", seed=3)
+    res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(d / "hf"), "--layout", "hf", "-q"])
+    assert res.exit_code == 0, res.output
+    source = open_local(src)
+    plan = arch.plan_tensors(arch.resolve_config(source.raw_config), source.meta, "none", layout="hf")
+    (d / "all_listed.json").write_text(json.dumps(arch.hf_ignored_layers(plan)))
+    return d
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def report(request, artifact):
+    name = request.param
+    script, version, port = ENGINES[name]
+    assert importlib.util.find_spec(name) is not None, f"{name} is not installed; run tests/engines/run.sh"
+    from importlib.metadata import version as installed
+    assert installed(name) == version, f"{name} {installed(name)} installed, the suite pins {version}"
+    out = artifact / f"{name}.json"
+    proc = subprocess.run([sys.executable, str(HERE / script), str(artifact / "hf"), str(out),
+                           str(artifact / "all_listed.json")], capture_output=True, text=True, timeout=900,
+                          env={**__import__("os").environ, "PORTER_ENGINE_PORT": str(port)})
+    assert proc.returncode == 0, f"{name} harness failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    rep = json.loads(out.read_text())
+    rep["config"] = json.loads((artifact / "hf" / "config.json").read_text())
+    return rep
+
+
+def test_every_parameter_written_no_sentinel_left(report):
+    assert report["fed_tensors"] > 200  # the tiny artifact's text tensors, all fed
+    assert report["sentinel_left"] == {}, f"{report['engine']}: parameters not (fully) written"
+    assert all(n.endswith(("attn.k_scale", "attn.v_scale", "attn.q_scale", "attn.prob_scale"))
+               for n in report["kv_scale_params"])
+    if report["engine"] == "vllm":  # vLLM's load_weights returns the names it wrote
+        assert report["not_loaded"] == []
+        assert report["loaded"] == report["params"] - len(report["kv_scale_params"])
+    else:  # sglang's VL load_weights returns nothing: written == no sentinel left
+        assert report["written"] == report["params"] - len(report["kv_scale_params"])
+
+
+def test_fused_qkv_index_and_expert_rows_byte_equal(report):
+    # at least: 3 MoE layers x 8 experts x (w13, w2) x (weight, scale); plus q|k|v(|index) rows per layer
+    assert report["rows_checked"] >= 3 * 8 * 2 * 2 + 4 * 2 * 3
+    assert report["rows_mismatched"] == []
+
+
+def test_engine_ignore_matching_agrees_with_porter_module_by_module(report):
+    listed = set(report["config"]["quantization_config"]["ignored_layers"])
+    assert "language_model.lm_head" in listed
+    modules = report["ignore"]
+    assert len(modules) >= 4 * 4 + 1
+    for m in modules:
+        assert len(set(m["porter_listed"])) == 1, f"{m['module']}: porter lists only part of a fused module"
+        assert m["engine_excluded"] == m["porter_listed"][0], m
+        # with porter's list for an all-bf16 artifact, the engine skips every module too (names match)
+        assert m["engine_excluded_all_listed"], m
+        # and what the engine built agrees: MXFP8 params exactly where porter quantized
+        if m["engine_dtype"] is not None:
+            assert (m["engine_dtype"] == "torch.float8_e4m3fn") == (not m["porter_listed"][0]), m

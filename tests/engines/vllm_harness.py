@@ -1,0 +1,202 @@
+"""vLLM 0.33.0: load porter's `--layout hf` artifact through vLLM's own MiniMax-M3 code on CPU.
+
+    python tests/engines/vllm_harness.py ARTIFACT_DIR REPORT.json [ALL_LISTED.json]
+
+Builds `vllm.models.minimax_m3.nvidia.model.MiniMaxM3SparseForCausalLM` under the prefix
+`language_model` (exactly as the VL class `MiniMaxM3SparseForConditionalGeneration` builds it) with the
+real `ModelOptMxFp8Config` made from porter's config.json, and loads the artifact through vLLM's
+`AutoWeightsLoader` (which routes `language_model.*` to the text model's own `load_weights`, as the VL
+class does). The vision tower is not built (it needs image preprocessing stacks); its tensors are
+skipped by prefix. What is patched (engine internals that need a GPU, none of the loading code):
+`select_linear_kernel` (no MXFP8 linear kernel exists on CPU) and `ModelOptMxFp8FusedMoE.__init__` (skips
+the GPU MoE backend choice; parameter registration is untouched).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine_common as common  # noqa: E402  (imports transformers first)
+
+common.stub_torchvision()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+from transformers import PretrainedConfig  # noqa: E402
+
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment  # noqa: E402
+import vllm.model_executor.layers.quantization.modelopt as modelopt  # noqa: E402
+from vllm.model_executor.layers.quantization.modelopt import ModelOptMxFp8Config  # noqa: E402
+
+VISION_PREFIXES = ["vision_tower.", "multi_modal_projector.", "patch_merge_mlp."]
+
+
+class _NoKernel:
+    supports_pre_processed_weights = False
+    def process_weights_after_loading(self, layer): pass
+    def input_quant_key(self): return None
+
+
+def _moe_init(self, quant_config, moe_config):
+    modelopt.FusedMoEMethodBase.__init__(self, moe_config)
+    self.weight_block_size = [1, 32]
+    self.quant_config = quant_config
+    self.mxfp8_backend, self.experts_cls = None, None
+
+
+class _ModelConfig(SimpleNamespace):
+    def __getattr__(self, k):
+        if k.startswith("__"):
+            raise AttributeError(k)
+        return None
+
+
+def build(config: dict, port: int):
+    text = PretrainedConfig(**config["text_config"])
+    qc = ModelOptMxFp8Config.from_config(config["quantization_config"])
+    vc = VllmConfig()
+    object.__setattr__(vc, "model_config", _ModelConfig(
+        hf_text_config=text, hf_config=text, dtype=torch.bfloat16, use_mla=False, is_moe=True,
+        get_num_layers=lambda *a: text.num_hidden_layers, quantization="mxfp8", multimodal_config=None,
+        max_model_len=256, enforce_eager=True))
+    object.__setattr__(vc, "quant_config", qc)
+    with set_current_vllm_config(vc):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+        ensure_model_parallel_initialized(1, 1)
+        from vllm.model_executor.model_loader.utils import configure_quant_config
+        from vllm.models.minimax_m3.nvidia.model import MiniMaxM3SparseForCausalLM
+        modelopt.select_linear_kernel = lambda *a, **k: _NoKernel()
+        modelopt.ModelOptMxFp8FusedMoE.__init__ = _moe_init
+        configure_quant_config(qc, MiniMaxM3SparseForCausalLM)
+        lm = MiniMaxM3SparseForCausalLM(vllm_config=vc, prefix="language_model")
+    return vc, qc, lm
+
+
+def quant_config(qcfg: dict):
+    """As vLLM's loader makes it: from_config, then the model class's packed modules."""
+    from vllm.model_executor.model_loader.utils import configure_quant_config
+    from vllm.models.minimax_m3.nvidia.model import MiniMaxM3SparseForCausalLM
+    qc = ModelOptMxFp8Config.from_config(qcfg)
+    configure_quant_config(qc, MiniMaxM3SparseForCausalLM)
+    return qc
+
+
+class Wrapper(nn.Module):
+    """The VL class's weight routing without its vision tower: `language_model.*` -> the text model."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.language_model = lm
+
+    def load_weights(self, weights):
+        from vllm.model_executor.models.utils import AutoWeightsLoader
+        return AutoWeightsLoader(self, ignore_unexpected_prefixes=VISION_PREFIXES).load_weights(weights)
+
+
+def engine_modules(lm, cfg) -> list:
+    """(engine prefix, porter unfused module names it covers) for every quantizable module."""
+    out = []
+    t = cfg["text_config"]
+    moe = t["moe_layer_freq"]
+    sparse = t["sparse_attention_config"]["sparse_attention_freq"]
+    for layer in range(t["num_hidden_layers"]):
+        p = f"language_model.model.layers.{layer}."
+        qkv = ["q", "k", "v"] + (["index_q", "index_k"] if sparse[layer] else [])
+        out.append((p + "self_attn.qkv_proj", [p + f"self_attn.{x}_proj" for x in qkv]))
+        out.append((p + "self_attn.o_proj", [p + "self_attn.o_proj"]))
+        if moe[layer]:
+            m = p + "block_sparse_moe."
+            out.append((m + "experts", [m + f"experts.{e}.{w}" for e in range(t["num_local_experts"])
+                                        for w in ("w1", "w2", "w3")]))
+            out.append((m + "shared_experts.gate_up_proj", [m + "shared_experts.gate_proj", m + "shared_experts.up_proj"]))
+            out.append((m + "shared_experts.down_proj", [m + "shared_experts.down_proj"]))
+            out.append((m + "gate", [m + "gate"]))
+        else:
+            out.append((p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"]))
+            out.append((p + "mlp.down_proj", [p + "mlp.down_proj"]))
+    out.append(("language_model.lm_head", ["language_model.lm_head"]))
+    return out
+
+
+def row_checks(params: dict, tensors: dict, cfg: dict) -> tuple[int, list]:
+    """Byte-compare fused q|k|v(|index_q|index_k) and expert rows (weights and uint8 scales) with porter's."""
+    t = cfg["text_config"]
+    sparse = t["sparse_attention_config"]["sparse_attention_freq"]
+    checked, bad = 0, []
+
+    def cmp(label, got, want):
+        nonlocal checked
+        checked += 1
+        if not common.same_bytes(got, want):
+            bad.append(label)
+
+    for layer in range(t["num_hidden_layers"]):
+        p = f"language_model.model.layers.{layer}."
+        qkv = ["q", "k", "v"] + (["index_q", "index_k"] if sparse[layer] else [])
+        for suffix, param_suffix in ((".weight", ".weight"), (".weight_scale_inv", ".weight_scale")):
+            if p + "self_attn.q_proj" + suffix not in tensors:
+                continue
+            fused = params[p + "self_attn.qkv_proj" + param_suffix].data
+            row = 0
+            for x in qkv:
+                want = tensors[p + f"self_attn.{x}_proj" + suffix]
+                cmp(f"{p}self_attn.qkv_proj{param_suffix} rows of {x}_proj", fused[row:row + want.shape[0]], want)
+                row += want.shape[0]
+            checked += 1
+            if row != fused.shape[0]:
+                bad.append(f"{p}self_attn.qkv_proj{param_suffix}: {fused.shape[0]} rows, porter's parts {row}")
+        if t["moe_layer_freq"][layer]:
+            m = p + "block_sparse_moe.experts."
+            for suffix, param_suffix in ((".weight", "_weight"), (".weight_scale_inv", "_weight_scale")):
+                if m + "0.w1" + suffix not in tensors:
+                    continue
+                w13 = params[m + "routed_experts.w13" + param_suffix].data
+                w2 = params[m + "routed_experts.w2" + param_suffix].data
+                for e in range(t["num_local_experts"]):
+                    w1, w3 = tensors[m + f"{e}.w1" + suffix], tensors[m + f"{e}.w3" + suffix]
+                    cmp(f"{m}w13{param_suffix}[{e}] = [w1; w3]", w13[e], torch.cat([w1, w3]))
+                    cmp(f"{m}w2{param_suffix}[{e}]", w2[e], tensors[m + f"{e}.w2" + suffix])
+    return checked, bad
+
+
+def main(art: Path, report_path: Path, all_listed: list) -> None:
+    cfg = json.loads((art / "config.json").read_text())
+    tensors = common.read_artifact(art)
+    vc, qc, lm = build(cfg, int(os.environ.get("PORTER_ENGINE_PORT", "29555")))
+    model = Wrapper(lm)
+    common.fill_sentinel(model)
+    with set_current_vllm_config(vc):
+        loaded = model.load_weights(iter(tensors.items()))
+    params = dict(model.named_parameters())
+    not_loaded = sorted(n for n in set(params) - set(loaded) if not common.is_kv_scale(n))
+    sentinel = {n: common.sentinel_left(p) for n, p in params.items() if not common.is_kv_scale(n)}
+    listed = set(cfg["quantization_config"]["ignored_layers"])
+    qc_all = quant_config({**cfg["quantization_config"], "ignored_layers": all_listed})
+    ignore = []
+    for prefix, members in engine_modules(lm, cfg):
+        engine_excluded = bool(qc.is_layer_excluded(prefix))
+        porter_listed = [m in listed for m in members]
+        weight = params.get(prefix + ".weight") if not prefix.endswith("experts") else \
+            params.get(prefix + ".routed_experts.w13_weight")
+        ignore.append({"module": prefix, "engine_excluded": engine_excluded, "porter_listed": porter_listed,
+                       "engine_excluded_all_listed": bool(qc_all.is_layer_excluded(prefix)),
+                       "engine_dtype": str(weight.dtype) if weight is not None else None})
+    checked, bad_rows = row_checks(params, tensors, cfg)
+    report = {"engine": "vllm", "params": len(params), "loaded": len(loaded), "not_loaded": not_loaded,
+              "kv_scale_params": sorted(n for n in params if common.is_kv_scale(n)),
+              "sentinel_left": {n: c for n, c in sentinel.items() if c}, "ignore": ignore,
+              "rows_checked": checked, "rows_mismatched": bad_rows,
+              "fed_tensors": sum(1 for n in tensors if n.startswith(common.HF_PREFIX))}
+    report_path.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    extra = json.loads(Path(sys.argv[3]).read_text()) if len(sys.argv) > 3 else []
+    main(Path(sys.argv[1]), Path(sys.argv[2]), extra)

@@ -1,6 +1,6 @@
 """All MiniMax-M3 conversion knowledge: config resolution, tensor names, gate/up order, what to quantize.
 
-Facts: ../shared/docs/minimax-m3.md. Two source layouts are understood:
+Formats: docs/artifact-format.md, docs/serving-engines.md. Two source layouts are understood:
 - vendor (`model_type: minimax_m3_vl`, legacy `text_config` keys, `language_model.model.layers.N.…`,
   per-expert `block_sparse_moe.experts.E.w1/w2/w3.weight`, w1 = gate, w3 = up, w2 = down);
 - transformers 5.23 native (`model_type: minimax_m3_vl_text`, flat `index_*`, `layer_types`,
@@ -19,6 +19,11 @@ Both map to one canonical (porter) naming, vendor-style without the `language_mo
   model.layers.{l}.block_sparse_moe.experts.w2_weight  [E, H, I]
 A quantized `X.weight` / `X.w13_weight` gets a uint8 `X.weight_scale` / `X.w13_weight_scale` beside it.
 Tensors outside the text model (vision tower, projectors, MTP) keep their source names, bit-identical.
+
+`--layout hf` (the vendor release's layout, which vLLM and sglang load; `to_hf_layout`): the same tensors
+under `language_model.` + canonical name, routed experts per expert as 2-D `experts.{e}.w1/w2/w3.weight`,
+scales named `X.weight_scale_inv` (porter.layout.scale_name); config.json with the vendor `architectures`
+and a top-level mxfp8 `quantization_config` (`hf_config_json`).
 """
 from __future__ import annotations
 
@@ -109,7 +114,7 @@ def manifest_facts(cfg: TextConfig) -> dict:
 
 
 # field -> (flat key, legacy key path inside text_config, default, kind)
-# kind: int | float | bool | tokenid. Defaults are MiniMax-M3's real values (minimax-m3.md §1.2), which
+# kind: int | float | bool | tokenid. Defaults are MiniMax-M3's real values (its released config.json), which
 # also equal transformers 5.23's class defaults.
 _FIELDS = {
     "vocab_size": ("vocab_size", None, 200064, "int"),
@@ -369,7 +374,7 @@ _EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.
 _FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(gate_up_proj|down_proj)$")
 _FUSED_GATE_UP = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe\.shared_experts))\.gate_up_proj\.weight$")
 
-# Linears quantized by `--quantize all` (the vendor MXFP8 release's scope, minimax-m3.md §5).
+# Linears quantized by `--quantize all` (the vendor MXFP8 release's scope, docs/serving-engines.md).
 _ALL_SCOPE = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o|index_q|index_k)_proj"
                         r"|mlp\.(gate|up|down)_proj|block_sparse_moe\.shared_experts\.(gate|up|down)_proj)\.weight$")
 

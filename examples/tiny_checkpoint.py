@@ -215,15 +215,6 @@ def _save_sharded(tensors: dict, out: Path, per_shard: int) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out_dir")
-    ap.add_argument("--layout", choices=["vendor", "transformers"], default="vendor")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    print(build_tiny_checkpoint(args.out_dir, args.layout, args.seed))
-
-
 def synthetic_overrides(num_layers: int, hidden: int = 1024, intermediate: int = 1024, experts: int = 16) -> dict:
     """text_config overrides for a larger synthetic checkpoint (benchmarks, memory tests): layer 0 dense,
     the rest sparse attention + MoE."""
@@ -234,3 +225,12 @@ def synthetic_overrides(num_layers: int, hidden: int = 1024, intermediate: int =
             "shared_intermediate_size": intermediate, "dense_intermediate_size": 2 * intermediate,
             "num_local_experts": experts, "moe_layer_freq": [0] + [1] * (num_layers - 1),
             "sparse_attention_config": sp}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--layout", choices=["vendor", "transformers"], default="vendor")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(build_tiny_checkpoint(args.out_dir, args.layout, args.seed))

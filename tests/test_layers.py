@@ -141,3 +141,23 @@ def test_the_check_catches_a_violation(tmp_path):
     f.write_text("import torch\n\ndef f():\n    from converters.minimax_m3 import TextConfig\n")
     found = [n for _, n in imports("porter.layout", f) if own(n)]
     assert found == ["converters.minimax_m3"] and layer("converters.minimax_m3") > layer("porter.layout")
+
+
+def _main_guard(node) -> bool:
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
+
+
+@pytest.mark.parametrize("path", sorted(p for d in ("porter", "converters", "runtime", "examples", "benchmarks", "tests")
+                                        for p in (ROOT / d).rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_main_block_last_and_one_name_for_tiny_checkpoint(path):
+    """Nothing is defined after `if __name__ == "__main__":` (a script run would not see it), and the
+    tiny checkpoint module is imported as `tiny_checkpoint` only (two names = two module objects)."""
+    tree = ast.parse(path.read_text(), str(path))
+    body = tree.body
+    guards = [i for i, n in enumerate(body) if _main_guard(n)]
+    late = [n for i, n in enumerate(body) if guards and i > guards[0] and isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert not late, f"{path.name}: {[n.name for n in late]} defined after the __main__ block"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "examples.tiny_checkpoint":
+            pytest.fail(f"{path.name}:{node.lineno}: import tiny_checkpoint, not examples.tiny_checkpoint")

@@ -39,7 +39,7 @@ def quantization_config(plan) -> dict:
         "ignored_layers": ignored,
         "modules_to_not_convert": ignored,
         # porter's layout differs from the vendor release: experts are stacked per layer and scales are
-        # named `*weight_scale`. Loaders other than porter's runtime need the vendor layout.
+        # named `*weight_scale`. Loaders other than porter's runtime need the vendor layout (`--layout hf`).
         "porter_layout": {"experts": "stacked w13_weight [E, 2I, H] ([gate; up]) + w2_weight [E, H, I]",
                           "scale_suffix": "weight_scale", "gate_up_order": "gate_up"},
     }

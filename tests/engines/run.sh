@@ -11,7 +11,9 @@ VENV="${ENGINES_VENV:-.venv-engines}"
 TORCH=torch==2.13.0
 VLLM=vllm==0.33.0
 SGLANG=sglang==0.5.23
-PINS=tests/engines/constraints.txt  # every package of this venv, pinned
+# every package of this venv, pinned; after changing a pin or porter's test extra, regenerate it with
+#   .venv-engines/bin/pip freeze --exclude-editable | sed 's/+cpu$//'   (keep the two header lines)
+PINS=tests/engines/constraints.txt
 STAMP="$VENV/.porter-engines-installed"
 WANT="$(sha256sum "$PINS" | cut -c1-16) $TORCH $VLLM $SGLANG"
 

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from porter.errors import PorterError
-from porter.layout import OutTensor, ignored_layers, layer_of, scale_name  # noqa: F401 (scale_name, ignored_layers: re-exported for callers not yet on porter.layout)
+from porter.layout import OutTensor, layer_of
 
 ARCHITECTURE = "minimax_m3"
 MODEL_TYPES = ("minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3")

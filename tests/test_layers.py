@@ -161,3 +161,16 @@ def test_main_block_last_and_one_name_for_tiny_checkpoint(path):
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "examples.tiny_checkpoint":
             pytest.fail(f"{path.name}:{node.lineno}: import tiny_checkpoint, not examples.tiny_checkpoint")
+
+
+LAYOUT_NAMES = {"scale_name", "is_scale_name", "layer_of", "OutTensor", "ignored_layers"}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_artifact_naming_comes_from_porter_layout(module):
+    """Artifact naming has one home, porter/layout.py: nobody takes it from an architecture's converter."""
+    tree = ast.parse(MODULES[module].read_text())
+    bad = [f"{module}:{n.lineno}: imports {sorted(LAYOUT_NAMES & {a.name for a in n.names})} from {n.module}"
+           for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("converters")
+           and LAYOUT_NAMES & {a.name for a in n.names}]
+    assert not bad, "\n".join(bad)

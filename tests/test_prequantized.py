@@ -16,6 +16,7 @@ import porter
 from converters import minimax_m3 as arch
 from porter import mxfp8
 from porter.cli import main as cli
+from porter.layout import scale_name
 
 # the linears the vendor MXFP8 release quantizes (scope "all" + routed experts), vendor names
 VENDOR_QUANTIZED = re.compile(r"^language_model\.model\.layers\.\d+\.(self_attn\.(q|k|v|o|index_q|index_k)_proj|"
@@ -114,7 +115,7 @@ def test_mxfp8_to_mxfp8_rceil_is_lossless(tiny_vendor, tmp_path):
             got = stacked_expert_value(out, name)
         else:
             c = porter_name(name)
-            got = mxfp8.dequantize(out[c], out[arch.scale_name(c)])
+            got = mxfp8.dequantize(out[c], out[scale_name(c)])
         assert torch.equal(got, want), name  # identical values, not merely close
         checked += 1
     assert checked == 3 * 8 * 3 + 3 * 3 + 3 + 4 * 4 + 3 * 2  # experts, shared, dense mlp, q/k/v/o, index
@@ -131,7 +132,7 @@ def test_mxfp8_source_unquantized_outputs_are_exact_bf16(tiny_vendor, tmp_path):
     name = "language_model.model.layers.1.self_attn.index_q_proj.weight"
     got = out[porter_name(name)]
     assert got.dtype == torch.bfloat16 and torch.equal(got.float(), source_values(src, name, mxfp8.dequantize))
-    assert arch.scale_name(porter_name(name)) not in out
+    assert scale_name(porter_name(name)) not in out
 
 
 def test_hf_output_converts_back_to_identical_porter_bytes(tiny_vendor, tmp_path):
@@ -175,8 +176,8 @@ def test_fp8_block128_source(tiny_vendor, tmp_path, where):
         deq = mxfp8.dequantize_fp8_block(src[name], src[name[:-6] + "weight_scale_inv"], (128, 128))
         c = porter_name(name)
         q, s = mxfp8.quantize(deq.bfloat16())  # dequantized once to bf16, then porter's MXFP8 rule
-        assert same_bytes(out[c], q) and same_bytes(out[arch.scale_name(c)], s), name
-        rel = float((mxfp8.dequantize(out[c], out[arch.scale_name(c)]) - deq).norm() / deq.norm())
+        assert same_bytes(out[c], q) and same_bytes(out[scale_name(c)], s), name
+        rel = float((mxfp8.dequantize(out[c], out[scale_name(c)]) - deq).norm() / deq.norm())
         assert rel < 0.05, (name, rel)  # MXFP8 rceil on these weights: ~2-3%
     name = "language_model.model.layers.3.block_sparse_moe.experts.5.w2.weight"
     deq = mxfp8.dequantize_fp8_block(src[name], src[name[:-6] + "weight_scale_inv"], (128, 128))

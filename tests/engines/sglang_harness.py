@@ -22,7 +22,6 @@ import engine_common as common  # noqa: E402  (imports transformers first)
 
 common.stub_torchvision()
 
-import torch  # noqa: E402
 from transformers import PretrainedConfig  # noqa: E402
 
 _vllm = types.ModuleType("vllm")

@@ -1,9 +1,14 @@
-"""MiniMax-M3 text model for the porter runtime (facts: ../shared/docs/minimax-m3.md §2).
+"""MiniMax-M3 text model for the porter runtime (facts: docs/minimax-m3.md, the forward pass section).
 
 Plain torch, no nn.Module state dict: every weight is handed in by the loader (runtime/loader.py) in the
 dtype it was stored in (memory-mapped on CPU) and cast or MXFP8-dequantized on the fly in forward, so no
-second full-precision copy is kept. Shapes: B batch, T new tokens, S keys (cache + new), H hidden,
+second full-precision copy is kept. Shapes: B batch, T new tokens, S keys (cache slots), H hidden,
 nq/nkv query/KV heads, d head_dim, ni/di index heads/dim, E experts.
+
+Positions are per row ([B, T]) and the KV cache is position-indexed (slot s of row b = that row's token
+at position s), so left-padded batches of different prompt lengths run together: pad tokens
+(`attention_mask` 0) are never written to the cache, attend to slot 0 only, and their outputs are junk
+that nobody reads. A row then computes exactly what it computes alone.
 
 Layer-at-a-time use (what `porter verify` needs):
     h = model.embed(ids)                          # [B, T, H]
@@ -13,10 +18,15 @@ Layer-at-a-time use (what `porter verify` needs):
     logits = model.final(h)                       # [B, T, V] fp32
 `model(ids, output_hidden_states=True)` returns (logits, [embeddings, output of layer 0, ..., layer L-1]),
 the un-normed residual stream (transformers replaces its last entry by the final-normed state).
+
+Decoding (T = 1 over a cache) has static shapes: attention reads the cache through
+runtime.attention.decode_attention (dense layers: slots <= position, no mask tensor; sparse layers: only
+the blocks the indexer picked), so the step can be captured in a CUDA graph (`generate(...,
+cuda_graph=True)`, class DecodeGraph).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -25,6 +35,7 @@ import torch.nn.functional as F
 from converters.minimax_m3 import TextConfig
 from porter import mxfp8
 from porter.layout import scale_name
+from runtime.attention import decode_attention
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params, swiglu_oai
 
 Getter = Callable[[str], Optional[torch.Tensor]]  # canonical name -> tensor on the device, or None
@@ -37,14 +48,23 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * (1.0 + w.float())).to(x.dtype)
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class Linear:
-    """y = x W^T with W stored as is (bf16/fp32) or MXFP8 (e4m3 + uint8 scales, dequantized per call)."""
+    """y = x W^T with W stored as is (bf16/fp32) or MXFP8 (e4m3 + uint8 scales). MXFP8 on CUDA with few
+    rows (decode) runs a dequantizing GEMM (runtime.mxfp8_linear) that reads the 1-byte weights once;
+    elsewhere the weight is dequantized per call, then multiplied."""
 
     def __init__(self, weight: torch.Tensor, scale: Optional[torch.Tensor] = None):
         self.weight, self.scale = weight, scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is not None:
+            from runtime import mxfp8_linear
+            if mxfp8_linear.applies(x, self.weight):
+                return mxfp8_linear.mxfp8_linear(x, self.weight, self.scale)
             w = mxfp8.dequantize(self.weight, self.scale, x.dtype)
         else:
             w = self.weight.to(x.dtype)
@@ -56,7 +76,7 @@ def linear(get: Getter, name: str) -> Linear:
 
 
 # ---------------------------------------------------------------------------------------------------
-# RoPE (partial, NeoX halves) and the KV cache
+# RoPE (partial, NeoX halves), positions and the KV cache
 
 
 class Rope:
@@ -66,15 +86,16 @@ class Rope:
         self.inv_freq = self.inv_freq.to(device)
 
     def __call__(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq  # [T, r/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [T, r]
+        inv = self.inv_freq if self.inv_freq.device == positions.device else self.inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * inv  # [B, T, r/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, r]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, n, d]; rotates channels [0, r) (r = cos width), NeoX rotate_half; the rest pass through."""
+    """x [B, T, n, d], cos/sin [B, T, r]; rotates channels [0, r), NeoX rotate_half; the rest pass through."""
     r = cos.shape[-1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # [1, T, 1, r]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, T, 1, r]
     rot, rest = x[..., :r], x[..., r:]
     x1, x2 = rot.chunk(2, dim=-1)
     rot = rot * cos + torch.cat([-x2, x1], dim=-1) * sin
@@ -82,28 +103,90 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 @dataclass
+class Step:
+    """Where the T new tokens of one forward pass sit.
+
+    pos [B, T] absolute positions = cache slots (pad tokens: 0); valid [B, T] bool or None (all real);
+    kv_len: the slots attended are [0, kv_len) (host int, static under CUDA-graph capture);
+    fresh: every row's positions are 0..T-1 with no earlier keys (plain causal prefill);
+    decode: T == 1 over a cache (static-shape decode attention)."""
+    pos: torch.Tensor
+    valid: Optional[torch.Tensor]
+    kv_len: int
+    fresh: bool = False
+    decode: bool = False
+    _copies: dict = field(default_factory=dict, repr=False)
+
+    def on(self, device: torch.device) -> "Step":
+        """This step with pos/valid on `device` (one copy per device: layers spread by a device_map)."""
+        device = torch.device(device)
+        if self.pos.device == device:
+            return self
+        if device not in self._copies:
+            self._copies[device] = Step(self.pos.to(device), None if self.valid is None else self.valid.to(device),
+                                        self.kv_len, self.fresh, self.decode)
+        return self._copies[device]
+
+    @classmethod
+    def of(cls, positions: torch.Tensor, batch: int, cache: Optional["LayerCache"] = None,
+           valid: Optional[torch.Tensor] = None) -> "Step":
+        """From explicit positions ([T] shared by the rows, or [B, T]); the layer-at-a-time API."""
+        pos = positions.expand(batch, positions.shape[-1]) if positions.dim() == 1 else positions
+        T = pos.shape[1]
+        if cache is None:
+            if valid is None and positions.dim() == 1:
+                if int(positions[0]) != 0:
+                    raise ValueError("without a cache, positions must start at 0")
+                return cls(pos, None, T, fresh=True)
+            return cls(pos, valid, int(pos.max()) + 1)
+        return cls(pos, valid, int(pos.max()) + 1, decode=T == 1 and valid is None)
+
+
+@dataclass
 class LayerCache:
-    """Static per-layer cache; slot s holds the token at absolute position s."""
+    """Static per-layer cache, position-indexed: slot s of row b holds row b's token at position s."""
     k: torch.Tensor  # [B, nkv, S_max, d]
     v: torch.Tensor  # [B, nkv, S_max, d]
     idx_k: Optional[torch.Tensor] = None  # [B, S_max, di] (sparse layers: the indexer's key cache)
 
-    def put(self, name: str, new: torch.Tensor, start: int, dim: int) -> torch.Tensor:
+    @classmethod
+    def empty(cls, cfg: TextConfig, layer: int, batch: int, slots: int, dtype, device) -> "LayerCache":
+        kv = (batch, cfg.num_key_value_heads, slots, cfg.head_dim)
+        idx = (torch.zeros(batch, slots, cfg.index_head_dim, dtype=dtype, device=device)
+               if cfg.is_sparse_attention(layer) else None)
+        return cls(torch.zeros(kv, dtype=dtype, device=device), torch.zeros(kv, dtype=dtype, device=device), idx)
+
+    def put(self, name: str, new: torch.Tensor, step: Step) -> None:
+        """new [B, T, ...] (k/v: [B, T, nkv, d]; idx_k: [B, T, di]) -> slots step.pos of its rows."""
         buf = getattr(self, name)
-        end = start + new.shape[dim]
-        if end > buf.shape[dim]:
-            raise ValueError(f"KV cache holds {buf.shape[dim]} tokens; {end} needed (raise max_len)")
-        buf.narrow(dim, start, new.shape[dim]).copy_(new)
-        return buf.narrow(dim, 0, end)
+        slots = buf.shape[1] if name == "idx_k" else buf.shape[2]
+        if step.kv_len > slots:
+            raise ValueError(f"KV cache holds {slots} tokens; {step.kv_len} needed (raise max_len)")
+        B, T = new.shape[:2]
+        rows = torch.arange(B, device=new.device)[:, None].expand(B, T)  # [B, T]
+        pos = step.pos
+        if step.valid is not None:  # pad tokens are never written
+            rows, pos, new = rows[step.valid], pos[step.valid], new[step.valid]
+        if name == "idx_k":
+            buf[rows, pos] = new.to(buf.dtype)
+        else:
+            buf[rows, :, pos] = new.to(buf.dtype)  # advanced dims first: [B, T, nkv, d]
 
 
 class KVCache:
-    def __init__(self, layers: list[LayerCache]):
-        self.layers, self.length = layers, 0
+    """Per-layer caches plus where each row continues: `length` (host) = token columns consumed so far,
+    `next_pos` [B] (device) = the next position of each row (< length when the row had pad tokens)."""
+
+    def __init__(self, layers: list[LayerCache], next_pos: torch.Tensor):
+        self.layers, self.length, self.next_pos = layers, 0, next_pos
+
+    @property
+    def max_len(self) -> int:
+        return self.layers[0].k.shape[2]
 
 
 # ---------------------------------------------------------------------------------------------------
-# Attention with the lightning indexer (§2.4, §2.5; transformers 5.23 MiniMaxM3VLIndexer semantics)
+# Attention with the lightning indexer (transformers 5.23 MiniMaxM3VLIndexer semantics)
 
 
 class Indexer:
@@ -113,46 +196,65 @@ class Indexer:
         self.cfg, self.ni, self.di = cfg, cfg.index_n_heads, cfg.index_head_dim
         self.last_excluded = 0  # visible (query, index head, block) triples the last call dropped
 
-    def keep_mask(self, x, cos, sin, positions, cache: Optional[LayerCache]) -> Optional[torch.Tensor]:
-        """Bool [B, ni, T, S]: keys of the blocks each index head selects; None = every block (dense)."""
+    def select(self, x, cos, sin, step: Step, cache: Optional[LayerCache]) -> Optional[torch.Tensor]:
+        """-> top blocks [B, ni, T, topk] of each query (entry nblk = none left), or None = every visible
+        block (dense). Only the new queries are scored, against the cached index keys."""
         B, T, _ = x.shape
         eps = self.cfg.rms_norm_eps
-        cos, sin = cos[:, : self.di], sin[:, : self.di]  # as transformers, should di < rotary_dim
+        cos, sin = cos[..., : self.di], sin[..., : self.di]  # as transformers, should di < rotary_dim
         iq = apply_rope(rms_norm(self.wq(x).view(B, T, self.ni, self.di), self.q_norm, eps), cos, sin)
         ik = apply_rope(rms_norm(self.wk(x).view(B, T, 1, self.di), self.k_norm, eps), cos, sin)[:, :, 0]
+        S = step.kv_len
         if cache is not None:
-            ik = cache.put("idx_k", ik, int(positions[0]), dim=1)  # [B, S, di]
+            cache.put("idx_k", ik, step)
+            ik = cache.idx_k[:, :S]  # [B, S, di]
         bs, topk = self.cfg.index_block_size, self.cfg.index_topk_blocks
-        S = ik.shape[1]
         nblk = -(-S // bs)
-        self.last_excluded = 0
+        if not _capturing():
+            self.last_excluded = 0
         if nblk <= topk:  # every visible block fits in the budget: exactly dense attention
             return None
-        key_pos = torch.arange(S, device=x.device)
+        pos = step.pos  # [B, T]
+        slot = torch.arange(S, device=x.device)
         scores = torch.einsum("bthd,bsd->bhts", iq.float(), ik.float())  # [B, ni, T, S]
-        scores = scores.masked_fill(key_pos[None, :] > positions[:, None], float("-inf"))  # causal first
+        scores = scores.masked_fill(slot > pos[:, None, :, None], float("-inf"))  # causal first
         scores = F.pad(scores, (0, nblk * bs - S), value=float("-inf"))
         blocks = scores.view(B, self.ni, T, nblk, bs).amax(-1)  # [B, ni, T, nblk] max-pool
-        forced = self._forced_blocks(positions // bs)  # [T, f]
+        forced = self._forced_blocks(pos // bs)  # [B, T, f]
         if forced is not None:
-            blocks.scatter_(-1, forced.expand(B, self.ni, -1, -1), float("inf"))  # inside the budget
+            blocks.scatter_(-1, forced[:, None].expand(B, self.ni, -1, -1), float("inf"))  # inside the budget
         top_s, top_i = blocks.topk(topk, dim=-1)  # [B, ni, T, topk]
-        top_i = top_i.masked_fill(top_s == float("-inf"), nblk)  # future/empty blocks -> spare column
-        sel = torch.zeros(B, self.ni, T, nblk + 1, dtype=torch.bool, device=x.device)
-        sel = sel.scatter_(-1, top_i, True)[..., :nblk]  # [B, ni, T, nblk]
-        visible = torch.arange(nblk, device=x.device)[None, :] <= (positions // bs)[:, None]  # [T, nblk]
-        self.last_excluded = int((visible & ~sel).sum())
-        return sel[..., key_pos // bs]  # [B, ni, T, S]
+        top_i = top_i.masked_fill(top_s == float("-inf"), nblk)  # future/empty blocks -> "none"
+        if not _capturing():
+            self.last_excluded = self._excluded(top_i, nblk, pos // bs + 1, step.valid)
+        return top_i
+
+    def _excluded(self, top_i, nblk, visible, valid) -> int:
+        """Visible blocks not selected, over index heads and real queries."""
+        chosen = (top_i < nblk).sum(-1)  # [B, ni, T] (selected blocks are always visible)
+        dropped = visible[:, None, :] - chosen
+        if valid is not None:
+            dropped = dropped * valid[:, None, :]
+        return int(dropped.sum())
 
     def _forced_blocks(self, q_block: torch.Tensor) -> Optional[torch.Tensor]:
-        """Own block and the local_blocks-1 before it (clamped at 0), plus init blocks already started."""
+        """[B, T] -> [B, T, f]: own block and the local_blocks-1 before it (clamped at 0), plus init
+        blocks already started."""
         local = torch.arange(self.cfg.index_local_blocks, device=q_block.device)
-        idx = [(q_block[:, None] - local[None, :]).clamp(min=0)]  # [T, local]
+        idx = [(q_block[..., None] - local).clamp(min=0)]  # [B, T, local]
         if self.cfg.index_init_blocks:
             init = torch.arange(self.cfg.index_init_blocks, device=q_block.device)
-            idx.append(torch.minimum(init[None, :], q_block[:, None]))  # future init block -> own block
+            idx.append(torch.minimum(init, q_block[..., None]))  # future init block -> own block
         idx = torch.cat(idx, dim=-1)
         return idx if idx.numel() else None
+
+
+def keep_mask(top_i: torch.Tensor, S: int, block: int) -> torch.Tensor:
+    """top blocks [B, ni, T, topk] (nblk = none) -> bool [B, ni, T, S] keys of the selected blocks."""
+    nblk = -(-S // block)
+    sel = torch.zeros(*top_i.shape[:-1], nblk + 1, dtype=torch.bool, device=top_i.device)
+    sel = sel.scatter_(-1, top_i, True)[..., :nblk]  # [B, ni, T, nblk]
+    return sel[..., torch.arange(S, device=top_i.device) // block]
 
 
 class Attention:
@@ -163,31 +265,44 @@ class Attention:
         self.q_norm, self.k_norm = get(p + "q_norm.weight"), get(p + "k_norm.weight")
         self.indexer = Indexer(cfg, get, p) if sparse else None
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: Optional[LayerCache]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, step: Step, cache: Optional[LayerCache]) -> torch.Tensor:
         cfg, (B, T, _) = self.cfg, x.shape
         nq, nkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
-        cos, sin = self.rope(positions, x.dtype)  # [T, r]
+        cos, sin = self.rope(step.pos, x.dtype)  # [B, T, r]
         q = apply_rope(rms_norm(self.wq(x).view(B, T, nq, d), self.q_norm, eps), cos, sin)  # qk-norm, then RoPE
         k = apply_rope(rms_norm(self.wk(x).view(B, T, nkv, d), self.k_norm, eps), cos, sin)
         v = self.wv(x).view(B, T, nkv, d)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, n, T, d]
+        if cache is None and not step.fresh:  # padded batch without a cache: a scratch one
+            cache = LayerCache.empty(cfg, 0, B, step.kv_len, x.dtype, x.device)
+            if self.indexer is not None:
+                cache.idx_k = torch.zeros(B, step.kv_len, cfg.index_head_dim, dtype=x.dtype, device=x.device)
         if cache is not None:
-            start = int(positions[0])
-            k, v = cache.put("k", k, start, dim=2), cache.put("v", v, start, dim=2)  # [B, nkv, S, d]
-        elif int(positions[0]) != 0:
-            raise ValueError("without a cache, positions must start at 0")
-        S = k.shape[2]
-        mask = (torch.arange(S, device=x.device)[None, :] <= positions[:, None])[None, None]  # [1, 1, T, S]
-        if self.indexer is not None:
-            keep = self.indexer.keep_mask(x, cos, sin, positions, cache)  # [B, nkv, T, S] or None
-            if keep is not None:
-                mask = mask & keep
-        out = gqa_attention(q, k, v, mask, d ** -0.5)  # [B, nq, T, d]
+            cache.put("k", k, step)
+            cache.put("v", v, step)
+        top = self.indexer.select(x, cos, sin, step, cache) if self.indexer is not None else None
+        if step.decode:
+            blocks = None if top is None else top[:, :, 0].expand(B, nkv, -1)  # index head h -> kv head h
+            out = decode_attention(q[:, 0], cache.k, cache.v, step.pos[:, 0], step.kv_len, blocks,
+                                   cfg.index_block_size, d ** -0.5)  # [B, nq, d]
+            return self.wo(out.reshape(B, 1, nq * d))
+        S = step.kv_len
+        if cache is None:  # fresh, no cache: the new keys are slots 0..T-1
+            keys, vals = k.transpose(1, 2), v.transpose(1, 2)  # [B, nkv, T, d]
+        else:
+            keys, vals = cache.k[:, :, :S], cache.v[:, :, :S]  # [B, nkv, S, d]
+        q = q.transpose(1, 2)  # [B, nq, T, d]
+        if top is None and step.fresh:
+            out = F.scaled_dot_product_attention(q, keys, vals, is_causal=True, scale=d ** -0.5, enable_gqa=True)
+        else:
+            mask = (torch.arange(S, device=x.device) <= step.pos[..., None])[:, None]  # [B, 1, T, S]
+            if top is not None:
+                mask = mask & keep_mask(top, S, cfg.index_block_size)  # [B, ni, T, S]
+            out = gqa_attention(q, keys, vals, mask, d ** -0.5)  # [B, nq, T, d]
         return self.wo(out.transpose(1, 2).reshape(B, T, nq * d))
 
 
 def gqa_attention(q, k, v, mask, scale) -> torch.Tensor:
-    """q [B, nq, T, d], k/v [B, nkv, S, d], mask bool [b, nkv|1, T, S] -> [B, nq, T, d] (no K/V repeat)."""
+    """q [B, nq, T, d], k/v [B, nkv, S, d], mask bool [B, nkv|1, T, S] -> [B, nq, T, d] (no K/V repeat)."""
     B, nq, T, d = q.shape
     nkv, S = k.shape[1], k.shape[2]
     g = nq // nkv  # query head h uses KV head h // g
@@ -241,7 +356,7 @@ class MoE:
 class DecoderLayer:
     def __init__(self, cfg: TextConfig, get: Getter, i: int, rope: Rope, device, make_backend: Callable):
         p = f"model.layers.{i}."
-        self.index, self.eps = i, cfg.rms_norm_eps
+        self.index, self.eps, self.device = i, cfg.rms_norm_eps, torch.device(device)
         self.ln_in, self.ln_post = get(p + "input_layernorm.weight"), get(p + "post_attention_layernorm.weight")
         self.attn = Attention(cfg, get, p + "self_attn.", rope, cfg.is_sparse_attention(i))
         if cfg.is_moe(i):
@@ -249,9 +364,13 @@ class DecoderLayer:
         else:
             self.mlp = MLP(cfg, get, p + "mlp.")
 
-    def __call__(self, h: torch.Tensor, positions: torch.Tensor, cache: Optional[LayerCache] = None):
-        """h [B, T, H] residual stream, positions [T] absolute (= cache slots) -> [B, T, H]."""
-        h = h + self.attn(rms_norm(h, self.ln_in, self.eps), positions, cache)
+    def __call__(self, h: torch.Tensor, positions, cache: Optional[LayerCache] = None,
+                 valid: Optional[torch.Tensor] = None):
+        """h [B, T, H] residual stream; positions: a Step, or absolute positions [T] / [B, T] (= cache slots)
+        with valid [B, T] (False = pad token) -> [B, T, H] on this layer's device."""
+        step = positions if isinstance(positions, Step) else Step.of(positions, h.shape[0], cache, valid)
+        step, h = step.on(self.device), h.to(self.device)
+        h = h + self.attn(rms_norm(h, self.ln_in, self.eps), step, cache)
         return h + self.mlp(rms_norm(h, self.ln_post, self.eps))
 
 
@@ -260,55 +379,145 @@ class DecoderLayer:
 
 
 class MiniMaxM3:
-    """`model(ids) -> logits`, `model.generate(ids, max_new_tokens)`; built by runtime.load."""
+    """`model(ids) -> logits`, `model.generate(ids, max_new_tokens)`; built by runtime.load.
 
-    def __init__(self, cfg: TextConfig, top: dict, layers, device, dtype):
+    With a device_map, decoder layer i lives on layer_devices[i] (embeddings on the first device, final
+    norm and lm_head on the last) and the residual stream moves between them."""
+
+    def __init__(self, cfg: TextConfig, top: dict, layers, device, dtype, layer_devices=None):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.embed_tokens, self.norm = top["model.embed_tokens.weight"], top["model.norm.weight"]  # [V, H], [H]
         self.lm_head = top.get("lm_head.weight", self.embed_tokens)  # [V, H] (tied if absent)
         self.layers = layers  # list of DecoderLayer, or runtime.loader.LazyLayers
+        self.layer_devices = ([torch.device(d) for d in layer_devices] if layer_devices is not None
+                              else [self.device] * cfg.num_hidden_layers)
+        self.head_device = self.lm_head.device
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids.to(self.device), self.embed_tokens).to(self.dtype)  # [B, T, H]
+        ids = ids.to(self.embed_tokens.device)
+        return F.embedding(ids, self.embed_tokens).to(self.dtype)  # [B, T, H]
 
     def final(self, h: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head.to(h.dtype)).float()  # [B, T, V]
+        h = rms_norm(h.to(self.norm.device), self.norm, self.cfg.rms_norm_eps)
+        return F.linear(h.to(self.lm_head.device), self.lm_head.to(h.dtype)).float()  # [B, T, V]
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        c, kw = self.cfg, dict(dtype=self.dtype, device=self.device)
-        kv = (batch, c.num_key_value_heads, max_len, c.head_dim)
-        return KVCache([LayerCache(torch.zeros(kv, **kw), torch.zeros(kv, **kw),
-                                   torch.zeros(batch, max_len, c.index_head_dim, **kw)
-                                   if c.is_sparse_attention(i) else None) for i in range(c.num_hidden_layers)])
+        """Caches of max_len slots (rounded up to whole index blocks), each on its layer's device."""
+        bs = self.cfg.index_block_size
+        slots = -(-max_len // bs) * bs
+        layers = [LayerCache.empty(self.cfg, i, batch, slots, self.dtype, self.layer_devices[i])
+                  for i in range(self.cfg.num_hidden_layers)]
+        return KVCache(layers, torch.zeros(batch, dtype=torch.long, device=self.embed_tokens.device))
+
+    def make_step(self, batch: int, T: int, cache: Optional[KVCache], attention_mask=None) -> Step:
+        """Positions of T new tokens per row: each row continues at cache.next_pos; with an attention_mask
+        ([B, T], 1 = real token, left padding) pad tokens get position 0 and are not cached."""
+        dev = self.embed_tokens.device
+        valid = None if attention_mask is None else attention_mask.to(dev).bool()
+        if valid is not None and bool(valid.all()):
+            valid = None
+        start = cache.next_pos[:, None] if cache is not None else torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        if valid is None:
+            pos = start + torch.arange(T, device=dev)  # [B, T]
+        else:
+            pos = torch.where(valid, start + valid.long().cumsum(1) - 1, 0)
+        first = cache is None or cache.length == 0
+        kv_len = (cache.length if cache is not None else 0) + T  # >= every row's last position + 1
+        if cache is not None and kv_len > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} tokens; {kv_len} needed (raise max_len)")
+        decode = cache is not None and T == 1 and valid is None
+        if decode:  # whole index blocks (decode_attention walks the cache block by block)
+            kv_len = min(-(-kv_len // self.cfg.index_block_size) * self.cfg.index_block_size, cache.max_len)
+        return Step(pos, valid, kv_len, fresh=first and valid is None, decode=decode)
+
+    def run_layers(self, h: torch.Tensor, step: Step, cache: Optional[KVCache], states: Optional[list] = None):
+        for i in range(len(self.layers)):
+            h = self.layers[i](h, step, cache.layers[i] if cache is not None else None)
+            if states is not None:
+                states.append(h)
+        return h
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, cache: Optional[KVCache] = None, output_hidden_states=False):
-        """input_ids [B, T] -> logits [B, T, V] fp32 (and the residual streams if asked)."""
-        start = cache.length if cache is not None else 0
-        positions = torch.arange(start, start + input_ids.shape[1], device=self.device)  # [T]
+    def __call__(self, input_ids: torch.Tensor, cache: Optional[KVCache] = None, output_hidden_states=False,
+                 attention_mask: Optional[torch.Tensor] = None):
+        """input_ids [B, T] -> logits [B, T, V] fp32 (and the residual streams if asked). attention_mask
+        [B, T] (1 real, 0 pad; left padding) runs prompts of different lengths together: each row's
+        logits at its real tokens are what the row gives alone."""
+        B, T = input_ids.shape
+        step = self.make_step(B, T, cache, attention_mask)
         h = self.embed(input_ids)
-        states = [h]
-        for i in range(len(self.layers)):
-            h = self.layers[i](h, positions, cache.layers[i] if cache is not None else None)
-            if output_hidden_states:
-                states.append(h)
+        states = [h] if output_hidden_states else None
+        h = self.run_layers(h, step, cache, states)
         if cache is not None:
-            cache.length += input_ids.shape[1]
+            cache.length += T
+            cache.next_pos += T if step.valid is None else step.valid.sum(1)
         logits = self.final(h)
         return (logits, states) if output_hidden_states else logits
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
-        """Greedy decoding with the KV cache (incl. the indexer key cache) -> [B, T + n]."""
-        out = input_ids.to(self.device)
-        cache = self.new_cache(out.shape[0], out.shape[1] + max_new_tokens)
-        logits = self(out, cache)
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
+                 attention_mask: Optional[torch.Tensor] = None, cuda_graph: bool = False) -> torch.Tensor:
+        """Greedy decoding with the KV cache (incl. the indexer key cache) -> [B, T + n]. attention_mask:
+        left-padded prompts. cuda_graph: replay one captured decode step (CUDA, single device)."""
+        out = input_ids.to(self.embed_tokens.device)
+        B, T = out.shape
+        cache = self.new_cache(B, T + max_new_tokens)
+        logits = self(out, cache, attention_mask=attention_mask)
+        if attention_mask is None:
+            last = logits[:, -1]
+        else:  # the last real token of each row
+            cols = torch.arange(T, device=logits.device) * attention_mask.to(logits.device).long()
+            last = logits[torch.arange(B, device=logits.device), cols.argmax(1)]
+        graph = DecodeGraph(self, cache) if cuda_graph and max_new_tokens > 1 else None
         for _ in range(max_new_tokens):
-            nxt = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+            nxt = last.argmax(-1, keepdim=True).to(out.device)  # [B, 1]
             out = torch.cat([out, nxt], dim=1)
             if eos_token_id is not None and bool((nxt == eos_token_id).all()):
                 break
-            if out.shape[1] < input_ids.shape[1] + max_new_tokens:
-                logits = self(nxt, cache)
+            if out.shape[1] < T + max_new_tokens:
+                last = graph(nxt) if graph is not None else self(nxt, cache)[:, -1]
         return out
+
+
+class DecodeGraph:
+    """One decode step (token [B, 1] -> last logits [B, V]) captured in a CUDA graph over a fixed cache.
+
+    Everything the step reads sits in static buffers: the token, the cache's next_pos (advanced after
+    each replay), and the cache itself; attention covers all cache slots (static kv_len) and finds each
+    row's keys from its position. Captured on first use (the warm-up and the capture compute the same
+    step, so the cache entries they write are the ones the step needs)."""
+
+    def __init__(self, model: MiniMaxM3, cache: KVCache):
+        devices = {model.embed_tokens.device, model.head_device, *model.layer_devices}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            raise ValueError(f"CUDA-graph decoding needs the whole model on one CUDA device; it is on {devices}")
+        self.model, self.cache, self.graph = model, cache, None
+        B = cache.next_pos.shape[0]
+        self.tok = torch.zeros(B, 1, dtype=torch.long, device=cache.next_pos.device)
+        self.step = Step(cache.next_pos[:, None], None, cache.max_len, decode=True)
+        self.logits = None
+
+    def _run(self) -> torch.Tensor:
+        h = self.model.embed(self.tok)
+        h = self.model.run_layers(h, self.step, self.cache)
+        return self.model.final(h)[:, -1]  # [B, V]
+
+    @torch.inference_mode()
+    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
+        if self.cache.length + 1 > self.cache.max_len:
+            raise ValueError(f"KV cache holds {self.cache.max_len} tokens; {self.cache.length + 1} needed")
+        self.tok.copy_(tok)
+        if self.graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._run()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._run()
+        self.graph.replay()
+        self.cache.length += 1
+        self.cache.next_pos += 1
+        return self.logits

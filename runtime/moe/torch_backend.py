@@ -1,4 +1,8 @@
-"""Reference MoE backend: dequantize with porter.mxfp8, grouped matmul per expert. Any device."""
+"""Reference MoE backend: dequantize with porter.mxfp8, matmuls per expert. Any device.
+
+Only the experts the tokens were routed to are dequantized. For few routed slots (decode: T*k <= E) the
+selected experts are gathered by index and run as one batched matmul, with no host synchronisation, so
+a decode step on this backend can be captured in a CUDA graph; otherwise one matmul per used expert."""
 from __future__ import annotations
 
 import torch
@@ -30,6 +34,8 @@ class TorchMoE:
     def forward_topk(self, hidden_states, topk_ids, topk_weights):
         """hidden [T, H], topk_ids [T, k], topk_weights [T, k] (renormalised) -> routed output [T, H],
         routed_scaling_factor applied here, once."""
+        if topk_ids.numel() <= self.quant.num_experts:
+            return self._forward_gathered(hidden_states, topk_ids, topk_weights)
         q = self.quant
         dtype = hidden_states.dtype
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
@@ -46,6 +52,26 @@ class TorchMoE:
             # tok holds each token at most once per expert, so a plain indexed add is exact (and, unlike
             # index_add_, not pathologically slow with several CPU threads)
             out[tok] += y.float() * topk_weights[tok, slot].float().unsqueeze(1)
+        return (out * self.routing.routed_scaling_factor).to(dtype)
+
+    def _forward_gathered(self, hidden_states, topk_ids, topk_weights):
+        """Each routed slot (token, j) with its own copy of expert topk_ids[t, j]: [n = T*k] batched."""
+        q, dtype = self.quant, hidden_states.dtype
+        T, k = topk_ids.shape
+        ids = topk_ids.reshape(-1)  # [n]
+        if q.is_mxfp8:
+            w13 = mxfp8.dequantize(q.w13_weight[ids], q.w13_weight_scale[ids], dtype)  # [n, 2I, H]
+            w2 = mxfp8.dequantize(q.w2_weight[ids], q.w2_weight_scale[ids], dtype)  # [n, H, I]
+        else:
+            w13, w2 = q.w13_weight[ids].to(dtype), q.w2_weight[ids].to(dtype)
+        x = hidden_states.repeat_interleave(k, dim=0)[:, None]  # [n, 1, H]
+        gate_up = torch.bmm(x, w13.transpose(1, 2))[:, 0]  # [n, 2I]
+        inter = q.intermediate_size
+        col = lambda t: t[ids].to(dtype)[:, None]  # per-slot parameter, [n, 1]
+        act = swiglu_oai(gate_up[:, :inter], gate_up[:, inter:], col(q.gemm1_alpha), col(q.gemm1_beta),
+                         col(q.gemm1_clamp_limit))
+        y = torch.bmm(act[:, None], w2.transpose(1, 2))[:, 0]  # [n, H]
+        out = (y.float() * topk_weights.reshape(-1, 1).float()).view(T, k, -1).sum(1)  # [T, H]
         return (out * self.routing.routed_scaling_factor).to(dtype)
 
     def __call__(self, hidden_states):

@@ -6,8 +6,12 @@
     tokens = model.generate(input_ids, max_new_tokens=32)        # greedy, KV cache
     logits, states = model(input_ids, output_hidden_states=True) # residual stream after each layer
     model = runtime.load(path, lazy=True)                        # one decoder layer resident at a time
+    model = runtime.load(path, device_map="auto", max_memory={0: "70GiB", 1: "70GiB"})  # layers over GPUs
+    logits = model(padded_ids, attention_mask=mask)             # left-padded prompts of different lengths
+    tokens = model.generate(ids, 64, cuda_graph=True)            # decode steps replayed from a CUDA graph
 
-See runtime/models/minimax_m3.py (layer-at-a-time API) and runtime/loader.py (memory model, streaming).
+See runtime/models/minimax_m3.py (layer-at-a-time API), runtime/loader.py (memory model, streaming) and
+runtime/placement.py (device_map).
 """
 from __future__ import annotations
 
@@ -18,27 +22,42 @@ import torch
 
 from runtime.loader import ArtifactStore, LoadError, SourceStore, build_model, open_store
 from runtime.moe import BackendUnavailable, make_moe, resolve_backend
+from runtime.placement import PlacementError, resolve as resolve_placement
 
-__all__ = ["load", "LoadError", "BackendUnavailable"]
+__all__ = ["load", "LoadError", "BackendUnavailable", "PlacementError"]
 
 log = logging.getLogger("porter.runtime")
 
 
-def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str = "auto", lazy: bool = False):
+def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str = "auto", lazy: bool = False,
+         device_map=None, max_memory: Optional[dict] = None):
     """Load a porter artifact dir (porter.json) or an original MiniMax-M3 HF checkpoint dir (or an already
     opened store from runtime.loader.open_store, which the caller keeps, e.g. to read weights or close()).
 
     dtype: compute dtype (default float32 on CPU, bfloat16 on CUDA). backend: MoE backend, checked against
     the device before any weight is read (BackendUnavailable with a one-line reason). lazy: stream decoder
     layers (runtime.loader.LazyLayers) instead of materializing all of them.
+    device_map: "auto" (whole layers over the visible GPUs by byte size; budgets from max_memory
+    {device: bytes | "70GiB"} or each GPU's free memory) or {"layers.N": device, ...}; overrides `device`.
+    A model that does not fit is refused before any weight is read (PlacementError, one line).
     """
+    store = path if hasattr(path, "names") and hasattr(path, "get") else open_store(path)  # an opened store
+    placement = None
+    if device_map is not None:
+        if lazy:
+            raise PlacementError("device_map and lazy=True do not combine: streaming keeps one layer resident")
+        placement = resolve_placement(device_map, store, max_memory)
+        device = placement.embed
+        log.info("device_map: %s", placement.describe())
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    store = path if hasattr(path, "names") and hasattr(path, "get") else open_store(path)  # an opened store
     quantized = any(n.endswith("experts.w13_weight_scale") for n in store.names())
     name = resolve_backend(backend, device, quantized=quantized)
     log.info("loading %s on %s (%s, MoE backend %s, lazy=%s)", store.path, device, dtype, name, lazy)
-    return build_model(store, device, dtype, lambda quant, routing: make_moe(name, quant, routing), lazy)
+    model = build_model(store, device, dtype, lambda quant, routing: make_moe(name, quant, routing), lazy,
+                        placement)
+    model.placement = placement
+    return model

@@ -57,6 +57,7 @@ class ArtifactStore:
                             "`porter convert ... --resume` into this folder")
         self.files = {n: path / f for n, f in _json(index)["weight_map"].items()}
         self._handles: dict = {}
+        self._headers: dict = {}  # shard -> parsed safetensors header (nbytes)
         # hf layout (vendor names, per-expert tensors): canonical name -> hf name, or per expert the hf
         # row parts that stack to [E, N, K] when the model touches them (arch.hf_canonical_map)
         hf = (self.manifest.get("options") or {}).get("layout") == "hf"
@@ -91,6 +92,22 @@ class ArtifactStore:
             return ((e, torch.cat([self._get(p) for p in parts])) for e, parts in enumerate(self._hf[name]))
         w = self.get(name)
         return ((e, w[e]) for e in range(w.shape[0]))
+
+    def nbytes(self, name: str) -> int:
+        """Stored bytes of a canonical tensor, from the shard headers (no tensor data read)."""
+        if self._hf is not None:
+            spec = self._hf[name]
+            parts = [p for e in spec for p in e] if isinstance(spec, list) else [spec]
+            return sum(self._header_bytes(p) for p in parts)
+        return self._header_bytes(name)
+
+    def _header_bytes(self, name: str) -> int:
+        from porter.safetensors_io import parse_header
+        f = self.files[name]
+        if f not in self._headers:
+            self._headers[f] = parse_header(f)[1]
+        start, end = self._headers[f][name]["data_offsets"]
+        return end - start
 
     def carried_names(self) -> set:
         """Tensors outside the text model (vision tower, projectors, MTP), under their source names."""
@@ -130,6 +147,12 @@ class SourceStore:
         """(e, expert e) of a stacked [E, N, K] tensor, reading only that expert's source rows each time."""
         t = self.plan[name]
         return ((e, t.build_expert(self.source.read, e)) for e in range(t.shape[0]))
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of a canonical tensor as the runtime holds it (source dtype), from the plan (nothing read)."""
+        from porter.safetensors_io import nbytes
+        t = self.plan[name]
+        return nbytes(t.dtype, t.shape)
 
     def carried_names(self) -> set:
         """Tensors outside the text model (vision tower, projectors, MTP), under their source names."""
@@ -204,12 +227,21 @@ class LazyLayers:
             torch.cuda.empty_cache()
 
 
-def build_model(store, device: torch.device, dtype: torch.dtype, make_backend: Callable, lazy: bool) -> MiniMaxM3:
+def build_model(store, device: torch.device, dtype: torch.dtype, make_backend: Callable, lazy: bool,
+                placement=None) -> MiniMaxM3:
+    """placement (runtime.placement.Placement): decoder layer i on placement.layers[i], embeddings on
+    placement.embed, final norm + lm_head on placement.head; None = everything on `device`."""
     cfg, names = store.config, store.names()
-    get = getter(store, names, device)
-    rope = Rope(cfg.rotary_dim, cfg.rope_theta, device)
-    top = {n: get(n) for n in TOP_NAMES if n in names}
-    build = lambda i: DecoderLayer(cfg, get, i, rope, device, make_backend)
-    layers = (LazyLayers(cfg.num_hidden_layers, build, store.close) if lazy
-              else [build(i) for i in range(cfg.num_hidden_layers)])
-    return MiniMaxM3(cfg, top, layers, device, dtype)
+    n = cfg.num_hidden_layers
+    where = list(placement.layers) if placement is not None else [device] * n
+    getters, ropes = {}, {}
+    for d in {*where, device} | ({placement.embed, placement.head} if placement is not None else set()):
+        getters[d], ropes[d] = getter(store, names, d), Rope(cfg.rotary_dim, cfg.rope_theta, d)
+    embed_dev = placement.embed if placement is not None else device
+    head_dev = placement.head if placement is not None else device
+    top = {nm: getters[embed_dev if nm == TOP_NAMES[0] else head_dev](nm) for nm in TOP_NAMES if nm in names}
+    if "lm_head.weight" not in top and head_dev != embed_dev:  # tied: lm_head needs the embedding there too
+        top["lm_head.weight"] = getters[head_dev](TOP_NAMES[0])
+    build = lambda i: DecoderLayer(cfg, getters[where[i]], i, ropes[where[i]], where[i], make_backend)
+    layers = (LazyLayers(n, build, store.close) if lazy else [build(i) for i in range(n)])
+    return MiniMaxM3(cfg, top, layers, embed_dev, dtype, layer_devices=where)

@@ -1,0 +1,185 @@
+"""device_map planning: whole decoder layers across the devices of one node, by their byte size.
+
+    runtime.load(path, device_map="auto")                                 # every visible GPU, free memory
+    runtime.load(path, device_map="auto", max_memory={0: "60GiB", 1: "60GiB"})
+    runtime.load(path, device_map={"layers.0": "cuda:0", ..., "layers.59": "cuda:1"})
+
+Embeddings go on the first device, the final norm and lm_head on the last; layers fill the devices in
+order (the residual stream crosses each device boundary once per forward). The plan is made from the
+tensor sizes in the shard headers, before any weight is read: a model that does not fit is refused with
+one line saying how much it needs and how much the devices offer. Budgets cover weights only; "auto"
+without max_memory keeps RESERVE of each GPU free for the KV cache and activations.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from runtime.loader import TOP_NAMES, LoadError
+
+GiB = 1 << 30
+RESERVE_FRACTION, RESERVE_MIN = 0.05, 2 * GiB  # kept free per GPU by "auto" without max_memory
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+class PlacementError(LoadError):
+    """The model does not fit the given devices, or the device_map is malformed (one line says why)."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Bytes of the weights: embeddings, final norm + lm_head, each decoder layer."""
+    embed: int
+    head: int
+    layers: tuple
+
+    @property
+    def total(self) -> int:
+        return self.embed + self.head + sum(self.layers)
+
+
+@dataclass(frozen=True)
+class Placement:
+    layers: tuple  # torch.device of decoder layer i
+    embed: torch.device
+    head: torch.device
+    used: dict  # str(device) -> weight bytes placed there
+
+    def describe(self) -> str:
+        spans, start = [], 0
+        for i in range(1, len(self.layers) + 1):
+            if i == len(self.layers) or self.layers[i] != self.layers[start]:
+                spans.append(f"layers {start}-{i - 1} on {self.layers[start]}")
+                start = i
+        used = ", ".join(f"{d} {fmt(b)}" for d, b in self.used.items())
+        return f"embeddings on {self.embed}, {'; '.join(spans)}, lm_head on {self.head} ({used})"
+
+
+def fmt(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def parse_bytes(v, what: str = "max_memory") -> int:
+    """70 * 2**30, "70GiB", "70GB", "512MiB" -> bytes."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return int(v)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(v))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise PlacementError(f"{what}: cannot read {v!r} as a size; use bytes or e.g. '70GiB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def as_device(d) -> torch.device:
+    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+
+
+def store_sizes(store, num_layers: int) -> Sizes:
+    """Weight bytes from the store's headers (nothing is read)."""
+    names = store.names()
+    per_layer = [0] * num_layers
+    embed = head = 0
+    for n in names:
+        b = store.nbytes(n)
+        m = re.match(r"model\.layers\.(\d+)\.", n)
+        if m and int(m.group(1)) < num_layers:
+            per_layer[int(m.group(1))] += b
+        elif n == TOP_NAMES[0]:
+            embed += b
+        elif n in TOP_NAMES[1:]:
+            head += b
+    return Sizes(embed, head, tuple(per_layer))
+
+
+def plan(sizes: Sizes, budgets: Mapping) -> Placement:
+    """Fill the devices in order (dict order of budgets: device -> weight bytes allowed)."""
+    devs = [as_device(d) for d in budgets]
+    cap = [int(b) for b in budgets.values()]
+    avail = ", ".join(f"{d} {fmt(c)}" for d, c in zip(devs, cap))
+    if sizes.total > sum(cap):
+        raise PlacementError(f"model does not fit: its weights need {fmt(sizes.total)}, the devices offer "
+                             f"{fmt(sum(cap))} ({avail}); add devices or raise max_memory")
+    used = [0] * len(devs)
+    cur, where = 0, []
+    if sizes.embed > cap[0]:
+        raise PlacementError(f"model does not fit: embeddings ({fmt(sizes.embed)}) exceed {devs[0]} "
+                             f"({fmt(cap[0])}); raise its max_memory")
+    used[0] = sizes.embed
+    n = len(sizes.layers)
+    for i, size in enumerate(sizes.layers):
+        need = size + (sizes.head if i == n - 1 else 0)  # the last layer's device also takes lm_head
+        while used[cur] + need > cap[cur]:
+            cur += 1
+            if cur == len(devs):
+                raise PlacementError(
+                    f"model does not fit: {fmt(sizes.total)} of weights in whole layers (layer {i}: "
+                    f"{fmt(size)}) do not pack into {fmt(sum(cap))} ({avail}); add devices or raise max_memory")
+        used[cur] += need
+        where.append(devs[cur])
+    if n == 0:
+        used[0] += sizes.head
+    head = where[-1] if where else devs[0]
+    return Placement(tuple(where), devs[0], head,
+                     {str(d): u for d, u in zip(devs, used) if u or d == devs[0]})
+
+
+def explicit(device_map: Mapping, sizes: Sizes, budgets: Optional[Mapping]) -> Placement:
+    """{"layers.N": device, ...} naming every decoder layer; checked against budgets when known."""
+    n = len(sizes.layers)
+    where = [None] * n
+    for key, dev in device_map.items():
+        m = re.fullmatch(r"(?:model\.)?layers\.(\d+)", str(key))
+        if not m or int(m.group(1)) >= n:
+            raise PlacementError(f"device_map key {key!r}: expected 'layers.N' with N < {n}")
+        where[int(m.group(1))] = as_device(dev)
+    missing = [i for i, d in enumerate(where) if d is None]
+    if missing:
+        raise PlacementError(f"device_map names no device for layers {missing[:8]}{'...' if len(missing) > 8 else ''}; "
+                             "name every 'layers.N' or use device_map='auto'")
+    used: dict = {}
+    for d, b in [(where[0], sizes.embed), (where[-1], sizes.head)] + list(zip(where, sizes.layers)):
+        used[str(d)] = used.get(str(d), 0) + b
+    if budgets is not None:
+        caps = {str(as_device(d)): int(b) for d, b in budgets.items()}
+        for d, u in used.items():
+            if d in caps and u > caps[d]:
+                raise PlacementError(f"model does not fit: device_map puts {fmt(u)} of weights on {d}, which "
+                                     f"offers {fmt(caps[d])}; move layers elsewhere or raise max_memory")
+    return Placement(tuple(where), where[0], where[-1], used)
+
+
+def device_budgets(max_memory: Optional[Mapping]) -> dict:
+    """device -> weight bytes: max_memory as given, else every visible GPU's free memory less RESERVE."""
+    if max_memory:
+        return {as_device(d): parse_bytes(v) for d, v in max_memory.items()}
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise PlacementError("device_map='auto' found no CUDA device; pass max_memory={'cpu': ...} or "
+                             "load with device='cpu'")
+    out = {}
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        out[torch.device("cuda", i)] = max(0, free - max(RESERVE_MIN, int(RESERVE_FRACTION * total)))
+    return out
+
+
+def resolve(device_map, store, max_memory: Optional[Mapping] = None) -> Placement:
+    sizes = store_sizes(store, store.config.num_hidden_layers)
+    if isinstance(device_map, str):
+        if device_map != "auto":
+            raise PlacementError(f"device_map={device_map!r}: use 'auto' or a dict {{'layers.N': device}}")
+        return plan(sizes, device_budgets(max_memory))
+    if isinstance(device_map, Mapping):
+        budgets = {as_device(d): parse_bytes(v) for d, v in max_memory.items()} if max_memory else None
+        return explicit(device_map, sizes, budgets)
+    raise PlacementError(f"device_map must be 'auto' or a dict, not {type(device_map).__name__}")
+
+
+def devices_in(p: Placement) -> Sequence[torch.device]:
+    seen = []
+    for d in (p.embed, *p.layers, p.head):
+        if d not in seen:
+            seen.append(d)
+    return seen

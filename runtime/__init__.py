@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from runtime.loader import ArtifactStore, LoadError, SourceStore, build_model, open_store
+from runtime.loader import LoadError, build_model, open_store
 from runtime.moe import BackendUnavailable, make_moe, resolve_backend
 from runtime.placement import PlacementError, resolve as resolve_placement
 

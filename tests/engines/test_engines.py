@@ -8,12 +8,16 @@ asserts on the reports.
 """
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from converters import minimax_m3 as arch
 from porter.cli import main as cli
@@ -38,21 +42,24 @@ def artifact(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module", params=list(ENGINES))
-def report(request, artifact):
-    name = request.param
+def run_harness(name: str, art: Path, out: Path, all_listed: Path) -> dict:
     script, version, port = ENGINES[name]
     assert importlib.util.find_spec(name) is not None, f"{name} is not installed; run tests/engines/run.sh"
     from importlib.metadata import version as installed
     assert installed(name) == version, f"{name} {installed(name)} installed, the suite pins {version}"
-    out = artifact / f"{name}.json"
-    proc = subprocess.run([sys.executable, str(HERE / script), str(artifact / "hf"), str(out),
-                           str(artifact / "all_listed.json")], capture_output=True, text=True, timeout=900,
-                          env={**__import__("os").environ, "PORTER_ENGINE_PORT": str(port)})
+    proc = subprocess.run([sys.executable, str(HERE / script), str(art), str(out), str(all_listed)],
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PORTER_ENGINE_PORT": str(port)})
     assert proc.returncode == 0, f"{name} harness failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     rep = json.loads(out.read_text())
-    rep["config"] = json.loads((artifact / "hf" / "config.json").read_text())
+    rep["config"] = json.loads((art / "config.json").read_text())
     return rep
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def report(request, artifact):
+    return run_harness(request.param, artifact / "hf", artifact / f"{request.param}.json",
+                       artifact / "all_listed.json")
 
 
 def test_every_parameter_written_no_sentinel_left(report):
@@ -86,3 +93,31 @@ def test_engine_ignore_matching_agrees_with_porter_module_by_module(report):
         # and what the engine built agrees: MXFP8 params exactly where porter quantized
         if m["engine_dtype"] is not None:
             assert (m["engine_dtype"] == "torch.float8_e4m3fn") == (not m["porter_listed"][0]), m
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_stacked_experts_are_caught(engine, artifact, tmp_path):
+    """Negative control: layer 1's experts stacked porter-style (`experts.w13_weight`, `w13_weight_scale`)
+    instead of per expert. The engines load that without an error; the suite must still fail it."""
+    src = artifact / "hf"
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            tensors |= {k: h.get_tensor(k) for k in h.keys()}
+    m = "language_model.model.layers.1.block_sparse_moe.experts."
+    per_expert = [k for k in tensors if k.startswith(m)]
+    for suffix, scale in ((".weight", ""), (".weight_scale_inv", "_scale")):
+        tensors[m + "w13_weight" + scale] = torch.stack(
+            [torch.cat([tensors[m + f"{e}.w1{suffix}"], tensors[m + f"{e}.w3{suffix}"]]) for e in range(8)])
+        tensors[m + "w2_weight" + scale] = torch.stack([tensors[m + f"{e}.w2{suffix}"] for e in range(8)])
+    for k in per_expert:
+        del tensors[k]
+    bad = tmp_path / "stacked"
+    bad.mkdir()
+    save_file(tensors, str(bad / "model.safetensors"))
+    (bad / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "model.safetensors" for k in tensors}}))
+    (bad / "config.json").write_text((src / "config.json").read_text())
+    rep = run_harness(engine, bad, tmp_path / "report.json", artifact / "all_listed.json")
+    left = [n for n in rep["sentinel_left"] if "layers.1." in n and "experts" in n]
+    assert left, f"{engine}: stacked experts went unnoticed"
+    assert not [n for n in rep["sentinel_left"] if "layers.1." not in n]  # only the tampered layer

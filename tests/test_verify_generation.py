@@ -79,3 +79,21 @@ def test_no_generation_when_the_converted_model_does_not_fit(artifact, monkeypat
     assert rep.max_new_tokens == 0 and rep.generation == [] and rep.streaming.enabled
     asked = verify(artifact, max_new_tokens=2).report  # asked for: layer-streamed generation
     assert asked.streaming.generation == "streaming" and len(asked.generation[0].converted_tokens) == 2
+
+
+def test_prompts_generate_as_one_padded_batch(artifact):
+    """Left-padded prompts of different lengths decode together and give what each gives alone."""
+    from porter.verification import generation as g
+    conv = runtime.load(artifact)
+    assert g.batches_prompts(conv)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(artifact / "tokenizer.json"))
+    ids = [torch.tensor([tok.encode(p).ids]) for p in PROMPTS + ["Hello"]]
+    assert len({x.shape[1] for x in ids}) == 3
+    alone = [g.greedy(conv, x, N, None) for x in ids]
+    assert g.greedy_all(conv, ids, N, None) == alone
+    eos = alone[0][1]  # row 0 stops after two tokens; the batch goes on for the others
+    assert g.greedy_all(conv, ids, N, eos) == [g.greedy(conv, x, N, eos) for x in ids]
+    assert len(g.greedy_all(conv, ids, N, eos)[0]) == alone[0].index(eos) + 1
+    rep = verify(artifact, prompts=PROMPTS, max_new_tokens=2).report
+    assert rep.streaming.generation == "resident, one padded batch of 2 prompts"

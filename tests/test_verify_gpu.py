@@ -49,3 +49,15 @@ def test_verify_cli_on_cuda(tiny_vendor, tmp_path):
                                     "--backend", "torch", "--dtype", "float32"])
     assert res.exit_code == 0, res.output
     assert "exact bytes (vendor layout, rceil scales, cuda" in res.output and "verdict: PASS" in res.output
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs")
+def test_generation_spreads_over_the_visible_gpus(tiny_vendor, tmp_path):
+    from porter.verification import verify
+    art = tmp_path / "art"
+    porter.convert(tiny_vendor, art, progress=False)
+    rep = verify(art, device="cuda", backend="torch", dtype=torch.float32, max_new_tokens=3,
+                 prompts=["Hello world", "The quick brown fox jumps over the lazy dog."]).report
+    assert rep.passed, rep.summary
+    assert rep.streaming.generation == "resident over the visible GPUs (device_map auto), one padded batch of 2 prompts"
+    assert [len(g.converted_tokens) for g in rep.generation] == [3, 3]

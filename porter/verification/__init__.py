@@ -118,13 +118,13 @@ def _numerics(rep: Report, inp: _Inputs, ref_store: ReferenceStore, backend, str
     conv_bytes = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values())
     ref_bytes = sum(ref_store.mapping.shards.nbytes(n) for n in ref_store.mapping.shards.meta)
     plan = gen.plan_runs(streaming, max_new_tokens, inp.device, conv_bytes, ref_bytes)
-    rep.streaming = StreamingInfo(plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation)
     rep.max_new_tokens = plan.new_tokens
     ids = encode_prompts(inp.tok, rep.prompts)
     rep.prompt_tokens = [int(x.shape[1]) for x in ids]
     conv = runtime.load(inp.art, device=inp.device, dtype=dtype, backend=backend, lazy=plan.stream)
     rep.dtype = dtype_name(conv.dtype)
     conts = _generate(conv, inp, plan, ids, backend, dtype)
+    rep.streaming = StreamingInfo(plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation)
     seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
     ref = runtime.load(ref_store, device=inp.device, dtype=conv.dtype, backend="auto", lazy=plan.stream)
     res = compare_models(ref, conv, seqs, rep.prompt_tokens, progress)
@@ -139,10 +139,14 @@ def _generate(conv, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype) 
         return [[] for _ in ids]
     import runtime
     model = conv
-    if plan.stream and plan.generation == "resident":  # fits alone: decode resident, stream the pass
+    if plan.device_map:  # spread over the visible GPUs: a model of its own, freed after decoding
+        model = runtime.load(inp.art, dtype=dtype, backend=backend, device_map=plan.device_map)
+    elif plan.stream and plan.generation == "resident":  # fits alone: decode resident, stream the pass
         model = runtime.load(inp.art, device=inp.device, dtype=dtype, backend=backend, lazy=False)
     eos = conv.cfg.eos_token_id if isinstance(conv.cfg.eos_token_id, int) else None
-    out = [gen.greedy(model, x, plan.new_tokens, eos) for x in ids]
+    out = gen.greedy_all(model, ids, plan.new_tokens, eos)
+    if len(ids) > 1 and gen.batches_prompts(model):
+        plan.generation += f", one padded batch of {len(ids)} prompts"
     if hasattr(conv.layers, "release"):
         conv.layers.release()
     return out

@@ -9,6 +9,7 @@ sequence are the logits a token-by-token run gives at step t (tested on the tiny
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,17 @@ class RunPlan:
     stream_reason: str
     new_tokens: int
     generation: str  # resident | streaming | skipped (why, and how to ask for it)
+    device_map: Optional[str] = None  # "auto": the converted model generates spread over every visible GPU
+
+
+def generation_budget(device: torch.device) -> tuple[int, Optional[str]]:
+    """Bytes free for the converted model, and the device_map to load it with (None: `device` alone).
+    With a bare `cuda` device and several visible GPUs, whole layers are spread over all of them."""
+    import runtime
+    count = torch.cuda.device_count() if device.type == "cuda" and device.index is None else 0
+    if count > 1 and "device_map" in inspect.signature(runtime.load).parameters:
+        return sum(memory_available(torch.device("cuda", i)) for i in range(count)), "auto"
+    return memory_available(device), None
 
 
 def plan_runs(streaming, max_new_tokens: Optional[int], device: torch.device, conv_bytes: int,
@@ -57,15 +69,18 @@ def plan_runs(streaming, max_new_tokens: Optional[int], device: torch.device, co
         stream, why = conv_bytes + ref_bytes > STREAM_FRACTION * avail, f"auto: {need}"
     else:
         raise VerifyInputError(f"streaming must be auto, True or False, not {streaming!r}")
-    fits = conv_bytes <= STREAM_FRACTION * avail
+    gen_avail, device_map = generation_budget(device)
+    where = "the visible GPUs" if device_map else str(device)
+    fits = conv_bytes <= STREAM_FRACTION * gen_avail
     n = max_new_tokens if max_new_tokens is not None else (DEFAULT_MAX_NEW_TOKENS if fits else 0)
     if n == 0:
         mode = ("skipped: --max-new-tokens 0" if max_new_tokens == 0 else
-                f"skipped: the converted model ({gb(conv_bytes)}) does not fit {gb(avail)} on {device}; "
+                f"skipped: the converted model ({gb(conv_bytes)}) does not fit {gb(gen_avail)} on {where}; "
                 f"--max-new-tokens N generates anyway with layer streaming (reads {gb(conv_bytes)} per token)")
     else:
-        mode = "resident" if fits else "streaming"
-    plan = RunPlan(stream, why, n, mode)
+        mode = ("resident" + (" over the visible GPUs (device_map auto)" if device_map else "")) if fits \
+            else "streaming"
+    plan = RunPlan(stream, why, n, mode, device_map if fits else None)
     _log_costs(plan, conv_bytes, ref_bytes)
     return plan
 
@@ -87,6 +102,25 @@ def _log_costs(plan: RunPlan, conv_bytes: int, ref_bytes: int) -> None:
 def greedy(model, ids: torch.Tensor, n: int, eos) -> list:
     """The converted model's greedy continuation of ids [1, P] (new token ids)."""
     return model.generate(ids, max_new_tokens=n, eos_token_id=eos)[0, ids.shape[1]:].tolist()
+
+
+def batches_prompts(model) -> bool:
+    """Whether the runtime decodes left-padded prompts of different lengths together (attention_mask)."""
+    return "attention_mask" in inspect.signature(model.generate).parameters
+
+
+def greedy_all(model, ids: list, n: int, eos) -> list:
+    """Continuations of every prompt: one left-padded batch when the runtime supports it, else one by one."""
+    if len(ids) < 2 or not batches_prompts(model):
+        return [greedy(model, x, n, eos) for x in ids]
+    width = max(x.shape[1] for x in ids)
+    batch = torch.zeros(len(ids), width, dtype=torch.long)  # [B, P], left padding (token 0, masked)
+    mask = torch.zeros_like(batch)
+    for i, x in enumerate(ids):
+        batch[i, width - x.shape[1]:], mask[i, width - x.shape[1]:] = x[0], 1
+    rows = model.generate(batch, max_new_tokens=n, eos_token_id=eos, attention_mask=mask)[:, width:].tolist()
+    # a row that met eos keeps going until every row has: cut it where a lone run would have stopped
+    return [row[:row.index(eos) + 1] if eos is not None and eos in row else row for row in rows]
 
 
 def teacher_forced_input(ids: torch.Tensor, continuation: list) -> torch.Tensor:

@@ -268,7 +268,7 @@ def test_kernel_view_pairs_up_and_gate(layer, backend):
 
 def test_prepare_rejects_dims_the_kernel_cannot_take():
     w = torch.zeros(4, 2 * 96, 256, dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="divisible by 128"):
+    with pytest.raises(BackendUnavailable, match="divisible by 128"):  # bad input for this backend: exit 2
         fi_moe.prepare_w13(w, torch.zeros(4, 2 * 96, 8, dtype=torch.uint8))
 
 

@@ -48,8 +48,8 @@ def _check_dims(hidden: int, inter: int) -> None:
     # prepare.py: "MXFP8 shuffled MajorK preparation requires hidden_size and intermediate_size
     # divisible by 128"; then the 128x4-swizzled scales need no padding (§4.4).
     if hidden % 128 or inter % 128:
-        raise ValueError(f"flashinfer-trtllm MXFP8 needs hidden_size and intermediate_size divisible by "
-                         f"128, got H={hidden}, I={inter}")
+        raise BackendUnavailable(f"flashinfer-trtllm MXFP8 needs hidden_size and intermediate_size divisible "
+                                 f"by 128, got H={hidden}, I={inter}; use backend='triton' or 'torch'")
 
 
 def w13_row_permutation(two_i: int) -> torch.Tensor:

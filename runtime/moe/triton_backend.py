@@ -466,8 +466,9 @@ class TritonMoE:
     def __init__(self, quant: MoeQuantInfo, routing: MoeRouting):
         quant.validate()
         if not quant.is_mxfp8:
-            raise ValueError("triton MoE backend runs MXFP8 weights only (float8_e4m3fn + uint8 "
-                             "UE8M0 scales); these weights are unquantized: use backend='torch'")
+            from runtime.moe import BackendUnavailable  # lazy: runtime.moe imports this module
+            raise BackendUnavailable("triton MoE backend runs MXFP8 weights only (float8_e4m3fn + uint8 "
+                                     "UE8M0 scales); these weights are unquantized: use backend='torch'")
         self.check_supported(quant.w13_weight.device)
         self.quant, self.routing = quant, routing
         self.prepared = prepare(quant.w13_weight, quant.w13_weight_scale, quant.w2_weight,

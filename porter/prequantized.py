@@ -128,6 +128,9 @@ def detect(raw: dict, config_path: Path) -> Optional[Scheme]:
     method = qc.get("quant_method")
     if method in (None, "none"):
         return None
+    if "porter_layout" in qc:
+        raise PrequantizedError(f"{config_path}: a porter-layout artifact (stacked experts) cannot be converted "
+                                "again; convert its source, or an artifact written with --layout hf")
     block = qc.get("weight_block_size")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
         raise PrequantizedError(f"{config_path}: quantization_config.activation_scheme "

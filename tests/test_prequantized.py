@@ -239,3 +239,10 @@ def test_rceil_requantization_of_mxfp8_values_is_lossless_and_keep_scale_is_iden
     q, s = mxfp8.quantize(w)
     with pytest.raises(mxfp8.MXFP8Error, match="do not fit the scale bytes"):
         mxfp8.quantize_with_error(w * 4, keep_scale=s)
+
+
+def test_porter_layout_artifact_as_source_refused(tiny_vendor, tmp_path):
+    porter.convert(tiny_vendor, tmp_path / "art", progress=False)
+    res = CliRunner().invoke(cli, ["convert", str(tmp_path / "art"), "--output", str(tmp_path / "o")])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and "porter-layout artifact" in lines[0] and "--layout hf" in lines[0]

@@ -85,7 +85,6 @@ def test_prompts_generate_as_one_padded_batch(artifact):
     """Left-padded prompts of different lengths decode together and give what each gives alone."""
     from porter.verification import generation as g
     conv = runtime.load(artifact)
-    assert g.batches_prompts(conv)
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(artifact / "tokenizer.json"))
     ids = [torch.tensor([tok.encode(p).ids]) for p in PROMPTS + ["Hello"]]

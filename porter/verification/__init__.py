@@ -145,7 +145,7 @@ def _generate(conv, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype) 
         model = runtime.load(inp.art, device=inp.device, dtype=dtype, backend=backend, lazy=False)
     eos = conv.cfg.eos_token_id if isinstance(conv.cfg.eos_token_id, int) else None
     out = gen.greedy_all(model, ids, plan.new_tokens, eos)
-    if len(ids) > 1 and gen.batches_prompts(model):
+    if len(ids) > 1:
         plan.generation += f", one padded batch of {len(ids)} prompts"
     if hasattr(conv.layers, "release"):
         conv.layers.release()

@@ -9,7 +9,6 @@ sequence are the logits a token-by-token run gives at step t (tested on the tiny
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,9 +50,8 @@ class RunPlan:
 def generation_budget(device: torch.device) -> tuple[int, Optional[str]]:
     """Bytes free for the converted model, and the device_map to load it with (None: `device` alone).
     With a bare `cuda` device and several visible GPUs, whole layers are spread over all of them."""
-    import runtime
     count = torch.cuda.device_count() if device.type == "cuda" and device.index is None else 0
-    if count > 1 and "device_map" in inspect.signature(runtime.load).parameters:
+    if count > 1:
         return sum(memory_available(torch.device("cuda", i)) for i in range(count)), "auto"
     return memory_available(device), None
 
@@ -104,14 +102,10 @@ def greedy(model, ids: torch.Tensor, n: int, eos) -> list:
     return model.generate(ids, max_new_tokens=n, eos_token_id=eos)[0, ids.shape[1]:].tolist()
 
 
-def batches_prompts(model) -> bool:
-    """Whether the runtime decodes left-padded prompts of different lengths together (attention_mask)."""
-    return "attention_mask" in inspect.signature(model.generate).parameters
-
-
 def greedy_all(model, ids: list, n: int, eos) -> list:
-    """Continuations of every prompt: one left-padded batch when the runtime supports it, else one by one."""
-    if len(ids) < 2 or not batches_prompts(model):
+    """Continuations of every prompt, decoded as one left-padded batch (each row computes what it computes
+    alone: the runtime keeps pad tokens out of the KV cache)."""
+    if len(ids) < 2:
         return [greedy(model, x, n, eos) for x in ids]
     width = max(x.shape[1] for x in ids)
     batch = torch.zeros(len(ids), width, dtype=torch.long)  # [B, P], left padding (token 0, masked)

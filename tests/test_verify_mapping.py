@@ -240,3 +240,33 @@ def test_table_reads_one_expert_of_a_fused_source(tiny_vendor, tmp_path, gate_up
         d = table.derive(name, None)
         assert d.sources == [f"model.layers.{LAYER}.mlp.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}"]
         assert torch.equal(d.value(None), vendor.read("language_model." + name))
+
+
+def test_truncating_instead_of_rounding_caught_though_the_statistics_pass(tiny_vendor, tmp_path, monkeypatch):
+    """A converter that truncates w/2^e toward zero instead of rounding to nearest even lands at a weight
+    error the statistical threshold accepts; the bytes do not match the rule recorded in porter.json."""
+    from porter import mxfp8
+    original = mxfp8.quantize_with_error
+
+    def truncating(w, rounding="rceil", name="tensor", **kw):
+        q, s, err = original(w, rounding, name, **kw)
+        x = w.float().reshape(*s.shape, mxfp8.BLOCK) * mxfp8.scale_multipliers(s).reciprocal().unsqueeze(-1)
+        t = x.clamp(-mxfp8.E4M3_MAX, mxfp8.E4M3_MAX).to(torch.float8_e4m3fn)  # nearest even ...
+        low = torch.where(t.float().abs() > x.abs(), _toward_zero(t), t)  # ... then one step toward zero
+        return low.reshape(w.shape), s, err
+    monkeypatch.setattr(mxfp8, "quantize_with_error", truncating)
+    porter.convert(tiny_vendor, tmp_path / "art", progress=False)
+    rep = verify(tmp_path / "art", max_new_tokens=0).report
+    bad = [t for t in rep.exact.tensors if t.mismatched]
+    assert {t.tensor for t in bad} == {f"model.layers.{l}.block_sparse_moe.experts.{w}_weight"
+                                       for l in (1, 2, 3) for w in ("w13", "w2")}
+    assert all(t.mismatched > 0.5 * t.blocks for t in bad)  # nearly every block has a rounded-up element
+    assert all(0.03 < t.weight_error < 0.06 for t in bad)  # the second opinion alone would pass it
+    assert not rep.passed and rep.failures[0].check == "exact"
+
+
+def _toward_zero(q: torch.Tensor) -> torch.Tensor:
+    """The e4m3 value one step closer to zero (codes are sign-magnitude: magnitude code - 1)."""
+    raw = q.view(torch.uint8)
+    mag = raw & 0x7F
+    return torch.where(mag > 0, raw - 1, raw).view(torch.float8_e4m3fn)

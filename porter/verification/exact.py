@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from porter import mxfp8
+from porter.layout import layer_of
 from porter.verification.mapping import ArtifactReader, Derivation, Mapping
 from porter.verification.verdict import ExactResult, TensorCheck
 
@@ -34,7 +34,6 @@ log = logging.getLogger("porter")
 
 CHUNK_ELEMENTS = 1 << 22  # elements compared at a time per worker (bounded memory)
 READ_GBPS = 2.0  # disk read rate assumed by the cost estimate (NVMe class; a network disk is slower)
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -206,8 +205,7 @@ def _element(flat: int, shape, e) -> str:
 
 def _aggregate(name: str, d: Optional[Derivation], reader: ArtifactReader, units: list, layout: str) -> TensorCheck:
     rec = reader.tensors[name]
-    m = _LAYER.match(reader.canonical(name))
-    tc = TensorCheck(name, rec.get("shard"), int(m.group(1)) if m else None, bool(rec.get("scale")),
+    tc = TensorCheck(name, rec.get("shard"), layer_of(reader.canonical(name)), bool(rec.get("scale")),
                      d.sources if d else [], units=len(units))
     if d is None:
         tc.problem = f"no source tensor for it in the {layout} mapping table (see docs/verify.md)"

@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from porter import mxfp8
 from porter.errors import PorterError
 from porter.layout import OutTensor, layer_of
 
@@ -699,7 +700,7 @@ def hf_quantization_config(out: list, quantize: str, scale_rounding: str) -> Opt
     if quantize == "none":
         return None
     ignored = hf_ignored_layers(out)
-    return {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32],
+    return {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, mxfp8.BLOCK],
             "fmt": "e4m3", "scale_fmt": "ue8m0", "ignored_layers": ignored, "modules_to_not_convert": list(ignored),
             "porter": {"layout": "hf", "scope": quantize, "scale_rounding": scale_rounding}}
 

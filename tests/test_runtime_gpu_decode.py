@@ -85,9 +85,9 @@ def test_triton_decode_attention_at_real_dims(sparse):
     blocks = None
     if sparse:
         nblk = s_max // block
-        blocks = torch.stack([torch.stack([torch.randperm(int(p) // block + 1, device="cuda")[:topk]
-                                           for _ in range(nkv)]) for p in pos.tolist()])
-        blocks = torch.nn.functional.pad(blocks, (0, topk - blocks.shape[-1]), value=nblk)
+        pick = lambda p: torch.nn.functional.pad(torch.randperm(p // block + 1, device="cuda")[:topk],
+                                                 (0, max(0, topk - (p // block + 1))), value=nblk)
+        blocks = torch.stack([torch.stack([pick(p) for _ in range(nkv)]) for p in pos.tolist()])  # [B, nkv, topk]
     want = decode_attention_reference(q.float(), k.float(), v.float(), pos, s_max, blocks, block, d ** -0.5)
     got = decode_attention(q, k, v, pos, s_max, blocks, block, d ** -0.5)
     assert got.dtype == torch.bfloat16

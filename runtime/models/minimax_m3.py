@@ -313,7 +313,7 @@ def gqa_attention(q, k, v, mask, scale) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------
-# MLPs (§2.6, §2.7)
+# MLPs (docs/minimax-m3.md: SwiGLU-OAI, MoE block)
 
 
 class MLP:
@@ -322,7 +322,11 @@ class MLP:
     def __init__(self, cfg: TextConfig, get: Getter, p: str):
         self.gate, self.up = linear(get, p + "gate_proj"), linear(get, p + "up_proj")
         self.down = linear(get, p + "down_proj")
-        self.alpha, self.beta, self.limit = cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit
+        # 0-dim tensors on the weights' device: a Python float would be copied to the GPU on every call,
+        # which a CUDA graph cannot capture
+        dev = self.down.weight.device
+        self.alpha, self.beta, self.limit = (torch.tensor(float(v), device=dev)
+                                             for v in (cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(swiglu_oai(self.gate(x), self.up(x), self.alpha, self.beta, self.limit))

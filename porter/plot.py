@@ -31,6 +31,15 @@ def write_plot(rep: dict, path) -> Path:
     return path
 
 
+def bytes_line(rep: dict) -> str:
+    """The exact re-derivation in a few words."""
+    ex = rep.get("exact")
+    if not ex:
+        return "bytes not compared"
+    bad = [t for t in ex["tensors"] if t["mismatched"] or t["problem"]]
+    return "bytes identical to the re-derivation" if not bad else f"bytes differ in {len(bad)} tensor(s)"
+
+
 def _log_axis(values):
     vals = [max(v, FLOOR) for v in values if v is not None and math.isfinite(v)] or [FLOOR, 1.0]
     lo, hi = math.floor(math.log10(min(vals))), math.ceil(math.log10(max(vals)))
@@ -83,7 +92,7 @@ def svg(rep: dict) -> str:
              f'<rect width="{W}" height="{H}" fill="#fafafa"/>',
              f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15" font-weight="bold">'
              f'porter verify: {escape(Path(rep["artifact"]).name)} — {"PASS" if rep["passed"] else "FAIL"}'
-             + (f" (first failing layer {fail})" if fail is not None else "") + "</text>"]
+             + (f" (first failing layer {fail})" if fail is not None else "") + f"; {bytes_line(rep)}</text>"]
     series = [([r[k] for r in rows], label, color) for k, label, color in SERIES]
     thr = [(th["max_layer_error"], "max layer error", "#ff7f0e"), (th["max_weight_error"], "max weight error", "#2ca02c")]
     parts += _panel(60, 60, 520, 280, layers, series, thr, "error per layer (log)", fail)
@@ -121,7 +130,8 @@ def _write_png(rep: dict, path: Path) -> None:
     for ax in (a, b):
         ax.set_xlabel("decoder layer")
         ax.legend(fontsize=8)
-    fig.suptitle(f"porter verify: {Path(rep['artifact']).name} — {'PASS' if rep['passed'] else 'FAIL'}")
+    fig.suptitle(f"porter verify: {Path(rep['artifact']).name} — {'PASS' if rep['passed'] else 'FAIL'}; "
+                 f"{bytes_line(rep)}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

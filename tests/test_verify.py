@@ -93,6 +93,7 @@ def test_faithful_conversion_passes(artifact, tmp_path):
     assert rep["thresholds"] == vars(Thresholds())
     root = ET.parse(plot).getroot()
     assert root.tag.endswith("svg") and "polyline" in plot.read_text()
+    assert "PASS; bytes identical to the re-derivation" in plot.read_text()
 
 
 def test_unquantized_conversion_is_exact(tiny_vendor, tmp_path):

@@ -61,7 +61,7 @@ def vendor_config(text_overrides: dict | None = None, bos: int = 1, eos: int = 2
 
 
 def transformers_config(text: dict) -> dict:
-    """The flat config transformers 5.23 writes for MiniMaxM3VLForCausalLM (minimax-m3.md §1.4)."""
+    """The flat config transformers 5.23 writes for MiniMaxM3VLForCausalLM (docs/minimax-m3.md, config resolution)."""
     sp = text["sparse_attention_config"]
     flat = {k: v for k, v in text.items() if k not in ("sparse_attention_config", "moe_layer_freq", "rope_theta",
                                                        "partial_rotary_factor", "architectures")}

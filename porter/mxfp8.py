@@ -1,6 +1,6 @@
 """MXFP8 (OCP MX v1.0, E4M3 elements, UE8M0 scales, blocks of 32 along K): the one place for its math.
 
-Used by the converter, the runtime backends and the tests alike. Rules (../shared/docs/mxfp8.md):
+Used by the converter, the runtime backends and the tests alike. Rules (docs/mxfp8.md):
 
 - block: 32 consecutive elements along the last dim (K); K % 32 == 0 is required.
 - scale exponent e ("rceil"): the smallest integer with amax <= 448 * 2^e, derived exactly from

@@ -1,4 +1,4 @@
-"""backend="auto": TRT-LLM on SM100/103/107 with flashinfer, Triton on SM90, torch otherwise (issue #3)."""
+"""backend="auto": TRT-LLM on SM100/103/107 with flashinfer, Triton on SM90, torch otherwise (docs/moe-backends.md)."""
 import logging
 
 import pytest

@@ -1,4 +1,4 @@
-"""Config resolution: each default, each legacy key, provenance, bad values named (issue #2, rule 3)."""
+"""Config resolution: each default, each legacy key, provenance, bad values named (docs/minimax-m3.md)."""
 
 import pytest
 

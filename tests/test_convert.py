@@ -1,4 +1,4 @@
-"""porter convert end to end on tiny checkpoints built in code (issue #2)."""
+"""porter convert end to end on tiny checkpoints built in code (docs/artifact-format.md)."""
 import hashlib
 import json
 import shutil

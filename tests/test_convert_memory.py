@@ -1,4 +1,4 @@
-"""Peak RSS of `porter convert` must not grow with the checkpoint's total size (issue #2, rule 8)."""
+"""Peak RSS of `porter convert` must not grow with the checkpoint's total size."""
 import json
 import subprocess
 import sys

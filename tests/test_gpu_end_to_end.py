@@ -1,5 +1,5 @@
 """End to end on a CUDA GPU (run on the H200; skipped on CPU CI): backend auto-selection, the runtime on
-CUDA against CPU, and `porter verify --backend triton --device cuda` on the embedded example (issue #5)."""
+CUDA against CPU, and `porter verify --backend triton --device cuda` on the embedded example."""
 import json
 
 import pytest

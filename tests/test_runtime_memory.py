@@ -1,4 +1,4 @@
-"""runtime.load memory-maps the shards and keeps no second copy (issue #3)."""
+"""runtime.load memory-maps the shards and keeps no second copy."""
 import json
 import subprocess
 import sys

@@ -1,7 +1,7 @@
 """flashinfer-trtllm MoE backend on CPU: layout, kwargs, and the kernel's documented math.
 
 No Blackwell GPU here, so the kernel itself never runs (except in the `gpu` test at the end, skipped
-elsewhere). What is proven on CPU (../shared/docs/trtllm-fp8-moe.md):
+elsewhere). What is proven on CPU (docs/moe-backends.md; kernel API of flashinfer-python 0.7.2.post1):
   (a) load-time preparation == flashinfer's own CPU-usable helpers, byte for byte, and inverts exactly;
   (b) the kwargs bind against the installed signatures, with the right enums and per-expert tensors;
   (c) an emulation of the kernel's documented math, reading the *prepared* tensors the way the kernel
@@ -30,7 +30,8 @@ flashinfer = pytest.importorskip("flashinfer")  # a declared dependency; CI inst
 from flashinfer import fused_moe as fim  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-# Tiny dims meeting the kernel's constraints (§3, §4.4): H % 128 == I % 128 == 0, E % 4 == 0, E > k.
+# Tiny dims meeting the kernel's constraints (launcher routing checks; prepare.py): H % 128 == I % 128 == 0,
+# E % 4 == 0, E > k.
 # 2I = 512 and H = 256 span several 128-row scale tiles; H/32 = I/32 = 8 span two 4-column groups.
 E, H, I, TOP_K, T = 8, 256, 256, 2, 48
 M3_SWIGLU = dict(alpha=1.702, beta=1.0, limit=7.0)
@@ -82,7 +83,7 @@ def backend(layer):
     return TrtllmMoE(quant, routing)
 
 
-def swap_halves(t):  # [2I, ...] [gate; up] -> [up; gate] (doc §5)
+def swap_halves(t):  # [2I, ...] [gate; up] -> [up; gate] (gemm1 row order, docs/moe-backends.md)
     half = t.shape[0] // 2
     return torch.cat([t[half:], t[:half]])
 
@@ -125,7 +126,9 @@ def kernel_gemm2(w, s):  # prepared gemm2 -> [E, H, I] fp32
 
 
 def minimax2_routing(logits, bias, top_k, rsf):
-    """§3: s = sigmoid(logits); select top-k of s + bias; w = s / (sum + 1e-20) * rsf, stored bf16."""
+    """MiniMax2 routing (flashinfer include/flashinfer/trtllm/fused_moe/RoutingCustomPolicy.cuh,
+    ScaledSumNormalizePostprocess): s = sigmoid(logits); select top-k of s + bias;
+    w = s / (sum + 1e-20) * rsf, stored bf16."""
     scores = torch.sigmoid(logits.float())
     ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices
     w = scores.gather(1, ids)
@@ -143,7 +146,9 @@ def precomputed_routing(topk):
 
 
 def gated_act(x1, x2, alpha, beta, limit):
-    """§7: X1 = up half, X2 = gate half; clamp X1 to ±limit, X2 above; X2·sigmoid(alpha·X2)·(X1+beta)."""
+    """Gated activation (flashinfer-ai/flashinfer tests/moe/trtllm_gen_fused_moe_utils.py,
+    run_moe_dequant): X1 = up half, X2 = gate half; clamp X1 to
+    ±limit, X2 above; X2·sigmoid(alpha·X2)·(X1+beta)."""
     x1 = torch.clamp(x1, -limit, limit)
     x2 = torch.clamp(x2, max=limit)
     return x2 * torch.sigmoid(alpha * x2) * (x1 + beta)
@@ -175,7 +180,7 @@ def emulate_kernel(kw, quantize_intermediate=True, out_dtype=torch.bfloat16):
         if tok.numel() == 0:
             continue
         act = gated_act(x[tok] @ up[e].t(), x[tok] @ gate[e].t(), alpha[e], beta[e], limit[e])  # [n, I]
-        if quantize_intermediate:  # FC1 epilogue re-quantizes to MXFP8 for GEMM2 (§6)
+        if quantize_intermediate:  # FC1 epilogue re-quantizes to MXFP8 for GEMM2
             act = mxfp8.fake_quantize(act)
         out.index_add_(0, tok, (act @ down[e].t()) * weights[tok, slot].unsqueeze(1))
     return out.to(out_dtype)
@@ -281,7 +286,8 @@ def _check_common(kw, backend, quant):
     assert kw["routing_method_type"] == fim.RoutingMethodType.MiniMax2
     assert kw["weight_layout"] == fim.WeightLayout.MajorK
     assert kw["activation_type"] == fim.ActivationType.Swiglu.value
-    # doc §2 numbers: an alarm if flashinfer renumbers (porter passes the enum members, not literals)
+    # enum values of flashinfer-python 0.7.2.post1 (flashinfer/tllm_enums.py): an alarm if flashinfer renumbers (porter passes the
+    # enum members, not literals)
     assert (int(kw["fp8_quantization_type"]), kw["routing_method_type"], kw["weight_layout"],
             kw["activation_type"]) == (2, 7, 0, 3)
     assert kw["use_shuffled_weight"] is True and kw["do_finalize"] is True

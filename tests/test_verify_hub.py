@@ -1,5 +1,5 @@
 """porter verify finds its reference through the Hugging Face cache when the artifact came from a repo id
-(issue #4: "local path or HF cache"); offline, from a hand-made cache."""
+(a local path or the Hugging Face cache); offline, from a hand-made cache."""
 import json
 import shutil
 

@@ -1,6 +1,6 @@
 """The MoE contract: the only things a backend ever sees (weights, scales, SwiGLU-OAI and routing).
 
-Canonical tensors (what `porter convert` writes; ../shared/docs/trtllm-fp8-moe.md §12, option A):
+Canonical tensors (what `porter convert` writes; docs/moe-backends.md, docs/artifact-format.md):
   w13_weight        [E, 2I, H] float8_e4m3fn, uninterleaved [gate; up] rows
   w13_weight_scale  [E, 2I, H/32] uint8 UE8M0 (row r <-> weight row r)
   w2_weight         [E, H, I]  float8_e4m3fn

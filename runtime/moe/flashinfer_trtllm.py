@@ -1,22 +1,23 @@
 """Blackwell MoE backend: FlashInfer's TRT-LLM FP8 block-scale MoE in MxFp8 mode (SM100/103/107 only).
 
-Contract: ../shared/docs/trtllm-fp8-moe.md (section numbers below refer to it). flashinfer is imported
+Contract and upstream sources: docs/moe-backends.md (FlashInfer TRT-LLM section); kernel API as in
+flashinfer-python 0.7.2.post1 (flashinfer/fused_moe/core.py, prepare.py). flashinfer is imported
 lazily, inside functions, so that importing this module (or running the CPU/Hopper paths) never loads it.
 
 Load time (`TrtllmMoE.__init__`, pure functions `prepare_w13` / `prepare_w2`), per expert:
-  w13 [gate; up] -> [up; gate] (§5) -> gated-act row interleave -> shuffle_matrix_a rows (tile 128) (§4.2);
-  w13 scales: the same row permutation, then the 128x4 swizzle (§4.3);
+  w13 [gate; up] -> [up; gate] (gemm1's row order) -> gated-act row interleave -> shuffle_matrix_a rows
+  (tile 128); w13 scales: the same row permutation, then the 128x4 swizzle;
   w2 and its scales: the shuffle_matrix_a row permutation; scales then 128x4-swizzled.
 All row work is one gather with an index composed from flashinfer's own pure-torch index functions.
 flashinfer's swizzle (`block_scale_interleave`) only accepts CUDA tensors, so `swizzle_scales_128x4`
 is a torch equivalent that runs on any device (tests prove it byte-equal to flashinfer's formula).
 
-Call time: activations -> MXFP8 with token-major linear uint8 [T, H/32] scales (§6), then
+Call time: activations -> MXFP8 with token-major linear uint8 [T, H/32] scales, then
 `trtllm_fp8_block_scale_moe` (router logits, MiniMax2 routing) or `trtllm_fp8_block_scale_routed_moe`
 (externally computed top-k).
 
 routed_scaling_factor (applied exactly once):
-  logits path  -> the kernel applies it (MiniMax2 weights = s / (sum s + 1e-20) * rsf, §3); the output is
+  logits path  -> the kernel applies it (MiniMax2 weights = s / (sum s + 1e-20) * rsf); the output is
                   not scaled again.
   routed path  -> precomputed weights are used as given (the post-top-k routing pipeline never runs a
                   postprocess, ref: csrc/fused_moe/trtllm_backend/trtllm_fused_moe_routing_common.cu
@@ -46,7 +47,7 @@ KERNEL_ARCHS = ", ".join(f"SM{a}{b}" for a, b in TRTLLM_CAPABILITIES)
 
 def _check_dims(hidden: int, inter: int) -> None:
     # prepare.py: "MXFP8 shuffled MajorK preparation requires hidden_size and intermediate_size
-    # divisible by 128"; then the 128x4-swizzled scales need no padding (§4.4).
+    # divisible by 128"; then the 128x4-swizzled scales need no padding.
     if hidden % 128 or inter % 128:
         raise BackendUnavailable(f"flashinfer-trtllm MXFP8 needs hidden_size and intermediate_size divisible "
                                  f"by 128, got H={hidden}, I={inter}; use backend='triton' or 'torch'")
@@ -55,7 +56,7 @@ def _check_dims(hidden: int, inter: int) -> None:
 def w13_row_permutation(two_i: int) -> torch.Tensor:
     """LongTensor [2I]: prepared gemm1 row r holds canonical [gate; up] row p[r].
 
-    Composition (each step is `out = in[idx]`): swap halves to [up; gate] (§5), then
+    Composition (each step is `out = in[idx]`): swap halves to [up; gate] (docs/moe-backends.md), then
     flashinfer's gated-act interleave (ref: fused_moe/core.py get_reorder_rows_for_gated_act_gemm_row_indices:
     row 2j = up_j, 2j+1 = gate_j), then the shuffle_matrix_a rows (ref: utils.py
     get_shuffle_matrix_a_row_indices, 32-row blocks for tile 128). Same chain as core.py
@@ -120,11 +121,12 @@ def prepare_w2(w2: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
 # ---------------------------------------------------------------------------------------------------
 
 def quantize_activations(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [T, H] -> (e4m3 [T, H], uint8 [T, H/32] token-major linear UE8M0 scales), §6.
+    """hidden [T, H] -> (e4m3 [T, H], uint8 [T, H/32] token-major linear UE8M0 scales; the kernel's
+    hidden_states_scale, not swizzled).
 
     On CUDA: flashinfer.mxfp8_quantize(bf16, is_sf_swizzled_layout=False) (its GPU path takes fp16/bf16
     only). Elsewhere (tests, CPU emulation): porter.mxfp8 with the same round-up ("rceil") scale rule
-    as the GPU kernel (§10)."""
+    as the GPU kernel (docs/mxfp8.md)."""
     if hidden.is_cuda:
         import flashinfer
 
@@ -135,7 +137,8 @@ def quantize_activations(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def pack_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """int32 [T, k] = (expert_id << 16) | bits(bf16 weight) — the PackedPrecomputed form (§1.2).
+    """int32 [T, k] = (expert_id << 16) | bits(bf16 weight) — the PackedPrecomputed form of
+    trtllm_fp8_block_scale_routed_moe's topk_ids (flashinfer/fused_moe/core.py).
 
     Rounds the weights to bf16; `forward_topk` passes the unpacked (ids, fp32 weights) pair instead."""
     bits = topk_weights.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF

@@ -217,6 +217,13 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool) -> Optiona
             return None
         if resume and journal.get("fingerprint") == fp:
             return _verified_done(out, journal)
+        if resume and not journal and all(p.is_file() and _porter_file(p.name) for p in out.iterdir()):
+            # killed before the first journal write: nothing finished, start over in place
+            log.info("resume: %s holds no finished shard yet; starting from the beginning", out)
+            _clear_output(out)
+            out.mkdir(parents=True, exist_ok=True)
+            _write_journal(out, {"fingerprint": fp, "shards": {}})
+            return {}
         if resume:
             raise ConvertError(f"{out}: --resume, but what is there comes from a different source or options; "
                                "use --force to start over")
@@ -242,11 +249,17 @@ def _complete_fingerprint(out: Path) -> Optional[str]:
     return fp if all((out / f).is_file() for f in shards) else None
 
 
+def _porter_file(name: str) -> bool:
+    """A file kind a conversion writes (shards, their .partial, temp files, the final files, copied files)."""
+    base = name.removesuffix(".tmp").removesuffix(".partial")
+    return base.startswith("model-") or base in (INDEX_NAME, "porter.json", "config.json", JOURNAL) or \
+        base in COPY_FILES
+
+
 def _clear_output(out: Path) -> None:
     """--force: remove what a previous conversion left (only porter's own file kinds)."""
     for p in out.iterdir():
-        if p.is_file() and (p.name.startswith("model-") or p.name in (INDEX_NAME, "porter.json", "config.json",
-                                                                       JOURNAL) or p.name in COPY_FILES):
+        if p.is_file() and _porter_file(p.name):
             p.unlink()
 
 
@@ -322,9 +335,11 @@ def _finish(plan: Plan, out: Path, stats: dict) -> None:
     else:
         cfg = dict(src.raw_config)
         cfg["quantization_config"] = manifest.quantization_config(plan)
+    secs = pipeline.sync_files([out / f for f, _ in plan.shards], pipeline.available_cores())
+    log.debug("fsync of %d shard(s): %.2f s", len(plan.shards), secs)
     _write_final(out / "config.json", json.dumps(cfg, indent=2))
     shard_sha = {f: rec["sha256"] for f, rec in _read_journal(out)["shards"].items()}
-    manifest.write(out, plan, stats, shard_sha)
+    manifest.write(out, plan, stats, shard_sha, before_rename=lambda: fault_point(f"tmp:{manifest.MANIFEST}"))
     fault_point(f"wrote:{manifest.MANIFEST}")
     weight_map = {name: stats[e.name]["shard"] for _, es in plan.shards for e in es for name in [e.name]}
     index = {"metadata": {"total_size": plan.output_bytes, "format": "porter",

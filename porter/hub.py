@@ -19,8 +19,8 @@ META_PATTERNS = ["config.json", INDEX_NAME, "generation_config.json", "tokenizer
 
 def _snapshot(repo_id: str, revision, allow_patterns) -> Path:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns))
     except LocalEntryNotFoundError:
@@ -32,9 +32,28 @@ def _snapshot(repo_id: str, revision, allow_patterns) -> Path:
         raise SourceError(f"{repo_id}: no such repo on the Hugging Face Hub (or it is private: set HF_TOKEN)") from None
     except RevisionNotFoundError:
         raise SourceError(f"{repo_id}: revision {revision!r} not found") from None
+    except HfHubHTTPError as e:
+        raise SourceError(_http_error_line(repo_id, e)) from None
     except OSError as e:  # network errors surface as OSError subclasses (requests/httpx)
-        raise SourceError(f"{repo_id}: download failed ({type(e).__name__}: {e}); retry — finished files "
-                          "stay in the cache") from None
+        raise SourceError(f"{repo_id}: download failed ({type(e).__name__}: {_first_line(e)}); retry — finished "
+                          "files and partial downloads stay in the cache and resume") from None
+    # never force_download and never clear the cache: huggingface_hub resumes interrupted downloads from
+    # their .incomplete files
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _http_error_line(repo_id: str, e) -> str:
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if status == 401:
+        return (f"{repo_id}: the Hugging Face Hub refused the credentials (HTTP 401); set HF_TOKEN to a valid "
+                "token (or run `hf auth login`)")
+    if status == 403:
+        return f"{repo_id}: access denied (HTTP 403); your token lacks access to this repo — request it on huggingface.co"
+    return (f"{repo_id}: download failed (HTTP {status}: {_first_line(e)}); retry — finished files and partial "
+            "downloads stay in the cache and resume")
 
 
 def _cache_dir() -> str:

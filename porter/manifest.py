@@ -12,6 +12,7 @@ from pathlib import Path
 from porter import mxfp8
 from porter.errors import PorterError
 from porter.layout import ignored_layers
+from porter.safetensors_io import atomic_write_text
 from porter.version import __version__
 
 MANIFEST = "porter.json"
@@ -45,7 +46,8 @@ def quantization_config(plan) -> dict:
     }
 
 
-def write(out: Path, plan, stats: dict, shard_sha: dict) -> None:
+def write(out: Path, plan, stats: dict, shard_sha: dict, before_rename=None) -> None:
+    """porter.json, atomically (temp file + rename; `before_rename` runs in between)."""
     """plan: the conversion plan — `source`, `config` (resolved, with `to_dict()` and `provenance`),
     `architecture_facts` ({"architecture": name, ...more top-level records}), `options`, `shards`."""
     src, cfg = plan.source, plan.config
@@ -72,7 +74,7 @@ def write(out: Path, plan, stats: dict, shard_sha: dict) -> None:
                        "sha256": shard_sha[f]} for f, es in plan.shards},
         "tensors": stats,
     }
-    (out / MANIFEST).write_text(json.dumps(doc, indent=1))
+    atomic_write_text(out / MANIFEST, json.dumps(doc, indent=1), before_rename=before_rename)
 
 
 def _header_len(entries) -> int:

@@ -114,9 +114,15 @@ def weight_files(path: Path) -> list[Path]:
     """The safetensors shards of a checkpoint dir (from the index when present); refuses pickles."""
     index = path / INDEX_NAME
     if index.exists():
-        weight_map = load_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise SourceError(f"{index}: no weight_map object")
+        doc = load_json(index)
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise SourceError(f"{index}: no weight_map object (tensor name -> shard file); re-download the index")
+        bad = [(k, f) for k, f in weight_map.items()
+               if not isinstance(f, str) or not f.endswith(".safetensors") or Path(f).name != f]
+        if bad:
+            raise SourceError(f"{index}: weight_map[{bad[0][0]!r}] = {bad[0][1]!r} is not a .safetensors file name "
+                              "in this folder; re-download the index")
         files = sorted({path / f for f in weight_map.values()})
         missing = [f for f in files if not f.exists()]
         if missing:

@@ -41,10 +41,15 @@ def _exact_lines(rep: Report) -> list[str]:
         return [head + f"identical — {len(q)} quantized tensor(s) re-derived, {len(ex.tensors) - len(q)} carried "
                 f"bit-identical; weight error (second opinion) max {worst:.4g}"]
     lines = [head + f"{len(bad)} tensor(s) differ"]
-    lines += [f"  - {t.tensor}: {t.problem or f'{t.mismatched} of {t.blocks} differ, first at {t.first_mismatch}'}"
-              for t in bad[:20]]
+    lines += [f"  - {t.tensor}: {t.problem or _mismatch(t)}" for t in bad[:20]]
     lines += [f"  - source tensor {n}: not in the artifact" for n in ex.unmapped_sources[:20]]
     return lines
+
+
+def _mismatch(t) -> str:
+    unit = "32-blocks" if t.quantized else "elements"
+    experts = f" in {len(t.mismatched_by_expert)} expert(s)" if t.mismatched_by_expert else ""
+    return f"{t.mismatched} of {t.blocks} {unit} differ{experts}, first at {t.first_mismatch}"
 
 
 def _layer_lines(rep: Report) -> list[str]:

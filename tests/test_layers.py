@@ -174,3 +174,20 @@ def test_artifact_naming_comes_from_porter_layout(module):
            for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("converters")
            and LAYOUT_NAMES & {a.name for a in n.names}]
     assert not bad, "\n".join(bad)
+
+
+STANDALONE_FILES = sorted([*(p for d in ("porter", "converters", "runtime", "examples", "benchmarks", "tests")
+                             for p in (ROOT / d).rglob("*.py") if ".venv" not in p.parts),
+                           *(ROOT / "docs").glob("*.md"), ROOT / "README.md"])
+
+
+@pytest.mark.parametrize("path", STANDALONE_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_repository_stands_alone(path):
+    """Code and docs point to docs/ or to upstream sources, never to files outside the repository or to
+    this project's issue numbers (neither exists for someone who clones porter)."""
+    import re
+    text = path.read_text()
+    this_file = Path(__file__).resolve() == path.resolve()
+    for pattern in (r"\.\./shared/", r"/work/shared", r"\bissues? #\d+", r"\(#\d+\)"):
+        hits = [] if this_file else re.findall(pattern, text)
+        assert not hits, f"{path.relative_to(ROOT)}: {hits[:3]}"

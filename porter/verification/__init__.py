@@ -16,6 +16,7 @@ Exit codes (CLI): 0 faithful, 1 not faithful, 2 bad input (VerifyInputError and 
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -121,10 +122,12 @@ def _numerics(rep: Report, inp: _Inputs, ref_store: ReferenceStore, backend, str
     rep.max_new_tokens = plan.new_tokens
     ids = encode_prompts(inp.tok, rep.prompts)
     rep.prompt_tokens = [int(x.shape[1]) for x in ids]
-    conv = runtime.load(inp.art, device=inp.device, dtype=dtype, backend=backend, lazy=plan.stream)
-    rep.dtype = dtype_name(conv.dtype)
-    conts = _generate(conv, inp, plan, ids, backend, dtype)
+    load = lambda lazy: runtime.load(inp.art, device=inp.device, dtype=dtype, backend=backend, lazy=lazy)
+    shared = None if plan.stream or plan.device_map else load(False)  # one resident model for both
+    conts = _generate(shared, inp, plan, ids, backend, dtype)
     rep.streaming = StreamingInfo(plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation)
+    conv = shared if shared is not None else load(plan.stream)
+    rep.dtype = dtype_name(conv.dtype)
     seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
     ref = runtime.load(ref_store, device=inp.device, dtype=conv.dtype, backend="auto", lazy=plan.stream)
     res = compare_models(ref, conv, seqs, rep.prompt_tokens, progress)
@@ -133,22 +136,30 @@ def _numerics(rep: Report, inp: _Inputs, ref_store: ReferenceStore, backend, str
     rep.generation = [gen.score(p, c, tr, tc, inp.tok) for p, c, (tr, tc) in zip(rep.prompts, conts, res.tails) if c]
 
 
-def _generate(conv, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype) -> list:
-    """Continuations of the converted model (empty lists when generation is skipped)."""
+def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype) -> list:
+    """Continuations of the converted model (empty lists when generation is skipped). Uses `shared` (the
+    resident model of the teacher-forced pass) when there is one, else a model of its own, freed after."""
     if not plan.new_tokens:
         return [[] for _ in ids]
     import runtime
-    model = conv
-    if plan.device_map:  # spread over the visible GPUs: a model of its own, freed after decoding
+    if shared is not None:
+        model = shared
+    elif plan.device_map:  # spread over the visible GPUs
         model = runtime.load(inp.art, dtype=dtype, backend=backend, device_map=plan.device_map)
-    elif plan.stream and plan.generation == "resident":  # fits alone: decode resident, stream the pass
-        model = runtime.load(inp.art, device=inp.device, dtype=dtype, backend=backend, lazy=False)
-    eos = conv.cfg.eos_token_id if isinstance(conv.cfg.eos_token_id, int) else None
+    else:  # resident on the device while the pass streams, or layer-streamed when asked for
+        model = runtime.load(inp.art, device=inp.device, dtype=dtype, backend=backend,
+                             lazy=plan.generation == "streaming")
+    eos = model.cfg.eos_token_id if isinstance(model.cfg.eos_token_id, int) else None
     out = gen.greedy_all(model, ids, plan.new_tokens, eos)
     if len(ids) > 1:
         plan.generation += f", one padded batch of {len(ids)} prompts"
-    if hasattr(conv.layers, "release"):
-        conv.layers.release()
+    if model is not shared:
+        if hasattr(model.layers, "release"):
+            model.layers.release()
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return out
 
 

@@ -5,7 +5,8 @@ For each checkpoint size (synthetic vendor-layout MiniMax-M3 with H 6144, I 3072
 warm page cache:
 
 - baseline: safetensors `load_file` + `save_file` of every shard (what any converter pays to read and
-  write the bytes) and a raw file copy (`shutil.copyfile`, the I/O floor);
+  write the bytes), the same plus fsync of every output (porter syncs its shards before writing the
+  index), and a raw file copy (`shutil.copyfile`, the I/O floor);
 - `porter convert` on the CPU (`--workers` = every core, and 1 worker with torch's intra-op threads: what
   scales) and with `--device cuda` when there is a GPU;
 - for each: seconds, GB/s of source consumed, ratio to the safetensors copy, peak memory split into
@@ -69,6 +70,12 @@ out.mkdir(parents=True, exist_ok=True)
 t0 = time.perf_counter()
 for f in sorted(src.glob("*.safetensors")):
     save_file(load_file(str(f)), str(out / f.name))
+if sys.argv[3] == "fsync":  # durable, as porter convert is before it writes its index
+    import os
+    for f in sorted(out.glob("*.safetensors")):
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
 report(time.perf_counter() - t0)
 """
 
@@ -113,6 +120,40 @@ def real_dims_overrides(num_layers: int, experts: int = 8) -> dict:
     return o
 
 
+class _PooledRandn:
+    """Stands in for `torch` inside tiny_checkpoint while building: randn returns windows of one shared
+    random pool, so an 8 GB checkpoint builds in seconds, not minutes (values stay N(0, 1); conversion
+    cost does not depend on them)."""
+
+    def __init__(self, torch_module, elems: int = 96 << 20):
+        self._torch = torch_module
+        self._pool = torch_module.randn(elems)
+        self._at = 0
+
+    def randn(self, *shape, generator=None):
+        n = 1
+        for d in shape:
+            n *= d
+        if n > self._pool.numel():
+            return self._torch.randn(*shape)
+        self._at = (self._at + 7_919_113) % (self._pool.numel() - n + 1)
+        return self._pool[self._at:self._at + n].view(*shape)
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+
+def build_checkpoint(out: Path, layers: int, experts: int) -> Path:
+    import tiny_checkpoint
+    real = tiny_checkpoint.torch
+    tiny_checkpoint.torch = _PooledRandn(real)
+    try:
+        return tiny_checkpoint.build_tiny_checkpoint(out, text_overrides=real_dims_overrides(layers, experts),
+                                                     max_shard_tensors=40)
+    finally:
+        tiny_checkpoint.torch = real
+
+
 def warm(path: Path) -> None:
     """Read the shards once so every run starts from the same warm page cache."""
     for f in sorted(path.glob("*.safetensors")):
@@ -135,25 +176,23 @@ def machine() -> dict:
 
 def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list, repeats: int, single: bool,
                experts: int = 8) -> dict:
-    from tiny_checkpoint import build_tiny_checkpoint
     layers = max(2, round(target_gb * layers_per_gb))
     t0 = time.time()
-    src = build_tiny_checkpoint(tmp / f"src{target_gb}", text_overrides=real_dims_overrides(layers, experts),
-                                max_shard_tensors=40)
+    src = build_checkpoint(tmp / f"src{target_gb}", layers, experts)
     build_s = time.time() - t0
     gb = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
     print(f"# {gb:.2f} GB checkpoint ({layers} layers) built in {build_s:.0f} s", flush=True)
     warm(src)
     runs = []
-    configs = [("copy-safetensors", None, None), ("copy-files", None, None)]
+    configs = [("copy-safetensors", None, None), ("copy-safetensors+fsync", None, None), ("copy-files", None, None)]
     configs += [("convert", "all", d) for d in devices]
     if single:
         configs.append(("convert", "1", "cpu"))
     for r in range(repeats):
         for kind, workers, device in configs:
             out = tmp / f"out-{kind}-{workers}-{device}-{r}"
-            if kind == "copy-safetensors":
-                res = child(COPY_SAFETENSORS, src, out)
+            if kind.startswith("copy-safetensors"):
+                res = child(COPY_SAFETENSORS, src, out, "fsync" if kind.endswith("fsync") else "-")
             elif kind == "copy-files":
                 res = child(COPY_FILES, src, out)
             else:
@@ -163,8 +202,10 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
             shutil.rmtree(out, ignore_errors=True)
             print(json.dumps(res), flush=True)
     base = min(x["seconds"] for x in runs if x["kind"] == "copy-safetensors")
+    base_sync = min(x["seconds"] for x in runs if x["kind"] == "copy-safetensors+fsync")
     for x in runs:
         x["ratio_to_safetensors_copy"] = x["seconds"] / base
+        x["ratio_to_safetensors_copy_fsync"] = x["seconds"] / base_sync
         if "estimate" in x:
             x["estimate_over_measured_peak"] = x["estimate"] / x["vmhwm"]
             x["projected_795gb_minutes"] = REAL_CHECKPOINT_GB / x["gb_per_s"] / 60
@@ -183,7 +224,8 @@ def summary_lines(result: dict) -> list:
             extra = (f", est/peak {x['estimate_over_measured_peak']:.2f}, 795 GB in "
                      f"{x['projected_795gb_minutes']:.1f} min") if "estimate" in x else ""
             lines.append(f"  {what:34s} {x['seconds']:7.2f} s {x['gb_per_s']:6.2f} GB/s "
-                         f"x{x['ratio_to_safetensors_copy']:.2f} of copy; peak anon {x['rssanon'] / 1e9:.2f} GB "
+                         f"x{x['ratio_to_safetensors_copy']:.2f} of copy (x{x['ratio_to_safetensors_copy_fsync']:.2f} "
+                         f"of copy+fsync); peak anon {x['rssanon'] / 1e9:.2f} GB "
                          f"file {x['rssfile'] / 1e9:.2f} GB hwm {x['vmhwm'] / 1e9:.2f} GB{extra}")
     return lines
 

@@ -585,6 +585,7 @@ class Pipeline:
             stream = self.local.stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(stream):
             x = w.to(self.device, non_blocking=True)
+            keep = None if keep is None else keep.to(self.device, non_blocking=True)
             q, s, err = mxfp8.quantize_with_error(x, self.rounding, name, host_stats=False, keep_scale=keep)
             q_host = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
             s_host = torch.empty(s.shape, dtype=s.dtype, pin_memory=True)

@@ -337,3 +337,32 @@ def test_hub_dry_run_reads_headers_only(tiny_vendor, tmp_path, monkeypatch):
     local = porter.convert(tiny_vendor, tmp_path / "o2", dry_run=True)
     assert plan["output_bytes"] == local["output_bytes"] and plan["quantized"] == local["quantized"]
     assert not (tmp_path / "o").exists() and not list(snap.glob("*.safetensors"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize", ["experts", "all"])
+def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, quantize):
+    """--device cuda (pinned async copies, one stream per worker) writes the very bytes of --device cpu:
+    every shard file, hence every tensor, on a checkpoint with wide experts (CPU quantizes them in row
+    chunks, the GPU whole) and with every linear quantized."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from tiny_checkpoint import synthetic_overrides
+    src = build_tiny_checkpoint(tmp_path / "src", text_overrides=synthetic_overrides(3, hidden=1024,
+                                                                                     intermediate=2048, experts=4))
+    for dev in ("cpu", "cuda"):
+        porter.convert(src, tmp_path / dev, quantize=quantize, max_shard_size="40MB", progress=False, device=dev)
+    shards = sorted(p.name for p in (tmp_path / "cpu").glob("*.safetensors"))
+    assert len(shards) > 1 and shards == sorted(p.name for p in (tmp_path / "cuda").glob("*.safetensors"))
+    cpu, gpu = load_all(tmp_path / "cpu"), load_all(tmp_path / "cuda")
+    assert set(cpu) == set(gpu) and any(t.dtype == torch.float8_e4m3fn for t in cpu.values())
+    for name in cpu:
+        assert cpu[name].view(torch.uint8).equal(gpu[name].view(torch.uint8)), name
+    for f in shards:
+        assert (tmp_path / "cpu" / f).read_bytes() == (tmp_path / "cuda" / f).read_bytes(), f
+    a, b = (json.loads((tmp_path / d / "porter.json").read_text())["tensors"] for d in ("cpu", "cuda"))
+    for name, rec in a.items():  # error statistics: same math, other summation order on the GPU
+        assert rec["sha256"] == b[name]["sha256"]
+        if "rel_fro_error" in rec:
+            assert rec["rel_fro_error"] == pytest.approx(b[name]["rel_fro_error"], rel=1e-6)
+            assert rec["max_abs_error"] == b[name]["max_abs_error"]

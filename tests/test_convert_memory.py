@@ -13,17 +13,20 @@ MEASURE = """
 import json, sys
 sys.path.insert(0, {root!r})
 import porter
-porter.convert(sys.argv[1], sys.argv[2], max_shard_size="200MB", progress=False)
+dry = porter.convert(sys.argv[1], sys.argv[2], max_shard_size="200MB", dry_run=True, max_memory="1.5GB")
+porter.convert(sys.argv[1], sys.argv[2], max_shard_size="200MB", progress=False, max_memory="1.5GB")
 # VmHWM is this process's own peak; ru_maxrss would carry the parent's peak across fork+exec
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
-print(json.dumps({{"peak_rss_kb": int(hwm)}}))
+print(json.dumps({{"peak_rss_kb": int(hwm), "estimate": dry["peak_bytes_estimate"]}}))
 """
 
 
-def peak_rss_of_convert(src: Path, out: Path) -> int:
+def peak_rss_of_convert(src: Path, out: Path) -> tuple[int, int]:
+    """(peak RSS, --dry-run's estimate) of a conversion in a fresh process, bytes."""
     res = subprocess.run([sys.executable, "-c", MEASURE.format(root=str(ROOT)), str(src), str(out)],
                          capture_output=True, text=True, check=True)
-    return json.loads(res.stdout.strip().splitlines()[-1])["peak_rss_kb"] * 1024
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    return doc["peak_rss_kb"] * 1024, doc["estimate"]
 
 
 @pytest.mark.slow
@@ -33,7 +36,11 @@ def test_peak_rss_independent_of_model_size(tmp_path):
     large = build_tiny_checkpoint(tmp_path / "large", text_overrides=synthetic_overrides(9), max_shard_tensors=64)
     size = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))
     assert 3.5 < size(large) / size(small) < 4.5
-    rss_small = peak_rss_of_convert(small, tmp_path / "o_small")
-    rss_large = peak_rss_of_convert(large, tmp_path / "o_large")
+    (rss_small, est_small), (rss_large, est_large) = (peak_rss_of_convert(d, tmp_path / f"o_{d.name}")
+                                                      for d in (small, large))
     # holding the whole model would add ~0.6 GB (> 100% of the small run's peak); streaming adds nothing
     assert abs(rss_large - rss_small) / rss_small < 0.15, (rss_small, rss_large)
+    # within the budget, and --dry-run's estimate within 1.5x of what was measured
+    assert max(rss_small, rss_large) < 1.5e9
+    for rss, est in ((rss_small, est_small), (rss_large, est_large)):
+        assert 1 / 1.5 < est / rss < 1.5, (est, rss)

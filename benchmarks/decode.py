@@ -191,6 +191,28 @@ def decode_case(model, batch: int, kv: int, bw: float) -> dict:
 
 
 @torch.inference_mode()
+def kernel_profile(model, layer_index: int, kv: int = 1024) -> dict:
+    """Kernels one eager decode step of a layer launches, and their summed device time (no gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+    cache = filled_cache(model, 1, kv)
+    h = torch.randn(1, 1, model.cfg.hidden_size, device="cuda", dtype=model.dtype)
+    step = Step(cache.next_pos[:, None].clone(), None, cache.max_len, decode=True)
+    layer = model.layers[layer_index]
+    layer(h, step, cache.layers[layer_index])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        layer(h, step, cache.layers[layer_index])
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_name: dict = {}
+    for e in events:
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time_total / 1e3
+    top = sorted(by_name.items(), key=lambda kv_: -kv_[1])[:12]
+    return {"layer": layer_index, "kernels": len(events), "busy_ms": sum(by_name.values()),
+            "top": [(n[:90], round(ms, 4)) for n, ms in top]}
+
+
+@torch.inference_mode()
 def lm_head_ms(batch: int, hidden: int) -> float:
     w = torch.randn(FULL_VOCAB, hidden, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
@@ -289,6 +311,18 @@ def main():
         lines += ["", "Published: " + "; ".join(f"{k}: {v}" for k, v in PUBLISHED.items()) +
                   ". Batch > 1 rows read the experts this small model's router touched (at most "
                   f"{args.experts}); the real 128-expert model touches more.", ""]
+        for li in (0, 1):
+            try:
+                prof = kernel_profile(model, li)
+            except Exception as e:  # the profile is a diagnostic: report and go on
+                log.warning("profile failed: %s", str(e).splitlines()[0])
+                break
+            res.setdefault("profile", []).append(prof)
+            log.info("quantize=%s layer %d eager decode step: %d kernels, %.3f ms of kernel time; top: %s", scope, li,
+                     prof["kernels"], prof["busy_ms"], prof["top"])
+            lines.append(f"Layer {li}, batch 1, KV 1k, eager: {prof['kernels']} kernels, "
+                         f"{prof['busy_ms']:.3f} ms summed kernel time.")
+        lines.append("")
         if args.prefill_tokens and scope == scopes[0]:
             pf = prefill(model, args.prefill_tokens)
             res["prefill"] = pf

@@ -78,7 +78,7 @@ def num_splits(n_keys: int, programs: int, block_n: int, target: int = 264) -> i
 
 
 def _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, scale):
-    from runtime.attention_triton import decode_kernel
+    from runtime.attention_triton import combine_kernel, decode_kernel
     B, nq, d = q.shape
     nkv = k_cache.shape[1]
     g = nq // nkv
@@ -88,20 +88,20 @@ def _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, sc
         n_keys, nb, blk = kv_len, 0, pos  # blk unused (DENSE)
     else:
         nb = blocks.shape[-1]
-        n_keys, blk = nb * block, blocks.to(torch.int32).contiguous()
+        n_keys, blk = nb * block, blocks.contiguous()
     splits = num_splits(n_keys, B * nkv, block_n)
     tiles_per_split = -(-(-(-n_keys // block_n)) // splits)
     o = torch.empty((B, nkv, splits, gp, d), dtype=torch.float32, device=q.device)
     ml = torch.empty((2, B, nkv, splits, gp), dtype=torch.float32, device=q.device)
     qc = q.contiguous()
     decode_kernel[(B * nkv, splits)](
-        qc, k_cache, v_cache, pos.to(torch.int32), blk, o, ml[0], ml[1],
+        qc, k_cache, v_cache, pos, blk, o, ml[0], ml[1],
         n_keys, -(-kv_len // block) if blocks is not None else 0, nb, tiles_per_split, scale,
         qc.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NKV=nkv, G=g, GP=gp, D=d, BLOCK_N=block_n, KB=block, DENSE=blocks is None,
         IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
-    m, l = ml[0], ml[1]  # [B, nkv, splits, gp]
-    w = torch.exp(m - m.amax(2, keepdim=True))  # empty slices: exp(NEG - m) = 0
-    out = (o * w[..., None]).sum(2) / (l * w).sum(2)[..., None]  # [B, nkv, gp, d]
-    return out[:, :, :g].reshape(B, nq, d).to(q.dtype)
+    out = torch.empty((B, nq, d), dtype=q.dtype, device=q.device)  # query head h*g + i <- (kv head h, row i)
+    combine_kernel[(B * nkv, g)](o, ml[0], ml[1], out, splits, GP=gp, G=g, D=d,
+                                 SP=max(2, 1 << (splits - 1).bit_length()), num_warps=4)
+    return out

@@ -67,3 +67,21 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, blk_ptr, o_ptr, m_ptr, l_ptr,
     tl.store(o_ptr + out[:, None] * D + dcol[None, :], acc)
     tl.store(m_ptr + out, m_i)
     tl.store(l_ptr + out, l_i)
+
+
+@triton.jit
+def combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, NSP, GP: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                   SP: tl.constexpr):
+    """Merge the slices of (row b, kv head h) for query head h * G + gi: sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s."""
+    bh = tl.program_id(0)
+    gi = tl.program_id(1)
+    s = tl.arange(0, SP)
+    dcol = tl.arange(0, D)
+    ok = s < NSP
+    idx = (bh * NSP + s) * GP + gi  # [SP]
+    m = tl.load(m_ptr + idx, mask=ok, other=-1.0e30)
+    l = tl.load(l_ptr + idx, mask=ok, other=0.0)
+    w = tl.exp(m - tl.max(m, 0))  # empty slices (m = -1e30) weigh 0
+    o = tl.load(o_ptr + idx[:, None] * D + dcol[None, :], mask=ok[:, None], other=0.0)  # [SP, D]
+    out = tl.sum(o * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + (bh * G + gi) * D + dcol, out.to(out_ptr.dtype.element_ty))

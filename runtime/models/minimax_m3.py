@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from converters.minimax_m3 import TextConfig
 from porter import mxfp8
 from porter.layout import scale_name
+from runtime import fused
 from runtime.attention import decode_attention
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params, swiglu_oai
 
@@ -43,6 +44,8 @@ Getter = Callable[[str], Optional[torch.Tensor]]  # canonical name -> tensor on 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma RMSNorm: fp32, scales by (1 + w), cast back to x's dtype."""
+    if fused.use_triton(x):
+        return fused.rms_norm(x, w, eps)
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * (1.0 + w.float())).to(x.dtype)
@@ -102,6 +105,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([rot, rest], dim=-1)
 
 
+def norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Per-head qk-norm, then RoPE: x [B, T, n, d] -> [B, T, n, d] (one kernel on CUDA)."""
+    if fused.use_triton(x):
+        return fused.norm_rope(x, w, eps, cos, sin)
+    return apply_rope(rms_norm(x, w, eps), cos, sin)
+
+
 @dataclass
 class Step:
     """Where the T new tokens of one forward pass sit.
@@ -116,6 +126,18 @@ class Step:
     fresh: bool = False
     decode: bool = False
     _copies: dict = field(default_factory=dict, repr=False)
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    def memo(self, key, make: Callable[[], object]):
+        """What depends only on the positions (cos/sin, causal masks, forced blocks): made once per
+        forward and shared by the layers (a captured decode step clears it, so the graph makes it)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def rope(self, rope: "Rope", dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, T, r] of these positions."""
+        return self.memo(("rope", id(rope), dtype), lambda: rope(self.pos, dtype))
 
     def on(self, device: torch.device) -> "Step":
         """This step with pos/valid on `device` (one copy per device: layers spread by a device_map)."""
@@ -163,7 +185,7 @@ class LayerCache:
         if step.kv_len > slots:
             raise ValueError(f"KV cache holds {slots} tokens; {step.kv_len} needed (raise max_len)")
         B, T = new.shape[:2]
-        rows = torch.arange(B, device=new.device)[:, None].expand(B, T)  # [B, T]
+        rows = step.memo(("rows", B, T), lambda: torch.arange(B, device=new.device)[:, None].expand(B, T))
         pos = step.pos
         if step.valid is not None:  # pad tokens are never written
             rows, pos, new = rows[step.valid], pos[step.valid], new[step.valid]
@@ -202,8 +224,8 @@ class Indexer:
         B, T, _ = x.shape
         eps = self.cfg.rms_norm_eps
         cos, sin = cos[..., : self.di], sin[..., : self.di]  # as transformers, should di < rotary_dim
-        iq = apply_rope(rms_norm(self.wq(x).view(B, T, self.ni, self.di), self.q_norm, eps), cos, sin)
-        ik = apply_rope(rms_norm(self.wk(x).view(B, T, 1, self.di), self.k_norm, eps), cos, sin)[:, :, 0]
+        iq = norm_rope(self.wq(x).view(B, T, self.ni, self.di), self.q_norm, eps, cos, sin)  # [B, T, ni, di]
+        ik = norm_rope(self.wk(x).view(B, T, 1, self.di), self.k_norm, eps, cos, sin)[:, :, 0]  # [B, T, di]
         S = step.kv_len
         if cache is not None:
             cache.put("idx_k", ik, step)
@@ -215,12 +237,12 @@ class Indexer:
         if nblk <= topk:  # every visible block fits in the budget: exactly dense attention
             return None
         pos = step.pos  # [B, T]
-        slot = torch.arange(S, device=x.device)
+        future = step.memo(("future", S), lambda: torch.arange(S, device=x.device) > pos[:, None, :, None])
         scores = torch.einsum("bthd,bsd->bhts", iq.float(), ik.float())  # [B, ni, T, S]
-        scores = scores.masked_fill(slot > pos[:, None, :, None], float("-inf"))  # causal first
+        scores = scores.masked_fill(future, float("-inf"))  # causal first
         scores = F.pad(scores, (0, nblk * bs - S), value=float("-inf"))
         blocks = scores.view(B, self.ni, T, nblk, bs).amax(-1)  # [B, ni, T, nblk] max-pool
-        forced = self._forced_blocks(pos // bs)  # [B, T, f]
+        forced = step.memo(("forced", bs), lambda: self._forced_blocks(pos // bs))  # [B, T, f]
         if forced is not None:
             blocks.scatter_(-1, forced[:, None].expand(B, self.ni, -1, -1), float("inf"))  # inside the budget
         top_s, top_i = blocks.topk(topk, dim=-1)  # [B, ni, T, topk]
@@ -268,9 +290,9 @@ class Attention:
     def __call__(self, x: torch.Tensor, step: Step, cache: Optional[LayerCache]) -> torch.Tensor:
         cfg, (B, T, _) = self.cfg, x.shape
         nq, nkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
-        cos, sin = self.rope(step.pos, x.dtype)  # [B, T, r]
-        q = apply_rope(rms_norm(self.wq(x).view(B, T, nq, d), self.q_norm, eps), cos, sin)  # qk-norm, then RoPE
-        k = apply_rope(rms_norm(self.wk(x).view(B, T, nkv, d), self.k_norm, eps), cos, sin)
+        cos, sin = step.rope(self.rope, x.dtype)  # [B, T, r]
+        q = norm_rope(self.wq(x).view(B, T, nq, d), self.q_norm, eps, cos, sin)  # qk-norm, then RoPE
+        k = norm_rope(self.wk(x).view(B, T, nkv, d), self.k_norm, eps, cos, sin)
         v = self.wv(x).view(B, T, nkv, d)
         if cache is None and not step.fresh:  # padded batch without a cache: a scratch one
             cache = LayerCache.empty(cfg, 0, B, step.kv_len, x.dtype, x.device)
@@ -325,11 +347,14 @@ class MLP:
         # 0-dim tensors on the weights' device: a Python float would be copied to the GPU on every call,
         # which a CUDA graph cannot capture
         dev = self.down.weight.device
-        self.alpha, self.beta, self.limit = (torch.tensor(float(v), device=dev)
-                                             for v in (cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit))
+        self.params = (cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit)  # floats for the fused kernel
+        self.alpha, self.beta, self.limit = (torch.tensor(float(v), device=dev) for v in self.params)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(swiglu_oai(self.gate(x), self.up(x), self.alpha, self.beta, self.limit))
+        gate, up = self.gate(x), self.up(x)
+        if fused.use_triton(gate):
+            return self.down(fused.swiglu(gate, up, *self.params))
+        return self.down(swiglu_oai(gate, up, self.alpha, self.beta, self.limit))
 
 
 class MoE:
@@ -502,6 +527,7 @@ class DecodeGraph:
         self.logits = None
 
     def _run(self) -> torch.Tensor:
+        self.step._memo.clear()  # cos/sin etc. must be computed inside the graph, from the live positions
         h = self.model.embed(self.tok)
         h = self.model.run_layers(h, self.step, self.cache)
         return self.model.final(h)[:, -1]  # [B, V]

@@ -217,7 +217,7 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool) -> Optiona
             return None
         if resume and journal.get("fingerprint") == fp:
             return _verified_done(out, journal)
-        if resume and not journal and all(p.is_file() and _porter_file(p.name) for p in out.iterdir()):
+        if resume and not journal and all(p.is_file() and p.name == JOURNAL + ".tmp" for p in out.iterdir()):
             # killed before the first journal write: nothing finished, start over in place
             log.info("resume: %s holds no finished shard yet; starting from the beginning", out)
             _clear_output(out)
@@ -319,7 +319,9 @@ def _reuse_freed_memory() -> None:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: serve allocations below 1 GiB from the heap
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap for reuse
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: keep up to 256 MiB of freed heap per arena for reuse
+        libc.mallopt(-8, 2)  # M_ARENA_MAX: workers share 2 arenas (one each would keep its own freed memory:
+        # measured +2 GB of RSS at 16 workers on an 8 GB checkpoint vs 2 GB)
     except (OSError, AttributeError):
         pass
 

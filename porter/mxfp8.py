@@ -81,9 +81,10 @@ def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[li
     return x, x.to(torch.float8_e4m3fn), byte  # the cast rounds to nearest even
 
 
-def quantize(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., K] float -> (q [..., K] float8_e4m3fn, scale [..., K/32] uint8)."""
-    _, q, byte = _quantize_blocks(w, rounding, name)
+def quantize(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor",
+             keep_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., K] float -> (q [..., K] float8_e4m3fn, scale [..., K/32] uint8). keep_scale: see _quantize_blocks."""
+    _, q, byte = _quantize_blocks(w, rounding, name, keep_scale=keep_scale)
     return q.reshape(w.shape), byte.to(torch.uint8)
 
 

@@ -29,7 +29,8 @@ import torch
 from porter import mxfp8
 from porter.errors import PorterError
 from porter.layout import OutTensor, scale_name
-from porter.safetensors_io import Entry, TensorReader, dtype_name, header_bytes, pwrite_all, tensor_bytes
+from porter.safetensors_io import (Entry, TensorReader, dtype_name, header_bytes, pread_into, pwrite_all,
+                                    tensor_bytes)
 
 log = logging.getLogger("porter")
 
@@ -205,18 +206,18 @@ def _src_bytes(t: OutTensor) -> int:
 def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.device, max_memory: int) -> dict:
     """Expected peak RSS of a conversion (what --dry-run prints) and the budget the pipeline runs in:
     this process as it is now (torch loaded; + the CUDA context on a GPU), plus the bytes in flight
-    (each worker's unit plus one finished unit's output waiting for its hash, capped by --max-memory),
-    plus the scale arrays of two stacked expert tensors (filled while their experts are in flight)."""
+    (each worker's unit: reads, temporaries and results, capped by --max-memory), plus the scale arrays of
+    two stacked expert tensors (filled while their experts are in flight), plus the hash read-back buffers."""
     mem = memory_status()
     base = mem.get("RssAnon", 0) + mem.get("RssFile", 0) + (CUDA_CONTEXT_BYTES if device.type == "cuda" else 0)
     costs = [(0, min(COPY_CHUNK_BYTES, _src_bytes(t))) if verbatim_source(t, meta) is not None
              else unit_costs(t, device) for t in tensors]  # a copied range is both read and output buffer
     unit = max((w + o for w, o in costs), default=0)
-    out = max((o for _, o in costs), default=0)
     scales = sum(sorted(scale_array_bytes(t) for t in tensors)[-2:])
-    inflight = max(unit, min(workers * (unit + out), budget_for(max_memory, base, scales)))
+    readback = workers * READBACK_BYTES  # each worker may hash, reading written bytes back
+    inflight = max(unit, min(workers * unit, budget_for(max_memory, base, scales + readback)))
     return {"base": base, "unit": unit, "workers": workers, "inflight": inflight, "scales": scales,
-            "total": base + inflight + scales, "max_memory": max_memory}
+            "readback": readback, "total": base + inflight + scales + readback, "max_memory": max_memory}
 
 
 def scale_array_bytes(t: OutTensor) -> int:
@@ -267,71 +268,73 @@ class Budget:
             self.cond.notify_all()
 
 
-class Chunk:
-    """Output bytes in flight: kept alive (and counted in the budget) until every hash has consumed them."""
-
-    def __init__(self, data: memoryview, keep, consumers: int, budget: Budget, cost: int):
-        self.data, self.keep, self.left, self.budget, self.cost = data, keep, consumers, budget, cost
-        self.lock = threading.Lock()
-
-    def consumed(self) -> None:
-        with self.lock:
-            self.left -= 1
-            last = self.left == 0
-        if last:
-            self.data = self.keep = None
-            self.budget.release(self.cost)
+_READBACK = threading.local()  # per thread: a reusable buffer for hashing bytes read back
+READBACK_BYTES = 16 << 20
 
 
 class OrderedHash:
-    """sha256 of the byte range [start, start + length), fed chunks in any order, hashed in order by
-    whichever thread delivers the next one."""
+    """sha256 of bytes [start, start + length) of a file written out of order. Writers report finished
+    ranges; whichever thread reports the range at the frontier hashes forward, reading the bytes back from
+    the page cache. So no output buffer waits in memory for its turn, and the hashes of different tensors
+    and shards run in parallel on different threads (each one alone is sequential by nature)."""
 
-    def __init__(self, start: int, length: int, on_done: Callable[[str], None]):
+    def __init__(self, fd: int, path: Path, start: int, length: int, on_done: Callable[[str], None]):
+        self.fd, self.path = fd, path
         self.sha, self.next, self.end, self.on_done = hashlib.sha256(), start, start + length, on_done
-        self.pending: dict = {}
+        self.ready: dict = {}  # offset -> length of written ranges not hashed yet
         self.lock = threading.Lock()
         self.busy = False
         if length == 0:
             on_done(self.sha.hexdigest())
 
-    def add(self, offset: int, chunk: Chunk) -> None:
+    def add(self, offset: int, length: int) -> None:
         with self.lock:
-            self.pending[offset] = chunk
+            self.ready[offset] = length
             if self.busy:
                 return
             self.busy = True
         while True:
             with self.lock:
-                chunk = self.pending.pop(self.next, None)
-                if chunk is None:
+                n = self.ready.pop(self.next, None)
+                if n is None:
                     self.busy = False
                     return
-                self.next += len(chunk.data)
+                begin = self.next
+                self.next += n
                 finished = self.next == self.end
-            self.sha.update(chunk.data)  # releases the GIL
-            chunk.consumed()
+            self._hash(begin, n)
             if finished:
                 self.on_done(self.sha.hexdigest())
+
+    def _hash(self, begin: int, n: int) -> None:
+        buf = getattr(_READBACK, "buf", None)
+        if buf is None:
+            buf = _READBACK.buf = memoryview(bytearray(READBACK_BYTES))
+        while n > 0:
+            k = min(n, len(buf))
+            pread_into(self.fd, buf[:k], begin, self.path)
+            self.sha.update(buf[:k])  # releases the GIL
+            begin += k
+            n -= k
 
 
 class ShardOut:
     """One output shard: `.partial` written with pwrite, renamed after its hash, every tensor's hash and
     every error record are in (`todo` counts those events)."""
 
-    def __init__(self, path: Path, entries: list, todo: int, on_closed: Callable, budget: Budget):
+    def __init__(self, path: Path, entries: list, todo: int, on_closed: Callable):
         self.path, self.entries, self.on_closed = path, entries, on_closed
         self.partial = path.with_name(path.name + ".partial")
         header = header_bytes(entries, SHARD_METADATA)
         size = len(header) + sum(e.nbytes for e in entries)
-        self.fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self.fd, size)
         self.lock = threading.Lock()
         self.todo = todo + 1  # + the file hash
         self.sha256 = None
-        self.file_hash = OrderedHash(0, size, self._hashed)
+        self.file_hash = OrderedHash(self.fd, self.partial, 0, size, self._hashed)
         pwrite_all(self.fd, memoryview(header), 0)
-        self.file_hash.add(0, Chunk(memoryview(header), None, 1, budget, 0))
+        self.file_hash.add(0, len(header))
 
     def _hashed(self, sha: str) -> None:
         self.sha256 = sha
@@ -391,7 +394,23 @@ class Pipeline:
         pre = self.plan.source.prequantized  # a quantized source weight: dequantized (porter.prequantized)
         if pre is not None and name in pre.scales:  # (an MXFP8 one remembers its scale: pre.kept_scale)
             return pre.dequantize(self.reader.read(name, index), self.reader.read(pre.scales[name], index))
-        return self.reader.read(name, index, pin=self.pin)
+        if self.pin:  # into this worker's pinned slab: the async host->device copy needs page-locked memory
+            return self.reader.read(name, index, into=self._slab("src", self.reader.nbytes(name, index)))
+        return self.reader.read(name, index)
+
+    def _slab(self, which: str, n: int) -> torch.Tensor:
+        """n bytes of this worker thread's pinned buffer `which` (src: the unit's reads; out: one part's
+        results). Allocated once per worker and reused for every unit (reset when a unit starts; results
+        are written out before the next part), so pinned memory stays workers x (unit + part) bytes."""
+        at = getattr(self.local, which + "_at", 0)
+        slab = getattr(self.local, which, None)
+        if slab is None or at + n > slab.numel():
+            slab = torch.empty(max(2 * (slab.numel() if slab is not None else 0), at + n, 1 << 20),
+                               dtype=torch.uint8, pin_memory=True)
+            setattr(self.local, which, slab)
+            at = 0  # views already handed out keep the old slab alive until the unit ends
+        setattr(self.local, which + "_at", at + (n + 63) // 64 * 64)
+        return slab[at:at + n]
 
     # -- shard bookkeeping
     def _todo(self, f: str) -> int:
@@ -404,12 +423,11 @@ class Pipeline:
         with self.lock:
             s = self.shards.get(f)
             if s is None:
-                s = self.shards[f] = ShardOut(self.out / f, self.entries_of[f], self._todo(f), self._closed,
-                                                  self.budget)
+                s = self.shards[f] = ShardOut(self.out / f, self.entries_of[f], self._todo(f), self._closed)
                 for e in self.entries_of[f]:
                     p = self.places[e.name]
                     self.tensor_hash[e.name] = OrderedHash(
-                        p.offset, p.nbytes, lambda sha, e=e, s=s: self._tensor_hashed(s, e, sha))
+                        s.fd, s.partial, p.offset, p.nbytes, lambda sha, e=e, s=s: self._tensor_hashed(s, e, sha))
             return s
 
     def _tensor_hashed(self, shard: ShardOut, e: Entry, sha: str) -> None:
@@ -434,7 +452,8 @@ class Pipeline:
         shard.event()
 
     def deposit(self, name: str, offset: int, value: torch.Tensor, unit_cost: list) -> None:
-        """Write value's bytes at `offset` within tensor `name` and hand them to both hashes."""
+        """Write value's bytes at `offset` within tensor `name`; both hashes read them back when their turn
+        comes, so value can be dropped (or its buffer reused) as soon as this returns."""
         place = self.places[name]
         if place.shard in self.done:
             return
@@ -443,10 +462,8 @@ class Pipeline:
             raise RuntimeError(f"{name}: produced bytes beyond its planned {place.nbytes}")
         shard = self._shard(place.shard)
         pwrite_all(shard.fd, data, place.offset + offset)
-        unit_cost[0] -= len(data)  # from now on the chunk releases these bytes
-        chunk = Chunk(data, value, 2, self.budget, len(data))
-        self.tensor_hash[name].add(place.offset + offset, chunk)
-        shard.file_hash.add(place.offset + offset, chunk)
+        self.tensor_hash[name].add(place.offset + offset, len(data))
+        shard.file_hash.add(place.offset + offset, len(data))
 
     # -- units
     def run(self, units: list) -> None:
@@ -477,6 +494,7 @@ class Pipeline:
 
     def _run_unit(self, u: Unit) -> None:
         cost = [u.cost]
+        self.local.src_at = 0  # this worker's pinned slab (GPU path) is free again
         try:
             if self.error is None:
                 {"expert": self._expert, "copy": self._copy, "whole": self._whole}[u.kind](u, cost)
@@ -587,13 +605,14 @@ class Pipeline:
             x = w.to(self.device, non_blocking=True)
             keep = None if keep is None else keep.to(self.device, non_blocking=True)
             q, s, err = mxfp8.quantize_with_error(x, self.rounding, name, host_stats=False, keep_scale=keep)
-            q_host = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
-            s_host = torch.empty(s.shape, dtype=s.dtype, pin_memory=True)
+            self.local.out_at = 0  # the previous part's results were written out before this part
+            q_host = self._slab("out", q.numel()).view(q.dtype).view(q.shape)
+            s_host = self._slab("out", s.numel()).view(s.shape)
             q_host.copy_(q, non_blocking=True)
             s_host.copy_(s, non_blocking=True)
             stats = torch.stack([err["err_sq"], err["ref_sq"], err["max_abs_error"]]).to("cpu", non_blocking=True)
             stream.synchronize()
-        del x, q, s  # w (pinned) stays alive until here: its async copy has finished
+        del x, q, s  # w (pinned slab) is reused only after this sync: its async copy has finished
         return q_host, s_host, [{"err_sq": float(stats[0]), "ref_sq": float(stats[1]),
                                  "max_abs_error": float(stats[2])}]
 

@@ -45,6 +45,16 @@ class Scheme:
     def describe(self) -> str:
         return f"{self.method} (block {list(self.block)}), {len(self.scales)} quantized weights"
 
+    def record(self) -> dict:
+        """How the conversion read this source, as porter.json options.source_quantization records it; verify
+        re-derives the artifact by the same rule (docs/verify.md). scale_bytes "kept": a value that is one
+        whole MXFP8 source weight is re-quantized with that weight's own scale bytes (`kept_scale`), any
+        other value (a row slice of a fused weight) with options.scale_rounding; "rederived": every value
+        with options.scale_rounding, after one rounding of the dequantized product to `dequantized_dtype`."""
+        return {"method": self.method, "weight_block_size": list(self.block),
+                "dequantized_dtype": str(DEQUANTIZED_DTYPE).removeprefix("torch."),
+                "scale_bytes": "kept" if self.method == "mxfp8" else "rederived"}
+
     def adopt(self, meta: dict, where: str) -> dict:
         """Source tensor metadata as the planner should see it: each quantized weight becomes a bfloat16
         tensor of its shape and its scale is consumed. Checks every pair's dtypes and shapes."""

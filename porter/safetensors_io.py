@@ -168,7 +168,13 @@ class TensorReader:
                 self.spans[name] = (path, start + info["data_offsets"][0], ST_DTYPES[info["dtype"]],
                                     tuple(info["shape"]))
 
-    def read(self, name: str, index: Optional[int] = None, pin: bool = False) -> torch.Tensor:
+    def nbytes(self, name: str, index: Optional[int] = None) -> int:
+        _, _, dtype, shape = self.spans[name]
+        return nbytes(dtype, shape if index is None else shape[1:])
+
+    def read(self, name: str, index: Optional[int] = None, pin: bool = False,
+             into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """into: a uint8 buffer of exactly nbytes(name, index) to read into (e.g. a reused pinned slab)."""
         path, offset, dtype, shape = self.spans[name]
         if dtype == ST_DTYPES["F8_E8M0"]:
             dtype = torch.uint8  # E8M0 scale bytes: reinterpret, never value-convert
@@ -177,7 +183,7 @@ class TensorReader:
                 raise IndexError(f"{name}: row {index} of {shape[0]}")
             offset += index * nbytes(dtype, shape[1:])
             shape = shape[1:]
-        out = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        out = torch.empty(shape, dtype=dtype, pin_memory=pin) if into is None else into.view(dtype).view(shape)
         if out.numel():
             pread_into(self._fd(path), memoryview(out.reshape(-1).view(torch.uint8).numpy()), offset, path)
         return out

@@ -32,7 +32,7 @@ from porter.safetensors_io import dtype_name
 from porter.verification import generation as gen
 from porter.verification.exact import rederive
 from porter.verification.inputs import (DEFAULT_PROMPT, check_plot_path, encode_prompts, open_artifact,
-                                        reference_path, tokenizer)
+                                        reference_path, source_quantization, tokenizer)
 from porter.verification.integrity import check_integrity
 from porter.verification.mapping import ArtifactReader, Mapping, ReferenceStore, SourceShards
 from porter.verification.numerics import compare_models
@@ -55,6 +55,7 @@ class _Inputs:
     ref_config: object
     tok: object
     device: torch.device
+    source_quantization: tuple = (None, False)  # (porter.prequantized.Scheme or None, MXFP8 scales kept)
 
 
 def verify(artifact, prompts=None, reference=None, backend: str = "auto", device="cpu",
@@ -73,8 +74,9 @@ def verify(artifact, prompts=None, reference=None, backend: str = "auto", device
     rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
         return _finish(rep, list(rep.integrity.issues), report, plot, t0)
-    shards, reader = SourceShards(inp.ref_path), ArtifactReader(inp.art, inp.man)
-    mapping = Mapping(shards, interleaved=_interleaved(inp.man, inp.ref_config))
+    shards, reader = SourceShards(inp.ref_path, *inp.source_quantization), ArtifactReader(inp.art, inp.man)
+    mapping = Mapping(shards, interleaved=_interleaved(inp.man, inp.ref_config),
+                      rounding=inp.man.get("options", {}).get("scale_rounding"))
     rep.exact = rederive(reader, mapping, inp.man.get("options", {}).get("scale_rounding"), inp.device, progress)
     failures = judge_exact(rep.exact, rep.thresholds)
     if any(t.problem for t in rep.exact.tensors):
@@ -96,15 +98,12 @@ def _open(artifact, prompts, reference, backend, device, thresholds, plot) -> tu
         ref_config = arch.resolve_config(raw)
     except (PorterError, json.JSONDecodeError) as e:
         raise VerifyInputError(f"reference {ref_path / 'config.json'}: {e}") from None
-    method = (raw.get("quantization_config") or {}).get("quant_method")
-    if method not in (None, "none"):
-        raise VerifyInputError(f"reference {ref_path}: pre-quantized ({method}); verify re-derives the artifact from "
-                               "an unquantized (bf16) checkpoint — pass that one with --reference")
+    source_q = source_quantization(man, raw, ref_path)  # a pre-quantized reference is read as converted
     tok, tok_path = tokenizer(art, ref_path)
     prompts = list(prompts) if prompts else [DEFAULT_PROMPT]
     rep = Report(str(art.resolve()), str(ref_path), str(tok_path), man.get("porter_version"), backend, str(device),
                  scope, man.get("options", {}).get("scale_rounding"), th, prompts, 0)
-    return _Inputs(art, man, ref_path, ref_config, tok, torch.device(device)), rep
+    return _Inputs(art, man, ref_path, ref_config, tok, torch.device(device), source_q), rep
 
 
 def _interleaved(man: dict, ref_config) -> bool:

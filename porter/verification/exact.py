@@ -4,7 +4,9 @@ MXFP8 is deterministic, so each quantized tensor is re-quantized from its source
 own mapping table, mapping.py) with porter.mxfp8 and the rule recorded in porter.json, and its e4m3 bytes
 and scale bytes must be identical; mismatches are counted per 32-element block (a block differs when any
 of its 32 value bytes or its scale byte differs), per tensor and per expert. Tensors that were not
-quantized must be bit-identical to their source (same dtype, same bytes). The relative weight error
+quantized must be bit-identical to their source (same dtype, same bytes). A pre-quantized source is
+compared as the conversion read it (mapping.py): dequantized values, and an MXFP8 source's own scale
+bytes where the conversion kept them (porter.json options.source_quantization). The relative weight error
 ||deq(Q) - W|| / ||W|| is computed on the same pass as a second opinion (threshold max_weight_error).
 
 Streaming, tensor by tensor and expert by expert, in row chunks of bounded size: on the verify device
@@ -143,22 +145,25 @@ def _unit(reader: ArtifactReader, d: Derivation, name: str, e: Optional[int], ro
         return _compare_carried(src, q, e)
     if q.dtype != torch.float8_e4m3fn or s.dtype != torch.uint8:
         return UnitResult(e, problem=f"{label}: values {q.dtype} / scale {s.dtype}, MXFP8 needs float8_e4m3fn / uint8")
-    return _compare_quantized(src, q, s, rounding, device, e, name)
+    return _compare_quantized(src, q, s, rounding, device, e, name, d.kept(e))
 
 
 def _srcs(d: Derivation) -> str:
     return d.sources[0] + (f" (+{len(d.sources) - 1})" if len(d.sources) > 1 else "")
 
 
-def _compare_quantized(src, q, s, rounding, device, e, name) -> UnitResult:
-    """src [N, K], q [N, K] e4m3, s [N, K/32] uint8; row chunks re-quantized on `device`."""
+def _compare_quantized(src, q, s, rounding, device, e, name, kept=None) -> UnitResult:
+    """src [N, K], q [N, K] e4m3, s [N, K/32] uint8; row chunks re-quantized on `device`, with the scale
+    bytes `kept` ([N, K/32] uint8: an MXFP8 source's own) when given, else by the rounding rule."""
     res = UnitResult(e)
     k = src.shape[-1]
     src2, q2, s2 = src.reshape(-1, k), q.reshape(-1, k), s.reshape(-1, k // mxfp8.BLOCK)
+    kept2 = None if kept is None else kept.reshape(-1, k // mxfp8.BLOCK)
     step = max(1, CHUNK_ELEMENTS // k)
     for r0 in range(0, src2.shape[0], step):
         w = src2[r0:r0 + step].to(device)
-        qr, sr = mxfp8.quantize(w, rounding, name)
+        keep = None if kept2 is None else kept2[r0:r0 + step].to(device)
+        qr, sr = mxfp8.quantize(w, rounding, name, keep_scale=keep)
         qa, sa = q2[r0:r0 + step].to(device), s2[r0:r0 + step].to(device)
         scale_bad = sa != sr
         bad = (qa.view(torch.uint8) != qr.view(torch.uint8)).reshape(*sa.shape, mxfp8.BLOCK).any(-1) | scale_bad

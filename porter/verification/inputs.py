@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from porter import manifest as manifest_mod
+from porter import prequantized
 from porter.errors import PorterError
 from porter.verification.verdict import VerifyInputError
 
@@ -40,14 +41,46 @@ def reference_path(man: dict, reference) -> Path:
         raise VerifyInputError(f"reference checkpoint {p} (from porter.json) not found; pass --reference DIR|REPO_ID")
     p = Path(str(reference)).expanduser()
     if p.exists():
-        if manifest_mod.is_artifact(p):
-            raise VerifyInputError(f"{p}: --reference is a porter artifact; give the original bf16 checkpoint")
+        if manifest_mod.is_artifact(p) and _layout(p) != "hf":  # an hf-layout artifact is an MXFP8 checkpoint
+            raise VerifyInputError(f"{p}: --reference is a porter artifact (porter layout); give the checkpoint it "
+                                   "was converted from")
         if not (p / "config.json").exists():
             raise VerifyInputError(f"{p}: --reference has no config.json; not a MiniMax-M3 checkpoint dir")
         return p
     if str(reference).count("/") == 1 and not str(reference).startswith((".", "/", "~")):
         return _from_hub(str(reference), None)
     raise VerifyInputError(f"{reference}: --reference not found (no such directory, not a repo id)")
+
+
+def _layout(p: Path) -> Optional[str]:
+    try:
+        return (manifest_mod.read(p).get("options") or {}).get("layout", "porter")
+    except (PorterError, ValueError):
+        return None
+
+
+def source_quantization(man: dict, raw: dict, ref_path: Path) -> tuple[Optional[prequantized.Scheme], bool]:
+    """(scheme, keep_scales): how to read the reference — its quantization (porter.prequantized, from its
+    config.json), which must be the one porter.json records the artifact was converted from
+    (options.source_quantization, absent for a bf16 source); keep_scales: MXFP8 scale bytes were kept."""
+    try:
+        scheme = prequantized.detect(raw, ref_path / "config.json")
+    except PorterError as e:
+        raise VerifyInputError(f"reference {e}") from None
+    rec = man.get("options", {}).get("source_quantization")
+    found = None if scheme is None else scheme.record()
+    what = lambda r: "an unquantized checkpoint" if r is None else \
+        f"a pre-quantized {r.get('method')} checkpoint (block {r.get('weight_block_size')})"
+    if (rec is None) != (found is None) or (rec is not None and any(
+            rec.get(k) != found[k] for k in ("method", "weight_block_size"))):
+        raise VerifyInputError(f"reference {ref_path}: {what(found)}, but porter.json options.source_quantization "
+                               f"says the artifact was converted from {what(rec)}; pass that checkpoint with "
+                               "--reference")
+    if rec is not None and (rec.get("dequantized_dtype") != found["dequantized_dtype"]
+                            or rec.get("scale_bytes") not in ("kept", "rederived")):
+        raise VerifyInputError(f"porter.json options.source_quantization {rec} is not a rule this porter "
+                               f"re-derives (it reads {found}); verify with the porter that converted it")
+    return scheme, rec is not None and rec["scale_bytes"] == "kept"
 
 
 def _from_hub(repo_id: str, commit: Optional[str]) -> Path:

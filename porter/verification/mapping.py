@@ -14,6 +14,12 @@ rows of the templates concatenated: [w1; w3]) | expert_slice (expert E = source[
 expert_slice_interleaved (source[E] rows gate0, up0, gate1, … -> [gate; up]) | index (source[E], E from
 the name: one expert's 2-D weight) | index_w1 / index_w3 (the gate / up rows of source[E]), + _interleaved.
 Stacked artifact tensors ([E, N, K]) are derived expert by expert by the expert_* ops.
+
+A pre-quantized source (MXFP8 or block FP8, porter.prequantized) is read the way the conversion read it:
+each quantized weight dequantized when read (its scale tensor is consumed, not mapped). Where the
+conversion kept an MXFP8 source's scale bytes (porter.json options.source_quantization.scale_bytes "kept":
+a value that is one whole source weight — the copy and experts_rows ops), Derivation.kept gives those
+bytes for the re-quantization; every other value is re-quantized with the recorded rounding rule.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from typing import Callable, Optional
 import torch
 from safetensors import safe_open
 
+from porter import mxfp8
 from porter.safetensors_io import ST_DTYPES, nbytes
 from porter.source import read_header, weight_files
 
@@ -78,25 +85,48 @@ STACKED = re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.(w13|w2)_w
 
 
 class SourceShards:
-    """A checkpoint's safetensors shards, read by the tensors' own names (no renaming, no plan)."""
+    """A checkpoint's safetensors shards, read by the tensors' own names (no renaming, no plan).
 
-    def __init__(self, path: Path):
+    scheme (porter.prequantized.Scheme, None for a bf16 checkpoint): its quantized weights are listed in
+    `meta` as their dequantized dtype and dequantized by read(); their scale tensors are not listed.
+    keep_scales: kept_scale() gives an MXFP8 weight's scale bytes (the conversion re-quantized with them)."""
+
+    def __init__(self, path: Path, scheme=None, keep_scales: bool = False):
         self.path = Path(path)
-        self.files, self.meta = {}, {}  # name -> shard Path / (torch dtype, shape)
+        self.files, self.stored = {}, {}  # name -> shard Path / (torch dtype, shape) as stored
         for f in weight_files(self.path):
             for name, info in read_header(f).items():
-                self.files[name], self.meta[name] = f, (ST_DTYPES[info["dtype"]], tuple(info["shape"]))
+                self.files[name], self.stored[name] = f, (ST_DTYPES[info["dtype"]], tuple(info["shape"]))
+        self.scheme, self.keep_scales = scheme, keep_scales and scheme is not None
+        self.scales = {}  # quantized weight -> its scale tensor
+        self.meta = self.stored  # name -> (dtype, shape) of what read() returns
+        if scheme is not None:
+            self.meta = scheme.adopt(self.stored, str(self.path))
+            self.scales = dict(scheme.scales)
         self._handles: dict = {}
 
     def _handle(self, name: str):
         return _open(self._handles, self.files[name])
 
-    def read(self, name: str, row: Optional[int] = None) -> torch.Tensor:
+    def _stored(self, name: str, row: Optional[int]) -> torch.Tensor:
         h = self._handle(name)
         return h.get_tensor(name) if row is None else h.get_slice(name)[row]
 
+    def read(self, name: str, row: Optional[int] = None) -> torch.Tensor:
+        """The tensor (or its [row] along dim 0); a quantized source weight dequantized by its scheme."""
+        if name in self.scales:
+            return self.scheme.dequantize(self._stored(name, row), self._stored(self.scales[name], row))
+        return self._stored(name, row)
+
+    def kept_scale(self, name: str, row: Optional[int] = None) -> Optional[torch.Tensor]:
+        """uint8 scale bytes of an MXFP8 source weight when the conversion kept them, else None."""
+        if not self.keep_scales or name not in self.scales:
+            return None
+        return self._stored(self.scales[name], row).view(torch.uint8)
+
     def nbytes(self, name: str) -> int:
-        return nbytes(*self.meta[name])
+        """Bytes read from disk for this tensor (a quantized weight: values and scale)."""
+        return nbytes(*self.stored[name]) + (nbytes(*self.stored[self.scales[name]]) if name in self.scales else 0)
 
     def close(self) -> None:
         self._handles.clear()
@@ -111,13 +141,14 @@ class Derivation:
     sources: list  # every source tensor read
     experts: Optional[int]
     value: Callable[[Optional[int]], torch.Tensor]
+    kept: Callable[[Optional[int]], Optional[torch.Tensor]] = lambda e: None  # scale bytes to re-quantize with
 
 
 class Mapping:
     """The source side: artifact tensor name -> Derivation from `shards`, by one layout's table."""
 
-    def __init__(self, shards: SourceShards, interleaved: bool = False):
-        self.shards = shards
+    def __init__(self, shards: SourceShards, interleaved: bool = False, rounding: Optional[str] = "rceil"):
+        self.shards, self.rounding = shards, rounding or "rceil"
         names = set(shards.meta)
         if any(re.search(r"\.experts\.\d+\.w1\.weight$", n) for n in names):
             self.layout, self.rules = "vendor", VENDOR
@@ -126,6 +157,9 @@ class Mapping:
             self.rules = transformers_rules(interleaved)
         else:  # no routed experts: both tables read the same
             self.layout, self.rules = "vendor", VENDOR
+        if shards.scheme is not None:
+            kept = "scale bytes kept" if shards.keep_scales else f"{self.rounding} scales re-derived"
+            self.layout += f", pre-quantized {shards.scheme.method} source ({kept})"
         self.roots = {"m": _root(names, MODEL_ROOTS, "embed_tokens.weight"), "h": _root(names, HEAD_ROOTS, "weight")}
 
     def derive(self, tensor: str, experts: Optional[int]) -> Optional[Derivation]:
@@ -143,7 +177,7 @@ class Mapping:
             if srcs and all(s in self.shards.meta for s in srcs):
                 op = rule.op.format(**fields)
                 return Derivation(tensor, rule, list(dict.fromkeys(srcs)), experts if per_expert else None,
-                                  self._reader(op, rule.sources, fields))
+                                  self._reader(op, rule.sources, fields), self._kept(op, rule.sources, fields))
         return None
 
     def _reader(self, op: str, templates: tuple, fields: dict) -> Callable:
@@ -163,6 +197,25 @@ class Mapping:
                     "index_w1_interleaved": lambda w: w[0::2], "index_w3_interleaved": lambda w: w[1::2]}[op]
             return lambda e: pick(read(src()[0], int(fields["E"])))
         raise ValueError(f"mapping table: unknown op {op!r}")
+
+    def _kept(self, op: str, templates: tuple, fields: dict) -> Callable:
+        """Scale bytes [N, K/32] the conversion re-quantized unit e with, None for the rounding rule alone.
+        Only a value that is whole source weights keeps them (copy; experts_rows, part by part); a row
+        slice of a fused weight (halves, interleaved rows, one expert of a fused tensor) is re-derived."""
+        if not self.shards.keep_scales or op not in ("copy", "experts_rows"):
+            return lambda e: None
+        src = lambda e=None: [t.format(**{**fields, "E": e}) for t in templates]
+        if op == "copy":
+            return lambda e: self.shards.kept_scale(src()[0])
+        return lambda e: self._rows_kept(src(e))
+
+    def _rows_kept(self, names: list) -> Optional[torch.Tensor]:
+        """Row parts' scales concatenated; a part that was not an MXFP8 weight gets its rounding-rule bytes."""
+        parts = [self.shards.kept_scale(n) for n in names]
+        if all(p is None for p in parts):
+            return None
+        return torch.cat([p if p is not None else mxfp8.quantize(self.shards.read(n), self.rounding, n)[1]
+                          for n, p in zip(names, parts)])
 
 
 def _open(handles: dict, f: Path):

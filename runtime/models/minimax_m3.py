@@ -26,6 +26,7 @@ cuda_graph=True)`, class DecodeGraph).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -49,6 +50,12 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * (1.0 + w.float())).to(x.dtype)
+
+
+def on_device(device: torch.device):
+    """Make `device` current while a layer runs: Triton launches on the current device's stream, so a
+    layer on cuda:1 launched with cuda:0 current would race its own inputs (device_map)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _capturing() -> bool:
@@ -399,8 +406,9 @@ class DecoderLayer:
         with valid [B, T] (False = pad token) -> [B, T, H] on this layer's device."""
         step = positions if isinstance(positions, Step) else Step.of(positions, h.shape[0], cache, valid)
         step, h = step.on(self.device), h.to(self.device)
-        h = h + self.attn(rms_norm(h, self.ln_in, self.eps), step, cache)
-        return h + self.mlp(rms_norm(h, self.ln_post, self.eps))
+        with on_device(self.device):
+            h = h + self.attn(rms_norm(h, self.ln_in, self.eps), step, cache)
+            return h + self.mlp(rms_norm(h, self.ln_post, self.eps))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -427,7 +435,8 @@ class MiniMaxM3:
         return F.embedding(ids, self.embed_tokens).to(self.dtype)  # [B, T, H]
 
     def final(self, h: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(h.to(self.norm.device), self.norm, self.cfg.rms_norm_eps)
+        with on_device(self.norm.device):
+            h = rms_norm(h.to(self.norm.device), self.norm, self.cfg.rms_norm_eps)
         return F.linear(h.to(self.lm_head.device), self.lm_head.to(h.dtype)).float()  # [B, T, V]
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:

@@ -110,6 +110,8 @@ def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding
     shards = [(f"model-{i:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups, 1)]
     options = {"quantize": quantize, "gate_up": gate_up, "scale_rounding": scale_rounding, "max_shard_size": cap,
                "layout": layout}
+    if source.prequantized is not None:  # how its values were read and re-quantized: verify's rule too
+        options["source_quantization"] = source.prequantized.record()
     plan = Plan(source, config, arch.manifest_facts(config), tensors, shards, options)
     plan.shard_of = {e.name: f for f, es in shards for e in es}
     return plan

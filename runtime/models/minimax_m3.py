@@ -55,7 +55,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def on_device(device: torch.device):
     """Make `device` current while a layer runs: Triton launches on the current device's stream, so a
     layer on cuda:1 launched with cuda:0 current would race its own inputs (device_map)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()  # already current (one GPU: exactly the path measured), or CPU
 
 
 def _capturing() -> bool:

@@ -123,3 +123,11 @@ def test_decode_attention_reads_only_its_keys(sparse):
     for b, p in enumerate(pos.tolist()):
         k2[b, :, p + 1:], v2[b, :, p + 1:] = 1e4, -1e4
     assert fx.rel(decode_attention_reference(q, k2, v2, pos, s_max, blocks, block, 0.25), want) <= EXACT
+
+
+def test_cuda_graph_decoding_needs_one_cuda_device(model):
+    from runtime.models.minimax_m3 import DecodeGraph
+    with pytest.raises(ValueError, match="one CUDA device"):
+        DecodeGraph(model, model.new_cache(1, 8))
+    with pytest.raises(ValueError, match="one CUDA device"):
+        model.generate(fx.prompt(4, batch=1), 3, cuda_graph=True)

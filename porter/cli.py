@@ -157,6 +157,9 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
               help="cpu, cuda, cuda:1, ... (the byte re-derivation runs there too; on cpu it uses every core).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA).")
+@click.option("--device-map", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
+              help="auto: with --device cuda and several GPUs, the converted model's decoder layers are spread "
+                   "over all of them (runtime.load(device_map='auto')); none: it stays on --device.")
 @click.option("--max-new-tokens", default=None, type=click.IntRange(0),
               help="Greedy tokens of the converted model, scored by the reference teacher-forced. "
                    "Default: 16 when the converted model fits the device, else 0 (say N to generate anyway, "
@@ -176,8 +179,8 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
 @click.option("--min-matching-tokens", type=int, default=None,
               help="Generated tokens the reference's argmax must agree on. Default 0 (reported only).")
 @click.pass_context
-def verify(ctx, artifact, prompts, reference, backend, device, dtype, max_new_tokens, report, plot, stream,
-           **threshold_flags):
+def verify(ctx, artifact, prompts, reference, backend, device, dtype, device_map, max_new_tokens, report, plot,
+           stream, **threshold_flags):
     import torch
     from porter import verification
     from porter.errors import EXIT_NOT_FAITHFUL, EXIT_OK
@@ -185,7 +188,8 @@ def verify(ctx, artifact, prompts, reference, backend, device, dtype, max_new_to
     result = _run(ctx, lambda: verification.verify(  # through the module: tests replace it
         artifact, prompts=list(prompts) or None, reference=reference, backend=backend, device=device,
         max_new_tokens=max_new_tokens, report=report, plot=plot, thresholds=threshold_flags,
-        streaming="auto" if stream is None else stream, dtype=torch_dtype, progress=not ctx.obj.get("quiet")))
+        streaming="auto" if stream is None else stream, dtype=torch_dtype, progress=not ctx.obj.get("quiet"),
+        device_map=None if device_map == "none" else device_map))
     click.echo(_run(ctx, lambda: verification.format_table(result.report)))
     ctx.exit(EXIT_OK if result.passed else EXIT_NOT_FAITHFUL)
 

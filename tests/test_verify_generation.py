@@ -96,3 +96,24 @@ def test_prompts_generate_as_one_padded_batch(artifact):
     assert len(g.greedy_all(conv, ids, N, eos)[0]) == alone[0].index(eos) + 1
     rep = verify(artifact, prompts=PROMPTS, max_new_tokens=2).report
     assert rep.streaming.generation == "resident, one padded batch of 2 prompts"
+
+
+def test_device_map_choice_spreads_generation_over_gpus_only_when_asked(monkeypatch):
+    """--device-map auto with a bare cuda device and two GPUs budgets both GPUs' free bytes and loads with
+    device_map="auto"; --device-map none, or an indexed device, keeps the model on that one device."""
+    import porter.verification.generation as g
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    free = {0: 70 << 30, 1: 50 << 30}
+    monkeypatch.setattr(g, "memory_available",
+                        lambda d: free[d.index if d.index is not None else 0] if d.type == "cuda" else 1 << 30)
+    cuda = torch.device("cuda")
+    assert g.generation_budget(cuda, "auto") == (120 << 30, "auto")
+    assert g.generation_budget(cuda, None) == (70 << 30, None)
+    assert g.generation_budget(torch.device("cuda", 1), "auto") == (50 << 30, None)
+    # an 80 GB model fits two GPUs (STREAM_FRACTION 0.8 of 120 GB), not one: resident over both, or skipped
+    plan = g.plan_runs(False, None, cuda, 80 << 30, 80 << 30, "auto")
+    assert (plan.device_map, plan.new_tokens) == ("auto", g.DEFAULT_MAX_NEW_TOKENS)
+    plan = g.plan_runs(False, None, cuda, 80 << 30, 80 << 30, None)
+    assert (plan.device_map, plan.new_tokens) == (None, 0) and plan.generation.startswith("skipped")
+    with pytest.raises(g.VerifyInputError):
+        g.generation_budget(cuda, "balanced")

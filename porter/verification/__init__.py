@@ -60,13 +60,15 @@ class _Inputs:
 
 def verify(artifact, prompts=None, reference=None, backend: str = "auto", device="cpu",
            max_new_tokens: Optional[int] = None, report=None, plot=None, thresholds=None, streaming="auto",
-           dtype: Optional[torch.dtype] = None, progress: bool = False) -> VerifyResult:
+           dtype: Optional[torch.dtype] = None, progress: bool = False,
+           device_map: Optional[str] = "auto") -> VerifyResult:
     """Verify a porter artifact against its reference checkpoint; mirrors `porter verify`.
 
     prompts: list of strings (default: DEFAULT_PROMPT). reference: dir or repo id (default: porter.json's
     source). max_new_tokens: greedy tokens of the converted model (None: 16 when it fits the device, else 0).
     thresholds: Thresholds or {name: value}. streaming: "auto" | True | False (layer streaming of the
-    teacher-forced pass). Raises PorterError subclasses for bad input; returns the result otherwise.
+    teacher-forced pass). device_map: "auto" spreads the converted model over every visible GPU when
+    device is a bare "cuda" and there are several; None keeps it on `device`. Raises PorterError subclasses for bad input; returns the result otherwise.
     """
     t0 = time.time()
     inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, plot)
@@ -83,7 +85,7 @@ def verify(artifact, prompts=None, reference=None, backend: str = "auto", device
         log.info("verify: numerics skipped: some artifact tensors have no comparable source (see above)")
         return _finish(rep, failures, report, plot, t0)
     _numerics(rep, inp, ReferenceStore(mapping, reader, inp.ref_config), backend, streaming, max_new_tokens,
-              dtype, progress)
+              dtype, progress, device_map)
     return _finish(rep, failures + judge_numerics(rep, rep.thresholds), report, plot, t0)
 
 
@@ -113,11 +115,11 @@ def _interleaved(man: dict, ref_config) -> bool:
 
 
 def _numerics(rep: Report, inp: _Inputs, ref_store: ReferenceStore, backend, streaming, max_new_tokens, dtype,
-              progress) -> None:
+              progress, device_map: Optional[str] = "auto") -> None:
     import runtime
     conv_bytes = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values())
     ref_bytes = sum(ref_store.mapping.shards.nbytes(n) for n in ref_store.mapping.shards.meta)
-    plan = gen.plan_runs(streaming, max_new_tokens, inp.device, conv_bytes, ref_bytes)
+    plan = gen.plan_runs(streaming, max_new_tokens, inp.device, conv_bytes, ref_bytes, device_map)
     rep.max_new_tokens = plan.new_tokens
     ids = encode_prompts(inp.tok, rep.prompts)
     rep.prompt_tokens = [int(x.shape[1]) for x in ids]

@@ -47,17 +47,21 @@ class RunPlan:
     device_map: Optional[str] = None  # "auto": the converted model generates spread over every visible GPU
 
 
-def generation_budget(device: torch.device) -> tuple[int, Optional[str]]:
+def generation_budget(device: torch.device, device_map: Optional[str] = "auto") -> tuple[int, Optional[str]]:
     """Bytes free for the converted model, and the device_map to load it with (None: `device` alone).
-    With a bare `cuda` device and several visible GPUs, whole layers are spread over all of them."""
-    count = torch.cuda.device_count() if device.type == "cuda" and device.index is None else 0
+    With device_map "auto", a bare `cuda` device and several visible GPUs, whole layers are spread over
+    all of them (runtime.load(device_map="auto")); device_map None keeps the model on `device`."""
+    if device_map not in ("auto", None):
+        raise VerifyInputError(f"--device-map must be auto or none, not {device_map!r}")
+    spread = device_map == "auto" and device.type == "cuda" and device.index is None
+    count = torch.cuda.device_count() if spread else 0
     if count > 1:
         return sum(memory_available(torch.device("cuda", i)) for i in range(count)), "auto"
     return memory_available(device), None
 
 
 def plan_runs(streaming, max_new_tokens: Optional[int], device: torch.device, conv_bytes: int,
-              ref_bytes: int) -> RunPlan:
+              ref_bytes: int, device_map: Optional[str] = "auto") -> RunPlan:
     avail = memory_available(device)
     gb = lambda b: f"{b / 1e9:.2f} GB"
     need = f"both models need ~{gb(conv_bytes + ref_bytes)}, {gb(avail)} available on {device}"
@@ -67,7 +71,7 @@ def plan_runs(streaming, max_new_tokens: Optional[int], device: torch.device, co
         stream, why = conv_bytes + ref_bytes > STREAM_FRACTION * avail, f"auto: {need}"
     else:
         raise VerifyInputError(f"streaming must be auto, True or False, not {streaming!r}")
-    gen_avail, device_map = generation_budget(device)
+    gen_avail, device_map = generation_budget(device, device_map)
     where = "the visible GPUs" if device_map else str(device)
     fits = conv_bytes <= STREAM_FRACTION * gen_avail
     n = max_new_tokens if max_new_tokens is not None else (DEFAULT_MAX_NEW_TOKENS if fits else 0)

@@ -170,9 +170,10 @@ def unit_costs(t: OutTensor, device: torch.device) -> tuple[int, int]:
     src = elems * t.dtype.itemsize
     if not t.quantize:
         return src, src
-    out = elems + elems // mxfp8.BLOCK
-    temps = 3 * 4 * min(elems, QUANT_CHUNK_ELEMS) if device.type == "cpu" else elems + elems // mxfp8.BLOCK
-    return src + temps, out
+    if device.type == "cpu":  # chunk temporaries (fp32 copy, decoded copy, int32 codes, |error|) + the chunk's q
+        chunk = min(elems, QUANT_CHUNK_ELEMS)
+        return src + 4 * 4 * chunk, chunk + chunk // mxfp8.BLOCK
+    return src, elems + elems // mxfp8.BLOCK  # pinned slabs: the unit's reads, one part's results
 
 
 def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], device: torch.device) -> list:
@@ -522,9 +523,11 @@ class Pipeline:
             self.deposit(t.name, 0, value.contiguous(), cost)
             return
         label = t.sources[0] if len(t.sources) == 1 else f"{t.name} (from {t.sources[0]}, ...)"
-        q, s, errs = self._quantize(value, label)
-        self.deposit(t.name, 0, q, cost)
-        self.deposit(scale_name(t.name), 0, s, cost)
+        k, errs = t.shape[-1], []
+        for r, q, s, err in self._quantize(value, label):  # row r of a 2-D tensor; 0 otherwise
+            self.deposit(t.name, r * k, q, cost)
+            self.deposit(scale_name(t.name), r * (k // mxfp8.BLOCK), s, cost)
+            errs.append(err)
         self._record_error(t, error_record(t, value.dtype, _sum_errs(errs)))
 
     def _expert(self, u: Unit, cost: list) -> None:
@@ -539,12 +542,12 @@ class Pipeline:
                 break
             if t.quantize:
                 try:
-                    q, s, part_errs = self._quantize(part, t.name)
+                    for r, q, s, err in self._quantize(part, t.name):  # [rows', K] chunks, written at once
+                        self.deposit(t.name, (e * n + row + r) * row_bytes, q, cost)
+                        job.scale[e, row + r:row + r + q.shape[0]] = s
+                        errs.append(err)
                 except mxfp8.MXFP8Error as exc:  # name the offending source tensor, not the stacked output
                     raise mxfp8.MXFP8Error(str(exc).replace(t.name, _expert_label(t, e, self.read), 1)) from None
-                self.deposit(t.name, (e * n + row) * row_bytes, q, cost)
-                job.scale[e, row:row + part.shape[0]] = s
-                errs += part_errs
             else:
                 self.deposit(t.name, (e * n + row) * row_bytes, part.contiguous(), cost)
             row += part.shape[0]
@@ -575,24 +578,22 @@ class Pipeline:
             self.deposit(scale_name(t.name), 0, job.scale, [0])
             self._record_error(t, error_record(t, t.dtype, _sum_errs([x for es in job.errs for x in es])))
 
-    def _quantize(self, w: torch.Tensor, name: str) -> tuple:
-        """-> (q, scale, [error sums per chunk, in row order]) on the pipeline's device, results on the CPU."""
+    def _quantize(self, w: torch.Tensor, name: str):
+        """Yields (first row, q, scale, error sums) per chunk of rows of w, in row order, results on the CPU.
+        CPU: chunks of QUANT_CHUNK_ELEMS (cache-resident; each is written out before the next is made).
+        CUDA: the whole of w at once (_quantize_cuda)."""
         pre = self.plan.source.prequantized
         keep = pre.kept_scale(w) if pre is not None else None  # an MXFP8 source keeps its scale bytes
         if self.device.type == "cuda":
-            return self._quantize_cuda(w, name, keep)
-        rows = max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[-1])) if w.ndim == 2 else w.shape[0] if w.ndim else 1
+            yield (0, *self._quantize_cuda(w, name, keep))
+            return
+        rows = max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[-1])) if w.ndim == 2 else 0
         if w.ndim != 2 or rows >= w.shape[0]:
-            q, s, err = mxfp8.quantize_with_error(w, self.rounding, name, keep_scale=keep)
-            return q, s, [err]
-        qs, ss, errs = [], [], []
+            yield (0, *mxfp8.quantize_with_error(w, self.rounding, name, keep_scale=keep))
+            return
         for r in range(0, w.shape[0], rows):
-            q, s, err = mxfp8.quantize_with_error(w[r:r + rows], self.rounding, name,
-                                                  keep_scale=None if keep is None else keep[r:r + rows])
-            qs.append(q)
-            ss.append(s)
-            errs.append(err)
-        return torch.cat(qs), torch.cat(ss), errs
+            yield (r, *mxfp8.quantize_with_error(w[r:r + rows], self.rounding, name,
+                                                 keep_scale=None if keep is None else keep[r:r + rows]))
 
     def _quantize_cuda(self, w: torch.Tensor, name: str, keep: Optional[torch.Tensor] = None) -> tuple:
         """One CUDA stream per worker thread: pinned part -> GPU (async), quantize and error sums on the

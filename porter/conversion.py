@@ -27,7 +27,7 @@ from porter import manifest, mxfp8, pipeline
 from porter.errors import PorterError
 from porter.layout import OutTensor, scale_name
 from porter.pipeline import fault_point
-from porter.safetensors_io import Entry, atomic_write_text, file_sha256, nbytes
+from porter.safetensors_io import Entry, atomic_write_text, file_sha256
 from porter.source import INDEX_NAME, Source, open_source
 from porter.version import __version__
 
@@ -68,16 +68,6 @@ class Plan:
     @property
     def output_bytes(self) -> int:
         return sum(e.nbytes for _, es in self.shards for e in es)
-
-    def peak_bytes_estimate(self) -> int:
-        """Largest group held at once: source values (fp32 working copy of one expert) plus the group's
-        output tensors (one layer's quantized experts)."""
-        peak = 0
-        for t in self.tensors:
-            out = sum(e.nbytes for e in entries_for(t))
-            one = nbytes(torch.float32, t.shape[1:] if t.per_expert else t.shape) * 3
-            peak = max(peak, out + one)
-        return peak
 
 
 def entries_for(t: OutTensor) -> list[Entry]:

@@ -18,6 +18,8 @@ META_PATTERNS = ["config.json", INDEX_NAME, "generation_config.json", "tokenizer
 
 
 def _snapshot(repo_id: str, revision, allow_patterns) -> Path:
+    """snapshot_download with one-line errors. Never force_download, never clear the cache: huggingface_hub
+    resumes an interrupted download from its .incomplete file on the next run."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
@@ -37,8 +39,6 @@ def _snapshot(repo_id: str, revision, allow_patterns) -> Path:
     except OSError as e:  # network errors surface as OSError subclasses (requests/httpx)
         raise SourceError(f"{repo_id}: download failed ({type(e).__name__}: {_first_line(e)}); retry — finished "
                           "files and partial downloads stay in the cache and resume") from None
-    # never force_download and never clear the cache: huggingface_hub resumes interrupted downloads from
-    # their .incomplete files
 
 
 def _first_line(e: BaseException) -> str:

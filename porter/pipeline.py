@@ -173,7 +173,8 @@ def unit_costs(t: OutTensor, device: torch.device) -> tuple[int, int]:
     if device.type == "cpu":  # chunk temporaries (fp32 copy, decoded copy, int32 codes, |error|) + the chunk's q
         chunk = min(elems, QUANT_CHUNK_ELEMS)
         return src + 4 * 4 * chunk, chunk + chunk // mxfp8.BLOCK
-    return src, elems + elems // mxfp8.BLOCK  # pinned slabs: the unit's reads, one part's results
+    return src, 0  # GPU: reads and results live in the worker's pinned slabs (memory_estimate counts them);
+    # src covers pageable copies a builder may make (uninterleaving, dequantizing a pre-quantized source)
 
 
 def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], device: torch.device) -> list:
@@ -216,6 +217,10 @@ def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.devic
     unit = max((w + o for w, o in costs), default=0)
     scales = sum(sorted(scale_array_bytes(t) for t in tensors)[-2:])
     readback = workers * READBACK_BYTES  # each worker may hash, reading written bytes back
+    if device.type == "cuda":  # every worker keeps its pinned slabs for the whole run
+        src = max((_src_bytes(t) for t in tensors if t.quantize or verbatim_source(t, meta) is None), default=0)
+        out = max((_out_bytes(t) for t in tensors if t.quantize), default=0)
+        base += workers * (pow2_ceil(src + 4096) + pow2_ceil(out + 4096))
     inflight = max(unit, min(workers * unit, budget_for(max_memory, base, scales + readback)))
     return {"base": base, "unit": unit, "workers": workers, "inflight": inflight, "scales": scales,
             "readback": readback, "total": base + inflight + scales + readback, "max_memory": max_memory}
@@ -229,6 +234,25 @@ def scale_array_bytes(t: OutTensor) -> int:
     for d in t.shape[:-1]:
         n *= d
     return n
+
+
+def pinned_slab_bytes(units: list) -> dict:
+    """Sizes of one worker's pinned buffers on the GPU path: src holds a unit's reads (each 64-byte aligned),
+    out one part's results (values + scales)."""
+    src = max((_src_bytes(u.t) for u in units if u.kind != "copy"), default=0)
+    out = max((_out_bytes(u.t) for u in units if u.t.quantize), default=0)
+    return {"src": src + 4096, "out": out + 4096}
+
+
+def _out_bytes(t: OutTensor) -> int:
+    """Values + scales of one unit of a quantized tensor (one expert, or the whole tensor)."""
+    elems = _src_bytes(t) // t.dtype.itemsize
+    return elems + elems // mxfp8.BLOCK
+
+
+def pow2_ceil(n: int) -> int:
+    """torch's pinned-memory allocator hands out blocks rounded up to a power of two."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def budget_for(max_memory: int, base: int, reserved: int) -> int:
@@ -405,9 +429,9 @@ class Pipeline:
         are written out before the next part), so pinned memory stays workers x (unit + part) bytes."""
         at = getattr(self.local, which + "_at", 0)
         slab = getattr(self.local, which, None)
-        if slab is None or at + n > slab.numel():
-            slab = torch.empty(max(2 * (slab.numel() if slab is not None else 0), at + n, 1 << 20),
-                               dtype=torch.uint8, pin_memory=True)
+        if slab is None or at + n > slab.numel():  # sized once from the plan (slab_bytes); grows only past it
+            slab = torch.empty(max(self.slab_bytes.get(which, 0), at + n), dtype=torch.uint8,
+                               pin_memory=self.device.type == "cuda")
             setattr(self.local, which, slab)
             at = 0  # views already handed out keep the old slab alive until the unit ends
         setattr(self.local, which + "_at", at + (n + 63) // 64 * 64)
@@ -468,6 +492,7 @@ class Pipeline:
 
     # -- units
     def run(self, units: list) -> None:
+        self.slab_bytes = pinned_slab_bytes(units) if self.pin else {}
         threads = torch.get_num_threads()
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, available_cores() // self.workers))

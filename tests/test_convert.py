@@ -339,6 +339,28 @@ def test_hub_dry_run_reads_headers_only(tiny_vendor, tmp_path, monkeypatch):
     assert not (tmp_path / "o").exists() and not list(snap.glob("*.safetensors"))
 
 
+@pytest.mark.parametrize("layout", ["vendor", "transformers"])
+def test_staging_slabs_do_not_change_a_byte(tiny_vendor, tiny_transformers, tmp_path, monkeypatch, converted, layout):
+    """The GPU path's per-worker staging slabs (reads land in a reused buffer, reset per unit), exercised on
+    the CPU: the same bytes as reading into fresh tensors, with several workers reusing their slabs."""
+    import porter.pipeline as pp
+    real_run = pp.Pipeline.run
+
+    def staged_run(self, units):
+        self.pin = True  # read through the slabs (pinned only on CUDA)
+        return real_run(self, units)
+    monkeypatch.setattr(pp.Pipeline, "run", staged_run)
+    src = tiny_vendor if layout == "vendor" else tiny_transformers
+    porter.convert(src, tmp_path / "staged", max_shard_size="300KB", progress=False, workers=3, device="cpu")
+    monkeypatch.setattr(pp.Pipeline, "run", real_run)
+    want = converted
+    if layout == "transformers":
+        want = tmp_path / "plain"
+        porter.convert(src, want, max_shard_size="300KB", progress=False, workers=3, device="cpu")
+    for f in sorted(p.name for p in want.glob("*.safetensors")):
+        assert (tmp_path / "staged" / f).read_bytes() == (want / f).read_bytes(), f
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantize", ["experts", "all"])
 def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, quantize):

@@ -141,7 +141,7 @@ def convert(source, output, *, revision: Optional[str] = None, quantize: Optiona
         raise ConvertError(f"--max-memory {max_memory / 1e9:.2f} GB is below what one unit of work needs "
                            f"({(estimate['base'] + estimate['unit'] + estimate['scales']) / 1e9:.2f} GB: this "
                            "process, one expert in flight and the scale arrays); raise --max-memory")
-    done = _prepare_output(out, plan, force, resume)
+    done = _prepare_output(out, plan, force, resume, workers)
     if done is None:
         return {"output": str(out), "already_complete": True, "shards": len(plan.shards), "seconds": time.time() - t0}
     stats = _produce(plan, out, done, progress, workers, max_memory, dev)
@@ -197,7 +197,7 @@ def describe_plan(plan: Plan, out: Path, estimate: dict) -> dict:
             "reads": [str(f) for f in src.shard_files]}
 
 
-def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool) -> Optional[dict]:
+def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: int = 1) -> Optional[dict]:
     """Returns the shards already complete (for --resume) as {file: journal record}; None when --resume
     finds this very conversion already complete (nothing to do)."""
     fp = fingerprint(plan)
@@ -209,7 +209,7 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool) -> Optiona
                      "`porter verify %s` checks it", out, out)
             return None
         if resume and journal.get("fingerprint") == fp:
-            return _verified_done(out, journal)
+            return _verified_done(out, journal, workers)
         if resume and not journal and all(p.is_file() and p.name == JOURNAL + ".tmp" for p in out.iterdir()):
             # killed before the first journal write: nothing finished, start over in place
             log.info("resume: %s holds no finished shard yet; starting from the beginning", out)
@@ -268,11 +268,19 @@ def _write_journal(out: Path, journal: dict) -> None:
     fault_point("journal")
 
 
-def _verified_done(out: Path, journal: dict) -> dict:
+def _verified_done(out: Path, journal: dict, workers: int) -> dict:
+    """The journaled shards whose bytes still hash to what the journal says (re-hashed in parallel: a shard
+    torn by a power loss, or edited, is rewritten)."""
+    from concurrent.futures import ThreadPoolExecutor
+    shards = journal.get("shards", {})
+
+    def intact(f: str) -> bool:
+        return (out / f).is_file() and file_sha256(out / f) == shards[f]["sha256"]
+    with ThreadPoolExecutor(max(1, min(workers, len(shards) or 1))) as pool:
+        ok = dict(zip(shards, pool.map(intact, shards)))
     done = {}
-    for f, rec in journal.get("shards", {}).items():
-        path = out / f
-        if path.exists() and file_sha256(path) == rec["sha256"]:
+    for f, rec in shards.items():
+        if ok[f]:
             done[f] = rec
         else:
             log.warning("resume: %s is missing or changed; it will be rewritten", f)

@@ -347,3 +347,21 @@ def test_fuzzed_index_json(tiny_vendor, value, where):
         (src / INDEX).write_text(json.dumps(index))
         out = Path(tmp) / "out"
         _check_outcome(convert_cli(src, out, "--workers", 2), out)
+
+
+def test_resume_rewrites_a_torn_finished_shard(tiny_vendor, tmp_path):
+    """A shard the journal lists as finished but whose bytes changed (a power loss before the final fsync,
+    an edit) is re-hashed on --resume, found out and rewritten."""
+    clean = tmp_path / "clean"
+    assert run_convert(tiny_vendor, clean).returncode == 0
+    out = tmp_path / "out"
+    res = run_convert(tiny_vendor, out, env={"PORTER_FAULT_KILL": "journal:3"})  # 2 shards journaled
+    assert res.returncode == -9
+    journal = json.loads((out / ".porter-journal.json").read_text())
+    assert len(journal["shards"]) == 2
+    torn = out / sorted(journal["shards"])[0]
+    data = bytearray(torn.read_bytes())
+    data[-1] ^= 0xFF
+    torn.write_bytes(bytes(data))
+    porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=2, device="cpu", resume=True)
+    assert artifact_bytes(out) == artifact_bytes(clean)

@@ -137,7 +137,6 @@ def test_truncated_while_converting_is_named(tiny_vendor, tmp_path, monkeypatch)
     monkeypatch.setattr(pp.Pipeline, "run", shrink_then_run)
     res = convert_cli(src, tmp_path / "out", "--workers", 2)
     assert_bad_input(res, tmp_path / "out", str(shard), "truncated")
-    assert not [p for p in (tmp_path / "out").glob("*.safetensors") if p.name.endswith(shard.name)]
 
 
 # ---------------------------------------------------------------------------------------------------

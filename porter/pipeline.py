@@ -161,17 +161,12 @@ class Unit:
 
 
 def unit_costs(t: OutTensor, device: torch.device) -> tuple[int, int]:
-    """(working set, output bytes) of one unit of t, bytes. CPU quantization works in chunks of
-    QUANT_CHUNK_ELEMS (fp32 copy, scaled copy, decoded copy); the GPU path holds pinned parts instead."""
-    shape = tuple(t.shape[1:]) if t.per_expert else tuple(t.shape)
-    elems = 1
-    for d in shape:
-        elems *= d
-    src = elems * t.dtype.itemsize
+    """(working set, output bytes) of one unit of t (one expert, or the whole tensor), in bytes."""
+    src = _src_bytes(t)
     if not t.quantize:
         return src, src
     if device.type == "cpu":  # chunk temporaries (fp32 copy, decoded copy, int32 codes, |error|) + the chunk's q
-        chunk = min(elems, QUANT_CHUNK_ELEMS)
+        chunk = min(src // t.dtype.itemsize, QUANT_CHUNK_ELEMS)
         return src + 4 * 4 * chunk, chunk + chunk // mxfp8.BLOCK
     return src, 0  # GPU: reads and results live in the worker's pinned slabs (memory_estimate counts them);
     # src covers pageable copies a builder may make (uninterleaving, dequantizing a pre-quantized source)
@@ -188,8 +183,8 @@ def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], dev
             for e in range(t.shape[0]):
                 units.append(Unit(len(units), t, "expert", expert=e, src_bytes=_src_bytes(t), cost=work + out))
         elif src is not None:
-            total = out
-            for begin in range(0, max(total, 1), COPY_CHUNK_BYTES):
+            total = _src_bytes(t)
+            for begin in range(0, max(total, 1), COPY_CHUNK_BYTES):  # a 0-byte tensor still gets its unit
                 n = min(COPY_CHUNK_BYTES, total - begin)
                 units.append(Unit(len(units), t, "copy", begin=begin, length=n, src_bytes=n, cost=n))
         else:
@@ -313,6 +308,8 @@ class OrderedHash:
             on_done(self.sha.hexdigest())
 
     def add(self, offset: int, length: int) -> None:
+        if length == 0:  # nothing to hash; a 0-byte range would shadow the next range at the same offset
+            return
         with self.lock:
             self.ready[offset] = length
             if self.busy:

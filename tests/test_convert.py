@@ -388,3 +388,22 @@ def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, quantize):
         if "rel_fro_error" in rec:
             assert rec["rel_fro_error"] == pytest.approx(b[name]["rel_fro_error"], rel=1e-6)
             assert rec["max_abs_error"] == b[name]["max_abs_error"]
+
+
+def test_zero_byte_tensors_convert(tiny_vendor, tmp_path):
+    """Empty carried tensors (0 bytes; they share their offset with the next tensor) neither hang the
+    ordered hashes nor change a byte of the others."""
+    from safetensors.torch import save_file
+    src = tmp_path / "src"
+    shutil.copytree(tiny_vendor, src)
+    save_file({"vision_tower.empty_a": torch.zeros(0, 4, dtype=torch.bfloat16), "vision_tower.empty_b": torch.zeros(0)},
+              str(src / "model-extra.safetensors"))
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"] |= {"vision_tower.empty_a": "model-extra.safetensors",
+                            "vision_tower.empty_b": "model-extra.safetensors"}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    porter.convert(src, tmp_path / "out", progress=False, workers=3)
+    got = load_all(tmp_path / "out")
+    assert tuple(got["vision_tower.empty_a"].shape) == (0, 4) and got["vision_tower.empty_b"].numel() == 0
+    doc = json.loads((tmp_path / "out" / "porter.json").read_text())
+    assert doc["tensors"]["vision_tower.empty_a"]["sha256"] == hashlib.sha256(b"").hexdigest()

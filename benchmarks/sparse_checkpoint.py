@@ -4,8 +4,9 @@ Builds a checkpoint with the BF16 release's tensor names, shapes and dtypes (60 
 sparse attention + MoE with 128 experts; embeddings, lm_head, the 523-tensor vision tower) in its 59-shard
 layout (layer 0 with embed/head/norm in shard 1, layers 1-2 in shard 2, layer l >= 3 in shard l), the
 vendor config.json and an index. Every shard is a real safetensors header followed by a hole: ~850 GB
-logical, no disk used, and reading it costs no disk I/O (the data is zeros). Tensor list: the release's
-(docs/ and the model card; see porter's README, "Speed").
+logical, no disk used, and reading it costs no disk I/O (the data is zeros). The tensor list and shard
+layout are the BF16 release's (MiniMaxAI/MiniMax-M3 on the Hugging Face Hub: 59 shards, 23,416 tensors,
+795.5 GiB; its model.safetensors.index.json), the names those of converters/minimax_m3.py's vendor layout.
 
 Then, in child processes:
 1. `porter convert --dry-run`: wall time and the memory estimate;
@@ -39,7 +40,7 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 
 def real_config() -> dict:
-    """The vendor config.json's text part (real values; docs/: the release's config)."""
+    """The vendor config.json with the release's real values (docs/minimax-m3.md)."""
     from tiny_checkpoint import vendor_config
     freq = [0] * DENSE + [1] * (LAYERS - DENSE)
     text = {"vocab_size": V, "hidden_size": H, "intermediate_size": I, "dense_intermediate_size": I_DENSE,

@@ -637,8 +637,8 @@ class Pipeline:
             stats = torch.stack([err["err_sq"], err["ref_sq"], err["max_abs_error"]]).to("cpu", non_blocking=True)
             stream.synchronize()
         del x, q, s  # w (pinned slab) is reused only after this sync: its async copy has finished
-        return q_host, s_host, [{"err_sq": float(stats[0]), "ref_sq": float(stats[1]),
-                                 "max_abs_error": float(stats[2])}]
+        return q_host, s_host, {"err_sq": float(stats[0]), "ref_sq": float(stats[1]),
+                                "max_abs_error": float(stats[2])}
 
 
 def _sync_file_range():

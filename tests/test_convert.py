@@ -361,6 +361,35 @@ def test_staging_slabs_do_not_change_a_byte(tiny_vendor, tiny_transformers, tmp_
         assert (tmp_path / "staged" / f).read_bytes() == (want / f).read_bytes(), f
 
 
+def test_gpu_quantize_path_contract_on_cpu(tiny_vendor, tmp_path, monkeypatch, converted):
+    """The --device cuda code path (_quantize_cuda: stream, staged copies, stats gathered in one tensor) run
+    on the CPU with the stream stubbed: the same shard bytes as the CPU path and the same per-tensor error
+    records (to 1e-9 relative: the GPU path sums a whole tensor where the CPU path sums row chunks)."""
+    import contextlib
+    import porter.pipeline as pp
+
+    class FakeStream:
+        def __init__(self, device=None):
+            pass
+
+        def synchronize(self):
+            pass
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+    def whole_on_device(self, w, name):
+        pre = self.plan.source.prequantized
+        yield (0, *self._quantize_cuda(w, name, pre.kept_scale(w) if pre is not None else None))
+    monkeypatch.setattr(pp.Pipeline, "_quantize", whole_on_device)
+    out = tmp_path / "gpu_path"
+    porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=2, device="cpu")
+    for f in sorted(p.name for p in converted.glob("*.safetensors")):
+        assert (out / f).read_bytes() == (converted / f).read_bytes(), f
+    want, got = (json.loads((d / "porter.json").read_text())["tensors"] for d in (converted, out))
+    errs = [(n, r["rel_fro_error"], got[n]["rel_fro_error"]) for n, r in want.items() if "rel_fro_error" in r]
+    assert errs and all(abs(a - b) <= 1e-9 * max(a, 1e-30) for _, a, b in errs), errs[:3]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantize", ["experts", "all"])
 def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, quantize):

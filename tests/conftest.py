@@ -39,3 +39,13 @@ def tiny_vendor(tmp_path_factory) -> Path:
 def tiny_transformers(tmp_path_factory) -> Path:
     """transformers 5.23 fused layout of the same weights (seed 0)."""
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_hf"), layout="transformers", seed=0)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch CPU thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): on tiny
+    tensors op overheads dominate, and two OpenMP threads made index_add_ ~1000x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -16,14 +16,7 @@ from porter.cli import main as cli
 from porter.layout import scale_name
 from porter.source import read_header
 from tiny_checkpoint import build_tiny_checkpoint
-
-
-def load_all(d: Path) -> dict:
-    out = {}
-    for f in sorted(Path(d).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out |= {k: h.get_tensor(k) for k in h.keys()}
-    return out
+from tensor_checks import load_all
 
 
 @pytest.fixture(scope="module")

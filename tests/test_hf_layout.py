@@ -4,34 +4,20 @@ The engines themselves are exercised by tests/engines (own venv); here: names, d
 config.json contract, byte equality with the porter layout, the runtime, and refusals."""
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors import safe_open
 
 import porter
 import runtime
 from converters import minimax_m3 as arch
 from porter.cli import main as cli
+from tensor_checks import load_all, same_bytes
 
 E, I, H = 8, 64, 64  # tiny checkpoint: experts, expert width, hidden
 TEXT_LINEAR = re.compile(r"^language_model\.(lm_head|model\.layers\.\d+\.(self_attn\.\w+_proj|mlp\.\w+_proj|"
                          r"block_sparse_moe\.(gate|shared_experts\.\w+_proj|experts\.\d+\.w[123])))$")
-
-
-def load_all(d: Path) -> dict:
-    out = {}
-    for f in sorted(Path(d).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out |= {k: h.get_tensor(k) for k in h.keys()}
-    return out
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
-                                                                     b.contiguous().view(torch.uint8))
 
 
 @pytest.fixture(scope="module")

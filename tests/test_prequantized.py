@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 import porter
@@ -17,24 +16,12 @@ from converters import minimax_m3 as arch
 from porter import mxfp8
 from porter.cli import main as cli
 from porter.layout import scale_name
+from tensor_checks import load_all, same_bytes
 
 # the linears the vendor MXFP8 release quantizes (scope "all" + routed experts), vendor names
 VENDOR_QUANTIZED = re.compile(r"^language_model\.model\.layers\.\d+\.(self_attn\.(q|k|v|o|index_q|index_k)_proj|"
                               r"mlp\.(gate|up|down)_proj|block_sparse_moe\.(shared_experts\.\w+_proj|experts\.\d+\.w[123]))"
                               r"\.weight$")
-
-
-def load_all(d: Path) -> dict:
-    out = {}
-    for f in sorted(Path(d).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out |= {k: h.get_tensor(k) for k in h.keys()}
-    return out
-
-
-def same_bytes(a, b) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
-                                                                     b.contiguous().view(torch.uint8))
 
 
 def requantized_checkpoint(bf16_dir: Path, out: Path, quantize_one, qconfig: dict, where: str = "top") -> Path:

@@ -29,13 +29,7 @@ W13 = f"model.layers.{LAYER}.block_sparse_moe.experts.w13_weight"
 EXPERT = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # CPU op overheads dominate on tiny tensors; two OpenMP threads make index_add_ ~1000x slower here
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

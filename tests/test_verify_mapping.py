@@ -27,12 +27,7 @@ W13 = f"model.layers.{LAYER}.block_sparse_moe.experts.w13_weight"
 W2 = f"model.layers.{LAYER}.block_sparse_moe.experts.w2_weight"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def plant(monkeypatch, tensor: str, wrong_rows):
@@ -194,7 +189,7 @@ def test_layouts_and_scopes_rederive_exactly(tmp_path, layout, gate_up, quantize
     assert ex.layout == ("vendor" if layout == "vendor" else
                          "transformers" + (" (interleaved gate/up)" if gate_up == "interleaved" else ""))
     quantized = {t.tensor for t in ex.tensors if t.quantized}
-    assert f"model.layers.1.block_sparse_moe.experts.w13_weight" in quantized
+    assert "model.layers.1.block_sparse_moe.experts.w13_weight" in quantized
     if quantize == "all":  # fused shared gate_up_proj split by the gate_half / up_half rules
         assert {"model.layers.1.block_sparse_moe.shared_experts.gate_proj.weight",
                 "model.layers.1.block_sparse_moe.shared_experts.up_proj.weight",

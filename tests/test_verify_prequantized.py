@@ -25,19 +25,14 @@ from porter import mxfp8
 from porter.cli import main
 from porter.verification import verify
 from test_prequantized import FP8_CONFIG, MXFP8_CONFIG, fp8_block128, load_all, requantized_checkpoint
-from verify_tamper import copy_artifact, rewrite_tensor
+from verify_tamper import rewrite_tensor
 
 LAYER = 2
 W13 = f"model.layers.{LAYER}.block_sparse_moe.experts.w13_weight"
 EXPERT = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()  # CPU op overheads dominate on tiny tensors
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def mxfp8_scale_up(w: torch.Tensor):

@@ -98,7 +98,9 @@ def default_max_memory() -> int:
 
 def resolve_device(device: str) -> torch.device:
     if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda, not {device!r}")
+        raise PorterError(f"--device must be auto, cpu or cuda, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PorterError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu (or auto)")
     if device == "auto":
         if torch.cuda.is_available():
             log.info("device auto: quantizing on the GPU (%s); --device cpu to use the CPU",

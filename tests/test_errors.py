@@ -1,6 +1,7 @@
 """One error taxonomy: user-facing errors are `PorterError`s (exit 2, one line); anything else is an
 internal error (exit 3, "please report", traceback with -v); Ctrl-C is 130. Checked through the real CLI."""
 import pytest
+import torch
 from click.testing import CliRunner
 
 import porter.conversion
@@ -91,3 +92,17 @@ def test_interrupt_exit_130(tmp_path, monkeypatch):
     monkeypatch.setattr(porter.conversion, "convert", interrupted)
     res = invoke("convert", tmp_path, "--output", tmp_path / "o")
     assert res.exit_code == 130 and "--resume" in res.output
+
+
+def test_convert_device_errors_are_bad_input(tiny_vendor, tmp_path, monkeypatch):
+    """--device cuda without a GPU, or an unknown device through the Python API: exit 2 / PorterError with
+    one line, and no output folder left behind."""
+    import porter
+    from porter.errors import PorterError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = CliRunner().invoke(main, ["convert", str(tiny_vendor), "--output", str(tmp_path / "o"), "--device", "cuda"])
+    assert res.exit_code == 2, res.output
+    assert "no CUDA GPU" in res.output and len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
+    with pytest.raises(PorterError, match="auto, cpu or cuda"):
+        porter.convert(tiny_vendor, tmp_path / "o2", device="tpu", progress=False)

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 
 # read(source tensor name) -> tensor; read(name, e) -> row e along dim 0 of that tensor, read alone
+# (the conversion also passes a reader of the sources' scale rows: see OutTensor)
 ReadFn = Callable[..., torch.Tensor]
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -48,6 +49,10 @@ class OutTensor:
     - `read_whole(read) -> Tensor`: the whole tensor (plain tensors);
     - `read_expert_rows(read, e) -> [Tensor, ...]`: expert e of a stacked [E, N, K] tensor as row parts
       ([rows, K] each, concatenated along dim 0 they give [N, K]), so a converter never copies to concat.
+    A builder only picks rows: it reads, indexes along dim 0, slices, reorders and concatenates rows, and
+    never touches the last dim or the values. The conversion relies on that: given a reader of source
+    scale tensors ([..., K/32] uint8) the same builder yields the scale rows of its value, which is how
+    a pre-quantized MXFP8 source keeps its own scale bytes (porter.pipeline.Pipeline.read_scale).
     Use the methods `build`, `build_expert` and `expert_rows` rather than the fields.
     """
     name: str

@@ -416,11 +416,26 @@ class Pipeline:
     # -- reads
     def read(self, name: str, index: Optional[int] = None) -> torch.Tensor:
         pre = self.plan.source.prequantized  # a quantized source weight: dequantized (porter.prequantized)
-        if pre is not None and name in pre.scales:  # (an MXFP8 one remembers its scale: pre.kept_scale)
+        if pre is not None and name in pre.scales:
             return pre.dequantize(self.reader.read(name, index), self.reader.read(pre.scales[name], index))
         if self.pin:  # into this worker's pinned slab: the async host->device copy needs page-locked memory
             return self.reader.read(name, index, into=self._slab("src", self.reader.nbytes(name, index)))
         return self.reader.read(name, index)
+
+    def read_scale(self, name: str, index: Optional[int] = None) -> torch.Tensor:
+        """uint8 [..., K/32] scale bytes that re-quantizing source tensor `name` (or its row `index` along
+        dim 0) keeps: an MXFP8 source weight's own, any other tensor's by the rounding rule. A builder
+        given this reader instead of `read` yields its value's scale rows (builders only pick rows:
+        porter.layout.OutTensor), so a kept scale is found by construction, for slices too."""
+        pre = self.plan.source.prequantized
+        if name in pre.scales:
+            return pre.kept_scale(self.reader.read(pre.scales[name], index))
+        return mxfp8.quantize(self.reader.read(name, index), self.rounding, name)[1]
+
+    def _keeps_scales(self, t: OutTensor) -> bool:
+        """t is re-quantized with kept source scale bytes: an MXFP8 source weight is among its sources."""
+        pre = self.plan.source.prequantized
+        return t.quantize and pre is not None and pre.keeps_scales and any(s in pre.scales for s in t.sources)
 
     def _slab(self, which: str, n: int) -> torch.Tensor:
         """n bytes of this worker thread's pinned buffer `which` (src: the unit's reads; out: one part's
@@ -548,8 +563,9 @@ class Pipeline:
             self.deposit(t.name, 0, value.contiguous(), cost)
             return
         label = t.sources[0] if len(t.sources) == 1 else f"{t.name} (from {t.sources[0]}, ...)"
+        keep = _check_kept(t, t.build(self.read_scale), value) if self._keeps_scales(t) else None
         k, errs = t.shape[-1], []
-        for r, q, s, err in self._quantize(value, label):  # row r of a 2-D tensor; 0 otherwise
+        for r, q, s, err in self._quantize(value, label, keep):  # row r of a 2-D tensor; 0 otherwise
             self.deposit(t.name, r * k, q, cost)
             self.deposit(scale_name(t.name), r * (k // mxfp8.BLOCK), s, cost)
             errs.append(err)
@@ -561,13 +577,18 @@ class Pipeline:
         job = self._job(t)
         row, errs = 0, []
         row_bytes = (1 if t.quantize else t.dtype.itemsize) * k
-        for part in t.expert_rows(self.read, e):  # [rows, K]
+        parts = t.expert_rows(self.read, e)
+        keeps = t.expert_rows(self.read_scale, e) if self._keeps_scales(t) else [None] * len(parts)
+        if len(keeps) != len(parts):
+            raise RuntimeError(f"{t.name}: expert {e} has {len(parts)} row parts but {len(keeps)} scale parts")
+        for part, keep in zip(parts, keeps):  # [rows, K], [rows, K/32] or None
             _check_produced(t, part, (part.shape[0], k))
             if row + part.shape[0] > n:
                 break
             if t.quantize:
+                keep = None if keep is None else _check_kept(t, keep, part)
                 try:
-                    for r, q, s, err in self._quantize(part, t.name):  # [rows', K] chunks, written at once
+                    for r, q, s, err in self._quantize(part, t.name, keep):  # [rows', K] chunks, written at once
                         self.deposit(t.name, (e * n + row + r) * row_bytes, q, cost)
                         job.scale[e, row + r:row + r + q.shape[0]] = s
                         errs.append(err)
@@ -603,12 +624,11 @@ class Pipeline:
             self.deposit(scale_name(t.name), 0, job.scale, [0])
             self._record_error(t, error_record(t, t.dtype, _sum_errs([x for es in job.errs for x in es])))
 
-    def _quantize(self, w: torch.Tensor, name: str):
+    def _quantize(self, w: torch.Tensor, name: str, keep: Optional[torch.Tensor] = None):
         """Yields (first row, q, scale, error sums) per chunk of rows of w, in row order, results on the CPU.
+        keep: scale bytes to re-quantize with ([..., K/32]: an MXFP8 source's own), None for the rounding rule.
         CPU: chunks of QUANT_CHUNK_ELEMS (cache-resident; each is written out before the next is made).
         CUDA: the whole of w at once (_quantize_cuda)."""
-        pre = self.plan.source.prequantized
-        keep = pre.kept_scale(w) if pre is not None else None  # an MXFP8 source keeps its scale bytes
         if self.device.type == "cuda":
             yield (0, *self._quantize_cuda(w, name, keep))
             return
@@ -683,6 +703,16 @@ def sync_files(paths: list, workers: int) -> float:
 def _check_produced(t: OutTensor, value: torch.Tensor, shape: tuple) -> None:
     if value.dtype != t.dtype or tuple(value.shape) != shape:
         raise RuntimeError(f"{t.name}: planned {t.dtype} {shape}, produced {value.dtype} {tuple(value.shape)}")
+
+
+def _check_kept(t: OutTensor, keep: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """keep must be the uint8 scale rows of value ([..., K/32]); anything else means t's builder did more
+    than pick rows, so its scale rows cannot follow its value rows."""
+    want = tuple(value.shape[:-1]) + (value.shape[-1] // mxfp8.BLOCK,)
+    if keep.dtype != torch.uint8 or tuple(keep.shape) != want:
+        raise RuntimeError(f"{t.name}: its builder applied to the source scales gave {keep.dtype} "
+                           f"{tuple(keep.shape)}, expected uint8 {want}; a builder may only pick rows")
+    return keep
 
 
 def _sum_errs(errs: list) -> dict:

@@ -13,9 +13,6 @@ rceil rule reproduces every value exactly; block-FP8 products are rounded to bfl
 """
 from __future__ import annotations
 
-import threading
-import weakref
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -27,6 +24,7 @@ from porter.errors import PorterError
 
 SCALE_SUFFIX = ".weight_scale_inv"
 DEQUANTIZED_DTYPE = torch.bfloat16
+KEPT_ROWS = "kept-rows"  # options.source_quantization.scale_bytes of an MXFP8 source (Scheme.record)
 
 
 class PrequantizedError(PorterError, ValueError):
@@ -40,20 +38,30 @@ class Scheme:
     block: tuple  # (1, 32) for MXFP8, (bn, bk) for block FP8
     config: dict  # the source's quantization_config, as found
     scales: dict = field(default_factory=dict)  # weight tensor name -> its scale tensor name
-    _local: threading.local = field(default_factory=threading.local, repr=False)
 
     def describe(self) -> str:
         return f"{self.method} (block {list(self.block)}), {len(self.scales)} quantized weights"
 
+    @property
+    def keeps_scales(self) -> bool:
+        """MXFP8: re-quantization reuses the source's own scale bytes (`kept_scale`), row for row.
+
+        Why: rceil on dequantized values is lossless but not always byte-identical — a block whose largest
+        element rounded down to 224 * 2^e gets exponent e - 1 the second time (same values, other bytes).
+        Keeping the source's exponent makes MXFP8 -> MXFP8 the identity on bytes."""
+        return self.method == "mxfp8"
+
     def record(self) -> dict:
         """How the conversion read this source, as porter.json options.source_quantization records it; verify
-        re-derives the artifact by the same rule (docs/verify.md). scale_bytes "kept": a value that is one
-        whole MXFP8 source weight is re-quantized with that weight's own scale bytes (`kept_scale`), any
-        other value (a row slice of a fused weight) with options.scale_rounding; "rederived": every value
-        with options.scale_rounding, after one rounding of the dequantized product to `dequantized_dtype`."""
+        re-derives the artifact by the same rule (docs/verify.md). scale_bytes "kept-rows": every row of a
+        quantized value that comes from an MXFP8 source weight (the whole weight, one expert of a fused one,
+        a row slice such as a gate / up half) is re-quantized with that source row's own scale bytes, rows
+        from an unquantized source with options.scale_rounding; "rederived": every value with
+        options.scale_rounding, after one rounding of the dequantized product to `dequantized_dtype`.
+        (Artifacts of earlier porters may record "kept": whole source weights only, slices re-derived.)"""
         return {"method": self.method, "weight_block_size": list(self.block),
                 "dequantized_dtype": str(DEQUANTIZED_DTYPE).removeprefix("torch."),
-                "scale_bytes": "kept" if self.method == "mxfp8" else "rederived"}
+                "scale_bytes": KEPT_ROWS if self.keeps_scales else "rederived"}
 
     def adopt(self, meta: dict, where: str) -> dict:
         """Source tensor metadata as the planner should see it: each quantized weight becomes a bfloat16
@@ -96,28 +104,17 @@ class Scheme:
                                     f"for {self.method} block {list(self.block)}")
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """(values, scale) as stored -> bfloat16 values. MXFP8: the scale bytes are remembered for this
-        value (`kept_scale`), so that re-quantizing it reproduces the source bytes."""
+        """(values, scale) as stored -> bfloat16 values."""
         if self.method != "mxfp8":
             return mxfp8.dequantize_fp8_block(q, scale, self.block, DEQUANTIZED_DTYPE)
-        scale = scale.view(torch.uint8)
-        value = mxfp8.dequantize(q, scale, DEQUANTIZED_DTYPE)
-        kept = getattr(self._local, "kept", None)
-        if kept is None:
-            kept = self._local.kept = deque(maxlen=16)  # this thread's recent reads (weak: values are big)
-        kept.append((weakref.ref(value), scale))
-        return value
+        return mxfp8.dequantize(q, scale.view(torch.uint8), DEQUANTIZED_DTYPE)
 
-    def kept_scale(self, value: torch.Tensor) -> Optional[torch.Tensor]:
-        """The MXFP8 scale bytes `value` was dequantized with on this thread, None if it was not.
-
-        Why: rceil on dequantized values is lossless but not always byte-identical — a block whose largest
-        element rounded down to 224 * 2^e gets exponent e - 1 the second time (same values, other bytes).
-        Keeping the source's exponent makes MXFP8 -> MXFP8 the identity on bytes."""
-        for ref, scale in getattr(self._local, "kept", ()):
-            if ref() is value:
-                return scale
-        return None
+    def kept_scale(self, stored_scale: torch.Tensor) -> torch.Tensor:
+        """The uint8 [..., K/32] scale bytes a re-quantization keeps, from a source weight's stored scale
+        (or the same rows of it: scale rows select, slice and reorder exactly as value rows do)."""
+        if not self.keeps_scales:
+            raise ValueError(f"a {self.method} source keeps no scale bytes")
+        return stored_scale.view(torch.uint8)
 
 
 def quantization_config_of(raw: dict) -> Optional[dict]:

@@ -370,9 +370,8 @@ def test_gpu_quantize_path_contract_on_cpu(tiny_vendor, tmp_path, monkeypatch, c
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
 
-    def whole_on_device(self, w, name):
-        pre = self.plan.source.prequantized
-        yield (0, *self._quantize_cuda(w, name, pre.kept_scale(w) if pre is not None else None))
+    def whole_on_device(self, w, name, keep=None):
+        yield (0, *self._quantize_cuda(w, name, keep))
     monkeypatch.setattr(pp.Pipeline, "_quantize", whole_on_device)
     out = tmp_path / "gpu_path"
     porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=2, device="cpu")

@@ -51,6 +51,16 @@ def mxfp8_floor(w):
     return mxfp8.quantize(w, "floor")  # a valid MXFP8 encoding that is not porter's rceil choice
 
 
+def mxfp8_scale_up(w: torch.Tensor):
+    """A valid MXFP8 encoding that is not porter's: every other block's scale byte one above rceil's (values
+    halved before the e4m3 cast). rceil on the dequantized values picks a smaller exponent for those blocks."""
+    _, s = mxfp8.quantize(w)
+    s = s.clone()
+    s[..., 1::2] += 1
+    q, s, _ = mxfp8.quantize_with_error(w, keep_scale=s)
+    return q, s
+
+
 def fp8_block128(w):
     """DeepSeek-V3-style block FP8: one fp32 scale per 128x128 tile (edge tiles partial)."""
     n, k = w.shape
@@ -120,6 +130,71 @@ def test_mxfp8_source_unquantized_outputs_are_exact_bf16(tiny_vendor, tmp_path):
     got = out[porter_name(name)]
     assert got.dtype == torch.bfloat16 and torch.equal(got.float(), source_values(src, name, mxfp8.dequantize))
     assert scale_name(porter_name(name)) not in out
+
+
+def kept_source_bytes(src: dict, out: dict) -> int:
+    """Asserts that every MXFP8 weight of the vendor source comes out with its own value and scale bytes
+    (stacked experts: its rows of expert e); returns how many weights were checked."""
+    checked = 0
+    for name in src:
+        if not VENDOR_QUANTIZED.match(name):
+            continue
+        q, s = src[name], src[name[: -len("weight")] + "weight_scale_inv"]
+        m = re.match(r"language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", name)
+        if m:
+            layer, e, w = int(m.group(1)), int(m.group(2)), m.group(3)
+            c = arch.experts_w2_name(layer) if w == "w2" else arch.experts_w13_name(layer)
+            rows = slice(q.shape[0], None) if w == "w3" else slice(0, q.shape[0])  # [w1; w3]
+            got_q, got_s = out[c][e][rows], out[scale_name(c)][e][rows]
+        else:
+            c = porter_name(name)
+            got_q, got_s = out[c], out[scale_name(c)]
+        assert same_bytes(got_s, s) and same_bytes(got_q, q), name
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("builders", ["plain", "copying", "gpu-path"])
+def test_mxfp8_scale_bytes_kept_with_many_units_in_flight(tiny_vendor, tmp_path, monkeypatch, builders):
+    """workers=4 and 64 KB shards (dozens of units in flight, each worker reading many tensors) keep every
+    source scale byte of every quantized weight, so every value byte too. "copying": every builder returns
+    copies of what it read (as a refactor might), which must not matter: kept scales are read by name and
+    rows, never matched to the value object. "gpu-path": the --device cuda code (_quantize_cuda, which
+    moves the kept bytes to the device) run on the CPU with the stream stubbed."""
+    src_dir = requantized_checkpoint(tiny_vendor, tmp_path / "mx", mxfp8_scale_up, MXFP8_CONFIG)
+    if builders == "gpu-path":
+        import contextlib
+        import porter.pipeline as pp
+        class FakeStream:
+            def __init__(self, device=None):
+                pass
+
+            def synchronize(self):
+                pass
+        monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(pp.Pipeline, "_quantize",
+                            lambda self, w, name, keep=None: iter([(0, *self._quantize_cuda(w, name, keep))]))
+    if builders == "copying":
+        original = arch.plan_tensors
+
+        def copying_plan(*args, **kwargs):
+            out = original(*args, **kwargs)
+            for t in out:
+                if t.read_whole is not None:
+                    t.read_whole = lambda read, f=t.read_whole: f(read).clone()
+                else:
+                    t.read_expert_rows = lambda read, e, f=t.read_expert_rows: [p.clone() for p in f(read, e)]
+            return out
+        monkeypatch.setattr(arch, "plan_tensors", copying_plan)
+    porter.convert(src_dir, tmp_path / "out", quantize="all", max_shard_size="64KB", workers=4, progress=False)
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) > 10
+    src, out = load_all(src_dir), load_all(tmp_path / "out")
+    assert kept_source_bytes(src, out) == 3 * 8 * 3 + 3 * 3 + 3 + 4 * 4 + 3 * 2
+    # and keeping is what does it: rceil on the dequantized values differs in every raised block
+    w = "language_model.model.layers.3.block_sparse_moe.experts.5.w3.weight"
+    s = src[w[: -len("weight")] + "weight_scale_inv"]
+    assert bool((mxfp8.quantize(mxfp8.dequantize(src[w], s, torch.bfloat16))[1][:, 1::2] != s[:, 1::2]).all())
 
 
 def test_hf_output_converts_back_to_identical_porter_bytes(tiny_vendor, tmp_path):

@@ -3,7 +3,7 @@ mxfp8, U8 weight_scale_inv) and block-FP8 (quant_method fp8, fp32 weight_scale_i
 
 verify reads such a reference as the conversion did (dequantized tensor by tensor) and re-derives every byte
 by the rule porter.json records (options.source_quantization): an MXFP8 source keeps its own scale bytes
-where the value is one whole source weight, block-FP8 values are rounded to bf16 once and re-quantized with
+for every row taken from one of its weights (whole weights and row slices alike), block-FP8 values are rounded to bf16 once and re-quantized with
 rceil. The MXFP8 sources here are encoded with every other block's scale one above porter's rceil choice, so
 re-quantizing their values with rceil alone would give other bytes: passing proves the kept-scale rule.
 Checkpoints are built in code from the tiny one (helpers shared with test_prequantized.py)."""
@@ -24,7 +24,9 @@ from converters import minimax_m3 as arch
 from porter import mxfp8
 from porter.cli import main
 from porter.verification import verify
-from test_prequantized import FP8_CONFIG, MXFP8_CONFIG, fp8_block128, load_all, requantized_checkpoint
+from tensor_checks import same_bytes
+from test_prequantized import (FP8_CONFIG, MXFP8_CONFIG, fp8_block128, load_all, mxfp8_scale_up,
+                               requantized_checkpoint)
 from verify_tamper import rewrite_tensor
 
 LAYER = 2
@@ -33,16 +35,6 @@ EXPERT = 3
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
-
-
-def mxfp8_scale_up(w: torch.Tensor):
-    """A valid MXFP8 encoding that is not porter's: every other block's scale byte one above rceil's (values
-    halved before the e4m3 cast). rceil on the dequantized values picks a smaller exponent for those blocks."""
-    _, s = mxfp8.quantize(w)
-    s = s.clone()
-    s[..., 1::2] += 1
-    q, s, _ = mxfp8.quantize_with_error(w, keep_scale=s)
-    return q, s
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +77,7 @@ def test_mxfp8_source_verifies_with_kept_scale_bytes(mx_source, tmp_path, quanti
     porter.convert(mx_source, tmp_path / "art", quantize=quantize, progress=False)
     man = json.loads((tmp_path / "art" / "porter.json").read_text())
     assert man["options"]["source_quantization"] == {"method": "mxfp8", "weight_block_size": [1, 32],
-                                                     "dequantized_dtype": "bfloat16", "scale_bytes": "kept"}
+                                                     "dequantized_dtype": "bfloat16", "scale_bytes": "kept-rows"}
     rep = exact_report(tmp_path / "art", tmp_path, "--max-new-tokens", 2)
     ex = rep["exact"]
     assert ex["layout"] == "vendor, pre-quantized mxfp8 source (scale bytes kept)"
@@ -122,10 +114,9 @@ def test_fp8_block_source_verifies(fp8_source, tmp_path):
     assert all(t["mismatched"] == 0 for t in quantized) and errors[-1] < 0.05 and errors[len(errors) // 2] > 0.02
 
 
-def test_transformers_layout_mxfp8_source_slices_are_rederived(tmp_path):
-    """A fused gate_up_proj.weight stored as MXFP8 is split by the conversion into row halves, which it
-    re-quantizes with rceil (a slice is not a whole source weight); q/k/v/o keep their scale bytes.
-    verify mirrors both, so the conversion passes although the halves' bytes differ from the source's."""
+def transformers_mxfp8_source(tmp_path: Path) -> tuple[Path, dict]:
+    """The tiny transformers-layout checkpoint with q/k/v/o and the fused dense / shared gate_up_proj.weight
+    [2N, H] (+ down_proj) stored as MXFP8, every other block's scale one above rceil's; routed experts bf16."""
     from tiny_checkpoint import build_tiny_checkpoint
     bf16 = build_tiny_checkpoint(tmp_path / "bf16", layout="transformers", seed=0)
     src = tmp_path / "mx"
@@ -144,16 +135,56 @@ def test_transformers_layout_mxfp8_source_slices_are_rederived(tmp_path):
             (src / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((bf16 / "config.json").read_text())
     (src / "config.json").write_text(json.dumps(cfg | {"quantization_config": MXFP8_CONFIG}))
+    return src, tensors
+
+
+def test_transformers_layout_mxfp8_source_slices_keep_their_scale_bytes(tmp_path):
+    """A fused gate_up_proj.weight stored as MXFP8 is split by the conversion into row halves; each half
+    keeps the source's scale rows (a scale row belongs to its value row), as q/k/v/o keep theirs. verify
+    re-derives the same rule ("kept-rows"), so the conversion passes with every byte identical."""
+    src, tensors = transformers_mxfp8_source(tmp_path)
     porter.convert(src, tmp_path / "art", quantize="all", progress=False)
+    man = json.loads((tmp_path / "art" / "porter.json").read_text())
+    assert man["options"]["source_quantization"]["scale_bytes"] == "kept-rows"
     out = load_all(tmp_path / "art")
-    gate, fused = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"
-    assert not torch.equal(out[gate + "_scale"], tensors[fused + "_scale_inv"][:128])  # re-derived, not kept
-    assert torch.equal(out["model.layers.0.self_attn.q_proj.weight_scale"],
-                       tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"])  # kept
+    for layer, fused, parts in ((0, "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+                                (1, "mlp.shared_experts.gate_up_proj", ("block_sparse_moe.shared_experts.gate_proj",
+                                                                         "block_sparse_moe.shared_experts.up_proj"))):
+        q, s = (tensors[f"model.layers.{layer}.{fused}.weight{x}"] for x in ("", "_scale_inv"))
+        n = q.shape[0] // 2
+        for half, part in enumerate(parts):
+            name = f"model.layers.{layer}.{part}.weight"
+            assert same_bytes(out[name + "_scale"], s[half * n:(half + 1) * n]), name  # kept, not re-derived
+            assert same_bytes(out[name], q[half * n:(half + 1) * n]), name  # hence the values' bytes too
+    # and rceil alone would have given other bytes for those halves (every raised block)
+    gate_q, gate_s = (tensors["model.layers.0.mlp.gate_up_proj.weight" + x] for x in ("", "_scale_inv"))
+    _, rceil = mxfp8.quantize(mxfp8.dequantize(gate_q, gate_s, torch.bfloat16))
+    assert bool((rceil[:, 1::2] != gate_s[:, 1::2]).all())
+    assert same_bytes(out["model.layers.0.self_attn.q_proj.weight_scale"],
+                      tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"])
     rep = verify(tmp_path / "art", max_new_tokens=0).report
     assert rep.exact.passed and rep.passed, rep.summary
-    assert {gate, "model.layers.1.block_sparse_moe.shared_experts.up_proj.weight"} <= \
-        {t.tensor for t in rep.exact.tensors if t.quantized and t.mismatched == 0}
+    quantized = [t for t in rep.exact.tensors if t.quantized]
+    assert quantized and all(t.mismatched == 0 for t in quantized)
+    from_mxfp8 = {t.tensor: t.weight_error for t in quantized if re.search(r"\.[qkvo]_proj|mlp\.|shared", t.tensor)}
+    # q/k/v/o of 4 layers, gate/up/down of the dense layer and of the shared expert of 3 MoE layers
+    assert len(from_mxfp8) == 4 * 4 + 3 + 3 * 3 and set(from_mxfp8.values()) == {0.0}, from_mxfp8
+    assert {"model.layers.0.mlp.gate_proj.weight", "model.layers.1.block_sparse_moe.shared_experts.up_proj.weight"} \
+        <= set(from_mxfp8)
+
+
+def test_legacy_kept_record_rederives_slices(tmp_path):
+    """An artifact whose porter.json records scale_bytes "kept" (earlier porters: whole weights kept, row
+    slices re-derived) is verified by that rule: this one's kept halves then differ from the rceil bytes."""
+    src, _ = transformers_mxfp8_source(tmp_path)
+    porter.convert(src, tmp_path / "art", quantize="all", progress=False)
+    man = json.loads((tmp_path / "art" / "porter.json").read_text())
+    man["options"]["source_quantization"]["scale_bytes"] = "kept"
+    (tmp_path / "art" / "porter.json").write_text(json.dumps(man))
+    rep = verify(tmp_path / "art", max_new_tokens=0).report
+    bad = {t.tensor for t in rep.exact.tensors if t.quantized and t.mismatched}
+    assert "model.layers.0.mlp.gate_proj.weight" in bad and "model.layers.0.self_attn.q_proj.weight" not in bad
+    assert not rep.exact.passed
 
 
 @pytest.mark.parametrize("source", ["mxfp8", "fp8"], indirect=True)

@@ -55,7 +55,7 @@ class _Inputs:
     ref_config: object
     tok: object
     device: torch.device
-    source_quantization: tuple = (None, False)  # (porter.prequantized.Scheme or None, MXFP8 scales kept)
+    source_quantization: tuple = (None, None)  # (porter.prequantized.Scheme or None, kept MXFP8 scales rule)
 
 
 def verify(artifact, prompts=None, reference=None, backend: str = "auto", device="cpu",

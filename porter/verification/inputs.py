@@ -59,10 +59,11 @@ def _layout(p: Path) -> Optional[str]:
         return None
 
 
-def source_quantization(man: dict, raw: dict, ref_path: Path) -> tuple[Optional[prequantized.Scheme], bool]:
+def source_quantization(man: dict, raw: dict, ref_path: Path) -> tuple[Optional[prequantized.Scheme], Optional[str]]:
     """(scheme, keep_scales): how to read the reference — its quantization (porter.prequantized, from its
     config.json), which must be the one porter.json records the artifact was converted from
-    (options.source_quantization, absent for a bf16 source); keep_scales: MXFP8 scale bytes were kept."""
+    (options.source_quantization, absent for a bf16 source); keep_scales: which MXFP8 scale bytes were
+    kept (the recorded scale_bytes "kept-rows" or "kept": porter.verification.mapping.SourceShards), or None."""
     try:
         scheme = prequantized.detect(raw, ref_path / "config.json")
     except PorterError as e:
@@ -77,10 +78,10 @@ def source_quantization(man: dict, raw: dict, ref_path: Path) -> tuple[Optional[
                                f"says the artifact was converted from {what(rec)}; pass that checkpoint with "
                                "--reference")
     if rec is not None and (rec.get("dequantized_dtype") != found["dequantized_dtype"]
-                            or rec.get("scale_bytes") not in ("kept", "rederived")):
+                            or rec.get("scale_bytes") not in (prequantized.KEPT_ROWS, "kept", "rederived")):
         raise VerifyInputError(f"porter.json options.source_quantization {rec} is not a rule this porter "
                                f"re-derives (it reads {found}); verify with the porter that converted it")
-    return scheme, rec is not None and rec["scale_bytes"] == "kept"
+    return scheme, None if rec is None or rec["scale_bytes"] == "rederived" else rec["scale_bytes"]
 
 
 def _from_hub(repo_id: str, commit: Optional[str]) -> Path:

@@ -17,9 +17,11 @@ Stacked artifact tensors ([E, N, K]) are derived expert by expert by the expert_
 
 A pre-quantized source (MXFP8 or block FP8, porter.prequantized) is read the way the conversion read it:
 each quantized weight dequantized when read (its scale tensor is consumed, not mapped). Where the
-conversion kept an MXFP8 source's scale bytes (porter.json options.source_quantization.scale_bytes "kept":
-a value that is one whole source weight — the copy and experts_rows ops), Derivation.kept gives those
-bytes for the re-quantization; every other value is re-quantized with the recorded rounding rule.
+conversion kept an MXFP8 source's scale bytes (porter.json options.source_quantization.scale_bytes),
+Derivation.kept gives those bytes for the re-quantization: "kept-rows" — every op applied to the source
+scale rows as to the value rows (a scale row belongs to its value row), rows of an unquantized source by
+the rounding rule; "kept" (earlier porters) — only a value that is whole source weights (copy,
+experts_rows). Every other value is re-quantized with the recorded rounding rule.
 """
 from __future__ import annotations
 
@@ -89,15 +91,16 @@ class SourceShards:
 
     scheme (porter.prequantized.Scheme, None for a bf16 checkpoint): its quantized weights are listed in
     `meta` as their dequantized dtype and dequantized by read(); their scale tensors are not listed.
-    keep_scales: kept_scale() gives an MXFP8 weight's scale bytes (the conversion re-quantized with them)."""
+    keep_scales: the recorded scale_bytes rule, "kept-rows" or "kept" (None: no scale bytes were kept);
+    kept_scale() gives an MXFP8 weight's scale bytes (the conversion re-quantized with them)."""
 
-    def __init__(self, path: Path, scheme=None, keep_scales: bool = False):
+    def __init__(self, path: Path, scheme=None, keep_scales: Optional[str] = None):
         self.path = Path(path)
         self.files, self.stored = {}, {}  # name -> shard Path / (torch dtype, shape) as stored
         for f in weight_files(self.path):
             for name, info in read_header(f).items():
                 self.files[name], self.stored[name] = f, (ST_DTYPES[info["dtype"]], tuple(info["shape"]))
-        self.scheme, self.keep_scales = scheme, keep_scales and scheme is not None
+        self.scheme, self.keep_scales = scheme, keep_scales if scheme is not None and scheme.keeps_scales else None
         self.scales = {}  # quantized weight -> its scale tensor
         self.meta = self.stored  # name -> (dtype, shape) of what read() returns
         if scheme is not None:
@@ -158,7 +161,8 @@ class Mapping:
         else:  # no routed experts: both tables read the same
             self.layout, self.rules = "vendor", VENDOR
         if shards.scheme is not None:
-            kept = "scale bytes kept" if shards.keep_scales else f"{self.rounding} scales re-derived"
+            kept = {"kept-rows": "scale bytes kept", "kept": "scale bytes of whole weights kept"}.get(
+                shards.keep_scales, f"{self.rounding} scales re-derived")
             self.layout += f", pre-quantized {shards.scheme.method} source ({kept})"
         self.roots = {"m": _root(names, MODEL_ROOTS, "embed_tokens.weight"), "h": _root(names, HEAD_ROOTS, "weight")}
 
@@ -177,11 +181,12 @@ class Mapping:
             if srcs and all(s in self.shards.meta for s in srcs):
                 op = rule.op.format(**fields)
                 return Derivation(tensor, rule, list(dict.fromkeys(srcs)), experts if per_expert else None,
-                                  self._reader(op, rule.sources, fields), self._kept(op, rule.sources, fields))
+                                  self._reader(op, rule.sources, fields), self._kept(op, rule.sources, fields, srcs))
         return None
 
-    def _reader(self, op: str, templates: tuple, fields: dict) -> Callable:
-        read, src = self.shards.read, lambda e=None: [t.format(**{**fields, "E": e}) for t in templates]
+    def _reader(self, op: str, templates: tuple, fields: dict, read: Optional[Callable] = None) -> Callable:
+        """value(e) by op; with `read` a reader of scale rows, the scale rows of the same value."""
+        read, src = read or self.shards.read, lambda e=None: [t.format(**{**fields, "E": e}) for t in templates]
         if op == "copy":
             return lambda e: read(src()[0])
         if op in ("gate_half", "up_half"):
@@ -198,16 +203,24 @@ class Mapping:
             return lambda e: pick(read(src()[0], int(fields["E"])))
         raise ValueError(f"mapping table: unknown op {op!r}")
 
-    def _kept(self, op: str, templates: tuple, fields: dict) -> Callable:
+    def _kept(self, op: str, templates: tuple, fields: dict, srcs: list) -> Callable:
         """Scale bytes [N, K/32] the conversion re-quantized unit e with, None for the rounding rule alone.
-        Only a value that is whole source weights keeps them (copy; experts_rows, part by part); a row
-        slice of a fused weight (halves, interleaved rows, one expert of a fused tensor) is re-derived."""
-        if not self.shards.keep_scales or op not in ("copy", "experts_rows"):
+        "kept-rows": the op applied to the sources' scale rows (whole weights, halves, interleaved rows,
+        one expert of a fused tensor alike), when an MXFP8 weight is among the sources. "kept": only a
+        value that is whole source weights (copy; experts_rows, part by part); row slices re-derived."""
+        if self.shards.keep_scales == "kept-rows" and any(s in self.shards.scales for s in srcs):
+            return self._reader(op, templates, fields, read=self._scale_rows)
+        if self.shards.keep_scales != "kept" or op not in ("copy", "experts_rows"):
             return lambda e: None
         src = lambda e=None: [t.format(**{**fields, "E": e}) for t in templates]
         if op == "copy":
             return lambda e: self.shards.kept_scale(src()[0])
         return lambda e: self._rows_kept(src(e))
+
+    def _scale_rows(self, name: str, row: Optional[int] = None) -> torch.Tensor:
+        """A source tensor's (or its [row]'s) scale rows: an MXFP8 weight's own, else the rounding rule's."""
+        kept = self.shards.kept_scale(name, row)
+        return kept if kept is not None else mxfp8.quantize(self.shards.read(name, row), self.rounding, name)[1]
 
     def _rows_kept(self, names: list) -> Optional[torch.Tensor]:
         """Row parts' scales concatenated; a part that was not an MXFP8 weight gets its rounding-rule bytes."""

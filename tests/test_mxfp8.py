@@ -167,3 +167,163 @@ def test_pow2_exact_over_the_whole_range():
     assert torch.equal(mxfp8.pow2(e).double(), torch.pow(2.0, e.double()))
     assert torch.equal(mxfp8.scale_multipliers(torch.arange(255, dtype=torch.uint8)).double(),
                        torch.pow(2.0, torch.arange(255).double() - 127))
+
+
+# ---- the CPU tiled path (porter.mxfp8._quantize_cpu_tiles) against a direct implementation of the rule ----
+
+def direct_quantize_with_error(w: torch.Tensor, rounding: str = "rceil", keep_scale=None):
+    """The rule as docs/mxfp8.md states it, step by step, with no shortcut: fp32 blocks, frexp exponent,
+    fp32 power-of-two scaling, clamp, torch's cast; error statistics from q.float() with per-block fp32
+    sums (mul + sum over the block) and float64 totals. The error is taken of the clamped scaled values,
+    as the module does."""
+    x = w.float().reshape(*w.shape[:-1], w.shape[-1] // 32, 32)  # [..., K/32, 32]
+    amax = x.abs().amax(-1)
+    if keep_scale is None:
+        mant, expo = torch.frexp(amax)
+        e = torch.where(mant <= 0.875, expo - 9, expo - 8) if rounding == "rceil" else expo - 9
+        byte = torch.where(amax == 0, 0, (e.long() + 127).clamp(0, 254))
+    else:
+        byte = keep_scale.long()
+    factor = torch.pow(2.0, 127.0 - byte.double()).unsqueeze(-1)  # exact in float64
+    xs = (x.double() * factor).float().clamp(-448, 448)  # the fp32 product (one rounding, as in fp32)
+    q = xs.to(torch.float8_e4m3fn)
+    d = xs - q.float()
+    step = torch.pow(2.0, byte.double() - 127)
+    stats = {"err_sq": float(((d * d).sum(-1).double() * step * step).sum()),
+             "ref_sq": float((x * x).sum(-1).double().sum()),
+             "max_abs_error": float((d.abs().amax(-1).double() * step).max())}
+    return q.reshape(w.shape), byte.to(torch.uint8), stats
+
+
+def awkward_weights(dtype: torch.dtype, seed: int, extreme: bool) -> torch.Tensor:
+    """[40, 256]: Gaussian rows over a wide range of magnitudes, plus zero, -0 and e4m3-subnormal blocks and
+    exact e4m3 ties; extreme: also fp32-subnormal, huge, tiny and 2^200-spanning blocks."""
+    g = gen(seed)
+    lo, hi = (-4, 4) if dtype == torch.float16 else (-30, 30) if extreme else (-15, 15)
+    w = torch.randn(40, 256, generator=g) * torch.logspace(lo, hi, 40).unsqueeze(1)
+    w.view(-1)[torch.randint(0, w.numel(), (500,), generator=g)] = 0.0
+    w[0, :32] = 0.0
+    w[0, 32:64] = -0.0
+    w[1, :32] = torch.linspace(-1, 1, 32) * 2.0 ** -14  # all e4m3 subnormals after scaling by some blocks
+    w[2, 64:96] = 448 * 2.0 ** -3 * (torch.arange(32) % 16) / 15  # ties and exact grid points
+    if extreme and dtype != torch.float16:
+        w[3, :32] = 1e-40  # fp32/bf16 subnormal
+        w[3, 32:64] = torch.randn(32, generator=g) * 1e-38
+        w[4, :32] = torch.linspace(-1, 1, 32) * 3e38  # huge
+        w[5, :32] = torch.randn(32, generator=g) * 1e-30
+        w[5, 40] = 1e30  # one block spanning 2^200
+    return w.to(dtype)
+
+
+def assert_same(got, want):
+    (q, s, e), (q_ref, s_ref, e_ref) = got, want
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s, s_ref)
+    for k in e_ref:  # identical numbers, not merely close
+        assert e[k] == e_ref[k] and math.copysign(1, e[k]) == math.copysign(1, e_ref[k]), (k, e[k], e_ref[k])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+@pytest.mark.parametrize("extreme", [False, True])
+def test_cpu_tiles_match_direct_rule(monkeypatch, dtype, rounding, extreme):
+    monkeypatch.setattr(mxfp8, "CPU_TILE_BLOCKS", 7)  # many tiles, a partial last one
+    general = []
+    real = mxfp8._quantize_cpu_general
+    monkeypatch.setattr(mxfp8, "_quantize_cpu_general", lambda *a: general.append(1) or real(*a))
+    for seed in range(3):
+        w = awkward_weights(dtype, seed, extreme)
+        want = direct_quantize_with_error(w, rounding)
+        assert_same(mxfp8.quantize_with_error(w, rounding), want)
+        q, s = mxfp8.quantize(w, rounding)
+        assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(s, want[1])
+        for shape in ((8, 5, 256), (10240,)):  # stacked experts; one row
+            w3 = w.reshape(shape)
+            assert_same(mxfp8.quantize_with_error(w3, rounding), direct_quantize_with_error(w3, rounding))
+    # the tiled path did the work, except where bf16 squares leave the float range (extreme blocks)
+    assert bool(general) == (extreme and dtype == torch.bfloat16)
+
+
+def test_cpu_tiles_take_the_shortcuts_on_ordinary_weights(monkeypatch):
+    """bf16 weights within 2^-63..2^64 never reach the general path; a huge or tiny block sends the call there
+    (amax from the squares would not be exact), with the same result."""
+    general = []
+    real = mxfp8._quantize_cpu_general
+    monkeypatch.setattr(mxfp8, "_quantize_cpu_general", lambda *a: general.append(1) or real(*a))
+    w = (torch.randn(64, 512, generator=gen()) * 0.02).bfloat16()
+    w[3, :32] = 0.0
+    assert_same(mxfp8.quantize_with_error(w), direct_quantize_with_error(w))
+    assert general == []
+    w[5, 7] = 2.0 ** 70
+    assert_same(mxfp8.quantize_with_error(w), direct_quantize_with_error(w))
+    assert general == [1]
+
+
+def test_cpu_tiles_keep_scale():
+    w = (torch.randn(24, 192, generator=gen()) * 3).bfloat16()
+    q, s = mxfp8.quantize(w)
+    values = mxfp8.dequantize(q, s)
+    for src in (values, values.bfloat16()):
+        got = mxfp8.quantize_with_error(src, keep_scale=s)
+        assert_same(got, direct_quantize_with_error(src, keep_scale=s))
+        assert torch.equal(got[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[1], s)
+        assert got[2]["err_sq"] == 0.0
+    s_small = s.clone()
+    s_small[2, 1] -= 3  # a block whose values no longer fit its byte
+    with pytest.raises(mxfp8.MXFP8Error, match="blk.*do not fit the scale bytes"):
+        mxfp8.quantize_with_error(values, keep_scale=s_small, name="blk")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_tiles_refuse_nan_and_inf(dtype):
+    w = torch.randn(8, 96, generator=gen()).to(dtype)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        w[6, 50] = bad
+        with pytest.raises(mxfp8.MXFP8Error, match="experts.2.*NaN or Inf"):
+            mxfp8.quantize_with_error(w, name="experts.2")
+
+
+def test_cpu_tiles_thread_local_buffers():
+    """Conversion workers quantize concurrently: each thread has its own tile buffers."""
+    from concurrent.futures import ThreadPoolExecutor
+    ws = [(torch.randn(96, 1024, generator=gen(i)) * 10.0 ** (i - 4)).bfloat16() for i in range(8)]
+    want = [mxfp8.quantize_with_error(w) for w in ws]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            for got, ref in zip(pool.map(mxfp8.quantize_with_error, ws), want):
+                assert_same(got, ref)
+
+
+def test_scale_field_bits_equal_frexp_rule():
+    """The bit formula of the tiled path gives the frexp rule's bytes: every finite bf16 magnitude, and every
+    fp32 exponent with the mantissas around the 1.75 boundary."""
+    bf16 = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    mant_bits = torch.tensor([0, 1, 0x5FFFFF, 0x600000, 0x600001, 0x7FFFFF], dtype=torch.int32)
+    fp32 = ((torch.arange(255, dtype=torch.int32) << 23).unsqueeze(1) | mant_bits).reshape(-1).view(torch.float32)
+    fp32 = torch.cat([fp32, torch.rand(100000, generator=gen()) * torch.logspace(-45, 38, 100000)])
+    for amax in (bf16, fp32):
+        for rounding in ("rceil", "floor"):
+            e = mxfp8.scale_exponents(amax, rounding)
+            want = torch.where(amax == 0, 0, (e + 127).clamp(0, 254))
+            got = (mxfp8._scale_field(amax.contiguous(), rounding) - 8).clamp_min(0)
+            assert torch.equal(got, want)
+            assert int(got.max()) <= 247
+
+
+def test_sqrt_of_square_is_exact_for_bf16_and_fp16():
+    """The tiled path's amax = sqrt(max x^2) for bf16/fp16 blocks: exact for every magnitude whose square is a
+    normal float (the path checks that range and goes the general way outside it)."""
+    for dtype, top in ((torch.bfloat16, 0x7F80), (torch.float16, 0x7C00)):
+        x = torch.arange(0, top, dtype=torch.int32).to(torch.int16).view(dtype).float()
+        sq = x * x
+        ok = (sq >= 2.0 ** -126) & torch.isfinite(sq)
+        assert torch.equal(sq[ok].sqrt(), x[ok])
+        assert dtype == torch.bfloat16 or bool(ok[1:].all())  # every fp16 magnitude is in range
+
+
+def test_e4m3_fp16_decode_is_exact():
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # all but the two NaN codes
+    half = mxfp8._e4m3_as_fp16_div256(codes, torch.empty(codes.shape, dtype=torch.int16))
+    assert torch.equal(half.float() * 256, codes.float())
+    assert torch.equal(torch.signbit(half), torch.signbit(codes.float()))

@@ -2,15 +2,21 @@
 
 The conversion pipeline quantizes a weight in chunks of porter.pipeline.QUANT_CHUNK_ELEMS elements with
 `mxfp8.quantize_with_error` (bytes + exact error statistics). This times exactly that on one bf16 weight at
-MiniMax-M3's real dims ([6144, 6144] by default, ~75 MB of bf16) with 1 and 2 torch threads, and plain
+MiniMax-M3's real dims ([6144, 6144] by default, ~75 MB of bf16) with 1 and 2 torch threads and 2 workers, and plain
 `quantize` for reference. The baseline is porter/mxfp8.py as of `--baseline` (read with `git show` and
 loaded as a throwaway module, nothing copied into the tree). Both must give the same bytes and the same
 error statistics on the benchmark matrix; the run fails otherwise.
 
-GB/s counts bf16 input bytes; "per core" divides by the thread count. Timings are the minimum (and median)
-over --repeats passes, old and new interleaved so that load from other processes hits both alike.
+GB/s counts bf16 input bytes; "per core" divides by threads x workers (workers: that many Python threads
+calling in parallel, 1 torch thread each, the way porter convert's CPU workers run). Timings are the minimum
+(and median) over --repeats passes, old and new interleaved so that load from other processes hits both alike.
 
-    python benchmarks/quantize_cpu.py --out benchmarks/results/quantize_cpu.json
+--convert-rounds N also times `porter convert` (2-layer real-dims checkpoint, 1.92 GB, every CPU core) with
+this tree against a temporary copy of it whose porter/mxfp8.py is the baseline's, interleaved with the
+safetensors copy that benchmarks/convert_throughput.py uses as its baseline, and then (twice per tree) the CPU
+time spent inside quantize_with_error against the whole process's user + sys time.
+
+    python benchmarks/quantize_cpu.py --convert-rounds 4 --out benchmarks/results/quantize_cpu.json
 """
 from __future__ import annotations
 
@@ -20,25 +26,101 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 from porter import mxfp8  # noqa: E402
 from porter.pipeline import QUANT_CHUNK_ELEMS  # noqa: E402
 
 
 def load_revision(rev: str):
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    src = subprocess.run(["git", "-C", root, "show", f"{rev}:porter/mxfp8.py"], capture_output=True, text=True,
+    src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:porter/mxfp8.py"], capture_output=True, text=True,
                          check=True).stdout
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(f"mxfp8_{rev}", loader=None))
     exec(compile(src, f"{rev}:porter/mxfp8.py", "exec"), module.__dict__)
     return module
+
+
+CPU_SHARE = """
+import json, resource, sys, threading, time
+sys.path.insert(0, sys.argv[3])
+import porter
+from porter import mxfp8
+lock, spent, real = threading.Lock(), [0.0], mxfp8.quantize_with_error
+def timed(*args, **kwargs):
+    t = time.thread_time()
+    out = real(*args, **kwargs)
+    with lock:
+        spent[0] += time.thread_time() - t
+    return out
+mxfp8.quantize_with_error = timed
+r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+porter.convert(sys.argv[1], sys.argv[2], progress=False, device="cpu")
+wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+print("RESULT " + json.dumps({"seconds": wall, "quantize_cpu_s": spent[0], "user_s": r1.ru_utime - r0.ru_utime,
+                              "sys_s": r1.ru_stime - r0.ru_stime}))
+"""
+
+
+def convert_ab(baseline: str, rounds: int, tmp_dir: str) -> dict:
+    """`porter convert` of a synthetic real-dims checkpoint (1.92 GB: 2 layers, 8 experts, the 2 GB size of
+    benchmarks/convert_throughput.py) with this tree and with a copy of it whose porter/mxfp8.py is the
+    baseline's, interleaved with the safetensors copy baseline, `rounds` times each (all CPU workers)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import convert_throughput as ct
+    times = {"copy": [], "new": [], "old": []}
+    with tempfile.TemporaryDirectory(dir=tmp_dir) as tmp:
+        old_tree = os.path.join(tmp, "tree")
+        files = subprocess.run(["git", "-C", ROOT, "ls-files"], capture_output=True, text=True,
+                               check=True).stdout.split()
+        for f in files:
+            if os.path.isfile(os.path.join(ROOT, f)):
+                os.makedirs(os.path.dirname(os.path.join(old_tree, f)), exist_ok=True)
+                shutil.copyfile(os.path.join(ROOT, f), os.path.join(old_tree, f))
+        with open(os.path.join(old_tree, "porter", "mxfp8.py"), "w") as fh:
+            fh.write(subprocess.run(["git", "-C", ROOT, "show", f"{baseline}:porter/mxfp8.py"], capture_output=True,
+                                    text=True, check=True).stdout)
+        src = ct.build_checkpoint(Path(tmp) / "src", 2, 8)
+        gb = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
+        ct.warm(src)
+        for r in range(rounds):
+            for kind in ("copy", "new", "old") if r % 2 == 0 else ("old", "new", "copy"):
+                out = Path(tmp) / f"out-{kind}-{r}"
+                if kind == "copy":
+                    res = ct.child(ct.COPY_SAFETENSORS, src, out, "-")
+                else:
+                    tree = ROOT if kind == "new" else old_tree
+                    res = ct.child(ct.CONVERT.replace("ROOT_PATH", repr(tree)), src, out, "all", "cpu")
+                times[kind].append(res["seconds"])
+                shutil.rmtree(out, ignore_errors=True)
+                print(f"convert A/B round {r}: {kind} {res['seconds']:.2f} s", flush=True)
+        # where the CPU time goes: thread CPU time inside quantize_with_error vs the whole process
+        cpu = {"new": [], "old": []}
+        for r in range(2):
+            for kind in ("new", "old") if r % 2 == 0 else ("old", "new"):
+                out = Path(tmp) / f"cpu-{kind}-{r}"
+                res = ct.child(CPU_SHARE, src, out, ROOT if kind == "new" else old_tree)
+                cpu[kind].append({k: round(v, 3) for k, v in res.items()})
+                shutil.rmtree(out, ignore_errors=True)
+                print(f"convert CPU time {kind}: {cpu[kind][-1]}", flush=True)
+    out = {"source_gb": round(gb, 3), "rounds": rounds, "cpu_time": cpu}
+    for kind, ts in times.items():
+        out[kind] = {"s_min": round(min(ts), 3), "s_median": round(statistics.median(ts), 3),
+                     "s_all": [round(t, 3) for t in ts]}
+    for kind in ("new", "old"):
+        out[kind]["x_copy_median"] = round(out[kind]["s_median"] / out["copy"]["s_median"], 2)
+    return out
 
 
 def chunks(w: torch.Tensor, chunk_elems: int):
@@ -46,9 +128,11 @@ def chunks(w: torch.Tensor, chunk_elems: int):
     return [w[r:r + rows] for r in range(0, w.shape[0], rows)]
 
 
-def run_all(module, fn: str, parts: list, rounding: str):
+def run_all(module, fn: str, parts: list, rounding: str, pool=None):
     f = getattr(module, fn)
-    return [f(p, rounding) for p in parts]
+    if pool is None:
+        return [f(p, rounding) for p in parts]
+    return list(pool.map(lambda p: f(p, rounding), parts))
 
 
 def check_same(old_out, new_out) -> None:
@@ -76,11 +160,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", default="d5e822f", help="git revision of porter/mxfp8.py to compare against")
     ap.add_argument("--shape", default="6144,6144", help="bf16 weight shape (N,K)")
-    ap.add_argument("--threads", default="1,2", help="torch thread counts to run")
+    ap.add_argument("--threads", default="1,2", help="torch intra-op thread counts to run (one caller)")
+    ap.add_argument("--workers", default="2", help="caller thread counts to run with 1 torch thread each, as "
+                    "porter convert's CPU workers do ('' for none)")
     ap.add_argument("--chunk-elems", type=int, default=QUANT_CHUNK_ELEMS,
                     help="elements per quantize call (the pipeline's CPU chunk)")
     ap.add_argument("--rounding", default="rceil", choices=mxfp8.ROUNDING_MODES)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--convert-rounds", type=int, default=0,
+                    help="also time porter convert with this tree vs the baseline's mxfp8.py, this many rounds")
+    ap.add_argument("--tmp", default=tempfile.gettempdir(), help="where --convert-rounds builds its checkpoint")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
@@ -90,32 +179,36 @@ def main() -> None:
     parts = chunks(w, args.chunk_elems)
     gb = w.numel() * w.element_size() / 1e9
     rows = []
-    for threads in (int(t) for t in args.threads.split(",")):
+    configs = [(int(t), 1) for t in args.threads.split(",") if t]
+    configs += [(1, int(n)) for n in args.workers.split(",") if n]
+    for threads, workers in configs:
         torch.set_num_threads(threads)
+        pool = ThreadPoolExecutor(workers) if workers > 1 else None
+        cores = threads * workers
         for fn in ("quantize_with_error", "quantize"):
-            check_same(run_all(old, fn, parts, args.rounding), run_all(mxfp8, fn, parts, args.rounding))
+            check_same(run_all(old, fn, parts, args.rounding), run_all(mxfp8, fn, parts, args.rounding, pool))
             times = {"old": [], "new": []}
             for _ in range(args.repeats):
                 for name, module in (("old", old), ("new", mxfp8)):
                     t0 = time.perf_counter()
-                    run_all(module, fn, parts, args.rounding)
+                    run_all(module, fn, parts, args.rounding, pool)
                     times[name].append(time.perf_counter() - t0)
-            row = {"function": fn, "threads": threads}
+            row = {"function": fn, "threads": threads, "workers": workers}
             for name, ts in times.items():
                 row[f"{name}_s_min"] = round(min(ts), 4)
                 row[f"{name}_s_median"] = round(statistics.median(ts), 4)
                 row[f"{name}_gbps"] = round(gb / min(ts), 3)
-                row[f"{name}_gbps_per_core"] = round(gb / min(ts) / threads, 3)
+                row[f"{name}_gbps_per_core"] = round(gb / min(ts) / cores, 3)
             row["speedup_min"] = round(min(times["old"]) / min(times["new"]), 2)
             row["speedup_median"] = round(statistics.median(times["old"]) / statistics.median(times["new"]), 2)
             rows.append(row)
-            print(f"{fn:20s} threads {threads}: old {row['old_gbps_per_core']:.3f} GB/s/core "
+            print(f"{fn:20s} threads {threads} workers {workers}: old {row['old_gbps_per_core']:.3f} GB/s/core "
                   f"(min {row['old_s_min']:.3f} s, median {row['old_s_median']:.3f} s), new "
                   f"{row['new_gbps_per_core']:.3f} GB/s/core (min {row['new_s_min']:.3f} s, median "
                   f"{row['new_s_median']:.3f} s): {row['speedup_min']:.2f}x (medians {row['speedup_median']:.2f}x)",
                   flush=True)
     result = {
-        "what": "CPU MXFP8 quantization throughput, GB/s of bf16 input (per core = / torch threads)",
+        "what": "CPU MXFP8 quantization throughput, GB/s of bf16 input (per core = / (threads x workers))",
         "shape": [n, k], "dtype": "bfloat16", "rounding": args.rounding, "chunk_elems": args.chunk_elems,
         "calls_per_pass": len(parts), "repeats": args.repeats, "baseline": f"{args.baseline}:porter/mxfp8.py",
         "identical_bytes_and_stats": True,
@@ -123,6 +216,10 @@ def main() -> None:
                  "cpu_capability": torch.backends.cpu.get_cpu_capability(), "python": platform.python_version()},
         "results": rows,
     }
+    if args.convert_rounds:
+        torch.set_num_threads(os.cpu_count() or 1)
+        result["convert_ab"] = convert_ab(args.baseline, args.convert_rounds, args.tmp)
+        print(json.dumps(result["convert_ab"]), flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)

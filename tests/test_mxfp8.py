@@ -327,3 +327,16 @@ def test_e4m3_fp16_decode_is_exact():
     half = mxfp8._e4m3_as_fp16_div256(codes, torch.empty(codes.shape, dtype=torch.int16))
     assert torch.equal(half.float() * 256, codes.float())
     assert torch.equal(torch.signbit(half), torch.signbit(codes.float()))
+
+
+def test_error_totals_steps_for_every_byte():
+    """The float64 steps 2^(byte-127) and their squares, built from bits, for every scale byte 0..254."""
+    byte = torch.arange(255, dtype=torch.uint8)
+    ones = torch.ones(255)
+    stats = mxfp8._error_totals(ones, ones, ones, byte, "cpu")
+    step = torch.pow(2.0, torch.arange(255, dtype=torch.float64) - 127)
+    assert float(stats["err_sq"]) == float((step * step).sum())
+    assert float(stats["max_abs_error"]) == 2.0 ** 127 and float(stats["ref_sq"]) == 255.0
+    for b in (0, 1, 126, 127, 128, 254):
+        one = mxfp8._error_totals(ones[:1], ones[:1], ones[:1] * 3, byte[b:b + 1], "cpu")
+        assert float(one["err_sq"]) == 4.0 ** (b - 127) and float(one["max_abs_error"]) == 3 * 2.0 ** (b - 127)

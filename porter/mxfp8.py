@@ -53,7 +53,7 @@ def _check_shape(w: torch.Tensor, name: str) -> None:
 
 def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[list] = None,
                      keep_scale: Optional[torch.Tensor] = None):
-    """-> (x: fp32 [..., K/32, 32] scaled and clamped, q: e4m3 same shape, byte: int32 [..., K/32]).
+    """-> (x: fp32 [..., K/32, 32] scaled, not clipped, q: e4m3 same shape (saturated), byte: int32 [..., K/32]).
     If `ref` is a list, the per-block sums of squares of w (fp32 [..., K/32]) are appended to it.
     keep_scale (uint8 [..., K/32]): use these scale bytes instead of the rounding rule — for values that
     came from MXFP8 with exactly these scales, re-quantizing is then the identity on bytes."""
@@ -78,7 +78,9 @@ def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[li
     # Multiply by 2^(127 - byte): an exact power-of-two scaling in fp32 (the factor is representable for
     # every byte, and products either stay exact or fall far below e4m3's smallest subnormal).
     x.mul_(pow2(SCALE_BIAS - byte).unsqueeze(-1))
-    x.clamp_(-E4M3_MAX, E4M3_MAX)  # saturate (torch < 2.13 casts finite overflow to NaN)
+    if rounding == "floor" and keep_scale is None:  # only floor's scales let |x| exceed 448: saturate the
+        # cast (torch < 2.13 casts finite overflow to NaN) and keep x unclipped, so the error includes clipping
+        return x, x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), byte
     return x, x.to(torch.float8_e4m3fn), byte  # the cast rounds to nearest even
 
 
@@ -108,7 +110,7 @@ def quantize_with_error(w: torch.Tensor, rounding: str = "rceil", name: str = "t
     else:
         ref = []
         x, q, byte = _quantize_blocks(w, rounding, name, ref, keep_scale)
-        x.sub_(e4m3_to_float(q))  # scaled-domain error, exact in fp32 (x is clamped: floor's clipping is not in it)
+        x.sub_(e4m3_to_float(q))  # scaled-domain error, exact in fp32 (x unclipped: floor's clipping is in it)
         d_max = x.abs().amax(dim=-1) if x.numel() else None
         stats = _error_totals(ref[0], torch.linalg.vecdot(x, x), d_max, byte, w.device)
         q, byte = q.reshape(w.shape), byte.to(torch.uint8)
@@ -236,9 +238,10 @@ def _quantize_cpu_tiles(w: torch.Tensor, rounding: str, name: str, keep_scale: O
         x, d, h = _buffers(w_t.shape[0])  # [n, 32] fp32, fp32, int16
         x.copy_(w_t)
         x.mul_(mult_t)  # exact power-of-two scaling (see _quantize_blocks)
-        if clamp:
-            x.clamp_(-E4M3_MAX, E4M3_MAX)
-        q_t.copy_(x)  # round to nearest even: the same cast as .to(float8_e4m3fn)
+        if clamp:  # saturate the cast; x stays unclipped so the error includes floor's clipping
+            q_t.copy_(torch.clamp(x, -E4M3_MAX, E4M3_MAX, out=d))
+        else:
+            q_t.copy_(x)  # round to nearest even: the same cast as .to(float8_e4m3fn)
         if with_error:
             err_t, dmax_t = stat_t
             d.copy_(_e4m3_as_fp16_div256(q_t, h))  # exact

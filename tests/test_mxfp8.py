@@ -174,8 +174,7 @@ def test_pow2_exact_over_the_whole_range():
 def direct_quantize_with_error(w: torch.Tensor, rounding: str = "rceil", keep_scale=None):
     """The rule as docs/mxfp8.md states it, step by step, with no shortcut: fp32 blocks, frexp exponent,
     fp32 power-of-two scaling, clamp, torch's cast; error statistics from q.float() with per-block fp32
-    sums (mul + sum over the block) and float64 totals. The error is taken of the clamped scaled values,
-    as the module does."""
+    sums (mul + sum over the block) and float64 totals. The error is W - deq(Q): floor's clipping counts."""
     x = w.float().reshape(*w.shape[:-1], w.shape[-1] // 32, 32)  # [..., K/32, 32]
     amax = x.abs().amax(-1)
     if keep_scale is None:
@@ -185,8 +184,8 @@ def direct_quantize_with_error(w: torch.Tensor, rounding: str = "rceil", keep_sc
     else:
         byte = keep_scale.long()
     factor = torch.pow(2.0, 127.0 - byte.double()).unsqueeze(-1)  # exact in float64
-    xs = (x.double() * factor).float().clamp(-448, 448)  # the fp32 product (one rounding, as in fp32)
-    q = xs.to(torch.float8_e4m3fn)
+    xs = (x.double() * factor).float()  # the fp32 product (one rounding, as in fp32)
+    q = xs.clamp(-448, 448).to(torch.float8_e4m3fn)  # saturated
     d = xs - q.float()
     step = torch.pow(2.0, byte.double() - 127)
     stats = {"err_sq": float(((d * d).sum(-1).double() * step * step).sum()),
@@ -340,3 +339,16 @@ def test_error_totals_steps_for_every_byte():
     for b in (0, 1, 126, 127, 128, 254):
         one = mxfp8._error_totals(ones[:1], ones[:1], ones[:1] * 3, byte[b:b + 1], "cpu")
         assert float(one["err_sq"]) == 4.0 ** (b - 127) and float(one["max_abs_error"]) == 3 * 2.0 ** (b - 127)
+
+
+def test_floor_error_statistics_include_clipping():
+    """Under floor a block whose largest value exceeds 448 * 2^e is clipped; the recorded error is that of
+    W - deq(Q), clipping included (the CPU tile path and the reference path alike)."""
+    w = torch.ones(2, 64)
+    w[:, 0] = 30.4  # floor: e = floor(log2 30.4) - 8 = -4, 30.4 * 16 = 486.4 > 448: clipped to 448 * 2^-4 = 28
+    for x in (w, w.double()):  # float32 takes the tile path, float64 the reference path
+        q, s, err = mxfp8.quantize_with_error(x, "floor")
+        deq = mxfp8.dequantize(q, s)
+        assert float(deq[0, 0]) == 28.0
+        assert err["max_abs_error"] == pytest.approx(2.4, rel=1e-6)  # 30.4 - 28
+        assert err["err_sq"] == pytest.approx(float(((x.float() - deq) ** 2).sum()), rel=1e-6)

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional
 
 import torch
 
+from porter.layout import layer_of
 from runtime.loader import TOP_NAMES, LoadError
 
 GiB = 1 << 30
@@ -84,9 +85,9 @@ def store_sizes(store, num_layers: int) -> Sizes:
     embed = head = 0
     for n in names:
         b = store.nbytes(n)
-        m = re.match(r"model\.layers\.(\d+)\.", n)
-        if m and int(m.group(1)) < num_layers:
-            per_layer[int(m.group(1))] += b
+        layer = layer_of(n)
+        if layer is not None and layer < num_layers:
+            per_layer[layer] += b
         elif n == TOP_NAMES[0]:
             embed += b
         elif n in TOP_NAMES[1:]:
@@ -172,14 +173,6 @@ def resolve(device_map, store, max_memory: Optional[Mapping] = None) -> Placemen
             raise PlacementError(f"device_map={device_map!r}: use 'auto' or a dict {{'layers.N': device}}")
         return plan(sizes, device_budgets(max_memory))
     if isinstance(device_map, Mapping):
-        budgets = {as_device(d): parse_bytes(v) for d, v in max_memory.items()} if max_memory else None
-        return explicit(device_map, sizes, budgets)
+        return explicit(device_map, sizes, device_budgets(max_memory) if max_memory else None)
     raise PlacementError(f"device_map must be 'auto' or a dict, not {type(device_map).__name__}")
 
-
-def devices_in(p: Placement) -> Sequence[torch.device]:
-    seen = []
-    for d in (p.embed, *p.layers, p.head):
-        if d not in seen:
-            seen.append(d)
-    return seen

@@ -16,7 +16,7 @@ from porter.cli import main as cli
 from porter.layout import scale_name
 from porter.source import read_header
 from tiny_checkpoint import build_tiny_checkpoint
-from tensor_checks import load_all
+from tensor_checks import cuda_quantize_path_on_cpu, load_all
 
 
 @pytest.fixture(scope="module")
@@ -358,21 +358,7 @@ def test_gpu_quantize_path_contract_on_cpu(tiny_vendor, tmp_path, monkeypatch, c
     """The --device cuda code path (_quantize_cuda: stream, staged copies, stats gathered in one tensor) run
     on the CPU with the stream stubbed: the same shard bytes as the CPU path and the same per-tensor error
     records (to 1e-9 relative: the GPU path sums a whole tensor where the CPU path sums row chunks)."""
-    import contextlib
-    import porter.pipeline as pp
-
-    class FakeStream:
-        def __init__(self, device=None):
-            pass
-
-        def synchronize(self):
-            pass
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-
-    def whole_on_device(self, w, name, keep=None):
-        yield (0, *self._quantize_cuda(w, name, keep))
-    monkeypatch.setattr(pp.Pipeline, "_quantize", whole_on_device)
+    cuda_quantize_path_on_cpu(monkeypatch)
     out = tmp_path / "gpu_path"
     porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=2, device="cpu")
     for f in sorted(p.name for p in converted.glob("*.safetensors")):

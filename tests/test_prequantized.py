@@ -16,7 +16,7 @@ from converters import minimax_m3 as arch
 from porter import mxfp8
 from porter.cli import main as cli
 from porter.layout import scale_name
-from tensor_checks import load_all, same_bytes
+from tensor_checks import cuda_quantize_path_on_cpu, load_all, same_bytes
 
 # the linears the vendor MXFP8 release quantizes (scope "all" + routed experts), vendor names
 VENDOR_QUANTIZED = re.compile(r"^language_model\.model\.layers\.\d+\.(self_attn\.(q|k|v|o|index_q|index_k)_proj|"
@@ -163,18 +163,7 @@ def test_mxfp8_scale_bytes_kept_with_many_units_in_flight(tiny_vendor, tmp_path,
     moves the kept bytes to the device) run on the CPU with the stream stubbed."""
     src_dir = requantized_checkpoint(tiny_vendor, tmp_path / "mx", mxfp8_scale_up, MXFP8_CONFIG)
     if builders == "gpu-path":
-        import contextlib
-        import porter.pipeline as pp
-        class FakeStream:
-            def __init__(self, device=None):
-                pass
-
-            def synchronize(self):
-                pass
-        monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-        monkeypatch.setattr(pp.Pipeline, "_quantize",
-                            lambda self, w, name, keep=None: iter([(0, *self._quantize_cuda(w, name, keep))]))
+        cuda_quantize_path_on_cpu(monkeypatch)
     if builders == "copying":
         original = arch.plan_tensors
 

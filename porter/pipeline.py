@@ -402,7 +402,7 @@ class Pipeline:
         self.places = places_of(plan.shards)
         self.entries_of = dict(plan.shards)
         self.rounding = plan.options["scale_rounding"]
-        self.reader = TensorReader(plan.source.files)
+        self.reader = TensorReader(plan.source.spans)
         self.pin = device.type == "cuda"
         self.lock = threading.RLock()  # re-entered when a zero-byte tensor's hash completes at creation
         self.shards: dict = {}

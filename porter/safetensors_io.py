@@ -156,17 +156,13 @@ def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
 class TensorReader:
     """Reads source tensors (or one row along dim 0) with pread into fresh tensors, from any thread.
 
-    spans: tensor name -> (file path, absolute data offset, dtype, shape), from parse_header. `pin`
-    allocates page-locked buffers (for asynchronous host->device copies)."""
+    spans: tensor name -> (file path, absolute data offset, dtype, shape), from parse_header (porter.source
+    builds them as it reads the headers: Source.spans). `pin` allocates page-locked buffers (for asynchronous
+    host->device copies)."""
 
-    def __init__(self, files: dict):
-        self.spans: dict = {}
+    def __init__(self, spans: dict):
+        self.spans = spans
         self._fds: dict = {}
-        for path in sorted(set(files.values())):
-            start, header = parse_header(path)
-            for name, info in header.items():
-                self.spans[name] = (path, start + info["data_offsets"][0], ST_DTYPES[info["dtype"]],
-                                    tuple(info["shape"]))
 
     def nbytes(self, name: str, index: Optional[int] = None) -> int:
         _, _, dtype, shape = self.spans[name]

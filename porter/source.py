@@ -44,6 +44,9 @@ class Source:
     # a pre-quantized source (porter.prequantized.Scheme): its quantized weights are listed in `meta` as
     # bfloat16 and dequantized by read(); their scale tensors are not listed
     prequantized: Optional[object] = None
+    # tensor name -> (shard Path, absolute data offset, stored dtype, shape) for every stored tensor (scales
+    # included), from the headers open_local parsed; empty for headers fetched without the shards
+    spans: dict = field(default_factory=dict, repr=False)
     _handles: dict = field(default_factory=dict, repr=False)
 
     def read(self, name: str, index: Optional[int] = None) -> torch.Tensor:
@@ -150,10 +153,13 @@ def open_local(path: Path, repo_id: Optional[str] = None, commit: Optional[str] 
     if not isinstance(raw, dict):
         raise SourceError(f"{path / 'config.json'}: must hold a JSON object")
     scheme = prequantized.detect(raw, path / "config.json")  # None, or MXFP8 / block-FP8; else refused
-    meta, files = {}, {}
+    meta, files, spans = {}, {}, {}
     shards = {path / f: h for f, h in headers.items()} if headers else {f: None for f in weight_files(path)}
     for f, header in shards.items():
-        for name, info in (header if header is not None else read_header(f)).items():
+        start = None
+        if header is None:  # each shard's header is parsed here once; readers use `spans`
+            start, header = parse_header(f)
+        for name, info in header.items():
             if name == "__metadata__":
                 continue
             if info.get("dtype") not in ST_DTYPES:
@@ -162,10 +168,12 @@ def open_local(path: Path, repo_id: Optional[str] = None, commit: Optional[str] 
                 raise SourceError(f"{f}: tensor {name!r} also appears in {files[name]}")
             meta[name] = (ST_DTYPES[info["dtype"]], tuple(info["shape"]))
             files[name] = f
+            if start is not None:
+                spans[name] = (f, start + info["data_offsets"][0], *meta[name])
     if scheme is not None:
         meta = scheme.adopt(meta, str(path))
         log.info("source is pre-quantized: %s; dequantized tensor by tensor", scheme.describe())
-    return Source(path, raw, meta, files, repo_id=repo_id, commit=commit, prequantized=scheme)
+    return Source(path, raw, meta, files, repo_id=repo_id, commit=commit, prequantized=scheme, spans=spans)
 
 
 def open_source(source: str | Path, revision: Optional[str] = None, headers_only: bool = False) -> Source:

@@ -24,16 +24,17 @@ VENDOR_QUANTIZED = re.compile(r"^language_model\.model\.layers\.\d+\.(self_attn\
                               r"\.weight$")
 
 
-def requantized_checkpoint(bf16_dir: Path, out: Path, quantize_one, qconfig: dict, where: str = "top") -> Path:
-    """A copy of the bf16 vendor checkpoint whose vendor-scope linears are stored quantized:
-    quantize_one(w) -> (F8_E4M3 values, scale_inv)."""
+def requantized_checkpoint(bf16_dir: Path, out: Path, quantize_one, qconfig: dict, where: str = "top",
+                           quantized: re.Pattern = VENDOR_QUANTIZED) -> Path:
+    """A copy of the bf16 checkpoint whose linears named by `quantized` (default: the vendor scope) are stored
+    quantized: quantize_one(w) -> (F8_E4M3 values, scale_inv)."""
     out.mkdir(parents=True)
     for f in bf16_dir.iterdir():
         if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copyfile(f, out / f.name)
     tensors = {}
     for name, t in load_all(bf16_dir).items():
-        if VENDOR_QUANTIZED.match(name):
+        if quantized.fullmatch(name):
             tensors[name], tensors[name[: -len("weight")] + "weight_scale_inv"] = quantize_one(t)
         else:
             tensors[name] = t

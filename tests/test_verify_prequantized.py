@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import save_file
 
 import porter
 from converters import minimax_m3 as arch
@@ -119,23 +118,10 @@ def transformers_mxfp8_source(tmp_path: Path) -> tuple[Path, dict]:
     [2N, H] (+ down_proj) stored as MXFP8, every other block's scale one above rceil's; routed experts bf16."""
     from tiny_checkpoint import build_tiny_checkpoint
     bf16 = build_tiny_checkpoint(tmp_path / "bf16", layout="transformers", seed=0)
-    src = tmp_path / "mx"
-    src.mkdir()
     quantized = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate_up|down)_proj|"
                            r"mlp\.shared_experts\.(gate_up|down)_proj)\.weight")
-    tensors = {}
-    for name, t in load_all(bf16).items():
-        if quantized.fullmatch(name):
-            tensors[name], tensors[name[:-len("weight")] + "weight_scale_inv"] = mxfp8_scale_up(t)
-        else:
-            tensors[name] = t
-    save_file(tensors, str(src / "model.safetensors"))
-    for f in bf16.iterdir():
-        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-            (src / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((bf16 / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps(cfg | {"quantization_config": MXFP8_CONFIG}))
-    return src, tensors
+    src = requantized_checkpoint(bf16, tmp_path / "mx", mxfp8_scale_up, MXFP8_CONFIG, quantized=quantized)
+    return src, load_all(src)
 
 
 def test_transformers_layout_mxfp8_source_slices_keep_their_scale_bytes(tmp_path):

@@ -22,11 +22,12 @@ class TorchMoE:
         quant.validate()
         self.quant, self.routing = quant, routing
 
-    def _expert_weights(self, e: int, dtype: torch.dtype):
+    def _expert_weights(self, e, dtype: torch.dtype):
+        """e: an expert id -> (w13 [2I, H], w2 [H, I]), or ids [n] -> ([n, 2I, H], [n, H, I]), in dtype."""
         q = self.quant
-        if q.is_mxfp8:  # dequantize one expert at a time: no full-precision copy kept
-            w13 = mxfp8.dequantize(q.w13_weight[e], q.w13_weight_scale[e], dtype)  # [2I, H]
-            w2 = mxfp8.dequantize(q.w2_weight[e], q.w2_weight_scale[e], dtype)  # [H, I]
+        if q.is_mxfp8:  # dequantize only the experts asked for: no full-precision copy kept
+            w13 = mxfp8.dequantize(q.w13_weight[e], q.w13_weight_scale[e], dtype)  # [(n,) 2I, H]
+            w2 = mxfp8.dequantize(q.w2_weight[e], q.w2_weight_scale[e], dtype)  # [(n,) H, I]
         else:
             w13, w2 = q.w13_weight[e].to(dtype), q.w2_weight[e].to(dtype)
         return w13, w2
@@ -59,11 +60,7 @@ class TorchMoE:
         q, dtype = self.quant, hidden_states.dtype
         T, k = topk_ids.shape
         ids = topk_ids.reshape(-1)  # [n]
-        if q.is_mxfp8:
-            w13 = mxfp8.dequantize(q.w13_weight[ids], q.w13_weight_scale[ids], dtype)  # [n, 2I, H]
-            w2 = mxfp8.dequantize(q.w2_weight[ids], q.w2_weight_scale[ids], dtype)  # [n, H, I]
-        else:
-            w13, w2 = q.w13_weight[ids].to(dtype), q.w2_weight[ids].to(dtype)
+        w13, w2 = self._expert_weights(ids, dtype)  # [n, 2I, H], [n, H, I]
         x = hidden_states.repeat_interleave(k, dim=0)[:, None]  # [n, 1, H]
         gate_up = torch.bmm(x, w13.transpose(1, 2))[:, 0]  # [n, 2I]
         inter = q.intermediate_size

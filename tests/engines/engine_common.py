@@ -106,3 +106,39 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def is_kv_scale(name: str) -> bool:
     return name.endswith(KV_SCALE_SUFFIXES)
+
+
+def engine_modules(cfg: dict, engine_names: dict) -> list:
+    """(engine prefix, porter unfused module names it covers) for every quantizable text module.
+
+    `engine_names` maps each role (qkv, index_qk, o_proj, experts, shared_gate_up, shared_down, gate, gate_up,
+    down) to the engine's module name under `model.layers.{i}.`; a role named like the one before it (vLLM
+    fuses the indexer's q/k into qkv_proj) joins that entry."""
+    t = cfg["text_config"]
+    sparse = t["sparse_attention_config"]["sparse_attention_freq"]
+    out = []
+    for layer in range(t["num_hidden_layers"]):
+        p = f"{HF_PREFIX}model.layers.{layer}."
+        a, m = p + "self_attn.", p + "block_sparse_moe."
+        roles = [("qkv", [a + f"{x}_proj" for x in ("q", "k", "v")])]
+        if sparse[layer]:
+            roles.append(("index_qk", [a + "index_q_proj", a + "index_k_proj"]))
+        roles.append(("o_proj", [a + "o_proj"]))
+        if t["moe_layer_freq"][layer]:
+            roles += [("experts", [m + f"experts.{e}.{w}" for e in range(t["num_local_experts"])
+                                   for w in ("w1", "w2", "w3")]),
+                      ("shared_gate_up", [m + "shared_experts.gate_proj", m + "shared_experts.up_proj"]),
+                      ("shared_down", [m + "shared_experts.down_proj"]),
+                      ("gate", [m + "gate"])]
+        else:
+            roles += [("gate_up", [p + "mlp.gate_proj", p + "mlp.up_proj"]), ("down", [p + "mlp.down_proj"])]
+        layer_out = []
+        for role, members in roles:
+            prefix = p + engine_names[role]
+            if layer_out and layer_out[-1][0] == prefix:
+                layer_out[-1][1].extend(members)
+            else:
+                layer_out.append((prefix, members))
+        out += layer_out
+    out.append((HF_PREFIX + "lm_head", [HF_PREFIX + "lm_head"]))
+    return out

@@ -74,29 +74,11 @@ def hf_config(cfg: dict) -> PretrainedConfig:
                             vision_config=TINY_VISION_DEFAULTS | cfg["vision_config"], encoder_only=False)
 
 
-def engine_modules(cfg: dict) -> list:
-    """(engine prefix, porter unfused module names it covers) for every quantizable text module."""
-    t = cfg["text_config"]
-    sparse = t["sparse_attention_config"]["sparse_attention_freq"]
-    out = []
-    for layer in range(t["num_hidden_layers"]):
-        p = f"language_model.model.layers.{layer}."
-        out.append((p + "self_attn.qkv_proj", [p + f"self_attn.{x}_proj" for x in ("q", "k", "v")]))
-        if sparse[layer]:
-            out.append((p + "self_attn.index_qkv_proj", [p + "self_attn.index_q_proj", p + "self_attn.index_k_proj"]))
-        out.append((p + "self_attn.o_proj", [p + "self_attn.o_proj"]))
-        if t["moe_layer_freq"][layer]:
-            m = p + "block_sparse_moe."
-            out.append((p + "mlp.experts", [m + f"experts.{e}.{w}" for e in range(t["num_local_experts"])
-                                            for w in ("w1", "w2", "w3")]))
-            out.append((p + "mlp.shared_experts.gate_up_proj", [m + "shared_experts.gate_proj", m + "shared_experts.up_proj"]))
-            out.append((p + "mlp.shared_experts.down_proj", [m + "shared_experts.down_proj"]))
-            out.append((p + "mlp.gate", [m + "gate"]))
-        else:
-            out.append((p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"]))
-            out.append((p + "mlp.down_proj", [p + "mlp.down_proj"]))
-    out.append(("language_model.lm_head", ["language_model.lm_head"]))
-    return out
+# sglang's module for each role of engine_common.engine_modules (under `model.layers.{i}.`)
+ENGINE_NAMES = {"qkv": "self_attn.qkv_proj", "index_qk": "self_attn.index_qkv_proj", "o_proj": "self_attn.o_proj",
+                "experts": "mlp.experts", "shared_gate_up": "mlp.shared_experts.gate_up_proj",
+                "shared_down": "mlp.shared_experts.down_proj", "gate": "mlp.gate",
+                "gate_up": "mlp.gate_up_proj", "down": "mlp.down_proj"}
 
 
 def excluded(qc: Fp8Config, prefix: str) -> bool:
@@ -168,7 +150,7 @@ def main(art: Path, report_path: Path, all_listed: list) -> None:
                            "modules_to_not_convert": all_listed})
     mods = dict(model.named_modules())
     ignore = []
-    for prefix, members in engine_modules(cfg):
+    for prefix, members in common.engine_modules(cfg, ENGINE_NAMES):
         module = mods.get(prefix.removeprefix("language_model."))
         weight = getattr(module, "w13_weight", None) if prefix.endswith("experts") else getattr(module, "weight", None)
         ignore.append({"module": prefix, "engine_excluded": excluded(qc, prefix),

@@ -100,29 +100,12 @@ class Wrapper(nn.Module):
         return AutoWeightsLoader(self, ignore_unexpected_prefixes=VISION_PREFIXES).load_weights(weights)
 
 
-def engine_modules(lm, cfg) -> list:
-    """(engine prefix, porter unfused module names it covers) for every quantizable module."""
-    out = []
-    t = cfg["text_config"]
-    moe = t["moe_layer_freq"]
-    sparse = t["sparse_attention_config"]["sparse_attention_freq"]
-    for layer in range(t["num_hidden_layers"]):
-        p = f"language_model.model.layers.{layer}."
-        qkv = ["q", "k", "v"] + (["index_q", "index_k"] if sparse[layer] else [])
-        out.append((p + "self_attn.qkv_proj", [p + f"self_attn.{x}_proj" for x in qkv]))
-        out.append((p + "self_attn.o_proj", [p + "self_attn.o_proj"]))
-        if moe[layer]:
-            m = p + "block_sparse_moe."
-            out.append((m + "experts", [m + f"experts.{e}.{w}" for e in range(t["num_local_experts"])
-                                        for w in ("w1", "w2", "w3")]))
-            out.append((m + "shared_experts.gate_up_proj", [m + "shared_experts.gate_proj", m + "shared_experts.up_proj"]))
-            out.append((m + "shared_experts.down_proj", [m + "shared_experts.down_proj"]))
-            out.append((m + "gate", [m + "gate"]))
-        else:
-            out.append((p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"]))
-            out.append((p + "mlp.down_proj", [p + "mlp.down_proj"]))
-    out.append(("language_model.lm_head", ["language_model.lm_head"]))
-    return out
+# vLLM's module for each role of engine_common.engine_modules (under `model.layers.{i}.`): the indexer's q/k
+# rows join qkv_proj
+ENGINE_NAMES = {"qkv": "self_attn.qkv_proj", "index_qk": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj",
+                "experts": "block_sparse_moe.experts", "shared_gate_up": "block_sparse_moe.shared_experts.gate_up_proj",
+                "shared_down": "block_sparse_moe.shared_experts.down_proj", "gate": "block_sparse_moe.gate",
+                "gate_up": "mlp.gate_up_proj", "down": "mlp.down_proj"}
 
 
 def row_checks(params: dict, tensors: dict, cfg: dict) -> tuple[int, list]:
@@ -180,7 +163,7 @@ def main(art: Path, report_path: Path, all_listed: list) -> None:
     listed = set(cfg["quantization_config"]["ignored_layers"])
     qc_all = quant_config({**cfg["quantization_config"], "ignored_layers": all_listed})
     ignore = []
-    for prefix, members in engine_modules(lm, cfg):
+    for prefix, members in common.engine_modules(cfg, ENGINE_NAMES):
         engine_excluded = bool(qc.is_layer_excluded(prefix))
         porter_listed = [m in listed for m in members]
         weight = params.get(prefix + ".weight") if not prefix.endswith("experts") else \

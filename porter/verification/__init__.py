@@ -168,10 +168,9 @@ def _layer_row(rep: Report, cfg, i: int, s) -> LayerRow:
     kind = f"{'sparse' if cfg.is_sparse_attention(i) else 'full'}/{'moe' if cfg.is_moe(i) else 'dense'}"
     mine = [t for t in rep.exact.tensors if t.layer == i and t.quantized]
     worst = max(mine, key=lambda t: t.weight_error) if mine else None
-    label = None if worst is None else worst.tensor + (f"[expert {worst.worst_expert}]"
-                                                        if worst.worst_expert is not None else "")
-    return LayerRow(i, kind, s.cosine, s.rel_error, s.layer_error, worst.weight_error if worst else 0.0, label,
-                    worst.shard if worst else None)
+    if worst is None:
+        return LayerRow(i, kind, s.cosine, s.rel_error, s.layer_error, 0.0, None, None)
+    return LayerRow(i, kind, s.cosine, s.rel_error, s.layer_error, worst.weight_error, worst.worst_label, worst.shard)
 
 
 def _finish(rep: Report, failures: list[Failure], report, plot, t0) -> VerifyResult:

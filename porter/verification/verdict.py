@@ -94,6 +94,11 @@ class TensorCheck:
     def exact(self) -> bool:
         return self.problem is None and self.mismatched == 0
 
+    @property
+    def worst_label(self) -> str:
+        """The tensor, with the expert of its worst weight error when it has experts."""
+        return self.tensor + (f"[expert {self.worst_expert}]" if self.worst_expert is not None else "")
+
 
 @dataclass
 class ExactResult:
@@ -230,8 +235,7 @@ def judge_exact(ex: ExactResult, th: Thresholds) -> list[Failure]:
         elif t.mismatched:
             out.append(_mismatch_failure(t))
         if t.quantized and t.weight_error > th.max_weight_error:
-            label = t.tensor + (f"[expert {t.worst_expert}]" if t.worst_expert is not None else "")
-            out.append(Failure("weights", f"tensor {label} (shard {t.shard}): weight error {t.weight_error:.4g} "
+            out.append(Failure("weights", f"tensor {t.worst_label} (shard {t.shard}): weight error {t.weight_error:.4g} "
                                f"vs the reference > {th.max_weight_error}", layer=t.layer, tensor=t.tensor,
                                shard=t.shard, expert=t.worst_expert, value=t.weight_error,
                                threshold=th.max_weight_error))

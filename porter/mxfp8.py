@@ -41,7 +41,15 @@ def scale_exponents(amax: torch.Tensor, rounding: str = "rceil") -> torch.Tensor
         return torch.where(mant <= 0.875, expo - 9, expo - 8)
     if rounding == "floor":
         return expo - 9
-    raise MXFP8Error(f"unknown scale rounding {rounding!r}; use one of {ROUNDING_MODES}")
+    _check_rounding(rounding)
+
+
+# ---- checks shared by the reference path and the CPU tile path ----
+
+
+def _check_rounding(rounding: str) -> None:
+    if rounding not in ROUNDING_MODES:
+        raise MXFP8Error(f"unknown scale rounding {rounding!r}; use one of {ROUNDING_MODES}")
 
 
 def _check_shape(w: torch.Tensor, name: str) -> None:
@@ -49,6 +57,21 @@ def _check_shape(w: torch.Tensor, name: str) -> None:
         raise MXFP8Error(
             f"{name}: last dim (K) of shape {tuple(w.shape)} is not a multiple of {BLOCK}; "
             f"MXFP8 needs whole 32-element blocks — leave this tensor unquantized")
+
+
+def _check_finite(amax: torch.Tensor, name: str) -> None:
+    if not bool(torch.isfinite(amax).all()):
+        raise MXFP8Error(f"{name}: contains NaN or Inf; fix the source checkpoint (refusing to quantize)")
+
+
+def _kept_bytes(keep_scale: torch.Tensor, amax: torch.Tensor, block_shape: tuple, name: str) -> torch.Tensor:
+    """keep_scale as int32 bytes, checked: one per block (block_shape) and every block fits its byte
+    (amax <= 448 * 2^(byte-127)); amax holds the same blocks, in any shape."""
+    byte = keep_scale.to(device=amax.device, dtype=torch.int32)
+    if byte.shape != block_shape or bool((amax > E4M3_MAX * pow2(byte - SCALE_BIAS).reshape(amax.shape)).any()):
+        raise MXFP8Error(f"{name}: values do not fit the scale bytes they were read with "
+                         f"({tuple(byte.shape)} for blocks {tuple(block_shape)})")
+    return byte
 
 
 def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[list] = None,
@@ -64,17 +87,13 @@ def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[li
     amax = torch.maximum(x.amax(dim=-1), -x.amin(dim=-1))  # [..., K/32]; NaN propagates
     if ref is not None:
         ref.append(torch.linalg.vecdot(x, x))  # per-block sum of squares (square() is a slow pow on CPU)
-    if not bool(torch.isfinite(amax).all()):
-        raise MXFP8Error(f"{name}: contains NaN or Inf; fix the source checkpoint (refusing to quantize)")
+    _check_finite(amax, name)
     if keep_scale is None:
         e = scale_exponents(amax, rounding)
         byte = (e + SCALE_BIAS).clamp(0, SCALE_MAX_BYTE)
         byte = torch.where(amax == 0, torch.zeros_like(byte), byte)
     else:
-        byte = keep_scale.to(device=amax.device, dtype=torch.int32)
-        if byte.shape != amax.shape or bool((amax > E4M3_MAX * pow2(byte - SCALE_BIAS)).any()):
-            raise MXFP8Error(f"{name}: values do not fit the scale bytes they were read with "
-                             f"({tuple(byte.shape)} for blocks {tuple(amax.shape)})")
+        byte = _kept_bytes(keep_scale, amax, amax.shape, name)
     # Multiply by 2^(127 - byte): an exact power-of-two scaling in fp32 (the factor is representable for
     # every byte, and products either stay exact or fall far below e4m3's smallest subnormal).
     x.mul_(pow2(SCALE_BIAS - byte).unsqueeze(-1))
@@ -186,8 +205,7 @@ def _quantize_cpu_tiles(w: torch.Tensor, rounding: str, name: str, keep_scale: O
     Two passes over the tiles: block amax (and ||w||^2) first, the scales for the whole call from those in a
     few ops, then scaling, the cast and the error; re-widening a tile costs less than per-tile scale ops."""
     _check_shape(w, name)
-    if rounding not in ROUNDING_MODES:
-        raise MXFP8Error(f"unknown scale rounding {rounding!r}; use one of {ROUNDING_MODES}")
+    _check_rounding(rounding)
     src = w.reshape(-1, BLOCK)  # [NB, 32]
     nb = src.shape[0]
     by_squares = w.dtype in _SQUARE_EXACT
@@ -217,8 +235,8 @@ def _quantize_cpu_tiles(w: torch.Tensor, rounding: str, name: str, keep_scale: O
                 ((amax == 0) | ((amax >= 2.0 ** -126) & (amax <= _FLOAT32_MAX))).all()):
             return _quantize_cpu_general(w, rounding, name, keep_scale, with_error)
         amax.sqrt_()
-    elif not bool(torch.isfinite(amax).all()):
-        raise MXFP8Error(f"{name}: contains NaN or Inf; fix the source checkpoint (refusing to quantize)")
+    else:
+        _check_finite(amax, name)
     block_shape = (*w.shape[:-1], w.shape[-1] // BLOCK)
     if keep_scale is None:
         k = _scale_field(amax, rounding)  # [NB] int32
@@ -226,10 +244,7 @@ def _quantize_cpu_tiles(w: torch.Tensor, rounding: str, name: str, keep_scale: O
         # 2^(127 - byte): the float with exponent field 254 - byte = min(262 - k, 254), in [7, 254]
         mult = (262 - k).clamp_max_(254).bitwise_left_shift_(23).view(torch.float32)
     else:
-        byte = keep_scale.to(torch.int32)
-        if byte.shape != block_shape or bool((amax > E4M3_MAX * pow2(byte - SCALE_BIAS).reshape(-1)).any()):
-            raise MXFP8Error(f"{name}: values do not fit the scale bytes they were read with "
-                             f"({tuple(byte.shape)} for blocks {tuple(block_shape)})")
+        byte = _kept_bytes(keep_scale, amax, block_shape, name)
         mult = pow2(SCALE_BIAS - byte).reshape(-1)
     clamp = rounding == "floor" and keep_scale is None  # rceil, and kept scales that fit, never exceed 448
     q = torch.empty(nb, BLOCK, dtype=torch.float8_e4m3fn)

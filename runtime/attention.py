@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from runtime.fused import use_triton
+
 NEG = -1.0e30  # finite "minus infinity": an empty slice merges with weight exp(NEG - m) = 0
 
 
@@ -61,14 +63,9 @@ def decode_attention(q, k_cache, v_cache, pos, kv_len: int, blocks=None, block: 
                      scale: float = 1.0) -> torch.Tensor:
     """q [B, nq, d], k/v_cache [B, nkv, S_max, d], pos [B] (position of the new token = its slot, already
     written), blocks [B, nkv, nb] or None -> [B, nq, d] in q's dtype."""
-    if q.device.type == "cuda" and _triton_available():
+    if use_triton(q):
         return _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, scale)
     return decode_attention_reference(q, k_cache, v_cache, pos, kv_len, blocks, block, scale)
-
-
-def _triton_available() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("triton") is not None
 
 
 def num_splits(n_keys: int, programs: int, block_n: int, target: int = 264) -> int:

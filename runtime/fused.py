@@ -19,6 +19,8 @@ def _have_triton() -> bool:
 
 
 def use_triton(x: torch.Tensor) -> bool:
+    """Whether x's op runs a Triton kernel (CUDA tensor, triton installed; checked once per process):
+    the one test of the fused steps, runtime.attention's decode kernel and runtime.mxfp8_linear."""
     return x.is_cuda and _have_triton()
 
 

@@ -9,18 +9,17 @@ the runtime dequantizes once per call and runs one big matmul.
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
+
+from runtime.fused import use_triton
 
 MAX_ROWS = 64  # above this dequantize-then-matmul wins (the matmul is no longer bound by weight bytes)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.is_cuda and weight.dtype == torch.float8_e4m3fn and x.dtype in (torch.bfloat16, torch.float16,
-                                                                             torch.float32)
-            and x.numel() // x.shape[-1] <= MAX_ROWS and weight.shape[1] % 128 == 0
-            and importlib.util.find_spec("triton") is not None)
+    return (use_triton(x) and weight.dtype == torch.float8_e4m3fn
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and x.numel() // x.shape[-1] <= MAX_ROWS and weight.shape[1] % 128 == 0)
 
 
 def mxfp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

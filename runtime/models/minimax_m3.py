@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from converters.minimax_m3 import TextConfig
 from porter import mxfp8
 from porter.layout import scale_name
-from runtime import fused
+from runtime import fused, mxfp8_linear
 from runtime.attention import decode_attention
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params, swiglu_oai
 
@@ -74,7 +74,6 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is not None:
-            from runtime import mxfp8_linear
             if mxfp8_linear.applies(x, self.weight):
                 return mxfp8_linear.mxfp8_linear(x, self.weight, self.scale)
             w = mxfp8.dequantize(self.weight, self.scale, x.dtype)

@@ -233,12 +233,13 @@ def build_model(store, device: torch.device, dtype: torch.dtype, make_backend: C
     placement.embed, final norm + lm_head on placement.head; None = everything on `device`."""
     cfg, names = store.config, store.names()
     n = cfg.num_hidden_layers
-    where = list(placement.layers) if placement is not None else [device] * n
+    if placement is None:
+        where, embed_dev, head_dev = [device] * n, device, device
+    else:
+        where, embed_dev, head_dev = list(placement.layers), placement.embed, placement.head
     getters, ropes = {}, {}
-    for d in {*where, device} | ({placement.embed, placement.head} if placement is not None else set()):
+    for d in {*where, embed_dev, head_dev}:  # one getter and one Rope (inv_freq) per device
         getters[d], ropes[d] = getter(store, names, d), Rope(cfg.rotary_dim, cfg.rope_theta, d)
-    embed_dev = placement.embed if placement is not None else device
-    head_dev = placement.head if placement is not None else device
     top = {nm: getters[embed_dev if nm == TOP_NAMES[0] else head_dev](nm) for nm in TOP_NAMES if nm in names}
     if "lm_head.weight" not in top and head_dev != embed_dev:  # tied: lm_head needs the embedding there too
         top["lm_head.weight"] = getters[head_dev](TOP_NAMES[0])

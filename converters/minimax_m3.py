@@ -479,7 +479,7 @@ def _read_one(src):
 def _plain(c, src, src_meta, quantize):
     dtype, shape = src_meta[src]
     q = quantize == "all" and bool(_ALL_SCOPE.match(c))
-    return OutTensor(c, tuple(shape), dtype, [src], _read_one(src), quantize=q, group=f"layer{layer_of(c)}")
+    return OutTensor(c, tuple(shape), dtype, [src], _read_one(src), quantize=q)
 
 
 def _plain_or_split(c, src, src_meta, quantize):
@@ -492,7 +492,7 @@ def _plain_or_split(c, src, src_meta, quantize):
     for part, sl in (("gate_proj", slice(0, half)), ("up_proj", slice(half, 2 * half))):
         name = f"{m.group(1)}.{part}.weight"
         outs.append(OutTensor(name, (half, shape[1]), dtype, [src], lambda read, s=sl: read(src)[s],
-                              quantize=quantize == "all", group=f"layer{layer_of(c)}"))
+                              quantize=quantize == "all"))
     return outs
 
 
@@ -506,9 +506,9 @@ def _stack_experts(cfg, layer, found, src_meta, quantize):
     # w1 = gate, w3 = up -> [gate; up]. Experts are built one at a time, as row parts (no concat copy).
     w13 = OutTensor(experts_w13_name(layer), (e_count, 2 * i, h), dtype, w13_src,
                     read_expert_rows=lambda read, e: [read(found[(e, "w1")]), read(found[(e, "w3")])],
-                    quantize=q, group=f"experts{layer}")
+                    quantize=q)
     w2 = OutTensor(experts_w2_name(layer), (e_count, h, i), dtype, w2_src,
-                   read_expert_rows=lambda read, e: [read(found[(e, "w2")])], quantize=q, group=f"experts{layer}")
+                   read_expert_rows=lambda read, e: [read(found[(e, "w2")])], quantize=q)
     return [w13, w2]
 
 
@@ -545,9 +545,9 @@ def _fused_experts(cfg, layer, found, src_meta, quantize, interleaved):
     q = quantize != "none"
     # read(name, e) reads only expert e's slice of the fused tensor
     w13 = OutTensor(experts_w13_name(layer), want["gate_up_proj"], src_meta[gu][0], [gu],
-                    read_expert_rows=lambda read, e: [fix(read(gu, e))], quantize=q, group=f"experts{layer}")
+                    read_expert_rows=lambda read, e: [fix(read(gu, e))], quantize=q)
     w2 = OutTensor(experts_w2_name(layer), want["down_proj"], src_meta[dn][0], [dn],
-                   read_expert_rows=lambda read, e: [read(dn, e)], quantize=q, group=f"experts{layer}")
+                   read_expert_rows=lambda read, e: [read(dn, e)], quantize=q)
     return [w13, w2]
 
 
@@ -560,7 +560,7 @@ def _split_vendor_experts(cfg, layer, found, src_meta, quantize):
             src = found[(e, w)]
             dtype, shape = src_meta[src]
             out.append(OutTensor(expert_name(layer, e, w), tuple(shape), dtype, [src], _read_one(src),
-                                 quantize=quantize != "none", group=f"experts{layer}"))
+                                 quantize=quantize != "none"))
     return out
 
 

@@ -74,7 +74,7 @@ class ArtifactStore:
         if self._hf is not None:
             spec = self._hf[name]
             if isinstance(spec, list):  # per-expert hf tensors -> stacked [E, N, K] (a copy, made here)
-                return torch.stack([torch.cat([self._get(p) for p in parts]) for parts in spec])
+                return torch.stack([w for _, w in self.experts(name)])
             name = spec
         return self._get(name)
 

@@ -128,6 +128,16 @@ def _threshold_help(name: str) -> str:
     return f"Default by the artifact's quantize scope: {per}."
 
 
+def _threshold_options(f):
+    """One --max-*/--min-* flag per float field of Thresholds (in field order), its defaults in the help."""
+    from dataclasses import fields
+
+    from porter.verification import Thresholds
+    for t in reversed([t for t in fields(Thresholds) if t.type in (float, "float")]):
+        f = click.option("--" + t.name.replace("_", "-"), type=float, default=None, help=_threshold_help(t.name))(f)
+    return f
+
+
 VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
 
     \b
@@ -170,12 +180,7 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
 @click.option("--stream/--no-stream", "stream", default=None,
               help="Force layer streaming of the teacher-forced pass on/off (default: on when both models "
                    "would not fit in memory).")
-@click.option("--max-weight-error", type=float, default=None, help=_threshold_help("max_weight_error"))
-@click.option("--max-layer-error", type=float, default=None, help=_threshold_help("max_layer_error"))
-@click.option("--min-cosine", type=float, default=None, help=_threshold_help("min_cosine"))
-@click.option("--max-kl", type=float, default=None, help=_threshold_help("max_kl"))
-@click.option("--min-top1", type=float, default=None, help=_threshold_help("min_top1"))
-@click.option("--min-top5", type=float, default=None, help=_threshold_help("min_top5"))
+@_threshold_options
 @click.option("--min-matching-tokens", type=int, default=None,
               help="Generated tokens the reference's argmax must agree on. Default 0 (reported only).")
 @click.pass_context

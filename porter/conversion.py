@@ -345,7 +345,7 @@ def _finish(plan: Plan, out: Path, stats: dict) -> None:
     shard_sha = {f: rec["sha256"] for f, rec in _read_journal(out)["shards"].items()}
     manifest.write(out, plan, stats, shard_sha, before_rename=lambda: fault_point(f"tmp:{manifest.MANIFEST}"))
     fault_point(f"wrote:{manifest.MANIFEST}")
-    weight_map = {name: stats[e.name]["shard"] for _, es in plan.shards for e in es for name in [e.name]}
+    weight_map = {e.name: stats[e.name]["shard"] for _, es in plan.shards for e in es}
     index = {"metadata": {"total_size": plan.output_bytes, "format": "porter",
                           "porter_fingerprint": fingerprint(plan)}, "weight_map": weight_map}
     _write_final(out / INDEX_NAME, json.dumps(index, indent=2))  # last: its presence means complete

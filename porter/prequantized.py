@@ -21,6 +21,7 @@ import torch
 
 from porter import mxfp8
 from porter.errors import PorterError
+from porter.safetensors_io import dtype_name
 
 SCALE_SUFFIX = ".weight_scale_inv"
 DEQUANTIZED_DTYPE = torch.bfloat16
@@ -60,7 +61,7 @@ class Scheme:
         options.scale_rounding, after one rounding of the dequantized product to `dequantized_dtype`.
         (Artifacts of earlier porters may record "kept": whole source weights only, slices re-derived.)"""
         return {"method": self.method, "weight_block_size": list(self.block),
-                "dequantized_dtype": str(DEQUANTIZED_DTYPE).removeprefix("torch."),
+                "dequantized_dtype": dtype_name(DEQUANTIZED_DTYPE),
                 "scale_bytes": KEPT_ROWS if self.keeps_scales else "rederived"}
 
     def adopt(self, meta: dict, where: str) -> dict:

@@ -109,17 +109,6 @@ def child(code: str, *args, env=None) -> dict:
     return json.loads([line for line in res.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
 
 
-def real_dims_overrides(num_layers: int, experts: int = 8) -> dict:
-    """MiniMax-M3's real per-layer dims with fewer layers and experts (layer 0 dense, the rest MoE)."""
-    from tiny_checkpoint import synthetic_overrides
-    o = synthetic_overrides(num_layers, hidden=6144, intermediate=3072, experts=experts)
-    o |= {"dense_intermediate_size": 12288, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
-          "rotary_dim": 64, "num_experts_per_tok": min(4, experts)}
-    o["sparse_attention_config"] |= {"sparse_index_dim": 128, "sparse_num_index_heads": 4, "sparse_block_size": 128,
-                                     "sparse_topk_blocks": 16}
-    return o
-
-
 class _PooledRandn:
     """Stands in for `torch` inside tiny_checkpoint while building: randn returns windows of one shared
     random pool, so an 8 GB checkpoint builds in seconds, not minutes (values stay N(0, 1); conversion
@@ -148,8 +137,8 @@ def build_checkpoint(out: Path, layers: int, experts: int) -> Path:
     real = tiny_checkpoint.torch
     tiny_checkpoint.torch = _PooledRandn(real)
     try:
-        return tiny_checkpoint.build_tiny_checkpoint(out, text_overrides=real_dims_overrides(layers, experts),
-                                                     max_shard_tensors=40)
+        overrides = tiny_checkpoint.real_dims_overrides(layers, experts)
+        return tiny_checkpoint.build_tiny_checkpoint(out, text_overrides=overrides, max_shard_tensors=40)
     finally:
         tiny_checkpoint.torch = real
 

@@ -37,25 +37,13 @@ import porter  # noqa: E402
 import runtime  # noqa: E402
 from runtime.models.minimax_m3 import MoE, DecodeGraph, Step  # noqa: E402
 from runtime.moe.contract import route  # noqa: E402
-from tiny_checkpoint import build_tiny_checkpoint  # noqa: E402
+from tiny_checkpoint import build_tiny_checkpoint, real_dims_overrides  # noqa: E402
 
 log = logging.getLogger("bench.decode")
 
 FULL_DENSE, FULL_MOE, FULL_VOCAB, FULL_EXPERTS = 3, 57, 200064, 128
 PUBLISHED = {"sglang, GB300, TP4 (tok/s)": 158, "vLLM Marlin, H200 (tok/s per GPU)": 113}
 CASES = [(1, 1024), (1, 8192), (8, 1024), (32, 1024)]  # (batch, cached tokens)
-
-
-def real_dims(layers: int, experts: int) -> dict:
-    sp = {"use_sparse_attention": True, "sparse_index_dim": 128, "sparse_num_index_heads": 4,
-          "sparse_topk_blocks": 16, "sparse_block_size": 128, "sparse_score_type": "max", "sparse_init_block": 0,
-          "sparse_local_block": 1, "sparse_attention_freq": [0] + [1] * (layers - 1),
-          "sparse_disable_index_value": [0] + [1] * (layers - 1)}
-    return {"num_hidden_layers": layers, "hidden_size": 6144, "intermediate_size": 3072,
-            "shared_intermediate_size": 3072, "dense_intermediate_size": 12288, "num_attention_heads": 64,
-            "num_key_value_heads": 4, "head_dim": 128, "rotary_dim": 64, "partial_rotary_factor": 0.5,
-            "num_local_experts": experts, "num_experts_per_tok": 4, "max_position_embeddings": 65536,
-            "moe_layer_freq": [0] + [1] * (layers - 1), "sparse_attention_config": sp}
 
 
 def nbytes(*ts) -> int:
@@ -257,7 +245,8 @@ def main():
     src = work / "src"
     if not (src / "model.safetensors.index.json").exists():
         t = time.time()
-        build_tiny_checkpoint(src, layout="vendor", seed=0, text_overrides=real_dims(args.layers, args.experts))
+        overrides = real_dims_overrides(args.layers, args.experts) | {"max_position_embeddings": 65536}
+        build_tiny_checkpoint(src, layout="vendor", seed=0, text_overrides=overrides)
         log.info("built real-dims checkpoint in %.0f s", time.time() - t)
     bw = copy_bandwidth()
     gpu = torch.cuda.get_device_name()

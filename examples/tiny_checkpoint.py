@@ -227,6 +227,17 @@ def synthetic_overrides(num_layers: int, hidden: int = 1024, intermediate: int =
             "sparse_attention_config": sp}
 
 
+def real_dims_overrides(num_layers: int, experts: int = 8) -> dict:
+    """MiniMax-M3's real per-layer dims (docs/minimax-m3.md) with fewer layers and experts (layer 0 dense, the
+    rest sparse attention + MoE): for benchmarks at the real layer shapes."""
+    o = synthetic_overrides(num_layers, hidden=6144, intermediate=3072, experts=experts)
+    o |= {"dense_intermediate_size": 12288, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+          "rotary_dim": 64, "num_experts_per_tok": min(4, experts)}
+    o["sparse_attention_config"] |= {"sparse_index_dim": 128, "sparse_num_index_heads": 4, "sparse_block_size": 128,
+                                     "sparse_topk_blocks": 16}
+    return o
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")

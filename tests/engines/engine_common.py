@@ -142,3 +142,30 @@ def engine_modules(cfg: dict, engine_names: dict) -> list:
         out += layer_out
     out.append((HF_PREFIX + "lm_head", [HF_PREFIX + "lm_head"]))
     return out
+
+
+def ignore_records(cfg: dict, engine_names: dict, excluded, excluded_all_listed, weight) -> list:
+    """Per engine module: whether the engine leaves it unquantized under porter's ignore list (`excluded`) and
+    under the list naming every text linear (`excluded_all_listed`), which of porter's modules it covers are
+    listed, and the dtype of the weight the engine made for it (`weight(prefix)`, None when it has none)."""
+    listed = set(cfg["quantization_config"]["ignored_layers"])
+    out = []
+    for prefix, members in engine_modules(cfg, engine_names):
+        w = weight(prefix)
+        out.append({"module": prefix, "engine_excluded": excluded(prefix),
+                    "porter_listed": [m in listed for m in members],
+                    "engine_excluded_all_listed": excluded_all_listed(prefix),
+                    "engine_dtype": str(w.dtype) if w is not None else None})
+    return out
+
+
+def write_report(path: Path, head: dict, params: dict, sentinel: dict, tensors: dict, ignore: list,
+                 rows: tuple[int, list]) -> None:
+    """The JSON report tests/engines/test_engines.py asserts on: `head` (engine name and its own counts), then
+    the fields both engines report."""
+    checked, bad_rows = rows
+    report = {**head, "kv_scale_params": sorted(n for n in params if is_kv_scale(n)),
+              "sentinel_left": {n: c for n, c in sentinel.items() if c}, "ignore": ignore,
+              "rows_checked": checked, "rows_mismatched": bad_rows,
+              "fed_tensors": sum(1 for n in tensors if n.startswith(HF_PREFIX))}
+    path.write_text(json.dumps(report, indent=1))

@@ -145,26 +145,16 @@ def main(art: Path, report_path: Path, all_listed: list) -> None:
     model.load_weights(iter(tensors.items()))  # returns nothing: "written" is judged by the sentinel
     params = {n: p for n, p in model.named_parameters() if n.startswith(("model.", "lm_head."))}
     sentinel = {n: common.sentinel_left(p) for n, p in params.items() if not common.is_kv_scale(n)}
-    listed = set(cfg["quantization_config"]["ignored_layers"])
     qc_all = quant_config({**cfg["quantization_config"], "ignored_layers": all_listed,
                            "modules_to_not_convert": all_listed})
     mods = dict(model.named_modules())
-    ignore = []
-    for prefix, members in common.engine_modules(cfg, ENGINE_NAMES):
+
+    def weight(prefix):
         module = mods.get(prefix.removeprefix("language_model."))
-        weight = getattr(module, "w13_weight", None) if prefix.endswith("experts") else getattr(module, "weight", None)
-        ignore.append({"module": prefix, "engine_excluded": excluded(qc, prefix),
-                       "porter_listed": [m in listed for m in members],
-                       "engine_excluded_all_listed": excluded(qc_all, prefix),
-                       "engine_dtype": str(weight.dtype) if weight is not None else None})
-    checked, bad_rows = row_checks(model, tensors, cfg)
-    report = {"engine": "sglang", "params": len(params),
-              "kv_scale_params": sorted(n for n in params if common.is_kv_scale(n)),
-              "written": sum(1 for n, c in sentinel.items() if c == 0),
-              "sentinel_left": {n: c for n, c in sentinel.items() if c}, "ignore": ignore,
-              "rows_checked": checked, "rows_mismatched": bad_rows,
-              "fed_tensors": sum(1 for n in tensors if n.startswith(common.HF_PREFIX))}
-    report_path.write_text(json.dumps(report, indent=1))
+        return getattr(module, "w13_weight", None) if prefix.endswith("experts") else getattr(module, "weight", None)
+    ignore = common.ignore_records(cfg, ENGINE_NAMES, lambda p: excluded(qc, p), lambda p: excluded(qc_all, p), weight)
+    head = {"engine": "sglang", "params": len(params), "written": sum(1 for n, c in sentinel.items() if c == 0)}
+    common.write_report(report_path, head, params, sentinel, tensors, ignore, row_checks(model, tensors, cfg))
 
 
 if __name__ == "__main__":

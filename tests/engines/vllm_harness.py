@@ -160,24 +160,14 @@ def main(art: Path, report_path: Path, all_listed: list) -> None:
     params = dict(model.named_parameters())
     not_loaded = sorted(n for n in set(params) - set(loaded) if not common.is_kv_scale(n))
     sentinel = {n: common.sentinel_left(p) for n, p in params.items() if not common.is_kv_scale(n)}
-    listed = set(cfg["quantization_config"]["ignored_layers"])
     qc_all = quant_config({**cfg["quantization_config"], "ignored_layers": all_listed})
-    ignore = []
-    for prefix, members in common.engine_modules(cfg, ENGINE_NAMES):
-        engine_excluded = bool(qc.is_layer_excluded(prefix))
-        porter_listed = [m in listed for m in members]
-        weight = params.get(prefix + ".weight") if not prefix.endswith("experts") else \
-            params.get(prefix + ".routed_experts.w13_weight")
-        ignore.append({"module": prefix, "engine_excluded": engine_excluded, "porter_listed": porter_listed,
-                       "engine_excluded_all_listed": bool(qc_all.is_layer_excluded(prefix)),
-                       "engine_dtype": str(weight.dtype) if weight is not None else None})
-    checked, bad_rows = row_checks(params, tensors, cfg)
-    report = {"engine": "vllm", "params": len(params), "loaded": len(loaded), "not_loaded": not_loaded,
-              "kv_scale_params": sorted(n for n in params if common.is_kv_scale(n)),
-              "sentinel_left": {n: c for n, c in sentinel.items() if c}, "ignore": ignore,
-              "rows_checked": checked, "rows_mismatched": bad_rows,
-              "fed_tensors": sum(1 for n in tensors if n.startswith(common.HF_PREFIX))}
-    report_path.write_text(json.dumps(report, indent=1))
+
+    def weight(prefix):
+        return params.get(prefix + ".routed_experts.w13_weight" if prefix.endswith("experts") else prefix + ".weight")
+    ignore = common.ignore_records(cfg, ENGINE_NAMES, lambda p: bool(qc.is_layer_excluded(p)),
+                                   lambda p: bool(qc_all.is_layer_excluded(p)), weight)
+    head = {"engine": "vllm", "params": len(params), "loaded": len(loaded), "not_loaded": not_loaded}
+    common.write_report(report_path, head, params, sentinel, tensors, ignore, row_checks(params, tensors, cfg))
 
 
 if __name__ == "__main__":

@@ -25,8 +25,6 @@ import torch.nn.functional as F
 
 from runtime.fused import use_triton
 
-NEG = -1.0e30  # finite "minus infinity": an empty slice merges with weight exp(NEG - m) = 0
-
 
 def key_slots(pos: torch.Tensor, kv_len: int, blocks: Optional[torch.Tensor], block: int, nkv: int):
     """-> (slots [B, nkv, n] int64 to read, ok [B, nkv, n] bool): the key list of every (row, kv head)."""
@@ -87,7 +85,8 @@ def _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, sc
         nb = blocks.shape[-1]
         n_keys, blk = nb * block, blocks.contiguous()
     splits = num_splits(n_keys, B * nkv, block_n)
-    tiles_per_split = -(-(-(-n_keys // block_n)) // splits)
+    tiles = -(-n_keys // block_n)
+    tiles_per_split = -(-tiles // splits)
     o = torch.empty((B, nkv, splits, gp, d), dtype=torch.float32, device=q.device)
     ml = torch.empty((2, B, nkv, splits, gp), dtype=torch.float32, device=q.device)
     qc = q.contiguous()

@@ -28,7 +28,7 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, blk_ptr, o_ptr, m_ptr, l_ptr,
     dcol = tl.arange(0, D)
     q = tl.load(q_ptr + b * sq_b + (h * G + rows)[:, None] * D + dcol[None, :],
                 mask=(rows < G)[:, None], other=0.0)  # [GP, D]
-    m_i = tl.full([GP], -1.0e30, tl.float32)
+    m_i = tl.full([GP], -1.0e30, tl.float32)  # finite "minus infinity": an empty slice merges with weight 0
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     t0 = sp * tiles_per_split

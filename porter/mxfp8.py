@@ -310,7 +310,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     if scale.shape[-1] * BLOCK != k or scale.shape[:-1] != q.shape[:-1]:
         raise MXFP8Error(f"scale shape {tuple(scale.shape)} does not match values {tuple(q.shape)} "
                          f"(expected [..., {k // BLOCK}])")
-    vals = q.view(torch.float8_e4m3fn).float().reshape(*scale.shape, BLOCK)  # [..., K/32, 32]
+    vals = e4m3_to_float(q.view(torch.float8_e4m3fn)).reshape(*scale.shape, BLOCK)  # [..., K/32, 32]
     return (vals * scale_multipliers(scale).unsqueeze(-1)).reshape(q.shape).to(dtype)
 
 

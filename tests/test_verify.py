@@ -20,7 +20,7 @@ from click.testing import CliRunner
 import porter
 from porter.cli import main
 from porter.verification import DEFAULT_PROMPT, Thresholds, verify
-from verify_tamper import (copy_artifact, edit_config, flip_byte, rewrite_tensor, shift_scales,
+from verify_tamper import (copy_artifact, edit_config, flip_byte, nudge_e4m3, rewrite_tensor, shift_scales,
                            swap_gate_up, zero_scales)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,14 +133,7 @@ def test_scales_shifted_resealed_caught_by_bytes_and_numerics(artifact, tmp_path
 def test_one_element_off_by_one_ulp_named_to_the_block(artifact, tmp_path):
     """Invisible to the statistics (weight error moves by ~1e-4), caught as exactly one 32-block."""
     art = tampered(artifact, tmp_path)
-
-    def nudge(q):
-        q = q.clone()
-        raw = q.view(torch.uint8)
-        b = int(raw[EXPERT, 70, 37])
-        raw[EXPERT, 70, 37] = b ^ 0x01 if (b ^ 0x01) & 0x7F != 0x7F else b ^ 0x02  # one e4m3 ulp (never NaN)
-        return q
-    rewrite_tensor(art, W13, nudge)
+    rewrite_tensor(art, W13, nudge_e4m3(EXPERT, 70, 37))  # one e4m3 ulp (never NaN)
     res = verify(art, max_new_tokens=0)
     ex, = [f for f in res.failures if f.check == "exact"]
     assert not res.passed and ex.tensor == W13 and ex.expert == EXPERT and ex.value == 1

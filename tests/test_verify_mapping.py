@@ -200,7 +200,7 @@ def test_layouts_and_scopes_rederive_exactly(tmp_path, layout, gate_up, quantize
 def test_hf_artifact_layout_rederives_exactly(tiny_vendor, tmp_path):
     """`porter convert --layout hf`: one 2-D tensor per expert under the vendor names; each is re-derived
     from the source and the reference model is built from the same table."""
-    from verify_tamper import rewrite_tensor
+    from verify_tamper import nudge_e4m3, rewrite_tensor
     porter.convert(tiny_vendor, tmp_path / "art", layout="hf", progress=False)
     rep = verify(tmp_path / "art", max_new_tokens=2).report
     assert rep.passed, rep.summary
@@ -208,14 +208,7 @@ def test_hf_artifact_layout_rederives_exactly(tiny_vendor, tmp_path):
     one = f"language_model.model.layers.{LAYER}.block_sparse_moe.experts.3.w3.weight"
     assert one in names and rep.exact.unmapped_sources == []
     assert rep.layers[LAYER].kind == "sparse/moe" and rep.layers[LAYER].weight_error > 0.02
-
-    def nudge(q):
-        q = q.clone()
-        raw = q.view(torch.uint8)
-        b = int(raw[5, 40])
-        raw[5, 40] = b ^ 0x01 if (b ^ 0x01) & 0x7F != 0x7F else b ^ 0x02
-        return q
-    rewrite_tensor(tmp_path / "art", one, nudge)
+    rewrite_tensor(tmp_path / "art", one, nudge_e4m3(5, 40))
     res = verify(tmp_path / "art", max_new_tokens=0)
     f, = [f for f in res.failures if f.check == "exact"]
     assert f.tensor == one and f.layer == LAYER and "1 of 128 32-block(s) differ" in f.message

@@ -83,6 +83,17 @@ def shift_scales(delta: int, expert=None):
     return fn
 
 
+def nudge_e4m3(*index):
+    """One e4m3 value at `index` moved by one ulp (its lowest mantissa bit flipped; the next bit where that
+    would make the NaN pattern)."""
+    def fn(q):
+        q = q.clone()
+        raw = q.view(torch.uint8)
+        b = int(raw[index])
+        raw[index] = b ^ 0x01 if (b ^ 0x01) & 0x7F != 0x7F else b ^ 0x02
+        return q
+    return fn
+
 def zero_scales(expert: int):
     def fn(s):
         s = s.clone()

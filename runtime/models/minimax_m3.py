@@ -180,10 +180,10 @@ class LayerCache:
     idx_k: Optional[torch.Tensor] = None  # [B, S_max, di] (sparse layers: the indexer's key cache)
 
     @classmethod
-    def empty(cls, cfg: TextConfig, layer: int, batch: int, slots: int, dtype, device) -> "LayerCache":
+    def empty(cls, cfg: TextConfig, sparse: bool, batch: int, slots: int, dtype, device) -> "LayerCache":
+        """Zeroed k/v [B, nkv, slots, d]; sparse (an indexer layer): also the index keys [B, slots, di]."""
         kv = (batch, cfg.num_key_value_heads, slots, cfg.head_dim)
-        idx = (torch.zeros(batch, slots, cfg.index_head_dim, dtype=dtype, device=device)
-               if cfg.is_sparse_attention(layer) else None)
+        idx = torch.zeros(batch, slots, cfg.index_head_dim, dtype=dtype, device=device) if sparse else None
         return cls(torch.zeros(kv, dtype=dtype, device=device), torch.zeros(kv, dtype=dtype, device=device), idx)
 
     def put(self, name: str, new: torch.Tensor, step: Step) -> None:
@@ -303,9 +303,7 @@ class Attention:
         k = norm_rope(self.wk(x).view(B, T, nkv, d), self.k_norm, eps, cos, sin)
         v = self.wv(x).view(B, T, nkv, d)
         if cache is None and not step.fresh:  # padded batch without a cache: a scratch one
-            cache = LayerCache.empty(cfg, 0, B, step.kv_len, x.dtype, x.device)
-            if self.indexer is not None:
-                cache.idx_k = torch.zeros(B, step.kv_len, cfg.index_head_dim, dtype=x.dtype, device=x.device)
+            cache = LayerCache.empty(cfg, self.indexer is not None, B, step.kv_len, x.dtype, x.device)
         if cache is not None:
             cache.put("k", k, step)
             cache.put("v", v, step)
@@ -444,7 +442,8 @@ class MiniMaxM3:
         """Caches of max_len slots (rounded up to whole index blocks), each on its layer's device."""
         bs = self.cfg.index_block_size
         slots = -(-max_len // bs) * bs
-        layers = [LayerCache.empty(self.cfg, i, batch, slots, self.dtype, self.layer_devices[i])
+        layers = [LayerCache.empty(self.cfg, self.cfg.is_sparse_attention(i), batch, slots, self.dtype,
+                                   self.layer_devices[i])
                   for i in range(self.cfg.num_hidden_layers)]
         return KVCache(layers, torch.zeros(batch, dtype=torch.long, device=self.embed_tokens.device))
 

@@ -177,4 +177,4 @@ def _finish(rep: Report, failures: list[Failure], report, plot, t0) -> VerifyRes
     conclude(rep, failures)
     rep.seconds = round(time.time() - t0, 3)
     write_outputs(rep, report, plot)
-    return VerifyResult(rep.passed, rep, failures)
+    return VerifyResult(rep)

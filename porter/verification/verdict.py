@@ -198,9 +198,16 @@ class Report:
 
 @dataclass
 class VerifyResult:
-    passed: bool
+    """What verify() returns: the concluded report, with its verdict at hand."""
     report: Report
-    failures: list = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.report.passed
+
+    @property
+    def failures(self) -> list:  # [Failure]
+        return self.report.failures
 
     @property
     def failing_layer(self) -> Optional[int]:

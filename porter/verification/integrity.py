@@ -35,8 +35,9 @@ STRUCTURAL = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_h
 
 def check_integrity(art: Path, man: dict, ref_config=None, progress: bool = False) -> IntegrityResult:
     tensors, shards = man.get("tensors", {}), man.get("shards", {})
-    headers, issues = _check_shards(art, tensors, shards, progress)
-    issues += _check_headers(headers, tensors, shards)
+    by_shard = _by_shard(tensors)
+    headers, issues = _check_shards(art, tensors, shards, by_shard, progress)
+    issues += _check_headers(headers, tensors, shards, by_shard)
     issues += _check_index(art, tensors)
     issues += _check_scales(art, tensors, headers)
     issues += _check_config(art, man, ref_config)
@@ -50,9 +51,10 @@ def _by_shard(tensors: dict) -> dict:
     return out
 
 
-def _check_shards(art: Path, tensors: dict, shards: dict, progress: bool) -> tuple[dict, list[Failure]]:
+def _check_shards(art: Path, tensors: dict, shards: dict, by_shard: dict,
+                  progress: bool) -> tuple[dict, list[Failure]]:
     """Reads every header and hashes every shard; returns ({shard: header}, failures)."""
-    issues, headers, by_shard = [], {}, _by_shard(tensors)
+    issues, headers = [], {}
     bar = tqdm(total=sum(r.get("bytes", 0) for r in shards.values()), unit="B", unit_scale=True, desc="sha256",
                disable=not progress)
     for f, rec in shards.items():
@@ -84,8 +86,8 @@ def _locate_change(p: Path, f: str, header: dict, names: list, tensors: dict, sh
     return out
 
 
-def _check_headers(headers: dict, tensors: dict, shards: dict) -> list[Failure]:
-    out, by_shard = [], _by_shard(tensors)
+def _check_headers(headers: dict, tensors: dict, shards: dict, by_shard: dict) -> list[Failure]:
+    out = []
     for f, header in headers.items():
         for n in sorted(set(header) - set(by_shard.get(f, []))):
             out.append(Failure("integrity", f"tensor {n} in shard {f} is not in porter.json", tensor=n, shard=f))

@@ -171,7 +171,7 @@ def _compare_quantized(src, q, s, rounding, device, e, name, kept=None) -> UnitR
         res.scale_mismatched += int(scale_bad.sum())
         if n_bad and res.first is None:
             row, block = bad.nonzero()[0].tolist()
-            res.first = _position(e, r0 + row, src.shape, block)
+            res.first = _position(e, r0 + row, block)
         res.compared += sa.numel()
         res.mismatched += n_bad
         wf = w.float()
@@ -195,7 +195,7 @@ def _compare_carried(src: torch.Tensor, art: torch.Tensor, e) -> UnitResult:
     return res
 
 
-def _position(e, row: int, shape, block: int) -> str:
+def _position(e, row: int, block: int) -> str:
     lead = f"expert {e}, " if e is not None else ""
     return f"{lead}row {row}, block {block} (elements {block * mxfp8.BLOCK}..{block * mxfp8.BLOCK + mxfp8.BLOCK - 1})"
 

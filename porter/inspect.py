@@ -17,7 +17,7 @@ from converters import minimax_m3 as arch
 from porter import manifest as manifest_mod
 from porter import prequantized
 from porter.errors import PorterError
-from porter.safetensors_io import nbytes
+from porter.safetensors_io import ST_DTYPES, nbytes
 from porter.source import INDEX_NAME, read_header, weight_files
 
 WORST = 10
@@ -147,7 +147,6 @@ def _is_text_linear(module: str) -> bool:
 
 
 def _sizes(tensors: dict) -> dict:
-    from porter.safetensors_io import ST_DTYPES
     by_dtype: Counter = Counter()
     for dtype, shape, _ in tensors.values():
         by_dtype[dtype] += nbytes(ST_DTYPES[dtype], shape)

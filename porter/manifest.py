@@ -12,7 +12,8 @@ from pathlib import Path
 from porter import mxfp8
 from porter.errors import PorterError
 from porter.layout import ignored_layers
-from porter.safetensors_io import atomic_write_text
+from porter.pipeline import SHARD_METADATA
+from porter.safetensors_io import atomic_write_text, header_bytes
 from porter.version import __version__
 
 MANIFEST = "porter.json"
@@ -47,8 +48,8 @@ def quantization_config(plan) -> dict:
 
 
 def write(out: Path, plan, stats: dict, shard_sha: dict, before_rename=None) -> None:
-    """porter.json, atomically (temp file + rename; `before_rename` runs in between)."""
-    """plan: the conversion plan — `source`, `config` (resolved, with `to_dict()` and `provenance`),
+    """porter.json, atomically (temp file + rename; `before_rename` runs in between).
+    plan: the conversion plan — `source`, `config` (resolved, with `to_dict()` and `provenance`),
     `architecture_facts` ({"architecture": name, ...more top-level records}), `options`, `shards`."""
     src, cfg = plan.source, plan.config
     facts = dict(plan.architecture_facts)
@@ -78,8 +79,7 @@ def write(out: Path, plan, stats: dict, shard_sha: dict, before_rename=None) -> 
 
 
 def _header_len(entries) -> int:
-    from porter.safetensors_io import header_bytes
-    return len(header_bytes(entries, {"format": "pt"}))
+    return len(header_bytes(entries, SHARD_METADATA))  # the header the pipeline wrote
 
 
 def read(path: Path) -> dict:

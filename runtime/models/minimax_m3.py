@@ -322,7 +322,8 @@ class Attention:
         if top is None and step.fresh:
             out = F.scaled_dot_product_attention(q, keys, vals, is_causal=True, scale=d ** -0.5, enable_gqa=True)
         else:
-            mask = (torch.arange(S, device=x.device) <= step.pos[..., None])[:, None]  # [B, 1, T, S]
+            causal = lambda: (torch.arange(S, device=x.device) <= step.pos[..., None])[:, None]  # [B, 1, T, S]
+            mask = step.memo(("causal", S), causal)  # made once per forward, shared by the layers
             if top is not None:
                 mask = mask & keep_mask(top, S, cfg.index_block_size)  # [B, ni, T, S]
             out = gqa_attention(q, keys, vals, mask, d ** -0.5)  # [B, nq, T, d]

@@ -16,7 +16,9 @@ from pathlib import Path
 import transformers  # noqa: F401  (import before the torchvision stub: transformers probes torchvision)
 
 import torch
-from safetensors import safe_open
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/: the harnesses run as scripts
+from tensor_checks import load_all, same_bytes  # noqa: E402,F401  (the harnesses use both through this module)
 
 HF_PREFIX = "language_model."
 # attention KV-cache scale buffers: defaults by design, no checkpoint tensor feeds them
@@ -58,16 +60,6 @@ def stub_torchvision() -> None:
         setattr(sys.modules[parent], child, sys.modules[name])
 
 
-def read_artifact(art: Path) -> dict:
-    """Every tensor of porter's artifact by name (tiny: read fully)."""
-    index = json.loads((art / "model.safetensors.index.json").read_text())["weight_map"]
-    out = {}
-    for f in sorted(set(index.values())):
-        with safe_open(str(art / f), "pt") as h:
-            out |= {k: h.get_tensor(k) for k in h.keys()}
-    return out
-
-
 def text_weights(tensors: dict) -> list:
     """(name without `language_model.`, tensor) for the text model, as the VL wrappers hand them on."""
     return [(n[len(HF_PREFIX):], t) for n, t in tensors.items() if n.startswith(HF_PREFIX)]
@@ -97,11 +89,6 @@ def sentinel_left(p: torch.Tensor) -> int:
     if t.dtype.is_floating_point:
         return int(torch.isnan(t).sum())
     return int((t == -1).sum())
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and \
-        torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def is_kv_scale(name: str) -> bool:

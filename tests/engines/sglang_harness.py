@@ -137,7 +137,7 @@ def row_checks(model, tensors: dict, cfg: dict) -> tuple[int, list]:
 
 def main(art: Path, report_path: Path, all_listed: list) -> None:
     cfg = json.loads((art / "config.json").read_text())
-    tensors = common.read_artifact(art)
+    tensors = common.load_all(art)
     init_dist(int(os.environ.get("PORTER_ENGINE_PORT", "29633")))
     qc = quant_config(cfg["quantization_config"])
     model = VL(hf_config(cfg), qc, prefix="")

@@ -151,7 +151,7 @@ def row_checks(params: dict, tensors: dict, cfg: dict) -> tuple[int, list]:
 
 def main(art: Path, report_path: Path, all_listed: list) -> None:
     cfg = json.loads((art / "config.json").read_text())
-    tensors = common.read_artifact(art)
+    tensors = common.load_all(art)
     vc, qc, lm = build(cfg, int(os.environ.get("PORTER_ENGINE_PORT", "29555")))
     model = Wrapper(lm)
     common.fill_sentinel(model)

@@ -132,7 +132,7 @@ def convert(source, output, *, revision: Optional[str] = None, quantize: Optiona
     max_memory = pipeline.default_max_memory() if max_memory is None else parse_size(max_memory, "--max-memory")
     src = open_source(source, revision, headers_only=dry_run)
     plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size, layout)
-    dev = _check_device(device)
+    dev = pipeline.resolve_device(device)  # an unknown device, or cuda without a GPU: PorterError (exit 2)
     out = Path(output)
     estimate = pipeline.memory_estimate(plan.tensors, src.stored_meta, workers, dev, max_memory)
     if dry_run:
@@ -163,14 +163,6 @@ def _check_workers(workers) -> int:
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ConvertError(f"--workers {workers!r}: give a positive number of worker threads")
     return workers
-
-
-def _check_device(device: str):
-    if device not in ("auto", "cpu", "cuda"):
-        raise ConvertError(f"--device {device!r}: use auto, cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConvertError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu (or auto)")
-    return pipeline.resolve_device(device)
 
 
 def describe_plan(plan: Plan, out: Path, estimate: dict) -> dict:

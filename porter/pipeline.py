@@ -401,6 +401,7 @@ class Pipeline:
         self.workers, self.device, self.on_shard_done, self.progress = workers, device, on_shard_done, progress
         self.places = places_of(plan.shards)
         self.entries_of = dict(plan.shards)
+        self.quantized_values = {t.name for t in plan.tensors if t.quantize}
         self.rounding = plan.options["scale_rounding"]
         self.reader = TensorReader(plan.source.spans)
         self.pin = device.type == "cuda"
@@ -455,8 +456,7 @@ class Pipeline:
     def _todo(self, f: str) -> int:
         """Events a shard waits for besides its file hash: each tensor's hash, each quantized tensor's
         error record."""
-        quantized_values = {t.name for t in self.plan.tensors if t.quantize}
-        return sum(1 + (e.name in quantized_values) for e in self.entries_of[f])
+        return sum(1 + (e.name in self.quantized_values) for e in self.entries_of[f])
 
     def _shard(self, f: str) -> ShardOut:
         with self.lock:

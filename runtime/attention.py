@@ -17,13 +17,12 @@ SDPA reference elsewhere (same key set, additive mask, no boolean-mask path).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from runtime.fused import use_triton
+from runtime.fused import next_pow2, use_triton
 
 
 def key_slots(pos: torch.Tensor, kv_len: int, blocks: Optional[torch.Tensor], block: int, nkv: int):
@@ -77,7 +76,7 @@ def _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, sc
     B, nq, d = q.shape
     nkv = k_cache.shape[1]
     g = nq // nkv
-    gp = max(16, 1 << math.ceil(math.log2(g)))  # tl.dot needs >= 16 rows
+    gp = max(16, next_pow2(g))  # tl.dot needs >= 16 rows
     block_n = 64
     if blocks is None:
         n_keys, nb, blk = kv_len, 0, pos  # blk unused (DENSE)
@@ -99,5 +98,5 @@ def _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, sc
         IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
     out = torch.empty((B, nq, d), dtype=q.dtype, device=q.device)  # query head h*g + i <- (kv head h, row i)
     combine_kernel[(B * nkv, g)](o, ml[0], ml[1], out, splits, GP=gp, G=g, D=d,
-                                 SP=max(2, 1 << (splits - 1).bit_length()), num_warps=4)
+                                 SP=max(2, next_pow2(splits)), num_warps=4)
     return out

@@ -24,7 +24,8 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and _have_triton()
 
 
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1): Triton block extents."""
     return 1 << (max(n, 1) - 1).bit_length()
 
 
@@ -34,7 +35,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     n = x.shape[-1]
     xc = x.contiguous()
     y = torch.empty_like(xc)
-    rms_norm_kernel[(xc.numel() // n,)](xc, w, y, n, eps, BLOCK=_pow2(n), num_warps=8 if n >= 4096 else 4)
+    rms_norm_kernel[(xc.numel() // n,)](xc, w, y, n, eps, BLOCK=next_pow2(n), num_warps=8 if n >= 4096 else 4)
     return y
 
 
@@ -46,7 +47,7 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, s
     xc = x.contiguous()
     y = torch.empty_like(xc)
     norm_rope_kernel[(B * T * n,)](xc, w, cos.contiguous(), sin.contiguous(), y, n, d, r, eps,
-                                   BLOCK=_pow2(d), num_warps=1 if d <= 128 else 4)
+                                   BLOCK=next_pow2(d), num_warps=1 if d <= 128 else 4)
     return y
 
 

@@ -31,12 +31,8 @@ def mxfp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> 
     M = x2.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     bm, bn, bk = 16, 32, 128
-    grid = (triton_cdiv(N, bn), triton_cdiv(M, bm))
+    grid = (-(-N // bn), -(-M // bm))
     mxfp8_linear_kernel[grid](x2, weight, scale, y, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0),
                               y.stride(0), BM=bm, BN=bn, BK=bk, IEEE=x.dtype == torch.float32,
                               num_warps=4, num_stages=4)
     return y.reshape(*x.shape[:-1], N)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

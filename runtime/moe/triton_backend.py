@@ -7,13 +7,13 @@ token alignment, launch-config choice and the TritonMoE class with TorchMoE's in
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from porter import mxfp8
+from runtime.fused import next_pow2
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, route
 
 log = logging.getLogger("porter.runtime")
@@ -337,13 +337,13 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     fused_out = nosort if fused_out is None else fused_out
     fused_out = fused_out and nosort and t <= FUSED_OUT_MAX_TOKENS
     if nosort:
-        cfg = replace(cfg, bm=max(16, triton_next_pow2(n)))
+        cfg = replace(cfg, bm=max(16, next_pow2(n)))
     cfg = fit_config(cfg, h, inter)
     pdl = {"launch_pdl": True} if _pdl_enabled(dev) else {}
     hidden = hidden.contiguous()
     topk_ids = topk_ids.contiguous()
     topk_w = topk_weights.reshape(-1).float().contiguous()  # [N]
-    ep = triton_next_pow2(e + 1)  # one spare histogram bin for padding lanes
+    ep = next_pow2(e + 1)  # one spare histogram bin for padding lanes
     if nosort:  # one (mostly masked) BM block per routed slot; block m's expert is topk_ids[m]
         nblk, maxp = n, cfg.bm
         sorted_ids, expert_ids, cursor = topk_ids, topk_ids, topk_ids
@@ -378,7 +378,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         K.prep_kernel[(t + int(in_kernel_align),)](
             hidden, xq, xq[-1], xscale, out, topk_ids, sorted_ids, expert_ids, cursor,
             t, h, n, e, nblk, hidden.stride(0),
-            DO_ALIGN=in_kernel_align, QUANT=quant_x, ZERO_OUT=zero_out, HP=triton_next_pow2(h),
+            DO_ALIGN=in_kernel_align, QUANT=quant_x, ZERO_OUT=zero_out, HP=next_pow2(h),
             BM=cfg.bm, EP=ep, C=64, CB=128, num_warps=8)
     wmode1 = 4 if fp8 else p.wmode1
     wmode2 = 4 if fp8 else p.wmode2
@@ -403,7 +403,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         aq = torch.empty((cfg.fp8, maxp, inter), dtype=torch.float8_e4m3fn, device=dev)
         ascale = torch.empty(maxp, dtype=torch.float32, device=dev)
         K.quant_rows_kernel[(maxp,)](act, aq, aq[-1], ascale, sorted_ids, n, inter,
-                                     QUANT=1 + cfg.fp8, DP=triton_next_pow2(inter), USE_PDL=bool(pdl),
+                                     QUANT=1 + cfg.fp8, DP=next_pow2(inter), USE_PDL=bool(pdl),
                                      num_warps=8, **pdl)
         act = aq
     else:
@@ -425,7 +425,7 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     from runtime.moe import triton_kernels as K
     n = topk_ids.numel()
     nblk = max_blocks(n, num_experts, block_m)
-    ep = triton_next_pow2(num_experts + 1)
+    ep = next_pow2(num_experts + 1)
     dev = topk_ids.device
     sorted_ids = torch.empty(nblk * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(nblk, dtype=torch.int32, device=dev)
@@ -435,10 +435,6 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
                         0, 1, n, num_experts, nblk, 1, DO_ALIGN=True, QUANT=0, ZERO_OUT=False, HP=16,
                         BM=block_m, EP=ep, C=64, CB=128, num_warps=8)
     return sorted_ids, expert_ids
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 class TritonMoE:

@@ -25,6 +25,16 @@ def prompt(n: int, batch: int = 2, seed: int = 7) -> torch.Tensor:
     return torch.randint(0, TINY_TEXT["vocab_size"], (batch, n), generator=g)
 
 
+def left_pad(prompts: list, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D prompts of different lengths as one left-padded batch: ids [B, T] and attention_mask [B, T]
+    (1 real token, 0 pad)."""
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):], mask[b, T - len(p):] = p, 1
+    return ids, mask
+
 def vendor_checkpoint(out_dir, seed=0, text_overrides=None):
     return build_tiny_checkpoint(out_dir, layout="vendor", seed=seed, text_overrides=text_overrides)
 

@@ -27,22 +27,13 @@ def _prompts():
     return [fx.prompt(n, batch=1, seed=30 + n)[0] for n in LENGTHS]
 
 
-def _left_pad(prompts, pad_id=0):
-    T = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(prompts), T, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, T - len(p):], mask[b, T - len(p):] = p, 1
-    return ids, mask
-
-
 def _excluded(model):
     return [l.attn.indexer.last_excluded for l in model.layers if l.attn.indexer is not None]
 
 
 def test_padded_logits_equal_each_prompt_alone(model):
     prompts = _prompts()
-    ids, mask = _left_pad(prompts)
+    ids, mask = fx.left_pad(prompts)
     T = ids.shape[1]
     alone, excluded = [], []
     for p in prompts:
@@ -67,7 +58,7 @@ def test_all_ones_mask_is_the_unpadded_call(model):
 
 def test_padded_generate_equals_each_prompt_alone(model):
     prompts = _prompts()
-    ids, mask = _left_pad(prompts)
+    ids, mask = fx.left_pad(prompts)
     n_new = 2 * fx.THRESHOLD + 3  # the 3-token row crosses into sparse decoding
     out = model.generate(ids, max_new_tokens=n_new, attention_mask=mask)
     assert out.shape == (len(prompts), ids.shape[1] + n_new)
@@ -79,7 +70,7 @@ def test_padded_generate_equals_each_prompt_alone(model):
 def test_padded_decode_steps_match_recomputation(model):
     """Cache + per-row positions over several steps == the whole padded sequence run again."""
     prompts = _prompts()
-    ids, mask = _left_pad(prompts)
+    ids, mask = fx.left_pad(prompts)
     cache = model.new_cache(len(prompts), ids.shape[1] + 12)
     logits = model(ids, cache, attention_mask=mask)
     seq, m = ids, mask

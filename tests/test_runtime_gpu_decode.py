@@ -29,13 +29,7 @@ def artifacts(tmp_path_factory):
 
 
 def _left_pad(lengths, seed=1):
-    T = max(lengths)
-    ids = torch.zeros(len(lengths), T, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, n in enumerate(lengths):
-        ids[b, T - n:] = fx.prompt(n, batch=1, seed=seed + b)[0]
-        mask[b, T - n:] = 1
-    return ids, mask
+    return fx.left_pad([fx.prompt(n, batch=1, seed=seed + b)[0] for b, n in enumerate(lengths)])
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

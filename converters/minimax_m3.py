@@ -37,7 +37,7 @@ import torch
 
 from porter import mxfp8
 from porter.errors import PorterError
-from porter.layout import OutTensor, layer_of
+from porter.layout import HF_LAYOUT_PREFIX as HF_PREFIX, OutTensor, layer_of
 
 ARCHITECTURE = "minimax_m3"
 MODEL_TYPES = ("minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3")
@@ -631,7 +631,6 @@ LAYOUTS = ("porter", "hf")
 # --quantize default per layout: the hf layout's groups (shared + routed experts) must share one format,
 # so it defaults to the vendor MXFP8 release's scope.
 DEFAULT_SCOPE = {"porter": "experts", "hf": "all"}
-HF_PREFIX = "language_model."
 HF_ARCHITECTURES = ["MiniMaxM3SparseForConditionalGeneration"]
 _TEXT_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o|index_q|index_k)_proj|mlp\.(gate|up|down)_proj"
                           r"|block_sparse_moe\.(gate|shared_experts\.(gate|up|down)_proj|experts\.\d+\.w[123]))\.weight$"

@@ -224,7 +224,13 @@ class Indexer:
         self.wq, self.wk = linear(get, p + "index_q_proj"), linear(get, p + "index_k_proj")
         self.q_norm, self.k_norm = get(p + "index_q_norm.weight"), get(p + "index_k_norm.weight")
         self.cfg, self.ni, self.di = cfg, cfg.index_n_heads, cfg.index_head_dim
-        self.last_excluded = 0  # visible (query, index head, block) triples the last call dropped
+        self._dropped: Optional[torch.Tensor] = None  # 0-dim count behind last_excluded, left on the device
+
+    @property
+    def last_excluded(self) -> int:
+        """Visible (query, index head, block) triples the last call dropped (diagnostics: read on demand, so
+        a decode step does not wait for the device once per sparse layer)."""
+        return 0 if self._dropped is None else int(self._dropped)
 
     def select(self, x, cos, sin, step: Step, cache: Optional[LayerCache]) -> Optional[torch.Tensor]:
         """-> top blocks [B, ni, T, topk] of each query (entry nblk = none left), or None = every visible
@@ -241,7 +247,7 @@ class Indexer:
         bs, topk = self.cfg.index_block_size, self.cfg.index_topk_blocks
         nblk = -(-S // bs)
         if not _capturing():
-            self.last_excluded = 0
+            self._dropped = None
         if nblk <= topk:  # every visible block fits in the budget: exactly dense attention
             return None
         pos = step.pos  # [B, T]
@@ -256,16 +262,16 @@ class Indexer:
         top_s, top_i = blocks.topk(topk, dim=-1)  # [B, ni, T, topk]
         top_i = top_i.masked_fill(top_s == float("-inf"), nblk)  # future/empty blocks -> "none"
         if not _capturing():
-            self.last_excluded = self._excluded(top_i, nblk, pos // bs + 1, step.valid)
+            self._dropped = self._excluded(top_i, nblk, pos // bs + 1, step.valid)
         return top_i
 
-    def _excluded(self, top_i, nblk, visible, valid) -> int:
-        """Visible blocks not selected, over index heads and real queries."""
+    def _excluded(self, top_i, nblk, visible, valid) -> torch.Tensor:
+        """Visible blocks not selected, over index heads and real queries (0-dim, on the device)."""
         chosen = (top_i < nblk).sum(-1)  # [B, ni, T] (selected blocks are always visible)
         dropped = visible[:, None, :] - chosen
         if valid is not None:
             dropped = dropped * valid[:, None, :]
-        return int(dropped.sum())
+        return dropped.sum()
 
     def _forced_blocks(self, q_block: torch.Tensor) -> Optional[torch.Tensor]:
         """[B, T] -> [B, T, f]: own block and the local_blocks-1 before it (clamped at 0), plus init

@@ -167,7 +167,9 @@ def unit_costs(t: OutTensor, device: torch.device) -> tuple[int, int]:
     src = _src_bytes(t)
     if not t.quantize:
         return src, src
-    if device.type == "cpu":  # chunk temporaries (fp32 copy, decoded copy, int32 codes, |error|) + the chunk's q
+    if device.type == "cpu":  # chunk temporaries + the chunk's q. 16 bytes/element bounds mxfp8's reference path
+        # (fp32 copy, decoded copy, int32 codes, |error|), which its tiled CPU path falls back to for rare inputs;
+        # the tiled path itself needs ~1 byte/element of per-block arrays plus ~1 MB of reused tile buffers
         chunk = min(src // t.dtype.itemsize, QUANT_CHUNK_ELEMS)
         return src + 4 * 4 * chunk, chunk + chunk // mxfp8.BLOCK
     return src, 0  # GPU: reads and results live in the worker's pinned slabs (memory_estimate counts them);

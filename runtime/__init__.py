@@ -41,7 +41,17 @@ def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str =
     {device: bytes | "70GiB"} or each GPU's free memory) or {"layers.N": device, ...}; overrides `device`.
     A model that does not fit is refused before any weight is read (PlacementError, one line).
     """
-    store = path if hasattr(path, "names") and hasattr(path, "get") else open_store(path)  # an opened store
+    opened = not (hasattr(path, "names") and hasattr(path, "get"))  # else: an opened store the caller keeps
+    store = open_store(path) if opened else path
+    try:
+        return _load(store, device, dtype, backend, lazy, device_map, max_memory)
+    except BaseException:
+        if opened:  # a refused load (PlacementError, BackendUnavailable, ...) leaves no shard handle open
+            store.close()
+        raise
+
+
+def _load(store, device, dtype, backend, lazy, device_map, max_memory):
     placement = None
     if device_map is not None:
         if lazy:

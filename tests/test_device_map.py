@@ -106,6 +106,29 @@ def test_refused_before_any_weight_is_read(artifact, monkeypatch):
         runtime.load(store, device_map="auto", max_memory={"cpu": 1000})
 
 
+def test_a_refused_load_closes_the_store_it_opened(artifact, monkeypatch):
+    """runtime.load(path) that refuses leaves no shard handle open; a store the caller passed stays open."""
+    _, art = artifact
+    opened = []
+
+    def open_tracked(path):
+        store = runtime.loader.open_store(path)
+        store.closed = 0
+        close = store.close
+        store.close = lambda: (setattr(store, "closed", store.closed + 1), close())
+        opened.append(store)
+        return store
+
+    monkeypatch.setattr(runtime, "open_store", open_tracked)
+    with pytest.raises(PlacementError, match="does not fit"):
+        runtime.load(art, device_map="auto", max_memory={"cpu": 1000})
+    assert [s.closed for s in opened] == [1]
+    caller_store = open_tracked(art)
+    with pytest.raises(PlacementError, match="does not fit"):
+        runtime.load(caller_store, device_map="auto", max_memory={"cpu": 1000})
+    assert caller_store.closed == 0
+
+
 def test_device_map_load_on_cpu_equals_plain_load(artifact):
     _, art = artifact
     ids = fx.prompt(fx.LONG, seed=2)

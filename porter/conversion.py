@@ -27,7 +27,7 @@ from porter import manifest, mxfp8, pipeline
 from porter.errors import PorterError
 from porter.layout import OutTensor, scale_name
 from porter.pipeline import fault_point
-from porter.safetensors_io import Entry, atomic_write_text, file_sha256
+from porter.safetensors_io import Entry, MalformedSafetensors, atomic_write_text, digest_rule, file_digests
 from porter.source import INDEX_NAME, Source, open_source
 from porter.version import __version__
 
@@ -110,7 +110,8 @@ def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding
 def fingerprint(plan: Plan) -> str:
     """Identifies a conversion: porter version, options, source identity and the full output plan."""
     src = plan.source
-    ident = {"porter": __version__, "options": plan.options, "commit": src.commit,
+    ident = {"porter": __version__, "format_version": manifest.FORMAT_VERSION, "digest": digest_rule(),
+             "options": plan.options, "commit": src.commit,
              "source_files": [(f.name, f.stat().st_size if f.exists() else None) for f in src.shard_files],
              "shards": [(f, [(e.name, str(e.dtype), e.shape) for e in es]) for f, es in plan.shards]}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
@@ -261,21 +262,20 @@ def _write_journal(out: Path, journal: dict) -> None:
 
 
 def _verified_done(out: Path, journal: dict, workers: int) -> dict:
-    """The journaled shards whose bytes still hash to what the journal says (re-hashed in parallel: a shard
-    torn by a power loss, or edited, is rewritten)."""
+    """The journaled shards whose bytes still hash to the digest the journal says (chunks re-hashed on every
+    worker: a shard torn by a power loss, or edited, is rewritten)."""
     from concurrent.futures import ThreadPoolExecutor
-    shards = journal.get("shards", {})
-
-    def intact(f: str) -> bool:
-        return (out / f).is_file() and file_sha256(out / f) == shards[f]["sha256"]
-    with ThreadPoolExecutor(max(1, min(workers, len(shards) or 1))) as pool:
-        ok = dict(zip(shards, pool.map(intact, shards)))
-    done = {}
-    for f, rec in shards.items():
-        if ok[f]:
-            done[f] = rec
-        else:
-            log.warning("resume: %s is missing or changed; it will be rewritten", f)
+    shards, done = journal.get("shards", {}), {}
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for f, rec in shards.items():
+            try:
+                intact = file_digests(out / f, pool).digest == rec.get("digest")
+            except (OSError, MalformedSafetensors):
+                intact = False
+            if intact:
+                done[f] = rec
+            else:
+                log.warning("resume: %s is missing or changed; it will be rewritten", f)
     log.info("resume: %d shard(s) already complete and verified", len(done))
     return done
 
@@ -334,8 +334,9 @@ def _finish(plan: Plan, out: Path, stats: dict) -> None:
     secs = pipeline.sync_files([out / f for f, _ in plan.shards], pipeline.available_cores())
     log.debug("fsync of %d shard(s): %.2f s", len(plan.shards), secs)
     _write_final(out / "config.json", json.dumps(cfg, indent=2))
-    shard_sha = {f: rec["sha256"] for f, rec in _read_journal(out)["shards"].items()}
-    manifest.write(out, plan, stats, shard_sha, before_rename=lambda: fault_point(f"tmp:{manifest.MANIFEST}"))
+    shard_digests = {f: {k: rec[k] for k in ("header_sha256", "digest")}
+                     for f, rec in _read_journal(out)["shards"].items()}
+    manifest.write(out, plan, stats, shard_digests, before_rename=lambda: fault_point(f"tmp:{manifest.MANIFEST}"))
     fault_point(f"wrote:{manifest.MANIFEST}")
     weight_map = {e.name: stats[e.name]["shard"] for _, es in plan.shards for e in es}
     index = {"metadata": {"total_size": plan.output_bytes, "format": "porter",

@@ -13,12 +13,12 @@ from porter import mxfp8
 from porter.errors import PorterError
 from porter.layout import ignored_layers
 from porter.pipeline import SHARD_METADATA
-from porter.safetensors_io import atomic_write_text, header_bytes
+from porter.safetensors_io import atomic_write_text, digest_rule, header_bytes
 from porter.version import __version__
 
 MANIFEST = "porter.json"
 FORMAT = "porter-mxfp8"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: chunked digests (porter.safetensors_io.digest_rule); 1 had whole-file sha256s
 
 
 class ManifestError(PorterError, ValueError):
@@ -47,8 +47,9 @@ def quantization_config(plan) -> dict:
     }
 
 
-def write(out: Path, plan, stats: dict, shard_sha: dict, before_rename=None) -> None:
+def write(out: Path, plan, stats: dict, shard_digests: dict, before_rename=None) -> None:
     """porter.json, atomically (temp file + rename; `before_rename` runs in between).
+    shard_digests: {file: {"header_sha256", "digest"}} (porter.safetensors_io.digest_rule).
     plan: the conversion plan — `source`, `config` (resolved, with `to_dict()` and `provenance`),
     `architecture_facts` ({"architecture": name, ...more top-level records}), `options`, `shards`."""
     src, cfg = plan.source, plan.config
@@ -71,8 +72,9 @@ def write(out: Path, plan, stats: dict, shard_sha: dict, before_rename=None) -> 
                    "scale_rounding": plan.options["scale_rounding"],
                    "scale_rule": ("smallest e with amax <= 448*2^e" if plan.options["scale_rounding"] == "rceil"
                                   else "floor(log2 amax) - 8 (OCP; clips)")},
+        "digest": digest_rule(),
         "shards": {f: {"tensors": len(es), "bytes": sum(e.nbytes for e in es) + _header_len(es),
-                       "sha256": shard_sha[f]} for f, es in plan.shards},
+                       **shard_digests[f]} for f, es in plan.shards},
         "tensors": stats,
     }
     atomic_write_text(out / MANIFEST, json.dumps(doc, indent=1), before_rename=before_rename)

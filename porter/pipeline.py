@@ -2,13 +2,14 @@
 
 Work is cut into units in plan order: one expert of a stacked expert tensor, a byte range of a tensor
 carried verbatim, or one whole plain tensor. The plan fixes every shard's header, so every output byte
-has a known place: a worker writes its results with pwrite as soon as they exist, in any order. Only the
-hashes are sequential: each shard's sha256 and each tensor's sha256 take their bytes from a reorder
-buffer, hashed by whichever worker completes the next range (hashlib, pread/pwrite and torch ops all
-release the GIL, so threads scale). A unit takes its working set plus its output bytes from the budget
-before it starts; output bytes go back once both hashes have consumed them, so memory stays flat with
-model size. Bytes, hashes and error statistics do not depend on the worker count or on timing: units
-are fixed by the plan and statistics are summed in plan order.
+has a known place: a worker writes its results with pwrite as soon as they exist, in any order. Digests
+are chunked (porter.safetensors_io.digest_rule): each 16 MiB chunk of a tensor's data is hashed by the
+worker whose write completes it, from the bytes it holds when its write covers the chunk, else read back
+from the page cache; a tensor's digest and a shard's follow from those without another pass (hashlib,
+pread/pwrite and torch ops all release the GIL, so threads scale). A unit takes its working set plus its
+output bytes from the budget before it starts; output bytes go back once written, so memory stays flat
+with model size. Bytes, digests and error statistics do not depend on the worker count or on timing:
+units are fixed by the plan and statistics are summed in plan order.
 
 Generic over `porter.layout.OutTensor` lists: nothing here knows an architecture.
 """
@@ -29,8 +30,9 @@ import torch
 from porter import mxfp8
 from porter.errors import PorterError
 from porter.layout import OutTensor, scale_name
-from porter.safetensors_io import (Entry, TensorReader, dtype_name, header_bytes, pread_into, pwrite_all,
-                                    tensor_bytes)
+from porter import safetensors_io
+from porter.safetensors_io import (Entry, TensorReader, chunk_spans, dtype_name, header_bytes, pwrite_all,
+                                   read_chunk_sha256, shard_digest, tensor_bytes, tensor_digest)
 
 log = logging.getLogger("porter")
 
@@ -215,7 +217,7 @@ def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.devic
              else unit_costs(t, device) for t in tensors]  # a copied range is both read and output buffer
     unit = max((w + o for w, o in costs), default=0)
     scales = sum(sorted(scale_array_bytes(t) for t in tensors)[-2:])
-    readback = workers * READBACK_BYTES  # each worker may hash, reading written bytes back
+    readback = workers * safetensors_io.DIGEST_CHUNK_BYTES  # each worker may read a chunk back to hash it
     if device.type == "cuda":  # every worker keeps its pinned slabs for the whole run
         src = max((_src_bytes(t) for t in tensors if t.quantize or verbatim_source(t, meta) is None), default=0)
         out = max((_out_bytes(t) for t in tensors if t.quantize), default=0)
@@ -292,61 +294,51 @@ class Budget:
             self.cond.notify_all()
 
 
-_READBACK = threading.local()  # per thread: a reusable buffer for hashing bytes read back
-READBACK_BYTES = 16 << 20
+class TensorDigest:
+    """The chunked digest of one tensor's data (bytes [start, start + length) of a shard file written out
+    of order). Writers report each range they wrote; each chunk is hashed once all its bytes are in, by the
+    writer that completed it: from the bytes it wrote when they cover the chunk, else read back from the
+    page cache. Chunks of one tensor are hashed on many threads at once."""
 
-
-class OrderedHash:
-    """sha256 of bytes [start, start + length) of a file written out of order. Writers report finished
-    ranges; whichever thread reports the range at the frontier hashes forward, reading the bytes back from
-    the page cache. So no output buffer waits in memory for its turn, and the hashes of different tensors
-    and shards run in parallel on different threads (each one alone is sequential by nature)."""
-
-    def __init__(self, fd: int, path: Path, start: int, length: int, on_done: Callable[[str], None]):
-        self.fd, self.path = fd, path
-        self.sha, self.next, self.end, self.on_done = hashlib.sha256(), start, start + length, on_done
-        self.ready: dict = {}  # offset -> length of written ranges not hashed yet
+    def __init__(self, fd: int, path: Path, start: int, length: int, chunk_bytes: int,
+                 on_done: Callable[[str], None]):
+        self.fd, self.path, self.start, self.chunk, self.on_done = fd, path, start, chunk_bytes, on_done
+        self.spans = chunk_spans(length, chunk_bytes)
+        self.left = [n for _, n in self.spans]  # bytes of each chunk not written yet
+        self.digests: list = [None] * len(self.spans)
+        self.todo = len(self.spans)
         self.lock = threading.Lock()
-        self.busy = False
-        if length == 0:
-            on_done(self.sha.hexdigest())
+        if not self.spans:
+            on_done(tensor_digest([]))
 
-    def add(self, offset: int, length: int) -> None:
-        if length == 0:  # nothing to hash; a 0-byte range would shadow the next range at the same offset
+    def add(self, offset: int, data: memoryview) -> None:
+        """`data` was written at `offset` (relative to the tensor's start)."""
+        if not len(data):  # nothing written; a 0-byte range completes nothing
             return
+        end, complete = offset + len(data), []
         with self.lock:
-            self.ready[offset] = length
-            if self.busy:
-                return
-            self.busy = True
-        while True:
+            for i in range(offset // self.chunk, (end - 1) // self.chunk + 1):
+                b, n = self.spans[i]
+                self.left[i] -= min(b + n, end) - max(b, offset)
+                if self.left[i] == 0:
+                    complete.append(i)
+        for i in complete:
+            b, n = self.spans[i]
+            if offset <= b and b + n <= end:  # this write holds the whole chunk
+                sha = hashlib.sha256(data[b - offset:b - offset + n]).digest()
+            else:
+                sha = read_chunk_sha256(self.fd, self.start + b, n, self.path)
             with self.lock:
-                n = self.ready.pop(self.next, None)
-                if n is None:
-                    self.busy = False
-                    return
-                begin = self.next
-                self.next += n
-                finished = self.next == self.end
-            self._hash(begin, n)
-            if finished:
-                self.on_done(self.sha.hexdigest())
-
-    def _hash(self, begin: int, n: int) -> None:
-        buf = getattr(_READBACK, "buf", None)
-        if buf is None:
-            buf = _READBACK.buf = memoryview(bytearray(READBACK_BYTES))
-        while n > 0:
-            k = min(n, len(buf))
-            pread_into(self.fd, buf[:k], begin, self.path)
-            self.sha.update(buf[:k])  # releases the GIL
-            begin += k
-            n -= k
+                self.digests[i] = sha
+                self.todo -= 1
+                last = self.todo == 0
+            if last:
+                self.on_done(tensor_digest(self.digests))
 
 
 class ShardOut:
-    """One output shard: `.partial` written with pwrite, renamed after its hash, every tensor's hash and
-    every error record are in (`todo` counts those events)."""
+    """One output shard: `.partial` written with pwrite, renamed once every tensor's digest and every error
+    record is in (`todo` counts those events)."""
 
     def __init__(self, path: Path, entries: list, todo: int, on_closed: Callable):
         self.path, self.entries, self.on_closed = path, entries, on_closed
@@ -356,15 +348,9 @@ class ShardOut:
         self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self.fd, size)
         self.lock = threading.Lock()
-        self.todo = todo + 1  # + the file hash
-        self.sha256 = None
-        self.file_hash = OrderedHash(self.fd, self.partial, 0, size, self._hashed)
+        self.todo = todo
+        self.header_sha256 = hashlib.sha256(header).hexdigest()
         pwrite_all(self.fd, memoryview(header), 0)
-        self.file_hash.add(0, len(header))
-
-    def _hashed(self, sha: str) -> None:
-        self.sha256 = sha
-        self.event()
 
     def event(self) -> None:
         with self.lock:
@@ -409,7 +395,8 @@ class Pipeline:
         self.pin = device.type == "cuda"
         self.lock = threading.RLock()  # re-entered when a zero-byte tensor's hash completes at creation
         self.shards: dict = {}
-        self.tensor_hash: dict = {}
+        self.tensor_digest: dict = {}
+        self.chunk_bytes = safetensors_io.DIGEST_CHUNK_BYTES
         self.jobs: dict = {}
         self.error: Optional[tuple] = None
         self.estimate = memory_estimate(plan.tensors, plan.source.stored_meta, workers, device, max_memory)
@@ -456,8 +443,7 @@ class Pipeline:
 
     # -- shard bookkeeping
     def _todo(self, f: str) -> int:
-        """Events a shard waits for besides its file hash: each tensor's hash, each quantized tensor's
-        error record."""
+        """Events a shard waits for: each tensor's digest, each quantized tensor's error record."""
         return sum(1 + (e.name in self.quantized_values) for e in self.entries_of[f])
 
     def _shard(self, f: str) -> ShardOut:
@@ -467,20 +453,23 @@ class Pipeline:
                 s = self.shards[f] = ShardOut(self.out / f, self.entries_of[f], self._todo(f), self._closed)
                 for e in self.entries_of[f]:
                     p = self.places[e.name]
-                    self.tensor_hash[e.name] = OrderedHash(
-                        s.fd, s.partial, p.offset, p.nbytes, lambda sha, e=e, s=s: self._tensor_hashed(s, e, sha))
+                    self.tensor_digest[e.name] = TensorDigest(
+                        s.fd, s.partial, p.offset, p.nbytes, self.chunk_bytes,
+                        lambda d, e=e, s=s: self._tensor_hashed(s, e, d))
             return s
 
-    def _tensor_hashed(self, shard: ShardOut, e: Entry, sha: str) -> None:
+    def _tensor_hashed(self, shard: ShardOut, e: Entry, digest: str) -> None:
         with self.lock:
             self.stats.setdefault(e.name, {}).update(shard=self.places[e.name].shard, dtype=dtype_name(e.dtype),
-                                                     shape=list(e.shape), sha256=sha)
+                                                     shape=list(e.shape), digest=digest)
         shard.event()
 
     def _closed(self, shard: ShardOut) -> None:
         f = shard.path.name
         with self.lock:
-            record = {"sha256": shard.sha256, "tensors": {e.name: dict(self.stats[e.name]) for e in shard.entries}}
+            tensors = {e.name: dict(self.stats[e.name]) for e in shard.entries}
+            record = {"header_sha256": shard.header_sha256, "tensors": tensors,
+                      "digest": shard_digest(shard.header_sha256, [tensors[e.name]["digest"] for e in shard.entries])}
             self.on_shard_done(f, record)
 
     def _record_error(self, t: OutTensor, record: dict) -> None:
@@ -493,8 +482,8 @@ class Pipeline:
         shard.event()
 
     def deposit(self, name: str, offset: int, value: torch.Tensor, unit_cost: list) -> None:
-        """Write value's bytes at `offset` within tensor `name`; both hashes read them back when their turn
-        comes, so value can be dropped (or its buffer reused) as soon as this returns."""
+        """Write value's bytes at `offset` within tensor `name` and hash the digest chunks this completes
+        (from these bytes, or read back), so value can be dropped (or its buffer reused) once this returns."""
         place = self.places[name]
         if place.shard in self.done:
             return
@@ -504,8 +493,7 @@ class Pipeline:
         shard = self._shard(place.shard)
         pwrite_all(shard.fd, data, place.offset + offset)
         start_writeback(shard.fd, place.offset + offset, len(data))
-        self.tensor_hash[name].add(place.offset + offset, len(data))
-        shard.file_hash.add(place.offset + offset, len(data))
+        self.tensor_digest[name].add(offset, data)
 
     # -- units
     def run(self, units: list) -> None:

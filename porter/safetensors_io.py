@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -221,7 +223,7 @@ def file_sha256(path: Path) -> str:
 
 
 def range_sha256(path: Path, offset: int, length: int, chunk: int = 1 << 24) -> str:
-    """sha256 of `length` bytes of a file from `offset` (a tensor's data: porter.source.tensor_span)."""
+    """sha256 of `length` bytes of a file from `offset`."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         f.seek(offset)
@@ -229,3 +231,75 @@ def range_sha256(path: Path, offset: int, length: int, chunk: int = 1 << 24) -> 
             h.update(block)
             length -= len(block)
     return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------
+# chunked digests (docs/artifact-format.md, "Digests"): every chunk of a tensor's data is hashed on its own,
+# so a shard of any size is hashed by all cores at once, by the converter and by `porter verify` alike.
+
+DIGEST_CHUNK_BYTES = 16 << 20  # what porter writes; a reader follows the chunk_bytes a manifest records
+
+
+def digest_rule() -> dict:
+    """The digest rule, as porter.json records it."""
+    return {"algorithm": "sha256-chunked", "chunk_bytes": DIGEST_CHUNK_BYTES,
+            "tensor": "sha256 of the concatenated 32-byte sha256 digests of its data bytes' chunks "
+                      "[i*chunk_bytes, (i+1)*chunk_bytes), the last one shorter; a 0-byte tensor has no chunks",
+            "shard": "sha256 of the 32-byte sha256 of its header bytes [0, 8 + header length) followed by each "
+                     "tensor's 32-byte digest in the order the header lists them"}
+
+
+def chunk_spans(length: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """(begin, length) of each digest chunk of `length` data bytes."""
+    return [(b, min(chunk_bytes, length - b)) for b in range(0, length, chunk_bytes)]
+
+
+def tensor_digest(chunk_digests: list) -> str:
+    """A tensor's digest (hex) from its chunks' 32-byte sha256 digests, in order."""
+    return hashlib.sha256(b"".join(chunk_digests)).hexdigest()
+
+
+def shard_digest(header_sha256: str, tensor_digests: list) -> str:
+    """A shard's digest (hex) from its header's sha256 and its tensors' digests (hex) in header order."""
+    return hashlib.sha256(bytes.fromhex(header_sha256) + b"".join(bytes.fromhex(d) for d in tensor_digests)).hexdigest()
+
+
+_CHUNK_BUF = threading.local()  # per thread: a reusable buffer for reading a chunk
+
+
+def read_chunk_sha256(fd: int, offset: int, length: int, path) -> bytes:
+    """sha256 (32 bytes) of `length` bytes of an open file from `offset`, read into this thread's buffer."""
+    buf = getattr(_CHUNK_BUF, "buf", None)
+    if buf is None or len(buf) < length:
+        buf = _CHUNK_BUF.buf = memoryview(bytearray(max(length, DIGEST_CHUNK_BYTES)))
+    pread_into(fd, buf[:length], offset, path)
+    return hashlib.sha256(buf[:length]).digest()  # releases the GIL
+
+
+@dataclass
+class FileDigests:
+    header_sha256: str
+    tensors: dict  # name -> digest (hex)
+    digest: str  # the shard's
+
+
+def file_digests(path: Path, pool, chunk_bytes: Optional[int] = None) -> FileDigests:
+    """The digests of a safetensors file (validated by parse_header), its chunks hashed on `pool`'s threads
+    (a concurrent.futures executor). chunk_bytes: the manifest's (default: what porter writes now).
+    Raises MalformedSafetensors for a file that is not one."""
+    path, chunk_bytes = Path(path), chunk_bytes or DIGEST_CHUNK_BYTES
+    start, header = parse_header(path)
+    fd, jobs = os.open(path, os.O_RDONLY), {}
+    try:
+        head = bytearray(start)
+        pread_into(fd, memoryview(head), 0, path)
+        names = list(header)  # header order (json keeps it): the order of the shard digest
+        for n in names:
+            at, size = start + header[n]["data_offsets"][0], nbytes(ST_DTYPES[header[n]["dtype"]], header[n]["shape"])
+            jobs[n] = [pool.submit(read_chunk_sha256, fd, at + b, k, path) for b, k in chunk_spans(size, chunk_bytes)]
+        tensors = {n: tensor_digest([f.result() for f in fs]) for n, fs in jobs.items()}
+    finally:  # nothing may read fd after it is closed
+        futures.wait([f for fs in jobs.values() for f in fs if not f.cancel()])
+        os.close(fd)
+    head_sha = hashlib.sha256(head).hexdigest()
+    return FileDigests(head_sha, tensors, shard_digest(head_sha, [tensors[n] for n in names]))

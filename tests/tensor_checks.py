@@ -39,3 +39,25 @@ def cuda_quantize_path_on_cpu(monkeypatch) -> None:
     def whole_on_device(self, w, name, keep=None):  # Pipeline._quantize's CUDA branch
         yield (0, *self._quantize_cuda(w, name, keep))
     monkeypatch.setattr(pp.Pipeline, "_quantize", whole_on_device)
+
+
+def chunked_sha256(data: bytes, chunk: int = 16 << 20) -> str:
+    """porter's tensor digest written out independently (docs/artifact-format.md, "Digests"): sha256 of the
+    concatenated sha256 digests of the data's chunks."""
+    import hashlib
+    return hashlib.sha256(b"".join(hashlib.sha256(data[i:i + chunk]).digest()
+                                   for i in range(0, len(data), chunk))).hexdigest()
+
+
+def shard_digests(path: Path, chunk: int = 16 << 20) -> tuple:
+    """(header sha256, {tensor: digest}, shard digest) of a safetensors file, by the same rule."""
+    import hashlib
+    import json
+    raw = Path(path).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__", None)
+    tensors = {k: chunked_sha256(raw[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]], chunk)
+               for k, v in header.items()}
+    head = hashlib.sha256(raw[:8 + n]).digest()
+    return head.hex(), tensors, hashlib.sha256(head + b"".join(bytes.fromhex(d) for d in tensors.values())).hexdigest()

@@ -1,6 +1,7 @@
 """porter convert end to end on tiny checkpoints built in code (docs/artifact-format.md)."""
 import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from porter.cli import main as cli
 from porter.layout import scale_name
 from porter.source import read_header
 from tiny_checkpoint import build_tiny_checkpoint
-from tensor_checks import cuda_quantize_path_on_cpu, load_all
+from tensor_checks import chunked_sha256, cuda_quantize_path_on_cpu, load_all, shard_digests
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +72,11 @@ def test_index_manifest_and_shards_consistent(converted):
     assert all(s.endswith(f"-of-{len(shards):05d}.safetensors") for s in shards)
     assert set(index["weight_map"]) == set(doc["tensors"])
     assert not list(converted.glob("*.partial")) and not (converted / ".porter-journal.json").exists()
+    assert doc["format_version"] == 2 and doc["digest"]["chunk_bytes"] == 16 << 20
     for f in shards:
         data = (converted / f).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == doc["shards"][f]["sha256"]
+        head, _, digest = shard_digests(converted / f)
+        assert (head, digest) == (doc["shards"][f]["header_sha256"], doc["shards"][f]["digest"])
         assert len(data) == doc["shards"][f]["bytes"]
         assert len(data) <= 300_000 or doc["shards"][f]["tensors"] == 1
         header = read_header(converted / f)
@@ -84,7 +87,7 @@ def test_index_manifest_and_shards_consistent(converted):
                 t = h.get_tensor(name)
                 assert list(t.shape) == rec["shape"] == header[name]["shape"]
                 assert str(t.dtype).replace("torch.", "") == rec["dtype"]
-                assert hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() == rec["sha256"]
+                assert chunked_sha256(t.contiguous().view(torch.uint8).numpy().tobytes()) == rec["digest"]
     w13 = doc["tensors"]["model.layers.2.block_sparse_moe.experts.w13_weight"]
     assert 0.005 < w13["rel_fro_error"] < 0.0625 and w13["max_abs_error"] > 0
     assert doc["swiglu"] == {"alpha": 1.702, "beta": 1.0, "limit": 7.0,
@@ -391,7 +394,7 @@ def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, quantize):
         assert (tmp_path / "cpu" / f).read_bytes() == (tmp_path / "cuda" / f).read_bytes(), f
     a, b = (json.loads((tmp_path / d / "porter.json").read_text())["tensors"] for d in ("cpu", "cuda"))
     for name, rec in a.items():  # error statistics: same math, other summation order on the GPU
-        assert rec["sha256"] == b[name]["sha256"]
+        assert rec["digest"] == b[name]["digest"]
         if "rel_fro_error" in rec:
             assert rec["rel_fro_error"] == pytest.approx(b[name]["rel_fro_error"], rel=1e-6)
             assert rec["max_abs_error"] == b[name]["max_abs_error"]
@@ -413,4 +416,65 @@ def test_zero_byte_tensors_convert(tiny_vendor, tmp_path):
     got = load_all(tmp_path / "out")
     assert tuple(got["vision_tower.empty_a"].shape) == (0, 4) and got["vision_tower.empty_b"].numel() == 0
     doc = json.loads((tmp_path / "out" / "porter.json").read_text())
-    assert doc["tensors"]["vision_tower.empty_a"]["sha256"] == hashlib.sha256(b"").hexdigest()
+    assert doc["tensors"]["vision_tower.empty_a"]["digest"] == hashlib.sha256(b"").hexdigest()  # no chunks
+
+
+def test_chunked_digests_at_any_chunk_size_and_worker_count(tiny_vendor, tmp_path, monkeypatch):
+    """Digest chunks that straddle writes, experts and tensors, completed by any worker in any order: the
+    digests equal the rule written out independently (tensor_checks), with 1 or 3 workers alike, and
+    `porter verify`'s integrity step follows the chunk size porter.json records."""
+    from porter import safetensors_io
+    from porter.verification.integrity import check_integrity
+    monkeypatch.setattr(safetensors_io, "DIGEST_CHUNK_BYTES", 5000)  # divides no write, no tensor
+    docs = []
+    for workers in (1, 3):
+        out = tmp_path / f"w{workers}"
+        porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=workers)
+        doc = json.loads((out / "porter.json").read_text())
+        assert doc["digest"]["chunk_bytes"] == 5000
+        for f, rec in doc["shards"].items():
+            head, tensors, digest = shard_digests(out / f, 5000)
+            assert (head, digest) == (rec["header_sha256"], rec["digest"]), f
+            assert {n: doc["tensors"][n]["digest"] for n in tensors} == tensors
+        docs.append(doc)
+    assert any(math.prod(r["shape"]) > 10 * 5000 for r in docs[0]["tensors"].values()
+               if r["dtype"] == "float8_e4m3fn")  # a quantized tensor of more than 10 chunks
+    assert docs[0]["shards"] == docs[1]["shards"] and docs[0]["tensors"] == docs[1]["tensors"]
+    monkeypatch.undo()
+    man = json.loads((tmp_path / "w3" / "porter.json").read_text())
+    assert check_integrity(tmp_path / "w3", man).passed
+    assert not check_integrity(tmp_path / "w3", man | {"digest": man["digest"] | {"chunk_bytes": 4096}}).passed
+
+
+def test_verify_refuses_format_version_1_in_one_line(converted, tmp_path):
+    art = tmp_path / "old"
+    shutil.copytree(converted, art)
+    man = json.loads((art / "porter.json").read_text())
+    (art / "porter.json").write_text(json.dumps(man | {"format_version": 1}))
+    res = CliRunner().invoke(cli, ["verify", str(art), "--max-new-tokens", "0"])
+    assert res.exit_code == 2, res.output
+    assert "porter.json format_version 1" in res.output and "reconvert" in res.output
+    assert "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_verify_names_the_changed_tensor_and_the_changed_header(converted, tmp_path):
+    """Chunked digests still pinpoint: a flipped data byte names its tensor, a changed header byte the header."""
+    art = tmp_path / "art"
+    shutil.copytree(converted, art)
+    man = json.loads((art / "porter.json").read_text())
+    w13 = arch.experts_w13_name(2)
+    shard = art / man["tensors"][w13]["shard"]
+    raw = bytearray(shard.read_bytes())
+    info = read_header(shard)[w13]
+    n = int.from_bytes(raw[:8], "little")
+    raw[8 + n + info["data_offsets"][0] + 1000] ^= 1
+    at = raw.index(b'"format":"pt"')  # a header byte outside every entry: only the header sha256 sees it
+    raw[at + 10:at + 12] = b"PT"
+    shard.write_bytes(bytes(raw))
+    from porter.verification.integrity import check_integrity
+    res = check_integrity(art, man)
+    msgs = [f.message for f in res.issues]
+    assert not res.passed and len(msgs) == 2, msgs
+    assert msgs[0] == (f"tensor {w13} in shard {shard.name}: sha256 differs from porter.json "
+                       "(the data changed after conversion)")
+    assert msgs[1].startswith(f"shard {shard.name}: header sha256 ") and "(the header changed)" in msgs[1]

@@ -18,9 +18,8 @@ import porter
 from converters import minimax_m3 as arch
 from porter.cli import main
 from porter.source import read_header
-from porter.safetensors_io import file_sha256
 from porter.verification import verify
-from verify_tamper import copy_artifact
+from verify_tamper import copy_artifact, reseal_shard
 
 LAYER = 2
 W13 = f"model.layers.{LAYER}.block_sparse_moe.experts.w13_weight"
@@ -107,7 +106,7 @@ def artifact(tiny_vendor, tmp_path_factory):
 
 def rewrite_header(art, name: str, **changes) -> str:
     """Change a tensor's header entry (same byte length, so offsets stay valid) and re-seal the shard
-    sha256 in porter.json: the tensor data and its sha256 are untouched."""
+    digests in porter.json: the tensor data and its digest are untouched."""
     man = json.loads((art / "porter.json").read_text())
     shard = art / man["tensors"][name]["shard"]
     raw = shard.read_bytes()
@@ -117,7 +116,7 @@ def rewrite_header(art, name: str, **changes) -> str:
     new = json.dumps(header, separators=(",", ":")).encode()
     assert len(new) <= n
     shard.write_bytes(raw[:8] + new + b" " * (n - len(new)) + raw[8 + n:])
-    man["shards"][shard.name]["sha256"] = file_sha256(shard)
+    reseal_shard(man, shard)
     (art / "porter.json").write_text(json.dumps(man, indent=1))
     return shard.name
 

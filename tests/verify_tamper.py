@@ -1,9 +1,8 @@
 """Tampering helpers for the `porter verify` tests: rewrite one tensor of an artifact in place, and
-optionally re-seal porter.json (the tensor's and the shard's sha256) so that integrity passes and only
+optionally re-seal porter.json (the tensor's and the shard's digests) so that integrity passes and only
 the numerics (the comparison with the reference) can catch the change."""
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -11,8 +10,9 @@ from typing import Callable
 
 import torch
 
-from porter.safetensors_io import ST_DTYPES, file_sha256
+from porter.safetensors_io import ST_DTYPES
 from porter.source import read_header, tensor_span
+from tensor_checks import shard_digests
 
 
 def copy_artifact(src: Path, dst: Path) -> Path:
@@ -39,7 +39,7 @@ def read_tensor(art: Path, name: str) -> torch.Tensor:
 
 def rewrite_tensor(art: Path, name: str, fn: Callable[[torch.Tensor], torch.Tensor], reseal: bool = True) -> None:
     """Replace tensor `name` by fn(tensor) (same dtype and shape), bytes overwritten in place in its shard.
-    reseal=True also updates porter.json (tensor sha256 and shard sha256) so integrity still passes."""
+    reseal=True also updates porter.json (tensor and shard digests) so integrity still passes."""
     art = Path(art)
     man, shard, off, n, dtype, shape = _locate(art, name)
     new = fn(read_tensor(art, name)).contiguous()
@@ -50,9 +50,16 @@ def rewrite_tensor(art: Path, name: str, fn: Callable[[torch.Tensor], torch.Tens
         f.seek(off)
         f.write(data)
     if reseal:
-        man["tensors"][name]["sha256"] = hashlib.sha256(data).hexdigest()
-        man["shards"][shard.name]["sha256"] = file_sha256(shard)
+        reseal_shard(man, shard)
         (art / "porter.json").write_text(json.dumps(man, indent=1))
+
+
+def reseal_shard(man: dict, shard: Path) -> None:
+    """Record a changed shard's digests (header, every tensor, the shard) in porter.json's dict `man`."""
+    head, tensors, digest = shard_digests(shard, man["digest"]["chunk_bytes"])
+    man["shards"][shard.name].update(header_sha256=head, digest=digest)
+    for n, d in tensors.items():
+        man["tensors"][n]["digest"] = d
 
 
 def flip_byte(art: Path, name: str, index: int = 0) -> None:

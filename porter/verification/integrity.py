@@ -1,6 +1,7 @@
 """Step 1 of `porter verify`, no model run: the artifact is what porter.json says it is.
 
-Every shard's sha256 against porter.json (a mismatch is traced to the tensor by the per-tensor sha256);
+Every shard's digest against porter.json, chunks hashed on every core (a mismatch names the changed
+tensor, or the header; porter.safetensors_io.digest_rule);
 every shard header entry (dtype, shape) against porter.json and the index; scale tensors sane (uint8
 [..., K/32], no byte 255 = E8M0 NaN, no byte 0 on a block with non-zero values); config.json resolved
 field by field against porter.json's resolved_config; the reference's resolved config against it too.
@@ -11,16 +12,18 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from converters import minimax_m3 as arch
-from porter import mxfp8
+from porter import manifest, mxfp8
 from porter.errors import PorterError
-from porter.safetensors_io import DTYPE_NAMES, dtype_name, file_sha256, range_sha256
-from porter.source import read_header, tensor_span
+from porter.pipeline import available_cores
+from porter.safetensors_io import DTYPE_NAMES, dtype_name, file_digests
+from porter.source import read_header
 from porter.verification.verdict import Failure, IntegrityResult, VerifyInputError
 
 INDEX = "model.safetensors.index.json"
@@ -34,9 +37,10 @@ STRUCTURAL = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_h
 
 
 def check_integrity(art: Path, man: dict, ref_config=None, progress: bool = False) -> IntegrityResult:
+    chunk_bytes = _chunk_bytes(man)
     tensors, shards = man.get("tensors", {}), man.get("shards", {})
     by_shard = _by_shard(tensors)
-    headers, issues = _check_shards(art, tensors, shards, by_shard, progress)
+    headers, issues = _check_shards(art, tensors, shards, by_shard, chunk_bytes, progress)
     issues += _check_headers(headers, tensors, shards, by_shard)
     issues += _check_index(art, tensors)
     issues += _check_scales(art, tensors, headers)
@@ -51,38 +55,56 @@ def _by_shard(tensors: dict) -> dict:
     return out
 
 
-def _check_shards(art: Path, tensors: dict, shards: dict, by_shard: dict,
+def _chunk_bytes(man: dict) -> int:
+    """The digest chunk size porter.json records (a manifest of another format version is refused)."""
+    v = man.get("format_version")
+    if v != manifest.FORMAT_VERSION:
+        raise VerifyInputError(f"porter.json format_version {v!r}: this porter verifies version "
+                               f"{manifest.FORMAT_VERSION} (chunked digests); reconvert the artifact with it")
+    rule = man.get("digest")
+    n = rule.get("chunk_bytes") if isinstance(rule, dict) else None
+    if not isinstance(rule, dict) or rule.get("algorithm") != "sha256-chunked" or type(n) is not int or n <= 0:
+        raise VerifyInputError(f"porter.json digest {rule!r} is not sha256-chunked with a positive chunk_bytes; "
+                               "restore porter.json or reconvert")
+    return n
+
+
+def _check_shards(art: Path, tensors: dict, shards: dict, by_shard: dict, chunk_bytes: int,
                   progress: bool) -> tuple[dict, list[Failure]]:
-    """Reads every header and hashes every shard; returns ({shard: header}, failures)."""
+    """Reads every header and hashes every shard, chunks on every core; returns ({shard: header}, failures)."""
     issues, headers = [], {}
     bar = tqdm(total=sum(r.get("bytes", 0) for r in shards.values()), unit="B", unit_scale=True, desc="sha256",
                disable=not progress)
-    for f, rec in shards.items():
-        p = art / f
-        if not p.exists():
-            issues.append(Failure("integrity", f"shard {f} is missing (listed in porter.json)", shard=f))
-            continue
-        try:
-            headers[f] = read_header(p)
-        except PorterError as e:
-            issues.append(Failure("integrity", f"shard {f}: {e}", shard=f))
-            continue
-        sha = file_sha256(p)
-        bar.update(rec.get("bytes", 0))
-        if sha != rec.get("sha256"):
-            issues += _locate_change(p, f, headers[f], by_shard.get(f, []), tensors, sha, rec.get("sha256"))
+    with ThreadPoolExecutor(available_cores(), thread_name_prefix="porter-digest") as pool:
+        for f, rec in shards.items():
+            p = art / f
+            if not p.exists():
+                issues.append(Failure("integrity", f"shard {f} is missing (listed in porter.json)", shard=f))
+                continue
+            try:
+                headers[f] = read_header(p)
+                got = file_digests(p, pool, chunk_bytes)
+            except PorterError as e:
+                headers.pop(f, None)
+                issues.append(Failure("integrity", f"shard {f}: {e}", shard=f))
+                continue
+            bar.update(rec.get("bytes", 0))
+            if got.digest != rec.get("digest"):
+                issues += _locate_change(f, got, by_shard.get(f, []), tensors, rec)
     bar.close()
     return headers, issues
 
 
-def _locate_change(p: Path, f: str, header: dict, names: list, tensors: dict, sha: str, want) -> list[Failure]:
-    changed = [n for n in names if n in header
-               and range_sha256(p, *tensor_span(p, header[n])) != tensors[n].get("sha256")]
+def _locate_change(f: str, got, names: list, tensors: dict, rec: dict) -> list[Failure]:
+    changed = [n for n in names if n in got.tensors and got.tensors[n] != tensors[n].get("digest")]
     out = [Failure("integrity", f"tensor {n} in shard {f}: sha256 differs from porter.json "
                    "(the data changed after conversion)", tensor=n, shard=f) for n in changed]
-    if not changed:
-        out.append(Failure("integrity", f"shard {f}: sha256 {sha[:12]}… differs from porter.json "
-                           f"{str(want)[:12]}… (header or padding changed)", shard=f))
+    if got.header_sha256 != rec.get("header_sha256"):
+        out.append(Failure("integrity", f"shard {f}: header sha256 {got.header_sha256[:12]}… differs from "
+                           f"porter.json {str(rec.get('header_sha256'))[:12]}… (the header changed)", shard=f))
+    if not out:
+        out.append(Failure("integrity", f"shard {f}: digest {got.digest[:12]}… differs from porter.json "
+                           f"{str(rec.get('digest'))[:12]}…", shard=f))
     return out
 
 

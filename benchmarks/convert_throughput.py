@@ -1,23 +1,28 @@
 """Conversion throughput and memory at MiniMax-M3's real layer dims, CPU and GPU, against a plain copy.
 
 For each checkpoint size (synthetic vendor-layout MiniMax-M3 with H 6144, I 3072, 64 q / 4 kv heads of
-128, indexer 4x128, 8 experts per layer instead of 128; random bf16 weights), within one run and from a
-warm page cache:
+128, indexer 4x128, 8 experts per layer instead of 128; random bf16 weights), within one run, from a warm
+page cache and (--cache cold) from disk:
 
 - baseline: safetensors `load_file` + `save_file` of every shard (what any converter pays to read and
   write the bytes), the same plus fsync of every output (porter syncs its shards before writing the
   index), and a raw file copy (`shutil.copyfile`, the I/O floor);
 - `porter convert` on the CPU (`--workers` = every core, and 1 worker with torch's intra-op threads: what
   scales) and with `--device cuda` when there is a GPU;
-- for each: seconds, GB/s of source consumed, ratio to the safetensors copy, peak memory split into
-  anonymous and file-backed (RssAnon / RssFile sampled from /proc/self/status every 20 ms; VmHWM too),
-  and `--dry-run`'s memory estimate against the measured peak; the projected time for the real 795 GB
-  checkpoint at the measured rate.
+- for each: seconds, GB/s of source consumed, ratio to the same cache state's safetensors copy, peak
+  memory split into anonymous and file-backed (RssAnon / RssFile sampled from /proc/self/status every
+  20 ms; VmHWM too), `--dry-run`'s memory estimate against the measured peak, the seconds of the final
+  fsync inside the conversion, whether the output is byte-identical to the CPU conversion (same shard
+  digests), and the projected time for the real 795 GB checkpoint at the measured rate.
 
-    python benchmarks/convert_throughput.py [--sizes 2,8] [--devices cpu,cuda] [--repeats 1] [--out FILE]
+Cold: before each run the page cache is emptied (`echo 3 > /proc/sys/vm/drop_caches` as root; otherwise the
+source files' clean pages are evicted with posix_fadvise(DONTNEED), which leaves other files cached).
+
+    python benchmarks/convert_throughput.py [--sizes 2,8] [--devices cpu,cuda] [--cache warm,cold]
+                                            [--repeats 1] [--out FILE]
 
 Goals (docs: README "Speed"): convert <= 1.5x the safetensors copy on 16 and on 2 cores; >= 5 GB/s from
-page cache with --device cuda on an H200 machine.
+page cache with --device cuda on an H200 machine, and within 1.2x of a plain copy from disk.
 """
 from __future__ import annotations
 
@@ -39,7 +44,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 REAL_CHECKPOINT_GB = 795.0  # MiniMax-M3 BF16 release, safetensors bytes
 
 SAMPLER = """
-import threading, time
+import sys, threading, time
+BENCH_DIR = """ + repr(str(Path(__file__).resolve().parent)) + """
 PEAK = {"RssAnon": 0, "RssFile": 0, "VmHWM": 0}
 def _status():
     out = {}
@@ -54,6 +60,13 @@ def _sample():
             PEAK[k] = max(PEAK[k], v)
         time.sleep(0.02)
 threading.Thread(target=_sample, daemon=True).start()
+def prepare(src, cache):  # right before the timed part (after imports and the dry run): a cold cache
+    sys.path.insert(0, BENCH_DIR)
+    import convert_throughput as ct
+    if cache != "cold":
+        return {"cache": cache}
+    how = ct.evict(src)
+    return {"cache": cache, "evicted_by": how, "cached_before": ct.cached_fraction(src)}
 def report(secs, **extra):
     for k, v in _status().items():
         PEAK[k] = max(PEAK[k], v)
@@ -67,6 +80,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 src, out = Path(sys.argv[1]), Path(sys.argv[2])
 out.mkdir(parents=True, exist_ok=True)
+state = prepare(src, sys.argv[4])
 t0 = time.perf_counter()
 for f in sorted(src.glob("*.safetensors")):
     save_file(load_file(str(f)), str(out / f.name))
@@ -76,7 +90,7 @@ if sys.argv[3] == "fsync":  # durable, as porter convert is before it writes its
         fd = os.open(f, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-report(time.perf_counter() - t0)
+report(time.perf_counter() - t0, **state)
 """
 
 COPY_FILES = SAMPLER + """
@@ -84,21 +98,28 @@ import shutil, sys, time
 from pathlib import Path
 src, out = Path(sys.argv[1]), Path(sys.argv[2])
 out.mkdir(parents=True, exist_ok=True)
+state = prepare(src, sys.argv[3])
 t0 = time.perf_counter()
 for f in sorted(src.glob("*.safetensors")):
     shutil.copyfile(f, out / f.name)
-report(time.perf_counter() - t0)
+report(time.perf_counter() - t0, **state)
 """
 
 CONVERT = SAMPLER + """
 import sys, time
+from pathlib import Path
 sys.path.insert(0, ROOT_PATH)
 import porter
 workers = None if sys.argv[3] == "all" else int(sys.argv[3])
 dry = porter.convert(sys.argv[1], sys.argv[2], dry_run=True, workers=workers, device=sys.argv[4])
+state = prepare(Path(sys.argv[1]), sys.argv[5])
 t0 = time.perf_counter()
-porter.convert(sys.argv[1], sys.argv[2], progress=False, workers=workers, device=sys.argv[4])
-report(time.perf_counter() - t0, estimate=dry["peak_bytes_estimate"])
+done = porter.convert(sys.argv[1], sys.argv[2], progress=False, workers=workers, device=sys.argv[4])
+secs = time.perf_counter() - t0
+import json
+man = json.loads((Path(sys.argv[2]) / "porter.json").read_text())
+report(secs, estimate=dry["peak_bytes_estimate"], fsync_seconds=done["fsync_seconds"],
+       shard_digests={f: r["digest"] for f, r in man["shards"].items()}, **state)
 """
 
 
@@ -143,6 +164,46 @@ def build_checkpoint(out: Path, layers: int, experts: int) -> Path:
         tiny_checkpoint.torch = real
 
 
+def evict(path: Path) -> str:
+    """Empty the page cache for a cold run; returns how (drop_caches as root, else fadvise on the sources)."""
+    os.sync()
+    if os.geteuid() == 0:
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            return "drop_caches"
+        except OSError:
+            pass
+    for f in sorted(path.glob("*.safetensors")):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fadvise"
+
+
+def cached_fraction(path: Path) -> float:
+    """Fraction of the source files' pages in the page cache now (mincore), to show a cold run was cold."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    have = total = 0
+    for f in sorted(path.glob("*.safetensors")):
+        size = f.stat().st_size
+        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) as m:
+            n = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * n)()
+            anchor = ctypes.c_char.from_buffer(m)  # the mapping's address (private: nothing is written)
+            rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
+            del anchor
+            if rc:
+                raise OSError(ctypes.get_errno(), f"mincore {f}")
+            have += n - bytes(vec).count(0)
+            total += n
+    return have / total if total else 1.0
+
+
 def warm(path: Path) -> None:
     """Read the shards once so every run starts from the same warm page cache."""
     for f in sorted(path.glob("*.safetensors")):
@@ -164,40 +225,51 @@ def machine() -> dict:
 
 
 def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list, repeats: int, single: bool,
-               experts: int = 8) -> dict:
+               experts: int = 8, caches: tuple = ("warm",)) -> dict:
     layers = max(2, round(target_gb * layers_per_gb))
     t0 = time.time()
     src = build_checkpoint(tmp / f"src{target_gb}", layers, experts)
     build_s = time.time() - t0
     gb = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
     print(f"# {gb:.2f} GB checkpoint ({layers} layers) built in {build_s:.0f} s", flush=True)
-    warm(src)
     runs = []
     configs = [("copy-safetensors", None, None), ("copy-safetensors+fsync", None, None), ("copy-files", None, None)]
     configs += [("convert", "all", d) for d in devices]
     if single:
         configs.append(("convert", "1", "cpu"))
-    for r in range(repeats):
-        for kind, workers, device in configs:
-            out = tmp / f"out-{kind}-{workers}-{device}-{r}"
-            if kind.startswith("copy-safetensors"):
-                res = child(COPY_SAFETENSORS, src, out, "fsync" if kind.endswith("fsync") else "-")
-            elif kind == "copy-files":
-                res = child(COPY_FILES, src, out)
-            else:
-                res = child(CONVERT.replace("ROOT_PATH", repr(str(ROOT))), src, out, workers, device)
-            res |= {"kind": kind, "workers": workers, "device": device, "repeat": r, "gb_per_s": gb / res["seconds"]}
-            runs.append(res)
-            shutil.rmtree(out, ignore_errors=True)
-            print(json.dumps(res), flush=True)
-    base = min(x["seconds"] for x in runs if x["kind"] == "copy-safetensors")
-    base_sync = min(x["seconds"] for x in runs if x["kind"] == "copy-safetensors+fsync")
+    for cache in caches:
+        if cache == "warm":
+            warm(src)
+        for r in range(repeats):
+            for kind, workers, device in configs:
+                if cache == "cold" and (kind, workers) == ("convert", "1"):
+                    continue
+                out = tmp / f"out-{kind}-{workers}-{device}-{r}"
+                if kind.startswith("copy-safetensors"):
+                    res = child(COPY_SAFETENSORS, src, out, "fsync" if kind.endswith("fsync") else "-", cache)
+                elif kind == "copy-files":
+                    res = child(COPY_FILES, src, out, cache)
+                else:
+                    res = child(CONVERT.replace("ROOT_PATH", repr(str(ROOT))), src, out, workers, device, cache)
+                res |= {"kind": kind, "workers": workers, "device": device, "repeat": r,
+                        "gb_per_s": gb / res["seconds"]}
+                runs.append(res)
+                shutil.rmtree(out, ignore_errors=True)
+                print(json.dumps({k: v for k, v in res.items() if k != "shard_digests"}), flush=True)
     for x in runs:
+        same = [y for y in runs if y["cache"] == x["cache"]]
+        base = min(y["seconds"] for y in same if y["kind"] == "copy-safetensors")
+        base_sync = min(y["seconds"] for y in same if y["kind"] == "copy-safetensors+fsync")
+        base_files = min(y["seconds"] for y in same if y["kind"] == "copy-files")
         x["ratio_to_safetensors_copy"] = x["seconds"] / base
         x["ratio_to_safetensors_copy_fsync"] = x["seconds"] / base_sync
+        x["ratio_to_file_copy"] = x["seconds"] / base_files
         if "estimate" in x:
             x["estimate_over_measured_peak"] = x["estimate"] / x["vmhwm"]
             x["projected_795gb_minutes"] = REAL_CHECKPOINT_GB / x["gb_per_s"] / 60
+            x["gb_per_s_before_fsync"] = gb / (x["seconds"] - x["fsync_seconds"])
+            cpu = next((y for y in runs if y.get("device") == "cpu" and "shard_digests" in y), None)
+            x["same_bytes_as_cpu"] = None if cpu is None else x["shard_digests"] == cpu["shard_digests"]
     shutil.rmtree(src, ignore_errors=True)
     return {"source_gb": gb, "layers": layers, "experts_per_layer": experts, "build_seconds": build_s, "runs": runs}
 
@@ -210,12 +282,17 @@ def summary_lines(result: dict) -> list:
                      f"{s['experts_per_layer']} experts):")
         for x in s["runs"]:
             what = x["kind"] if x["kind"] != "convert" else f"convert {x['device']} workers={x['workers']}"
-            extra = (f", est/peak {x['estimate_over_measured_peak']:.2f}, 795 GB in "
-                     f"{x['projected_795gb_minutes']:.1f} min") if "estimate" in x else ""
-            lines.append(f"  {what:34s} {x['seconds']:7.2f} s {x['gb_per_s']:6.2f} GB/s "
+            what = f"{x['cache']:4s} {what}"
+            extra = (f", fsync {x['fsync_seconds']:.2f} s ({x['gb_per_s_before_fsync']:.2f} GB/s before it), "
+                     f"est/peak {x['estimate_over_measured_peak']:.2f}, same bytes as cpu {x['same_bytes_as_cpu']}, "
+                     f"795 GB in {x['projected_795gb_minutes']:.1f} min") if "estimate" in x else ""
+            if "cached_before" in x:
+                extra += f", {100 * x['cached_before']:.0f}% cached at start ({x['evicted_by']})"
+            lines.append(f"  {what:39s} {x['seconds']:7.2f} s {x['gb_per_s']:6.2f} GB/s "
                          f"x{x['ratio_to_safetensors_copy']:.2f} of copy (x{x['ratio_to_safetensors_copy_fsync']:.2f} "
-                         f"of copy+fsync); peak anon {x['rssanon'] / 1e9:.2f} GB "
-                         f"file {x['rssfile'] / 1e9:.2f} GB hwm {x['vmhwm'] / 1e9:.2f} GB{extra}")
+                         f"of copy+fsync, x{x['ratio_to_file_copy']:.2f} of file copy); peak anon "
+                         f"{x['rssanon'] / 1e9:.2f} GB file {x['rssfile'] / 1e9:.2f} GB hwm {x['vmhwm'] / 1e9:.2f} GB"
+                         f"{extra}")
     return lines
 
 
@@ -224,6 +301,7 @@ def main():
     ap.add_argument("--sizes", default="2,8", help="checkpoint sizes in GB (approximate)")
     ap.add_argument("--devices", default="cpu,cuda", help="convert devices to run (cuda skipped without a GPU)")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--cache", default="warm", help="page cache states to run: warm, cold or warm,cold")
     ap.add_argument("--no-single", action="store_true", help="skip the 1-worker (intra-op threads) CPU run")
     ap.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
     ap.add_argument("--layers-per-gb", type=float, default=0.85, help="real-dims layers per GB of checkpoint")
@@ -237,7 +315,7 @@ def main():
         for size in (float(s) for s in args.sizes.split(",")):
             result["sizes"].append(bench_size(Path(tmp), size, args.layers_per_gb, devices, args.repeats,
                                               not args.no_single and size == float(args.sizes.split(",")[0]),
-                                              args.experts))
+                                              args.experts, tuple(args.cache.split(","))))
     result["summary"] = summary_lines(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

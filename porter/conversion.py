@@ -146,9 +146,9 @@ def convert(source, output, *, revision: Optional[str] = None, quantize: Optiona
     if done is None:
         return {"output": str(out), "already_complete": True, "shards": len(plan.shards), "seconds": time.time() - t0}
     stats = _produce(plan, out, done, progress, workers, max_memory, dev)
-    _finish(plan, out, stats)
+    fsync_secs = _finish(plan, out, stats)
     secs = time.time() - t0
-    summary = {"output": str(out), "shards": len(plan.shards), "tensors": len(stats),
+    summary = {"output": str(out), "shards": len(plan.shards), "tensors": len(stats), "fsync_seconds": fsync_secs,
                "quantized": sum(1 for t in plan.tensors if t.quantize), "output_bytes": plan.output_bytes,
                "source_bytes": src.total_bytes, "seconds": secs, "workers": workers, "device": dev.type,
                "memory_estimate": estimate["total"]}
@@ -320,7 +320,9 @@ def _reuse_freed_memory() -> None:
         pass
 
 
-def _finish(plan: Plan, out: Path, stats: dict) -> None:
+def _finish(plan: Plan, out: Path, stats: dict) -> float:
+    """Copies the tokenizer files, syncs the shards, writes config.json, porter.json and the index (last).
+    Returns the seconds the shards' fsync took (what durability adds once the last byte is written)."""
     src = plan.source
     for name in COPY_FILES:
         if (src.path / name).exists():
@@ -343,6 +345,7 @@ def _finish(plan: Plan, out: Path, stats: dict) -> None:
                           "porter_fingerprint": fingerprint(plan)}, "weight_map": weight_map}
     _write_final(out / INDEX_NAME, json.dumps(index, indent=2))  # last: its presence means complete
     (out / JOURNAL).unlink(missing_ok=True)
+    return secs
 
 
 def _write_final(path: Path, text: str) -> None:

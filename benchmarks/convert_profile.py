@@ -1,0 +1,90 @@
+"""Where a conversion's CPU time goes: core-seconds per stage of `porter convert`, from a warm page cache.
+
+Wraps the pipeline's stage functions with per-thread CPU clocks (time.thread_time, so waiting is not
+counted): quantize (porter.mxfp8.quantize_with_error, CPU path), GPU quantize (Pipeline._quantize_cuda:
+host-side time of copies, kernels launched and waited for), source reads (TensorReader.read/read_bytes),
+pwrite, digests (TensorDigest.add: every sha256 of the output) and the part of them that reads written
+bytes back (read_chunk_sha256), early writeback (sync_file_range). Prints them with the process's user and
+system time, wall time and the final fsync. Checkpoint: the synthetic real-dims one of convert_throughput.py.
+
+    python benchmarks/convert_profile.py [--gb 2] [--experts 8] [--workers N] [--device cpu] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import resource
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def instrument() -> collections.Counter:
+    from porter import mxfp8, pipeline, safetensors_io
+    spent, lock = collections.Counter(), threading.Lock()
+
+    def wrap(owner, name, key):
+        real = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t = time.thread_time()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                with lock:
+                    spent[key] += time.thread_time() - t
+        setattr(owner, name, timed)
+    wrap(mxfp8, "quantize_with_error", "quantize (CPU path)")
+    wrap(pipeline.Pipeline, "_quantize_cuda", "quantize on the GPU (host side)")
+    wrap(safetensors_io.TensorReader, "read", "source reads (pread)")
+    wrap(safetensors_io.TensorReader, "read_bytes", "source reads (pread)")
+    wrap(pipeline, "pwrite_all", "pwrite")
+    wrap(pipeline.TensorDigest, "add", "digests (all sha256)")
+    wrap(pipeline, "read_chunk_sha256", "  of which read back + sha256")
+    wrap(pipeline, "start_writeback", "sync_file_range")
+    return spent
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gb", type=float, default=2.0)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tmp", default=str(ROOT / "benchmarks"))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import convert_throughput as ct
+    import porter
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        src = ct.build_checkpoint(Path(tmp) / "src", max(2, round(args.gb * 0.85)), args.experts)
+        gb = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
+        ct.warm(src)
+        spent = instrument()
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        done = porter.convert(src, Path(tmp) / "out", progress=False, workers=args.workers, device=args.device)
+        wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+        shutil.rmtree(Path(tmp) / "out", ignore_errors=True)
+    result = {"machine": ct.machine(), "source_gb": gb, "workers": done["workers"], "device": done["device"],
+              "wall_seconds": wall, "fsync_seconds": done["fsync_seconds"],
+              "user_seconds": r1.ru_utime - r0.ru_utime, "system_seconds": r1.ru_stime - r0.ru_stime,
+              "core_seconds": dict(spent.most_common())}
+    print(f"{gb:.2f} GB, {done['workers']} workers, {done['device']}: {wall:.2f} s ({gb / wall:.2f} GB/s; "
+          f"fsync {done['fsync_seconds']:.2f} s), user {result['user_seconds']:.2f} s, "
+          f"system {result['system_seconds']:.2f} s")
+    for k, v in spent.most_common():
+        print(f"  {k:34s} {v:7.2f} core-s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -251,6 +251,114 @@ def test_fused_output_last_arriver_is_race_free(t):
     assert worst < 1e-3, f"fused output differs from the unfused path: {worst:.2e}"
 
 
+SINGLE_VARIANTS = [(True, False), (False, False), (True, True)]  # (x cast in GEMM1's loop, L2 prefetch)
+
+
+def _single(p, x, ids, w, x_in_loop, prefetch, rsf=2.5):
+    return tb.fused_moe(p, x, ids, w, rsf, single=True, x_in_loop=x_in_loop, prefetch=prefetch)
+
+
+def _assert_sync_state_zero(device, h):
+    scratch, counts = tb._fused_out_scratch(device, h)
+    assert scratch.eq(0).all() and counts.eq(0).all()
+    assert tb._sync_scratch(device).eq(0).all(), "ticket / finish / ready counters not reset"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("t,k,e", [(1, 4, 16), (2, 4, 6), (4, 4, 8), (4, 4, 128), (16, 1, 8)])
+def test_single_launch_matches_torch_and_two_kernel_path(t, k, e):
+    """decode_moe_kernel (both GEMMs in one launch, ticket-ordered, GEMM2 tiles wait on per-block
+    ready counters) against torch and against the two-kernel NOSORT path; duplicate experts (e=6, 8)
+    are computed once. Three calls in a row reuse the counters each call's last program reset."""
+    h, i = 768, 384
+    quant = make_quant(e, h, i, "cuda")
+    routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
+    x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
+    ids, w = skewed_routing(t, e, k, "cuda", empty_experts=1)
+    ref = TorchMoE(quant, routing).forward_topk(x, ids, w)
+    p = tb.TritonMoE(quant, routing).prepared
+    two = tb.fused_moe(p, x, ids, w, 2.5, single=False)
+    for x_in_loop, prefetch in SINGLE_VARIANTS:
+        for _ in range(3):
+            poison_allocator()
+            out = _single(p, x, ids, w, x_in_loop, prefetch)
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all()
+            assert rel(out, ref) <= REL_TOL, f"x_in_loop={x_in_loop}: {rel(out, ref):.3e} vs torch"
+            assert rel(out, two) < 4e-3, f"x_in_loop={x_in_loop}: {rel(out, two):.3e} vs two-kernel path"
+            _assert_sync_state_zero(x.device, h)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("t", [1, 4])
+def test_single_launch_is_race_free(t):
+    """Every GEMM2 tile must see all of its block's GEMM1 act columns and the last arriver every
+    top-k add: 12 calls at MiniMax-like dims (1536 x 768, 32 experts, 3072 programs at T=4) each agree
+    with the two-kernel path (a stale act read or a missed add is ~1e-1, fp32 add order ~1e-6)."""
+    e, h, i, k = 32, 1536, 768, 4
+    quant = make_quant(e, h, i, "cuda")
+    routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
+    p = tb.TritonMoE(quant, routing).prepared
+    x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
+    ids = torch.rand(t, e, device="cuda").topk(k, dim=-1).indices
+    w = torch.rand(t, k, device="cuda") + 0.1
+    base = tb.fused_moe(p, x, ids, w, 2.5, nosort=False, fused_out=False, single=False)
+    for x_in_loop, prefetch in SINGLE_VARIANTS:
+        worst = max(rel(_single(p, x, ids, w, x_in_loop, prefetch), base) for _ in range(12))
+        assert worst < 1e-3, f"x_in_loop={x_in_loop} prefetch={prefetch}: {worst:.2e} vs two-kernel path"
+    _assert_sync_state_zero(x.device, h)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("x_scale", [3e5, 1e-4])
+def test_single_launch_activations_outside_fp16_range(x_scale):
+    """The per-K-step fp16 cast of x in GEMM1 (no prep kernel) keeps the range guard: 3e5 overflows
+    fp16 and 1e-4 is mostly fp16-subnormal unless each step is scaled by its power of two."""
+    e, h, i, k = 8, 512, 256, 4
+    quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"))
+    routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
+    x = (torch.randn(2, h, device="cuda") * x_scale).to(torch.bfloat16)
+    ids, w = skewed_routing(2, e, k, "cuda", empty_experts=1)
+    ref = TorchMoE(quant, routing).forward_topk(x, ids, w)
+    p = tb.TritonMoE(quant, routing).prepared
+    assert p.fp16_1 and p.fp16_2
+    out = _single(p, x, ids, w, True, False)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel(out, ref) <= REL_TOL, f"{rel(out, ref):.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+def test_single_launch_bf16_gemm_paths():
+    """decode_moe_kernel with GEMM1 in bf16 (scale bytes spread over 24 octaves: WMODE 3) and with
+    16-bit weights as stored (WMODE 0, the benchmark's bf16 twin) against torch."""
+    e, h, i, k, t = 8, 512, 256, 4, 2
+    gain = torch.ones(e, 2 * i, 1, device="cuda")
+    gain[:, ::2] = 2.0 ** 24
+    quant = make_quant(e, h, i, "cuda", weight_scale=0.03 * 2.0 ** -12, row_gain=gain)
+    routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
+    x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
+    ids, w = skewed_routing(t, e, k, "cuda", empty_experts=1)
+    ref = TorchMoE(quant, routing).forward_topk(x, ids, w)
+    p = tb.TritonMoE(quant, routing).prepared
+    assert p.wmode1 == 3
+    b13 = mxfp8.dequantize(quant.w13_weight, quant.w13_weight_scale, torch.bfloat16)
+    b2 = mxfp8.dequantize(quant.w2_weight, quant.w2_weight_scale, torch.bfloat16)
+    twin = tb.prepare(b13, None, b2, None, quant.gemm1_alpha, quant.gemm1_beta, quant.gemm1_clamp_limit)
+    assert twin.wmode1 == 0 and twin.wmode2 == 0
+    for prepared in (p, twin):
+        for x_in_loop, prefetch in SINGLE_VARIANTS:
+            poison_allocator()
+            out = _single(prepared, x, ids, w, x_in_loop, prefetch)
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all() and rel(out, ref) <= REL_TOL, f"{rel(out, ref):.3e}"
+            _assert_sync_state_zero(x.device, h)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
 @pytest.mark.parametrize("t", [1, 7, 200])

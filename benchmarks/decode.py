@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import porter  # noqa: E402
 import runtime  # noqa: E402
+import runtime.models.minimax_m3 as m3  # noqa: E402
 from runtime.models.minimax_m3 import MoE, DecodeGraph, Step  # noqa: E402
 from runtime.moe.contract import route  # noqa: E402
 from tiny_checkpoint import build_tiny_checkpoint, real_dims_overrides  # noqa: E402
@@ -139,7 +140,7 @@ def experts_touched(layer, h: torch.Tensor) -> int:
 
 
 @torch.inference_mode()
-def decode_case(model, batch: int, kv: int, bw: float) -> dict:
+def decode_case(model, batch: int, kv: int, bw: float, compare: bool = False) -> dict:
     cfg = model.cfg
     cache = filled_cache(model, batch, kv)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -158,9 +159,18 @@ def decode_case(model, batch: int, kv: int, bw: float) -> dict:
         touched = experts_touched(layer, h)
         b = attention_bytes(layer) + mlp_bytes(layer, touched) + cache_bytes(cfg, layer, batch, kv)
         floor = b / bw * 1e3
-        rows.append({"layer": i, "kind": "moe" if isinstance(layer.mlp, MoE) else "dense", "ms": ms,
-                     "eager_ms": eager, "bytes": b, "experts_touched": touched, "floor_ms": floor,
-                     "x_floor": ms / floor})
+        row = {"layer": i, "kind": "moe" if isinstance(layer.mlp, MoE) else "dense", "ms": ms,
+               "eager_ms": eager, "bytes": b, "experts_touched": touched, "floor_ms": floor, "x_floor": ms / floor}
+        if compare:  # the op-by-op decode step (PORTER_FUSED_DECODE=0) on the same inputs: time and output
+            fused_out = layer(h, step, lc)
+            m3.FUSED_DECODE = False
+            try:
+                row["op_by_op_ms"] = timed(lambda: layer(h, step, lc))
+                row["fused_vs_op_by_op_rel"] = float((fused_out.float() - layer(h, step, lc).float()).norm()
+                                                     / layer(h, step, lc).float().norm())
+            finally:
+                m3.FUSED_DECODE = True
+        rows.append(row)
     tok = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
     try:
         graph = DecodeGraph(model, cache)
@@ -179,25 +189,36 @@ def decode_case(model, batch: int, kv: int, bw: float) -> dict:
 
 
 @torch.inference_mode()
-def kernel_profile(model, layer_index: int, kv: int = 1024) -> dict:
-    """Kernels one eager decode step of a layer launches, and their summed device time (no gaps)."""
+def kernel_profile(model, layer_index: int, kv: int = 1024, replays: int = 10) -> dict:
+    """Kernels of one decode step of a layer as the CUDA graph replays it (batch 1): each kernel's mean
+    device time in launch order, their count and sum (no gaps), next to the replay's wall time."""
     from torch.profiler import ProfilerActivity, profile
     cache = filled_cache(model, 1, kv)
     h = torch.randn(1, 1, model.cfg.hidden_size, device="cuda", dtype=model.dtype)
     step = Step(cache.next_pos[:, None].clone(), None, cache.max_len, decode=True)
-    layer = model.layers[layer_index]
-    layer(h, step, cache.layers[layer_index])
+    layer, lc = model.layers[layer_index], cache.layers[layer_index]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(h, step, lc)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        layer(h, step, lc)
+    g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        layer(h, step, cache.layers[layer_index])
+        for _ in range(replays):
+            g.replay()
         torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    by_name: dict = {}
-    for e in events:
-        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time_total / 1e3
-    top = sorted(by_name.items(), key=lambda kv_: -kv_[1])[:12]
-    return {"layer": layer_index, "kernels": len(events), "busy_ms": sum(by_name.values()),
-            "top": [(n[:90], round(ms, 4)) for n, ms in top]}
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    per_step = len(events) // replays
+    kernels = []
+    for i in range(per_step):  # replay r's i-th kernel is events[r * per_step + i]
+        same = events[i::per_step]
+        kernels.append((same[0].name[:80], round(sum(e.device_time_total for e in same) / len(same), 2)))
+    return {"layer": layer_index, "kernels": per_step, "busy_ms": sum(us for _, us in kernels) / 1e3,
+            "list_us": kernels}
 
 
 @torch.inference_mode()
@@ -238,7 +259,9 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--scopes", default="experts,all", help="porter convert --quantize scopes to measure")
-    ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--prefill-tokens", type=int, default=4096, help="0: no prefill figure")
+    ap.add_argument("--cases", default=",".join(f"{b}x{kv}" for b, kv in CASES),
+                    help="BATCHxKV decode cases of the first scope (the others: batch 1 only)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     work = Path(args.workdir)
@@ -262,7 +285,8 @@ def main():
              f"{bw / 1e12:.2f} TB/s (floor = bytes / that). Synthetic checkpoint: {args.layers} layers "
              f"(layer 0 dense attention + dense MLP, the rest sparse attention + MoE), {args.experts} experts "
              "top-4, real layer dims. ms = CUDA-graph replay of one layer's decode step; eager = the same "
-             "step launched op by op.", ""]
+             "step launched op by op; op-by-op ms = CUDA-graph replay of the unfused decode step (PORTER_FUSED_DECODE=0: "
+             "one kernel per projection, norm, cache write, indexer and router op), batch 1 only.", ""]
     scopes = args.scopes.split(",")
     for scope in scopes:
         art = work / f"mxfp8-{scope}"
@@ -272,21 +296,25 @@ def main():
             log.info("converted (--quantize %s) in %.0f s", scope, time.time() - t)
         model = runtime.load(art, device="cuda", backend="auto")
         res = {"decode": [], "prefill": None}
-        lines += [f"## --quantize {scope}", "", "| batch | KV | layer | kind | ms | eager ms | MB read | floor ms "
-                  "| x floor |", "|---|---|---|---|---|---|---|---|---|"]
-        cases = CASES if scope == scopes[0] else CASES[:2]  # the other scopes: batch 1 only
+        lines += [f"## --quantize {scope}", "", "| batch | KV | layer | kind | ms | eager ms | op-by-op ms | MB read "
+                  "| floor ms | x floor |", "|---|---|---|---|---|---|---|---|---|---|"]
+        cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+        if scope != scopes[0]:
+            cases = [c for c in cases if c[0] == 1]  # the other scopes: batch 1 only
         for batch, kv in cases:
-            case = decode_case(model, batch, kv, bw)
+            case = decode_case(model, batch, kv, bw, compare=batch == 1 and m3.FUSED_DECODE)
             head = lm_head_ms(batch, model.cfg.hidden_size)
             case["lm_head_ms"] = head
             case["projection"] = project(case["layers"], head)
             res["decode"].append(case)
             for r in case["layers"]:
+                op = f"{r['op_by_op_ms']:.3f}" if "op_by_op_ms" in r else ""
                 lines.append(f"| {batch} | {kv} | {r['layer']} | {r['kind']} | {r['ms']:.3f} | {r['eager_ms']:.3f} | "
-                             f"{r['bytes'] / 1e6:.1f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} |")
+                             f"{op} | {r['bytes'] / 1e6:.1f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} |")
                 log.info("quantize=%s B=%d KV=%d layer %d (%s): %.3f ms (eager %.3f), %.1f MB, floor %.3f ms, "
-                         "%.2fx floor", scope, batch, kv, r["layer"], r["kind"], r["ms"], r["eager_ms"],
-                         r["bytes"] / 1e6, r["floor_ms"], r["x_floor"])
+                         "%.2fx floor; op-by-op %s ms, fused vs op-by-op rel %s", scope, batch, kv, r["layer"],
+                         r["kind"], r["ms"], r["eager_ms"], r["bytes"] / 1e6, r["floor_ms"], r["x_floor"],
+                         r.get("op_by_op_ms"), r.get("fused_vs_op_by_op_rel"))
             p = case["projection"]
             log.info("quantize=%s B=%d KV=%d: whole %d-layer step (DecodeGraph) %.3f ms; projected 60 layers + "
                      "lm_head %.2f ms -> %.1f tok/s per sequence (%.1f tok/s total)", scope, batch, kv,
@@ -307,10 +335,11 @@ def main():
                 log.warning("profile failed: %s", str(e).splitlines()[0])
                 break
             res.setdefault("profile", []).append(prof)
-            log.info("quantize=%s layer %d eager decode step: %d kernels, %.3f ms of kernel time; top: %s", scope, li,
-                     prof["kernels"], prof["busy_ms"], prof["top"])
-            lines.append(f"Layer {li}, batch 1, KV 1k, eager: {prof['kernels']} kernels, "
-                         f"{prof['busy_ms']:.3f} ms summed kernel time.")
+            log.info("quantize=%s layer %d decode step (graph replay, batch 1, KV 1k): %d kernels, %.3f ms of "
+                     "kernel time: %s", scope, li, prof["kernels"], prof["busy_ms"], prof["list_us"])
+            lines.append(f"Layer {li}, batch 1, KV 1k, CUDA-graph replay: {prof['kernels']} kernels, "
+                         f"{prof['busy_ms']:.3f} ms summed kernel time: " +
+                         ", ".join(f"{n} {us:.1f}" for n, us in prof["list_us"]) + " (us).")
         lines.append("")
         if args.prefill_tokens and scope == scopes[0]:
             pf = prefill(model, args.prefill_tokens)

@@ -1,4 +1,6 @@
-"""Fused elementwise steps of the decoder layer: Gemma RMSNorm, per-head norm + RoPE, SwiGLU-OAI.
+"""Fused elementwise steps of the decoder layer: Gemma RMSNorm, per-head norm + RoPE, SwiGLU-OAI, and
+the small steps of a decode token (T = 1 over a cache): the per-head norms + RoPE + cache writes of the
+fused q/k/v(/index) projection, the indexer's block scores + top-k, the router's top-k selection.
 
 On CUDA each runs as one Triton kernel (runtime/fused_triton.py); elsewhere `use_triton` is False and
 runtime/models/minimax_m3.py runs its torch reference. Same math: fp32 inside, the normed value rounded
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from typing import Optional
 
 import torch
 
@@ -20,7 +23,7 @@ def _have_triton() -> bool:
 
 def use_triton(x: torch.Tensor) -> bool:
     """Whether x's op runs a Triton kernel (CUDA tensor, triton installed; checked once per process):
-    the one test of the fused steps, runtime.attention's decode kernel and runtime.mxfp8_linear."""
+    the one test of the fused steps, runtime.attention's decode kernel and runtime.gemv."""
     return x.is_cuda and _have_triton()
 
 
@@ -64,3 +67,59 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, beta: float, limi
     swiglu_kernel[(-(-n // block),)](g2, u2, y, n, inter, g2.stride(0), u2.stride(0), float(alpha), float(beta),
                                      float(limit), BLOCK=block, num_warps=4)
     return y.view(gate.shape)
+
+
+def decode_qkv(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norms: tuple,
+               heads: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float,
+               idx_cache: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One decode token per row. qkv [B, nq*d + 2*nkv*d (+ ni*di + di)] (the fused projection), pos [B],
+    cos/sin [B, 1, r], norms (q, k[, index q, index k]) weights, heads (nq, nkv, d[, ni, di]) -> q [B, nq, d]
+    and index q [B, ni, di] (or None); k, v (and the index key) are written into the caches at slot pos[b]
+    (k/v_cache [B, nkv, S, d], idx_cache [B, S, di])."""
+    from runtime.fused_triton import decode_qkv_kernel
+    B = qkv.shape[0]
+    nq, nkv, d = heads[:3]
+    index = idx_cache is not None
+    ni, di = heads[3:] if index else (0, d)
+    r = cos.shape[-1]
+    q = torch.empty((B, nq, d), dtype=qkv.dtype, device=qkv.device)
+    iq = torch.empty((B, ni, di), dtype=qkv.dtype, device=qkv.device) if index else None
+    qn, kn = norms[:2]
+    iqn, ikn = norms[2:] if index else (qn, kn)
+    ic = idx_cache if index else k_cache
+    cos2, sin2 = cos.reshape(B, r), sin.reshape(B, r)
+    decode_qkv_kernel[(B, nq + 2 * nkv + (ni + 1 if index else 0))](
+        qkv, pos, cos2, sin2, qn, kn, iqn, ikn, q, k_cache, v_cache, iq if index else q, ic,
+        qkv.stride(0), cos2.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), ic.stride(0), ic.stride(1),
+        nq, nkv, ni, d, di, r, min(r, di), eps, INDEX=index, BLOCK=next_pow2(max(d, di)),
+        num_warps=1 if max(d, di) <= 128 else 4)
+    return q, iq
+
+
+def index_select(iq: torch.Tensor, idx_cache: torch.Tensor, pos: torch.Tensor, kv_len: int, block: int,
+                 topk: int, local_blocks: int, init_blocks: int) -> torch.Tensor:
+    """Decode indexer: iq [B, ni, di] against the cached index keys [B, S_max, di] over slots < kv_len ->
+    top blocks [B, ni, 1, topk] int64, best first (entry nblk = none left), as Indexer.select."""
+    from runtime.fused_triton import index_scores_kernel, index_topk_kernel
+    B, ni, di = iq.shape
+    nblk = -(-kv_len // block)
+    scores = torch.empty((B, ni, nblk), dtype=torch.float32, device=iq.device)
+    index_scores_kernel[(B, nblk)](iq.contiguous(), idx_cache, pos, scores, kv_len, nblk, idx_cache.stride(0),
+                                   idx_cache.stride(1), NI=ni, NIP=max(16, next_pow2(ni)), DI=di, KB=block,
+                                   KBP=max(16, next_pow2(block)), LOCAL=local_blocks, INIT=init_blocks,
+                                   IEEE=iq.dtype == torch.float32, num_warps=4)
+    top = torch.empty((B, ni, 1, topk), dtype=torch.int64, device=iq.device)
+    index_topk_kernel[(B * ni,)](scores, top, nblk, TOPK=topk, NBP=next_pow2(nblk), num_warps=4)
+    return top
+
+
+def router_select(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 router logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32), as
+    runtime.moe.contract.select_experts."""
+    from runtime.fused_triton import router_select_kernel
+    T, E = logits.shape
+    ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
+    w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
+    router_select_kernel[(T,)](logits.contiguous(), bias, ids, w, E, TOPK=top_k, EP=next_pow2(E), num_warps=4)
+    return ids, w

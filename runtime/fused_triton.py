@@ -59,3 +59,133 @@ def swiglu_kernel(g_ptr, u_ptr, y_ptr, N, I, sg, su, alpha, beta, limit, BLOCK: 
     u = tl.minimum(tl.maximum(u, -limit), limit)
     y = g * tl.sigmoid(alpha * g) * (u + beta)
     tl.store(y_ptr + idx, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _norm_rope_row(src, w_ptr, cos_row, sin_row, dst, D, R, eps, dt: tl.constexpr, BLOCK: tl.constexpr):
+    """norm_rope_kernel's math for one head vector: src [D] -> dst [D] (any pointers)."""
+    cols = tl.arange(0, BLOCK)
+    ok = cols < D
+    x = tl.load(src + cols, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+    half = R // 2
+    rot = cols < R
+    partner = tl.where(cols < half, cols + half, cols - half)
+    xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    y = (x * rstd * (1.0 + w)).to(dt).to(tl.float32)
+    yp = (xp * rstd * (1.0 + wp)).to(dt).to(tl.float32)
+    c = tl.load(cos_row + cols, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(sin_row + cols, mask=rot, other=0.0).to(tl.float32)
+    sign = tl.where(cols < half, -1.0, 1.0)
+    out = tl.where(rot, y * c + sign * yp * s, y)
+    tl.store(dst + cols, out.to(dt), mask=ok)
+
+
+@triton.jit
+def decode_qkv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, iqn_ptr, ikn_ptr,
+                      q_ptr, kc_ptr, vc_ptr, iq_ptr, ic_ptr,
+                      s_qkv, s_cs, skb, skh, sks, svb, svh, svs, sib, sis,
+                      NQ, NKV, NI, D, DI, R, RI, eps, INDEX: tl.constexpr, BLOCK: tl.constexpr):
+    """One decode token per row b, one head vector per program (b, slot) of the fused projection row
+    [q heads | k heads | v heads | (index q heads | index k)]: q -> qk-norm + RoPE -> q [B, NQ, D];
+    k -> qk-norm + RoPE -> k cache slot pos[b]; v -> v cache slot pos[b]; index q -> norm + RoPE ->
+    iq [B, NI, DI]; index k -> norm + RoPE -> index-key cache slot pos[b]. The unfused step runs the
+    same per-head math (norm_rope_kernel) and writes the cache by index_put."""
+    b = tl.program_id(0)
+    slot = tl.program_id(1)
+    dt = q_ptr.dtype.element_ty
+    p = tl.load(pos_ptr + b).to(tl.int64)
+    row = qkv_ptr + b * s_qkv
+    cos_row = cos_ptr + b * s_cs
+    sin_row = sin_ptr + b * s_cs
+    if slot < NQ:
+        _norm_rope_row(row + slot * D, qn_ptr, cos_row, sin_row, q_ptr + (b * NQ + slot) * D, D, R, eps, dt, BLOCK)
+    elif slot < NQ + NKV:
+        h = slot - NQ
+        _norm_rope_row(row + slot * D, kn_ptr, cos_row, sin_row, kc_ptr + b * skb + h * skh + p * sks, D, R, eps,
+                       dt, BLOCK)
+    elif slot < NQ + 2 * NKV:
+        h = slot - NQ - NKV
+        cols = tl.arange(0, BLOCK)
+        v = tl.load(row + slot * D + cols, mask=cols < D, other=0.0)
+        tl.store(vc_ptr + b * svb + h * svh + p * svs + cols, v.to(vc_ptr.dtype.element_ty), mask=cols < D)
+    else:
+        if INDEX:
+            base = row + (NQ + 2 * NKV) * D
+            i = slot - NQ - 2 * NKV
+            if i < NI:
+                _norm_rope_row(base + i * DI, iqn_ptr, cos_row, sin_row, iq_ptr + (b * NI + i) * DI, DI, RI, eps,
+                               dt, BLOCK)
+            else:
+                _norm_rope_row(base + NI * DI, ikn_ptr, cos_row, sin_row, ic_ptr + b * sib + p * sis, DI, RI, eps,
+                               dt, BLOCK)
+
+
+@triton.jit
+def index_scores_kernel(iq_ptr, ic_ptr, pos_ptr, out_ptr, S, NBLK, sib, sis,
+                        NI: tl.constexpr, NIP: tl.constexpr, DI: tl.constexpr, KB: tl.constexpr,
+                        KBP: tl.constexpr, LOCAL: tl.constexpr, INIT: tl.constexpr, IEEE: tl.constexpr):
+    """Block scores of one decode query per row: program (b, block j) -> out [B, NI, NBLK] fp32 =
+    max over the block's visible slots (slot < S, slot <= pos[b]) of iq[b, h] . index_key[slot]; -inf
+    when none is visible; +inf for the blocks every query keeps (its own block and the LOCAL-1 before
+    it, the first INIT blocks already started)."""
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    p = tl.load(pos_ptr + b)
+    hrow = tl.arange(0, NIP)
+    qb = p // KB
+    forced = (j <= qb) & ((j > qb - LOCAL) | (j < INIT))
+    if j * KB > p:
+        best = tl.full([NIP], float("-inf"), tl.float32)
+    else:
+        dcol = tl.arange(0, DI)
+        q = tl.load(iq_ptr + (b * NI + hrow)[:, None] * DI + dcol[None, :], mask=(hrow < NI)[:, None], other=0.0)
+        s_idx = j * KB + tl.arange(0, KBP)
+        ok = (tl.arange(0, KBP) < KB) & (s_idx < S) & (s_idx <= p)
+        k = tl.load(ic_ptr + b * sib + s_idx[:, None].to(tl.int64) * sis + dcol[None, :], mask=ok[:, None],
+                    other=0.0)  # [KBP, DI]
+        if IEEE:
+            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))  # bf16 products are exact in fp32
+        sc = tl.where(ok[None, :], sc, float("-inf"))
+        best = tl.max(sc, 1)  # [NIP]
+    best = tl.where(forced, float("inf"), best)
+    tl.store(out_ptr + (b * NI + hrow) * NBLK + j, best, mask=hrow < NI)
+
+
+@triton.jit
+def index_topk_kernel(scores_ptr, out_ptr, NBLK, TOPK: tl.constexpr, NBP: tl.constexpr):
+    """Program (b, index head): the TOPK best of NBLK block scores, best first; a pick whose score is
+    -inf (nothing visible left) is written as NBLK ("none"), as the unfused topk + masked_fill."""
+    pid = tl.program_id(0)
+    idx = tl.arange(0, NBP)
+    v = tl.load(scores_ptr + pid * NBLK + idx, mask=idx < NBLK, other=float("-inf"))
+    for t in tl.static_range(TOPK):
+        m = tl.max(v, 0)
+        i = tl.argmax(v, 0, tie_break_left=True)
+        tl.store(out_ptr + pid * TOPK + t, tl.where(m == float("-inf"), NBLK, i).to(tl.int64))
+        v = tl.where(idx == i, float("-inf"), v)
+
+
+@triton.jit
+def router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, TOPK: tl.constexpr, EP: tl.constexpr):
+    """MiniMax-M3 routing of one token from its fp32 router logits [E]: sigmoid scores, top-k of
+    score + bias (bias for selection only), weights = the selected scores renormalised to sum 1."""
+    t = tl.program_id(0)
+    e = tl.arange(0, EP)
+    ok = e < E
+    score = tl.sigmoid(tl.load(logits_ptr + t * E + e, mask=ok, other=0.0))
+    key = tl.where(ok, score + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
+    k = tl.arange(0, TOPK)
+    ids = tl.zeros([TOPK], tl.int64)
+    wts = tl.zeros([TOPK], tl.float32)
+    for i in tl.static_range(TOPK):
+        best = tl.argmax(key, 0, tie_break_left=True)
+        ids = tl.where(k == i, best, ids)
+        wts = tl.where(k == i, tl.sum(tl.where(e == best, score, 0.0), 0), wts)
+        key = tl.where(e == best, float("-inf"), key)
+    tl.store(ids_ptr + t * TOPK + k, ids)
+    tl.store(w_ptr + t * TOPK + k, wts / tl.sum(wts, 0))

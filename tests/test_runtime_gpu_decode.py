@@ -1,6 +1,7 @@
 """Decode on CUDA (run on the H200; skipped without a GPU): CUDA-graph decode equals eager decode, the
-Triton decode attention and MXFP8 linear against their references at MiniMax-M3's real dims, the GPU
-model against the CPU model step by step, and a device_map split over two GPUs against one GPU."""
+fused decode step equals the op-by-op one, the Triton decode attention, GEMV (bf16 / MXFP8, epilogues),
+q/k/v post-processing, indexer and router kernels against their torch references at MiniMax-M3's real
+dims, the GPU model against the CPU model step by step, and a device_map split over two GPUs against one GPU."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ import porter
 import runtime
 import runtime_fixtures as fx
 from porter import mxfp8
+from runtime import gemv
 from runtime.attention import decode_attention, decode_attention_reference
 from runtime.models.minimax_m3 import DecodeGraph
 from runtime.placement import store_sizes
@@ -88,18 +90,136 @@ def test_triton_decode_attention_at_real_dims(sparse):
     assert fx.rel(got.float(), want) <= 1e-2
 
 
-def test_mxfp8_linear_at_real_dims():
-    from runtime.mxfp8_linear import applies, mxfp8_linear
+@pytest.mark.parametrize("n,k", [(8192 + 3 * 512 + 128, 6144), (6144, 8192)])  # stacked q/k/v/index; o_proj
+def test_gemv_at_real_dims(n, k):
+    """runtime.gemv (bf16 and MXFP8 weights) against the torch matmul of the same values."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(8192, 6144, device="cuda", generator=g) / 6144 ** 0.5
+    w = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
     q, s = mxfp8.quantize(w)
+    wb = w.bfloat16()
+    for rows in (1, 8, 32, 64):
+        x = torch.randn(rows, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        assert gemv.applies(x, wb) and gemv.applies(x, q)
+        assert fx.rel(gemv.gemv(x, wb).float(), x.float() @ wb.float().t()) <= 1e-2
+        assert fx.rel(gemv.gemv(x, q, s).float(), x.float() @ mxfp8.dequantize(q, s).t()) <= 1e-2
+        assert fx.rel(gemv.gemv(x.float(), q, s), x.float() @ mxfp8.dequantize(q, s).t()) <= 1e-5
+        assert fx.rel(gemv.gemv(x.float(), wb), x.float() @ wb.float().t()) <= 1e-5
+
+
+def test_gemv_epilogues_equal_the_unfused_ops():
+    """SwiGLU and residual-add epilogues: bit-equal to the unfused kernels on the same GEMV output."""
+    from runtime import fused
+    g = torch.Generator(device="cuda").manual_seed(1)
+    H, inter = 6144, 3072
+    w13 = (torch.randn(2 * inter, H, device="cuda", generator=g) / H ** 0.5).bfloat16()  # [gate; up]
+    w2 = (torch.randn(H, inter, device="cuda", generator=g) / inter ** 0.5).bfloat16()
+    params = (1.702, 1.0, 7.0)
     for rows in (1, 8, 32):
-        x = torch.randn(rows, 6144, device="cuda", generator=g, dtype=torch.bfloat16)
-        assert applies(x, q)
-        want = x.float() @ mxfp8.dequantize(q, s).t()
-        assert fx.rel(mxfp8_linear(x, q, s).float(), want) <= 1e-2
-        want32 = x.float() @ mxfp8.dequantize(q, s).t()
-        assert fx.rel(mxfp8_linear(x.float(), q, s), want32) <= 1e-5
+        x = torch.randn(rows, H, device="cuda", generator=g, dtype=torch.bfloat16)
+        both = gemv.gemv(x, w13)  # [rows, 2I]
+        want = fused.swiglu(both[:, :inter], both[:, inter:], *params)
+        assert torch.equal(gemv.gemv(x, w13, swiglu=params), want)
+        act = want
+        a1 = torch.randn(rows, H, device="cuda", generator=g, dtype=torch.bfloat16)
+        a2 = torch.randn(rows, H, device="cuda", generator=g, dtype=torch.bfloat16)
+        y = gemv.gemv(act, w2)
+        assert torch.equal(gemv.gemv(act, w2, add=(a1,)), y + a1)
+        assert torch.equal(gemv.gemv(act, w2, add=(a1, a2)), (y + a1) + a2)
+
+
+def test_router_select_equals_select_experts():
+    from runtime import fused
+    from runtime.moe.contract import select_experts
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for T, E, k in ((1, 128, 4), (32, 128, 4), (5, 8, 2)):
+        logits = torch.randn(T, E, device="cuda", generator=g) * 3
+        bias = torch.randn(E, device="cuda", generator=g) * 0.1
+        ids, w = fused.router_select(logits, bias, k)
+        want_ids, want_w = select_experts(logits, bias, k)
+        assert torch.equal(ids, want_ids)  # both best first; random logits: no ties
+        assert torch.allclose(w, want_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_decode_qkv_equals_norm_rope_and_cache_writes(sparse):
+    """fused.decode_qkv == norm_rope on each head + LayerCache.put, at real dims (bit-equal in bf16)."""
+    from runtime import fused
+    from runtime.models.minimax_m3 import Rope, Step, norm_rope
+    g = torch.Generator(device="cuda").manual_seed(3)
+    B, nq, nkv, d, ni, di, S, r = 3, 64, 4, 128, 4, 128, 1024, 64
+    n = nq * d + 2 * nkv * d + (ni * di + di if sparse else 0)
+    qkv = torch.randn(B, n, device="cuda", generator=g, dtype=torch.bfloat16)
+    norms = [torch.randn(x, device="cuda", generator=g, dtype=torch.bfloat16) * 0.1 for x in (d, d, di, di)]
+    pos = torch.tensor([5, 700, 1023], device="cuda")
+    cos, sin = Rope(r, 5e6, "cuda")(pos[:, None], torch.bfloat16)  # [B, 1, r]
+    caches = [torch.zeros(B, nkv, S, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    idx = [torch.zeros(B, S, di, device="cuda", dtype=torch.bfloat16) for _ in range(2)] if sparse else [None, None]
+    q, iq = fused.decode_qkv(qkv, pos, cos, sin, norms if sparse else norms[:2],
+                             (nq, nkv, d, ni, di) if sparse else (nq, nkv, d), caches[0], caches[1], 1e-6, idx[0])
+    x = qkv[:, None]  # [B, 1, n]
+    want_q = norm_rope(x[..., : nq * d].reshape(B, 1, nq, d), norms[0], 1e-6, cos, sin)[:, 0]
+    want_k = norm_rope(x[..., nq * d: (nq + nkv) * d].reshape(B, 1, nkv, d), norms[1], 1e-6, cos, sin)
+    want_v = x[..., (nq + nkv) * d: (nq + 2 * nkv) * d].reshape(B, 1, nkv, d)
+    rows = torch.arange(B, device="cuda")
+    caches[2][rows, :, pos] = want_k[:, 0]
+    caches[3][rows, :, pos] = want_v[:, 0]
+    assert torch.equal(q, want_q) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    if sparse:
+        base = (nq + 2 * nkv) * d
+        want_iq = norm_rope(x[..., base: base + ni * di].reshape(B, 1, ni, di), norms[2], 1e-6, cos, sin)[:, 0]
+        want_ik = norm_rope(x[..., base + ni * di:].reshape(B, 1, 1, di), norms[3], 1e-6, cos, sin)[:, 0, 0]
+        idx[1][rows, pos] = want_ik
+        assert torch.equal(iq, want_iq) and torch.equal(idx[0], idx[1])
+    else:
+        assert iq is None
+
+
+def test_index_select_equals_the_torch_indexer():
+    """fused.index_select == Indexer.select's torch scoring at real dims (same blocks per query)."""
+    from types import SimpleNamespace
+    from runtime import fused
+    from runtime.models.minimax_m3 import Indexer, Step
+    g = torch.Generator(device="cuda").manual_seed(4)
+    B, ni, di, S, block, topk = 3, 4, 128, 8192, 128, 16
+    cfg = SimpleNamespace(index_block_size=block, index_topk_blocks=topk, index_local_blocks=2, index_init_blocks=1)
+    iq = torch.randn(B, ni, di, device="cuda", generator=g, dtype=torch.bfloat16)
+    keys = torch.randn(B, S, di, device="cuda", generator=g, dtype=torch.bfloat16)
+    pos = torch.tensor([3000, 8191, 130], device="cuda")
+    got = fused.index_select(iq, keys, pos, S, block, topk, 2, 1)  # [B, ni, 1, topk]
+    ix = Indexer.__new__(Indexer)
+    ix.cfg = cfg
+    step = Step(pos[:, None], None, S, decode=True)
+    scores = torch.einsum("bhd,bsd->bhs", iq.float(), keys.float())[:, :, None]  # [B, ni, 1, S]
+    scores = scores.masked_fill(torch.arange(S, device="cuda") > pos[:, None, None, None], float("-inf"))
+    blocks = scores.view(B, ni, 1, S // block, block).amax(-1)
+    forced = ix._forced_blocks(step.pos // block)
+    blocks.scatter_(-1, forced[:, None].expand(B, ni, -1, -1), float("inf"))
+    top_s, top_i = blocks.topk(topk, dim=-1)
+    want = top_i.masked_fill(top_s == float("-inf"), S // block)
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    assert int((got == S // block).sum()) == int((want == S // block).sum()) > 0  # row 2 sees 2 blocks only
+
+
+def test_fused_decode_equals_op_by_op_decode(artifacts, monkeypatch):
+    """The fused decode step (DecoderLayer.decode path) against the op-by-op decode step, both on CUDA:
+    same tokens, logits within bf16 rounding (fp32: 1e-5), for both quantize scopes."""
+    import runtime.models.minimax_m3 as m3
+    for scope, dtype, tol in (("experts", torch.bfloat16, 2e-2), ("all", torch.float32, 1e-5)):
+        model = runtime.load(artifacts[scope], device="cuda", dtype=dtype, backend="triton" if scope == "experts"
+                             else "torch")
+        assert model.layers[1].attn.qkv is not None and model.layers[0].mlp.gate_up is not None
+        ids, mask = _left_pad([5, 12, 30])
+        n = 20
+        caches = [model.new_cache(3, ids.shape[1] + n) for _ in range(2)]
+        la = model(ids.cuda(), caches[0], attention_mask=mask)[:, -1]
+        lb = model(ids.cuda(), caches[1], attention_mask=mask)[:, -1]
+        for step in range(n):
+            tok = la.argmax(-1, keepdim=True)
+            monkeypatch.setattr(m3, "FUSED_DECODE", False)
+            la = model(tok, caches[0])[:, -1]
+            monkeypatch.setattr(m3, "FUSED_DECODE", True)
+            lb = model(tok, caches[1])[:, -1]
+            assert fx.rel(lb, la) <= tol, (scope, step, fx.rel(lb, la))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -27,6 +27,7 @@ cuda_graph=True)`, class DecodeGraph).
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -36,11 +37,16 @@ import torch.nn.functional as F
 from converters.minimax_m3 import TextConfig
 from porter import mxfp8
 from porter.layout import scale_name
-from runtime import fused, mxfp8_linear
+from runtime import fused, gemv
 from runtime.attention import decode_attention
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params, swiglu_oai
 
 Getter = Callable[[str], Optional[torch.Tensor]]  # canonical name -> tensor on the device, or None
+
+# The fused decode step (DecoderLayer.decode: one projection kernel for q/k/v/index, norms + RoPE + cache
+# writes in one kernel, the indexer and the router in two each, residual adds in the GEMV epilogues).
+# PORTER_FUSED_DECODE=0 runs the op-by-op decode step instead (A/B benchmarks, tests).
+FUSED_DECODE = os.environ.get("PORTER_FUSED_DECODE", "1") != "0"
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,25 +71,47 @@ def _capturing() -> bool:
 
 
 class Linear:
-    """y = x W^T with W stored as is (bf16/fp32) or MXFP8 (e4m3 + uint8 scales). MXFP8 on CUDA with few
-    rows (decode) runs a dequantizing GEMM (runtime.mxfp8_linear) that reads the 1-byte weights once;
-    elsewhere the weight is dequantized per call, then multiplied."""
+    """y = x W^T with W stored as is (bf16/fp32) or MXFP8 (e4m3 + uint8 scales). On CUDA with few rows
+    (decode) one GEMV kernel (runtime.gemv) streams the stored weight once, MXFP8 dequantized in
+    registers; elsewhere the weight is cast or dequantized per call, then multiplied. add: tensors
+    [..., N] added to the output in order, in its dtype (residual adds; fused into the GEMV)."""
 
     def __init__(self, weight: torch.Tensor, scale: Optional[torch.Tensor] = None):
         self.weight, self.scale = weight, scale
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:
+        if gemv.applies(x, self.weight):
+            return gemv.gemv(x, self.weight, self.scale, add=add)
         if self.scale is not None:
-            if mxfp8_linear.applies(x, self.weight):
-                return mxfp8_linear.mxfp8_linear(x, self.weight, self.scale)
             w = mxfp8.dequantize(self.weight, self.scale, x.dtype)
         else:
             w = self.weight.to(x.dtype)
-        return F.linear(x, w)
+        y = F.linear(x, w)
+        for a in add:
+            y = y + a
+        return y
 
 
 def linear(get: Getter, name: str) -> Linear:
     return Linear(get(name + ".weight"), get(scale_name(name + ".weight")))
+
+
+def stack_linears(*parts: Linear) -> Optional[Linear]:
+    """One Linear whose weight rows are the parts' rows stacked (linears of the same input: at decode one
+    kernel streams them all). Each part keeps a view of its rows, so no weight is stored twice. None when
+    they cannot share a kernel (weights not on CUDA, mixed dtypes, devices or quantization)."""
+    ws = [p.weight for p in parts]
+    if not all(fused.use_triton(w) for w in ws) or len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 \
+            or len({p.scale is None for p in parts}) != 1:
+        return None
+    w = torch.cat(ws)  # [sum N, K]
+    s = None if parts[0].scale is None else torch.cat([p.scale for p in parts])  # [sum N, K/32]
+    row = 0
+    for p in parts:
+        n = p.weight.shape[0]
+        p.weight, p.scale = w[row: row + n], None if s is None else s[row: row + n]
+        row += n
+    return Linear(w, s)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -265,6 +293,21 @@ class Indexer:
             self._dropped = self._excluded(top_i, nblk, pos // bs + 1, step.valid)
         return top_i
 
+    def select_decode(self, iq: torch.Tensor, pos: torch.Tensor, step: Step, cache: LayerCache):
+        """select() at decode after fused.decode_qkv wrote the new index key: iq [B, ni, di] (normed, RoPE'd)
+        -> top blocks [B, ni, 1, topk] or None (every visible block fits the budget)."""
+        bs, topk = self.cfg.index_block_size, self.cfg.index_topk_blocks
+        nblk = -(-step.kv_len // bs)
+        if not _capturing():
+            self._dropped = None
+        if nblk <= topk:
+            return None
+        top = fused.index_select(iq, cache.idx_k, pos, step.kv_len, bs, topk, self.cfg.index_local_blocks,
+                                 self.cfg.index_init_blocks)
+        if not _capturing():
+            self._dropped = self._excluded(top, nblk, step.pos // bs + 1, None)
+        return top
+
     def _excluded(self, top_i, nblk, visible, valid) -> torch.Tensor:
         """Visible blocks not selected, over index heads and real queries (0-dim, on the device)."""
         chosen = (top_i < nblk).sum(-1)  # [B, ni, T] (selected blocks are always visible)
@@ -300,6 +343,32 @@ class Attention:
         self.wv, self.wo = linear(get, p + "v_proj"), linear(get, p + "o_proj")
         self.q_norm, self.k_norm = get(p + "q_norm.weight"), get(p + "k_norm.weight")
         self.indexer = Indexer(cfg, get, p) if sparse else None
+        idx = (self.indexer.wq, self.indexer.wk) if sparse else ()
+        self.qkv = stack_linears(self.wq, self.wk, self.wv, *idx)  # [q; k; v (; index q; index k)] rows
+
+    def decode(self, x: torch.Tensor, step: Step, cache: LayerCache) -> torch.Tensor:
+        """The decode step of __call__ (T = 1 over a cache, CUDA) up to o_proj: x [B, 1, H] -> [B, 1, nq*d].
+        Kernels: the stacked projection, norms + RoPE + cache writes, [indexer scores, top-k], attention."""
+        cfg, B = self.cfg, x.shape[0]
+        nq, nkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        if step.kv_len > cache.k.shape[2]:
+            raise ValueError(f"KV cache holds {cache.k.shape[2]} tokens; {step.kv_len} needed (raise max_len)")
+        cos, sin = step.rope(self.rope, x.dtype)  # [B, 1, r]
+        pos = step.pos[:, 0]  # [B]
+        qkv = self.qkv(x.reshape(B, -1))  # [B, nq*d + 2*nkv*d (+ ni*di + di)]
+        ix = self.indexer
+        if ix is None:
+            q, _ = fused.decode_qkv(qkv, pos, cos, sin, (self.q_norm, self.k_norm), (nq, nkv, d), cache.k, cache.v,
+                                    eps)
+            blocks = None
+        else:
+            q, iq = fused.decode_qkv(qkv, pos, cos, sin, (self.q_norm, self.k_norm, ix.q_norm, ix.k_norm),
+                                     (nq, nkv, d, ix.ni, ix.di), cache.k, cache.v, eps, cache.idx_k)
+            blocks = ix.select_decode(iq, pos, step, cache)
+            blocks = None if blocks is None else blocks[:, :, 0].expand(B, nkv, -1)  # index head h -> kv head h
+        out = decode_attention(q, cache.k, cache.v, pos, step.kv_len, blocks, cfg.index_block_size,
+                               d ** -0.5)  # [B, nq, d]
+        return out.reshape(B, 1, nq * d)
 
     def __call__(self, x: torch.Tensor, step: Step, cache: Optional[LayerCache]) -> torch.Tensor:
         cfg, (B, T, _) = self.cfg, x.shape
@@ -357,17 +426,24 @@ class MLP:
     def __init__(self, cfg: TextConfig, get: Getter, p: str):
         self.gate, self.up = linear(get, p + "gate_proj"), linear(get, p + "up_proj")
         self.down = linear(get, p + "down_proj")
+        self.gate_up = stack_linears(self.gate, self.up)  # [gate; up] rows: one GEMV + SwiGLU at decode
         # 0-dim tensors on the weights' device: a Python float would be copied to the GPU on every call,
         # which a CUDA graph cannot capture
         dev = self.down.weight.device
         self.params = (cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit)  # floats for the fused kernel
         self.alpha, self.beta, self.limit = (torch.tensor(float(v), device=dev) for v in self.params)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate(x), self.up(x)
-        if fused.use_triton(gate):
-            return self.down(fused.swiglu(gate, up, *self.params))
-        return self.down(swiglu_oai(gate, up, self.alpha, self.beta, self.limit))
+    def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:
+        """x [..., H] -> [..., H]; add: tensors added to the output in order (fused into down's GEMV)."""
+        if self.gate_up is not None and gemv.applies(x, self.gate_up.weight):
+            act = gemv.gemv(x, self.gate_up.weight, self.gate_up.scale, swiglu=self.params)
+        else:
+            gate, up = self.gate(x), self.up(x)
+            if fused.use_triton(gate):
+                act = fused.swiglu(gate, up, *self.params)
+            else:
+                act = swiglu_oai(gate, up, self.alpha, self.beta, self.limit)
+        return self.down(act, add)
 
 
 class MoE:
@@ -387,11 +463,21 @@ class MoE:
         self.experts = make_backend(self.quant, self.routing)
         self.shared = MLP(cfg, get, p + "shared_experts.") if cfg.n_shared_experts else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:
+        """x [..., H] -> routed + shared [..., H], then + each of add in order."""
         flat = x.reshape(-1, x.shape[-1])  # [B*T, H]
-        y = self.experts(flat)  # routed sum * routed_scaling_factor
+        r = self.routing
+        if gemv.applies(flat, r.router_weight):  # fp32 logits GEMV + one selection kernel
+            logits = gemv.gemv(flat, r.router_weight, out_dtype=torch.float32)  # [B*T, E]
+            ids, weights = fused.router_select(logits, r.e_score_correction_bias, r.top_k)
+            y = self.experts.forward_topk(flat, ids, weights)  # routed sum * routed_scaling_factor
+        else:
+            y = self.experts(flat)
+        add = tuple(a.reshape(flat.shape) for a in add)
         if self.shared is not None:
-            y = y + self.shared(flat)  # shared expert, unscaled
+            return self.shared(flat, (y, *add)).view_as(x)  # y + shared expert (unscaled), then add
+        for a in add:
+            y = y + a
         return y.view_as(x)
 
 
@@ -413,8 +499,17 @@ class DecoderLayer:
         step = positions if isinstance(positions, Step) else Step.of(positions, h.shape[0], cache, valid)
         step, h = step.on(self.device), h.to(self.device)
         with on_device(self.device):
+            if self.fused_decode(h, step, cache):
+                a = self.attn.decode(rms_norm(h, self.ln_in, self.eps), step, cache)  # [B, 1, nq*d]
+                h = self.attn.wo(a, add=(h,))  # h + o_proj(a)
+                return self.mlp(rms_norm(h, self.ln_post, self.eps), add=(h,))  # h + mlp(...)
             h = h + self.attn(rms_norm(h, self.ln_in, self.eps), step, cache)
             return h + self.mlp(rms_norm(h, self.ln_post, self.eps))
+
+    def fused_decode(self, h: torch.Tensor, step: Step, cache: Optional[LayerCache]) -> bool:
+        """Whether this step runs the fused decode kernels (see FUSED_DECODE)."""
+        return (FUSED_DECODE and step.decode and cache is not None and self.attn.qkv is not None
+                and fused.use_triton(h) and gemv.applies(h, self.attn.qkv.weight))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,85 @@
+"""Decode-size linears (a few rows against a big weight) as one Triton kernel that streams the weight once.
+
+y [M, N] = x [M, K] @ W^T, W [N, K] bf16/fp16/fp32 as stored, or MXFP8 (float8_e4m3fn + one uint8 UE8M0
+byte per 32 along K, the rule of porter/mxfp8.py; dequantized per tile in registers, see
+runtime/gemv_triton.py). At decode a layer is bound by its weight bytes, and cuBLAS's small-M GEMMs on
+the H200 stream bf16 at ~2.8 TB/s of the ~4.3 TB/s a copy reaches (benchmarks/results/decode_NVIDIA_H200.md);
+the epilogues fold in what the unfused layer does next with the output, bit for bit in its rounding:
+  * `swiglu=(alpha, beta, limit)`: W = [gate; up] rows, y = SwiGLU-OAI(gate, up) (shared expert, dense MLP);
+  * `add=(a1,)` / `add=(a1, a2)`: y = (y + a1) + a2 in the output dtype (residual adds).
+Tile configs (BN output columns per program, BK, warps, stages) come from the H200 sweep recorded in
+benchmarks/results/ (benchmarks/gemv_sweep.py); PORTER_GEMV_CONFIG="BN,BK,WARPS,STAGES" overrides them.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from runtime.fused import next_pow2, use_triton
+
+MAX_ROWS = 64  # the kernel pads rows to BM <= 64; beyond that a GEMM is no longer bound by weight bytes
+SMS_H200 = 132
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gemv runs x against weight: CUDA + triton, few rows, float weights or MXFP8 e4m3."""
+    return (use_triton(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and weight.dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+            and use_triton(weight) and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS)
+
+
+def config(n_out: int, k: int, rows_per_col: int, mx: bool, w_bytes: int) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, stages) for N = n_out output columns (rows_per_col weight rows each: 2 with
+    SWIGLU). Enough programs that every SM streams (>= ~2 per SM), each K step ~8-16 KB of weight."""
+    env = os.environ.get("PORTER_GEMV_CONFIG")
+    if env:
+        bn, bk, warps, stages = (int(v) for v in env.split(","))
+        return bn, bk, warps, stages
+    bn = 32 // rows_per_col
+    while bn > 16 // rows_per_col and -(-n_out // bn) < 2 * SMS_H200:  # tl.dot needs >= 16 rows
+        bn //= 2
+    bk = 512 if w_bytes == 1 else 256
+    return bn, bk, 4, 4
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None, *,
+         out_dtype: Optional[torch.dtype] = None, swiglu: Optional[tuple] = None,
+         add: Sequence[torch.Tensor] = (), cfg: Optional[tuple] = None) -> torch.Tensor:
+    """x [..., K], weight [Nw, K] (+ scale [Nw, K/32] uint8 for e4m3) -> [..., N] (N = Nw, or Nw/2 with
+    swiglu) in out_dtype (default x's dtype). add: up to two [..., N] tensors added in order."""
+    from runtime.gemv_triton import gemv_kernel
+    K = x.shape[-1]
+    nw = weight.shape[0]
+    n = nw // 2 if swiglu is not None else nw
+    if weight.shape[1] != K or weight.stride(1) != 1:
+        raise ValueError(f"gemv: weight {tuple(weight.shape)} (stride {weight.stride()}) does not take x [..., {K}]")
+    mx = weight.dtype == torch.float8_e4m3fn
+    if mx and (scale is None or K % 32):
+        raise ValueError("gemv: an e4m3 weight needs its uint8 scales and K % 32 == 0")
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    dt = out_dtype or x.dtype
+    y = torch.empty((M, n), dtype=dt, device=x.device)
+    adds = [a.reshape(M, n) for a in add]
+    for a in adds:
+        if a.stride(-1) != 1:
+            raise ValueError("gemv: add tensors need a contiguous last dim")
+    per = 2 if swiglu is not None else 1
+    bn, bk, warps, stages = cfg or config(n, K, per, mx, weight.element_size())
+    bk = min(bk, max(32 if mx else 16, next_pow2(K)))
+    bm = max(16, next_pow2(M))
+    ieee = torch.float32 in (x.dtype, weight.dtype)
+    alpha, beta, limit = (float(v) for v in swiglu) if swiglu is not None else (0.0, 0.0, 0.0)
+    a1 = adds[0] if adds else y
+    a2 = adds[1] if len(adds) > 1 else y
+    s = scale if mx else weight
+    grid = (-(-n // bn), -(-M // bm))
+    gemv_kernel[grid](x2, weight, s, y, a1, a2, M, n, K, x2.stride(0), weight.stride(0), s.stride(0), y.stride(0),
+                      a1.stride(0), a2.stride(0), alpha, beta, limit,
+                      BM=bm, BN=bn, BK=bk, ROWS=bn * per, MX=mx, IEEE=ieee, EVEN_K=K % bk == 0,
+                      SWIGLU=swiglu is not None, ADDS=len(adds), num_warps=warps, num_stages=stages)
+    return y.reshape(*x.shape[:-1], n)

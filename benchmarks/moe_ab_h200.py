@@ -39,13 +39,11 @@ def candidates(t):
         return [("two_kernel", None, {"single": False}), ("single", None, SINGLE),
                 ("single_prep", None, {"single": True, "x_in_loop": False}),
                 ("single_pf", None, {"single": True, "prefetch": True}),
-                ("single_s4", C(16, 32, 256, 4, 4, 64, 256, 4, 4), SINGLE),
-                ("single_pf_s4", C(16, 32, 256, 4, 4, 64, 256, 4, 4), {"single": True, "prefetch": True})]
+                ("single_s4", C(16, 32, 256, 4, 4, 64, 256, 4, 4), SINGLE)]
     if t < 256:  # sorted decode path: bytes in flight per SM and row-segment length of the weight stream
         return [("bk512_w8s4", C(16, 32, 512, 8, 4, 64, 512, 8, 4), {}),
                 ("bk512_g2only", C(16, 32, 256, 4, 4, 64, 512, 4, 4), {}),
-                ("bn64_w8s4", C(16, 64, 256, 8, 4, 128, 256, 8, 4), {}),
-                ("s5", C(16, 32, 256, 4, 5, 64, 256, 4, 5), {})]
+                ("bn64_w8s4", C(16, 64, 256, 8, 4, 128, 256, 8, 4), {})]
     return [("w8a16", tb.default_config(t, False), {}),
             ("fp8x2_64", C(64, 64, 128, 4, 3, 128, 128, 4, 3, fp8=2), {}),
             ("fp8x1_64", C(64, 64, 128, 4, 3, 128, 128, 4, 3, fp8=1), {}),

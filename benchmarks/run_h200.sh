@@ -23,7 +23,7 @@ TEST_GPU=$(( NGPU > 1 ? 1 : 0 ))
 RACE_TESTS="last_arriver or repeat_calls or single_launch_is_race_free"
 
 CUDA_VISIBLE_DEVICES=$TEST_GPU timeout ${SMOKE_TIMEOUT:-90} python3 -m pytest tests/test_triton_moe.py -m gpu -q -rf \
-  -p no:cacheprovider -k single_launch 2>&1 | tee "$OUT/single_launch_tests.log"
+  -p no:cacheprovider -k "${SMOKE_K:-single_launch}" 2>&1 | tee "$OUT/single_launch_tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || export PORTER_AB_NO_SINGLE=1
 
 gpu_tests() {

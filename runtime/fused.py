@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from typing import Optional
 
 import torch
@@ -27,6 +28,24 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and _have_triton()
 
 
+PDL = os.environ.get("PORTER_DECODE_PDL", "1") != "0"  # see pdl()
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_ok(device: torch.device) -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def pdl(device: torch.device) -> dict:
+    """Launch options of the decode kernels: programmatic dependent launch on SM90+ (the kernel is
+    launched while its predecessor drains and waits in-kernel for its writes, which hides most of the
+    launch gap between the ~15 small kernels of a decode step); PORTER_DECODE_PDL=0 (or PDL = False)
+    turns it off."""
+    return {"launch_pdl": True} if PDL and _pdl_ok(device) else {}
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1): Triton block extents."""
     return 1 << (max(n, 1) - 1).bit_length()
@@ -38,7 +57,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     n = x.shape[-1]
     xc = x.contiguous()
     y = torch.empty_like(xc)
-    rms_norm_kernel[(xc.numel() // n,)](xc, w, y, n, eps, BLOCK=next_pow2(n), num_warps=8 if n >= 4096 else 4)
+    rms_norm_kernel[(xc.numel() // n,)](xc, w, y, n, eps, BLOCK=next_pow2(n), num_warps=8 if n >= 4096 else 4,
+                                        USE_PDL=bool(pdl(x.device)), **pdl(x.device))
     return y
 
 
@@ -93,7 +113,7 @@ def decode_qkv(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: tor
         qkv.stride(0), cos2.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), ic.stride(0), ic.stride(1),
         nq, nkv, ni, d, di, r, min(r, di), eps, INDEX=index, BLOCK=next_pow2(max(d, di)),
-        num_warps=1 if max(d, di) <= 128 else 4)
+        num_warps=1 if max(d, di) <= 128 else 4, USE_PDL=bool(pdl(qkv.device)), **pdl(qkv.device))
     return q, iq
 
 
@@ -108,9 +128,11 @@ def index_select(iq: torch.Tensor, idx_cache: torch.Tensor, pos: torch.Tensor, k
     index_scores_kernel[(B, nblk)](iq.contiguous(), idx_cache, pos, scores, kv_len, nblk, idx_cache.stride(0),
                                    idx_cache.stride(1), NI=ni, NIP=max(16, next_pow2(ni)), DI=di, KB=block,
                                    KBP=max(16, next_pow2(block)), LOCAL=local_blocks, INIT=init_blocks,
-                                   IEEE=iq.dtype == torch.float32, num_warps=4)
+                                   IEEE=iq.dtype == torch.float32, num_warps=4, USE_PDL=bool(pdl(iq.device)),
+                                   **pdl(iq.device))
     top = torch.empty((B, ni, 1, topk), dtype=torch.int64, device=iq.device)
-    index_topk_kernel[(B * ni,)](scores, top, nblk, TOPK=topk, NBP=next_pow2(nblk), num_warps=4)
+    index_topk_kernel[(B * ni,)](scores, top, nblk, TOPK=topk, NBP=next_pow2(nblk), num_warps=4,
+                                 USE_PDL=bool(pdl(iq.device)), **pdl(iq.device))
     return top
 
 
@@ -121,5 +143,6 @@ def router_select(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple
     T, E = logits.shape
     ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
     w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
-    router_select_kernel[(T,)](logits.contiguous(), bias, ids, w, E, TOPK=top_k, EP=next_pow2(E), num_warps=4)
+    router_select_kernel[(T,)](logits.contiguous(), bias, ids, w, E, TOPK=top_k, EP=next_pow2(E), num_warps=4,
+                               USE_PDL=bool(pdl(logits.device)), **pdl(logits.device))
     return ids, w

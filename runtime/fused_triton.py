@@ -7,8 +7,10 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr):
+def rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Gemma RMSNorm of one row: fp32, x * rsqrt(mean(x^2) + eps) * (1 + w), stored in y's dtype."""
+    if USE_PDL:  # launched early (programmatic dependent launch): wait for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -87,12 +89,15 @@ def _norm_rope_row(src, w_ptr, cos_row, sin_row, dst, D, R, eps, dt: tl.constexp
 def decode_qkv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, iqn_ptr, ikn_ptr,
                       q_ptr, kc_ptr, vc_ptr, iq_ptr, ic_ptr,
                       s_qkv, s_cs, skb, skh, sks, svb, svh, svs, sib, sis,
-                      NQ, NKV, NI, D, DI, R, RI, eps, INDEX: tl.constexpr, BLOCK: tl.constexpr):
+                      NQ, NKV, NI, D, DI, R, RI, eps, INDEX: tl.constexpr, BLOCK: tl.constexpr,
+                      USE_PDL: tl.constexpr = False):
     """One decode token per row b, one head vector per program (b, slot) of the fused projection row
     [q heads | k heads | v heads | (index q heads | index k)]: q -> qk-norm + RoPE -> q [B, NQ, D];
     k -> qk-norm + RoPE -> k cache slot pos[b]; v -> v cache slot pos[b]; index q -> norm + RoPE ->
     iq [B, NI, DI]; index k -> norm + RoPE -> index-key cache slot pos[b]. The unfused step runs the
     same per-head math (norm_rope_kernel) and writes the cache by index_put."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     slot = tl.program_id(1)
     dt = q_ptr.dtype.element_ty
@@ -126,11 +131,14 @@ def decode_qkv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, iqn_pt
 @triton.jit
 def index_scores_kernel(iq_ptr, ic_ptr, pos_ptr, out_ptr, S, NBLK, sib, sis,
                         NI: tl.constexpr, NIP: tl.constexpr, DI: tl.constexpr, KB: tl.constexpr,
-                        KBP: tl.constexpr, LOCAL: tl.constexpr, INIT: tl.constexpr, IEEE: tl.constexpr):
+                        KBP: tl.constexpr, LOCAL: tl.constexpr, INIT: tl.constexpr, IEEE: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
     """Block scores of one decode query per row: program (b, block j) -> out [B, NI, NBLK] fp32 =
     max over the block's visible slots (slot < S, slot <= pos[b]) of iq[b, h] . index_key[slot]; -inf
     when none is visible; +inf for the blocks every query keeps (its own block and the LOCAL-1 before
     it, the first INIT blocks already started)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     j = tl.program_id(1)
     p = tl.load(pos_ptr + b)
@@ -157,9 +165,12 @@ def index_scores_kernel(iq_ptr, ic_ptr, pos_ptr, out_ptr, S, NBLK, sib, sis,
 
 
 @triton.jit
-def index_topk_kernel(scores_ptr, out_ptr, NBLK, TOPK: tl.constexpr, NBP: tl.constexpr):
+def index_topk_kernel(scores_ptr, out_ptr, NBLK, TOPK: tl.constexpr, NBP: tl.constexpr,
+                      USE_PDL: tl.constexpr = False):
     """Program (b, index head): the TOPK best of NBLK block scores, best first; a pick whose score is
     -inf (nothing visible left) is written as NBLK ("none"), as the unfused topk + masked_fill."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     idx = tl.arange(0, NBP)
     v = tl.load(scores_ptr + pid * NBLK + idx, mask=idx < NBLK, other=float("-inf"))
@@ -171,9 +182,12 @@ def index_topk_kernel(scores_ptr, out_ptr, NBLK, TOPK: tl.constexpr, NBP: tl.con
 
 
 @triton.jit
-def router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, TOPK: tl.constexpr, EP: tl.constexpr):
+def router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, TOPK: tl.constexpr, EP: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
     """MiniMax-M3 routing of one token from its fp32 router logits [E]: sigmoid scores, top-k of
     score + bias (bias for selection only), weights = the selected scores renormalised to sum 1."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     e = tl.arange(0, EP)
     ok = e < E

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from runtime.fused import next_pow2, use_triton
+from runtime.fused import next_pow2, pdl, use_triton
 
 MAX_ROWS = 64  # the kernel pads rows to BM <= 64; beyond that a GEMM is no longer bound by weight bytes
 SMS_H200 = 132
@@ -81,5 +81,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = 
     gemv_kernel[grid](x2, weight, s, y, a1, a2, M, n, K, x2.stride(0), weight.stride(0), s.stride(0), y.stride(0),
                       a1.stride(0), a2.stride(0), alpha, beta, limit,
                       BM=bm, BN=bn, BK=bk, ROWS=bn * per, MX=mx, IEEE=ieee, EVEN_K=K % bk == 0,
-                      SWIGLU=swiglu is not None, ADDS=len(adds), num_warps=warps, num_stages=stages)
+                      SWIGLU=swiglu is not None, ADDS=len(adds), USE_PDL=bool(pdl(x.device)), num_warps=warps,
+                      num_stages=stages, **pdl(x.device))
     return y.reshape(*x.shape[:-1], n)

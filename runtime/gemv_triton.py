@@ -17,12 +17,15 @@ import triton.language as tl
 def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, a1_ptr, a2_ptr, M, N, K, sxm, swn, ssn, sym, sa1, sa2,
                 alpha, beta, limit,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, MX: tl.constexpr,
-                IEEE: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, ADDS: tl.constexpr):
+                IEEE: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, ADDS: tl.constexpr,
+                USE_PDL: tl.constexpr = False):
     """x [M, K], W [Nw, K] (N output columns; SWIGLU: W = [gate; up], Nw = 2N) -> y [M, N].
 
     SWIGLU: y = SwiGLU-OAI(round(x Wg^T), round(x Wu^T)) (the rounding the unfused gate/up linears do).
     ADDS 1: y = round(round(x W^T) + a1); ADDS 2: y = round(round(round(x W^T) + a1) + a2): the bf16 adds
     of the unfused model (residual, routed + shared expert), in its order."""
+    if USE_PDL:  # launched early (programmatic dependent launch): wait for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)

@@ -144,7 +144,7 @@ def test_router_select_equals_select_experts():
 def test_decode_qkv_equals_norm_rope_and_cache_writes(sparse):
     """fused.decode_qkv == norm_rope on each head + LayerCache.put, at real dims (bit-equal in bf16)."""
     from runtime import fused
-    from runtime.models.minimax_m3 import Rope, Step, norm_rope
+    from runtime.models.minimax_m3 import Rope, norm_rope
     g = torch.Generator(device="cuda").manual_seed(3)
     B, nq, nkv, d, ni, di, S, r = 3, 64, 4, 128, 4, 128, 1024, 64
     n = nq * d + 2 * nkv * d + (ni * di + di if sparse else 0)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Decode on one H200 in one call: GPU decode tests, the decode benchmark (fused step; at batch 1 also the
+# op-by-op step and the fused step without programmatic dependent launch) and the GEMV tile sweep. Logs and results go to $OUT.
+#   OUT=/tmp/out MODE=final bash benchmarks/decode_h200.sh
+# MODE=explore: 2-layer benchmark without prefill + sweep; MODE=final: 4 layers + prefill + all decode tests.
+set -u
+OUT=${OUT:-/tmp/decode-out}
+MODE=${MODE:-final}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
+step() {  # name, timeout seconds, command...
+  local name=$1 t=$2; shift 2
+  local start=$SECONDS
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? ${SECONDS}s-${start}s" | tee -a "$OUT/steps.txt"
+  tail -3 "$OUT/$name.log"
+}
+KERNEL_TESTS="gemv or router or qkv or index_select or attention"
+if [ "$MODE" = explore ]; then
+  step kernel_tests 35 python -m pytest -q -m gpu tests/test_runtime_gpu_decode.py -k "$KERNEL_TESTS"
+  step decode_bench 75 python benchmarks/decode.py --workdir /tmp/m3-decode --out "$OUT" --layers 2 --experts 8 \
+    --prefill-tokens 0
+  step model_tests 35 python -m pytest -q -m gpu tests/test_runtime_gpu_decode.py -k "not ($KERNEL_TESTS)"
+  step gemv_sweep 45 python benchmarks/gemv_sweep.py --rows 1,8 --out "$OUT/gemv_sweep.json"
+else
+  step decode_tests 120 python -m pytest -q -m gpu tests/test_runtime_gpu_decode.py tests/test_gpu_end_to_end.py
+  step decode_bench 200 python benchmarks/decode.py --workdir /tmp/m3-decode --out "$OUT" --experts 8
+fi

@@ -36,10 +36,9 @@ SINGLE = {"single": True}  # both GEMMs in one decode_moe_kernel launch, x cast 
 def candidates(t):
     """(name, config or None = default, path options) per T."""
     if t <= 4:  # decode: one launch for the layer (with / without prep, L2 prefetch, 4 stages) vs two
-        return [("two_kernel", None, {"single": False}), ("single", None, SINGLE),
-                ("single_prep", None, {"single": True, "x_in_loop": False}),
-                ("single_pf", None, {"single": True, "prefetch": True}),
-                ("single_s4", C(16, 32, 256, 4, 4, 64, 256, 4, 4), SINGLE)]
+        return [("two_g1s4", C(16, 32, 256, 4, 4, 64, 256, 4, 3), {"single": False}),
+                ("two_g2s4", C(16, 32, 256, 4, 3, 64, 256, 4, 4), {"single": False}),
+                ("single", None, SINGLE), ("single_pf", None, {"single": True, "prefetch": True})]
     if t < 256:  # sorted decode path: bytes in flight per SM and row-segment length of the weight stream
         return [("bk512_w8s4", C(16, 32, 512, 8, 4, 64, 512, 8, 4), {}),
                 ("bk512_g2only", C(16, 32, 256, 4, 4, 64, 512, 4, 4), {}),
@@ -130,6 +129,8 @@ def main():
         twins = (("bf16", {"single": False}), ("bf16_single", SINGLE)) if t <= 4 else (("bf16", {}),)
         if os.environ.get("PORTER_AB_NO_SINGLE"):
             twins = twins[:1]
+        if os.environ.get("AB_NO_TWIN"):  # the twins are in benchmarks/moe_layer.py's table of the same run
+            twins = ()
         for name, opts in twins:
             try:
                 fb = call(bf16, x, ids, w, tb.default_config(t, False), opts)

@@ -333,6 +333,29 @@ def test_single_launch_activations_outside_fp16_range(x_scale):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("t,single", [(1, False), (4, False), (1, True), (4, True)])
+def test_fused_output_many_calls_at_real_dims(t, single):
+    """200 calls in a row at MiniMax-M3's layer dims (H 6144, I 3072; 8 experts, so T=4 shares experts
+    between tokens), each checked against the sorted unfused path: a last arriver that reads before
+    another program's adds land, or an add that lands after the re-zeroing, shows up as a wrong call
+    (~1e-2) and as a nonzero scratch after the last call; fp32 add order alone stays below 1e-5."""
+    e, h, i, k = 8, 6144, 3072, 4
+    quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"))
+    routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
+    p = tb.TritonMoE(quant, routing).prepared
+    x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
+    ids = torch.rand(t, e, device="cuda").topk(k, dim=-1).indices
+    w = torch.rand(t, k, device="cuda") + 0.1
+    base = tb.fused_moe(p, x, ids, w, 2.5, nosort=False, fused_out=False, single=False).float()
+    errs = torch.stack([(tb.fused_moe(p, x, ids, w, 2.5, single=single).float() - base).norm() / base.norm()
+                        for _ in range(200)])  # on the device: no sync per call
+    worst = float(errs.max())
+    assert worst < 1e-3, f"{int((errs > 1e-3).sum())} of 200 calls off, worst {worst:.2e}"
+    _assert_sync_state_zero(x.device, h)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
 def test_single_launch_bf16_gemm_paths():
     """decode_moe_kernel with GEMM1 in bf16 (scale bytes spread over 24 octaves: WMODE 3) and with
     16-bit weights as stored (WMODE 0, the benchmark's bf16 twin) against torch."""

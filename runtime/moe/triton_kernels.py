@@ -440,7 +440,7 @@ def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, e
 
 @triton.jit
 def _nanosleep():
-    tl.inline_asm_elementwise("nanosleep.u32 64; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise("nanosleep.u32 256; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -466,8 +466,9 @@ def decode_moe_kernel(x_ptr, stride_xm, xscale_ptr, w13_ptr, s13_ptr, shift13_pt
     GEMM1 tiles (slot-block m = ticket // NUM_N1), the rest GEMM2 tiles. A GEMM1 tile stores its act
     columns, fences them (every thread, fence.acq_rel.gpu), crosses a CTA barrier and bumps block m's
     ready counter (sync_ptr[2 + m], release). A GEMM2 tile of block m first (PREFETCH) asks L2 for the
-    first 512 bytes of each of its weight rows, then polls the ready counter until all NUM_N1 tiles
-    of m are in, fences, and runs as gemm2_reduce_kernel's FUSED_OUT tile. Tickets make this
+    first 512 bytes of each of its weight rows, then polls the ready counter (one thread, acquire,
+    256 ns apart) until all NUM_N1 tiles of m are in, fences, and runs as gemm2_reduce_kernel's
+    FUSED_OUT tile. Tickets make this
     deadlock-free: a waiting GEMM2 program only waits on smaller tickets, all held by programs
     already running, and GEMM1 programs never wait. So GEMM2 starts as the GEMM1 tiles drain, with
     no kernel boundary, no prep kernel (ASCALE: x is cast per K step in GEMM1) and one launch gap.
@@ -497,10 +498,12 @@ def decode_moe_kernel(x_ptr, stride_xm, xscale_ptr, w13_ptr, s13_ptr, shift13_pt
             if PREFETCH:
                 wrows = pid_n * BN2 + tl.arange(0, BN2)
                 _prefetch_l2(w2_ptr + e.to(tl.int64) * stride_w2e + wrows * stride_w2n)
-            ready = tl.load(sync_ptr + 2 + m, volatile=True)
+            # one polling thread per program (a scalar atomic), backing off between polls: every thread
+            # polling (volatile loads) made the waiting programs flood the counters' L2 line
+            ready = tl.atomic_add(sync_ptr + 2 + m, 0, sem="acquire")
             while ready < NUM_N1:
                 _nanosleep()
-                ready = tl.load(sync_ptr + 2 + m, volatile=True)
+                ready = tl.atomic_add(sync_ptr + 2 + m, 0, sem="acquire")
             _fence_gpu()
             tl.debug_barrier()
             _gemm2_tile(act_ptr, 0, xscale_ptr, w2_ptr, s2_ptr, shift2_ptr, epi2_ptr, topk_w_ptr, out_ptr,

@@ -290,7 +290,7 @@ def _produce(plan: Plan, out: Path, done: dict, progress: bool, workers: int, ma
         _write_journal(out, journal)
 
     skip = lambda t: all(plan.shard_of[e.name] in done for e in entries_for(t))  # noqa: E731
-    units = pipeline.make_units(plan.tensors, plan.source.stored_meta, skip, dev)
+    units = pipeline.make_units(plan.tensors, plan.source.stored_meta, skip, dev, workers)
     bar = tqdm(total=sum(u.src_bytes for u in units), unit="B", unit_scale=True, desc="convert",
                disable=not progress)
     _reuse_freed_memory()

@@ -114,16 +114,18 @@ def quantize(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor",
 
 
 def quantize_with_error(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor", host_stats: bool = True,
-                        keep_scale: Optional[torch.Tensor] = None):
+                        keep_scale: Optional[torch.Tensor] = None, tile_blocks: Optional[int] = None):
     """quantize() plus the pieces of the error statistics, computed on the same fp32 blocks, on w's device
     (CPU or CUDA: the same bytes):
     -> (q, scale, {"err_sq", "ref_sq", "max_abs_error"}) with err_sq = ||W - deq(Q)||^2, ref_sq = ||W||^2.
     Per-block sums are fp32 (32 terms, torch's mul + sum over the block, which is what linalg.vecdot runs),
     block totals are summed in float64. host_stats=False leaves the three numbers as float64 0-dim tensors on
     w's device (no device sync here). keep_scale: see _quantize_blocks (an MXFP8 source keeps its own scale
-    bytes). On the CPU the work is done tile by tile (_quantize_cpu_tiles); the numbers are the same."""
+    bytes). On the CPU the work is done tile by tile (_quantize_cpu_tiles) of `tile_blocks` blocks (default
+    CPU_TILE_BLOCKS); the bytes and numbers do not depend on the tile size."""
     if _cpu_fast_path(w):
-        q, byte, parts = _quantize_cpu_tiles(w, rounding, name, keep_scale, with_error=True)
+        q, byte, parts = _quantize_cpu_tiles(w, rounding, name, keep_scale, with_error=True,
+                                             tile_blocks=tile_blocks)
         shape = byte.shape
         stats = _error_totals(*(p.reshape(shape) for p in parts), byte, w.device)
     else:
@@ -160,7 +162,8 @@ def _error_totals(ref_sq: torch.Tensor, err_sq: torch.Tensor, d_max: Optional[to
 # _quantize_blocks + the general error path, for the reasons given at each step (tests/test_mxfp8.py checks
 # them against a direct implementation of the rule and exhaustively where a shortcut needs it).
 
-CPU_TILE_BLOCKS = 3072  # 98,304 elements: fp32 copy + squares + int16 decode ~1.1 MB (fastest, measured)
+CPU_TILE_BLOCKS = 3072  # 98,304 elements: fp32 copy + squares + int16 decode ~1.1 MB (fastest on one core,
+# measured; many threads at once want larger tiles: every torch op re-takes the GIL, see porter.pipeline)
 _SQUARE_EXACT = (torch.bfloat16, torch.float16)  # <= 11 significant bits: x*x is exact in fp32
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _tile_buffers = threading.local()  # one set per thread: conversion workers run quantization concurrently
@@ -199,7 +202,7 @@ def _e4m3_as_fp16_div256(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_cpu_tiles(w: torch.Tensor, rounding: str, name: str, keep_scale: Optional[torch.Tensor],
-                        with_error: bool):
+                        with_error: bool, tile_blocks: Optional[int] = None):
     """-> (q [..., K] e4m3, byte [..., K/32] uint8, (ref_sq, err_sq, max |err|) fp32 [NB] or None); err is
     the scaled-domain error x - float(q).
     Two passes over the tiles: block amax (and ||w||^2) first, the scales for the whole call from those in a
@@ -210,8 +213,10 @@ def _quantize_cpu_tiles(w: torch.Tensor, rounding: str, name: str, keep_scale: O
     nb = src.shape[0]
     by_squares = w.dtype in _SQUARE_EXACT
 
-    def tiles(t: torch.Tensor):  # views of CPU_TILE_BLOCKS blocks
-        return t.split(CPU_TILE_BLOCKS)
+    tile = tile_blocks or CPU_TILE_BLOCKS
+
+    def tiles(t: torch.Tensor):  # views of `tile` blocks
+        return t.split(tile)
 
     parts = tuple(torch.empty(nb) for _ in range(3)) if with_error else None  # ref_sq, err_sq, max|err|
     amax = torch.empty(nb)  # [NB] fp32

@@ -40,6 +40,8 @@ SHARD_METADATA = {"format": "pt"}
 COPY_CHUNK_BYTES = 64 << 20  # verbatim tensors are copied in ranges of this size
 QUANT_CHUNK_ELEMS = 1 << 20  # CPU quantizes this many elements per call: 4 MB fp32 stays in cache (3x
 # faster than whole [3072, 6144] expert halves, measured single-threaded)
+MANY_WORKERS_QUANT_ELEMS = 1 << 22  # ... and this many, in one tile, past 2 workers (quant_sizes)
+SLAB_MAX_BYTES = 256 << 20  # CPU reads up to this size go into the worker's reused buffer
 CUDA_CONTEXT_BYTES = 600 << 20  # host memory of a CUDA context and its libraries
 
 
@@ -164,26 +166,41 @@ class Unit:
     cost: int = 0  # working set + output bytes (budget)
 
 
-def unit_costs(t: OutTensor, device: torch.device) -> tuple[int, int]:
+def quant_sizes(workers: int) -> tuple[int, Optional[int]]:
+    """(elements per CPU quantize call, blocks per tile or None for mxfp8's default). Every torch op takes the
+    GIL back when it returns, so the small cache-resident tiles that are fastest on one core (~200 ops per
+    million elements) make the GIL the limit once many workers quantize at once (measured on the 16-core H200
+    machine: an 8 GB conversion took 19 s at 16 workers). Past 2 workers a call is one tile of 4M elements:
+    ~25x fewer ops per byte for ~13% more CPU time per byte (single-threaded). Same bytes and statistics."""
+    if workers <= 2:
+        return QUANT_CHUNK_ELEMS, None
+    return MANY_WORKERS_QUANT_ELEMS, MANY_WORKERS_QUANT_ELEMS // mxfp8.BLOCK
+
+
+def unit_costs(t: OutTensor, device: torch.device, workers: int = 1) -> tuple[int, int]:
     """(working set, output bytes) of one unit of t (one expert, or the whole tensor), in bytes."""
     src = _src_bytes(t)
+    read = src if device.type == "cpu" and src > SLAB_MAX_BYTES else 0  # reads live in the worker's slab
+    # (memory_estimate counts the slabs), except CPU reads too large for one
     if not t.quantize:
-        return src, src
+        return read, src  # the value: the read itself, or a copy a builder makes of it
     if device.type == "cpu":  # chunk temporaries + the chunk's q. 16 bytes/element bounds mxfp8's reference path
         # (fp32 copy, decoded copy, int32 codes, |error|), which its tiled CPU path falls back to for rare inputs;
-        # the tiled path itself needs ~1 byte/element of per-block arrays plus ~1 MB of reused tile buffers
-        chunk = min(src // t.dtype.itemsize, QUANT_CHUNK_ELEMS)
-        return src + 4 * 4 * chunk, chunk + chunk // mxfp8.BLOCK
+        # the tiled path itself needs ~1 byte/element of per-block arrays plus 10 bytes/element of reused tile
+        # buffers (fp32 copy, fp32 squares, int16 decode)
+        chunk = min(src // t.dtype.itemsize, quant_sizes(workers)[0])
+        return read + 4 * 4 * chunk, chunk + chunk // mxfp8.BLOCK
     return src, 0  # GPU: reads and results live in the worker's pinned slabs (memory_estimate counts them);
     # src covers pageable copies a builder may make (uninterleaving, dequantizing a pre-quantized source)
 
 
-def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], device: torch.device) -> list:
+def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], device: torch.device,
+               workers: int = 1) -> list:
     units = []
     for t in tensors:
         if skip(t):
             continue
-        work, out = unit_costs(t, device)
+        work, out = unit_costs(t, device, workers)
         src = verbatim_source(t, meta)
         if t.per_expert:
             for e in range(t.shape[0]):
@@ -214,14 +231,17 @@ def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.devic
     mem = memory_status()
     base = mem.get("RssAnon", 0) + mem.get("RssFile", 0) + (CUDA_CONTEXT_BYTES if device.type == "cuda" else 0)
     costs = [(0, min(COPY_CHUNK_BYTES, _src_bytes(t))) if verbatim_source(t, meta) is not None
-             else unit_costs(t, device) for t in tensors]  # a copied range is both read and output buffer
+             else unit_costs(t, device, workers) for t in tensors]  # a copied range is both read and output buffer
     unit = max((w + o for w, o in costs), default=0)
     scales = sum(sorted(scale_array_bytes(t) for t in tensors)[-2:])
     readback = workers * safetensors_io.DIGEST_CHUNK_BYTES  # each worker may read a chunk back to hash it
-    if device.type == "cuda":  # every worker keeps its pinned slabs for the whole run
-        src = max((_src_bytes(t) for t in tensors if t.quantize or verbatim_source(t, meta) is None), default=0)
+    src = max((min(COPY_CHUNK_BYTES, _src_bytes(t)) if verbatim_source(t, meta) is not None else _src_bytes(t)
+               for t in tensors), default=0)  # one unit's reads: what a worker's read slab grows to
+    if device.type == "cuda":  # every worker keeps its pinned slabs (registered at their size) for the whole run
         out = max((_out_bytes(t) for t in tensors if t.quantize), default=0)
-        base += workers * (pow2_ceil(src + 4096) + pow2_ceil(out + 4096))
+        base += workers * (src + 4096 + out + 4096)
+    elif src <= SLAB_MAX_BYTES:  # CPU: every worker keeps its read slab (its largest unit's reads)
+        base += workers * src
     inflight = max(unit, min(workers * unit, budget_for(max_memory, base, scales + readback)))
     return {"base": base, "unit": unit, "workers": workers, "inflight": inflight, "scales": scales,
             "readback": readback, "total": base + inflight + scales + readback, "max_memory": max_memory}
@@ -240,7 +260,7 @@ def scale_array_bytes(t: OutTensor) -> int:
 def pinned_slab_bytes(units: list) -> dict:
     """Sizes of one worker's pinned buffers on the GPU path: src holds a unit's reads (each 64-byte aligned),
     out one part's results (values + scales)."""
-    src = max((_src_bytes(u.t) for u in units if u.kind != "copy"), default=0)
+    src = max((u.length if u.kind == "copy" else _src_bytes(u.t) for u in units), default=0)
     out = max((_out_bytes(u.t) for u in units if u.t.quantize), default=0)
     return {"src": src + 4096, "out": out + 4096}
 
@@ -249,11 +269,6 @@ def _out_bytes(t: OutTensor) -> int:
     """Values + scales of one unit of a quantized tensor (one expert, or the whole tensor)."""
     elems = _src_bytes(t) // t.dtype.itemsize
     return elems + elems // mxfp8.BLOCK
-
-
-def pow2_ceil(n: int) -> int:
-    """torch's pinned-memory allocator hands out blocks rounded up to a power of two."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 def budget_for(max_memory: int, base: int, reserved: int) -> int:
@@ -397,19 +412,24 @@ class Pipeline:
         self.shards: dict = {}
         self.tensor_digest: dict = {}
         self.chunk_bytes = safetensors_io.DIGEST_CHUNK_BYTES
+        self.quant_sizes = quant_sizes(workers)
         self.jobs: dict = {}
         self.error: Optional[tuple] = None
         self.estimate = memory_estimate(plan.tensors, plan.source.stored_meta, workers, device, max_memory)
         self.budget = Budget(self.estimate["inflight"])
         self.local = threading.local()
+        self.registered: list = []  # page-locked slabs (GPU path)
 
     # -- reads
     def read(self, name: str, index: Optional[int] = None) -> torch.Tensor:
         pre = self.plan.source.prequantized  # a quantized source weight: dequantized (porter.prequantized)
         if pre is not None and name in pre.scales:
             return pre.dequantize(self.reader.read(name, index), self.reader.read(pre.scales[name], index))
-        if self.pin:  # into this worker's pinned slab: the async host->device copy needs page-locked memory
-            return self.reader.read(name, index, into=self._slab("src", self.reader.nbytes(name, index)))
+        n = self.reader.nbytes(name, index)
+        if self.pin or n <= SLAB_MAX_BYTES:  # into this worker's slab: pinned on the GPU path (the async
+            # host->device copy needs page-locked memory); on the CPU a reused buffer instead of a fresh
+            # allocation per read (large ones are mmapped and page-faulted in every time: kernel time)
+            return self.reader.read(name, index, into=self._slab("src", n))
         return self.reader.read(name, index)
 
     def read_scale(self, name: str, index: Optional[int] = None) -> torch.Tensor:
@@ -428,18 +448,39 @@ class Pipeline:
         return t.quantize and pre is not None and pre.keeps_scales and any(s in pre.scales for s in t.sources)
 
     def _slab(self, which: str, n: int) -> torch.Tensor:
-        """n bytes of this worker thread's pinned buffer `which` (src: the unit's reads; out: one part's
-        results). Allocated once per worker and reused for every unit (reset when a unit starts; results
-        are written out before the next part), so pinned memory stays workers x (unit + part) bytes."""
+        """n bytes of this worker thread's buffer `which` (src: the unit's reads, pinned on the GPU path; out:
+        one part's results on the GPU path). Allocated once per worker and reused for every unit (reset when
+        a unit starts; results are written out before the next part), so slab memory stays workers x (unit
+        + part) bytes and no read page-faults fresh memory in."""
         at = getattr(self.local, which + "_at", 0)
         slab = getattr(self.local, which, None)
         if slab is None or at + n > slab.numel():  # sized once from the plan (slab_bytes); grows only past it
-            slab = torch.empty(max(self.slab_bytes.get(which, 0), at + n), dtype=torch.uint8,
-                               pin_memory=self.device.type == "cuda")
+            slab = self._new_slab(max(self.slab_bytes.get(which, 0), at + n))
             setattr(self.local, which, slab)
             at = 0  # views already handed out keep the old slab alive until the unit ends
         setattr(self.local, which + "_at", at + (n + 63) // 64 * 64)
         return slab[at:at + n]
+
+    def _new_slab(self, n: int) -> torch.Tensor:
+        """n bytes; page-locked on the GPU path, registered with CUDA at exactly n bytes (torch's pinned
+        allocator rounds up to a power of two: up to 2x the memory to lock, which costs kernel time and
+        counts in the peak). Falls back to torch's pinned allocator if registering fails."""
+        slab = torch.empty(n, dtype=torch.uint8)
+        if self.device.type != "cuda":
+            return slab
+        if n and int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), n, 0)) == 0:
+            with self.lock:
+                self.registered.append(slab)  # unregistered when the run ends (_release_slabs)
+            return slab
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+
+    def _release_slabs(self) -> None:
+        """After the workers are done: unlock the registered slabs (once no copy can still be reading them)."""
+        if self.registered:
+            torch.cuda.synchronize(self.device)
+        for slab in self.registered:
+            torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+        self.registered.clear()
 
     # -- shard bookkeeping
     def _todo(self, f: str) -> int:
@@ -512,6 +553,7 @@ class Pipeline:
                 fut.result()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            self._release_slabs()
             torch.set_num_threads(threads)
             self.reader.close()
             if self.error is not None:
@@ -525,7 +567,7 @@ class Pipeline:
 
     def _run_unit(self, u: Unit) -> None:
         cost = [u.cost]
-        self.local.src_at = 0  # this worker's pinned slab (GPU path) is free again
+        self.local.src_at = 0  # this worker's read slab is free again
         try:
             if self.error is None:
                 {"expert": self._expert, "copy": self._copy, "whole": self._whole}[u.kind](u, cost)
@@ -543,7 +585,8 @@ class Pipeline:
 
     def _copy(self, u: Unit, cost: list) -> None:
         src = u.t.sources[0]
-        self.deposit(u.t.name, u.begin, self.reader.read_bytes(src, u.begin, u.length), cost)
+        buf = self._slab("src", u.length)  # at most COPY_CHUNK_BYTES
+        self.deposit(u.t.name, u.begin, self.reader.read_bytes(src, u.begin, u.length, into=buf), cost)
 
     def _whole(self, u: Unit, cost: list) -> None:
         t = u.t
@@ -617,17 +660,18 @@ class Pipeline:
     def _quantize(self, w: torch.Tensor, name: str, keep: Optional[torch.Tensor] = None):
         """Yields (first row, q, scale, error sums) per chunk of rows of w, in row order, results on the CPU.
         keep: scale bytes to re-quantize with ([..., K/32]: an MXFP8 source's own), None for the rounding rule.
-        CPU: chunks of QUANT_CHUNK_ELEMS (cache-resident; each is written out before the next is made).
+        CPU: chunks of quant_sizes(workers) elements (each is written out before the next is made).
         CUDA: the whole of w at once (_quantize_cuda)."""
         if self.device.type == "cuda":
             yield (0, *self._quantize_cuda(w, name, keep))
             return
-        rows = max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[-1])) if w.ndim == 2 else 0
+        chunk, tile = self.quant_sizes
+        rows = max(1, chunk // max(1, w.shape[-1])) if w.ndim == 2 else 0
         if w.ndim != 2 or rows >= w.shape[0]:
-            yield (0, *mxfp8.quantize_with_error(w, self.rounding, name, keep_scale=keep))
+            yield (0, *mxfp8.quantize_with_error(w, self.rounding, name, keep_scale=keep, tile_blocks=tile))
             return
         for r in range(0, w.shape[0], rows):
-            yield (r, *mxfp8.quantize_with_error(w[r:r + rows], self.rounding, name,
+            yield (r, *mxfp8.quantize_with_error(w[r:r + rows], self.rounding, name, tile_blocks=tile,
                                                  keep_scale=None if keep is None else keep[r:r + rows]))
 
     def _quantize_cuda(self, w: torch.Tensor, name: str, keep: Optional[torch.Tensor] = None) -> tuple:

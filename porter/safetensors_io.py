@@ -186,10 +186,12 @@ class TensorReader:
             pread_into(self._fd(path), memoryview(out.reshape(-1).view(torch.uint8).numpy()), offset, path)
         return out
 
-    def read_bytes(self, name: str, begin: int, length: int, pin: bool = False) -> torch.Tensor:
-        """`length` raw bytes of a tensor's data from byte `begin` (a verbatim copy, chunk by chunk)."""
+    def read_bytes(self, name: str, begin: int, length: int, pin: bool = False,
+                   into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`length` raw bytes of a tensor's data from byte `begin` (a verbatim copy, chunk by chunk).
+        into: a uint8 buffer of exactly `length` bytes to read into."""
         path, offset, _, _ = self.spans[name]
-        out = torch.empty(length, dtype=torch.uint8, pin_memory=pin)
+        out = torch.empty(length, dtype=torch.uint8, pin_memory=pin) if into is None else into
         pread_into(self._fd(path), memoryview(out.numpy()), offset + begin, path)
         return out
 

@@ -234,6 +234,8 @@ def test_cpu_tiles_match_direct_rule(monkeypatch, dtype, rounding, extreme):
         w = awkward_weights(dtype, seed, extreme)
         want = direct_quantize_with_error(w, rounding)
         assert_same(mxfp8.quantize_with_error(w, rounding), want)
+        for tile in (3, 1 << 17):  # explicit tiles (the pipeline's choice past 2 workers): same numbers
+            assert_same(mxfp8.quantize_with_error(w, rounding, tile_blocks=tile), want)
         q, s = mxfp8.quantize(w, rounding)
         assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(s, want[1])
         for shape in ((8, 5, 256), (10240,)):  # stacked experts; one row

@@ -1,22 +1,24 @@
 #!/bin/bash
 # One call on the H200 machine (16 cores + one H200) for conversion throughput: the GPU conversion tests,
 # convert_throughput.py on 16 cores (8 GB, CPU and --device cuda, warm and cold page cache) and on 2 cores
-# (taskset -c 0,1, 2 GB, CPU), then a per-stage CPU-time profile of the --device cuda conversion.
-# Logs and JSON go to $OUT (the device tool's return folder; default benchmarks/results/).
+# (taskset -c 0,1, 2 GB, CPU), then per-stage profiles (convert_profile.py) of --device cuda and of the CPU.
+# Each step has its own time limit (T*, seconds). Logs and JSON go to $OUT (default benchmarks/results/).
 #   bash benchmarks/convert_h200.sh
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc; free -g | head -2; df -h . | tail -1
-  python3 -c "import torch; print('torch', torch.__version__)"; git log --oneline -1 2>/dev/null; } > "$OUT/convert_env.txt" 2>&1
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc; free -g | head -2; df -hT . | tail -1
+  uname -r; python3 -c "import torch; print('torch', torch.__version__)"; } > "$OUT/convert_env.txt" 2>&1
 cat "$OUT/convert_env.txt"
-taskset -c 0-15 timeout ${T16:-130} python3 benchmarks/convert_throughput.py --sizes 8 --devices cpu,cuda --no-single \
-  --cache warm,cold --out "$OUT/convert_throughput_h200_16c.json" 2>&1 | tee "$OUT/convert_16c.log" | grep -v '^{'
-timeout ${TGPU:-45} python3 -m pytest -q -m gpu tests/test_convert.py -p no:cacheprovider 2>&1 | tail -5 \
+timeout ${TGPU:-40} python3 -m pytest -q -m gpu tests/test_convert.py -p no:cacheprovider 2>&1 | tail -5 \
   | tee "$OUT/convert_gpu_tests.log"
-taskset -c 0,1 timeout ${T2:-50} python3 benchmarks/convert_throughput.py --sizes 2 --devices cpu --no-single \
+taskset -c 0-15 timeout ${T16:-140} python3 benchmarks/convert_throughput.py --sizes 8 --devices cpu,cuda --no-single \
+  --cache warm,cold --out "$OUT/convert_throughput_h200_16c.json" 2>&1 | tee "$OUT/convert_16c.log" | grep -v '^{'
+taskset -c 0,1 timeout ${T2:-45} python3 benchmarks/convert_throughput.py --sizes 2 --devices cpu --no-single \
   --out "$OUT/convert_throughput_h200_2c.json" 2>&1 | tee "$OUT/convert_2c.log" | grep -v '^{'
-taskset -c 0-15 timeout ${TPROF:-35} python3 benchmarks/convert_profile.py --gb 4 --device cuda \
-  --out "$OUT/convert_profile_h200_cuda.json" 2>&1 | tee "$OUT/convert_profile_cuda.log"
+for dev in cuda cpu; do
+  taskset -c 0-15 timeout ${TPROF:-25} python3 benchmarks/convert_profile.py --gb 4 --device $dev \
+    --out "$OUT/convert_profile_h200_$dev.json" 2>&1 | tee "$OUT/convert_profile_$dev.log"
+done

@@ -5,7 +5,8 @@ counted): quantize (porter.mxfp8.quantize_with_error, CPU path), GPU quantize (P
 host-side time of copies, kernels launched and waited for), source reads (TensorReader.read/read_bytes),
 pwrite, digests (TensorDigest.add: every sha256 of the output) and the part of them that reads written
 bytes back (read_chunk_sha256), early writeback (sync_file_range). Prints them with the process's user and
-system time, wall time and the final fsync. Checkpoint: the synthetic real-dims one of convert_throughput.py.
+system time, wall time split at the pipeline's marks (planning, until the first unit starts, the units,
+the finish with its fsync) and the final fsync. Checkpoint: the synthetic real-dims one of convert_throughput.py.
 
     python benchmarks/convert_profile.py [--gb 2] [--experts 8] [--workers N] [--device cpu] [--out FILE]
 """
@@ -53,6 +54,33 @@ def instrument() -> collections.Counter:
     return spent
 
 
+def timeline() -> dict:
+    """Wall-clock marks of the pipeline (seconds from time.perf_counter): run start/end, first unit start,
+    last unit end."""
+    from porter import pipeline
+    marks, lock = {}, threading.Lock()
+    run, unit = pipeline.Pipeline.run, pipeline.Pipeline._run_unit
+
+    def timed_run(self, units):
+        marks["run_start"] = time.perf_counter()
+        try:
+            return run(self, units)
+        finally:
+            marks["run_end"] = time.perf_counter()
+
+    def timed_unit(self, u):
+        t = time.perf_counter()
+        with lock:
+            marks["first_unit_start"] = min(marks.get("first_unit_start", t), t)
+        try:
+            return unit(self, u)
+        finally:
+            with lock:
+                marks["last_unit_end"] = time.perf_counter()
+    pipeline.Pipeline.run, pipeline.Pipeline._run_unit = timed_run, timed_unit
+    return marks
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=2.0)
@@ -68,18 +96,25 @@ def main():
         src = ct.build_checkpoint(Path(tmp) / "src", max(2, round(args.gb * 0.85)), args.experts)
         gb = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
         ct.warm(src)
-        spent = instrument()
+        spent, marks = instrument(), timeline()
         r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         done = porter.convert(src, Path(tmp) / "out", progress=False, workers=args.workers, device=args.device)
         wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+        t_end = t0 + wall
         shutil.rmtree(Path(tmp) / "out", ignore_errors=True)
     result = {"machine": ct.machine(), "source_gb": gb, "workers": done["workers"], "device": done["device"],
               "wall_seconds": wall, "fsync_seconds": done["fsync_seconds"],
               "user_seconds": r1.ru_utime - r0.ru_utime, "system_seconds": r1.ru_stime - r0.ru_stime,
-              "core_seconds": dict(spent.most_common())}
+              "core_seconds": dict(spent.most_common()),
+              "wall": {"plan_and_open": marks["run_start"] - t0,
+                       "until_first_unit": marks["first_unit_start"] - marks["run_start"],
+                       "units": marks["last_unit_end"] - marks["first_unit_start"],
+                       "after_last_unit": marks["run_end"] - marks["last_unit_end"],
+                       "finish_incl_fsync": t_end - marks["run_end"]}}
     print(f"{gb:.2f} GB, {done['workers']} workers, {done['device']}: {wall:.2f} s ({gb / wall:.2f} GB/s; "
           f"fsync {done['fsync_seconds']:.2f} s), user {result['user_seconds']:.2f} s, "
           f"system {result['system_seconds']:.2f} s")
+    print("  wall: " + ", ".join(f"{k} {v:.2f} s" for k, v in result["wall"].items()))
     for k, v in spent.most_common():
         print(f"  {k:34s} {v:7.2f} core-s")
     if args.out:

@@ -36,7 +36,6 @@ sys.path.insert(0, str(ROOT / "examples"))
 import porter  # noqa: E402
 import runtime  # noqa: E402
 import runtime.models.minimax_m3 as m3  # noqa: E402
-from runtime import fused  # noqa: E402
 from runtime.models.minimax_m3 import MoE, DecodeGraph, Step  # noqa: E402
 from runtime.moe.contract import route  # noqa: E402
 from tiny_checkpoint import build_tiny_checkpoint, real_dims_overrides  # noqa: E402
@@ -162,8 +161,8 @@ def decode_case(model, batch: int, kv: int, bw: float, compare: bool = False) ->
         floor = b / bw * 1e3
         row = {"layer": i, "kind": "moe" if isinstance(layer.mlp, MoE) else "dense", "ms": ms,
                "eager_ms": eager, "bytes": b, "experts_touched": touched, "floor_ms": floor, "x_floor": ms / floor}
-        if compare:  # the op-by-op decode step (PORTER_FUSED_DECODE=0) on the same inputs: time and output;
-            fused_out = layer(h, step, lc)  # and the fused step without programmatic dependent launch
+        if compare:  # the op-by-op decode step (PORTER_FUSED_DECODE=0) on the same inputs: time and output
+            fused_out = layer(h, step, lc)
             m3.FUSED_DECODE = False
             try:
                 row["op_by_op_ms"] = timed(lambda: layer(h, step, lc))
@@ -171,12 +170,6 @@ def decode_case(model, batch: int, kv: int, bw: float, compare: bool = False) ->
                                                      / layer(h, step, lc).float().norm())
             finally:
                 m3.FUSED_DECODE = True
-            if fused.PDL:
-                fused.PDL = False
-                try:
-                    row["no_pdl_ms"] = timed(lambda: layer(h, step, lc))
-                finally:
-                    fused.PDL = True
         rows.append(row)
     tok = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
     try:
@@ -319,9 +312,9 @@ def main():
                 lines.append(f"| {batch} | {kv} | {r['layer']} | {r['kind']} | {r['ms']:.3f} | {r['eager_ms']:.3f} | "
                              f"{op} | {r['bytes'] / 1e6:.1f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} |")
                 log.info("quantize=%s B=%d KV=%d layer %d (%s): %.3f ms (eager %.3f), %.1f MB, floor %.3f ms, "
-                         "%.2fx floor; op-by-op %s ms, fused vs op-by-op rel %s, no PDL %s ms", scope, batch, kv,
+                         "%.2fx floor; op-by-op %s ms, fused vs op-by-op rel %s", scope, batch, kv,
                          r["layer"], r["kind"], r["ms"], r["eager_ms"], r["bytes"] / 1e6, r["floor_ms"], r["x_floor"],
-                         r.get("op_by_op_ms"), r.get("fused_vs_op_by_op_rel"), r.get("no_pdl_ms"))
+                         r.get("op_by_op_ms"), r.get("fused_vs_op_by_op_rel"))
             p = case["projection"]
             log.info("quantize=%s B=%d KV=%d: whole %d-layer step (DecodeGraph) %.3f ms; projected 60 layers + "
                      "lm_head %.2f ms -> %.1f tok/s per sequence (%.1f tok/s total)", scope, batch, kv,

@@ -82,7 +82,7 @@ def main():
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
                 ref = graph_ms(lambda: torch.nn.functional.linear(x, wb))
-                default = gemv.config(nw // per, k, per, scale is not None, weight.element_size())
+                default = gemv.config(swiglu, scale is not None)
                 cfgs = CONFIGS if rows <= 16 or best_cfgs is None else best_cfgs
                 timings = []
                 for cfg in cfgs:
@@ -110,14 +110,15 @@ def main():
                 print(f"BEST {name} {kind} rows={rows}: {cfg} {ms * 1e3:.1f} us ({line['best_TBps']:.2f} TB/s); "
                       f"default {default} {dms * 1e3:.1f} us ({line['default_TBps']:.2f} TB/s); torch bf16 "
                       f"{ref * 1e3:.1f} us ({line['torch_bf16_TBps']:.2f} TB/s)", flush=True)
-    # the router: fp32 weights [E, H], one GEMV into fp32 logits
+    # the router: fp32 weights [E, H] -> fp32 logits (runtime.fused.router_logits: one program per expert)
+    from runtime import fused
     for e in (8, 128):
         rw = torch.randn(e, H, device=dev)
         x = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
-        ms = graph_ms(lambda: gemv.gemv(x, rw, out_dtype=torch.float32))
+        ms = graph_ms(lambda: fused.router_logits(x, rw))
         ref = graph_ms(lambda: x.float() @ rw.t())
-        print(f"router E={e}: gemv {ms * 1e3:.1f} us, torch {ref * 1e3:.1f} us")
-        results.append({"shape": f"router_E{e}", "gemv_us": ms * 1e3, "torch_us": ref * 1e3})
+        print(f"router E={e}: router_logits {ms * 1e3:.1f} us, torch {ref * 1e3:.1f} us")
+        results.append({"shape": f"router_E{e}", "router_logits_us": ms * 1e3, "torch_us": ref * 1e3})
     if args.out:
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "results": results}, indent=1))

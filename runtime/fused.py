@@ -136,6 +136,19 @@ def index_select(iq: torch.Tensor, idx_cache: torch.Tensor, pos: torch.Tensor, k
     return top
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H] (T <= 64), router weight [E, H] fp32 -> fp32 logits [T, E] = x.float() @ weight.t()."""
+    from runtime.fused_triton import router_logits_kernel
+    T, K = x.shape
+    E = weight.shape[0]
+    xc = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty((T, E), dtype=torch.float32, device=x.device)
+    bm = next_pow2(T)
+    router_logits_kernel[(E,)](xc, weight.contiguous(), out, T, E, K, xc.stride(0), BM=bm, BK=max(64, 2048 // bm),
+                               num_warps=4, USE_PDL=bool(pdl(x.device)), **pdl(x.device))
+    return out
+
+
 def router_select(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 router logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32), as
     runtime.moe.contract.select_experts."""

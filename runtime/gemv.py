@@ -7,8 +7,12 @@ the H200 stream bf16 at ~2.8 TB/s of the ~4.3 TB/s a copy reaches (benchmarks/re
 the epilogues fold in what the unfused layer does next with the output, bit for bit in its rounding:
   * `swiglu=(alpha, beta, limit)`: W = [gate; up] rows, y = SwiGLU-OAI(gate, up) (shared expert, dense MLP);
   * `add=(a1,)` / `add=(a1, a2)`: y = (y + a1) + a2 in the output dtype (residual adds).
-Tile configs (BN output columns per program, BK, warps, stages) come from the H200 sweep recorded in
-benchmarks/results/ (benchmarks/gemv_sweep.py); PORTER_GEMV_CONFIG="BN,BK,WARPS,STAGES" overrides them.
+Tile configs (BN output columns per program, BK, warps, stages) come from the H200 sweep
+(benchmarks/gemv_sweep.py, benchmarks/results/gemv_sweep_NVIDIA_H200.log): the largest tiles that fit
+in shared memory streamed best (32 output rows x 512 K per step, 4 warps, 4 stages: bf16 3.1-3.3 TB/s,
+MXFP8 1.8-2.2 TB/s of 1-byte weights); PORTER_GEMV_CONFIG="BN,BK,WARPS,STAGES" overrides them.
+cuBLAS streams a plain bf16 GEMV at 3.4-3.7 TB/s on the same shapes, so 16-bit weights go through this
+kernel only where an epilogue saves kernels (`runs`, policy BF16).
 """
 from __future__ import annotations
 
@@ -20,7 +24,10 @@ import torch
 from runtime.fused import next_pow2, pdl, use_triton
 
 MAX_ROWS = 64  # the kernel pads rows to BM <= 64; beyond that a GEMM is no longer bound by weight bytes
-SMS_H200 = 132
+SMEM_BYTES = 216 * 1024  # pipeline buffers per program: (stages - 1) x (x tile + weight tile + scales)
+# Which 16/32-bit-weight linears run this kernel at decode sizes: "adds" (only those with residual adds
+# fused: the adds would be extra kernels), "all", or "none" (cuBLAS). MXFP8 weights always run it.
+BF16 = os.environ.get("PORTER_GEMV_BF16", "adds")
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -30,18 +37,34 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and use_triton(weight) and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS)
 
 
-def config(n_out: int, k: int, rows_per_col: int, mx: bool, w_bytes: int) -> tuple[int, int, int, int]:
-    """(BN, BK, warps, stages) for N = n_out output columns (rows_per_col weight rows each: 2 with
-    SWIGLU). Enough programs that every SM streams (>= ~2 per SM), each K step ~8-16 KB of weight."""
+def runs(x: torch.Tensor, weight: torch.Tensor, adds: bool = False) -> bool:
+    """Whether a linear of x against weight runs gemv (MXFP8: whenever it applies; else per BF16)."""
+    if not applies(x, weight):
+        return False
+    return weight.dtype == torch.float8_e4m3fn or BF16 == "all" or (BF16 == "adds" and adds)
+
+
+def config(swiglu: bool, mx: bool) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, stages): the H200 sweep's best at MiniMax-M3's decode shapes (rows 1 and 8)."""
     env = os.environ.get("PORTER_GEMV_CONFIG")
     if env:
         bn, bk, warps, stages = (int(v) for v in env.split(","))
         return bn, bk, warps, stages
-    bn = 32 // rows_per_col
-    while bn > 16 // rows_per_col and -(-n_out // bn) < 2 * SMS_H200:  # tl.dot needs >= 16 rows
-        bn //= 2
-    bk = 512 if w_bytes == 1 else 256
-    return bn, bk, 4, 4
+    if swiglu and not mx:
+        return 32, 256, 4, 3  # 64 weight rows x 256 (bf16: 32 KB per step)
+    return 32, 512, 4, 4
+
+
+def fit(bm: int, rows: int, bk: int, stages: int, x_bytes: int, w_bytes: int, mx: bool) -> tuple[int, int]:
+    """(BK, stages) whose pipeline buffers fit SMEM_BYTES: fewer stages first (down to 2), then a
+    narrower K step (many rows or fp32 activations)."""
+    def need(bk_, st):
+        return (st - 1) * (bk_ * (bm * x_bytes + rows * w_bytes) + (rows * bk_ // 32 if mx else 0))
+    while need(bk, stages) > SMEM_BYTES and stages > 2:
+        stages -= 1
+    while need(bk, stages) > SMEM_BYTES and bk > 64:
+        bk //= 2
+    return bk, stages
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None, *,
@@ -69,9 +92,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = 
         if a.stride(-1) != 1:
             raise ValueError("gemv: add tensors need a contiguous last dim")
     per = 2 if swiglu is not None else 1
-    bn, bk, warps, stages = cfg or config(n, K, per, mx, weight.element_size())
+    bn, bk, warps, stages = cfg or config(swiglu is not None, mx)
     bk = min(bk, max(32 if mx else 16, next_pow2(K)))
     bm = max(16, next_pow2(M))
+    bk, stages = fit(bm, bn * per, bk, stages, x2.element_size(), weight.element_size(), mx)
     ieee = torch.float32 in (x.dtype, weight.dtype)
     alpha, beta, limit = (float(v) for v in swiglu) if swiglu is not None else (0.0, 0.0, 0.0)
     a1 = adds[0] if adds else y

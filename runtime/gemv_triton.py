@@ -30,7 +30,6 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, a1_ptr, a2_ptr, M, N, K, sxm, swn, s
     pid_m = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
     m_ok = rm < M
-    xm = tl.where(m_ok, rm, 0)  # padding rows read row 0: loads stay unmasked, results are dropped
     r = tl.arange(0, ROWS)
     if SWIGLU:
         col = pid_n * BN + r % BN
@@ -40,17 +39,17 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, a1_ptr, a2_ptr, M, N, K, sxm, swn, s
         wrow = col
     wrow = tl.where(col < N, wrow, 0).to(tl.int64)
     rk = tl.arange(0, BK)
-    x_ptrs = x_ptr + xm[:, None] * sxm + rk[None, :]
+    x_ptrs = x_ptr + rm[:, None] * sxm + rk[None, :]  # padding rows (>= M) are masked: no memory traffic
     w_ptrs = w_ptr + wrow[:, None] * swn + rk[None, :]
     s_ptrs = s_ptr + wrow[:, None] * ssn + tl.arange(0, BK // 32)[None, :]
     acc = tl.zeros((BM, ROWS), dtype=tl.float32)
     for k0 in range(0, K, BK):
         if EVEN_K:
-            x = tl.load(x_ptrs)
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             w = tl.load(w_ptrs)
         else:
             k_ok = (k0 + rk) < K
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
         if MX:
             if EVEN_K:

@@ -72,15 +72,16 @@ def _capturing() -> bool:
 
 class Linear:
     """y = x W^T with W stored as is (bf16/fp32) or MXFP8 (e4m3 + uint8 scales). On CUDA with few rows
-    (decode) one GEMV kernel (runtime.gemv) streams the stored weight once, MXFP8 dequantized in
-    registers; elsewhere the weight is cast or dequantized per call, then multiplied. add: tensors
-    [..., N] added to the output in order, in its dtype (residual adds; fused into the GEMV)."""
+    (decode) MXFP8 runs one GEMV kernel (runtime.gemv) that streams the 1-byte weights once, dequantized
+    in registers (16-bit weights too where gemv.runs says it pays); elsewhere the weight is cast or
+    dequantized per call, then multiplied. add: tensors [..., N] added to the output in order, in its
+    dtype (residual adds; fused into the GEMV's epilogue when it runs)."""
 
     def __init__(self, weight: torch.Tensor, scale: Optional[torch.Tensor] = None):
         self.weight, self.scale = weight, scale
 
     def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:
-        if gemv.applies(x, self.weight):
+        if gemv.runs(x, self.weight, adds=bool(add)):
             return gemv.gemv(x, self.weight, self.scale, add=add)
         if self.scale is not None:
             w = mxfp8.dequantize(self.weight, self.scale, x.dtype)
@@ -435,8 +436,12 @@ class MLP:
 
     def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:
         """x [..., H] -> [..., H]; add: tensors added to the output in order (fused into down's GEMV)."""
-        if self.gate_up is not None and gemv.applies(x, self.gate_up.weight):
+        if self.gate_up is not None and gemv.runs(x, self.gate_up.weight):
             act = gemv.gemv(x, self.gate_up.weight, self.gate_up.scale, swiglu=self.params)
+        elif self.gate_up is not None and gemv.applies(x, self.gate_up.weight):  # one cuBLAS GEMV, then SwiGLU
+            both = self.gate_up(x)  # [..., 2I]
+            inter = both.shape[-1] // 2
+            act = fused.swiglu(both[..., :inter], both[..., inter:], *self.params)
         else:
             gate, up = self.gate(x), self.up(x)
             if fused.use_triton(gate):
@@ -467,8 +472,8 @@ class MoE:
         """x [..., H] -> routed + shared [..., H], then + each of add in order."""
         flat = x.reshape(-1, x.shape[-1])  # [B*T, H]
         r = self.routing
-        if gemv.applies(flat, r.router_weight):  # fp32 logits GEMV + one selection kernel
-            logits = gemv.gemv(flat, r.router_weight, out_dtype=torch.float32)  # [B*T, E]
+        if gemv.applies(flat, r.router_weight):  # fp32 logits kernel + one selection kernel
+            logits = fused.router_logits(flat, r.router_weight)  # [B*T, E]
             ids, weights = fused.router_select(logits, r.e_score_correction_bias, r.top_k)
             y = self.experts.forward_topk(flat, ids, weights)  # routed sum * routed_scaling_factor
         else:

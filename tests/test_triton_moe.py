@@ -103,9 +103,9 @@ def test_matches_torch_minimax_like_dims(t):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
 @pytest.mark.parametrize("t", [1, 2, 4])
 def test_repeat_calls_agree_within_one_bf16_ulp(t):
-    """The NOSORT fused output (last arriver per (token, N tile) writes y, re-zeroes scratch and
-    counters): a second and third call on the same inputs reuse the counters and scratch the first
-    left zeroed. Only the order of the fp32 top-k atomics may differ between calls, so every element
+    """The NOSORT path, with the fused output at one token (last arriver per (token, N tile) writes
+    y, re-zeroes scratch and counters) and prep zeroing + atomics + cast at 2 and 4 tokens: a second
+    and third call on the same inputs reuse the counters and scratch the first left zeroed. Only the order of the fp32 top-k atomics may differ between calls, so every element
     agrees to within one bf16 rounding step of its magnitude (2^-8 relative); a missed contribution
     or a stale counter is orders of magnitude larger."""
     quant = make_quant(8, 768, 384, "cuda")
@@ -200,11 +200,13 @@ def test_nosort_path_matches_torch(t, k, e):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("t,cfg", [(8, None), (3, tb.MoeConfig(16, 32, 128, 4, 3, 64, 128, 4, 3)),
+@pytest.mark.parametrize("t,cfg", [(1, None), (8, None), (3, tb.MoeConfig(16, 32, 128, 4, 3, 64, 128, 4, 3)),
                                    (40, None), (300, tb.MoeConfig(64, 64, 64, 4, 3, 128, 64, 4, 3))])
 def test_fused_output_paths_agree_and_leave_scratch_zeroed(t, cfg):
-    """Every path (no-sort with the fused last-arriver output incl. forced at T*k = 32, no-sort unfused, sorted prep + atomics + cast) with and without PDL gives the same
-    result; the persistent fp32 scratch and arrival counters are zero again after each call."""
+    """Every path (no-sort with the fused last-arriver output at one token, no-sort unfused incl.
+    forced at T*k = 32, sorted prep + atomics + cast) with and without PDL gives the same result;
+    the persistent fp32 scratch and arrival counters are zero again after each call. (The fused
+    output is not requested for several tokens: it raced there, see fused_moe.)"""
     e, h, i, k = 16, 768, 384, 4
     quant = make_quant(e, h, i, "cuda")
     routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
@@ -214,7 +216,9 @@ def test_fused_output_paths_agree_and_leave_scratch_zeroed(t, cfg):
     p = tb.TritonMoE(quant, routing).prepared
     base = tb.fused_moe(p, x, ids, w, 2.5, cfg, nosort=False, fused_out=False)
     assert rel(base, ref) <= REL_TOL
-    variants = [(True, True), (True, False)] if t * k <= 64 else [(False, True)]  # (False, True): unfused
+    variants = [(True, False)] if t * k <= 64 else [(False, True)]  # (False, True): unfused (sorted)
+    if t == 1:
+        variants.append((True, True))
     try:
         for pdl in (True, False):
             tb.USE_PDL = pdl
@@ -234,11 +238,13 @@ def test_fused_output_paths_agree_and_leave_scratch_zeroed(t, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("t", [1, 4, 200])
+@pytest.mark.parametrize("t", [1, 200])
 def test_fused_output_last_arriver_is_race_free(t):
     """The fused output's last arriver must see every other program's atomics. fused_out=True is
     honoured on the NOSORT path only (the sorted-path variant raced at MiniMax-M3 dims, T >= 64:
-    rel ~1e-2 vs unfused), so at T = 200 this checks that the request falls back to the unfused path."""
+    rel ~1e-2 vs unfused), so at T = 200 this checks that the request falls back to the unfused path.
+    Several tokens on the NOSORT path raced too (T = 4) and no longer take the fused output by default
+    (test_fused_output_many_calls_at_real_dims)."""
     e, h, i, k = 32, 1536, 768, 4
     quant = make_quant(e, h, i, "cuda")
     routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
@@ -269,8 +275,9 @@ def _assert_sync_state_zero(device, h):
 @pytest.mark.parametrize("t,k,e", [(1, 4, 16), (2, 4, 6), (4, 4, 8), (4, 4, 128), (16, 1, 8)])
 def test_single_launch_matches_torch_and_two_kernel_path(t, k, e):
     """decode_moe_kernel (both GEMMs in one launch, ticket-ordered, GEMM2 tiles wait on per-block
-    ready counters) against torch and against the two-kernel NOSORT path; duplicate experts (e=6, 8)
-    are computed once. Three calls in a row reuse the counters each call's last program reset."""
+    ready counters) against torch and against the two-kernel NOSORT path at one token; with several
+    tokens (duplicate experts, e=6, 8) single=True falls back to the unfused two-kernel path (the
+    fused output is one-token only). Three calls in a row reuse the counters each call reset."""
     h, i = 768, 384
     quant = make_quant(e, h, i, "cuda")
     routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
@@ -338,7 +345,10 @@ def test_fused_output_many_calls_at_real_dims(t, single):
     """200 calls in a row at MiniMax-M3's layer dims (H 6144, I 3072; 8 experts, so T=4 shares experts
     between tokens), each checked against the sorted unfused path: a last arriver that reads before
     another program's adds land, or an add that lands after the re-zeroing, shows up as a wrong call
-    (~1e-2) and as a nonzero scratch after the last call; fp32 add order alone stays below 1e-5."""
+    (~1e-2) and as a nonzero scratch after the last call; fp32 add order alone stays below 1e-5.
+    T=1 runs the fused output (two launches or decode_moe_kernel); T=4 runs the unfused NOSORT path
+    since the fused output there had 8 (two launches) and 2 (one launch) of 200 calls off by up to
+    5e-2 on the H200."""
     e, h, i, k = 8, 6144, 3072, 4
     quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"))
     routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)

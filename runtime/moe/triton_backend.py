@@ -266,7 +266,10 @@ _out_scratch: dict = {}
 FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scratch of T x H
 NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per routed slot (BM 16)
 USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORTER_MOE_PDL env, default on
-SINGLE_LAUNCH = None  # NOSORT layer as one decode_moe_kernel launch; None: PORTER_MOE_SINGLE env, default off
+# NOSORT one-token layer as one decode_moe_kernel launch; None: PORTER_MOE_SINGLE env, default off: on the
+# H200 at MiniMax-M3 dims it measured slower than the two launches (T=1: 79.5 vs 71.0 us; its bf16 twin
+# faster, 115 vs 120 us; benchmarks/results/moe_layer_round4_NVIDIA_H200.md)
+SINGLE_LAUNCH = None
 _sync_scratch_bufs: dict = {}
 
 
@@ -331,10 +334,11 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     """hidden [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in hidden's dtype.
 
     Paths (launches): NOSORT for T*k <= NOSORT_MAX_SLOTS: [prescale], GEMM1, GEMM2 writing the
-    output directly (fused output); else prep (align in kernel or torch, prescale or e4m3 quantize,
+    output directly (fused output, one token; with more tokens prep also zeroes the fp32 output and a
+    cast follows); else prep (align in kernel or torch, prescale or e4m3 quantize,
     zeroing), GEMM1, [FP8: act quantize], GEMM2 (atomics), cast. nosort / fused_out override the
     choice (tests, A/B); fused_out is honoured on the NOSORT path only (see below); cfg.fp8 runs
-    the sorted path. single (default SINGLE_LAUNCH): the fused-output NOSORT path as one
+    the sorted path. single (default SINGLE_LAUNCH): the fused-output NOSORT path (one token) as one
     decode_moe_kernel launch (both GEMMs; x cast per K step in GEMM1 unless x_in_loop is False,
     then the prep kernel prescales it; prefetch: GEMM2 tiles ask L2 for their first weight bytes
     while they wait, SM90 only)."""
@@ -354,12 +358,15 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     if nosort is None:
         nosort = n <= NOSORT_MAX_SLOTS
     nosort = nosort and n <= 64 and not fp8
-    # Fused output only on the NOSORT path. On the sorted path (T = 64..256 at MiniMax-M3 dims,
-    # 10^4+ programs) the last arriver sometimes read rows missing other programs' adds (rel 1e-2
-    # vs the unfused path on H200, even with per-thread gpu fences); not understood yet, so the
-    # sorted path keeps prep zeroing + atomics + cast. NOSORT: max diff 3e-6 over 8 calls each at
-    # T = 1, 4 (fp32 atomic order).
-    fused_out = nosort if fused_out is None else fused_out
+    # Fused output by default only for one token (NOSORT: every program then holds one routed row).
+    # On the sorted path (T = 64..256 at MiniMax-M3 dims, 10^4+ programs) the last arriver sometimes
+    # read rows missing other programs' adds (rel 1e-2 vs the unfused path on H200, even with
+    # per-thread gpu fences), and at T = 4 on the NOSORT path (programs holding rows of several
+    # tokens) 8 of 200 calls at real dims were off by up to 5e-2 (2 of 200 in decode_moe_kernel;
+    # benchmarks/results/gpu_tests_round4_call2.log); not understood yet. T = 1: 0 of 200 off on both
+    # launch shapes. Otherwise prep zeroing + atomics + cast. An explicit fused_out=True is honoured
+    # on the NOSORT path (diagnosis).
+    fused_out = (nosort and t == 1) if fused_out is None else fused_out
     fused_out = fused_out and nosort and t <= FUSED_OUT_MAX_TOKENS
     if nosort:
         cfg = replace(cfg, bm=max(16, next_pow2(n)))

@@ -13,8 +13,10 @@ UE8M0 byte per 32 along K). Two ways to multiply them (triton_backend.default_co
     than the W8A16 path at T=4096 on the H200, hence the rebase.
 Launches per forward (see triton_backend.fused_moe):
   * T*k <= 16 (NOSORT): prescale (T programs), GEMM1 (+ SwiGLU-OAI), GEMM2 (+ routing weight,
-    top-k reduce by atomics into a persistent zeroed fp32 scratch, bf16 output written by the last
-    arriver per (token, N tile)): no alignment, no zeroing, no cast kernel.
+    top-k reduce by atomics; for one token into a persistent zeroed fp32 scratch with the bf16
+    output written by the last arriver per (token, N tile): no alignment, no zeroing, no cast
+    kernel; for 2..4 tokens into an fp32 output zeroed by the prescale kernel, then a cast).
+    Optionally (triton_backend.SINGLE_LAUNCH) the one-token case is one decode_moe_kernel launch.
   * larger T: prep (align + prescale/quantize + zero the fp32 output), GEMM1, [FP8: act quantize],
     GEMM2 (atomics), cast.
   On SM90 the GEMMs are launched with programmatic dependent launch (griddepcontrol.wait first

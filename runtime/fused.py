@@ -126,7 +126,7 @@ def index_select(iq: torch.Tensor, idx_cache: torch.Tensor, pos: torch.Tensor, k
     nblk = -(-kv_len // block)
     scores = torch.empty((B, ni, nblk), dtype=torch.float32, device=iq.device)
     index_scores_kernel[(B, nblk)](iq.contiguous(), idx_cache, pos, scores, kv_len, nblk, idx_cache.stride(0),
-                                   idx_cache.stride(1), NI=ni, NIP=max(16, next_pow2(ni)), DI=di, KB=block,
+                                   idx_cache.stride(1), NI=ni, NIP=max(16, next_pow2(ni)), DI=di, DIP=max(16, next_pow2(di)), KB=block,
                                    KBP=max(16, next_pow2(block)), LOCAL=local_blocks, INIT=init_blocks,
                                    IEEE=iq.dtype == torch.float32, num_warps=4, USE_PDL=bool(pdl(iq.device)),
                                    **pdl(iq.device))
@@ -143,7 +143,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     E = weight.shape[0]
     xc = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty((T, E), dtype=torch.float32, device=x.device)
-    bm = next_pow2(T)
+    bm = max(2, next_pow2(T))  # no size-1 block extents
     router_logits_kernel[(E,)](xc, weight.contiguous(), out, T, E, K, xc.stride(0), BM=bm, BK=max(64, 2048 // bm),
                                num_warps=4, USE_PDL=bool(pdl(x.device)), **pdl(x.device))
     return out
@@ -156,6 +156,6 @@ def router_select(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple
     T, E = logits.shape
     ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
     w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
-    router_select_kernel[(T,)](logits.contiguous(), bias, ids, w, E, TOPK=top_k, EP=next_pow2(E), num_warps=4,
-                               USE_PDL=bool(pdl(logits.device)), **pdl(logits.device))
+    router_select_kernel[(T,)](logits.contiguous(), bias, ids, w, E, TOPK=top_k, KP=next_pow2(top_k), EP=next_pow2(E),
+                               num_warps=4, USE_PDL=bool(pdl(logits.device)), **pdl(logits.device))
     return ids, w

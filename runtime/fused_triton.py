@@ -130,7 +130,7 @@ def decode_qkv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, iqn_pt
 
 @triton.jit
 def index_scores_kernel(iq_ptr, ic_ptr, pos_ptr, out_ptr, S, NBLK, sib, sis,
-                        NI: tl.constexpr, NIP: tl.constexpr, DI: tl.constexpr, KB: tl.constexpr,
+                        NI: tl.constexpr, NIP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, KB: tl.constexpr,
                         KBP: tl.constexpr, LOCAL: tl.constexpr, INIT: tl.constexpr, IEEE: tl.constexpr,
                         USE_PDL: tl.constexpr = False):
     """Block scores of one decode query per row: program (b, block j) -> out [B, NI, NBLK] fp32 =
@@ -148,12 +148,14 @@ def index_scores_kernel(iq_ptr, ic_ptr, pos_ptr, out_ptr, S, NBLK, sib, sis,
     if j * KB > p:
         best = tl.full([NIP], float("-inf"), tl.float32)
     else:
-        dcol = tl.arange(0, DI)
-        q = tl.load(iq_ptr + (b * NI + hrow)[:, None] * DI + dcol[None, :], mask=(hrow < NI)[:, None], other=0.0)
+        dcol = tl.arange(0, DIP)
+        d_ok = dcol < DI
+        q = tl.load(iq_ptr + (b * NI + hrow)[:, None] * DI + dcol[None, :], mask=(hrow < NI)[:, None] & d_ok[None, :],
+                    other=0.0)
         s_idx = j * KB + tl.arange(0, KBP)
         ok = (tl.arange(0, KBP) < KB) & (s_idx < S) & (s_idx <= p)
-        k = tl.load(ic_ptr + b * sib + s_idx[:, None].to(tl.int64) * sis + dcol[None, :], mask=ok[:, None],
-                    other=0.0)  # [KBP, DI]
+        k = tl.load(ic_ptr + b * sib + s_idx[:, None].to(tl.int64) * sis + dcol[None, :],
+                    mask=ok[:, None] & d_ok[None, :], other=0.0)  # [KBP, DIP]
         if IEEE:
             sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -182,7 +184,7 @@ def index_topk_kernel(scores_ptr, out_ptr, NBLK, TOPK: tl.constexpr, NBP: tl.con
 
 
 @triton.jit
-def router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, TOPK: tl.constexpr, EP: tl.constexpr,
+def router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
                          USE_PDL: tl.constexpr = False):
     """MiniMax-M3 routing of one token from its fp32 router logits [E]: sigmoid scores, top-k of
     score + bias (bias for selection only), weights = the selected scores renormalised to sum 1."""
@@ -193,16 +195,16 @@ def router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, TOPK: tl.const
     ok = e < E
     score = tl.sigmoid(tl.load(logits_ptr + t * E + e, mask=ok, other=0.0))
     key = tl.where(ok, score + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
-    k = tl.arange(0, TOPK)
-    ids = tl.zeros([TOPK], tl.int64)
-    wts = tl.zeros([TOPK], tl.float32)
+    k = tl.arange(0, KP)  # KP = TOPK rounded up to a power of two
+    ids = tl.zeros([KP], tl.int64)
+    wts = tl.zeros([KP], tl.float32)
     for i in tl.static_range(TOPK):
         best = tl.argmax(key, 0, tie_break_left=True)
         ids = tl.where(k == i, best, ids)
         wts = tl.where(k == i, tl.sum(tl.where(e == best, score, 0.0), 0), wts)
         key = tl.where(e == best, float("-inf"), key)
-    tl.store(ids_ptr + t * TOPK + k, ids)
-    tl.store(w_ptr + t * TOPK + k, wts / tl.sum(wts, 0))
+    tl.store(ids_ptr + t * TOPK + k, ids, mask=k < TOPK)
+    tl.store(w_ptr + t * TOPK + k, wts / tl.sum(wts, 0), mask=k < TOPK)
 
 
 @triton.jit

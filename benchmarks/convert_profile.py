@@ -1,8 +1,9 @@
 """Where a conversion's CPU time goes: core-seconds per stage of `porter convert`, from a warm page cache.
 
 Wraps the pipeline's stage functions with per-thread CPU clocks (time.thread_time, so waiting is not
-counted): quantize (porter.mxfp8.quantize_with_error, CPU path), GPU quantize (Pipeline._quantize_cuda:
-host-side time of copies, kernels launched and waited for), source reads (TensorReader.read/read_bytes),
+counted): porter.mxfp8.quantize_with_error (the CPU quantizer; on the GPU path its host side: launches and
+the finiteness check's wait), GPU quantize (Pipeline._quantize_cuda: host-side time of copies, kernels
+launched and waited for), source reads (TensorReader.read/read_bytes),
 pwrite, digests (TensorDigest.add: every sha256 of the output) and the part of them that reads written
 bytes back (read_chunk_sha256), early writeback (sync_file_range). Prints them with the process's user and
 system time, wall time split at the pipeline's marks (planning, until the first unit starts, the units,
@@ -43,7 +44,7 @@ def instrument() -> collections.Counter:
                 with lock:
                     spent[key] += time.thread_time() - t
         setattr(owner, name, timed)
-    wrap(mxfp8, "quantize_with_error", "quantize (CPU path)")
+    wrap(mxfp8, "quantize_with_error", "quantize_with_error (CPU; GPU: launches)")
     wrap(pipeline.Pipeline, "_quantize_cuda", "quantize on the GPU (host side)")
     wrap(safetensors_io.TensorReader, "read", "source reads (pread)")
     wrap(safetensors_io.TensorReader, "read_bytes", "source reads (pread)")

@@ -135,13 +135,9 @@ def convert(source, output, *, revision: Optional[str] = None, quantize: Optiona
     plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size, layout)
     dev = pipeline.resolve_device(device)  # an unknown device, or cuda without a GPU: PorterError (exit 2)
     out = Path(output)
-    estimate = pipeline.memory_estimate(plan.tensors, src.stored_meta, workers, dev, max_memory)
+    workers, estimate = _workers_within(plan, workers, dev, max_memory)
     if dry_run:
         return describe_plan(plan, out, estimate)
-    if estimate["base"] + estimate["unit"] + estimate["scales"] > max_memory:
-        raise ConvertError(f"--max-memory {max_memory / 1e9:.2f} GB is below what one unit of work needs "
-                           f"({(estimate['base'] + estimate['unit'] + estimate['scales']) / 1e9:.2f} GB: this "
-                           "process, one expert in flight and the scale arrays); raise --max-memory")
     done = _prepare_output(out, plan, force, resume, workers)
     if done is None:
         return {"output": str(out), "already_complete": True, "shards": len(plan.shards), "seconds": time.time() - t0}
@@ -164,6 +160,32 @@ def _check_workers(workers) -> int:
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ConvertError(f"--workers {workers!r}: give a positive number of worker threads")
     return workers
+
+
+def _workers_within(plan: Plan, workers: int, dev, max_memory: int) -> tuple[int, dict]:
+    """The most workers, up to `workers`, whose own buffers (read slabs, hash read-back) fit --max-memory
+    beside this process, one unit in flight and the scale arrays, and their memory estimate. Fewer workers
+    than asked is logged; not even one fitting is a ConvertError."""
+    def estimate(w: int) -> dict:
+        return pipeline.memory_estimate(plan.tensors, plan.source.stored_meta, w, dev, max_memory)
+
+    def need(e: dict) -> int:
+        return e["base"] + e["readback"] + e["unit"] + e["scales"]
+    best = estimate(workers)
+    if need(best) <= max_memory:
+        return workers, best
+    lo, hi = 0, workers  # need(estimate(w)) grows with w: find the largest w that fits
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(estimate(mid)) <= max_memory else (lo, mid)
+    if lo == 0:
+        one = estimate(1)
+        raise ConvertError(f"--max-memory {max_memory / 1e9:.2f} GB is below what one unit of work needs "
+                           f"({need(one) / 1e9:.2f} GB: this process, one worker's buffers, one expert in flight and "
+                           "the scale arrays); raise --max-memory")
+    log.warning("--max-memory %.2f GB holds the buffers of %d of %d workers; converting with %d",
+                max_memory / 1e9, lo, workers, lo)
+    return lo, estimate(lo)
 
 
 def describe_plan(plan: Plan, out: Path, estimate: dict) -> dict:

@@ -478,3 +478,30 @@ def test_verify_names_the_changed_tensor_and_the_changed_header(converted, tmp_p
     assert msgs[0] == (f"tensor {w13} in shard {shard.name}: sha256 differs from porter.json "
                        "(the data changed after conversion)")
     assert msgs[1].startswith(f"shard {shard.name}: header sha256 ") and "(the header changed)" in msgs[1]
+
+
+def test_max_memory_caps_the_workers_or_refuses_in_one_line(tiny_vendor, tmp_path, caplog):
+    """--max-memory that holds one worker's buffers but not eight's converts with fewer workers (same
+    bytes, said in a warning); one that holds not even one worker's is refused before anything is written."""
+    import logging
+    from porter import pipeline
+    from porter.conversion import make_plan
+    from porter.source import open_source
+    plan = make_plan(open_source(tiny_vendor), max_shard_size="300KB")
+    cpu = torch.device("cpu")
+    need = {w: (lambda e: e["base"] + e["readback"] + e["unit"] + e["scales"])(
+        pipeline.memory_estimate(plan.tensors, plan.source.stored_meta, w, cpu, 1 << 40)) for w in (1, 3, 8)}
+    assert need[1] < need[3] < need[8]
+    cap = (need[3] + need[8]) // 2 + (8 << 20)  # room for about 3-7 workers (RSS moves a little between calls)
+    with caplog.at_level(logging.WARNING, logger="porter"):
+        done = porter.convert(tiny_vendor, tmp_path / "capped", max_shard_size="300KB", progress=False, workers=8,
+                              max_memory=cap, device="cpu")
+    assert 1 <= done["workers"] < 8 and f"of 8 workers; converting with {done['workers']}" in caplog.text
+    ref = tmp_path / "ref"
+    porter.convert(tiny_vendor, ref, max_shard_size="300KB", progress=False, workers=1, device="cpu")
+    for f in sorted(p.name for p in ref.glob("*.safetensors")):
+        assert (tmp_path / "capped" / f).read_bytes() == (ref / f).read_bytes(), f
+    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(tmp_path / "tiny"),
+                                   "--max-memory", "10MB", "--device", "cpu"])
+    assert res.exit_code == 2 and "--max-memory 0.01 GB is below what one unit of work needs" in res.output
+    assert not (tmp_path / "tiny").exists()

@@ -170,8 +170,9 @@ def quant_sizes(workers: int) -> tuple[int, Optional[int]]:
     """(elements per CPU quantize call, blocks per tile or None for mxfp8's default). Every torch op takes the
     GIL back when it returns, so the small cache-resident tiles that are fastest on one core (~200 ops per
     million elements) make the GIL the limit once many workers quantize at once. Past 2 workers a call is one
-    tile of 4M elements: ~25x fewer ops per byte for ~15% more CPU time per byte (single-threaded); an 8 GB
-    conversion at 16 workers on the H200 machine went from 19.2 to 4.5 s. Same bytes and statistics."""
+    tile of 4M elements: ~25x fewer ops per byte for ~15% more CPU time per byte (single-threaded); with the
+    reused read slabs (measured together) an 8 GB conversion at 16 workers on the H200 machine went from 19.2
+    to 4.5 s. Same bytes and statistics."""
     if workers <= 2:
         return QUANT_CHUNK_ELEMS, None
     return MANY_WORKERS_QUANT_ELEMS, MANY_WORKERS_QUANT_ELEMS // mxfp8.BLOCK

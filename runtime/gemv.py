@@ -93,10 +93,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = 
             raise ValueError("gemv: add tensors need a contiguous last dim")
     per = 2 if swiglu is not None else 1
     bn, bk, warps, stages = cfg or config(swiglu is not None, mx)
-    bk = min(bk, max(32 if mx else 16, next_pow2(K)))
-    bm = max(16, next_pow2(M))
-    bk, stages = fit(bm, bn * per, bk, stages, x2.element_size(), weight.element_size(), mx)
     ieee = torch.float32 in (x.dtype, weight.dtype)
+    bk = min(bk, max(32 if mx else 16, next_pow2(K)), 128 if ieee else bk)  # fp32: a reference path, not tuned
+    bm = max(16, next_pow2(M))
+    # fp32 MMA: a 16-bit weight tile is staged in shared memory already widened to fp32 (H200: 256 KB asked
+    # for 32 rows x 512 K, 3 stages); an e4m3 tile is staged as bytes and dequantized in registers
+    w_bytes = 4 if ieee and not mx else weight.element_size()
+    bk, stages = fit(bm, bn * per, bk, stages, 4 if ieee else x2.element_size(), w_bytes, mx)
     alpha, beta, limit = (float(v) for v in swiglu) if swiglu is not None else (0.0, 0.0, 0.0)
     a1 = adds[0] if adds else y
     a2 = adds[1] if len(adds) > 1 else y

@@ -457,6 +457,18 @@ def test_verify_refuses_format_version_1_in_one_line(converted, tmp_path):
     assert "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("rule", [None, {"algorithm": "sha256", "chunk_bytes": 16}, {"algorithm": "sha256-chunked",
+                                                                                   "chunk_bytes": 0}])
+def test_verify_refuses_a_broken_digest_rule_in_one_line(converted, tmp_path, rule):
+    art = tmp_path / "art"
+    shutil.copytree(converted, art)
+    man = json.loads((art / "porter.json").read_text())
+    (art / "porter.json").write_text(json.dumps(man | {"digest": rule}))
+    res = CliRunner().invoke(cli, ["verify", str(art), "--max-new-tokens", "0"])
+    assert res.exit_code == 2 and "porter.json digest" in res.output and "reconvert" in res.output, res.output
+    assert "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
+
+
 def test_verify_names_the_changed_tensor_and_the_changed_header(converted, tmp_path):
     """Chunked digests still pinpoint: a flipped data byte names its tensor, a changed header byte the header."""
     art = tmp_path / "art"

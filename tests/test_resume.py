@@ -132,6 +132,19 @@ def test_finished_shard_with_wrong_digest_is_rewritten(tiny_vendor, reference, c
     assert_same_artifact(out, ref_out, ref_man)
 
 
+def test_finished_shard_truncated_or_missing_is_rewritten(tiny_vendor, reference, crashed, tmp_path):
+    """A journaled shard cut short (its header no longer fits the file) or deleted is rewritten, not trusted."""
+    ref_out, ref_man, _ = reference
+    out, journal = interrupted_copy(crashed, tmp_path)
+    done = sorted(journal["shards"])
+    cut = out / done[0]
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    if len(done) > 1:
+        (out / done[1]).unlink()
+    convert_counting(tiny_vendor, out, resume=True)
+    assert_same_artifact(out, ref_out, ref_man)
+
+
 @pytest.mark.parametrize("option", [["--scale-rounding", "floor"], ["--quantize", "all"], ["--gate-up", "interleaved"],
                                     ["--max-shard-size", "200KB"]])
 def test_resume_with_other_options_is_refused(tiny_vendor, crashed, tmp_path, option):

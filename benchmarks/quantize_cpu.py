@@ -2,8 +2,8 @@
 
 The conversion pipeline quantizes a weight in chunks of porter.pipeline.QUANT_CHUNK_ELEMS elements with
 `mxfp8.quantize_with_error` (bytes + exact error statistics) when it runs 2 workers or fewer (past 2 workers,
-porter.pipeline.quant_sizes: one 4M-element tile per call; --chunk-elems times that too, with the default
-tiles). This times exactly that on one bf16 weight at
+porter.pipeline.quant_sizes: one 4M-element tile per call, which this benchmark does not time). This times
+exactly that on one bf16 weight at
 MiniMax-M3's real dims ([6144, 6144] by default, ~75 MB of bf16) with 1 and 2 torch threads and 2 workers, and plain
 `quantize` for reference. The baseline is porter/mxfp8.py as of `--baseline` (read with `git show` and
 loaded as a throwaway module, nothing copied into the tree). Both must give the same bytes and the same

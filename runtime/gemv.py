@@ -2,9 +2,9 @@
 
 y [M, N] = x [M, K] @ W^T, W [N, K] bf16/fp16/fp32 as stored, or MXFP8 (float8_e4m3fn + one uint8 UE8M0
 byte per 32 along K, the rule of porter/mxfp8.py; dequantized per tile in registers, see
-runtime/gemv_triton.py). At decode a layer is bound by its weight bytes, and cuBLAS's small-M GEMMs on
-the H200 stream bf16 at ~2.8 TB/s of the ~4.3 TB/s a copy reaches (benchmarks/results/decode_NVIDIA_H200.md);
-the epilogues fold in what the unfused layer does next with the output, bit for bit in its rounding:
+runtime/gemv_triton.py). At decode a layer is bound by its weight bytes: MXFP8 weights must be read as
+stored (1 byte + 1/32 scale byte per weight) rather than dequantized to bf16 per call, and the epilogues
+fold in what the unfused layer does next with the output, bit for bit in its rounding:
   * `swiglu=(alpha, beta, limit)`: W = [gate; up] rows, y = SwiGLU-OAI(gate, up) (shared expert, dense MLP);
   * `add=(a1,)` / `add=(a1, a2)`: y = (y + a1) + a2 in the output dtype (residual adds).
 Tile configs (BN output columns per program, BK, warps, stages) come from the H200 sweep
@@ -12,7 +12,8 @@ Tile configs (BN output columns per program, BK, warps, stages) come from the H2
 in shared memory streamed best (32 output rows x 512 K per step, 4 warps, 4 stages: bf16 3.1-3.3 TB/s,
 MXFP8 1.8-2.2 TB/s of 1-byte weights); PORTER_GEMV_CONFIG="BN,BK,WARPS,STAGES" overrides them.
 cuBLAS streams a plain bf16 GEMV at 3.4-3.7 TB/s on the same shapes, so 16-bit weights go through this
-kernel only where an epilogue saves kernels (`runs`, policy BF16).
+kernel only where an epilogue saves kernels (`runs`, policy BF16; on the H200 routing them all through
+cuBLAS with separate add kernels measured within 5% of that: benchmarks/results/decode_fused_*).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import torch
 from runtime.fused import next_pow2, pdl, use_triton
 
 MAX_ROWS = 64  # the kernel pads rows to BM <= 64; beyond that a GEMM is no longer bound by weight bytes
-SMEM_BYTES = 216 * 1024  # pipeline buffers per program: (stages - 1) x (x tile + weight tile + scales)
+SMEM_BYTES = 216 * 1024  # per program: (stages - 1) pipeline buffers (+ the e4m3 path's MMA operand copies)
 # Which 16/32-bit-weight linears run this kernel at decode sizes: "adds" (only those with residual adds
 # fused: the adds would be extra kernels), "all", or "none" (cuBLAS). MXFP8 weights always run it.
 BF16 = os.environ.get("PORTER_GEMV_BF16", "adds")
@@ -60,7 +60,11 @@ def fit(bm: int, rows: int, bk: int, stages: int, x_bytes: int, w_bytes: int, mx
     """(BK, stages) whose pipeline buffers fit SMEM_BYTES: fewer stages first (down to 2), then a
     narrower K step (many rows or fp32 activations)."""
     def need(bk_, st):
-        return (st - 1) * (bk_ * (bm * x_bytes + rows * w_bytes) + (rows * bk_ // 32 if mx else 0))
+        pipeline = (st - 1) * (bk_ * (bm * x_bytes + rows * w_bytes) + (rows * bk_ // 32 if mx else 0))
+        # e4m3: the x tile and the dequantized weight tile are staged once more as MMA operands (H200,
+        # Triton 3.6: 64 rows, BK 512, 3 stages asked for 263168 = 2 x 82432 + 512 x (64 x 2 + 32 x 2) bytes)
+        operands = bk_ * (bm * x_bytes + rows * (4 if x_bytes == 4 else 2)) if mx else 0
+        return pipeline + operands
     while need(bk, stages) > SMEM_BYTES and stages > 2:
         stages -= 1
     while need(bk, stages) > SMEM_BYTES and bk > 64:

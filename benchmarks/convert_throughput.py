@@ -111,10 +111,12 @@ from pathlib import Path
 sys.path.insert(0, ROOT_PATH)
 import porter
 workers = None if sys.argv[3] == "all" else int(sys.argv[3])
-dry = porter.convert(sys.argv[1], sys.argv[2], dry_run=True, workers=workers, device=sys.argv[4])
+dry = porter.convert(sys.argv[1], sys.argv[2], dry_run=True, workers=workers, device=sys.argv[4],
+                     max_shard_size=sys.argv[6])
 state = prepare(Path(sys.argv[1]), sys.argv[5])
 t0 = time.perf_counter()
-done = porter.convert(sys.argv[1], sys.argv[2], progress=False, workers=workers, device=sys.argv[4])
+done = porter.convert(sys.argv[1], sys.argv[2], progress=False, workers=workers, device=sys.argv[4],
+                      max_shard_size=sys.argv[6])
 secs = time.perf_counter() - t0
 import json
 man = json.loads((Path(sys.argv[2]) / "porter.json").read_text())
@@ -225,7 +227,8 @@ def machine() -> dict:
 
 
 def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list, repeats: int, single: bool,
-               experts: int = 8, caches: tuple = ("warm",)) -> dict:
+               experts: int = 8, caches: tuple = ("warm",), max_shard_size: str = "5GB",
+               in_flight: tuple = (None,)) -> dict:
     layers = max(2, round(target_gb * layers_per_gb))
     t0 = time.time()
     src = build_checkpoint(tmp / f"src{target_gb}", layers, experts)
@@ -237,21 +240,26 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
     configs += [("convert", "all", d) for d in devices]
     if single:
         configs.append(("convert", "1", "cpu"))
+    # porter.pipeline.SHARDS_IN_FLIGHT variants (PORTER_SHARDS_IN_FLIGHT; None: porter's default)
+    configs = [(k, w, d, n) for k, w, d in configs for n in (in_flight if k == "convert" else (None,))]
     for cache in caches:
         if cache == "warm":
             warm(src)
         for r in range(repeats):
-            for kind, workers, device in configs:
+            for kind, workers, device, n_flight in configs:
                 if cache == "cold" and ((kind, workers) == ("convert", "1") or kind == "copy-safetensors+fsync"):
                     continue  # cold: the copies and the every-core conversions only
-                out = tmp / f"out-{kind}-{workers}-{device}-{r}"
+                out = tmp / f"out-{kind}-{workers}-{device}-{n_flight}-{r}"
                 if kind.startswith("copy-safetensors"):
                     res = child(COPY_SAFETENSORS, src, out, "fsync" if kind.endswith("fsync") else "-", cache)
                 elif kind == "copy-files":
                     res = child(COPY_FILES, src, out, cache)
                 else:
-                    res = child(CONVERT.replace("ROOT_PATH", repr(str(ROOT))), src, out, workers, device, cache)
-                res |= {"kind": kind, "workers": workers, "device": device, "repeat": r,
+                    env = None if n_flight is None else dict(os.environ, PORTER_SHARDS_IN_FLIGHT=str(n_flight))
+                    res = child(CONVERT.replace("ROOT_PATH", repr(str(ROOT))), src, out, workers, device, cache,
+                                max_shard_size, env=env)
+                res |= {"kind": kind, "workers": workers, "device": device, "repeat": r, "shards_in_flight": n_flight,
+                        "max_shard_size": max_shard_size if kind == "convert" else None,
                         "gb_per_s": gb / res["seconds"]}
                 runs.append(res)
                 shutil.rmtree(out, ignore_errors=True)
@@ -282,6 +290,8 @@ def summary_lines(result: dict) -> list:
                      f"{s['experts_per_layer']} experts):")
         for x in s["runs"]:
             what = x["kind"] if x["kind"] != "convert" else f"convert {x['device']} workers={x['workers']}"
+            if x.get("shards_in_flight") is not None:
+                what += f" in-flight={x['shards_in_flight']}"
             what = f"{x['cache']:4s} {what}"
             extra = (f", fsync {x['fsync_seconds']:.2f} s ({x['gb_per_s_before_fsync']:.2f} GB/s before it), "
                      f"est/peak {x['estimate_over_measured_peak']:.2f}, same bytes as cpu {x['same_bytes_as_cpu']}, "
@@ -304,6 +314,8 @@ def main():
     ap.add_argument("--cache", default="warm", help="page cache states to run: warm, cold or warm,cold")
     ap.add_argument("--no-single", action="store_true", help="skip the 1-worker (intra-op threads) CPU run")
     ap.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
+    ap.add_argument("--max-shard-size", default="5GB", help="porter convert --max-shard-size (output shards)")
+    ap.add_argument("--shards-in-flight", default="", help="comma list: PORTER_SHARDS_IN_FLIGHT values to A/B")
     ap.add_argument("--layers-per-gb", type=float, default=0.85, help="real-dims layers per GB of checkpoint")
     ap.add_argument("--tmp", default=str(ROOT / "benchmarks"), help="where to build the checkpoints")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "convert_throughput.json"))
@@ -315,7 +327,8 @@ def main():
         for size in (float(s) for s in args.sizes.split(",")):
             result["sizes"].append(bench_size(Path(tmp), size, args.layers_per_gb, devices, args.repeats,
                                               not args.no_single and size == float(args.sizes.split(",")[0]),
-                                              args.experts, tuple(args.cache.split(","))))
+                                              args.experts, tuple(args.cache.split(",")), args.max_shard_size,
+                                              tuple(int(n) for n in args.shards_in_flight.split(",") if n) or (None,)))
     result["summary"] = summary_lines(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -42,6 +42,11 @@ QUANT_CHUNK_ELEMS = 1 << 20  # CPU quantizes this many elements per call: 4 MB f
 # faster than whole [3072, 6144] expert halves, measured single-threaded)
 MANY_WORKERS_QUANT_ELEMS = 1 << 22  # ... and this many, in one tile, past 2 workers (quant_sizes)
 SLAB_MAX_BYTES = 256 << 20  # CPU reads up to this size go into the worker's reused buffer
+# Output shards written at once. ext4 (and most Linux filesystems) serialize buffered writes into one file on
+# its inode lock, so workers that all pwrite into one shard copy into the page cache one at a time (2-core
+# box: two threads into one file were no faster than one, into two files twice as fast). A few shards at
+# once spread the writes; few enough that a killed run loses at most this many partial shards to --resume.
+SHARDS_IN_FLIGHT = int(os.environ.get("PORTER_SHARDS_IN_FLIGHT", "4"))
 CUDA_CONTEXT_BYTES = 600 << 20  # host memory of a CUDA context and its libraries
 
 
@@ -214,6 +219,24 @@ def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], dev
         else:
             units.append(Unit(len(units), t, "whole", src_bytes=_src_bytes(t), cost=work + out))
     return units
+
+
+def interleave_shards(units: list, shard_of: Callable[[Unit], str], width: int = SHARDS_IN_FLIGHT) -> list:
+    """Units reordered round-robin over `width` output shards at a time (each shard's own units keep plan
+    order; the next shard joins when one runs out), so writes go to several files at once."""
+    queues: dict = {}
+    for u in units:
+        queues.setdefault(shard_of(u), []).append(u)
+    waiting = [q[::-1] for q in queues.values()]  # reversed: pop() takes the next unit in plan order
+    waiting.reverse()
+    active, out = [], []
+    while active or waiting:
+        while waiting and len(active) < max(1, width):
+            active.append(waiting.pop())
+        for q in active:
+            out.append(q.pop())
+        active = [q for q in active if q]
+    return out
 
 
 def _src_bytes(t: OutTensor) -> int:
@@ -539,6 +562,7 @@ class Pipeline:
 
     # -- units
     def run(self, units: list) -> None:
+        units = interleave_shards(units, lambda u: self.places[u.t.name].shard, min(SHARDS_IN_FLIGHT, self.workers))
         self.slab_bytes = pinned_slab_bytes(units) if self.pin else {}
         threads = torch.get_num_threads()
         if self.device.type == "cpu":

@@ -142,7 +142,7 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
 
     \b
     What it proves:
-    1. integrity: the files are what porter.json says (shard sha256, headers, index, scale bytes, config);
+    1. integrity: the files are what porter.json says (chunked sha256 shard digests, headers, index, scale bytes, config);
     2. bytes: every tensor re-derived from the source (verify's own source->artifact mapping table, not the
        converter's plan) with porter.mxfp8 and the recorded scale rule: e4m3 and scale bytes identical,
        unquantized tensors bit-identical; mismatching 32-blocks named per tensor and expert;

@@ -1,7 +1,8 @@
 """The conversion engine: read -> quantize -> hash -> write on every core (or the GPU), in a memory budget.
 
 Work is cut into units in plan order: one expert of a stacked expert tensor, a byte range of a tensor
-carried verbatim, or one whole plain tensor. The plan fixes every shard's header, so every output byte
+carried verbatim, or one whole plain tensor; they run interleaved over a few output shards at a time
+(SHARDS_IN_FLIGHT), each shard's own units in plan order. The plan fixes every shard's header, so every output byte
 has a known place: a worker writes its results with pwrite as soon as they exist, in any order. Digests
 are chunked (porter.safetensors_io.digest_rule): each 16 MiB chunk of a tensor's data is hashed by the
 worker whose write completes it, from the bytes it holds when its write covers the chunk, else read back

@@ -517,3 +517,22 @@ def test_max_memory_caps_the_workers_or_refuses_in_one_line(tiny_vendor, tmp_pat
                                    "--max-memory", "10MB", "--device", "cpu"])
     assert res.exit_code == 2 and "--max-memory 0.01 GB is below what one unit of work needs" in res.output
     assert not (tmp_path / "tiny").exists()
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_units_interleave_over_a_few_shards_in_plan_order(width):
+    """Every unit once; each shard's units in plan order; never more than `width` shards started and unfinished."""
+    from porter.pipeline import interleave_shards
+    sizes = {"a": 3, "b": 1, "c": 5, "d": 2, "e": 4}
+    units = [(f, i) for f, n in sizes.items() for i in range(n)]
+    order = interleave_shards(units, lambda u: u[0], width)
+    assert sorted(order) == sorted(units)
+    for f in sizes:
+        assert [i for g, i in order if g == f] == list(range(sizes[f]))
+    open_shards = []
+    for k, (f, _) in enumerate(order):
+        left = [g for g, _ in order[k:]]
+        open_shards = {g for g, _ in order[:k + 1] if g in left[1:] or g == f}
+        assert len(open_shards) <= width
+    if width == 1:
+        assert order == units

@@ -24,7 +24,7 @@ def _integrity_lines(rep: Report) -> list[str]:
     if integ is None:
         return []
     if integ.passed:
-        return [f"integrity: ok ({integ.shards} shard sha256, {integ.tensors} tensors, headers, index, scales, config)"]
+        return [f"integrity: ok ({integ.shards} shard digests, {integ.tensors} tensors, headers, index, scales, config)"]
     return [f"integrity: FAILED ({len(integ.issues)} issue(s))"] + [f"  - {i.message}" for i in integ.issues[:20]]
 
 

@@ -26,25 +26,8 @@ def norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, NH, D, R, eps, BLOCK
     reference), then NeoX RoPE on channels [0, R) with the token's cos/sin [R]; the rest pass through."""
     pid = tl.program_id(0)  # token * NH + head
     tok = pid // NH
-    cols = tl.arange(0, BLOCK)
-    ok = cols < D
-    base = x_ptr + pid * D
-    x = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
-    half = R // 2
-    rot = cols < R
-    partner = tl.where(cols < half, cols + half, cols - half)
-    xp = tl.load(base + partner, mask=rot, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
-    dt = y_ptr.dtype.element_ty
-    y = (x * rstd * (1.0 + w)).to(dt).to(tl.float32)
-    yp = (xp * rstd * (1.0 + wp)).to(dt).to(tl.float32)
-    c = tl.load(cos_ptr + tok * R + cols, mask=rot, other=1.0).to(tl.float32)
-    s = tl.load(sin_ptr + tok * R + cols, mask=rot, other=0.0).to(tl.float32)
-    sign = tl.where(cols < half, -1.0, 1.0)
-    out = tl.where(rot, y * c + sign * yp * s, y)
-    tl.store(y_ptr + pid * D + cols, out.to(dt), mask=ok)
+    _norm_rope_row(x_ptr + pid * D, w_ptr, cos_ptr + tok * R, sin_ptr + tok * R, y_ptr + pid * D, D, R, eps,
+                   y_ptr.dtype.element_ty, BLOCK)
 
 
 @triton.jit
@@ -65,7 +48,8 @@ def swiglu_kernel(g_ptr, u_ptr, y_ptr, N, I, sg, su, alpha, beta, limit, BLOCK: 
 
 @triton.jit
 def _norm_rope_row(src, w_ptr, cos_row, sin_row, dst, D, R, eps, dt: tl.constexpr, BLOCK: tl.constexpr):
-    """norm_rope_kernel's math for one head vector: src [D] -> dst [D] (any pointers)."""
+    """Per-head Gemma RMSNorm + NeoX RoPE of one head vector: src [D] -> dst [D] (any pointers; used by
+    norm_rope_kernel and decode_qkv_kernel)."""
     cols = tl.arange(0, BLOCK)
     ok = cols < D
     x = tl.load(src + cols, mask=ok, other=0.0).to(tl.float32)

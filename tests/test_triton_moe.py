@@ -236,6 +236,19 @@ def test_fused_output_paths_agree_and_leave_scratch_zeroed(t, cfg):
         tb.USE_PDL = None
 
 
+def _race_problem(t: int):
+    """MiniMax-like race-test problem on CUDA (1536 x 768, 32 experts, top-4, rsf 2.5): prepared weights,
+    x [t, h] bf16, topk ids and weights [t, 4]."""
+    e, h, i, k = 32, 1536, 768, 4
+    quant = make_quant(e, h, i, "cuda")
+    routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
+    p = tb.TritonMoE(quant, routing).prepared
+    x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
+    ids = torch.rand(t, e, device="cuda").topk(k, dim=-1).indices
+    w = torch.rand(t, k, device="cuda") + 0.1
+    return p, x, ids, w
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
 @pytest.mark.parametrize("t", [1, 200])
@@ -245,13 +258,7 @@ def test_fused_output_last_arriver_is_race_free(t):
     rel ~1e-2 vs unfused), so at T = 200 this checks that the request falls back to the unfused path.
     Several tokens on the NOSORT path raced too (T = 4) and no longer take the fused output by default
     (test_fused_output_many_calls_at_real_dims)."""
-    e, h, i, k = 32, 1536, 768, 4
-    quant = make_quant(e, h, i, "cuda")
-    routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
-    p = tb.TritonMoE(quant, routing).prepared
-    x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
-    ids = torch.rand(t, e, device="cuda").topk(k, dim=-1).indices
-    w = torch.rand(t, k, device="cuda") + 0.1
+    p, x, ids, w = _race_problem(t)
     base = tb.fused_moe(p, x, ids, w, 2.5, nosort=False, fused_out=False)
     worst = max(rel(tb.fused_moe(p, x, ids, w, 2.5, fused_out=True), base) for _ in range(12))
     assert worst < 1e-3, f"fused output differs from the unfused path: {worst:.2e}"
@@ -304,18 +311,12 @@ def test_single_launch_is_race_free(t):
     """Every GEMM2 tile must see all of its block's GEMM1 act columns and the last arriver every
     top-k add: 12 calls at MiniMax-like dims (1536 x 768, 32 experts, 3072 programs at T=4) each agree
     with the two-kernel path (a stale act read or a missed add is ~1e-1, fp32 add order ~1e-6)."""
-    e, h, i, k = 32, 1536, 768, 4
-    quant = make_quant(e, h, i, "cuda")
-    routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
-    p = tb.TritonMoE(quant, routing).prepared
-    x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
-    ids = torch.rand(t, e, device="cuda").topk(k, dim=-1).indices
-    w = torch.rand(t, k, device="cuda") + 0.1
+    p, x, ids, w = _race_problem(t)
     base = tb.fused_moe(p, x, ids, w, 2.5, nosort=False, fused_out=False, single=False)
     for x_in_loop, prefetch in SINGLE_VARIANTS:
         worst = max(rel(_single(p, x, ids, w, x_in_loop, prefetch), base) for _ in range(12))
         assert worst < 1e-3, f"x_in_loop={x_in_loop} prefetch={prefetch}: {worst:.2e} vs two-kernel path"
-    _assert_sync_state_zero(x.device, h)
+    _assert_sync_state_zero(x.device, x.shape[1])
 
 
 @pytest.mark.gpu

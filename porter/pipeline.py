@@ -47,7 +47,7 @@ SLAB_MAX_BYTES = 256 << 20  # CPU reads up to this size go into the worker's reu
 # its inode lock, so workers that all pwrite into one shard copy into the page cache one at a time (2-core
 # box: two threads into one file were no faster than one, into two files twice as fast). A few shards at
 # once spread the writes; few enough that a killed run loses at most this many partial shards to --resume.
-SHARDS_IN_FLIGHT = int(os.environ.get("PORTER_SHARDS_IN_FLIGHT", "4"))
+SHARDS_IN_FLIGHT = 4  # PORTER_SHARDS_IN_FLIGHT overrides it (benchmarks' A/B): shards_in_flight()
 CUDA_CONTEXT_BYTES = 600 << 20  # host memory of a CUDA context and its libraries
 
 
@@ -222,6 +222,14 @@ def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], dev
     return units
 
 
+def shards_in_flight(workers: int) -> int:
+    """Output shards written at once: SHARDS_IN_FLIGHT (or PORTER_SHARDS_IN_FLIGHT, a positive integer;
+    anything else is ignored), and never more than one per worker."""
+    env = os.environ.get("PORTER_SHARDS_IN_FLIGHT", "")
+    n = int(env) if env.isdigit() and int(env) > 0 else SHARDS_IN_FLIGHT
+    return max(1, min(n, workers))
+
+
 def interleave_shards(units: list, shard_of: Callable[[Unit], str], width: int = SHARDS_IN_FLIGHT) -> list:
     """Units reordered round-robin over `width` output shards at a time (each shard's own units keep plan
     order; the next shard joins when one runs out), so writes go to several files at once."""
@@ -252,21 +260,23 @@ def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.devic
     """Expected peak RSS of a conversion (what --dry-run prints) and the budget the pipeline runs in:
     this process as it is now (torch loaded; + the CUDA context on a GPU), plus the bytes in flight
     (each worker's unit: reads, temporaries and results, capped by --max-memory), plus the scale arrays of
-    two stacked expert tensors (filled while their experts are in flight), plus the hash read-back buffers."""
+    the stacked expert tensors being filled (two per shard in flight: a shard's units run in plan order, so
+    at most its current and next tensor are open), plus the hash read-back buffers."""
     mem = memory_status()
     base = mem.get("RssAnon", 0) + mem.get("RssFile", 0) + (CUDA_CONTEXT_BYTES if device.type == "cuda" else 0)
     costs = [(0, min(COPY_CHUNK_BYTES, _src_bytes(t))) if verbatim_source(t, meta) is not None
              else unit_costs(t, device, workers) for t in tensors]  # a copied range is both read and output buffer
     unit = max((w + o for w, o in costs), default=0)
-    scales = sum(sorted(scale_array_bytes(t) for t in tensors)[-2:])
+    scales = sum(sorted(scale_array_bytes(t) for t in tensors)[-2 * shards_in_flight(workers):])
     readback = workers * safetensors_io.DIGEST_CHUNK_BYTES  # each worker may read a chunk back to hash it
-    src = max((min(COPY_CHUNK_BYTES, _src_bytes(t)) if verbatim_source(t, meta) is not None else _src_bytes(t)
-               for t in tensors), default=0)  # one unit's reads: what a worker's read slab grows to
+    reads = [min(COPY_CHUNK_BYTES, _src_bytes(t)) if verbatim_source(t, meta) is not None else _src_bytes(t)
+             for t in tensors]  # one unit's reads
+    src = max(reads, default=0)
     if device.type == "cuda":  # every worker keeps its pinned slabs (registered at their size) for the whole run
         out = max((_out_bytes(t) for t in tensors if t.quantize), default=0)
         base += workers * (src + 4096 + out + 4096)
-    elif src <= SLAB_MAX_BYTES:  # CPU: every worker keeps its read slab (its largest unit's reads)
-        base += workers * src
+    else:  # CPU: every worker keeps a read slab as large as its largest read that goes into one
+        base += workers * max((r for r in reads if r <= SLAB_MAX_BYTES), default=0)
     inflight = max(unit, min(workers * unit, budget_for(max_memory, base, scales + readback)))
     return {"base": base, "unit": unit, "workers": workers, "inflight": inflight, "scales": scales,
             "readback": readback, "total": base + inflight + scales + readback, "max_memory": max_memory}
@@ -301,7 +311,7 @@ def budget_for(max_memory: int, base: int, reserved: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
-# ordered hashing and shard files
+# digests and shard files
 
 
 class Budget:
@@ -493,19 +503,27 @@ class Pipeline:
         slab = torch.empty(n, dtype=torch.uint8)
         if self.device.type != "cuda":
             return slab
-        if n and int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), n, 0)) == 0:
-            with self.lock:
-                self.registered.append(slab)  # unregistered when the run ends (_release_slabs)
-            return slab
+        if n:
+            code = int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), n, 0))
+            if code == 0:
+                with self.lock:
+                    self.registered.append(slab)  # unregistered when the run ends (_release_slabs)
+                return slab
+            # a failed call also leaves CUDA's per-thread last error set, which torch's next kernel-launch
+            # check would raise as an unrelated error: clear it before falling back
+            torch.cuda.cudart().cudaGetLastError()
+            log.debug("cudaHostRegister of %d bytes failed (error %d); using torch's pinned allocator", n, code)
         return torch.empty(n, dtype=torch.uint8, pin_memory=True)
 
     def _release_slabs(self) -> None:
         """After the workers are done: unlock the registered slabs (once no copy can still be reading them)."""
-        if self.registered:
-            torch.cuda.synchronize(self.device)
-        for slab in self.registered:
-            torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
-        self.registered.clear()
+        try:
+            if self.registered:
+                torch.cuda.synchronize(self.device)  # raises after a sticky CUDA error: unregister anyway
+        finally:
+            for slab in self.registered:
+                torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+            self.registered.clear()
 
     # -- shard bookkeeping
     def _todo(self, f: str) -> int:
@@ -557,13 +575,15 @@ class Pipeline:
         if offset + len(data) > place.nbytes:
             raise RuntimeError(f"{name}: produced bytes beyond its planned {place.nbytes}")
         shard = self._shard(place.shard)
+        if not len(data):  # a 0-byte tensor: its digest completed when the shard opened (maybe closing it)
+            return
         pwrite_all(shard.fd, data, place.offset + offset)
         start_writeback(shard.fd, place.offset + offset, len(data))
         self.tensor_digest[name].add(offset, data)
 
     # -- units
     def run(self, units: list) -> None:
-        units = interleave_shards(units, lambda u: self.places[u.t.name].shard, min(SHARDS_IN_FLIGHT, self.workers))
+        units = interleave_shards(units, lambda u: self.places[u.t.name].shard, shards_in_flight(self.workers))
         self.slab_bytes = pinned_slab_bytes(units) if self.pin else {}
         threads = torch.get_num_threads()
         if self.device.type == "cpu":
@@ -579,12 +599,16 @@ class Pipeline:
                 fut.result()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-            self._release_slabs()
             torch.set_num_threads(threads)
             self.reader.close()
             if self.error is not None:
                 for s in self.shards.values():
                     s.abort()
+            try:
+                self._release_slabs()  # last: after a worker's CUDA error its synchronize may raise too
+            except Exception:
+                if self.error is None:
+                    raise  # else the worker's error (raised below) says what went wrong
         if self.error is not None:
             raise self.error[1]
         left = [f for f, s in self.shards.items() if s.fd is not None]
@@ -601,7 +625,7 @@ class Pipeline:
                 if self.progress is not None:
                     with self.lock:
                         self.progress.update(u.src_bytes)
-        except BaseException as e:  # noqa: BLE001 — the first failure in plan order is raised by run()
+        except BaseException as e:  # noqa: BLE001 — run() raises the first failure in plan order among the units that ran
             with self.lock:
                 if self.error is None or u.index < self.error[0]:
                     self.error = (u.index, e)

@@ -220,21 +220,6 @@ def atomic_write_text(path: Path, text: str, before_rename=None) -> None:
     os.replace(tmp, path)
 
 
-def file_sha256(path: Path) -> str:
-    return range_sha256(path, 0, Path(path).stat().st_size)
-
-
-def range_sha256(path: Path, offset: int, length: int, chunk: int = 1 << 24) -> str:
-    """sha256 of `length` bytes of a file from `offset`."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(offset)
-        while length > 0 and (block := f.read(min(length, chunk))):
-            h.update(block)
-            length -= len(block)
-    return h.hexdigest()
-
-
 # ---------------------------------------------------------------------------------------------------
 # chunked digests (docs/artifact-format.md, "Digests"): every chunk of a tensor's data is hashed on its own,
 # so a shard of any size is hashed by all cores at once, by the converter and by `porter verify` alike.

@@ -402,7 +402,7 @@ def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, quantize):
 
 def test_zero_byte_tensors_convert(tiny_vendor, tmp_path):
     """Empty carried tensors (0 bytes; they share their offset with the next tensor) neither hang the
-    ordered hashes nor change a byte of the others."""
+    chunked digests nor change a byte of the others."""
     from safetensors.torch import save_file
     src = tmp_path / "src"
     shutil.copytree(tiny_vendor, src)
@@ -417,6 +417,15 @@ def test_zero_byte_tensors_convert(tiny_vendor, tmp_path):
     assert tuple(got["vision_tower.empty_a"].shape) == (0, 4) and got["vision_tower.empty_b"].numel() == 0
     doc = json.loads((tmp_path / "out" / "porter.json").read_text())
     assert doc["tensors"]["vision_tower.empty_a"]["digest"] == hashlib.sha256(b"").hexdigest()  # no chunks
+    # a shard cap so small that one shard holds only the two empty tensors: it completes as it opens
+    porter.convert(src, tmp_path / "tiny-shards", progress=False, workers=2, max_shard_size="1KB")
+    doc = json.loads((tmp_path / "tiny-shards" / "porter.json").read_text())
+    by_shard: dict = {}
+    for name, rec in doc["tensors"].items():
+        by_shard.setdefault(rec["shard"], set()).add(name)
+    assert {"vision_tower.empty_a", "vision_tower.empty_b"} in by_shard.values()
+    a, b = load_all(tmp_path / "tiny-shards"), load_all(tmp_path / "out")
+    assert set(a) == set(b) and all(a[k].view(torch.uint8).equal(b[k].view(torch.uint8)) for k in a)
 
 
 def test_chunked_digests_at_any_chunk_size_and_worker_count(tiny_vendor, tmp_path, monkeypatch):
@@ -458,7 +467,9 @@ def test_verify_refuses_format_version_1_in_one_line(converted, tmp_path):
 
 
 @pytest.mark.parametrize("rule", [None, {"algorithm": "sha256", "chunk_bytes": 16}, {"algorithm": "sha256-chunked",
-                                                                                   "chunk_bytes": 0}])
+                                                                                   "chunk_bytes": 0},
+                                  {"algorithm": "sha256-chunked", "chunk_bytes": 1},
+                                  {"algorithm": "sha256-chunked", "chunk_bytes": 1 << 40}])
 def test_verify_refuses_a_broken_digest_rule_in_one_line(converted, tmp_path, rule):
     art = tmp_path / "art"
     shutil.copytree(converted, art)
@@ -487,7 +498,7 @@ def test_verify_names_the_changed_tensor_and_the_changed_header(converted, tmp_p
     res = check_integrity(art, man)
     msgs = [f.message for f in res.issues]
     assert not res.passed and len(msgs) == 2, msgs
-    assert msgs[0] == (f"tensor {w13} in shard {shard.name}: sha256 differs from porter.json "
+    assert msgs[0] == (f"tensor {w13} in shard {shard.name}: digest differs from porter.json "
                        "(the data changed after conversion)")
     assert msgs[1].startswith(f"shard {shard.name}: header sha256 ") and "(the header changed)" in msgs[1]
 

@@ -146,7 +146,7 @@ def test_scales_shifted_checksum_mismatch(artifact, tmp_path):
     rewrite_tensor(art, W13 + "_scale", shift_scales(+1), reseal=False)
     res = cli(art, "--max-new-tokens", 0)
     assert res.exit_code == 1
-    assert f"tensor {W13}_scale in shard model-00001-of-00001.safetensors: sha256 differs" in res.output
+    assert f"tensor {W13}_scale in shard model-00001-of-00001.safetensors: digest differs" in res.output
     assert "integrity: FAILED" in res.output
 
 

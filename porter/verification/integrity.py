@@ -55,6 +55,9 @@ def _by_shard(tensors: dict) -> dict:
     return out
 
 
+MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4096, 1 << 30  # porter writes 16 MiB (safetensors_io.DIGEST_CHUNK_BYTES)
+
+
 def _chunk_bytes(man: dict) -> int:
     """The digest chunk size porter.json records (a manifest of another format version is refused)."""
     v = man.get("format_version")
@@ -63,9 +66,11 @@ def _chunk_bytes(man: dict) -> int:
                                f"{manifest.FORMAT_VERSION} (chunked digests); reconvert the artifact with it")
     rule = man.get("digest")
     n = rule.get("chunk_bytes") if isinstance(rule, dict) else None
-    if not isinstance(rule, dict) or rule.get("algorithm") != "sha256-chunked" or type(n) is not int or n <= 0:
-        raise VerifyInputError(f"porter.json digest {rule!r} is not sha256-chunked with a positive chunk_bytes; "
-                               "restore porter.json or reconvert")
+    # bounds: a 1-byte chunk would queue one hash per byte, a huge one a buffer per core of that size
+    if (not isinstance(rule, dict) or rule.get("algorithm") != "sha256-chunked" or type(n) is not int
+            or not MIN_CHUNK_BYTES <= n <= MAX_CHUNK_BYTES):
+        raise VerifyInputError(f"porter.json digest {rule!r} is not sha256-chunked with chunk_bytes in "
+                               f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]; restore porter.json or reconvert")
     return n
 
 
@@ -84,7 +89,7 @@ def _check_shards(art: Path, tensors: dict, shards: dict, by_shard: dict, chunk_
             try:
                 headers[f] = read_header(p)
                 got = file_digests(p, pool, chunk_bytes)
-            except PorterError as e:
+            except (PorterError, OSError) as e:  # malformed, or unreadable (EIO, permissions): named, not fatal
                 headers.pop(f, None)
                 issues.append(Failure("integrity", f"shard {f}: {e}", shard=f))
                 continue
@@ -97,7 +102,7 @@ def _check_shards(art: Path, tensors: dict, shards: dict, by_shard: dict, chunk_
 
 def _locate_change(f: str, got, names: list, tensors: dict, rec: dict) -> list[Failure]:
     changed = [n for n in names if n in got.tensors and got.tensors[n] != tensors[n].get("digest")]
-    out = [Failure("integrity", f"tensor {n} in shard {f}: sha256 differs from porter.json "
+    out = [Failure("integrity", f"tensor {n} in shard {f}: digest differs from porter.json "
                    "(the data changed after conversion)", tensor=n, shard=f) for n in changed]
     if got.header_sha256 != rec.get("header_sha256"):
         out.append(Failure("integrity", f"shard {f}: header sha256 {got.header_sha256[:12]}… differs from "

@@ -286,7 +286,8 @@ def main():
              f"(layer 0 dense attention + dense MLP, the rest sparse attention + MoE), {args.experts} experts "
              "top-4, real layer dims. ms = CUDA-graph replay of one layer's decode step; eager = the same "
              "step launched op by op; op-by-op ms = CUDA-graph replay of the unfused decode step (PORTER_FUSED_DECODE=0: "
-             "one kernel per projection, norm, cache write, indexer and router op), batch 1 only.", ""]
+             "one kernel per projection, norm, cache write and indexer op; the router kernels and the shared "
+             "expert's gate/up GEMV + SwiGLU stay fused in both), batch 1 only.", ""]
     scopes = args.scopes.split(",")
     for scope in scopes:
         art = work / f"mxfp8-{scope}"

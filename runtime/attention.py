@@ -74,6 +74,7 @@ def num_splits(n_keys: int, programs: int, block_n: int, target: int = 264) -> i
 def _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, scale):
     from runtime.attention_triton import combine_kernel, decode_kernel
     B, nq, d = q.shape
+    pos = pos.contiguous()  # the kernels read pos[b] at pos_ptr + b
     nkv = k_cache.shape[1]
     g = nq // nkv
     gp = max(16, next_pow2(g))  # tl.dot needs >= 16 rows

@@ -98,6 +98,7 @@ def decode_qkv(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: tor
     (k/v_cache [B, nkv, S, d], idx_cache [B, S, di])."""
     from runtime.fused_triton import decode_qkv_kernel
     B = qkv.shape[0]
+    pos = pos.contiguous()  # the kernel reads pos[b] at pos_ptr + b (Step.of's expand() has stride 0)
     nq, nkv, d = heads[:3]
     index = idx_cache is not None
     ni, di = heads[3:] if index else (0, d)
@@ -123,6 +124,7 @@ def index_select(iq: torch.Tensor, idx_cache: torch.Tensor, pos: torch.Tensor, k
     top blocks [B, ni, 1, topk] int64, best first (entry nblk = none left), as Indexer.select."""
     from runtime.fused_triton import index_scores_kernel, index_topk_kernel
     B, ni, di = iq.shape
+    pos = pos.contiguous()  # read at pos_ptr + b
     nblk = -(-kv_len // block)
     scores = torch.empty((B, ni, nblk), dtype=torch.float32, device=iq.device)
     index_scores_kernel[(B, nblk)](iq.contiguous(), idx_cache, pos, scores, kv_len, nblk, idx_cache.stride(0),

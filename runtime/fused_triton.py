@@ -82,7 +82,7 @@ def decode_qkv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, iqn_pt
     same per-head math (norm_rope_kernel) and writes the cache by index_put."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # b x cache stride passes 2^31 at long contexts and batch
     slot = tl.program_id(1)
     dt = q_ptr.dtype.element_ty
     p = tl.load(pos_ptr + b).to(tl.int64)
@@ -123,7 +123,7 @@ def index_scores_kernel(iq_ptr, ic_ptr, pos_ptr, out_ptr, S, NBLK, sib, sis,
     it, the first INIT blocks already started)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # b x cache stride passes 2^31 at long contexts and batch
     j = tl.program_id(1)
     p = tl.load(pos_ptr + b)
     hrow = tl.arange(0, NIP)

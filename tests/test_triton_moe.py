@@ -306,10 +306,10 @@ def test_single_launch_matches_torch_and_two_kernel_path(t, k, e):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("t", [1])  # more tokens fall back to two launches (the fused output is one-token)
 def test_single_launch_is_race_free(t):
     """Every GEMM2 tile must see all of its block's GEMM1 act columns and the last arriver every
-    top-k add: 12 calls at MiniMax-like dims (1536 x 768, 32 experts, 3072 programs at T=4) each agree
+    top-k add: 12 calls at MiniMax-like dims (1536 x 768, 32 experts) each agree
     with the two-kernel path (a stale act read or a missed add is ~1e-1, fp32 add order ~1e-6)."""
     p, x, ids, w = _race_problem(t)
     base = tb.fused_moe(p, x, ids, w, 2.5, nosort=False, fused_out=False, single=False)
@@ -341,7 +341,7 @@ def test_single_launch_activations_outside_fp16_range(x_scale):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("t,single", [(1, False), (4, False), (1, True), (4, True)])
+@pytest.mark.parametrize("t,single", [(1, False), (4, False), (1, True)])  # single=True at T=4 = (4, False)
 def test_fused_output_many_calls_at_real_dims(t, single):
     """200 calls in a row at MiniMax-M3's layer dims (H 6144, I 3072; 8 experts, so T=4 shares experts
     between tokens), each checked against the sorted unfused path: a last arriver that reads before

@@ -45,7 +45,8 @@ Getter = Callable[[str], Optional[torch.Tensor]]  # canonical name -> tensor on 
 
 # The fused decode step (DecoderLayer.decode: one projection kernel for q/k/v/index, norms + RoPE + cache
 # writes in one kernel, the indexer and the router in two each, residual adds in the GEMV epilogues).
-# PORTER_FUSED_DECODE=0 runs the op-by-op decode step instead (A/B benchmarks, tests).
+# PORTER_FUSED_DECODE=0 runs the attention, indexer and residual adds op by op instead (A/B benchmarks,
+# tests); the router kernels and the shared expert's stacked gate/up GEMV + SwiGLU run in both.
 FUSED_DECODE = os.environ.get("PORTER_FUSED_DECODE", "1") != "0"
 
 

@@ -179,6 +179,12 @@ def test_decode_qkv_equals_norm_rope_and_cache_writes(sparse):
         assert torch.equal(iq, want_iq) and torch.equal(idx[0], idx[1])
     else:
         assert iq is None
+    # one position for every row as Step.of builds it (expand: stride 0) writes the same slots as a copy
+    same = torch.tensor([700], device="cuda").expand(B)
+    c_exp, c_copy = ([torch.zeros_like(caches[0]) for _ in range(2)] for _ in range(2))
+    for p_, (kc, vc) in ((same, c_exp), (same.contiguous(), c_copy)):
+        fused.decode_qkv(qkv, p_, cos, sin, norms[:2], (nq, nkv, d), kc, vc, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(c_exp, c_copy)) and bool(c_exp[0][:, :, 700].abs().sum(-1).gt(0).all())
 
 
 def test_index_select_equals_the_torch_indexer():
@@ -215,18 +221,19 @@ def test_fused_decode_equals_op_by_op_decode(artifacts, monkeypatch):
         model = runtime.load(artifacts[scope], device="cuda", dtype=dtype, backend="triton" if scope == "experts"
                              else "torch")
         assert model.layers[1].attn.qkv is not None and model.layers[0].mlp.gate_up is not None
-        ids, mask = _left_pad([5, 12, 30])
-        n = 20
-        caches = [model.new_cache(3, ids.shape[1] + n) for _ in range(2)]
-        la = model(ids.cuda(), caches[0], attention_mask=mask)[:, -1]
-        lb = model(ids.cuda(), caches[1], attention_mask=mask)[:, -1]
-        for step in range(n):
-            tok = la.argmax(-1, keepdim=True)
-            monkeypatch.setattr(m3, "FUSED_DECODE", False)
-            la = model(tok, caches[0])[:, -1]
-            monkeypatch.setattr(m3, "FUSED_DECODE", True)
-            lb = model(tok, caches[1])[:, -1]
-            assert fx.rel(lb, la) <= tol, (scope, step, fx.rel(lb, la))
+        for lengths in ([5, 12, 30], [17]):  # batch 1 takes the MoE's one-token fused output
+            ids, mask = _left_pad(lengths)
+            n = 20
+            caches = [model.new_cache(len(lengths), ids.shape[1] + n) for _ in range(2)]
+            la = model(ids.cuda(), caches[0], attention_mask=mask)[:, -1]
+            lb = model(ids.cuda(), caches[1], attention_mask=mask)[:, -1]
+            for step in range(n):
+                tok = la.argmax(-1, keepdim=True)
+                monkeypatch.setattr(m3, "FUSED_DECODE", False)
+                la = model(tok, caches[0])[:, -1]
+                monkeypatch.setattr(m3, "FUSED_DECODE", True)
+                lb = model(tok, caches[1])[:, -1]
+                assert fx.rel(lb, la) <= tol, (scope, lengths, step, fx.rel(lb, la))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

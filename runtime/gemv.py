@@ -42,6 +42,8 @@ def runs(x: torch.Tensor, weight: torch.Tensor, adds: bool = False) -> bool:
     """Whether a linear of x against weight runs gemv (MXFP8: whenever it applies; else per BF16)."""
     if not applies(x, weight):
         return False
+    if weight.dtype != torch.float8_e4m3fn and weight.dtype != x.dtype:
+        return False  # Linear's own path rounds the weight to x's dtype first; gemv would multiply unrounded
     return weight.dtype == torch.float8_e4m3fn or BF16 == "all" or (BF16 == "adds" and adds)
 
 

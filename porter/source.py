@@ -58,9 +58,9 @@ class Source:
 
     def _read_stored(self, name: str, index: Optional[int] = None) -> torch.Tensor:
         f = self.files[name]
-        if f not in self._handles:
-            self._handles[f] = safe_open(str(f), framework="pt")
-        h = self._handles[f]
+        h = self._handles.get(f)  # one lookup: a close() from another thread between two would KeyError
+        if h is None:
+            h = self._handles.setdefault(f, safe_open(str(f), framework="pt"))
         t = h.get_tensor(name) if index is None else h.get_slice(name)[index]
         if t.dtype == ST_DTYPES["F8_E8M0"] and t.dtype != torch.uint8:
             t = t.view(torch.uint8)  # E8M0 scale bytes: reinterpret, never value-convert

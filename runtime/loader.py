@@ -80,11 +80,12 @@ class ArtifactStore:
 
     def _get(self, name: str) -> torch.Tensor:
         f = self.files[name]
-        if f not in self._handles:
+        h = self._handles.get(f)  # one lookup: a close() from another thread between two would KeyError
+        if h is None:
             if not f.exists():
                 raise LoadError(f"{f}: shard listed in the index is missing")
-            self._handles[f] = safe_open(str(f), framework="pt")
-        return self._handles[f].get_tensor(name)  # memory-mapped
+            h = self._handles.setdefault(f, safe_open(str(f), framework="pt"))
+        return h.get_tensor(name)  # memory-mapped
 
     def experts(self, name: str):
         """(e, expert e) of a stacked [E, N, K] tensor, one expert at a time (slices of the mapped tensor)."""

@@ -74,34 +74,26 @@ def report(secs, **extra):
     print("RESULT " + json.dumps({"seconds": secs, **{k.lower(): v for k, v in PEAK.items()}, **extra}))
 """
 
-COPY_SAFETENSORS = SAMPLER + """
-import sys, time
+COPY = SAMPLER + """
+import shutil, sys, time
 from pathlib import Path
-from safetensors.torch import load_file, save_file
-src, out = Path(sys.argv[1]), Path(sys.argv[2])
+src, out, kind = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 out.mkdir(parents=True, exist_ok=True)
 state = prepare(src, sys.argv[4])
+if kind != "copy-files":  # torch only where it is used: copy-files' peak memory stays the copy's own
+    from safetensors.torch import load_file, save_file
 t0 = time.perf_counter()
 for f in sorted(src.glob("*.safetensors")):
-    save_file(load_file(str(f)), str(out / f.name))
-if sys.argv[3] == "fsync":  # durable, as porter convert is before it writes its index
+    if kind == "copy-files":
+        shutil.copyfile(f, out / f.name)
+    else:
+        save_file(load_file(str(f)), str(out / f.name))
+if kind == "copy-safetensors+fsync":  # durable, as porter convert is before it writes its index
     import os
     for f in sorted(out.glob("*.safetensors")):
         fd = os.open(f, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-report(time.perf_counter() - t0, **state)
-"""
-
-COPY_FILES = SAMPLER + """
-import shutil, sys, time
-from pathlib import Path
-src, out = Path(sys.argv[1]), Path(sys.argv[2])
-out.mkdir(parents=True, exist_ok=True)
-state = prepare(src, sys.argv[3])
-t0 = time.perf_counter()
-for f in sorted(src.glob("*.safetensors")):
-    shutil.copyfile(f, out / f.name)
 report(time.perf_counter() - t0, **state)
 """
 
@@ -130,6 +122,18 @@ def child(code: str, *args, env=None) -> dict:
     if res.returncode:
         raise RuntimeError(f"child failed ({res.returncode}): {res.stderr[-2000:]}")
     return json.loads([line for line in res.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
+
+
+def copy_run(src: Path, out: Path, kind: str, cache: str = "warm") -> dict:
+    """One baseline copy in a fresh process: copy-safetensors, copy-safetensors+fsync or copy-files."""
+    return child(COPY, src, out, kind, cache)
+
+
+def convert_run(src: Path, out: Path, workers: str = "all", device: str = "cpu", cache: str = "warm",
+                max_shard_size: str = "5GB", root: Path = ROOT, env=None) -> dict:
+    """One `porter convert` (of the porter tree at `root`) in a fresh process, after its dry run."""
+    return child(CONVERT.replace("ROOT_PATH", repr(str(root))), src, out, workers, device, cache, max_shard_size,
+                 env=env)
 
 
 class _PooledRandn:
@@ -250,14 +254,11 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
                 if cache == "cold" and ((kind, workers) == ("convert", "1") or kind == "copy-safetensors+fsync"):
                     continue  # cold: the copies and the every-core conversions only
                 out = tmp / f"out-{kind}-{workers}-{device}-{n_flight}-{r}"
-                if kind.startswith("copy-safetensors"):
-                    res = child(COPY_SAFETENSORS, src, out, "fsync" if kind.endswith("fsync") else "-", cache)
-                elif kind == "copy-files":
-                    res = child(COPY_FILES, src, out, cache)
+                if kind.startswith("copy"):
+                    res = copy_run(src, out, kind, cache)
                 else:
                     env = None if n_flight is None else dict(os.environ, PORTER_SHARDS_IN_FLIGHT=str(n_flight))
-                    res = child(CONVERT.replace("ROOT_PATH", repr(str(ROOT))), src, out, workers, device, cache,
-                                max_shard_size, env=env)
+                    res = convert_run(src, out, workers, device, cache, max_shard_size, env=env)
                 res |= {"kind": kind, "workers": workers, "device": device, "repeat": r, "shards_in_flight": n_flight,
                         "max_shard_size": max_shard_size if kind == "convert" else None,
                         "gb_per_s": gb / res["seconds"]}

@@ -13,12 +13,12 @@ GB/s counts bf16 input bytes; "per core" divides by threads x workers (workers: 
 calling in parallel, 1 torch thread each, the way porter convert's CPU workers run). Timings are the minimum
 (and median) over --repeats passes, old and new interleaved so that load from other processes hits both alike.
 
---convert-rounds N also times `porter convert` (2-layer real-dims checkpoint, 1.92 GB, every CPU core) with
-this tree against a temporary copy of it whose porter/mxfp8.py is the baseline's, interleaved with the
-safetensors copy that benchmarks/convert_throughput.py uses as its baseline, and then (twice per tree) the CPU
-time spent inside quantize_with_error against the whole process's user + sys time.
+Whole conversions are timed by benchmarks/convert_throughput.py (stage by stage: benchmarks/convert_profile.py).
+(An earlier `--convert-rounds` A/B ran porter convert with the baseline's mxfp8.py swapped in; the pipeline now
+calls quantize_with_error with tile sizes that file does not take. Its recorded result stays in
+benchmarks/results/quantize_cpu.json.)
 
-    python benchmarks/quantize_cpu.py --convert-rounds 4 --out benchmarks/results/quantize_cpu.json
+    python benchmarks/quantize_cpu.py --out benchmarks/results/quantize_cpu.json
 """
 from __future__ import annotations
 
@@ -28,14 +28,11 @@ import json
 import math
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
@@ -51,78 +48,6 @@ def load_revision(rev: str):
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(f"mxfp8_{rev}", loader=None))
     exec(compile(src, f"{rev}:porter/mxfp8.py", "exec"), module.__dict__)
     return module
-
-
-CPU_SHARE = """
-import json, resource, sys, threading, time
-sys.path.insert(0, sys.argv[3])
-import porter
-from porter import mxfp8
-lock, spent, real = threading.Lock(), [0.0], mxfp8.quantize_with_error
-def timed(*args, **kwargs):
-    t = time.thread_time()
-    out = real(*args, **kwargs)
-    with lock:
-        spent[0] += time.thread_time() - t
-    return out
-mxfp8.quantize_with_error = timed
-r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-porter.convert(sys.argv[1], sys.argv[2], progress=False, device="cpu")
-wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-print("RESULT " + json.dumps({"seconds": wall, "quantize_cpu_s": spent[0], "user_s": r1.ru_utime - r0.ru_utime,
-                              "sys_s": r1.ru_stime - r0.ru_stime}))
-"""
-
-
-def convert_ab(baseline: str, rounds: int, tmp_dir: str) -> dict:
-    """`porter convert` of a synthetic real-dims checkpoint (1.92 GB: 2 layers, 8 experts, the 2 GB size of
-    benchmarks/convert_throughput.py) with this tree and with a copy of it whose porter/mxfp8.py is the
-    baseline's, interleaved with the safetensors copy baseline, `rounds` times each (all CPU workers)."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import convert_throughput as ct
-    times = {"copy": [], "new": [], "old": []}
-    with tempfile.TemporaryDirectory(dir=tmp_dir) as tmp:
-        old_tree = os.path.join(tmp, "tree")
-        files = subprocess.run(["git", "-C", ROOT, "ls-files"], capture_output=True, text=True,
-                               check=True).stdout.split()
-        for f in files:
-            if os.path.isfile(os.path.join(ROOT, f)):
-                os.makedirs(os.path.dirname(os.path.join(old_tree, f)), exist_ok=True)
-                shutil.copyfile(os.path.join(ROOT, f), os.path.join(old_tree, f))
-        with open(os.path.join(old_tree, "porter", "mxfp8.py"), "w") as fh:
-            fh.write(subprocess.run(["git", "-C", ROOT, "show", f"{baseline}:porter/mxfp8.py"], capture_output=True,
-                                    text=True, check=True).stdout)
-        src = ct.build_checkpoint(Path(tmp) / "src", 2, 8)
-        gb = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
-        ct.warm(src)
-        for r in range(rounds):
-            for kind in ("copy", "new", "old") if r % 2 == 0 else ("old", "new", "copy"):
-                out = Path(tmp) / f"out-{kind}-{r}"
-                if kind == "copy":
-                    res = ct.child(ct.COPY_SAFETENSORS, src, out, "-")
-                else:
-                    tree = ROOT if kind == "new" else old_tree
-                    res = ct.child(ct.CONVERT.replace("ROOT_PATH", repr(tree)), src, out, "all", "cpu")
-                times[kind].append(res["seconds"])
-                shutil.rmtree(out, ignore_errors=True)
-                print(f"convert A/B round {r}: {kind} {res['seconds']:.2f} s", flush=True)
-        # where the CPU time goes: thread CPU time inside quantize_with_error vs the whole process
-        cpu = {"new": [], "old": []}
-        for r in range(2):
-            for kind in ("new", "old") if r % 2 == 0 else ("old", "new"):
-                out = Path(tmp) / f"cpu-{kind}-{r}"
-                res = ct.child(CPU_SHARE, src, out, ROOT if kind == "new" else old_tree)
-                cpu[kind].append({k: round(v, 3) for k, v in res.items()})
-                shutil.rmtree(out, ignore_errors=True)
-                print(f"convert CPU time {kind}: {cpu[kind][-1]}", flush=True)
-    out = {"source_gb": round(gb, 3), "rounds": rounds, "cpu_time": cpu}
-    for kind, ts in times.items():
-        out[kind] = {"s_min": round(min(ts), 3), "s_median": round(statistics.median(ts), 3),
-                     "s_all": [round(t, 3) for t in ts]}
-    for kind in ("new", "old"):
-        out[kind]["x_copy_median"] = round(out[kind]["s_median"] / out["copy"]["s_median"], 2)
-    return out
 
 
 def chunks(w: torch.Tensor, chunk_elems: int):
@@ -169,9 +94,6 @@ def main() -> None:
                     help="elements per quantize call (the pipeline's CPU chunk)")
     ap.add_argument("--rounding", default="rceil", choices=mxfp8.ROUNDING_MODES)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--convert-rounds", type=int, default=0,
-                    help="also time porter convert with this tree vs the baseline's mxfp8.py, this many rounds")
-    ap.add_argument("--tmp", default=tempfile.gettempdir(), help="where --convert-rounds builds its checkpoint")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
@@ -218,10 +140,6 @@ def main() -> None:
                  "cpu_capability": torch.backends.cpu.get_cpu_capability(), "python": platform.python_version()},
         "results": rows,
     }
-    if args.convert_rounds:
-        torch.set_num_threads(os.cpu_count() or 1)
-        result["convert_ab"] = convert_ab(args.baseline, args.convert_rounds, args.tmp)
-        print(json.dumps(result["convert_ab"]), flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -128,15 +128,11 @@ def build(out: Path) -> dict:
 RUN = """
 import json, os, sys, threading, time
 sys.path.insert(0, {root!r})
-PEAK = {{"RssAnon": 0, "RssFile": 0, "VmHWM": 0}}
-def status():
-    out = {{}}
-    for line in open("/proc/self/status"):
-        k, _, v = line.partition(":")
-        if k in PEAK:
-            out[k] = int(v.split()[0]) * 1024
-    return out
 import porter, porter.pipeline as pp
+PEAK = {{"RssAnon": 0, "RssFile": 0, "VmHWM": 0}}
+def status():  # this process's RssAnon / RssFile / VmHWM, read as porter's --max-memory sizing reads them
+    s = pp.memory_status()
+    return {{k: s.get(k, 0) for k in PEAK}}
 src, out, seconds, device, workers = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4], sys.argv[5]
 workers = None if workers == "all" else int(workers)
 t0 = time.perf_counter()

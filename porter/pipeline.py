@@ -230,7 +230,7 @@ def shards_in_flight(workers: int) -> int:
     return max(1, min(n, workers))
 
 
-def interleave_shards(units: list, shard_of: Callable[[Unit], str], width: int = SHARDS_IN_FLIGHT) -> list:
+def interleave_shards(units: list, shard_of: Callable[[Unit], str], width: int) -> list:
     """Units reordered round-robin over `width` output shards at a time (each shard's own units keep plan
     order; the next shard joins when one runs out), so writes go to several files at once."""
     queues: dict = {}
@@ -260,14 +260,16 @@ def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.devic
     """Expected peak RSS of a conversion (what --dry-run prints) and the budget the pipeline runs in:
     this process as it is now (torch loaded; + the CUDA context on a GPU), plus the bytes in flight
     (each worker's unit: reads, temporaries and results, capped by --max-memory), plus the scale arrays of
-    the stacked expert tensors being filled (two per shard in flight: a shard's units run in plan order, so
-    at most its current and next tensor are open), plus the hash read-back buffers."""
+    the stacked expert tensors being filled (one per shard in flight, plus one where a shard moves from one
+    tensor to the next: an array's pages become resident as its experts land, so the 2 per shard that can be
+    open at once are not all full; sparse full-structure run, 2 workers: estimate / VmHWM 1.67 when counting
+    2 per shard), plus the hash read-back buffers."""
     mem = memory_status()
     base = mem.get("RssAnon", 0) + mem.get("RssFile", 0) + (CUDA_CONTEXT_BYTES if device.type == "cuda" else 0)
     costs = [(0, min(COPY_CHUNK_BYTES, _src_bytes(t))) if verbatim_source(t, meta) is not None
              else unit_costs(t, device, workers) for t in tensors]  # a copied range is both read and output buffer
     unit = max((w + o for w, o in costs), default=0)
-    scales = sum(sorted(scale_array_bytes(t) for t in tensors)[-2 * shards_in_flight(workers):])
+    scales = sum(sorted(scale_array_bytes(t) for t in tensors)[-(shards_in_flight(workers) + 1):])
     readback = workers * safetensors_io.DIGEST_CHUNK_BYTES  # each worker may read a chunk back to hash it
     reads = [min(COPY_CHUNK_BYTES, _src_bytes(t)) if verbatim_source(t, meta) is not None else _src_bytes(t)
              for t in tensors]  # one unit's reads

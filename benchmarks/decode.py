@@ -161,6 +161,16 @@ def decode_case(model, batch: int, kv: int, bw: float, compare: bool = False) ->
         floor = b / bw * 1e3
         row = {"layer": i, "kind": "moe" if isinstance(layer.mlp, MoE) else "dense", "ms": ms,
                "eager_ms": eager, "bytes": b, "experts_touched": touched, "floor_ms": floor, "x_floor": ms / floor}
+        if isinstance(layer.mlp, MoE) and m3.MOE_OVERLAP:  # shared expert on the main stream (A/B)
+            overlapped = layer(h, step, lc)
+            m3.MOE_OVERLAP = False
+            try:
+                row["serial_moe_ms"] = timed(lambda: layer(h, step, lc))
+                serial = layer(h, step, lc)
+                row["overlap_vs_serial_rel"] = float((overlapped.float() - serial.float()).norm()
+                                                     / serial.float().norm())
+            finally:
+                m3.MOE_OVERLAP = True
         if compare:  # the op-by-op decode step (PORTER_FUSED_DECODE=0) on the same inputs: time and output
             fused_out = layer(h, step, lc)
             m3.FUSED_DECODE = False
@@ -287,7 +297,9 @@ def main():
              "top-4, real layer dims. ms = CUDA-graph replay of one layer's decode step; eager = the same "
              "step launched op by op; op-by-op ms = CUDA-graph replay of the unfused decode step (PORTER_FUSED_DECODE=0: "
              "one kernel per projection, norm, cache write and indexer op; the router kernels and the shared "
-             "expert's gate/up GEMV + SwiGLU stay fused in both), batch 1 only.", ""]
+             "expert's gate/up GEMV + SwiGLU stay fused in both), batch 1 only; serial MoE ms = the step with the "
+             "shared expert on the main stream after the routed experts (PORTER_MOE_OVERLAP=0) instead of "
+             "overlapped on a second stream.", ""]
     scopes = args.scopes.split(",")
     for scope in scopes:
         art = work / f"mxfp8-{scope}"
@@ -297,8 +309,8 @@ def main():
             log.info("converted (--quantize %s) in %.0f s", scope, time.time() - t)
         model = runtime.load(art, device="cuda", backend="auto")
         res = {"decode": [], "prefill": None}
-        lines += [f"## --quantize {scope}", "", "| batch | KV | layer | kind | ms | eager ms | op-by-op ms | MB read "
-                  "| floor ms | x floor |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"## --quantize {scope}", "", "| batch | KV | layer | kind | ms | eager ms | op-by-op ms | serial MoE ms "
+                  "| MB read | floor ms | x floor |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
         if scope != scopes[0]:
             cases = [c for c in cases if c[0] == 1]  # the other scopes: batch 1 only
@@ -310,12 +322,14 @@ def main():
             res["decode"].append(case)
             for r in case["layers"]:
                 op = f"{r['op_by_op_ms']:.3f}" if "op_by_op_ms" in r else ""
+                serial = f"{r['serial_moe_ms']:.3f}" if "serial_moe_ms" in r else ""
                 lines.append(f"| {batch} | {kv} | {r['layer']} | {r['kind']} | {r['ms']:.3f} | {r['eager_ms']:.3f} | "
-                             f"{op} | {r['bytes'] / 1e6:.1f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} |")
+                             f"{op} | {serial} | {r['bytes'] / 1e6:.1f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} |")
                 log.info("quantize=%s B=%d KV=%d layer %d (%s): %.3f ms (eager %.3f), %.1f MB, floor %.3f ms, "
-                         "%.2fx floor; op-by-op %s ms, fused vs op-by-op rel %s", scope, batch, kv,
-                         r["layer"], r["kind"], r["ms"], r["eager_ms"], r["bytes"] / 1e6, r["floor_ms"], r["x_floor"],
-                         r.get("op_by_op_ms"), r.get("fused_vs_op_by_op_rel"))
+                         "%.2fx floor; op-by-op %s ms, fused vs op-by-op rel %s; serial MoE %s ms, overlap vs serial rel %s",
+                         scope, batch, kv, r["layer"], r["kind"], r["ms"], r["eager_ms"], r["bytes"] / 1e6,
+                         r["floor_ms"], r["x_floor"], r.get("op_by_op_ms"), r.get("fused_vs_op_by_op_rel"),
+                         r.get("serial_moe_ms"), r.get("overlap_vs_serial_rel"))
             p = case["projection"]
             log.info("quantize=%s B=%d KV=%d: whole %d-layer step (DecodeGraph) %.3f ms; projected 60 layers + "
                      "lm_head %.2f ms -> %.1f tok/s per sequence (%.1f tok/s total)", scope, batch, kv,

@@ -236,6 +236,31 @@ def test_fused_decode_equals_op_by_op_decode(artifacts, monkeypatch):
                 assert fx.rel(lb, la) <= tol, (scope, lengths, step, fx.rel(lb, la))
 
 
+def test_shared_expert_overlap_equals_serial_moe(artifacts, monkeypatch):
+    """Decode with the shared expert on a second stream (MOE_OVERLAP) against it on the main stream after the
+    routed experts, eager and in a CUDA graph: same logits within bf16 rounding (fp32: 1e-5), both scopes,
+    a left-padded batch of 3 and batch 1."""
+    import runtime.models.minimax_m3 as m3
+    for scope, dtype, tol in (("experts", torch.bfloat16, 2e-2), ("all", torch.float32, 1e-5)):
+        model = runtime.load(artifacts[scope], device="cuda", dtype=dtype, backend="triton" if scope == "experts"
+                             else "torch")
+        for lengths in ([5, 12, 30], [17]):
+            ids, mask = _left_pad(lengths)
+            n = 12
+            caches = [model.new_cache(len(lengths), ids.shape[1] + n) for _ in range(3)]
+            logits = [model(ids.cuda(), c, attention_mask=mask)[:, -1] for c in caches]
+            graph = m3.DecodeGraph(model, caches[2])
+            for step in range(n):
+                tok = logits[0].argmax(-1, keepdim=True)
+                monkeypatch.setattr(m3, "MOE_OVERLAP", False)
+                serial = model(tok, caches[0])[:, -1]
+                monkeypatch.setattr(m3, "MOE_OVERLAP", True)
+                overlapped, graphed = model(tok, caches[1])[:, -1], graph(tok).clone()
+                assert fx.rel(overlapped, serial) <= tol, (scope, lengths, step, fx.rel(overlapped, serial))
+                assert fx.rel(graphed, serial) <= tol, (scope, lengths, step, fx.rel(graphed, serial))
+                logits = [serial, overlapped, graphed]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_device_map_two_gpus_equals_one(artifacts):
     art = artifacts["experts"]

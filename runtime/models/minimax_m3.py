@@ -48,6 +48,10 @@ Getter = Callable[[str], Optional[torch.Tensor]]  # canonical name -> tensor on 
 # PORTER_FUSED_DECODE=0 runs the attention, indexer and residual adds op by op instead (A/B benchmarks,
 # tests); the router kernels and the shared expert's stacked gate/up GEMV + SwiGLU run in both.
 FUSED_DECODE = os.environ.get("PORTER_FUSED_DECODE", "1") != "0"
+# At decode the MoE block runs its shared expert on a second CUDA stream, concurrently with the router and
+# the routed experts (MoE.__call__); PORTER_MOE_OVERLAP=0 runs them one after the other (A/B, tests).
+MOE_OVERLAP = os.environ.get("PORTER_MOE_OVERLAP", "1") != "0"
+_SIDE_STREAMS: dict = {}  # device index -> the shared expert's stream
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -472,19 +476,45 @@ class MoE:
     def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:
         """x [..., H] -> routed + shared [..., H], then + each of add in order."""
         flat = x.reshape(-1, x.shape[-1])  # [B*T, H]
-        r = self.routing
-        if gemv.applies(flat, r.router_weight):  # fp32 logits kernel + one selection kernel
-            logits = fused.router_logits(flat, r.router_weight)  # [B*T, E]
-            ids, weights = fused.router_select(logits, r.e_score_correction_bias, r.top_k)
-            y = self.experts.forward_topk(flat, ids, weights)  # routed sum * routed_scaling_factor
-        else:
-            y = self.experts(flat)
         add = tuple(a.reshape(flat.shape) for a in add)
-        if self.shared is not None:
-            return self.shared(flat, (y, *add)).view_as(x)  # y + shared expert (unscaled), then add
+        side = self._side_stream(flat)
+        if side is None:
+            y = self.routed(flat)
+            if self.shared is not None:
+                return self.shared(flat, (y, *add)).view_as(x)  # y + shared expert (unscaled), then add
+            for a in add:
+                y = y + a
+            return y.view_as(x)
+        # Decode: the shared expert streams its weights on a second stream while the router and the routed
+        # experts run on this one, filling each other's launch gaps and tails (both are bound by weight bytes).
+        # Forked and joined inside the call, so every tensor the side stream touches outlives its use.
+        main = torch.cuda.current_stream(flat.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            s = self.shared(flat)  # [B*T, H]
+        y = self.routed(flat)
+        main.wait_stream(side)
+        y = s + y  # the unfused order: (shared + routed) + each add, rounded per add
         for a in add:
             y = y + a
         return y.view_as(x)
+
+    def routed(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat [N, H] -> routed experts' sum * routed_scaling_factor [N, H]."""
+        r = self.routing
+        if gemv.applies(flat, r.router_weight):  # fp32 logits kernel + one selection kernel
+            logits = fused.router_logits(flat, r.router_weight)  # [N, E]
+            ids, weights = fused.router_select(logits, r.e_score_correction_bias, r.top_k)
+            return self.experts.forward_topk(flat, ids, weights)
+        return self.experts(flat)
+
+    def _side_stream(self, flat: torch.Tensor) -> Optional[torch.cuda.Stream]:
+        """The stream the shared expert overlaps on at decode (CUDA, decode-size rows), else None."""
+        if not (MOE_OVERLAP and self.shared is not None and gemv.applies(flat, self.routing.router_weight)):
+            return None
+        if flat.device.index not in _SIDE_STREAMS:
+            _SIDE_STREAMS[flat.device.index] = torch.cuda.Stream(flat.device)
+        return _SIDE_STREAMS[flat.device.index]
 
 
 class DecoderLayer:

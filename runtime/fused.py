@@ -62,6 +62,51 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+def add_rms_norm(a: torch.Tensor, h: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """a, h [..., N] (a residual branch and the residual stream), w [N] -> (h + a, rms_norm(h + a, w)) in one
+    kernel, each as the unfused torch add and rms_norm round them."""
+    from runtime.fused_triton import add_rms_norm_kernel
+    n = h.shape[-1]
+    ac, hc = a.contiguous(), h.contiguous()
+    hout, y = torch.empty_like(hc), torch.empty_like(hc)
+    add_rms_norm_kernel[(hc.numel() // n,)](ac, hc, w, hout, y, n, eps, BLOCK=next_pow2(n),
+                                            num_warps=8 if n >= 4096 else 4, USE_PDL=bool(pdl(h.device)),
+                                            **pdl(h.device))
+    return hout, y
+
+
+def add_chain(x0: torch.Tensor, x1: torch.Tensor, x2: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(x0 + x1) [+ x2] of same-shape tensors in x0's dtype, rounded after each add as torch's adds are."""
+    from runtime.fused_triton import add_chain_kernel
+    xs = [x.contiguous() for x in (x0, x1, x0 if x2 is None else x2)]
+    y = torch.empty_like(xs[0])
+    n, block = y.numel(), 1024
+    add_chain_kernel[(-(-n // block),)](*xs, y, n, THREE=x2 is not None, BLOCK=block, num_warps=4,
+                                        USE_PDL=bool(pdl(y.device)), **pdl(y.device))
+    return y
+
+
+_SINKS: dict = {}  # device index -> the prefetch kernel's scratch words
+
+
+def l2_prefetch(t: torch.Tensor, nbytes: int) -> None:
+    """Read t's first nbytes (whole 32 KB blocks, at most t's size) into L2 with the evict-last priority,
+    for a kernel that streams t next (launched on a side stream while latency-bound kernels leave HBM idle)."""
+    from runtime.fused_triton import l2_prefetch_kernel
+    if not t.is_contiguous() or t.data_ptr() % 8:
+        return
+    words = min(nbytes, t.numel() * t.element_size()) // 8
+    block = 4096  # int64 words: 32 KB per program
+    grid = words // block
+    if grid == 0:
+        return
+    sink = _SINKS.get(t.device.index)
+    if sink is None or sink.numel() < grid:
+        sink = _SINKS[t.device.index] = torch.empty(max(grid, 4096), dtype=torch.int64, device=t.device)
+    flat = t.view(-1).view(torch.uint8)[: words * 8].view(torch.int64)
+    l2_prefetch_kernel[(grid,)](flat, sink, words, BLOCK=block, num_warps=8)
+
+
 def norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, n, d], w [d], cos/sin [B, T, r] in x's dtype -> RoPE(rms_norm(x)) [B, T, n, d]."""
     from runtime.fused_triton import norm_rope_kernel

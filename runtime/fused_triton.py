@@ -21,6 +21,51 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr, USE_PDL: t
 
 
 @triton.jit
+def add_rms_norm_kernel(a_ptr, h_ptr, w_ptr, hout_ptr, y_ptr, N, eps, BLOCK: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
+    """One row of a residual add then Gemma RMSNorm: hout = h + a rounded to h's dtype (the torch add),
+    y = RMSNorm(hout) from the rounded sum, as the unfused ops compute it."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    a = tl.load(a_ptr + row * N + cols, mask=ok, other=0.0)
+    h = tl.load(h_ptr + row * N + cols, mask=ok, other=0.0)
+    s = (h.to(tl.float32) + a.to(tl.float32)).to(hout_ptr.dtype.element_ty)
+    tl.store(hout_ptr + row * N + cols, s, mask=ok)
+    x = s.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
+    tl.store(y_ptr + row * N + cols, (x * rstd * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def add_chain_kernel(x0_ptr, x1_ptr, x2_ptr, y_ptr, n, THREE: tl.constexpr, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    """y = (x0 + x1) [+ x2], rounded to y's dtype after each add (the torch adds, one kernel)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < n
+    dt = y_ptr.dtype.element_ty
+    y = (tl.load(x0_ptr + idx, mask=ok).to(tl.float32) + tl.load(x1_ptr + idx, mask=ok).to(tl.float32)).to(dt)
+    if THREE:
+        y = (y.to(tl.float32) + tl.load(x2_ptr + idx, mask=ok).to(tl.float32)).to(dt)
+    tl.store(y_ptr + idx, y, mask=ok)
+
+
+@triton.jit
+def l2_prefetch_kernel(src_ptr, sink_ptr, n, BLOCK: tl.constexpr):
+    """Read n int64 words of src into L2 with the evict-last priority (a weight the next kernel streams);
+    each program leaves one word in sink so the loads are not optimised away."""
+    pid = tl.program_id(0)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(src_ptr + idx, mask=idx < n, other=0, cache_modifier=".cg", eviction_policy="evict_last")
+    tl.store(sink_ptr + pid, tl.sum(v, 0))
+
+
+@triton.jit
 def norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, NH, D, R, eps, BLOCK: tl.constexpr):
     """Per (token, head): per-head Gemma RMSNorm over D channels, rounded to the compute dtype (as the
     reference), then NeoX RoPE on channels [0, R) with the token's cos/sin [R]; the rest pass through."""

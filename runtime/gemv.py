@@ -11,9 +11,8 @@ Tile configs (BN output columns per program, BK, warps, stages) come from the H2
 (benchmarks/gemv_sweep.py, benchmarks/results/gemv_sweep_NVIDIA_H200.log): the largest tiles that fit
 in shared memory streamed best (32 output rows x 512 K per step, 4 warps, 4 stages: bf16 3.1-3.3 TB/s,
 MXFP8 1.8-2.2 TB/s of 1-byte weights); PORTER_GEMV_CONFIG="BN,BK,WARPS,STAGES" overrides them.
-cuBLAS streams a plain bf16 GEMV at 3.4-3.7 TB/s on the same shapes, so 16-bit weights go through this
-kernel only where an epilogue saves kernels (`runs`, policy BF16; on the H200 routing them all through
-cuBLAS with separate add kernels measured within 5% of that: benchmarks/results/decode_fused_*).
+cuBLAS streams a plain bf16 GEMV at 3.4-3.7 TB/s on the same shapes, so 16-bit weights go through cuBLAS
+by default (`runs`, policy BF16).
 """
 from __future__ import annotations
 
@@ -26,9 +25,11 @@ from runtime.fused import next_pow2, pdl, use_triton
 
 MAX_ROWS = 64  # the kernel pads rows to BM <= 64; beyond that a GEMM is no longer bound by weight bytes
 SMEM_BYTES = 216 * 1024  # per program: (stages - 1) pipeline buffers (+ the e4m3 path's MMA operand copies)
-# Which 16/32-bit-weight linears run this kernel at decode sizes: "adds" (only those with residual adds
-# fused: the adds would be extra kernels), "all", or "none" (cuBLAS). MXFP8 weights always run it.
-BF16 = os.environ.get("PORTER_GEMV_BF16", "adds")
+# Which 16/32-bit-weight linears run this kernel at decode sizes: "none" (cuBLAS, then the adds in one
+# kernel), "adds" (only those with residual adds fused), or "all". MXFP8 weights always run it. On the H200
+# "none" measured fastest at batch 1, 8 and 32 (dense layer 1.24-1.33x its bytes floor against 1.27-1.39x
+# with "adds": benchmarks/results/decode_round5_*).
+BF16 = os.environ.get("PORTER_GEMV_BF16", "none")
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

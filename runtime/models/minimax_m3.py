@@ -51,7 +51,24 @@ FUSED_DECODE = os.environ.get("PORTER_FUSED_DECODE", "1") != "0"
 # At decode the MoE block runs its shared expert on a second CUDA stream, concurrently with the router and
 # the routed experts (MoE.__call__); PORTER_MOE_OVERLAP=0 runs them one after the other (A/B, tests).
 MOE_OVERLAP = os.environ.get("PORTER_MOE_OVERLAP", "1") != "0"
-_SIDE_STREAMS: dict = {}  # device index -> the shared expert's stream
+_SIDE_STREAMS: dict = {}  # device index -> the second stream (shared expert, L2 prefetch)
+# At decode the first PREFETCH_BYTES of o_proj's weight are read into L2 on the second stream while the
+# latency-bound attention kernels (cache writes, attention, combine) leave HBM idle; 0 turns it off.
+PREFETCH_BYTES = int(os.environ.get("PORTER_PREFETCH_MB", "0")) << 20
+
+
+def _fork(device: torch.device) -> torch.cuda.Stream:
+    """The device's second stream, ordered after everything launched so far on the current one."""
+    if device.index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    side = _SIDE_STREAMS[device.index]
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
+
+
+def _join(side: torch.cuda.Stream) -> None:
+    """Order what comes next on the current stream after everything launched on side."""
+    torch.cuda.current_stream(side.device).wait_stream(side)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,6 +110,8 @@ class Linear:
         else:
             w = self.weight.to(x.dtype)
         y = F.linear(x, w)
+        if add and len(add) <= 2 and fused.use_triton(y):
+            return fused.add_chain(y, *add)  # the adds below, in one kernel
         for a in add:
             y = y + a
         return y
@@ -353,7 +372,8 @@ class Attention:
         self.qkv = stack_linears(self.wq, self.wk, self.wv, *idx)  # [q; k; v (; index q; index k)] rows
 
     def decode(self, x: torch.Tensor, step: Step, cache: LayerCache) -> torch.Tensor:
-        """The decode step of __call__ (T = 1 over a cache, CUDA) up to o_proj: x [B, 1, H] -> [B, 1, nq*d].
+        """The decode step of __call__ (T = 1 over a cache, CUDA) up to o_proj: x [B, 1, H] -> ([B, 1, nq*d],
+        the second stream if an L2 prefetch of o_proj's weight runs there, which the caller joins).
         Kernels: the stacked projection, norms + RoPE + cache writes, [indexer scores, top-k], attention."""
         cfg, B = self.cfg, x.shape[0]
         nq, nkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -362,6 +382,10 @@ class Attention:
         cos, sin = step.rope(self.rope, x.dtype)  # [B, 1, r]
         pos = step.pos[:, 0]  # [B]
         qkv = self.qkv(x.reshape(B, -1))  # [B, nq*d + 2*nkv*d (+ ni*di + di)]
+        side = _fork(x.device) if PREFETCH_BYTES else None
+        if side is not None:  # joined by the caller after o_proj (DecoderLayer.__call__)
+            with torch.cuda.stream(side):
+                fused.l2_prefetch(self.wo.weight, PREFETCH_BYTES)
         ix = self.indexer
         if ix is None:
             q, _ = fused.decode_qkv(qkv, pos, cos, sin, (self.q_norm, self.k_norm), (nq, nkv, d), cache.k, cache.v,
@@ -374,7 +398,7 @@ class Attention:
             blocks = None if blocks is None else blocks[:, :, 0].expand(B, nkv, -1)  # index head h -> kv head h
         out = decode_attention(q, cache.k, cache.v, pos, step.kv_len, blocks, cfg.index_block_size,
                                d ** -0.5)  # [B, nq, d]
-        return out.reshape(B, 1, nq * d)
+        return out.reshape(B, 1, nq * d), side
 
     def __call__(self, x: torch.Tensor, step: Step, cache: Optional[LayerCache]) -> torch.Tensor:
         cfg, (B, T, _) = self.cfg, x.shape
@@ -488,13 +512,13 @@ class MoE:
         # Decode: the shared expert streams its weights on a second stream while the router and the routed
         # experts run on this one, filling each other's launch gaps and tails (both are bound by weight bytes).
         # Forked and joined inside the call, so every tensor the side stream touches outlives its use.
-        main = torch.cuda.current_stream(flat.device)
-        side.wait_stream(main)
         with torch.cuda.stream(side):
             s = self.shared(flat)  # [B*T, H]
         y = self.routed(flat)
-        main.wait_stream(side)
-        y = s + y  # the unfused order: (shared + routed) + each add, rounded per add
+        _join(side)
+        if len(add) <= 1:  # the unfused order: (shared + routed) + each add, rounded per add, in one kernel
+            return fused.add_chain(s, y, *add).view_as(x)
+        y = s + y
         for a in add:
             y = y + a
         return y.view_as(x)
@@ -512,9 +536,7 @@ class MoE:
         """The stream the shared expert overlaps on at decode (CUDA, decode-size rows), else None."""
         if not (MOE_OVERLAP and self.shared is not None and gemv.applies(flat, self.routing.router_weight)):
             return None
-        if flat.device.index not in _SIDE_STREAMS:
-            _SIDE_STREAMS[flat.device.index] = torch.cuda.Stream(flat.device)
-        return _SIDE_STREAMS[flat.device.index]
+        return _fork(flat.device)
 
 
 class DecoderLayer:
@@ -536,9 +558,16 @@ class DecoderLayer:
         step, h = step.on(self.device), h.to(self.device)
         with on_device(self.device):
             if self.fused_decode(h, step, cache):
-                a = self.attn.decode(rms_norm(h, self.ln_in, self.eps), step, cache)  # [B, 1, nq*d]
-                h = self.attn.wo(a, add=(h,))  # h + o_proj(a)
-                return self.mlp(rms_norm(h, self.ln_post, self.eps), add=(h,))  # h + mlp(...)
+                a, side = self.attn.decode(rms_norm(h, self.ln_in, self.eps), step, cache)  # [B, 1, nq*d]
+                wo = self.attn.wo
+                if gemv.runs(a, wo.weight, adds=True):  # the add in the GEMV's epilogue, then the norm
+                    h = wo(a, add=(h,))  # h + o_proj(a)
+                    x = rms_norm(h, self.ln_post, self.eps)
+                else:  # one kernel adds the residual and norms the sum
+                    h, x = fused.add_rms_norm(wo(a), h, self.ln_post, self.eps)
+                if side is not None:
+                    _join(side)
+                return self.mlp(x, add=(h,))  # h + mlp(x)
             h = h + self.attn(rms_norm(h, self.ln_in, self.eps), step, cache)
             return h + self.mlp(rms_norm(h, self.ln_post, self.eps))
 

@@ -61,7 +61,7 @@ def l2_prefetch_kernel(src_ptr, sink_ptr, n, BLOCK: tl.constexpr):
     each program leaves one word in sink so the loads are not optimised away."""
     pid = tl.program_id(0)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(src_ptr + idx, mask=idx < n, other=0, cache_modifier=".cg", eviction_policy="evict_last")
+    v = tl.load(src_ptr + idx, mask=idx < n, other=0, eviction_policy="evict_last")
     tl.store(sink_ptr + pid, tl.sum(v, 0))
 
 

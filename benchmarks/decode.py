@@ -140,7 +140,7 @@ def experts_touched(layer, h: torch.Tensor) -> int:
 
 
 @torch.inference_mode()
-def decode_case(model, batch: int, kv: int, bw: float, compare: bool = False, prefetch_mb: tuple = ()) -> dict:
+def decode_case(model, batch: int, kv: int, bw: float, compare: bool = False) -> dict:
     cfg = model.cfg
     cache = filled_cache(model, batch, kv)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -161,13 +161,6 @@ def decode_case(model, batch: int, kv: int, bw: float, compare: bool = False, pr
         floor = b / bw * 1e3
         row = {"layer": i, "kind": "moe" if isinstance(layer.mlp, MoE) else "dense", "ms": ms,
                "eager_ms": eager, "bytes": b, "experts_touched": touched, "floor_ms": floor, "x_floor": ms / floor}
-        default = m3.PREFETCH_BYTES
-        for mb in prefetch_mb:  # o_proj's weight read into L2 during attention (A/B: ms per prefetch size)
-            m3.PREFETCH_BYTES = mb << 20
-            try:
-                row.setdefault("prefetch_ms", {})[mb] = timed(lambda: layer(h, step, lc))
-            finally:
-                m3.PREFETCH_BYTES = default
         if isinstance(layer.mlp, MoE) and m3.MOE_OVERLAP:  # shared expert on the main stream (A/B)
             overlapped = layer(h, step, lc)
             m3.MOE_OVERLAP = False
@@ -234,7 +227,7 @@ def kernel_profile(model, layer_index: int, kv: int = 1024, replays: int = 10) -
     for i in range(per_step):  # replay r's i-th kernel is events[r * per_step + i]
         same = events[i::per_step]
         kernels.append((same[0].name[:80], round(sum(e.device_time_total for e in same) / len(same), 2)))
-    return {"layer": layer_index, "kernels": per_step, "busy_ms": sum(us for _, us in kernels) / 1e3,
+    return {"layer": layer_index, "kv": kv, "kernels": per_step, "busy_ms": sum(us for _, us in kernels) / 1e3,
             "list_us": kernels}
 
 
@@ -277,8 +270,6 @@ def main():
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--scopes", default="experts,all", help="porter convert --quantize scopes to measure")
     ap.add_argument("--prefill-tokens", type=int, default=4096, help="0: no prefill figure")
-    ap.add_argument("--prefetch-mb", default="", help="also time each layer with these o_proj L2 prefetch "
-                    "sizes (MB, comma-separated; PORTER_PREFETCH_MB sets the default)")
     ap.add_argument("--cases", default=",".join(f"{b}x{kv}" for b, kv in CASES),
                     help="BATCHxKV decode cases of the first scope (the others: batch 1 only)")
     args = ap.parse_args()
@@ -324,8 +315,7 @@ def main():
         if scope != scopes[0]:
             cases = [c for c in cases if c[0] == 1]  # the other scopes: batch 1 only
         for batch, kv in cases:
-            case = decode_case(model, batch, kv, bw, compare=batch == 1 and m3.FUSED_DECODE,
-                               prefetch_mb=tuple(int(v) for v in args.prefetch_mb.split(",") if v))
+            case = decode_case(model, batch, kv, bw, compare=batch == 1 and m3.FUSED_DECODE)
             head = lm_head_ms(batch, model.cfg.hidden_size)
             case["lm_head_ms"] = head
             case["projection"] = project(case["layers"], head)
@@ -336,11 +326,10 @@ def main():
                 lines.append(f"| {batch} | {kv} | {r['layer']} | {r['kind']} | {r['ms']:.3f} | {r['eager_ms']:.3f} | "
                              f"{op} | {serial} | {r['bytes'] / 1e6:.1f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} |")
                 log.info("quantize=%s B=%d KV=%d layer %d (%s): %.3f ms (eager %.3f), %.1f MB, floor %.3f ms, "
-                         "%.2fx floor; op-by-op %s ms, fused vs op-by-op rel %s; serial MoE %s ms, overlap vs serial rel %s; "
-                         "prefetch MB -> ms %s", scope, batch, kv, r["layer"], r["kind"], r["ms"], r["eager_ms"],
-                         r["bytes"] / 1e6, r["floor_ms"], r["x_floor"], r.get("op_by_op_ms"),
-                         r.get("fused_vs_op_by_op_rel"), r.get("serial_moe_ms"), r.get("overlap_vs_serial_rel"),
-                         r.get("prefetch_ms"))
+                         "%.2fx floor; op-by-op %s ms, fused vs op-by-op rel %s; serial MoE %s ms, overlap vs serial rel %s",
+                         scope, batch, kv, r["layer"], r["kind"], r["ms"], r["eager_ms"], r["bytes"] / 1e6,
+                         r["floor_ms"], r["x_floor"], r.get("op_by_op_ms"), r.get("fused_vs_op_by_op_rel"),
+                         r.get("serial_moe_ms"), r.get("overlap_vs_serial_rel"))
             p = case["projection"]
             log.info("quantize=%s B=%d KV=%d: whole %d-layer step (DecodeGraph) %.3f ms; projected 60 layers + "
                      "lm_head %.2f ms -> %.1f tok/s per sequence (%.1f tok/s total)", scope, batch, kv,
@@ -354,17 +343,18 @@ def main():
         lines += ["", "Published: " + "; ".join(f"{k}: {v}" for k, v in PUBLISHED.items()) +
                   ". Batch > 1 rows read the experts this small model's router touched (at most "
                   f"{args.experts}); the real 128-expert model touches more.", ""]
-        for li in (0, 1):
+        for li, kv in ((0, 1024), (1, 1024), (1, 8192)):
             try:
-                prof = kernel_profile(model, li)
+                prof = kernel_profile(model, li, kv)
             except Exception as e:  # the profile is a diagnostic: report and go on
                 log.warning("profile failed: %s", str(e).splitlines()[0])
                 break
             res.setdefault("profile", []).append(prof)
-            log.info("quantize=%s layer %d decode step (graph replay, batch 1, KV 1k): %d kernels, %.3f ms of "
-                     "kernel time: %s", scope, li, prof["kernels"], prof["busy_ms"], prof["list_us"])
-            lines.append(f"Layer {li}, batch 1, KV 1k, CUDA-graph replay: {prof['kernels']} kernels, "
-                         f"{prof['busy_ms']:.3f} ms summed kernel time: " +
+            log.info("quantize=%s layer %d decode step (graph replay, batch 1, KV %d): %d kernels, %.3f ms of "
+                     "kernel time: %s", scope, li, kv, prof["kernels"], prof["busy_ms"], prof["list_us"])
+            lines.append(f"Layer {li}, batch 1, KV {kv // 1024}k, CUDA-graph replay: {prof['kernels']} kernels, "
+                         f"{prof['busy_ms']:.3f} ms summed kernel time (the shared expert's kernels run concurrently "
+                         "with the router's and routed experts', so the sum exceeds the step): " +
                          ", ".join(f"{n} {us:.1f}" for n, us in prof["list_us"]) + " (us).")
         lines.append("")
         if args.prefill_tokens and scope == scopes[0]:

@@ -86,27 +86,6 @@ def add_chain(x0: torch.Tensor, x1: torch.Tensor, x2: Optional[torch.Tensor] = N
     return y
 
 
-_SINKS: dict = {}  # device index -> the prefetch kernel's scratch words
-
-
-def l2_prefetch(t: torch.Tensor, nbytes: int) -> None:
-    """Read t's first nbytes (whole 32 KB blocks, at most t's size) into L2 with the evict-last priority,
-    for a kernel that streams t next (launched on a side stream while latency-bound kernels leave HBM idle)."""
-    from runtime.fused_triton import l2_prefetch_kernel
-    if not t.is_contiguous() or t.data_ptr() % 8:
-        return
-    words = min(nbytes, t.numel() * t.element_size()) // 8
-    block = 4096  # int64 words: 32 KB per program
-    grid = words // block
-    if grid == 0:
-        return
-    sink = _SINKS.get(t.device.index)
-    if sink is None or sink.numel() < grid:
-        sink = _SINKS[t.device.index] = torch.empty(max(grid, 4096), dtype=torch.int64, device=t.device)
-    flat = t.view(-1).view(torch.uint8)[: words * 8].view(torch.int64)
-    l2_prefetch_kernel[(grid,)](flat, sink, words, BLOCK=block, num_warps=8)
-
-
 def norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, n, d], w [d], cos/sin [B, T, r] in x's dtype -> RoPE(rms_norm(x)) [B, T, n, d]."""
     from runtime.fused_triton import norm_rope_kernel

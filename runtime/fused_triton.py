@@ -56,16 +56,6 @@ def add_chain_kernel(x0_ptr, x1_ptr, x2_ptr, y_ptr, n, THREE: tl.constexpr, BLOC
 
 
 @triton.jit
-def l2_prefetch_kernel(src_ptr, sink_ptr, n, BLOCK: tl.constexpr):
-    """Read n int64 words of src into L2 with the evict-last priority (a weight the next kernel streams);
-    each program leaves one word in sink so the loads are not optimised away."""
-    pid = tl.program_id(0)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(src_ptr + idx, mask=idx < n, other=0, eviction_policy="evict_last")
-    tl.store(sink_ptr + pid, tl.sum(v, 0))
-
-
-@triton.jit
 def norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, NH, D, R, eps, BLOCK: tl.constexpr):
     """Per (token, head): per-head Gemma RMSNorm over D channels, rounded to the compute dtype (as the
     reference), then NeoX RoPE on channels [0, R) with the token's cos/sin [R]; the rest pass through."""

@@ -132,14 +132,12 @@ def test_gemv_epilogues_equal_the_unfused_ops():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_add_kernels_equal_torch_adds_and_norm(dtype):
-    """add_rms_norm == (h + a, rms_norm(h + a)) and add_chain == (x0 + x1) + x2, bit for bit; the L2
-    prefetch reads a weight and changes no tensor (1, 8 and 32 rows at H 6144)."""
+    """add_rms_norm == (h + a, rms_norm(h + a)) and add_chain == (x0 + x1) + x2, bit for bit (1, 8 and 32
+    rows at H 6144)."""
     from runtime import fused
     from runtime.models.minimax_m3 import rms_norm
     g = torch.Generator(device="cuda").manual_seed(2)
     w = torch.randn(6144, device="cuda", generator=g, dtype=dtype) * 0.1
-    weight = torch.randn(6144, 8192, device="cuda", generator=g, dtype=torch.bfloat16)
-    before = weight.clone()
     for rows in (1, 8, 32):
         a, h, c = (torch.randn(rows, 1, 6144, device="cuda", generator=g, dtype=dtype) * s for s in (1, 30, 3))
         hout, y = fused.add_rms_norm(a, h, w, 1e-6)
@@ -149,9 +147,6 @@ def test_add_kernels_equal_torch_adds_and_norm(dtype):
                       _torch_rms_norm(h + a, w, 1e-6).float()) <= (1e-6 if dtype == torch.float32 else 8e-3)
         assert torch.equal(fused.add_chain(a, h), a + h)
         assert torch.equal(fused.add_chain(a, h, c), (a + h) + c)
-        fused.l2_prefetch(weight, 24 << 20)
-    torch.cuda.synchronize()
-    assert torch.equal(weight, before)
 
 
 def _torch_rms_norm(x, w, eps):

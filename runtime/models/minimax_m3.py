@@ -51,10 +51,7 @@ FUSED_DECODE = os.environ.get("PORTER_FUSED_DECODE", "1") != "0"
 # At decode the MoE block runs its shared expert on a second CUDA stream, concurrently with the router and
 # the routed experts (MoE.__call__); PORTER_MOE_OVERLAP=0 runs them one after the other (A/B, tests).
 MOE_OVERLAP = os.environ.get("PORTER_MOE_OVERLAP", "1") != "0"
-_SIDE_STREAMS: dict = {}  # device index -> the second stream (shared expert, L2 prefetch)
-# At decode the first PREFETCH_BYTES of o_proj's weight are read into L2 on the second stream while the
-# latency-bound attention kernels (cache writes, attention, combine) leave HBM idle; 0 turns it off.
-PREFETCH_BYTES = int(os.environ.get("PORTER_PREFETCH_MB", "0")) << 20
+_SIDE_STREAMS: dict = {}  # device index -> the shared expert's stream
 
 
 def _fork(device: torch.device) -> torch.cuda.Stream:
@@ -372,8 +369,7 @@ class Attention:
         self.qkv = stack_linears(self.wq, self.wk, self.wv, *idx)  # [q; k; v (; index q; index k)] rows
 
     def decode(self, x: torch.Tensor, step: Step, cache: LayerCache) -> torch.Tensor:
-        """The decode step of __call__ (T = 1 over a cache, CUDA) up to o_proj: x [B, 1, H] -> ([B, 1, nq*d],
-        the second stream if an L2 prefetch of o_proj's weight runs there, which the caller joins).
+        """The decode step of __call__ (T = 1 over a cache, CUDA) up to o_proj: x [B, 1, H] -> [B, 1, nq*d].
         Kernels: the stacked projection, norms + RoPE + cache writes, [indexer scores, top-k], attention."""
         cfg, B = self.cfg, x.shape[0]
         nq, nkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -382,10 +378,6 @@ class Attention:
         cos, sin = step.rope(self.rope, x.dtype)  # [B, 1, r]
         pos = step.pos[:, 0]  # [B]
         qkv = self.qkv(x.reshape(B, -1))  # [B, nq*d + 2*nkv*d (+ ni*di + di)]
-        side = _fork(x.device) if PREFETCH_BYTES else None
-        if side is not None:  # joined by the caller after o_proj (DecoderLayer.__call__)
-            with torch.cuda.stream(side):
-                fused.l2_prefetch(self.wo.weight, PREFETCH_BYTES)
         ix = self.indexer
         if ix is None:
             q, _ = fused.decode_qkv(qkv, pos, cos, sin, (self.q_norm, self.k_norm), (nq, nkv, d), cache.k, cache.v,
@@ -398,7 +390,7 @@ class Attention:
             blocks = None if blocks is None else blocks[:, :, 0].expand(B, nkv, -1)  # index head h -> kv head h
         out = decode_attention(q, cache.k, cache.v, pos, step.kv_len, blocks, cfg.index_block_size,
                                d ** -0.5)  # [B, nq, d]
-        return out.reshape(B, 1, nq * d), side
+        return out.reshape(B, 1, nq * d)
 
     def __call__(self, x: torch.Tensor, step: Step, cache: Optional[LayerCache]) -> torch.Tensor:
         cfg, (B, T, _) = self.cfg, x.shape
@@ -558,15 +550,13 @@ class DecoderLayer:
         step, h = step.on(self.device), h.to(self.device)
         with on_device(self.device):
             if self.fused_decode(h, step, cache):
-                a, side = self.attn.decode(rms_norm(h, self.ln_in, self.eps), step, cache)  # [B, 1, nq*d]
+                a = self.attn.decode(rms_norm(h, self.ln_in, self.eps), step, cache)  # [B, 1, nq*d]
                 wo = self.attn.wo
                 if gemv.runs(a, wo.weight, adds=True):  # the add in the GEMV's epilogue, then the norm
                     h = wo(a, add=(h,))  # h + o_proj(a)
                     x = rms_norm(h, self.ln_post, self.eps)
                 else:  # one kernel adds the residual and norms the sum
                     h, x = fused.add_rms_norm(wo(a), h, self.ln_post, self.eps)
-                if side is not None:
-                    _join(side)
                 return self.mlp(x, add=(h,))  # h + mlp(x)
             h = h + self.attn(rms_norm(h, self.ln_in, self.eps), step, cache)
             return h + self.mlp(rms_norm(h, self.ln_post, self.eps))

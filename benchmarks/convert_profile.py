@@ -5,17 +5,24 @@ counted): porter.mxfp8.quantize_with_error (the CPU quantizer; on the GPU path i
 the finiteness check's wait), GPU quantize (Pipeline._quantize_cuda: host-side time of copies, kernels
 launched and waited for), source reads (TensorReader.read/read_bytes),
 pwrite, digests (TensorDigest.add: every sha256 of the output) and the part of them that reads written
-bytes back (read_chunk_sha256), early writeback (sync_file_range). Prints them with the process's user and
+bytes back (read_chunk_sha256), early writeback (sync_file_range), slab allocation, prefault and
+registration, the submitting thread's wait on the memory budget; for each also the threads' wall-clock
+seconds inside it (time.perf_counter): wall minus CPU is waiting there (a lock, a full disk queue, the GPU).
+--sample also samples the workers' Python stacks every 2 ms. On --device cuda the CUDA context is created
+before the clock starts (its seconds printed apart). Prints them with the process's user and
 system time, wall time split at the pipeline's marks (planning, until the first unit starts, the units,
 the finish with its fsync) and the final fsync. Checkpoint: the synthetic real-dims one of convert_throughput.py.
 
     python benchmarks/convert_profile.py [--gb 2] [--experts 8] [--workers N] [--device cpu] [--out FILE]
+                                         [--src DIR] [--sample]
+PORTER_WRITE / PORTER_WRITEBACK / PORTER_SHARDS_IN_FLIGHT in the environment pick porter.pipeline's modes.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import json
+import os
 import resource
 import shutil
 import sys
@@ -29,30 +36,64 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def instrument() -> collections.Counter:
+def instrument() -> tuple[collections.Counter, collections.Counter]:
+    """(core-seconds, thread-seconds of wall clock) per stage: their difference is time a thread spent
+    waiting inside the stage (a lock, a full disk queue, the GPU, the GIL)."""
     from porter import mxfp8, pipeline, safetensors_io
-    spent, lock = collections.Counter(), threading.Lock()
+    spent, waited, lock = collections.Counter(), collections.Counter(), threading.Lock()
 
     def wrap(owner, name, key):
         real = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            t = time.thread_time()
+            t, w = time.thread_time(), time.perf_counter()
             try:
                 return real(*args, **kwargs)
             finally:
                 with lock:
                     spent[key] += time.thread_time() - t
+                    waited[key] += time.perf_counter() - w
         setattr(owner, name, timed)
     wrap(mxfp8, "quantize_with_error", "quantize_with_error (CPU; GPU: launches)")
     wrap(pipeline.Pipeline, "_quantize_cuda", "quantize on the GPU (host side)")
     wrap(safetensors_io.TensorReader, "read", "source reads (pread)")
     wrap(safetensors_io.TensorReader, "read_bytes", "source reads (pread)")
     wrap(pipeline, "pwrite_all", "pwrite")
+    wrap(pipeline.Pipeline, "_new_slab", "new slabs (GPU path: + prefault, or + register)")
+    wrap(pipeline.Pipeline, "_register", "cudaHostRegister")
+    wrap(pipeline, "prefault", "prefault (madvise + memset)")
+    wrap(pipeline.Budget, "acquire", "budget wait (submitting thread)")
     wrap(pipeline.TensorDigest, "add", "digests (all sha256)")
     wrap(pipeline, "read_chunk_sha256", "  of which read back + sha256")
     wrap(pipeline, "start_writeback", "sync_file_range")
-    return spent
+    return spent, waited
+
+
+def sample_stacks(stop: threading.Event, every: float = 0.002) -> collections.Counter:
+    """Where the conversion's worker threads are, sampled every `every` s: the innermost frame in porter/
+    (file:function:line) with the innermost frame of all (a C call shows as its Python caller)."""
+    import sys as _sys
+    seen = collections.Counter()
+    names = {}
+
+    def loop():
+        while not stop.is_set():
+            for t in threading.enumerate():
+                names[t.ident] = t.name
+            for ident, frame in _sys._current_frames().items():
+                if not names.get(ident, "").startswith("porter-convert"):
+                    continue
+                top, here = frame, None
+                f = frame
+                while f is not None:
+                    if "/porter/" in f.f_code.co_filename and here is None:
+                        here = f
+                    f = f.f_back
+                where = lambda fr: f"{Path(fr.f_code.co_filename).name}:{fr.f_code.co_name}:{fr.f_lineno}"  # noqa: E731
+                seen[(where(here) if here else "-") + " <- " + where(top) if here is not top else where(top)] += 1
+            time.sleep(every)
+    threading.Thread(target=loop, daemon=True).start()
+    return seen
 
 
 def timeline() -> dict:
@@ -90,23 +131,38 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tmp", default=str(ROOT / "benchmarks"))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--src", default=None, help="an existing checkpoint folder instead of building one")
+    ap.add_argument("--sample", action="store_true", help="also sample the workers' stacks every 2 ms")
     args = ap.parse_args()
     import convert_throughput as ct
     import porter
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-        src = ct.build_checkpoint(Path(tmp) / "src", max(2, round(args.gb * 0.85)), args.experts)
+        src = Path(args.src) if args.src else ct.build_checkpoint(Path(tmp) / "src", max(2, round(args.gb * 0.85)),
+                                                                 args.experts)
         gb = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
         ct.warm(src)
-        spent, marks = instrument(), timeline()
+        cuda_init = None
+        if args.device == "cuda":  # the CUDA context is made before the clock starts (its cost printed apart)
+            import torch
+            c0 = time.perf_counter()
+            torch.zeros(1, device="cuda")
+            cuda_init = time.perf_counter() - c0
+        (spent, waited), marks = instrument(), timeline()
+        stop = threading.Event()
+        stacks = sample_stacks(stop) if args.sample else collections.Counter()
         r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         done = porter.convert(src, Path(tmp) / "out", progress=False, workers=args.workers, device=args.device)
         wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+        stop.set()
         t_end = t0 + wall
         shutil.rmtree(Path(tmp) / "out", ignore_errors=True)
     result = {"machine": ct.machine(), "source_gb": gb, "workers": done["workers"], "device": done["device"],
               "wall_seconds": wall, "fsync_seconds": done["fsync_seconds"],
               "user_seconds": r1.ru_utime - r0.ru_utime, "system_seconds": r1.ru_stime - r0.ru_stime,
               "core_seconds": dict(spent.most_common()),
+              "thread_wall_seconds": dict(waited.most_common()), "cuda_context_seconds": cuda_init,
+              "stack_samples": dict(stacks.most_common(25)),
+              "env": {k: v for k, v in os.environ.items() if k.startswith("PORTER_")},
               "wall": {"plan_and_open": marks["run_start"] - t0,
                        "until_first_unit": marks["first_unit_start"] - marks["run_start"],
                        "units": marks["last_unit_end"] - marks["first_unit_start"],
@@ -115,9 +171,14 @@ def main():
     print(f"{gb:.2f} GB, {done['workers']} workers, {done['device']}: {wall:.2f} s ({gb / wall:.2f} GB/s; "
           f"fsync {done['fsync_seconds']:.2f} s), user {result['user_seconds']:.2f} s, "
           f"system {result['system_seconds']:.2f} s")
+    if cuda_init is not None:
+        print(f"  CUDA context (before the clock): {cuda_init:.2f} s")
     print("  wall: " + ", ".join(f"{k} {v:.2f} s" for k, v in result["wall"].items()))
-    for k, v in spent.most_common():
-        print(f"  {k:34s} {v:7.2f} core-s")
+    for k, v in waited.most_common():
+        print(f"  {k:44s} {spent[k]:7.2f} core-s {v:7.2f} thread-s of wall")
+    total = sum(stacks.values())
+    for k, v in stacks.most_common(15):
+        print(f"  {100 * v / total:5.1f}% of worker samples  {k}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 

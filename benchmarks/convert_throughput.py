@@ -232,7 +232,7 @@ def machine() -> dict:
 
 def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list, repeats: int, single: bool,
                experts: int = 8, caches: tuple = ("warm",), max_shard_size: str = "5GB",
-               in_flight: tuple = (None,)) -> dict:
+               in_flight: tuple = (None,), variants: tuple = ((None, {}),), floor: bool = False) -> dict:
     layers = max(2, round(target_gb * layers_per_gb))
     t0 = time.time()
     src = build_checkpoint(tmp / f"src{target_gb}", layers, experts)
@@ -240,26 +240,45 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
     gb = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
     print(f"# {gb:.2f} GB checkpoint ({layers} layers) built in {build_s:.0f} s", flush=True)
     runs = []
+    floor_result = None
+    if floor:  # the bytes floor (benchmarks/convert_floor.py) of this checkpoint, first, in its own process
+        warm(src)
+        res = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "convert_floor.py"), "--src",
+                              str(src), "--max-shard-size", max_shard_size, "--tmp", str(tmp),
+                              "--out", str(tmp / "floor.json")] + (["--gpu"] if "cuda" in devices else []),
+                             capture_output=True, text=True)
+        print(res.stdout, end="", flush=True)
+        if res.returncode:
+            print(f"# floor failed: {res.stderr[-1500:]}", flush=True)
+        else:
+            floor_result = json.loads((tmp / "floor.json").read_text())
     configs = [("copy-safetensors", None, None), ("copy-safetensors+fsync", None, None), ("copy-files", None, None)]
     configs += [("convert", "all", d) for d in devices]
     if single:
         configs.append(("convert", "1", "cpu"))
-    # porter.pipeline.SHARDS_IN_FLIGHT variants (PORTER_SHARDS_IN_FLIGHT; None: porter's default)
-    configs = [(k, w, d, n) for k, w, d in configs for n in (in_flight if k == "convert" else (None,))]
+    # porter.pipeline.SHARDS_IN_FLIGHT variants (PORTER_SHARDS_IN_FLIGHT; None: porter's default), and
+    # environment variants (label, {PORTER_*: value}) for the conversions: (None, {}) is porter's defaults
+    # (a label ending in @cpu or @cuda runs on that device only)
+    configs = [(k, w, d, n, v) for k, w, d in configs for n in (in_flight if k == "convert" else (None,))
+               for v in (variants if k == "convert" else ((None, {}),))
+               if not (v[0] and "@" in v[0] and v[0].rsplit("@", 1)[1] != d)]
     for cache in caches:
         if cache == "warm":
             warm(src)
         for r in range(repeats):
-            for kind, workers, device, n_flight in configs:
+            for kind, workers, device, n_flight, (label, extra_env) in configs:
                 if cache == "cold" and ((kind, workers) == ("convert", "1") or kind == "copy-safetensors+fsync"):
                     continue  # cold: the copies and the every-core conversions only
-                out = tmp / f"out-{kind}-{workers}-{device}-{n_flight}-{r}"
+                out = tmp / f"out-{kind}-{workers}-{device}-{n_flight}-{label}-{r}"
                 if kind.startswith("copy"):
                     res = copy_run(src, out, kind, cache)
                 else:
                     env = None if n_flight is None else dict(os.environ, PORTER_SHARDS_IN_FLIGHT=str(n_flight))
+                    if extra_env:
+                        env = dict(env or os.environ, **extra_env)
                     res = convert_run(src, out, workers, device, cache, max_shard_size, env=env)
                 res |= {"kind": kind, "workers": workers, "device": device, "repeat": r, "shards_in_flight": n_flight,
+                        "variant": label, "variant_env": extra_env,
                         "max_shard_size": max_shard_size if kind == "convert" else None,
                         "gb_per_s": gb / res["seconds"]}
                 runs.append(res)
@@ -277,10 +296,12 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
             x["estimate_over_measured_peak"] = x["estimate"] / x["vmhwm"]
             x["projected_795gb_minutes"] = REAL_CHECKPOINT_GB / x["gb_per_s"] / 60
             x["gb_per_s_before_fsync"] = gb / (x["seconds"] - x["fsync_seconds"])
-            cpu = next((y for y in runs if y.get("device") == "cpu" and "shard_digests" in y), None)
+            cpu = next((y for y in runs if y.get("device") == "cpu" and "shard_digests" in y and not y["variant"]),
+                       None)
             x["same_bytes_as_cpu"] = None if cpu is None else x["shard_digests"] == cpu["shard_digests"]
     shutil.rmtree(src, ignore_errors=True)
-    return {"source_gb": gb, "layers": layers, "experts_per_layer": experts, "build_seconds": build_s, "runs": runs}
+    return {"source_gb": gb, "layers": layers, "experts_per_layer": experts, "build_seconds": build_s, "runs": runs,
+            "floor": floor_result}
 
 
 def summary_lines(result: dict) -> list:
@@ -293,6 +314,8 @@ def summary_lines(result: dict) -> list:
             what = x["kind"] if x["kind"] != "convert" else f"convert {x['device']} workers={x['workers']}"
             if x.get("shards_in_flight") is not None:
                 what += f" in-flight={x['shards_in_flight']}"
+            if x.get("variant"):
+                what += f" [{x['variant']}]"
             what = f"{x['cache']:4s} {what}"
             extra = (f", fsync {x['fsync_seconds']:.2f} s ({x['gb_per_s_before_fsync']:.2f} GB/s before it), "
                      f"est/peak {x['estimate_over_measured_peak']:.2f}, same bytes as cpu {x['same_bytes_as_cpu']}, "
@@ -304,7 +327,30 @@ def summary_lines(result: dict) -> list:
                          f"of copy+fsync, x{x['ratio_to_file_copy']:.2f} of file copy); peak anon "
                          f"{x['rssanon'] / 1e9:.2f} GB file {x['rssfile'] / 1e9:.2f} GB hwm {x['vmhwm'] / 1e9:.2f} GB"
                          f"{extra}")
+        fl = s.get("floor")
+        if fl:
+            lines.append(f"  bytes floor ({fl['threads']} threads, {fl['output_shards']} output shards, "
+                         f"{fl['output_gb']:.2f} GB out):")
+            for name, r in fl["runs"].items():
+                line = f"    {name:34s} {r['seconds']:6.2f} s {r['gb'] / r['seconds']:6.2f} GB/s"
+                if "fsync_seconds" in r:
+                    line += f"; + fsync {r['fsync_seconds']:.2f} s: {r['gb'] / (r['seconds'] + r['fsync_seconds']):.2f} GB/s"
+                if name.startswith("copy"):
+                    line += (f" (source {fl['source_gb'] / r['seconds']:.2f} GB/s, + fsync "
+                             f"{fl['source_gb'] / (r['seconds'] + r['fsync_seconds']):.2f})")
+                lines.append(line)
+            for name, r in (fl.get("gpu") or {}).items():
+                lines.append(f"    gpu {name:30s} {r['gb'] / r['seconds']:7.2f} GB/s of bf16 expert parts")
     return lines
+
+
+def parse_variants(text: str, with_default: bool = True) -> tuple:
+    """'label:NAME=V,NAME=V;label2:NAME=V' -> ((None, {}), (label, {NAME: V, ...}), ...)."""
+    out = [(None, {})] if with_default or not text.strip() else []
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        label, _, pairs = item.partition(":")
+        out.append((label, dict(p.split("=", 1) for p in pairs.split(",") if p)))
+    return tuple(out)
 
 
 def main():
@@ -317,6 +363,10 @@ def main():
     ap.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
     ap.add_argument("--max-shard-size", default="5GB", help="porter convert --max-shard-size (output shards)")
     ap.add_argument("--shards-in-flight", default="", help="comma list: PORTER_SHARDS_IN_FLIGHT values to A/B")
+    ap.add_argument("--variants", default="", help="conversion environment variants to A/B besides porter's "
+                    "defaults: 'label:NAME=V,NAME=V;label2:NAME=V' (e.g. mapped:PORTER_WRITE=mapped)")
+    ap.add_argument("--floor", action="store_true", help="also measure the bytes floor (convert_floor.py)")
+    ap.add_argument("--no-default", action="store_true", help="with --variants: skip the defaults' conversions")
     ap.add_argument("--layers-per-gb", type=float, default=0.85, help="real-dims layers per GB of checkpoint")
     ap.add_argument("--tmp", default=str(ROOT / "benchmarks"), help="where to build the checkpoints")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "convert_throughput.json"))
@@ -329,7 +379,8 @@ def main():
             result["sizes"].append(bench_size(Path(tmp), size, args.layers_per_gb, devices, args.repeats,
                                               not args.no_single and size == float(args.sizes.split(",")[0]),
                                               args.experts, tuple(args.cache.split(",")), args.max_shard_size,
-                                              tuple(int(n) for n in args.shards_in_flight.split(",") if n) or (None,)))
+                                              tuple(int(n) for n in args.shards_in_flight.split(",") if n) or (None,),
+                                              parse_variants(args.variants, not args.no_default), args.floor))
     result["summary"] = summary_lines(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -48,6 +48,12 @@ SLAB_MAX_BYTES = 256 << 20  # CPU reads up to this size go into the worker's reu
 # box: two threads into one file were no faster than one, into two files twice as fast). A few shards at
 # once spread the writes; few enough that a killed run loses at most this many partial shards to --resume.
 SHARDS_IN_FLIGHT = 4  # PORTER_SHARDS_IN_FLIGHT overrides it (benchmarks' A/B): shards_in_flight()
+# When the kernel is asked to start writing the shards to disk: "thread" (one background thread, Writeback),
+# "inline" (each worker right after its write) or "off" (only the final fsync). sync_file_range blocks while
+# the disk's request queue is full, so inline, workers waited on the disk (H200 machine, 3.2 GB real-dims
+# checkpoint, 16 workers: --device cuda 2.49 s inline, 1.72 s thread, 2.47 s off, whose final fsync then
+# writes everything; CPU 1.71 / 1.66 / 2.39 s). PORTER_WRITEBACK overrides it (benchmarks' A/B).
+WRITEBACK = "thread"
 CUDA_CONTEXT_BYTES = 600 << 20  # host memory of a CUDA context and its libraries
 
 
@@ -230,6 +236,12 @@ def shards_in_flight(workers: int) -> int:
     return max(1, min(n, workers))
 
 
+def writeback_mode() -> str:
+    """WRITEBACK, or PORTER_WRITEBACK when it is one of its values (anything else is ignored)."""
+    env = os.environ.get("PORTER_WRITEBACK", "")
+    return env if env in ("thread", "inline", "off") else WRITEBACK
+
+
 def interleave_shards(units: list, shard_of: Callable[[Unit], str], width: int) -> list:
     """Units reordered round-robin over `width` output shards at a time (each shard's own units keep plan
     order; the next shard joins when one runs out), so writes go to several files at once."""
@@ -388,21 +400,77 @@ class TensorDigest:
                 self.on_done(tensor_digest(self.digests))
 
 
+class Writeback:
+    """One background thread that asks the kernel to start writing ranges to disk (start_writeback), so a
+    worker never waits in sync_file_range for a full disk queue. It owns a dup of each shard's descriptor
+    and closes it after the shard's last range (FIFO), so a range is never flushed through a reused fd."""
+
+    def __init__(self):
+        import queue
+        self.queue = queue.SimpleQueue()
+        self.fds: set = set()  # dups not closed yet (stop closes what a failed run left)
+        self.thread = threading.Thread(target=self._loop, name="porter-writeback", daemon=True)
+        self.thread.start()
+
+    def open(self, fd: int) -> int:
+        dup = os.dup(fd)
+        self.fds.add(dup)
+        return dup
+
+    def submit(self, fd: int, offset: int, length: int) -> None:
+        self.queue.put((fd, offset, length))
+
+    def close(self, fd: int) -> None:
+        self.queue.put((fd, None, None))
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        for fd in list(self.fds):
+            self._close(fd)
+
+    def _loop(self) -> None:
+        while (item := self.queue.get()) is not None:
+            fd, offset, length = item
+            if offset is None:
+                self._close(fd)
+            else:
+                start_writeback(fd, offset, length)  # errors ignored: a hint; the final fsync reports them
+
+    def _close(self, fd: int) -> None:
+        self.fds.discard(fd)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 class ShardOut:
     """One output shard: `.partial` written with pwrite, renamed once every tensor's digest and every error
-    record is in (`todo` counts those events)."""
+    record is in (`todo` counts those events). writeback: see WRITEBACK (flusher: the thread mode's)."""
 
-    def __init__(self, path: Path, entries: list, todo: int, on_closed: Callable):
+    def __init__(self, path: Path, entries: list, todo: int, on_closed: Callable, writeback: str = "inline",
+                 flusher: Optional[Writeback] = None):
         self.path, self.entries, self.on_closed = path, entries, on_closed
         self.partial = path.with_name(path.name + ".partial")
         header = header_bytes(entries, SHARD_METADATA)
         size = len(header) + sum(e.nbytes for e in entries)
         self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self.fd, size)
+        self.writeback, self.flusher = writeback, flusher
+        self.wb_fd = flusher.open(self.fd) if (writeback == "thread" and flusher is not None) else None
         self.lock = threading.Lock()
         self.todo = todo
         self.header_sha256 = hashlib.sha256(header).hexdigest()
         pwrite_all(self.fd, memoryview(header), 0)
+
+    def write(self, data: memoryview, offset: int) -> None:
+        """data at `offset` of the shard; then start its writeback as the writeback mode says."""
+        pwrite_all(self.fd, data, offset)
+        if self.wb_fd is not None:
+            self.flusher.submit(self.wb_fd, offset, len(data))
+        elif self.writeback == "inline":
+            start_writeback(self.fd, offset, len(data))
 
     def event(self) -> None:
         with self.lock:
@@ -411,6 +479,7 @@ class ShardOut:
         if last:  # no fsync here: durability is checked at the end (sync_files) before the index is written,
             os.close(self.fd)  # and --resume re-hashes every journaled shard, so a torn one is rewritten
             self.fd = None
+            self._close_writeback()
             os.replace(self.partial, self.path)
             fault_point("shard-renamed")
             self.on_closed(self)
@@ -419,6 +488,12 @@ class ShardOut:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        self._close_writeback()
+
+    def _close_writeback(self) -> None:
+        if self.wb_fd is not None:
+            self.flusher.close(self.wb_fd)
+            self.wb_fd = None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -456,6 +531,8 @@ class Pipeline:
         self.budget = Budget(self.estimate["inflight"])
         self.local = threading.local()
         self.registered: list = []  # page-locked slabs (GPU path)
+        self.writeback = writeback_mode()
+        self.flusher: Optional[Writeback] = None
 
     # -- reads
     def read(self, name: str, index: Optional[int] = None) -> torch.Tensor:
@@ -499,23 +576,54 @@ class Pipeline:
         return slab[at:at + n]
 
     def _new_slab(self, n: int) -> torch.Tensor:
-        """n bytes; page-locked on the GPU path, registered with CUDA at exactly n bytes (torch's pinned
-        allocator rounds up to a power of two: up to 2x the memory to lock, which costs kernel time and
-        counts in the peak). Falls back to torch's pinned allocator if registering fails."""
+        """n bytes. On the GPU path the slab is page-locked by registering it with CUDA at exactly n bytes
+        (torch's pinned allocator rounds up to a power of two: up to 2x the memory to lock, which costs kernel
+        time and counts in the peak). Its pages are faulted in here (prefault), in parallel and outside the
+        driver, and it is registered at the worker's first GPU call (_register_pending), by when the CUDA
+        context, made on a background thread as the run starts, is ready and the first read has landed.
+        PORTER_SLAB_PREFAULT=0 registers fresh pages at once instead (the previous behaviour; benchmarks' A/B)."""
         slab = torch.empty(n, dtype=torch.uint8)
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or not n:
             return slab
-        if n:
-            code = int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), n, 0))
-            if code == 0:
-                with self.lock:
-                    self.registered.append(slab)  # unregistered when the run ends (_release_slabs)
-                return slab
-            # a failed call also leaves CUDA's per-thread last error set, which torch's next kernel-launch
-            # check would raise as an unrelated error: clear it before falling back
-            torch.cuda.cudart().cudaGetLastError()
-            log.debug("cudaHostRegister of %d bytes failed (error %d); using torch's pinned allocator", n, code)
-        return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        if os.environ.get("PORTER_SLAB_PREFAULT", "1") == "0":
+            self._register(slab)
+            return slab
+        prefault(slab)
+        pending = getattr(self.local, "pending", None)
+        if pending is None:
+            pending = self.local.pending = []
+        pending.append(slab)
+        return slab
+
+    def _register_pending(self) -> None:
+        """Page-lock this worker's slabs made since its last GPU call (async copies need page-locked memory)."""
+        pending = getattr(self.local, "pending", None)
+        while pending:
+            self._register(pending.pop())
+
+    def _register(self, slab: torch.Tensor) -> None:
+        """cudaHostRegister the slab (unregistered when the run ends: _release_slabs). If that fails, the slab
+        stays pageable: CUDA then copies through its own staging buffers, synchronously for the host (slower,
+        the same bytes, and the slab may be reused as soon as the copy call returns)."""
+        code = int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 0))
+        if code == 0:
+            with self.lock:
+                self.registered.append(slab)
+            return
+        # a failed call also leaves CUDA's per-thread last error set, which torch's next kernel-launch check
+        # would raise as an unrelated error: clear it
+        torch.cuda.cudart().cudaGetLastError()
+        log.debug("cudaHostRegister of %d bytes failed (error %d); copying from pageable memory", slab.numel(), code)
+
+    def _init_cuda_async(self) -> None:
+        """Make the CUDA context on a background thread while the workers start reading (~0.3 s on the H200
+        machine); their first CUDA call waits for it. An error here is left to that call to raise."""
+        def init():
+            try:
+                torch.empty(1, device=self.device)
+            except Exception:  # noqa: BLE001 — the workers' own CUDA calls raise it where it is handled
+                pass
+        threading.Thread(target=init, name="porter-cuda-init", daemon=True).start()
 
     def _release_slabs(self) -> None:
         """After the workers are done: unlock the registered slabs (once no copy can still be reading them)."""
@@ -536,7 +644,8 @@ class Pipeline:
         with self.lock:
             s = self.shards.get(f)
             if s is None:
-                s = self.shards[f] = ShardOut(self.out / f, self.entries_of[f], self._todo(f), self._closed)
+                s = self.shards[f] = ShardOut(self.out / f, self.entries_of[f], self._todo(f), self._closed,
+                                              self.writeback, self.flusher)
                 for e in self.entries_of[f]:
                     p = self.places[e.name]
                     self.tensor_digest[e.name] = TensorDigest(
@@ -579,8 +688,7 @@ class Pipeline:
         shard = self._shard(place.shard)
         if not len(data):  # a 0-byte tensor: its digest completed when the shard opened (maybe closing it)
             return
-        pwrite_all(shard.fd, data, place.offset + offset)
-        start_writeback(shard.fd, place.offset + offset, len(data))
+        shard.write(data, place.offset + offset)
         self.tensor_digest[name].add(offset, data)
 
     # -- units
@@ -591,6 +699,10 @@ class Pipeline:
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, available_cores() // self.workers))
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="porter-convert")
+        if self.writeback == "thread":
+            self.flusher = Writeback()
+        if self.device.type == "cuda":
+            self._init_cuda_async()
         try:
             futures = []
             for u in units:
@@ -606,6 +718,8 @@ class Pipeline:
             if self.error is not None:
                 for s in self.shards.values():
                     s.abort()
+            if self.flusher is not None:
+                self.flusher.stop()
             try:
                 self._release_slabs()  # last: after a worker's CUDA error its synchronize may raise too
             except Exception:
@@ -730,6 +844,7 @@ class Pipeline:
         """One CUDA stream per worker thread: pinned part -> GPU (async), quantize and error sums on the
         GPU, values and scales -> pinned host buffers (async). Workers in flight overlap each other's
         copies, kernels and disk I/O (reads ahead, pwrite and hashing behind)."""
+        self._register_pending()  # the read slab, once per worker
         stream = getattr(self.local, "stream", None)
         if stream is None:
             stream = self.local.stream = torch.cuda.Stream(self.device)
@@ -740,6 +855,7 @@ class Pipeline:
             self.local.out_at = 0  # the previous part's results were written out before this part
             q_host = self._slab("out", q.numel()).view(q.dtype).view(q.shape)
             s_host = self._slab("out", s.numel()).view(s.shape)
+            self._register_pending()  # the results slab, once per worker
             q_host.copy_(q, non_blocking=True)
             s_host.copy_(s, non_blocking=True)
             stats = torch.stack([err["err_sq"], err["ref_sq"], err["max_abs_error"]]).to("cpu", non_blocking=True)
@@ -760,6 +876,38 @@ def _sync_file_range():
 
 
 _SYNC_FILE_RANGE = _sync_file_range()
+
+
+def prefault(buf: torch.Tensor) -> None:
+    """Fault a fresh buffer's pages in before it is page-locked, as transparent huge pages where the kernel
+    allows (madvise MADV_HUGEPAGE, then memset; ctypes drops the GIL for both). Registering fresh memory
+    makes cudaHostRegister fault every page in itself, inside the CUDA driver: 16 workers registering ~114 MB
+    each at the start of a --device cuda conversion spent 2.8 thread-seconds there (0.6 of them on a CPU),
+    while the other workers' first CUDA calls waited (H200 machine, 3.2 GB checkpoint). Touched first, in
+    parallel and outside the driver, registering only locks pages already present."""
+    import ctypes
+    n = buf.numel() * buf.element_size()
+    if not n:
+        return
+    addr = buf.data_ptr()
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, end = -(-addr // page) * page, (addr + n) // page * page
+    if _LIBC is not None and end > start:
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE; a hint
+    ctypes.memset(addr, 0, n)
+
+
+def _libc():
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:

@@ -400,6 +400,30 @@ def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, quantize):
             assert rec["max_abs_error"] == b[name]["max_abs_error"]
 
 
+@pytest.mark.parametrize("writeback", ["thread", "inline", "off"])
+def test_writeback_modes_do_not_change_a_byte(tiny_vendor, tmp_path, monkeypatch, converted, writeback):
+    """Writeback started by a background thread (the default), by each worker after its write, or left to the
+    final fsync: the same files and records, with several workers filling one shard at once; in thread mode
+    every range written is handed to the flusher and every descriptor it was given is closed."""
+    import porter.pipeline as pp
+    monkeypatch.setenv("PORTER_WRITEBACK", writeback)
+    flushed, closed, real_submit, real_close = [], [], pp.Writeback.submit, pp.Writeback.close
+    monkeypatch.setattr(pp.Writeback, "submit", lambda self, fd, o, n: (flushed.append(n), real_submit(self, fd, o, n)))
+    monkeypatch.setattr(pp.Writeback, "close", lambda self, fd: (closed.append(fd), real_close(self, fd)))
+    out = tmp_path / "out"
+    porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=3, device="cpu")
+    names = sorted(p.name for p in converted.iterdir())
+    assert names == sorted(p.name for p in out.iterdir())
+    for n in names:
+        if n != "porter.json":
+            assert (out / n).read_bytes() == (converted / n).read_bytes(), n
+    a, b = (json.loads((d / "porter.json").read_text()) for d in (converted, out))
+    assert a["tensors"] == b["tensors"] and a["shards"] == b["shards"]
+    shards = list(out.glob("*.safetensors"))
+    data = sum(p.stat().st_size for p in shards) - sum(8 + int.from_bytes(p.read_bytes()[:8], "little") for p in shards)
+    assert (sum(flushed), len(closed)) == ((data, len(shards)) if writeback == "thread" else (0, 0))
+
+
 def test_zero_byte_tensors_convert(tiny_vendor, tmp_path):
     """Empty carried tensors (0 bytes; they share their offset with the next tensor) neither hang the
     chunked digests nor change a byte of the others."""

@@ -1,0 +1,25 @@
+#!/bin/bash
+# One H200-machine call after the writeback / slab changes: the GPU conversion tests (bit-identity to the CPU),
+# convert_throughput.py on 16 cores at 8 GB warm (bytes floor incl. the GPU device-side floor, copies, porter's
+# defaults, and in the same run the previous inline writeback and registering fresh slab pages), the same A/B of
+# the writeback on 2 cores (taskset -c 0,1, 2 GB, CPU), then a sampled per-stage profile of --device cuda.
+# Logs and JSON go to $OUT.
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc; free -g | head -2; df -hT . | tail -1
+  uname -r; cat /sys/kernel/mm/transparent_hugepage/enabled; python3 -c "import torch; print('torch', torch.__version__)"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+timeout ${TGPU:-60} python3 -m pytest -q -m gpu tests/test_convert.py -p no:cacheprovider 2>&1 | tail -5 \
+  | tee "$OUT/gpu_tests.log"
+taskset -c 0-15 timeout ${T16:-150} python3 benchmarks/convert_throughput.py --sizes 8 --devices cuda,cpu --no-single \
+  --floor --variants "inline:PORTER_WRITEBACK=inline;fresh-slabs@cuda:PORTER_SLAB_PREFAULT=0" \
+  --out "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" | grep -v '^{'
+taskset -c 0,1 timeout ${T2:-40} python3 benchmarks/convert_throughput.py --sizes 2 --devices cpu --no-single \
+  --variants "inline:PORTER_WRITEBACK=inline" --out "$OUT/throughput_2c.json" 2>&1 | tee "$OUT/throughput_2c.log" \
+  | grep -v '^{'
+taskset -c 0-15 timeout ${TPROF:-25} python3 benchmarks/convert_profile.py --gb 4 --device cuda --sample \
+  --out "$OUT/profile_cuda.json" 2>&1 | tee "$OUT/profile_cuda.log"

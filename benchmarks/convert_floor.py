@@ -5,8 +5,8 @@ its dry run), each measured in a fresh set of files, threads taking 16 MiB piece
 
 - read: pread every source byte (from the page cache when warm);
 - write: pwrite the output's bytes into the conversion's shard files (several threads into one shard, as a
-  conversion does), then fsync them all (durable, as porter is before it writes its index); pwrite into one
-  file per thread (no shared inode lock) shows what writing many threads into one shard costs;
+  conversion does), then fsync them all (durable, as porter is before it writes its index); --many-files:
+  pwrite into one file per thread (no shared inode lock), what writing many threads into one shard costs;
 - copy: read the source and write the output's bytes (pieces in proportion), page cache only and + fsync:
   the floor `porter convert` is held to ("x plain copy" uses it); also with each piece's writeback started
   right after it (sync_file_range: porter's inline writeback) or by one background thread
@@ -19,7 +19,8 @@ its dry run), each measured in a fresh set of files, threads taking 16 MiB piece
 Prints GB/s of the bytes each moves and, for copy, GB/s of source consumed (the unit porter convert's rate is
 in). JSON to --out.
 
-    python benchmarks/convert_floor.py --src DIR [--threads 16] [--max-shard-size 5GB] [--gpu] [--out FILE]
+    python benchmarks/convert_floor.py --src DIR [--threads 16] [--max-shard-size 5GB] [--gpu] [--many-files]
+                                       [--out FILE]
 """
 from __future__ import annotations
 
@@ -127,6 +128,7 @@ def main():
     ap.add_argument("--max-shard-size", default="5GB")
     ap.add_argument("--tmp", default=str(ROOT / "benchmarks"))
     ap.add_argument("--gpu", action="store_true", help="also the GPU path's device-side floor")
+    ap.add_argument("--many-files", action="store_true", help="also pwrite into one file per thread")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import numpy as np
@@ -202,7 +204,8 @@ def main():
     res["runs"].pop("(warm-up, not a result) write")
     write_run("write, pwrite, shard layout", out_sizes)
     total = sum(out_sizes)
-    write_run(f"write, pwrite, {n} files", [total // n + (i < total % n) for i in range(n)])
+    if args.many_files:
+        write_run(f"write, pwrite, {n} files", [total // n + (i < total % n) for i in range(n)])
     write_run("copy, pwrite, shard layout", out_sizes, copy=True)
     write_run("copy, pwrite + writeback inline", out_sizes, "inline", copy=True)
     write_run("copy, pwrite + writeback thread", out_sizes, "thread", copy=True)

@@ -581,11 +581,12 @@ class Pipeline:
         time and counts in the peak). Its pages are faulted in here (prefault), in parallel and outside the
         driver, and it is registered at the worker's first GPU call (_register_pending), by when the CUDA
         context, made on a background thread as the run starts, is ready and the first read has landed.
-        PORTER_SLAB_PREFAULT=0 registers fresh pages at once instead (the previous behaviour; benchmarks' A/B)."""
+        PORTER_SLAB_PREFAULT=0 registers fresh pages at once instead, and leaves the CUDA context to the first
+        worker's CUDA call (the previous GPU start; benchmarks' A/B)."""
         slab = torch.empty(n, dtype=torch.uint8)
         if self.device.type != "cuda" or not n:
             return slab
-        if os.environ.get("PORTER_SLAB_PREFAULT", "1") == "0":
+        if not _prefault_slabs():
             self._register(slab)
             return slab
         prefault(slab)
@@ -701,7 +702,7 @@ class Pipeline:
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="porter-convert")
         if self.writeback == "thread":
             self.flusher = Writeback()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and _prefault_slabs():
             self._init_cuda_async()
         try:
             futures = []
@@ -895,6 +896,10 @@ def prefault(buf: torch.Tensor) -> None:
     if _LIBC is not None and end > start:
         _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE; a hint
     ctypes.memset(addr, 0, n)
+
+
+def _prefault_slabs() -> bool:
+    return os.environ.get("PORTER_SLAB_PREFAULT", "1") != "0"
 
 
 def _libc():

@@ -25,11 +25,13 @@ from runtime.fused import next_pow2, pdl, use_triton
 
 MAX_ROWS = 64  # the kernel pads rows to BM <= 64; beyond that a GEMM is no longer bound by weight bytes
 SMEM_BYTES = 216 * 1024  # per program: (stages - 1) pipeline buffers (+ the e4m3 path's MMA operand copies)
-# Which 16/32-bit-weight linears run this kernel at decode sizes: "none" (cuBLAS, then the adds in one
-# kernel), "adds" (only those with residual adds fused), or "all". MXFP8 weights always run it. On the H200
-# "none" measured fastest at batch 1, 8 and 32 (dense layer 1.24-1.33x its bytes floor against 1.27-1.39x
-# with "adds": benchmarks/results/decode_round5_*).
-BF16 = os.environ.get("PORTER_GEMV_BF16", "none")
+# Which kernel 16/32-bit-weight linears run at decode sizes: "stream" (one row: gemv_stream, more rows:
+# cuBLAS; the adds then in one kernel), "none" (cuBLAS), "adds" (this kernel for those with residual adds
+# fused), or "all" (this kernel). MXFP8 weights always run this kernel. On the H200 cuBLAS beat this kernel
+# at rows 1-32 (dense layer 1.24-1.33x its bytes floor against 1.27-1.39x with "adds":
+# benchmarks/results/decode_round5_*), and gemv_stream beat cuBLAS at one row by 2-20% per linear
+# (benchmarks/results/gemv_stream_ab_NVIDIA_H200.log) but lost at 2 and 4 rows.
+BF16 = os.environ.get("PORTER_GEMV_BF16", "stream")
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -46,6 +48,13 @@ def runs(x: torch.Tensor, weight: torch.Tensor, adds: bool = False) -> bool:
     if weight.dtype != torch.float8_e4m3fn and weight.dtype != x.dtype:
         return False  # Linear's own path rounds the weight to x's dtype first; gemv would multiply unrounded
     return weight.dtype == torch.float8_e4m3fn or BF16 == "all" or (BF16 == "adds" and adds)
+
+
+def streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a 16-bit linear of x runs gemv_stream: one row (batch-1 decode), a bf16/fp16 weight of x's
+    dtype, policy BF16 "stream"."""
+    return (BF16 == "stream" and applies(x, weight) and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and x.numel() == x.shape[-1])
 
 
 def config(swiglu: bool, mx: bool) -> tuple[int, int, int, int]:
@@ -119,3 +128,36 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = 
                       SWIGLU=swiglu is not None, ADDS=len(adds), USE_PDL=bool(pdl(x.device)), num_warps=warps,
                       num_stages=stages, **pdl(x.device))
     return y.reshape(*x.shape[:-1], n)
+
+
+STREAM_ROWS = 4  # gemv_stream: x rows it takes (its [rows, BN, BK] fp32 partial products live in registers)
+
+
+def gemv_stream(x: torch.Tensor, weight: torch.Tensor, cfg: Optional[tuple] = None) -> torch.Tensor:
+    """x [..., K] (at most STREAM_ROWS rows), weight [N, K] bf16/fp16 of x's dtype -> x @ weight^T [..., N]
+    in x's dtype, by gemv_stream_kernel (no MMA; cfg = (BN, BK, warps))."""
+    from runtime.gemv_triton import gemv_stream_kernel
+    K, N = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if M > STREAM_ROWS or weight.dtype != x.dtype or weight.shape[1] != K or weight.stride(1) != 1:
+        raise ValueError(f"gemv_stream: x {tuple(x.shape)} {x.dtype} against weight {tuple(weight.shape)} "
+                         f"{weight.dtype} (at most {STREAM_ROWS} rows, same dtype, contiguous K)")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    bn, bk, warps = cfg or stream_config()
+    bk = min(bk, next_pow2(K))
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    gemv_stream_kernel[(-(-N // bn),)](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
+                                       MP=max(1, next_pow2(M)), BN=bn, BK=bk, EVEN_K=K % bk == 0,
+                                       USE_PDL=bool(pdl(x.device)), num_warps=warps, **pdl(x.device))
+    return y.reshape(*x.shape[:-1], N)
+
+
+def stream_config() -> tuple[int, int, int]:
+    env = os.environ.get("PORTER_GEMV_STREAM_CONFIG")
+    if env:
+        bn, bk, warps = (int(v) for v in env.split(","))
+        return bn, bk, warps
+    return 4, 1024, 4  # the H200 A/B's best over the decode linears at one row (within 1 µs of each's best)
+

@@ -83,3 +83,45 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, a1_ptr, a2_ptr, M, N, K, sxm, swn, s
         a2 = tl.load(a2_ptr + rm[:, None] * sa2 + cols[None, :], mask=ok, other=0.0)
         y = (y.to(tl.float32) + a2.to(tl.float32)).to(dt)
     tl.store(y_ptr + rm[:, None] * sym + cols[None, :], y, mask=ok)
+
+
+@triton.jit
+def gemv_stream_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
+                       MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
+    """x [M, K] (M <= MP <= 4), W [N, K] 16-bit -> y [M, N], without MMA: each program streams BN weight
+    rows over the whole K straight into registers and keeps [MP, BN, BK] fp32 partial products, summed
+    once at the end (no shared-memory staging, no padding of x to 16 rows). With PDL the first weight
+    tile is requested before waiting for the previous kernel: the weight does not depend on it."""
+    pid = tl.program_id(0)
+    rows = pid * BN + tl.arange(0, BN)
+    wrow = tl.where(rows < N, rows, 0).to(tl.int64)
+    rk = tl.arange(0, BK)
+    rm = tl.arange(0, MP)
+    m_ok = rm < M
+    w_ptrs = w_ptr + wrow[:, None] * swn + rk[None, :]
+    x_ptrs = x_ptr + rm[:, None] * sxm + rk[None, :]
+    if EVEN_K:
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_ptrs, mask=(rk < K)[None, :], other=0.0, eviction_policy="evict_first")
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros((MP, BN, BK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BK
+        x_ptrs += BK
+        if k0 + BK < K:  # the next tile (the loop's loads are issued ahead of the math by the compiler)
+            if EVEN_K:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs, mask=((k0 + BK + rk) < K)[None, :], other=0.0, eviction_policy="evict_first")
+    y = tl.sum(acc, axis=2)  # [MP, BN]
+    cols = pid * BN + tl.arange(0, BN)
+    tl.store(y_ptr + rm[:, None] * sym + cols[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & (cols < N)[None, :])

@@ -109,6 +109,24 @@ def test_gemv_at_real_dims(n, k):
     assert not gemv.applies(torch.zeros(65, k, device="cuda", dtype=torch.bfloat16), q)
 
 
+@pytest.mark.parametrize("n,k", [(8192 + 3 * 512 + 128, 6144), (6144, 8192), (6144, 3072), (37, 1000)])
+def test_gemv_stream_at_real_dims(n, k):
+    """runtime.gemv.gemv_stream (bf16 and fp16, 1-4 rows, ragged N and K) against an fp32 matmul of the same
+    values; only one bf16/fp16 row takes it in a model (gemv.streams)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
+    for dtype in (torch.bfloat16, torch.float16):
+        wd = w.to(dtype)
+        for rows in (1, 2, 3, 4):
+            x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
+            for cfg in (None, (8, 512, 4), (16, 256, 4)):
+                y = gemv.gemv_stream(x, wd, cfg=cfg)
+                assert y.dtype == dtype and y.shape == (rows, n)
+                assert fx.rel(y.float(), x.float() @ wd.float().t()) <= 5e-3, (dtype, rows, cfg)
+            assert gemv.streams(x, wd) == (rows == 1 and gemv.BF16 == "stream")
+    assert not gemv.streams(torch.zeros(1, k, device="cuda"), w)  # fp32 stays on Linear's own path
+
+
 def test_gemv_epilogues_equal_the_unfused_ops():
     """SwiGLU epilogue == GEMV then fused.swiglu (bf16 rounding); residual adds bit-equal to adding after."""
     from runtime import fused

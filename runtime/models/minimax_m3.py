@@ -93,7 +93,8 @@ class Linear:
     """y = x W^T with W stored as is (bf16/fp32) or MXFP8 (e4m3 + uint8 scales). On CUDA with few rows
     (decode) MXFP8 runs one GEMV kernel (runtime.gemv) that streams the 1-byte weights once, dequantized
     in registers (16-bit weights too where gemv.runs says it pays); elsewhere the weight is cast or
-    dequantized per call, then multiplied. add: tensors [..., N] added to the output in order, in its
+    dequantized per call, then multiplied; a 16-bit weight against one row runs runtime.gemv.gemv_stream
+    (faster than cuBLAS there). add: tensors [..., N] added to the output in order, in its
     dtype (residual adds; fused into the GEMV's epilogue when it runs)."""
 
     def __init__(self, weight: torch.Tensor, scale: Optional[torch.Tensor] = None):
@@ -102,11 +103,14 @@ class Linear:
     def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:
         if gemv.runs(x, self.weight, adds=bool(add)):
             return gemv.gemv(x, self.weight, self.scale, add=add)
-        if self.scale is not None:
-            w = mxfp8.dequantize(self.weight, self.scale, x.dtype)
+        if gemv.streams(x, self.weight):
+            y = gemv.gemv_stream(x, self.weight)
         else:
-            w = self.weight.to(x.dtype)
-        y = F.linear(x, w)
+            if self.scale is not None:
+                w = mxfp8.dequantize(self.weight, self.scale, x.dtype)
+            else:
+                w = self.weight.to(x.dtype)
+            y = F.linear(x, w)
         if add and len(add) <= 2 and fused.use_triton(y):
             return fused.add_chain(y, *add)  # the adds below, in one kernel
         for a in add:

@@ -56,7 +56,11 @@ _FP8_NO_ROOM_WARNED: list = []  # warn once per process
 
 
 def default_config(num_tokens: int, fp8_prefill: bool = False) -> MoeConfig:
-    """Tile configs from the H200 A/B (benchmarks/moe_ab_h200.py; benchmarks/results/bench_ab.log).
+    """Tile configs from the H200 A/B (benchmarks/moe_ab_h200.py; benchmarks/results/bench_ab.log;
+    decode re-checked with benchmarks/moe_decode_sweep.py, results/moe_decode_sweep_round5_call1.log and
+    moe_decode_timing_round5.log: at T=1 nothing beat BN 32/64, BK 256, 4 warps, 3 stages — GEMM1
+    41.2 us vs 45-78 us for BK 128/512, 8 warps, BN 16 or the weights as wgmma left operand (swap:
+    61 us, T=4..64 also 1.4-1.6x slower); GEMM2 23.0 us vs 24-42 us).
 
     Decode (BM16): the doc's BN64/BK256/4 warps shape; GEMM1 as one fused [gate; up] tile of
     2 x 32 rows. Split-K does not pay once the dequant is hoisted (T=1: 85 us unsplit vs 92 us
@@ -272,7 +276,10 @@ USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORT
 SINGLE_LAUNCH = None
 # One-token two-launch path (A/B knobs, see fused_moe): x cast per K step in GEMM1 instead of the prep
 # kernel's prescale (no prep launch at all); GEMM1 lets GEMM2's programs start as its own retire, and
-# GEMM2 prefetches this many bytes of each weight row into L2 before its PDL wait (0: none).
+# GEMM2 prefetches this many bytes of each weight row into L2 before its PDL wait (0: none). All off:
+# none was faster on the H200 at MiniMax-M3 dims (T=1, layer per graph, 8 layers on disjoint experts,
+# GPU time: default 68.0 us; x cast in GEMM1 71.1-71.5 (GEMM1 41.4 -> 47.5 us: the per-step row amax);
+# early 69.3; early + 1024 / 2048 B prefetch 70.5 / 72.2; benchmarks/results/moe_decode_timing_round5.log).
 X_IN_LOOP_TWO_LAUNCH = False
 EARLY_GEMM2 = False
 GEMM2_PREFETCH_BYTES = 0

@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 cat "$OUT/env.txt"
 timeout ${TGPU:-60} python3 -m pytest -q -m gpu tests/test_convert.py -p no:cacheprovider 2>&1 | tail -5 \
   | tee "$OUT/gpu_tests.log"
-taskset -c 0-15 timeout ${T16:-150} python3 benchmarks/convert_throughput.py --sizes 8 --devices cuda,cpu --no-single \
+taskset -c 0-15 timeout ${T16:-240} python3 benchmarks/convert_throughput.py --sizes 8 --devices cuda,cpu --no-single \
   --floor --variants "inline@cpu:PORTER_WRITEBACK=inline;before@cuda:PORTER_WRITEBACK=inline,PORTER_SLAB_PREFAULT=0;eager-slabs@cuda:PORTER_SLAB_PREFAULT=0" \
   --out "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" | grep -v '^{'
 taskset -c 0-15 timeout ${TPROF:-25} python3 benchmarks/convert_profile.py --gb 4 --device cuda --sample \

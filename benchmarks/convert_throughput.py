@@ -340,6 +340,8 @@ def summary_lines(result: dict) -> list:
                              f"{fl['source_gb'] / (r['seconds'] + r['fsync_seconds']):.2f})")
                 lines.append(line)
             for name, r in (fl.get("gpu") or {}).items():
+                if not isinstance(r, dict):
+                    continue
                 lines.append(f"    gpu {name:30s} {r['gb'] / r['seconds']:7.2f} GB/s of bf16 expert parts")
     return lines
 

@@ -50,9 +50,10 @@ SLAB_MAX_BYTES = 256 << 20  # CPU reads up to this size go into the worker's reu
 SHARDS_IN_FLIGHT = 4  # PORTER_SHARDS_IN_FLIGHT overrides it (benchmarks' A/B): shards_in_flight()
 # When the kernel is asked to start writing the shards to disk: "thread" (one background thread, Writeback),
 # "inline" (each worker right after its write) or "off" (only the final fsync). sync_file_range blocks while
-# the disk's request queue is full, so inline, workers waited on the disk (H200 machine, 3.2 GB real-dims
-# checkpoint, 16 workers: --device cuda 2.49 s inline, 1.72 s thread, 2.47 s off, whose final fsync then
-# writes everything; CPU 1.71 / 1.66 / 2.39 s). PORTER_WRITEBACK overrides it (benchmarks' A/B).
+# the disk's request queue is full: inline, --device cuda workers spent 14% of their time there (H200 machine,
+# 3.2 GB real-dims checkpoint, 16 workers: cuda 2.49 s inline, 1.72 s thread, 2.47 s off, whose final fsync
+# then writes everything; CPU 1.71 / 1.66 / 2.39 s; 8.1 GB, cuda: 3.18 -> 3.13 s). A threaded copy of the same
+# bytes with fsync: 5.19 GB/s thread, 3.74 inline (benchmarks/convert_floor.py). PORTER_WRITEBACK overrides it.
 WRITEBACK = "thread"
 CUDA_CONTEXT_BYTES = 600 << 20  # host memory of a CUDA context and its libraries
 
@@ -884,8 +885,10 @@ def prefault(buf: torch.Tensor) -> None:
     allows (madvise MADV_HUGEPAGE, then memset; ctypes drops the GIL for both). Registering fresh memory
     makes cudaHostRegister fault every page in itself, inside the CUDA driver: 16 workers registering ~114 MB
     each at the start of a --device cuda conversion spent 2.8 thread-seconds there (0.6 of them on a CPU),
-    while the other workers' first CUDA calls waited (H200 machine, 3.2 GB checkpoint). Touched first, in
-    parallel and outside the driver, registering only locks pages already present."""
+    while the other workers' first CUDA calls waited (H200 machine, 3.2 GB checkpoint). Touched first,
+    registering took 1.1 thread-seconds (0.2 on a CPU), the touching 2.4 (all on a CPU: first touch is slow
+    in that VM). With the context made in the background (Pipeline._init_cuda_async), 8.1 GB on cuda went
+    3.13 -> 2.84 s; how much of that each of the two gives was not separated."""
     import ctypes
     n = buf.numel() * buf.element_size()
     if not n:

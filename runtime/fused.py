@@ -157,7 +157,8 @@ def index_select(iq: torch.Tensor, idx_cache: torch.Tensor, pos: torch.Tensor, k
                                    IEEE=iq.dtype == torch.float32, num_warps=4, USE_PDL=bool(pdl(iq.device)),
                                    **pdl(iq.device))
     top = torch.empty((B, ni, 1, topk), dtype=torch.int64, device=iq.device)
-    index_topk_kernel[(B * ni,)](scores, top, nblk, TOPK=topk, NBP=next_pow2(nblk), num_warps=4,
+    nbp = next_pow2(nblk)  # one warp up to 512 blocks (64k keys): its reductions need no shared memory
+    index_topk_kernel[(B * ni,)](scores, top, nblk, TOPK=topk, NBP=nbp, num_warps=1 if nbp <= 512 else 4,
                                  USE_PDL=bool(pdl(iq.device)), **pdl(iq.device))
     return top
 
@@ -170,7 +171,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     xc = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty((T, E), dtype=torch.float32, device=x.device)
     bm = max(2, next_pow2(T))  # no size-1 block extents
-    router_logits_kernel[(E,)](xc, weight.contiguous(), out, T, E, K, xc.stride(0), BM=bm, BK=max(64, 2048 // bm),
+    bk = max(64, min(next_pow2(K), 8192 // bm))  # one row, K 6144: two steps (each a dependent load)
+    router_logits_kernel[(E,)](xc, weight.contiguous(), out, T, E, K, xc.stride(0), BM=bm, BK=bk,
                                num_warps=4, USE_PDL=bool(pdl(x.device)), **pdl(x.device))
     return out
 

@@ -230,17 +230,21 @@ def router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, TOPK: tl.const
 def router_logits_kernel(x_ptr, w_ptr, out_ptr, M, E, K, sxm, BM: tl.constexpr, BK: tl.constexpr,
                          USE_PDL: tl.constexpr = False):
     """Program e: fp32 router logits out[m, e] = x[m] . w[e] for every row m (x in its dtype, taken to
-    fp32 exactly; w fp32 [E, K] streamed once, one row per program so E programs share the read)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+    fp32 exactly; w fp32 [E, K] streamed once, one row per program so E programs share the read). The first
+    weight tile is requested before the PDL wait: the weight does not depend on the previous kernel."""
     e = tl.program_id(0)
     rm = tl.arange(0, BM)
     rk = tl.arange(0, BK)
     m_ok = rm < M
+    w_row = w_ptr + e.to(tl.int64) * K
+    w = tl.load(w_row + rk, mask=rk < K, other=0.0)  # [BK]
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BM, BK], tl.float32)
     for k0 in range(0, K, BK):
         k_ok = (k0 + rk) < K
-        w = tl.load(w_ptr + e.to(tl.int64) * K + k0 + rk, mask=k_ok, other=0.0)  # [BK]
         x = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc += x.to(tl.float32) * w[None, :]
+        if k0 + BK < K:
+            w = tl.load(w_row + k0 + BK + rk, mask=(k0 + BK + rk) < K, other=0.0)
     tl.store(out_ptr + rm * E + e, tl.sum(acc, 1), mask=m_ok)

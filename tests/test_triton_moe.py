@@ -508,18 +508,26 @@ def test_two_launch_x_in_loop_outside_fp16_range(x_scale):
         assert rel(out, ref) <= REL_TOL, f"swap={swap}: {rel(out, ref):.3e}"
 
 
+def decode_tile_variants(t):
+    """default_config's decode tiles and the two-warp variants with the weights as the mma.sync left
+    operand that the H200 decode A/B measured (slower; benchmarks/results/moe_decode_timing_round5_call3.log)."""
+    d = tb.default_config(t)
+    return [d, replace(d, bn1=32, warps1=2, swap1=True, bn2=64, warps2=2, swap2=True),
+            replace(d, bn1=16, warps1=2, swap1=True, bn2=32, warps2=2, swap2=True)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
 @pytest.mark.parametrize("t", [1, 4, 16, 64])
 def test_decode_tiles_match_torch_at_real_dims(t):
-    """default_config's decode tiles (and the wgmma variant with the weights as left operand) at
-    MiniMax-M3's layer dims (H 6144, I 3072; 16 experts, top-4) against the torch reference."""
+    """Decode tiles (decode_tile_variants, and the wgmma variant with the weights as left operand at
+    4 warps) at MiniMax-M3's layer dims (H 6144, I 3072; 16 experts, top-4) against the torch reference."""
     e, h, i, k = 16, 6144, 3072, 4
     quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"))
     errs = {}
-    for swap in (False, True):
-        cfg = replace(tb.default_config(t), swap1=swap, swap2=swap)
-        check_against_torch(quant, t, k, h, config=cfg, errs=errs, key=swap)
+    cfgs = decode_tile_variants(t) + [replace(tb.default_config(t), swap1=True, swap2=True)]
+    for j, cfg in enumerate(cfgs):
+        check_against_torch(quant, t, k, h, config=cfg, errs=errs, key=j)
 
 
 @pytest.mark.gpu

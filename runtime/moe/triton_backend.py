@@ -57,10 +57,11 @@ _FP8_NO_ROOM_WARNED: list = []  # warn once per process
 
 def default_config(num_tokens: int, fp8_prefill: bool = False) -> MoeConfig:
     """Tile configs from the H200 A/B (benchmarks/moe_ab_h200.py; benchmarks/results/bench_ab.log;
-    decode re-checked with benchmarks/moe_decode_sweep.py, results/moe_decode_sweep_round5_call1.log and
-    moe_decode_timing_round5.log: at T=1 nothing beat BN 32/64, BK 256, 4 warps, 3 stages — GEMM1
-    41.2 us vs 45-78 us for BK 128/512, 8 warps, BN 16 or the weights as wgmma left operand (swap:
-    61 us, T=4..64 also 1.4-1.6x slower); GEMM2 23.0 us vs 24-42 us).
+    decode re-checked with benchmarks/moe_decode_sweep.py, results/moe_decode_sweep_round5_call1.log,
+    moe_decode_timing_round5.log and moe_decode_timing_round5_call3.log: at T=1 nothing beat BN 32/64,
+    BK 256, 4 warps, 3 stages — GEMM1 41.2 us vs 43-78 us for BK 128/512, 2 or 8 warps, BN 16, the
+    weights as wgmma left operand (61 us; T=4..64 1.4-1.6x slower) or as mma.sync left operand at 2
+    warps (43.6 us, though ~19% fewer SASS instructions per weight byte); GEMM2 22.8 us vs 24-42 us).
 
     Decode (BM16): the doc's BN64/BK256/4 warps shape; GEMM1 as one fused [gate; up] tile of
     2 x 32 rows. Split-K does not pay once the dequant is hoisted (T=1: 85 us unsplit vs 92 us

@@ -48,10 +48,7 @@ def _align(topk_ids_ptr, sorted_ptr, expert_ids_ptr, cursor_ptr, N, E, MAXB,
     """One program: stable counting sort of the N routed slots by expert, each expert padded to BM.
 
     sorted_ptr [MAXB*BM] gets slot ids (token*k + j), N on padding; expert_ids_ptr [MAXB] gets the
-    expert of each BM block, E past the last used block. cursor_ptr [EP] int32 is scratch (each
-    expert's padded start). A slot's rank among its expert's slots counts the equal ids before it
-    (a [C, C] compare per pair of chunks) instead of moving a cursor through global memory per chunk:
-    one CTA barrier in all instead of two global round trips and two barriers per chunk."""
+    expert of each BM block, E past the last used block. cursor_ptr [EP] int32 is scratch."""
     bins = tl.arange(0, EP)
     counts = tl.zeros([EP], dtype=tl.int32)
     for c0 in range(0, N, C):  # pass 1: histogram (padding lanes go to the spare bin EP-1 >= E)
@@ -69,19 +66,20 @@ def _align(topk_ids_ptr, sorted_ptr, expert_ids_ptr, cursor_ptr, N, E, MAXB,
     for p0 in range(0, MAXB * BM, CB):
         p = p0 + tl.arange(0, CB)
         tl.store(sorted_ptr + p, tl.zeros([CB], dtype=tl.int32) + N, mask=p < MAXB * BM)
-    tl.debug_barrier()  # expert starts and padding stored before any thread reads / overwrites them
+    tl.debug_barrier()
     lane = tl.arange(0, C)
-    for c0 in range(0, N, C):  # pass 2: position = expert start + number of earlier slots with the same id
+    for c0 in range(0, N, C):  # pass 2: position = expert cursor + rank among earlier equal ids
         offs = c0 + lane
         valid = offs < N
-        ids = tl.load(topk_ids_ptr + offs, mask=valid, other=EP - 1).to(tl.int32)  # padding: bin EP-1 >= E
+        ids = tl.load(topk_ids_ptr + offs, mask=valid, other=EP - 1).to(tl.int32)
         same = (ids[:, None] == ids[None, :]) & (lane[None, :] < lane[:, None])  # [C, C]
         rank = tl.sum(same.to(tl.int32), axis=1)
-        for p0 in range(0, c0, C):  # earlier chunks, all N valid; no cursor to update, so no barrier
-            prev = tl.load(topk_ids_ptr + p0 + lane).to(tl.int32)
-            rank += tl.sum((ids[:, None] == prev[None, :]).to(tl.int32), axis=1)
         base = tl.load(cursor_ptr + ids, mask=valid, other=0)
         tl.store(sorted_ptr + base + rank, offs, mask=valid)
+        tl.debug_barrier()  # every lane has read the cursor before it moves
+        cur = tl.load(cursor_ptr + bins)
+        tl.store(cursor_ptr + bins, cur + tl.histogram(ids, EP))
+        tl.debug_barrier()
 
 
 @triton.jit

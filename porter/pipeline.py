@@ -413,7 +413,13 @@ class Writeback:
         self.thread = threading.Thread(target=self._loop, name="porter-writeback", daemon=True)
         self.thread.start()
 
-    def open(self, fd: int) -> int:
+    MAX_FDS = 64  # dups held at once; a shard opened past this (the thread lagging far) writes back inline
+
+    def open(self, fd: int) -> Optional[int]:
+        """A dup of fd for this thread, or None (the caller starts its writeback inline) when MAX_FDS are open:
+        with many small shards and a slow disk the thread can lag many shards behind, and each would hold one."""
+        if len(self.fds) >= self.MAX_FDS:
+            return None
         dup = os.dup(fd)
         self.fds.add(dup)
         return dup
@@ -436,7 +442,10 @@ class Writeback:
             if offset is None:
                 self._close(fd)
             else:
-                start_writeback(fd, offset, length)  # errors ignored: a hint; the final fsync reports them
+                try:
+                    start_writeback(fd, offset, length)  # a hint; the final fsync reports write errors
+                except Exception:  # noqa: BLE001 — the thread must keep closing the dups it owns
+                    pass
 
     def _close(self, fd: int) -> None:
         self.fds.discard(fd)
@@ -460,6 +469,8 @@ class ShardOut:
         os.ftruncate(self.fd, size)
         self.writeback, self.flusher = writeback, flusher
         self.wb_fd = flusher.open(self.fd) if (writeback == "thread" and flusher is not None) else None
+        if writeback == "thread" and self.wb_fd is None:
+            self.writeback = "inline"  # no flusher, or it holds MAX_FDS shards already
         self.lock = threading.Lock()
         self.todo = todo
         self.header_sha256 = hashlib.sha256(header).hexdigest()
@@ -534,6 +545,7 @@ class Pipeline:
         self.registered: list = []  # page-locked slabs (GPU path)
         self.writeback = writeback_mode()
         self.flusher: Optional[Writeback] = None
+        self.cuda_init: Optional[threading.Thread] = None  # see _init_cuda_async
 
     # -- reads
     def read(self, name: str, index: Optional[int] = None) -> torch.Tensor:
@@ -625,7 +637,8 @@ class Pipeline:
                 torch.empty(1, device=self.device)
             except Exception:  # noqa: BLE001 — the workers' own CUDA calls raise it where it is handled
                 pass
-        threading.Thread(target=init, name="porter-cuda-init", daemon=True).start()
+        self.cuda_init = threading.Thread(target=init, name="porter-cuda-init", daemon=True)
+        self.cuda_init.start()
 
     def _release_slabs(self) -> None:
         """After the workers are done: unlock the registered slabs (once no copy can still be reading them)."""
@@ -722,6 +735,9 @@ class Pipeline:
                     s.abort()
             if self.flusher is not None:
                 self.flusher.stop()
+            if self.cuda_init is not None:  # not left inside CUDA's init at interpreter exit (a fast failure)
+                self.cuda_init.join()
+                self.cuda_init = None
             try:
                 self._release_slabs()  # last: after a worker's CUDA error its synchronize may raise too
             except Exception:

@@ -76,8 +76,10 @@ def add_rms_norm(a: torch.Tensor, h: torch.Tensor, w: torch.Tensor, eps: float) 
 
 
 def add_chain(x0: torch.Tensor, x1: torch.Tensor, x2: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """(x0 + x1) [+ x2] of same-shape tensors in x0's dtype, rounded after each add as torch's adds are."""
+    """(x0 + x1) [+ x2] of same-shape, same-dtype tensors, rounded after each add as torch's adds are."""
     from runtime.fused_triton import add_chain_kernel
+    if any(x.shape != x0.shape or x.dtype != x0.dtype for x in (x1, x2) if x is not None):
+        raise ValueError("add_chain: the tensors must share shape and dtype (no broadcasting or promotion)")
     xs = [x.contiguous() for x in (x0, x1, x0 if x2 is None else x2)]
     y = torch.empty_like(xs[0])
     n, block = y.numel(), 1024
@@ -164,7 +166,9 @@ def index_select(iq: torch.Tensor, idx_cache: torch.Tensor, pos: torch.Tensor, k
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, H] (T <= 64), router weight [E, H] fp32 -> fp32 logits [T, E] = x.float() @ weight.t()."""
+    """x [T, H] (T <= 64), router weight [E, H] fp32 contiguous -> fp32 logits [T, E] = x.float() @ weight.t().
+    With PDL the kernel reads the weight before waiting for the previous kernel, so the weight must not be
+    written by the kernel launched just before (a load-time tensor; a copy made here would be)."""
     from runtime.fused_triton import router_logits_kernel
     T, K = x.shape
     E = weight.shape[0]
@@ -172,7 +176,9 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty((T, E), dtype=torch.float32, device=x.device)
     bm = max(2, next_pow2(T))  # no size-1 block extents
     bk = max(64, min(next_pow2(K), 8192 // bm))  # one row, K 6144: two steps (each a dependent load)
-    router_logits_kernel[(E,)](xc, weight.contiguous(), out, T, E, K, xc.stride(0), BM=bm, BK=bk,
+    if not weight.is_contiguous():
+        raise ValueError("router_logits: the router weight must be contiguous (made so at load)")
+    router_logits_kernel[(E,)](xc, weight, out, T, E, K, xc.stride(0), BM=bm, BK=bk,
                                num_warps=4, USE_PDL=bool(pdl(x.device)), **pdl(x.device))
     return out
 

@@ -54,7 +54,7 @@ def streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a 16-bit linear of x runs gemv_stream: one row (batch-1 decode), a bf16/fp16 weight of x's
     dtype, policy BF16 "stream"."""
     return (BF16 == "stream" and applies(x, weight) and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and x.numel() == x.shape[-1])
+            and weight.dtype == x.dtype and weight.stride(-1) == 1 and x.numel() == x.shape[-1])
 
 
 def config(swiglu: bool, mx: bool) -> tuple[int, int, int, int]:
@@ -135,7 +135,9 @@ STREAM_ROWS = 4  # gemv_stream: x rows it takes (its [rows, BN, BK] fp32 partial
 
 def gemv_stream(x: torch.Tensor, weight: torch.Tensor, cfg: Optional[tuple] = None) -> torch.Tensor:
     """x [..., K] (at most STREAM_ROWS rows), weight [N, K] bf16/fp16 of x's dtype -> x @ weight^T [..., N]
-    in x's dtype, by gemv_stream_kernel (no MMA; cfg = (BN, BK, warps))."""
+    in x's dtype, by gemv_stream_kernel (no MMA; cfg = (BN, BK, warps)). With PDL the kernel reads the weight
+    before waiting for the previous kernel: the weight must not be written by the kernel launched just before
+    (model weights never are)."""
     from runtime.gemv_triton import gemv_stream_kernel
     K, N = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, K)

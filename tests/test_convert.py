@@ -3,6 +3,7 @@ import hashlib
 import json
 import math
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -422,6 +423,26 @@ def test_writeback_modes_do_not_change_a_byte(tiny_vendor, tmp_path, monkeypatch
     shards = list(out.glob("*.safetensors"))
     data = sum(p.stat().st_size for p in shards) - sum(8 + int.from_bytes(p.read_bytes()[:8], "little") for p in shards)
     assert (sum(flushed), len(closed)) == ((data, len(shards)) if writeback == "thread" else (0, 0))
+
+
+def test_writeback_thread_holds_at_most_max_fds(tiny_vendor, tmp_path, monkeypatch, converted):
+    """With the flusher's descriptor cap at 1 (as if the disk made it lag many shards behind), shards opened
+    past it start their writeback inline: same bytes, and never more than 1 dup open at once."""
+    import porter.pipeline as pp
+    monkeypatch.setenv("PORTER_WRITEBACK", "thread")
+    monkeypatch.setattr(pp.Writeback, "MAX_FDS", 1)
+    held, inline, real_open, real_start = [], [], pp.Writeback.open, pp.start_writeback
+    monkeypatch.setattr(pp.Writeback, "open", lambda self, fd: (r := real_open(self, fd), held.append(len(self.fds)))[0])
+    monkeypatch.setattr(pp, "start_writeback",
+                        lambda fd, o, n: (inline.append(threading.current_thread().name), real_start(fd, o, n))[1])
+    out = tmp_path / "out"
+    porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=3, device="cpu")
+    for n in sorted(p.name for p in converted.iterdir()):
+        if n != "porter.json":
+            assert (out / n).read_bytes() == (converted / n).read_bytes(), n
+    assert held and max(held) == 1 and len(list(out.glob("*.safetensors"))) > 1
+    assert "porter-writeback" in inline  # the first shard's ranges: the flusher thread
+    assert any(name.startswith("porter-convert") for name in inline)  # the rest: inline, by the workers
 
 
 def test_zero_byte_tensors_convert(tiny_vendor, tmp_path):

@@ -51,7 +51,7 @@ FUSED_DECODE = os.environ.get("PORTER_FUSED_DECODE", "1") != "0"
 # At decode the MoE block runs its shared expert on a second CUDA stream, concurrently with the router and
 # the routed experts (MoE.__call__); PORTER_MOE_OVERLAP=0 runs them one after the other (A/B, tests).
 MOE_OVERLAP = os.environ.get("PORTER_MOE_OVERLAP", "1") != "0"
-_SIDE_STREAMS: dict = {}  # device index -> the shared expert's stream
+_SIDE_STREAMS: dict = {}  # device index -> the shared expert's stream (one decoding thread per device)
 
 
 def _fork(device: torch.device) -> torch.cuda.Stream:
@@ -111,7 +111,8 @@ class Linear:
             else:
                 w = self.weight.to(x.dtype)
             y = F.linear(x, w)
-        if add and len(add) <= 2 and fused.use_triton(y):
+        if add and len(add) <= 2 and fused.use_triton(y) and all(a.shape == y.shape and a.dtype == y.dtype
+                                                                 for a in add):
             return fused.add_chain(y, *add)  # the adds below, in one kernel
         for a in add:
             y = y + a
@@ -512,8 +513,8 @@ class MoE:
             s = self.shared(flat)  # [B*T, H]
         y = self.routed(flat)
         _join(side)
-        if len(add) <= 1:  # the unfused order: (shared + routed) + each add, rounded per add, in one kernel
-            return fused.add_chain(s, y, *add).view_as(x)
+        if len(add) <= 1 and all(a.shape == s.shape and a.dtype == s.dtype for a in (y, *add)):
+            return fused.add_chain(s, y, *add).view_as(x)  # (shared + routed) + add, rounded per add
         y = s + y
         for a in add:
             y = y + a

@@ -10,6 +10,7 @@ bytes and the ratio to cuBLAS per (shape, rows, config); checks every result aga
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gemv_sweep import graph_ms  # noqa: E402
 from runtime import gemv  # noqa: E402
 
 H, I_EXPERT, I_DENSE, NQ, NKV, D, NI, DI = 6144, 3072, 12288, 64, 4, 128, 4, 128
@@ -33,26 +35,11 @@ SHAPES = {  # name: (N, K) of a bf16 linear a decode step streams
 STREAM_CONFIGS = [(8, 512, 4), (4, 1024, 4), (16, 256, 4), (8, 1024, 8), (16, 512, 8), (4, 512, 2), (2, 1024, 2)]
 
 
-def rotating_ms(fn, copies: int, iters: int = 5) -> float:
-    """µs per call of fn(i) over i = 0..copies-1, captured once in a CUDA graph and replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(0)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(copies):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / (iters * copies) * 1e3
+def rotating_ms(fn, copies: int) -> float:
+    """µs per call of fn(i), i cycling over 0..copies-1, in one CUDA graph of `copies` calls (gemv_sweep's
+    timer)."""
+    it = itertools.cycle(range(copies))
+    return graph_ms(lambda: fn(next(it)), reps=copies) * 1e3
 
 
 def copy_tbps() -> float:

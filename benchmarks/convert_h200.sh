@@ -4,14 +4,7 @@
 # (taskset -c 0,1, 2 GB, CPU), then per-stage profiles (convert_profile.py) of --device cuda and of the CPU.
 # Each step has its own time limit (T*, seconds). Logs and JSON go to $OUT (default benchmarks/results/).
 #   bash benchmarks/convert_h200.sh
-set -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc; free -g | head -2; df -hT . | tail -1
-  uname -r; python3 -c "import torch; print('torch', torch.__version__)"; } > "$OUT/convert_env.txt" 2>&1
-cat "$OUT/convert_env.txt"
+source "$(dirname "$0")/convert_env.sh" convert_env.txt
 timeout ${TGPU:-40} python3 -m pytest -q -m gpu tests/test_convert.py -p no:cacheprovider 2>&1 | tail -5 \
   | tee "$OUT/convert_gpu_tests.log"
 taskset -c 0-15 timeout ${T16:-140} python3 benchmarks/convert_throughput.py --sizes 8 --devices cpu,cuda --no-single \

@@ -6,16 +6,7 @@
 # 2. convert_profile.py --sample (core-seconds, thread-seconds of wall per stage, stack samples) for cuda in
 #    the default modes and the mapped + thread modes.
 # Logs and JSON go to $OUT (default benchmarks/results/).
-set -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc; free -g | head -2; df -hT . | tail -1
-  uname -r; cat /proc/sys/vm/dirty_ratio /proc/sys/vm/dirty_background_ratio /proc/sys/vm/dirty_bytes
-  cat /sys/block/*/queue/nr_requests 2>/dev/null | head -3; python3 -c "import torch; print('torch', torch.__version__)"
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+source "$(dirname "$0")/convert_env.sh" env.txt
 taskset -c 0-15 timeout ${TAB:-150} python3 benchmarks/convert_throughput.py --sizes ${GB:-4} --devices cuda,cpu \
   --no-single --floor --out "$OUT/ab.json" \
   --variants "thread:PORTER_WRITEBACK=thread;off:PORTER_WRITEBACK=off;mapped+thread:PORTER_WRITE=mapped,PORTER_WRITEBACK=thread;mapped+populate+thread:PORTER_WRITE=mapped,PORTER_MAPPED_POPULATE=1,PORTER_WRITEBACK=thread" \

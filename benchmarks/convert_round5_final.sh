@@ -5,15 +5,7 @@
 # slabs registered as made, CUDA context on the first worker's call) and with only the writeback changed), a
 # sampled profile of --device cuda, then the writeback A/B on 2 cores (taskset -c 0,1, 2 GB, CPU).
 # Logs and JSON go to $OUT.
-set -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc; free -g | head -2; df -hT . | tail -1
-  uname -r; cat /sys/kernel/mm/transparent_hugepage/enabled; python3 -c "import torch; print('torch', torch.__version__)"
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+source "$(dirname "$0")/convert_env.sh" env.txt
 timeout ${TGPU:-60} python3 -m pytest -q -m gpu tests/test_convert.py -p no:cacheprovider 2>&1 | tail -5 \
   | tee "$OUT/gpu_tests.log"
 taskset -c 0-15 timeout ${T16:-240} python3 benchmarks/convert_throughput.py --sizes 8 --devices cuda,cpu --no-single \

@@ -131,7 +131,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = 
 
 
 STREAM_ROWS = 4  # gemv_stream: x rows it takes (its [rows, BN, BK] fp32 partial products live in registers)
-
+# gemv_stream's (BN, BK, warps): the H200 A/B's best over the decode linears at one row (within 1 µs of each
+# linear's own best; benchmarks/gemv_stream_ab.py passes its candidates as cfg)
+STREAM_CONFIG = (4, 1024, 4)
 
 def gemv_stream(x: torch.Tensor, weight: torch.Tensor, cfg: Optional[tuple] = None) -> torch.Tensor:
     """x [..., K] (at most STREAM_ROWS rows), weight [N, K] bf16/fp16 of x's dtype -> x @ weight^T [..., N]
@@ -147,19 +149,11 @@ def gemv_stream(x: torch.Tensor, weight: torch.Tensor, cfg: Optional[tuple] = No
                          f"{weight.dtype} (at most {STREAM_ROWS} rows, same dtype, contiguous K)")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    bn, bk, warps = cfg or stream_config()
+    bn, bk, warps = cfg or STREAM_CONFIG
     bk = min(bk, next_pow2(K))
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     gemv_stream_kernel[(-(-N // bn),)](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
                                        MP=max(1, next_pow2(M)), BN=bn, BK=bk, EVEN_K=K % bk == 0,
                                        USE_PDL=bool(pdl(x.device)), num_warps=warps, **pdl(x.device))
     return y.reshape(*x.shape[:-1], N)
-
-
-def stream_config() -> tuple[int, int, int]:
-    env = os.environ.get("PORTER_GEMV_STREAM_CONFIG")
-    if env:
-        bn, bk, warps = (int(v) for v in env.split(","))
-        return bn, bk, warps
-    return 4, 1024, 4  # the H200 A/B's best over the decode linears at one row (within 1 µs of each's best)
 

@@ -1,6 +1,7 @@
-"""Fused elementwise steps of the decoder layer: Gemma RMSNorm, per-head norm + RoPE, SwiGLU-OAI, and
-the small steps of a decode token (T = 1 over a cache): the per-head norms + RoPE + cache writes of the
-fused q/k/v(/index) projection, the indexer's block scores + top-k, the router's top-k selection.
+"""Fused elementwise steps of the decoder layer: Gemma RMSNorm (alone or after the residual add), the
+residual adds in order, per-head norm + RoPE, SwiGLU-OAI, and the small steps of a decode token (T = 1 over
+a cache): the per-head norms + RoPE + cache writes of the fused q/k/v(/index) projection, the indexer's
+block scores + top-k, the router's fp32 logits and top-k selection.
 
 On CUDA each runs as one Triton kernel (runtime/fused_triton.py); elsewhere `use_triton` is False and
 runtime/models/minimax_m3.py runs its torch reference. Same math: fp32 inside, the normed value rounded
@@ -42,8 +43,8 @@ def pdl(device: torch.device) -> dict:
     """Launch options of the decode kernels: programmatic dependent launch on SM90+ (the kernel is
     launched while its predecessor drains and waits in-kernel for its writes, which hides most of the
     launch gap between the ~15 small kernels of a decode step); PORTER_DECODE_PDL=0 (or PDL = False)
-    turns it off."""
-    return {"launch_pdl": True} if PDL and _pdl_ok(device) else {}
+    turns it off. With it the kernel's USE_PDL constexpr is set too (its in-kernel wait; default False)."""
+    return {"launch_pdl": True, "USE_PDL": True} if PDL and _pdl_ok(device) else {}
 
 
 def next_pow2(n: int) -> int:
@@ -53,26 +54,25 @@ def next_pow2(n: int) -> int:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., N], w [N] (Gemma delta: scales by 1 + w) -> [..., N] in x's dtype."""
-    from runtime.fused_triton import rms_norm_kernel
-    n = x.shape[-1]
-    xc = x.contiguous()
-    y = torch.empty_like(xc)
-    rms_norm_kernel[(xc.numel() // n,)](xc, w, y, n, eps, BLOCK=next_pow2(n), num_warps=8 if n >= 4096 else 4,
-                                        USE_PDL=bool(pdl(x.device)), **pdl(x.device))
-    return y
+    return _rms_norm(x, w, eps)[1]
 
 
 def add_rms_norm(a: torch.Tensor, h: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """a, h [..., N] (a residual branch and the residual stream), w [N] -> (h + a, rms_norm(h + a, w)) in one
     kernel, each as the unfused torch add and rms_norm round them."""
-    from runtime.fused_triton import add_rms_norm_kernel
-    n = h.shape[-1]
-    ac, hc = a.contiguous(), h.contiguous()
-    hout, y = torch.empty_like(hc), torch.empty_like(hc)
-    add_rms_norm_kernel[(hc.numel() // n,)](ac, hc, w, hout, y, n, eps, BLOCK=next_pow2(n),
-                                            num_warps=8 if n >= 4096 else 4, USE_PDL=bool(pdl(h.device)),
-                                            **pdl(h.device))
-    return hout, y
+    return _rms_norm(h, w, eps, add=a)
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, add: Optional[torch.Tensor] = None):
+    """rms_norm_kernel over x's rows (ADD: of x + add, which it also returns) -> (x + add or None, normed)."""
+    from runtime.fused_triton import rms_norm_kernel
+    n = x.shape[-1]
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    ac, hout = (add.contiguous(), torch.empty_like(xc)) if add is not None else (xc, y)  # unused without ADD
+    rms_norm_kernel[(xc.numel() // n,)](xc, w, y, ac, hout, n, eps, BLOCK=next_pow2(n), ADD=add is not None,
+                                        num_warps=8 if n >= 4096 else 4, **pdl(x.device))
+    return (hout if add is not None else None), y
 
 
 def add_chain(x0: torch.Tensor, x1: torch.Tensor, x2: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -80,11 +80,12 @@ def add_chain(x0: torch.Tensor, x1: torch.Tensor, x2: Optional[torch.Tensor] = N
     from runtime.fused_triton import add_chain_kernel
     if any(x.shape != x0.shape or x.dtype != x0.dtype for x in (x1, x2) if x is not None):
         raise ValueError("add_chain: the tensors must share shape and dtype (no broadcasting or promotion)")
-    xs = [x.contiguous() for x in (x0, x1, x0 if x2 is None else x2)]
+    xs = [x.contiguous() for x in (x0, x1)]
+    xs.append(xs[0] if x2 is None else x2.contiguous())  # x2's slot is not read without THREE
     y = torch.empty_like(xs[0])
     n, block = y.numel(), 1024
     add_chain_kernel[(-(-n // block),)](*xs, y, n, THREE=x2 is not None, BLOCK=block, num_warps=4,
-                                        USE_PDL=bool(pdl(y.device)), **pdl(y.device))
+                                        **pdl(y.device))
     return y
 
 
@@ -140,7 +141,7 @@ def decode_qkv(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: tor
         qkv.stride(0), cos2.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), ic.stride(0), ic.stride(1),
         nq, nkv, ni, d, di, r, min(r, di), eps, INDEX=index, BLOCK=next_pow2(max(d, di)),
-        num_warps=1 if max(d, di) <= 128 else 4, USE_PDL=bool(pdl(qkv.device)), **pdl(qkv.device))
+        num_warps=1 if max(d, di) <= 128 else 4, **pdl(qkv.device))
     return q, iq
 
 
@@ -156,12 +157,11 @@ def index_select(iq: torch.Tensor, idx_cache: torch.Tensor, pos: torch.Tensor, k
     index_scores_kernel[(B, nblk)](iq.contiguous(), idx_cache, pos, scores, kv_len, nblk, idx_cache.stride(0),
                                    idx_cache.stride(1), NI=ni, NIP=max(16, next_pow2(ni)), DI=di, DIP=max(16, next_pow2(di)), KB=block,
                                    KBP=max(16, next_pow2(block)), LOCAL=local_blocks, INIT=init_blocks,
-                                   IEEE=iq.dtype == torch.float32, num_warps=4, USE_PDL=bool(pdl(iq.device)),
-                                   **pdl(iq.device))
+                                   IEEE=iq.dtype == torch.float32, num_warps=4, **pdl(iq.device))
     top = torch.empty((B, ni, 1, topk), dtype=torch.int64, device=iq.device)
     nbp = next_pow2(nblk)  # one warp up to 512 blocks (64k keys): its reductions need no shared memory
     index_topk_kernel[(B * ni,)](scores, top, nblk, TOPK=topk, NBP=nbp, num_warps=1 if nbp <= 512 else 4,
-                                 USE_PDL=bool(pdl(iq.device)), **pdl(iq.device))
+                                 **pdl(iq.device))
     return top
 
 
@@ -179,7 +179,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not weight.is_contiguous():
         raise ValueError("router_logits: the router weight must be contiguous (made so at load)")
     router_logits_kernel[(E,)](xc, weight, out, T, E, K, xc.stride(0), BM=bm, BK=bk,
-                               num_warps=4, USE_PDL=bool(pdl(x.device)), **pdl(x.device))
+                               num_warps=4, **pdl(x.device))
     return out
 
 
@@ -191,5 +191,5 @@ def router_select(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple
     ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
     w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
     router_select_kernel[(T,)](logits.contiguous(), bias, ids, w, E, TOPK=top_k, KP=next_pow2(top_k), EP=next_pow2(E),
-                               num_warps=4, USE_PDL=bool(pdl(logits.device)), **pdl(logits.device))
+                               num_warps=4, **pdl(logits.device))
     return ids, w

@@ -7,37 +7,39 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """Gemma RMSNorm of one row: fp32, x * rsqrt(mean(x^2) + eps) * (1 + w), stored in y's dtype."""
+def rms_norm_kernel(x_ptr, w_ptr, y_ptr, a_ptr, hout_ptr, N, eps, BLOCK: tl.constexpr, ADD: tl.constexpr = False,
+                    USE_PDL: tl.constexpr = False):
+    """Gemma RMSNorm of one row: fp32, x * rsqrt(mean(x^2) + eps) * (1 + w), stored in y's dtype.
+    ADD: x is first the residual add hout = x + a rounded to hout's dtype (the torch add), and the norm is
+    taken of that rounded sum, as the unfused ops compute it."""
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the previous kernel's writes
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
-    x = tl.load(x_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * N + cols, mask=ok, other=0.0)
+    if ADD:
+        a = tl.load(a_ptr + row * N + cols, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + a.to(tl.float32)).to(hout_ptr.dtype.element_ty)
+        tl.store(hout_ptr + row * N + cols, x, mask=ok)
+    x = x.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
-    tl.store(y_ptr + row * N + cols, (x * rstd * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + row * N + cols, (x * _rstd(x, N, eps) * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def add_rms_norm_kernel(a_ptr, h_ptr, w_ptr, hout_ptr, y_ptr, N, eps, BLOCK: tl.constexpr,
-                        USE_PDL: tl.constexpr = False):
-    """One row of a residual add then Gemma RMSNorm: hout = h + a rounded to h's dtype (the torch add),
-    y = RMSNorm(hout) from the rounded sum, as the unfused ops compute it."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < N
-    a = tl.load(a_ptr + row * N + cols, mask=ok, other=0.0)
-    h = tl.load(h_ptr + row * N + cols, mask=ok, other=0.0)
-    s = (h.to(tl.float32) + a.to(tl.float32)).to(hout_ptr.dtype.element_ty)
-    tl.store(hout_ptr + row * N + cols, s, mask=ok)
-    x = s.to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
-    tl.store(y_ptr + row * N + cols, (x * rstd * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=ok)
+def _rstd(x, N, eps):
+    """1 / sqrt(mean(x^2) + eps) of an fp32 row whose padding is 0."""
+    return 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
+
+
+@triton.jit
+def swiglu_oai(g, u, alpha, beta, limit):
+    """SwiGLU-OAI of fp32 gate/up values: min(g, limit) * sigmoid(alpha * min(g, limit)) *
+    (clamp(u, -limit, limit) + beta), in fp32 (swiglu_kernel and gemv_kernel's epilogue)."""
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    return g * tl.sigmoid(alpha * g) * (u + beta)
 
 
 @triton.jit
@@ -75,10 +77,7 @@ def swiglu_kernel(g_ptr, u_ptr, y_ptr, N, I, sg, su, alpha, beta, limit, BLOCK: 
     col = idx % I
     g = tl.load(g_ptr + row * sg + col, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * su + col, mask=ok, other=0.0).to(tl.float32)
-    g = tl.minimum(g, limit)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    y = g * tl.sigmoid(alpha * g) * (u + beta)
-    tl.store(y_ptr + idx, y.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + idx, swiglu_oai(g, u, alpha, beta, limit).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -88,7 +87,7 @@ def _norm_rope_row(src, w_ptr, cos_row, sin_row, dst, D, R, eps, dt: tl.constexp
     cols = tl.arange(0, BLOCK)
     ok = cols < D
     x = tl.load(src + cols, mask=ok, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+    rstd = _rstd(x, D, eps)
     half = R // 2
     rot = cols < R
     partner = tl.where(cols < half, cols + half, cols - half)

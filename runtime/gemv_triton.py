@@ -12,6 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from runtime.fused_triton import swiglu_oai
+
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, a1_ptr, a2_ptr, M, N, K, sxm, swn, ssn, sym, sa1, sa2,
@@ -70,9 +72,7 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, a1_ptr, a2_ptr, M, N, K, sxm, swn, s
     cols = pid_n * BN + tl.arange(0, BN)
     if SWIGLU:
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
-        g = tl.minimum(acc_g.to(dt).to(tl.float32), limit)
-        u = tl.minimum(tl.maximum(acc_u.to(dt).to(tl.float32), -limit), limit)
-        y = (g * tl.sigmoid(alpha * g) * (u + beta)).to(dt)
+        y = swiglu_oai(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), alpha, beta, limit).to(dt)
     else:
         y = acc.to(dt)
     ok = m_ok[:, None] & (cols < N)[None, :]

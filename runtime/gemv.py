@@ -1,4 +1,6 @@
-"""Decode-size linears (a few rows against a big weight) as one Triton kernel that streams the weight once.
+"""Decode-size linears (a few rows against a big weight) as Triton kernels that stream the weight once:
+`gemv` (MMA; MXFP8 or 16/32-bit weights, fused epilogues) and `gemv_stream` (one to four rows of a 16-bit
+weight, no MMA; what one-row 16-bit linears run by default, see BF16).
 
 y [M, N] = x [M, K] @ W^T, W [N, K] bf16/fp16/fp32 as stored, or MXFP8 (float8_e4m3fn + one uint8 UE8M0
 byte per 32 along K, the rule of porter/mxfp8.py; dequantized per tile in registers, see
@@ -11,8 +13,8 @@ Tile configs (BN output columns per program, BK, warps, stages) come from the H2
 (benchmarks/gemv_sweep.py, benchmarks/results/gemv_sweep_NVIDIA_H200.log): the largest tiles that fit
 in shared memory streamed best (32 output rows x 512 K per step, 4 warps, 4 stages: bf16 3.1-3.3 TB/s,
 MXFP8 1.8-2.2 TB/s of 1-byte weights); PORTER_GEMV_CONFIG="BN,BK,WARPS,STAGES" overrides them.
-cuBLAS streams a plain bf16 GEMV at 3.4-3.7 TB/s on the same shapes, so 16-bit weights go through cuBLAS
-by default (`runs`, policy BF16).
+cuBLAS streams a plain bf16 GEMV at 3.4-3.7 TB/s on the same shapes, so 16-bit weights run `gemv_stream`
+(one row) or cuBLAS by default, not `gemv` (`runs`, `streams`, policy BF16).
 """
 from __future__ import annotations
 
@@ -85,16 +87,18 @@ def fit(bm: int, rows: int, bk: int, stages: int, x_bytes: int, w_bytes: int, mx
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None, *,
-         out_dtype: Optional[torch.dtype] = None, swiglu: Optional[tuple] = None,
-         add: Sequence[torch.Tensor] = (), cfg: Optional[tuple] = None) -> torch.Tensor:
+         swiglu: Optional[tuple] = None, add: Sequence[torch.Tensor] = (),
+         cfg: Optional[tuple] = None) -> torch.Tensor:
     """x [..., K], weight [Nw, K] (+ scale [Nw, K/32] uint8 for e4m3) -> [..., N] (N = Nw, or Nw/2 with
-    swiglu) in out_dtype (default x's dtype). add: up to two [..., N] tensors added in order."""
+    swiglu) in x's dtype. add: up to two [..., N] tensors added in order."""
     from runtime.gemv_triton import gemv_kernel
     K = x.shape[-1]
     nw = weight.shape[0]
     n = nw // 2 if swiglu is not None else nw
     if weight.shape[1] != K or weight.stride(1) != 1:
         raise ValueError(f"gemv: weight {tuple(weight.shape)} (stride {weight.stride()}) does not take x [..., {K}]")
+    if len(add) > 2:
+        raise ValueError(f"gemv: at most two add tensors, got {len(add)}")  # the epilogue has two slots
     mx = weight.dtype == torch.float8_e4m3fn
     if mx and (scale is None or K % 32):
         raise ValueError("gemv: an e4m3 weight needs its uint8 scales and K % 32 == 0")
@@ -102,7 +106,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    dt = out_dtype or x.dtype
+    dt = x.dtype
     y = torch.empty((M, n), dtype=dt, device=x.device)
     adds = [a.reshape(M, n) for a in add]
     for a in adds:
@@ -125,7 +129,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = 
     gemv_kernel[grid](x2, weight, s, y, a1, a2, M, n, K, x2.stride(0), weight.stride(0), s.stride(0), y.stride(0),
                       a1.stride(0), a2.stride(0), alpha, beta, limit,
                       BM=bm, BN=bn, BK=bk, ROWS=bn * per, MX=mx, IEEE=ieee, EVEN_K=K % bk == 0,
-                      SWIGLU=swiglu is not None, ADDS=len(adds), USE_PDL=bool(pdl(x.device)), num_warps=warps,
+                      SWIGLU=swiglu is not None, ADDS=len(adds), num_warps=warps,
                       num_stages=stages, **pdl(x.device))
     return y.reshape(*x.shape[:-1], n)
 
@@ -153,7 +157,7 @@ def gemv_stream(x: torch.Tensor, weight: torch.Tensor, cfg: Optional[tuple] = No
     bk = min(bk, next_pow2(K))
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     gemv_stream_kernel[(-(-N // bn),)](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-                                       MP=max(1, next_pow2(M)), BN=bn, BK=bk, EVEN_K=K % bk == 0,
-                                       USE_PDL=bool(pdl(x.device)), num_warps=warps, **pdl(x.device))
+                                       MP=next_pow2(M), BN=bn, BK=bk, EVEN_K=K % bk == 0,
+                                       num_warps=warps, **pdl(x.device))
     return y.reshape(*x.shape[:-1], N)
 

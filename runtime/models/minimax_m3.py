@@ -101,7 +101,7 @@ class Linear:
         self.weight, self.scale = weight, scale
 
     def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:
-        if gemv.runs(x, self.weight, adds=bool(add)):
+        if len(add) <= 2 and gemv.runs(x, self.weight, adds=bool(add)):  # the epilogue takes two adds
             return gemv.gemv(x, self.weight, self.scale, add=add)
         if gemv.streams(x, self.weight):
             y = gemv.gemv_stream(x, self.weight)
@@ -111,12 +111,18 @@ class Linear:
             else:
                 w = self.weight.to(x.dtype)
             y = F.linear(x, w)
-        if add and len(add) <= 2 and fused.use_triton(y) and all(a.shape == y.shape and a.dtype == y.dtype
-                                                                 for a in add):
-            return fused.add_chain(y, *add)  # the adds below, in one kernel
-        for a in add:
-            y = y + a
-        return y
+        return add_in_order(y, add)
+
+
+def add_in_order(y: torch.Tensor, add: tuple) -> torch.Tensor:
+    """((y + add[0]) + add[1]) ..., rounded after each add; on CUDA up to two same-shape, same-dtype adds in one
+    kernel (fused.add_chain, the same rounding)."""
+    if add and len(add) <= 2 and fused.use_triton(y) and all(a.shape == y.shape and a.dtype == y.dtype
+                                                             for a in add):
+        return fused.add_chain(y, *add)
+    for a in add:
+        y = y + a
+    return y
 
 
 def linear(get: Getter, name: str) -> Linear:
@@ -464,7 +470,7 @@ class MLP:
         """x [..., H] -> [..., H]; add: tensors added to the output in order (fused into down's GEMV)."""
         if self.gate_up is not None and gemv.runs(x, self.gate_up.weight):
             act = gemv.gemv(x, self.gate_up.weight, self.gate_up.scale, swiglu=self.params)
-        elif self.gate_up is not None and gemv.applies(x, self.gate_up.weight):  # one cuBLAS GEMV, then SwiGLU
+        elif self.gate_up is not None and gemv.applies(x, self.gate_up.weight):  # one GEMV, then SwiGLU
             both = self.gate_up(x)  # [..., 2I]
             inter = both.shape[-1] // 2
             act = fused.swiglu(both[..., :inter], both[..., inter:], *self.params)
@@ -513,12 +519,7 @@ class MoE:
             s = self.shared(flat)  # [B*T, H]
         y = self.routed(flat)
         _join(side)
-        if len(add) <= 1 and all(a.shape == s.shape and a.dtype == s.dtype for a in (y, *add)):
-            return fused.add_chain(s, y, *add).view_as(x)  # (shared + routed) + add, rounded per add
-        y = s + y
-        for a in add:
-            y = y + a
-        return y.view_as(x)
+        return add_in_order(s, (y, *add)).view_as(x)  # (shared + routed) + each add: the unfused order
 
     def routed(self, flat: torch.Tensor) -> torch.Tensor:
         """flat [N, H] -> routed experts' sum * routed_scaling_factor [N, H]."""

@@ -1,4 +1,4 @@
-"""Tile sweep of runtime.gemv at MiniMax-M3's decode shapes, against torch's matmul and the copy bandwidth.
+"""Tile sweep of runtime.gemv at MiniMax-M3's decode shapes, against torch's matmul.
 
 For each linear a decode step runs (stacked q/k/v/index projection, o_proj, shared expert [gate; up] with
 the SwiGLU epilogue and down, dense MLP [gate; up] and down, the fp32 router), rows 1/8/32, weights bf16

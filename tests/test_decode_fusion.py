@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-import runtime_fixtures as fx
 from porter import mxfp8
 from runtime import fused
 from runtime.models import minimax_m3 as m3

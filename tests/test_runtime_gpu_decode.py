@@ -153,7 +153,6 @@ def test_add_kernels_equal_torch_adds_and_norm(dtype):
     """add_rms_norm == (h + a, rms_norm(h + a)) and add_chain == (x0 + x1) + x2, bit for bit (1, 8 and 32
     rows at H 6144)."""
     from runtime import fused
-    from runtime.models.minimax_m3 import rms_norm
     g = torch.Generator(device="cuda").manual_seed(2)
     w = torch.randn(6144, device="cuda", generator=g, dtype=dtype) * 0.1
     for rows in (1, 8, 32):
@@ -161,8 +160,9 @@ def test_add_kernels_equal_torch_adds_and_norm(dtype):
         hout, y = fused.add_rms_norm(a, h, w, 1e-6)
         assert torch.equal(hout, h + a)
         assert torch.equal(y, fused.rms_norm(h + a, w, 1e-6))
-        assert fx.rel(y.float(), rms_norm(h + a, w, 1e-6).float() if dtype == torch.float32 else
-                      _torch_rms_norm(h + a, w, 1e-6).float()) <= (1e-6 if dtype == torch.float32 else 8e-3)
+        # against torch ops (minimax_m3.rms_norm would run the same kernel on CUDA)
+        assert fx.rel(y.float(), _torch_rms_norm(h + a, w, 1e-6).float()) <= (1e-6 if dtype == torch.float32
+                                                                             else 8e-3)
         assert torch.equal(fused.add_chain(a, h), a + h)
         assert torch.equal(fused.add_chain(a, h, c), (a + h) + c)
 

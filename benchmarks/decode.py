@@ -139,6 +139,19 @@ def experts_touched(layer, h: torch.Tensor) -> int:
     return int(torch.unique(ids).numel())
 
 
+def with_flag_off(flag: str, step_fn) -> tuple[float, float]:
+    """Time step_fn with runtime.models.minimax_m3.<flag> off (CUDA-graph replay) and its output's relative
+    difference to the output with the flag on; the flag is restored after."""
+    on = step_fn()
+    setattr(m3, flag, False)
+    try:
+        ms = timed(step_fn)
+        off = step_fn().float()
+    finally:
+        setattr(m3, flag, True)
+    return ms, float((on.float() - off).norm() / off.norm())
+
+
 @torch.inference_mode()
 def decode_case(model, batch: int, kv: int, bw: float, compare: bool = False) -> dict:
     cfg = model.cfg
@@ -161,25 +174,11 @@ def decode_case(model, batch: int, kv: int, bw: float, compare: bool = False) ->
         floor = b / bw * 1e3
         row = {"layer": i, "kind": "moe" if isinstance(layer.mlp, MoE) else "dense", "ms": ms,
                "eager_ms": eager, "bytes": b, "experts_touched": touched, "floor_ms": floor, "x_floor": ms / floor}
+        step_fn = lambda: layer(h, step, lc)  # noqa: E731
         if isinstance(layer.mlp, MoE) and m3.MOE_OVERLAP:  # shared expert on the main stream (A/B)
-            overlapped = layer(h, step, lc)
-            m3.MOE_OVERLAP = False
-            try:
-                row["serial_moe_ms"] = timed(lambda: layer(h, step, lc))
-                serial = layer(h, step, lc)
-                row["overlap_vs_serial_rel"] = float((overlapped.float() - serial.float()).norm()
-                                                     / serial.float().norm())
-            finally:
-                m3.MOE_OVERLAP = True
+            row["serial_moe_ms"], row["overlap_vs_serial_rel"] = with_flag_off("MOE_OVERLAP", step_fn)
         if compare:  # the op-by-op decode step (PORTER_FUSED_DECODE=0) on the same inputs: time and output
-            fused_out = layer(h, step, lc)
-            m3.FUSED_DECODE = False
-            try:
-                row["op_by_op_ms"] = timed(lambda: layer(h, step, lc))
-                row["fused_vs_op_by_op_rel"] = float((fused_out.float() - layer(h, step, lc).float()).norm()
-                                                     / layer(h, step, lc).float().norm())
-            finally:
-                m3.FUSED_DECODE = True
+            row["op_by_op_ms"], row["fused_vs_op_by_op_rel"] = with_flag_off("FUSED_DECODE", step_fn)
         rows.append(row)
     tok = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
     try:

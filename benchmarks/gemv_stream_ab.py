@@ -20,18 +20,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import gemv_sweep  # noqa: E402
+from benchmarks.decode import copy_bandwidth  # noqa: E402
 from benchmarks.gemv_sweep import graph_ms  # noqa: E402
 from runtime import gemv  # noqa: E402
 
-H, I_EXPERT, I_DENSE, NQ, NKV, D, NI, DI = 6144, 3072, 12288, 64, 4, 128, 4, 128
-SHAPES = {  # name: (N, K) of a bf16 linear a decode step streams
-    "qkv_index": (NQ * D + 2 * NKV * D + NI * DI + DI, H),
-    "o_proj": (H, NQ * D),
-    "shared_gate_up": (2 * I_EXPERT, H),
-    "shared_down": (H, I_EXPERT),
-    "dense_gate_up": (2 * I_DENSE, H),
-    "dense_down": (H, I_DENSE),
-}
+SHAPES = {name: (n, k) for name, (n, k, _) in gemv_sweep.SHAPES.items()}  # (N, K) of each decode linear
 STREAM_CONFIGS = [(8, 512, 4), (4, 1024, 4), (16, 256, 4), (8, 1024, 8), (16, 512, 8), (4, 512, 2), (2, 1024, 2)]
 
 
@@ -42,13 +36,6 @@ def rotating_ms(fn, copies: int) -> float:
     return graph_ms(lambda: fn(next(it)), reps=copies) * 1e3
 
 
-def copy_tbps() -> float:
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    us = rotating_ms(lambda i: dst.copy_(src), 4)
-    return 2 * src.numel() * 2 / us / 1e6
-
-
 @torch.inference_mode()
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -56,7 +43,7 @@ def main():
     ap.add_argument("--rows", default="1,2,4")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
-    copy = copy_tbps()
+    copy = copy_bandwidth() / 1e12
     print(f"copy bandwidth (read + write bytes) {copy:.2f} TB/s", flush=True)
     results = {"copy_TBps": copy, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     for name in args.shapes.split(","):

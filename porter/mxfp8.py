@@ -126,15 +126,9 @@ def quantize_with_error(w: torch.Tensor, rounding: str = "rceil", name: str = "t
     if _cpu_fast_path(w):
         q, byte, parts = _quantize_cpu_tiles(w, rounding, name, keep_scale, with_error=True,
                                              tile_blocks=tile_blocks)
-        shape = byte.shape
-        stats = _error_totals(*(p.reshape(shape) for p in parts), byte, w.device)
     else:
-        ref = []
-        x, q, byte = _quantize_blocks(w, rounding, name, ref, keep_scale)
-        x.sub_(e4m3_to_float(q))  # scaled-domain error, exact in fp32 (x unclipped: floor's clipping is in it)
-        d_max = x.abs().amax(dim=-1) if x.numel() else None
-        stats = _error_totals(ref[0], torch.linalg.vecdot(x, x), d_max, byte, w.device)
-        q, byte = q.reshape(w.shape), byte.to(torch.uint8)
+        q, byte, parts = _quantize_general(w, rounding, name, keep_scale, with_error=True)
+    stats = _error_totals(*(p.reshape(byte.shape) for p in parts), byte, w.device)
     if host_stats:
         stats = {k: float(v) for k, v in stats.items()}
     return q, byte, stats
@@ -238,7 +232,7 @@ def _quantize_cpu_tiles(w: torch.Tensor, rounding: str, name: str, keep_scale: O
         lo, hi = torch.aminmax(amax)
         if not (float(hi) <= _FLOAT32_MAX and float(lo) >= 2.0 ** -126) and not bool(
                 ((amax == 0) | ((amax >= 2.0 ** -126) & (amax <= _FLOAT32_MAX))).all()):
-            return _quantize_cpu_general(w, rounding, name, keep_scale, with_error)
+            return _quantize_general(w, rounding, name, keep_scale, with_error)
         amax.sqrt_()
     else:
         _check_finite(amax, name)
@@ -273,15 +267,15 @@ def _quantize_cpu_tiles(w: torch.Tensor, rounding: str, name: str, keep_scale: O
     return q.reshape(w.shape), byte.to(torch.uint8).reshape(block_shape), parts
 
 
-def _quantize_cpu_general(w, rounding, name, keep_scale, with_error):
-    """The reference path in the tiled path's return format (rare inputs the shortcuts do not cover)."""
+def _quantize_general(w, rounding, name, keep_scale, with_error):
+    """The reference path in the tiled path's return format: CUDA, other dtypes, and the rare CPU inputs the
+    tiled path's shortcuts do not cover."""
     ref = []
     x, q, byte = _quantize_blocks(w, rounding, name, ref if with_error else None, keep_scale)
     parts = None
     if with_error:
-        x.sub_(e4m3_to_float(q))
-        nb = byte.numel()
-        parts = (ref[0].reshape(nb), torch.linalg.vecdot(x, x).reshape(nb), x.abs().amax(-1).reshape(nb))
+        x.sub_(e4m3_to_float(q))  # scaled-domain error, exact in fp32 (x unclipped: floor's clipping is in it)
+        parts = (ref[0], torch.linalg.vecdot(x, x), x.abs().amax(-1))  # [..., K/32] each
     return q.reshape(w.shape), byte.to(torch.uint8), parts
 
 

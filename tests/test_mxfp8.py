@@ -228,8 +228,8 @@ def assert_same(got, want):
 def test_cpu_tiles_match_direct_rule(monkeypatch, dtype, rounding, extreme):
     monkeypatch.setattr(mxfp8, "CPU_TILE_BLOCKS", 7)  # many tiles, a partial last one
     general = []
-    real = mxfp8._quantize_cpu_general
-    monkeypatch.setattr(mxfp8, "_quantize_cpu_general", lambda *a: general.append(1) or real(*a))
+    real = mxfp8._quantize_general
+    monkeypatch.setattr(mxfp8, "_quantize_general", lambda *a: general.append(1) or real(*a))
     for seed in range(3):
         w = awkward_weights(dtype, seed, extreme)
         want = direct_quantize_with_error(w, rounding)
@@ -249,8 +249,8 @@ def test_cpu_tiles_take_the_shortcuts_on_ordinary_weights(monkeypatch):
     """bf16 weights within 2^-63..2^64 never reach the general path; a huge or tiny block sends the call there
     (amax from the squares would not be exact), with the same result."""
     general = []
-    real = mxfp8._quantize_cpu_general
-    monkeypatch.setattr(mxfp8, "_quantize_cpu_general", lambda *a: general.append(1) or real(*a))
+    real = mxfp8._quantize_general
+    monkeypatch.setattr(mxfp8, "_quantize_general", lambda *a: general.append(1) or real(*a))
     w = (torch.randn(64, 512, generator=gen()) * 0.02).bfloat16()
     w[3, :32] = 0.0
     assert_same(mxfp8.quantize_with_error(w), direct_quantize_with_error(w))

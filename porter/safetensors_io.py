@@ -265,6 +265,7 @@ def read_chunk_sha256(fd: int, offset: int, length: int, path) -> bytes:
 
 @dataclass
 class FileDigests:
+    header: dict  # parse_header's (validated, without __metadata__)
     header_sha256: str
     tensors: dict  # name -> digest (hex)
     digest: str  # the shard's
@@ -289,4 +290,4 @@ def file_digests(path: Path, pool, chunk_bytes: Optional[int] = None) -> FileDig
         futures.wait([f for fs in jobs.values() for f in fs if not f.cancel()])
         os.close(fd)
     head_sha = hashlib.sha256(head).hexdigest()
-    return FileDigests(head_sha, tensors, shard_digest(head_sha, [tensors[n] for n in names]))
+    return FileDigests(header, head_sha, tensors, shard_digest(head_sha, [tensors[n] for n in names]))

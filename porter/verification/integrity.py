@@ -23,7 +23,6 @@ from porter import manifest, mxfp8
 from porter.errors import PorterError
 from porter.pipeline import available_cores
 from porter.safetensors_io import DTYPE_NAMES, dtype_name, file_digests
-from porter.source import read_header
 from porter.verification.verdict import Failure, IntegrityResult, VerifyInputError
 
 INDEX = "model.safetensors.index.json"
@@ -87,12 +86,11 @@ def _check_shards(art: Path, tensors: dict, shards: dict, by_shard: dict, chunk_
                 issues.append(Failure("integrity", f"shard {f} is missing (listed in porter.json)", shard=f))
                 continue
             try:
-                headers[f] = read_header(p)
                 got = file_digests(p, pool, chunk_bytes)
             except (PorterError, OSError) as e:  # malformed, or unreadable (EIO, permissions): named, not fatal
-                headers.pop(f, None)
                 issues.append(Failure("integrity", f"shard {f}: {e}", shard=f))
                 continue
+            headers[f] = got.header
             bar.update(rec.get("bytes", 0))
             if got.digest != rec.get("digest"):
                 issues += _locate_change(f, got, by_shard.get(f, []), tensors, rec)

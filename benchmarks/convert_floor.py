@@ -189,14 +189,15 @@ def main():
                         read(r)
                 i, o, k = job
                 pwrite_all(fds[i], data[:k], o)
-                if how == "inline":
-                    start_writeback(fds[i], o, k)
-                elif flusher is not None:
+                if flusher is not None and wb_fds[i] is not None:
                     flusher.submit(wb_fds[i], o, k)
+                elif how in ("inline", "thread"):  # thread: past Writeback.MAX_FDS files, inline as porter does
+                    start_writeback(fds[i], o, k)
             secs = run_threads(n, jobs, write)
             if flusher is not None:
                 for fd in wb_fds:
-                    flusher.close(fd)
+                    if fd is not None:
+                        flusher.close(fd)
                 flusher.stop()
             sync = fsync_all(fds, n)
             for fd in fds:

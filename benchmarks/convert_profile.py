@@ -15,7 +15,8 @@ the finish with its fsync) and the final fsync. Checkpoint: the synthetic real-d
 
     python benchmarks/convert_profile.py [--gb 2] [--experts 8] [--workers N] [--device cpu] [--out FILE]
                                          [--src DIR] [--sample]
-PORTER_WRITE / PORTER_WRITEBACK / PORTER_SHARDS_IN_FLIGHT in the environment pick porter.pipeline's modes.
+PORTER_WRITEBACK / PORTER_SHARDS_IN_FLIGHT / PORTER_SLAB_PREFAULT in the environment pick porter.pipeline's
+modes.
 """
 from __future__ import annotations
 

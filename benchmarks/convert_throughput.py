@@ -366,7 +366,7 @@ def main():
     ap.add_argument("--max-shard-size", default="5GB", help="porter convert --max-shard-size (output shards)")
     ap.add_argument("--shards-in-flight", default="", help="comma list: PORTER_SHARDS_IN_FLIGHT values to A/B")
     ap.add_argument("--variants", default="", help="conversion environment variants to A/B besides porter's "
-                    "defaults: 'label:NAME=V,NAME=V;label2:NAME=V' (e.g. mapped:PORTER_WRITE=mapped)")
+                    "defaults: 'label:NAME=V,NAME=V;label2:NAME=V' (e.g. inline:PORTER_WRITEBACK=inline)")
     ap.add_argument("--floor", action="store_true", help="also measure the bytes floor (convert_floor.py)")
     ap.add_argument("--no-default", action="store_true", help="with --variants: skip the defaults' conversions")
     ap.add_argument("--layers-per-gb", type=float, default=0.85, help="real-dims layers per GB of checkpoint")

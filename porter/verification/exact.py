@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from tqdm import tqdm
 
 from porter import mxfp8
 from porter.layout import layer_of
+from porter.pipeline import available_cores
 from porter.verification.mapping import ArtifactReader, Derivation, Mapping
 from porter.verification.verdict import ExactResult, TensorCheck
 
@@ -61,7 +61,7 @@ def rederive(reader: ArtifactReader, mapping: Mapping, rounding: Optional[str], 
     jobs = [(n, mapping.derive(reader.canonical(n), reader.experts(n))) for n in reader.weights()]
     src_bytes = sum(mapping.shards.nbytes(s) for _, d in jobs if d for s in d.sources)
     art_bytes = sum(reader.nbytes(n) for n, _ in jobs)
-    workers = 2 if device.type == "cuda" else (os.cpu_count() or 1)
+    workers = 2 if device.type == "cuda" else available_cores()  # the cores this process may run on
     bar = tqdm(total=src_bytes, unit="B", unit_scale=True, desc="exact bytes", disable=not progress)
     with _pool(workers) as pool:
         log.info("verify: exact re-derivation reads %.3f GB (source %.3f GB + artifact %.3f GB); estimated %s on %s",

@@ -183,11 +183,6 @@ def main():
             g1v, g2v = g1_variants(), g2_variants()
             for (a, ga), (b, gb) in zip(g1v, g2v):  # GEMM1 variant k with GEMM2 variant k: both kernels profiled
                 measure(f"{a}+{b}", with_g2(with_g1(base, ga), gb), {}, rows)
-            opts_list = [("x_in_loop", {"x_in_loop": True}), ("early", {"early": True, "prefetch2": 0}),
-                         ("early_pf1024", {"early": True, "prefetch2": 1024}),
-                         ("early_pf2048", {"early": True, "prefetch2": 2048})]
-            for name, opts in opts_list:
-                measure(name, base, opts, rows)
             ok = [r for r in rows if r["rel_err"] < 1e-2]
             best1 = min((r for r in ok if r["gemm1_us"]), key=lambda r: r["gemm1_us"])
             best2 = min((r for r in ok if r["gemm2_us"]), key=lambda r: r["gemm2_us"])
@@ -267,10 +262,7 @@ def phase2(args, dev, moe, bf16, ref_moe, bw, floors):
         base = tb.default_config(t, False)
         variants = [("default", base, {})]
         if t == 1 and args.options:
-            variants += [("x_in_loop", base, {"x_in_loop": True}), ("early", base, {"early": True, "prefetch2": 0}),
-                         ("early_pf1024", base, {"early": True, "prefetch2": 1024}),
-                         ("early_pf2048", base, {"early": True, "prefetch2": 2048}),
-                         ("g1bk512w4+g2bk512w4", C(16, 32, 512, 4, 3, 64, 512, 4, 3), {}),
+            variants += [("g1bk512w4+g2bk512w4", C(16, 32, 512, 4, 3, 64, 512, 4, 3), {}),
                          ("g1bk512w8+g2bk512w8", C(16, 32, 512, 8, 3, 64, 512, 8, 3), {}),
                          ("g1bk256w8s4+g2bk128s6", C(16, 32, 256, 8, 4, 64, 128, 4, 6), {}),
                          ("g1bk128s5+g2bk256s4", C(16, 32, 128, 4, 5, 64, 256, 4, 4), {})]

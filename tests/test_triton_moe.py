@@ -448,66 +448,6 @@ def test_large_swiglu_bound_runs_gemm2_in_bf16(limit, x_scale):
     assert moe.prepared.fp16_1 and not moe.prepared.fp16_2
 
 
-# one-token two-launch options (fused_moe): x cast per K step in GEMM1 (no prep kernel); GEMM2's
-# programs started early by GEMM1 (PDL trigger) with an L2 prefetch of their weight rows before the wait
-TWO_LAUNCH_OPTIONS = [{"x_in_loop": True}, {"x_in_loop": False}, {"early": True, "prefetch2": 1024},
-                      {"x_in_loop": True, "early": True, "prefetch2": 2048}, {"early": False, "prefetch2": 0}]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("opts", TWO_LAUNCH_OPTIONS)
-@pytest.mark.parametrize("swap", [False, True])
-def test_two_launch_decode_options_match_torch(opts, swap):
-    """Each option, with the default decode tiles and with both GEMMs' weights as the (wgmma) left MMA
-    operand, against torch and the sorted unfused path; three calls in a row (the fused output's
-    scratch and counters are reused) with PDL on and off, scratch zeroed afterwards."""
-    e, h, i, k = 16, 1536, 768, 4
-    quant = make_quant(e, h, i, "cuda")
-    routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
-    x = torch.randn(1, h, device="cuda").to(torch.bfloat16)
-    ids, w = skewed_routing(1, e, k, "cuda")
-    ref = TorchMoE(quant, routing).forward_topk(x, ids, w)
-    p = tb.TritonMoE(quant, routing).prepared
-    base = tb.fused_moe(p, x, ids, w, 2.5, nosort=False, fused_out=False)
-    cfg = replace(tb.default_config(1), swap1=swap, swap2=swap)
-    try:
-        for pdl in (True, False):
-            tb.USE_PDL = pdl
-            for _ in range(3):
-                poison_allocator()
-                out = tb.fused_moe(p, x, ids, w, 2.5, cfg, single=False, **opts)
-                torch.cuda.synchronize()
-                assert torch.isfinite(out).all()
-                assert rel(out, ref) <= REL_TOL, f"{opts} pdl={pdl}: {rel(out, ref):.3e} vs torch"
-                assert rel(out, base) < 4e-3, f"{opts} pdl={pdl}: {rel(out, base):.3e} vs sorted unfused"
-                scratch, counts = tb._fused_out_scratch(x.device, h)
-                assert scratch.eq(0).all() and counts.eq(0).all()
-    finally:
-        tb.USE_PDL = None
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("x_scale", [3e5, 1e-4])
-def test_two_launch_x_in_loop_outside_fp16_range(x_scale):
-    """The per-K-step fp16 cast of x in GEMM1 on the two-launch path keeps the fp16 range guard."""
-    e, h, i, k = 8, 512, 256, 4
-    quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"))
-    routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
-    x = (torch.randn(1, h, device="cuda") * x_scale).to(torch.bfloat16)
-    ids, w = skewed_routing(1, e, k, "cuda", empty_experts=1)
-    ref = TorchMoE(quant, routing).forward_topk(x, ids, w)
-    p = tb.TritonMoE(quant, routing).prepared
-    assert p.fp16_1 and p.fp16_2
-    for swap in (False, True):
-        cfg = replace(tb.default_config(1), swap1=swap, swap2=swap)
-        out = tb.fused_moe(p, x, ids, w, 2.5, cfg, single=False, x_in_loop=True)
-        torch.cuda.synchronize()
-        assert torch.isfinite(out).all()
-        assert rel(out, ref) <= REL_TOL, f"swap={swap}: {rel(out, ref):.3e}"
-
-
 def decode_tile_variants(t):
     """default_config's decode tiles and the two-warp variants with the weights as the mma.sync left
     operand that the H200 decode A/B measured (slower; benchmarks/results/moe_decode_timing_round5_call3.log)."""

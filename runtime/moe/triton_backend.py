@@ -275,15 +275,6 @@ USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORT
 # H200 at MiniMax-M3 dims it measured slower than the two launches (T=1: 79.5 vs 71.0 us; its bf16 twin
 # faster, 115 vs 120 us; benchmarks/results/moe_layer_round4_NVIDIA_H200.md)
 SINGLE_LAUNCH = None
-# One-token two-launch path (A/B knobs, see fused_moe): x cast per K step in GEMM1 instead of the prep
-# kernel's prescale (no prep launch at all); GEMM1 lets GEMM2's programs start as its own retire, and
-# GEMM2 prefetches this many bytes of each weight row into L2 before its PDL wait (0: none). All off:
-# none was faster on the H200 at MiniMax-M3 dims (T=1, layer per graph, 8 layers on disjoint experts,
-# GPU time: default 68.0 us; x cast in GEMM1 71.1-71.5 (GEMM1 41.4 -> 47.5 us: the per-step row amax);
-# early 69.3; early + 1024 / 2048 B prefetch 70.5 / 72.2; benchmarks/results/moe_decode_timing_round5.log).
-X_IN_LOOP_TWO_LAUNCH = False
-EARLY_GEMM2 = False
-GEMM2_PREFETCH_BYTES = 0
 _sync_scratch_bufs: dict = {}
 
 
@@ -344,7 +335,7 @@ def fp8_prefill_enabled(device) -> bool:
 def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               routed_scaling_factor: float, cfg: MoeConfig | None = None, nosort: bool | None = None,
               fused_out: bool | None = None, single: bool | None = None, x_in_loop: bool | None = None,
-              prefetch: bool = False, early: bool | None = None, prefetch2: int | None = None) -> torch.Tensor:
+              prefetch: bool = False) -> torch.Tensor:
     """hidden [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in hidden's dtype.
 
     Paths (launches): NOSORT for T*k <= NOSORT_MAX_SLOTS: [prescale], GEMM1, GEMM2 writing the
@@ -355,10 +346,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     the sorted path. single (default SINGLE_LAUNCH): the fused-output NOSORT path (one token) as one
     decode_moe_kernel launch (both GEMMs; x cast per K step in GEMM1 unless x_in_loop is False,
     then the prep kernel prescales it; prefetch: GEMM2 tiles ask L2 for their first weight bytes
-    while they wait, SM90 only). The fused-output path in two launches: x_in_loop (default
-    X_IN_LOOP_TWO_LAUNCH) casts x per K step in GEMM1 and drops the prep kernel; early (default
-    EARLY_GEMM2, needs PDL) lets GEMM2's programs start while GEMM1 drains, each first prefetching
-    prefetch2 bytes (default GEMM2_PREFETCH_BYTES) of its weight rows into L2."""
+    while they wait, SM90 only)."""
     from runtime.moe import triton_kernels as K
     t, h = hidden.shape
     k = topk_ids.shape[1]
@@ -410,14 +398,10 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
             cursor = sorted_ids
     if single is None:
         single = _single_launch_enabled()
-    sm90 = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
     if single and fused_out:
+        sm90 = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
         return _decode_single_launch(p, hidden, topk_ids, topk_w, routed_scaling_factor, cfg,
                                      True if x_in_loop is None else x_in_loop, prefetch and sm90, pdl)
-    x_in_loop = X_IN_LOOP_TWO_LAUNCH if x_in_loop is None else x_in_loop
-    ascale = bool(x_in_loop and fused_out and p.fp16_1)  # x cast per K step in GEMM1: no prep kernel
-    early = bool((EARLY_GEMM2 if early is None else early) and pdl and nosort)
-    prefetch2 = (GEMM2_PREFETCH_BYTES if prefetch2 is None else prefetch2) if early and sm90 else 0
     if fused_out:
         scratch, out_counts = _fused_out_scratch(dev, h)
         out = scratch[: t * h].view(t, h)
@@ -426,11 +410,11 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         out = torch.empty((t, h), dtype=torch.float32, device=dev)  # zeroed by prep, reduced by atomics
         y = out_counts = None
     # GEMM1's activation operand: [terms, T, H] e4m3 (FP8), [T, H] fp16 (W8A16 with guards) or hidden
-    quant_x = 1 + cfg.fp8 if fp8 else int(p.fp16_1 and not ascale)  # _quant_row's QUANT
+    quant_x = 1 + cfg.fp8 if fp8 else int(p.fp16_1)  # _quant_row's QUANT
     if fp8:
         xq = torch.empty((cfg.fp8, t, h), dtype=torch.float8_e4m3fn, device=dev)
     else:
-        xq = torch.empty((1, t, h), dtype=torch.float16, device=dev) if quant_x else hidden[None]
+        xq = torch.empty((1, t, h), dtype=torch.float16, device=dev) if p.fp16_1 else hidden[None]
     xscale = torch.empty(t, dtype=torch.float32, device=dev)
     zero_out = not fused_out
     if in_kernel_align or quant_x or zero_out:
@@ -456,7 +440,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         sorted_ids, expert_ids, act, n, h, inter, e, n1,
         xq.stride(1), w13.stride(0), w13.stride(1), *ss13,
         TOPK=k, WMODE=wmode1, PRESCALED=quant_x > 0, TERMS=cfg.fp8, SWAP=cfg.swap1 and not fp8,
-        BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, NOSORT=nosort, USE_PDL=bool(pdl), ASCALE=ascale, EARLY=early,
+        BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, NOSORT=nosort, USE_PDL=bool(pdl),
         num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
     if fp8:  # act -> [terms, MAXP, I] e4m3 + per-row 2^m
         aq = torch.empty((cfg.fp8, maxp, inter), dtype=torch.float8_e4m3fn, device=dev)
@@ -475,7 +459,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         TOPK=k, WMODE=wmode2, TERMS=cfg.fp8, SWAP=cfg.swap2 and not fp8,
         BM=cfg.bm, BN=cfg.bn2, BK=cfg.bk2, y_ptr=y if fused_out else out,
         count_ptr=out_counts if fused_out else out, NOSORT=nosort, FUSED_OUT=fused_out, USE_PDL=bool(pdl),
-        PREFETCH=prefetch2, num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl)
+        num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl)
     return y if fused_out else out.to(hidden.dtype)
 
 

@@ -224,20 +224,16 @@ def _block_rows(sorted_ptr, expert_ids_ptr, pid_m, N, BM: tl.constexpr, NOSORT: 
 
 @triton.jit
 def _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM: tl.constexpr, NOSORT: tl.constexpr,
-                  USE_PDL: tl.constexpr, EARLY: tl.constexpr = False):
+                  USE_PDL: tl.constexpr):
     """(N tile, expert, rows, slot ids, valid mask, has work) of this program; grid order: N tile
     fastest, so neighbouring programs stream adjacent rows of one expert (DRAM locality). No work:
     a block past the last used one (the grid is sized for the worst case: no host sync) or, NOSORT,
     a later slot of an expert an earlier slot's block computes. With USE_PDL (programmatic dependent
     launch) the grid was launched early to hide the launch gap and waits here until the previous
-    kernel has finished and its writes are visible. EARLY (with USE_PDL): once past that wait, let the
-    next PDL-launched kernel's programs start as this grid's programs retire (its own wait still holds
-    its dependent reads back until this grid has finished)."""
+    kernel has finished and its writes are visible."""
     pid = tl.program_id(0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
     e, rows, tok, tmask, active = _block_rows(sorted_ptr, expert_ids_ptr, pid // NUM_N, N, BM, NOSORT)
     return pid % NUM_N, e, rows, tok, tmask, active & (e < E)
 
@@ -366,21 +362,18 @@ def gemm1_swiglu_kernel(x_ptr, xlo_off, xscale_ptr, w_ptr, s_ptr, shift_ptr, epi
                         TOPK: tl.constexpr, WMODE: tl.constexpr, PRESCALED: tl.constexpr,
                         TERMS: tl.constexpr, SWAP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        NOSORT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                        ASCALE: tl.constexpr = False, EARLY: tl.constexpr = False):
+                        NOSORT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """act[p, n] = SwiGLU-OAI(x W_gate^T, x W_up^T) for sorted row p, columns [n, n+BN) of I.
 
     One [2BN, K] weight slab per program (BN gate rows then the BN matching up rows), one MMA per K
-    step, split in the epilogue. Grid (MAXB * I/BN,). ASCALE: x is the stored 16-bit hidden state,
-    cast to fp16 per K step with its power-of-two shift (_mma_loop; no prescale kernel before this
-    one). EARLY: see _program_tile (GEMM2 then starts its L2 prefetch while this grid drains)."""
+    step, split in the epilogue. Grid (MAXB * I/BN,)."""
     pid_n, e, rows, tok, tmask, has_work = _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT,
-                                                          USE_PDL, EARLY)
+                                                          USE_PDL)
     if not has_work:
         return
     _gemm1_tile(x_ptr, xlo_off, xscale_ptr, stride_xm, w_ptr, s_ptr, shift_ptr, epi_ptr, alpha_ptr, beta_ptr,
                 limit_ptr, act_ptr, pid_n, e, rows, tok, tmask, K, INTER, stride_we, stride_wn, stride_se, stride_sn,
-                TOPK, WMODE, PRESCALED, TERMS, SWAP, BM, BN, BK, ASCALE)
+                TOPK, WMODE, PRESCALED, TERMS, SWAP, BM, BN, BK)
 
 
 @triton.jit
@@ -429,8 +422,7 @@ def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, e
                         TOPK: tl.constexpr, WMODE: tl.constexpr, TERMS: tl.constexpr, SWAP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         y_ptr=None, count_ptr=None, NOSORT: tl.constexpr = False,
-                        FUSED_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                        PREFETCH: tl.constexpr = 0):
+                        FUSED_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """out[token, n] += rsf * w_route * (act W2^T)[p, n] by fp32 atomics: the top-k reduce happens
     in the atomics. Grid (MAXB * H/BN,). SWAP, WMODE, TERMS as in GEMM1; WMODE 4 reads act as e4m3
     term(s) with the per-row scale 2^m at ascale_ptr.
@@ -442,18 +434,7 @@ def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, e
     that brings a row's counter to TOPK (the last contribution) crosses a CTA barrier and a fence
     again, reads the finished fp32 row tile from L2 (.cg), stores it to y in y's dtype and re-zeroes
     the scratch tile and the counter for the next call. Calls sharing the scratch must be
-    stream-ordered (they are: one stream, one forward at a time).
-
-    PREFETCH (bytes, NOSORT with USE_PDL, SM90): before its PDL wait, while GEMM1 still runs, the
-    program asks L2 for the first PREFETCH bytes of each of its weight rows. Only the weights, which
-    no kernel writes, are touched before the wait; the expert id read for it is clamped into range,
-    and the tile itself reads everything again after the wait."""
-    if PREFETCH > 0:
-        if NOSORT:
-            pid = tl.program_id(0)
-            e_pf = tl.minimum(tl.maximum(tl.load(expert_ids_ptr + pid // NUM_N).to(tl.int64), 0), E - 1)
-            wrows = (pid % NUM_N) * BN + tl.arange(0, BN)
-            _prefetch_rows(w_ptr + e_pf * stride_we + wrows * stride_wn, PREFETCH)
+    stream-ordered (they are: one stream, one forward at a time)."""
     pid_n, e, rows, tok, tmask, has_work = _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT,
                                                           USE_PDL)
     if not has_work:
@@ -473,13 +454,6 @@ def _prefetch_l2(ptrs):
     """cp.async.bulk.prefetch.L2 of 512 bytes at each pointer (16-B aligned; SM90)."""
     tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 512; mov.u32 $0, 0;", "=r,l", [ptrs],
                               dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_rows(ptrs, NBYTES: tl.constexpr):
-    """L2 prefetch of NBYTES (a multiple of 512) from each pointer on (SM90)."""
-    for j in tl.static_range(NBYTES // 512):
-        _prefetch_l2(ptrs + j * 512)
 
 
 @triton.jit

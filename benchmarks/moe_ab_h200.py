@@ -20,14 +20,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from moe_layer import E, H, I, TOPK, RSF, ALPHA, BETA, LIMIT, build_weights, graph_time_us, stream_bandwidth  # noqa: E402
+from moe_layer import (EXPERT_BYTES, H, I, RSF, build_layer, decode_problem, graph_time_us, kernel_times,  # noqa: E402
+                       stream_bandwidth)
 from runtime.moe import triton_backend as tb  # noqa: E402
-from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params  # noqa: E402
 
 C = tb.MoeConfig
 # bm, bn1, bk1, warps1, stages1, bn2, bk2, warps2, stages2, swap1, swap2, fp8
-OLD = {"nosort": False, "fused_out": False, "pdl": False}  # round-1 path: prep, GEMM1, GEMM2, cast
-NOPDL = {"pdl": False}
 
 
 SINGLE = {"single": True}  # both GEMMs in one decode_moe_kernel launch, x cast per K step (no prep)
@@ -58,23 +56,6 @@ def call(prepared, x, ids, w, cfg, opts):
     return lambda: tb.fused_moe(prepared, x, ids, w, RSF, cfg, **kw)
 
 
-def kernel_times(fn, calls=10):
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    res = {}
-    for ev in prof.key_averages():
-        for key in ("gemm1", "gemm2", "prep", "quant_rows", "decode_moe"):
-            if ev.key.startswith(key):
-                res[key] = ev.device_time_total / calls if hasattr(ev, "device_time_total") else ev.cuda_time_total / calls
-    return res
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/tmp_ab"))
@@ -82,24 +63,15 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     t0 = time.time()
-    (q13, s13, q2, s2), (b13, b2) = build_weights(dev)
-    sw = make_swiglu_params(E, ALPHA, BETA, LIMIT, dev)
-    quant = MoeQuantInfo(q13, s13, q2, s2, **sw)
-    routing = MoeRouting(torch.randn(E, H, device=dev) * 0.02, torch.zeros(E, device=dev), TOPK, RSF)
-    moe = tb.TritonMoE(quant, routing)
-    bf16 = tb.prepare(b13, None, b2, None, sw["gemm1_alpha"], sw["gemm1_beta"], sw["gemm1_clamp_limit"])
+    moe, _, bf16, _ = build_layer(dev)
     print(f"weights {time.time() - t0:.1f}s wmode {moe.prepared.wmode1} {moe.prepared.wmode2}", flush=True)
     bw = stream_bandwidth(dev)["used"]  # the bytes floor's rate, measured in this run
     print(f"bf16 streaming read bandwidth {bw / 1e12:.3f} TB/s", flush=True)
-    expert_bytes = 2 * I * H + 2 * I * H // 32 + H * I + H * I // 32
     results = []
     for t in [int(v) for v in args.tokens.split(",")]:
         torch.manual_seed(t)
-        x = torch.randn(t, H, device=dev).to(torch.bfloat16)
-        ids = torch.rand(t, E, device=dev).topk(TOPK, dim=-1).indices
-        w = torch.rand(t, TOPK, device=dev) + 0.1
-        w = w / w.sum(-1, keepdim=True)
-        touched = int(torch.unique(ids).numel()) * expert_bytes
+        x, ids, w = decode_problem(t, dev)
+        touched = int(torch.unique(ids).numel()) * EXPERT_BYTES
         tb.USE_PDL = False
         ref = tb.fused_moe(moe.prepared, x, ids, w, RSF, tb.default_config(t, False), nosort=False,
                            fused_out=False).float()

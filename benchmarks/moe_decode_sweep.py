@@ -27,11 +27,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from moe_layer import (E, H, I, TOPK, RSF, ALPHA, BETA, LIMIT, build_weights, graph_time_queued_us,  # noqa: E402
-                       graph_time_us, stream_bandwidth)
+from moe_layer import (H, I, E, TOPK, RSF, build_layer, decode_problem, graph_time_queued_us,  # noqa: E402
+                       graph_time_us, kernel_times, read_kernel, stream_bandwidth)
 from runtime.moe import triton_backend as tb  # noqa: E402
-from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params  # noqa: E402
-from runtime.moe.torch_backend import TorchMoE  # noqa: E402
 
 C = tb.MoeConfig
 G1_BYTES = 2 * I * H * (1 + 1 / 32)  # one expert's w13 + scales
@@ -65,36 +63,9 @@ def with_g2(cfg, g):
     return replace(cfg, bn2=bn, bk2=bk, warps2=w, stages2=s, swap2=sw)
 
 
-def kernel_times(fn, calls=10) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    res = {}
-    for ev in prof.key_averages():
-        for key in ("gemm1", "gemm2", "prep", "decode_moe"):
-            if ev.key.startswith(key):
-                res[key] = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0)) / calls
-        if "elementwise" in ev.key or "Memset" in ev.key:
-            res["other"] = res.get("other", 0) + getattr(ev, "device_time_total", 0) / calls
-    return res
-
-
 def read_floor_us(dev, nbytes) -> float:
     """Plain Triton read-reduce of nbytes (fresh buffers per replay, so not L2-hot): the size-matched floor."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def read_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        x = tl.load(x_ptr + pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK))
-        tl.store(out_ptr + pid, tl.sum(x.to(tl.float32), axis=0))
-
+    read = read_kernel()
     block = 8192
     n = int(nbytes // 2 // block * block)
     bufs = [torch.ones(n, dtype=torch.bfloat16, device=dev) for _ in range(4)]
@@ -102,7 +73,7 @@ def read_floor_us(dev, nbytes) -> float:
     i = [0]
 
     def f():
-        read_kernel[(n // block,)](bufs[i[0] % 4], out, BLOCK=block, num_warps=8)
+        read[(n // block,)](bufs[i[0] % 4], out, BLOCK=block, num_warps=8)
         i[0] += 1
     return graph_time_us(lambda: [f() for _ in range(4)], reps=40) / 4
 
@@ -117,13 +88,7 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     t0 = time.time()
-    (q13, s13, q2, s2), (b13, b2) = build_weights(dev)
-    sw = make_swiglu_params(E, ALPHA, BETA, LIMIT, dev)
-    quant = MoeQuantInfo(q13, s13, q2, s2, **sw)
-    routing = MoeRouting(torch.randn(E, H, device=dev) * 0.02, torch.zeros(E, device=dev), TOPK, RSF)
-    moe = tb.TritonMoE(quant, routing)
-    ref_moe = TorchMoE(quant, routing)
-    bf16 = tb.prepare(b13, None, b2, None, sw["gemm1_alpha"], sw["gemm1_beta"], sw["gemm1_clamp_limit"])
+    moe, ref_moe, bf16, _ = build_layer(dev)
     print(f"weights {time.time() - t0:.1f}s wmode {moe.prepared.wmode1} {moe.prepared.wmode2}", flush=True)
     bw = stream_bandwidth(dev)["used"]
     print(f"bf16 streaming read bandwidth (4 GiB) {bw / 1e12:.3f} TB/s", flush=True)
@@ -135,12 +100,11 @@ def main():
     if args.phase2:
         return phase2(args, dev, moe, bf16, ref_moe, bw, floors)
     results = {"bw": bw, "read_floor_us": floors, "rows": []}
+    best_g1 = best_g2 = None  # the defaults until a T=1 sweep picks winners (with_g1/with_g2 take None)
+    best_opts = {}
     for t in [int(v) for v in args.tokens.split(",")]:
         torch.manual_seed(t)
-        x = torch.randn(t, H, device=dev).to(torch.bfloat16)
-        ids = torch.rand(t, E, device=dev).topk(TOPK, dim=-1).indices
-        w = torch.rand(t, TOPK, device=dev) + 0.1
-        w = w / w.sum(-1, keepdim=True)
+        x, ids, w = decode_problem(t, dev)
         ne = int(torch.unique(ids).numel())
         touched = ne * expert_bytes
         floor_us = touched / bw * 1e6

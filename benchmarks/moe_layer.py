@@ -18,6 +18,7 @@ given twice: replayed from an idle GPU (graph launch latency included) and queue
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -61,23 +62,52 @@ def build_weights(dev):
     return (q13, s13, q2, s2), (b13, b2)
 
 
-def stream_bandwidth(dev) -> dict:
-    """bf16 streaming read bandwidth (bytes/s): best of a Triton read-reduce kernel and torch.sum."""
+@functools.cache
+def read_kernel():
+    """A plain Triton read-reduce of bf16 blocks (the bytes floor's kernel)."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def read_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    def read_reduce(x_ptr, out_ptr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         x = tl.load(x_ptr + pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK))
         tl.store(out_ptr + pid, tl.sum(x.to(tl.float32), axis=0))
+    return read_reduce
 
+
+EXPERT_BYTES = (2 * I * H + H * I) * (mxfp8.BLOCK + 1) // mxfp8.BLOCK  # w13 + w2 e4m3 bytes + one scale byte per 32
+
+
+def build_layer(dev):
+    """(TritonMoE on build_weights' experts, its TorchMoE reference, the bf16-weight twin's PreparedMoE,
+    (b13, b2) bf16 weights) with MiniMax-M3's SwiGLU-OAI parameters and a random router."""
+    (q13, s13, q2, s2), (b13, b2) = build_weights(dev)
+    sw = make_swiglu_params(E, ALPHA, BETA, LIMIT, dev)
+    quant = MoeQuantInfo(q13, s13, q2, s2, **sw)
+    routing = MoeRouting(torch.randn(E, H, device=dev) * 0.02, torch.zeros(E, device=dev), TOPK, RSF)
+    bf16 = tb.prepare(b13, None, b2, None, sw["gemm1_alpha"], sw["gemm1_beta"], sw["gemm1_clamp_limit"])
+    return tb.TritonMoE(quant, routing), TorchMoE(quant, routing), bf16, (b13, b2)
+
+
+def decode_problem(t, dev):
+    """x [t, H] bf16, top-k ids [t, TOPK] (uniform distinct experts), routing weights [t, TOPK] summing to 1."""
+    x = torch.randn(t, H, device=dev).to(torch.bfloat16)
+    ids = torch.rand(t, E, device=dev).topk(TOPK, dim=-1).indices
+    w = torch.rand(t, TOPK, device=dev) + 0.1
+    return x, ids, w / w.sum(-1, keepdim=True)
+
+
+def stream_bandwidth(dev) -> dict:
+    """bf16 streaming read bandwidth (bytes/s): best of a Triton read-reduce kernel and torch.sum."""
+    import triton
+    read = read_kernel()
     n = 2 * 1024 ** 3  # 4 GiB of bf16, far past L2
     buf = torch.randn(n // 1024, device=dev).to(torch.bfloat16).repeat(1024)
     res = {}
     for block in (4096, 16384):
         out = torch.empty(n // block, device=dev)
-        ms = triton.testing.do_bench(lambda: read_kernel[(n // block,)](buf, out, BLOCK=block, num_warps=8),
+        ms = triton.testing.do_bench(lambda: read[(n // block,)](buf, out, BLOCK=block, num_warps=8),
                                      warmup=50, rep=300, return_mode="median")
         res[f"triton_read_b{block}"] = 2 * n / (ms * 1e-3)
     ms = triton.testing.do_bench(lambda: buf.sum(dtype=torch.float32), warmup=50, rep=300, return_mode="median")
@@ -91,43 +121,15 @@ def stream_bandwidth(dev) -> dict:
     return res
 
 
-def graph_time_us(fn, reps=60) -> float:
-    """Median of per-replay event timings of a CUDA graph of fn (launch gaps between the kernels
-    of one call are included; CPU launch cost is not)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(5):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
 BUSY_CYCLES = 200_000  # ~100 us of GPU spin queued ahead of each timed replay (see graph_time_queued_us)
 
 
-def graph_time_queued_us(fn, reps=60, calls=None) -> float:
-    """Like graph_time_us, but each timed replay is queued behind a ~100 us GPU spin
-    (torch.cuda._sleep), so the CPU's graph launch finishes while the GPU is still busy and the
-    timing holds GPU time only: how the layer runs inside a decode step, where the CPU runs ahead of
-    the GPU. graph_time_us instead starts timing on an idle GPU and so adds the graph launch latency
-    (several us) to every layer.
-
-    calls: a list of callables captured back to back in one graph (e.g. one layer per set of routed
-    experts, so no layer finds its weights in L2); the median is divided by their number."""
+def graph_time_us(fn, reps=60, calls=None, busy_cycles=0) -> float:
+    """Median of per-replay event timings of a CUDA graph of fn (launch gaps between the kernels
+    of one call are included; CPU launch cost is not). calls: a list of callables captured back to
+    back in one graph instead of fn (e.g. one layer per set of routed experts, so no layer finds its
+    weights in L2); the median is divided by their number. busy_cycles: GPU spin queued ahead of
+    each timed replay (see graph_time_queued_us)."""
     calls = calls or [fn]
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -145,13 +147,44 @@ def graph_time_queued_us(fn, reps=60, calls=None) -> float:
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(BUSY_CYCLES)
+        if busy_cycles:
+            torch.cuda._sleep(busy_cycles)
         a.record()
         g.replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / len(calls))
     return statistics.median(times)
+
+
+def graph_time_queued_us(fn, reps=60, calls=None) -> float:
+    """graph_time_us with each timed replay queued behind a ~100 us GPU spin (torch.cuda._sleep), so
+    the CPU's graph launch finishes while the GPU is still busy and the timing holds GPU time only:
+    how the layer runs inside a decode step, where the CPU runs ahead of the GPU. graph_time_us alone
+    starts timing on an idle GPU and so adds the graph launch latency (several us) to every layer."""
+    return graph_time_us(fn, reps, calls, BUSY_CYCLES)
+
+
+def kernel_times(fn, calls=10) -> dict:
+    """Mean device time per call (us) of the MoE kernels by name prefix (torch.profiler), plus
+    'other': elementwise kernels and memsets."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    res = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0)) / calls
+        for key in ("gemm1", "gemm2", "prep", "quant_rows", "decode_moe"):
+            if ev.key.startswith(key):
+                res[key] = us
+        if "elementwise" in ev.key or "Memset" in ev.key:
+            res["other"] = res.get("other", 0) + us
+    return res
 
 
 def eager_time_us(fn, reps=30) -> float:
@@ -250,17 +283,11 @@ def main():
     meta["stream_bandwidth_Bps"] = bw
     print("bandwidth (TB/s): " + ", ".join(f"{k} {v / 1e12:.3f}" for k, v in bw.items()), flush=True)
     t0 = time.time()
-    (q13, s13, q2, s2), (b13, b2) = build_weights(dev)
+    moe, ref_moe, bf16, (b13, b2) = build_layer(dev)
     print(f"weights built in {time.time() - t0:.1f} s", flush=True)
-    sw = make_swiglu_params(E, ALPHA, BETA, LIMIT, dev)
-    quant = MoeQuantInfo(q13, s13, q2, s2, **sw)
-    routing = MoeRouting(torch.randn(E, H, device=dev) * 0.02, torch.zeros(E, device=dev), TOPK, RSF)
-    moe = tb.TritonMoE(quant, routing)
-    ref_moe = TorchMoE(quant, routing)
-    bf16 = tb.prepare(b13, None, b2, None, sw["gemm1_alpha"], sw["gemm1_beta"], sw["gemm1_clamp_limit"])
     meta["fp16_guards"] = {"gemm1_fp16": moe.prepared.fp16_1, "gemm2_fp16": moe.prepared.fp16_2,
                            "w13_shift_range": [int(moe.prepared.shift13.min()), int(moe.prepared.shift13.max())]}
-    expert_bytes = 2 * I * H + 2 * I * H // 32 + H * I + H * I // 32
+    expert_bytes = EXPERT_BYTES
     expert_bytes_bf16 = (2 * I * H + H * I) * 2
     for t in [int(v) for v in args.profile.split(",") if v]:
         profile_kernels(moe, bf16, t, dev)
@@ -283,10 +310,7 @@ def main():
             print(f"FP8 tile from {args.fp8_tile_from}: {best['name']} {best['us']:.1f} us at T={big}", flush=True)
     rows = []
     for t in [int(v) for v in args.tokens.split(",") if v]:
-        x = torch.randn(t, H, device=dev).to(torch.bfloat16)
-        ids = torch.rand(t, E, device=dev).topk(TOPK, dim=-1).indices  # uniform distinct experts
-        w = torch.rand(t, TOPK, device=dev) + 0.1
-        w = w / w.sum(-1, keepdim=True)
+        x, ids, w = decode_problem(t, dev)
         distinct = int(torch.unique(ids).numel())
         touched = distinct * expert_bytes
         ref = ref_moe.forward_topk(x, ids, w).float()

@@ -28,15 +28,11 @@ C = tb.MoeConfig
 # bm, bn1, bk1, warps1, stages1, bn2, bk2, warps2, stages2, swap1, swap2, fp8
 
 
-SINGLE = {"single": True}  # both GEMMs in one decode_moe_kernel launch, x cast per K step (no prep)
-
-
 def candidates(t):
     """(name, config or None = default, path options) per T."""
-    if t <= 4:  # decode: one launch for the layer (with / without prep, L2 prefetch, 4 stages) vs two
-        return [("two_g1s4", C(16, 32, 256, 4, 4, 64, 256, 4, 3), {"single": False}),
-                ("two_g2s4", C(16, 32, 256, 4, 3, 64, 256, 4, 4), {"single": False}),
-                ("single", None, SINGLE), ("single_pf", None, {"single": True, "prefetch": True})]
+    if t <= 4:  # decode: 4 pipeline stages in either GEMM
+        return [("two_g1s4", C(16, 32, 256, 4, 4, 64, 256, 4, 3), {}),
+                ("two_g2s4", C(16, 32, 256, 4, 3, 64, 256, 4, 4), {})]
     if t < 256:  # sorted decode path: bytes in flight per SM and row-segment length of the weight stream
         return [("bk512_w8s4", C(16, 32, 512, 8, 4, 64, 512, 8, 4), {}),
                 ("bk512_g2only", C(16, 32, 256, 4, 4, 64, 512, 4, 4), {}),
@@ -77,8 +73,6 @@ def main():
                            fused_out=False).float()
         rows = []
         cands = [("default", None, {})] + candidates(t)
-        if os.environ.get("PORTER_AB_NO_SINGLE"):  # the single-launch tests failed in this run: skip it
-            cands = [c for c in cands if not c[2].get("single")]
         for name, cfg, opts in cands:
             cfg = cfg or tb.default_config(t, True)
             try:
@@ -92,15 +86,13 @@ def main():
             row = {"T": t, "name": name, "opts": opts, "cfg": tb.fit_config(cfg, H, I).__dict__, "us": us,
                    "TBps": touched / us / 1e6, "x_floor": us / (touched / bw * 1e6), "gemm1_us": kt.get("gemm1"),
                    "gemm2_us": kt.get("gemm2"), "prep_us": kt.get("prep"), "quant_rows_us": kt.get("quant_rows"),
-                   "decode_moe_us": kt.get("decode_moe"), "diff_vs_w8a16": err}
+                   "diff_vs_w8a16": err}
             rows.append(row)
             print(f"T={t:5d} {name:12s} {us:9.1f} us {row['TBps']:.2f} TB/s x{row['x_floor']:.3f} floor  g1 "
-                  f"{kt.get('gemm1', 0):8.1f} g2 {kt.get('gemm2', 0):8.1f} one {kt.get('decode_moe', 0):6.1f} prep "
+                  f"{kt.get('gemm1', 0):8.1f} g2 {kt.get('gemm2', 0):8.1f} prep "
                   f"{kt.get('prep', 0):6.1f} q {kt.get('quant_rows', 0):6.1f}  diff {err:.1e}  {opts} "
                   f"{tb.fit_config(cfg, H, I)}", flush=True)
-        twins = (("bf16", {"single": False}), ("bf16_single", SINGLE)) if t <= 4 else (("bf16", {}),)
-        if os.environ.get("PORTER_AB_NO_SINGLE"):
-            twins = twins[:1]
+        twins = (("bf16", {}),)
         if os.environ.get("AB_NO_TWIN"):  # the twins are in benchmarks/moe_layer.py's table of the same run
             twins = ()
         for name, opts in twins:

@@ -179,7 +179,7 @@ def kernel_times(fn, calls=10) -> dict:
     res = {}
     for ev in prof.key_averages():
         us = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0)) / calls
-        for key in ("gemm1", "gemm2", "prep", "quant_rows", "decode_moe"):
+        for key in ("gemm1", "gemm2", "prep", "quant_rows"):
             if ev.key.startswith(key):
                 res[key] = us
         if "elementwise" in ev.key or "Memset" in ev.key:
@@ -327,15 +327,6 @@ def main():
                 per_path[name] = {"us": graph_time_us(f), "rel_err_vs_torch": relerr(f()), "config": c.__dict__}
             except Exception as ex:  # reported; the row falls back to the W8A16 path
                 print(f"  T={t} {name} FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
-        if t * TOPK <= tb.NOSORT_MAX_SLOTS:  # both decode launch shapes, each with its bf16 twin on the same path
-            for name, single in (("w8a16_2launch", False), ("w8a16_1launch", True)):
-                f = lambda single=single: tb.fused_moe(moe.prepared, x, ids, w, RSF, w8, single=single)
-                try:
-                    per_path[name] = {"us": graph_time_us(f), "rel_err_vs_torch": relerr(f()), "config": w8.__dict__,
-                                      "us_bf16_twin": graph_time_us(
-                                          lambda single=single: tb.fused_moe(bf16, x, ids, w, RSF, w8, single=single))}
-                except Exception as ex:  # reported, not fatal
-                    print(f"  T={t} {name} FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
         # shipped: the faster of the paths within the accuracy bound (one e4m3 term is not: ~4e-2)
         ok = [n for n in ("w8a16", "fp8x2") if n in per_path and per_path[n]["rel_err_vs_torch"] <= 2e-2]
         shipped = min(ok, key=lambda n: per_path[n]["us"])
@@ -429,13 +420,12 @@ def write_results(out_dir, meta, rows, suffix=""):
                      f"{r['ratio_to_fp8_floor']:.2f} | {r['us_bf16']:.1f} | {r['speedup_vs_bf16']:.2f} | "
                      f"{r['us_grouped_mm']:.1f} | {r['speedup_vs_grouped_mm']:.2f} | {r['us_torch']:.0f} | "
                      f"{r['speedup_vs_torch']:.1f} | {r['rel_err_vs_torch']:.1e} |")
-    lines += ["", "Paths: decode (T*k <= 16) in two launches (GEMM1, GEMM2) or one (decode_moe_kernel), with the "
-              "bf16 twin on the same path; prefill (T >= 256; `path` above is the faster one within the 2e-2 error "
-              "bound; fp8x1 = one e4m3 activation term, over the bound):", "",
+    lines += ["", "Prefill paths (T >= 256; `path` above is the faster one within the 2e-2 error bound; fp8x1 = one "
+              "e4m3 activation term, over the bound):", "",
               "| T | path | µs | rel err vs torch | bf16 twin µs (same path) | × vs twin |", "|---|---|---|---|---|---|"]
     for r in rows:
         for name, v in r["paths"].items():
-            if r["T"] >= 256 or "launch" in name:
+            if r["T"] >= 256:
                 twin = v.get("us_bf16_twin")
                 twin_us, twin_x = ("", "") if twin is None else (f"{twin:.1f}", f"{twin / v['us']:.2f}")
                 lines.append(f"| {r['T']} | {name} | {v['us']:.1f} | {v['rel_err_vs_torch']:.1e} | {twin_us} | {twin_x} |")

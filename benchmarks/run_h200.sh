@@ -1,14 +1,12 @@
 #!/bin/bash
-# One H200 call for the Triton MoE backend: the single-launch decode tests first (a hang or failure
-# there drops the single-launch rows from the A/B instead of losing the call), all GPU tests of
-# tests/test_triton_moe.py once and the race tests REPEAT times in a row (each a fresh pytest
+# One H200 call for the Triton MoE backend: all GPU tests of tests/test_triton_moe.py once and the race tests REPEAT times in a row (each a fresh pytest
 # process), the MoE-layer benchmark (benchmarks/moe_layer.py) and the tile/path A/B
 # (benchmarks/moe_ab_h200.py: per-kernel times, ratios to the bytes floor measured in the same run;
 # AB_FIRST=1 runs it before the benchmark, whose FP8 tile then comes from it). With two GPUs the
 # tests run on the second one while the first runs the benchmarks.
 # Logs and results go to $OUT (the device tool's return folder) and to benchmarks/results/.
 #   bash benchmarks/run_h200.sh
-#   SKIP_SMOKE=1 SKIP_TESTS=1 SKIP_AB=1 SKIP_BENCH=1 REPEAT=20 AB_TOKENS=1,4096 BENCH_ARGS="--tokens 1,4096" bash benchmarks/run_h200.sh
+#   SKIP_TESTS=1 SKIP_AB=1 SKIP_BENCH=1 REPEAT=20 AB_TOKENS=1,4096 BENCH_ARGS="--tokens 1,4096" bash benchmarks/run_h200.sh
 # The MoE-layer run takes its FP8 tile from the A/B's fastest fp8x2 row (--fp8-tile-from).
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -21,13 +19,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 NGPU=$(nvidia-smi -L | wc -l)
 TEST_GPU=$(( NGPU > 1 ? 1 : 0 ))
-RACE_TESTS="last_arriver or repeat_calls or single_launch_is_race_free"
-
-if [ -z "$SKIP_SMOKE" ]; then
-  CUDA_VISIBLE_DEVICES=$TEST_GPU timeout ${SMOKE_TIMEOUT:-90} python3 -m pytest tests/test_triton_moe.py -m gpu -q -rf \
-    -p no:cacheprovider -k "${SMOKE_K:-single_launch}" 2>&1 | tee "$OUT/single_launch_tests.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || export PORTER_AB_NO_SINGLE=1
-fi
+RACE_TESTS="last_arriver or repeat_calls"
 
 gpu_tests() {
   CUDA_VISIBLE_DEVICES=$TEST_GPU timeout ${TEST_TIMEOUT:-330} python3 -m pytest tests/test_triton_moe.py -m gpu \

@@ -271,18 +271,14 @@ _out_scratch: dict = {}
 FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scratch of T x H
 NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per routed slot (BM 16)
 USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORTER_MOE_PDL env, default on
-# NOSORT one-token layer as one decode_moe_kernel launch; None: PORTER_MOE_SINGLE env, default off: on the
-# H200 at MiniMax-M3 dims it measured slower than the two launches (T=1: 79.5 vs 71.0 us; its bf16 twin
-# faster, 115 vs 120 us; benchmarks/results/moe_layer_round4_NVIDIA_H200.md)
-SINGLE_LAUNCH = None
-_sync_scratch_bufs: dict = {}
 
 
 def _fused_out_scratch(device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Persistent zeroed fp32 [FUSED_OUT_MAX_TOKENS, H] accumulator and per (token, 16-column tile)
     arrival counters of the fused-output GEMM2 (kept zeroed by the kernel's last arrivers).
     Allocated once per (device, H) at full size and never freed or grown, so CUDA graphs captured
-    with these pointers stay valid. Memory: 1024 * H * 4 B (25 MB at H = 6144) + 1024 * H / 4 B."""
+    with these pointers stay valid. Memory: FUSED_OUT_MAX_TOKENS * H * 4 B (6.3 MB at H = 6144) plus
+    FUSED_OUT_MAX_TOKENS * H / 4 B of counters."""
     key = (str(device), hidden)
     buf = _out_scratch.get(key)
     if buf is None:
@@ -290,25 +286,6 @@ def _fused_out_scratch(device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]
                torch.zeros(FUSED_OUT_MAX_TOKENS * ((hidden + 15) // 16), dtype=torch.int32, device=device))
         _out_scratch[key] = buf
     return buf
-
-
-def _sync_scratch(device) -> torch.Tensor:
-    """Persistent zeroed int32 counters of decode_moe_kernel (ticket, finished, ready per slot block),
-    left zeroed by each launch's last program; allocated once per device (CUDA-graph safe)."""
-    key = str(device)
-    buf = _sync_scratch_bufs.get(key)
-    if buf is None:
-        buf = torch.zeros(2 * 64, dtype=torch.int32, device=device)  # 2 + up to 64 slot blocks
-        _sync_scratch_bufs[key] = buf
-    return buf
-
-
-def _single_launch_enabled() -> bool:
-    import os
-    flag = SINGLE_LAUNCH
-    if flag is None:
-        flag = os.environ.get("PORTER_MOE_SINGLE", "0") != "0"
-    return bool(flag) and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def _pdl_enabled(device) -> bool:
@@ -334,8 +311,7 @@ def fp8_prefill_enabled(device) -> bool:
 
 def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               routed_scaling_factor: float, cfg: MoeConfig | None = None, nosort: bool | None = None,
-              fused_out: bool | None = None, single: bool | None = None, x_in_loop: bool | None = None,
-              prefetch: bool = False) -> torch.Tensor:
+              fused_out: bool | None = None) -> torch.Tensor:
     """hidden [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in hidden's dtype.
 
     Paths (launches): NOSORT for T*k <= NOSORT_MAX_SLOTS: [prescale], GEMM1, GEMM2 writing the
@@ -343,10 +319,9 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     cast follows); else prep (align in kernel or torch, prescale or e4m3 quantize,
     zeroing), GEMM1, [FP8: act quantize], GEMM2 (atomics), cast. nosort / fused_out override the
     choice (tests, A/B); fused_out is honoured on the NOSORT path only (see below); cfg.fp8 runs
-    the sorted path. single (default SINGLE_LAUNCH): the fused-output NOSORT path (one token) as one
-    decode_moe_kernel launch (both GEMMs; x cast per K step in GEMM1 unless x_in_loop is False,
-    then the prep kernel prescales it; prefetch: GEMM2 tiles ask L2 for their first weight bytes
-    while they wait, SM90 only)."""
+    the sorted path. (Both GEMMs of the one-token layer in one launch, GEMM2 tiles waiting on counters
+    for their GEMM1 tiles, measured slower on the H200 - T=1 79.5-83.4 vs 70-71 us - and was removed;
+    docs/moe-backends.md.)"""
     from runtime.moe import triton_kernels as K
     t, h = hidden.shape
     k = topk_ids.shape[1]
@@ -367,9 +342,8 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     # On the sorted path (T = 64..256 at MiniMax-M3 dims, 10^4+ programs) the last arriver sometimes
     # read rows missing other programs' adds (rel 1e-2 vs the unfused path on H200, even with
     # per-thread gpu fences), and at T = 4 on the NOSORT path (programs holding rows of several
-    # tokens) 8 of 200 calls at real dims were off by up to 5e-2 (2 of 200 in decode_moe_kernel;
-    # benchmarks/results/gpu_tests_round4_call2.log); not understood yet. T = 1: 0 of 200 off on both
-    # launch shapes. Otherwise prep zeroing + atomics + cast. An explicit fused_out=True is honoured
+    # tokens) 8 of 200 calls at real dims were off by up to 5e-2
+    # (benchmarks/results/gpu_tests_round4_call2.log); not understood yet. T = 1: 0 of 200 off. Otherwise prep zeroing + atomics + cast. An explicit fused_out=True is honoured
     # on the NOSORT path (diagnosis).
     fused_out = (nosort and t == 1) if fused_out is None else fused_out
     fused_out = fused_out and nosort and t <= FUSED_OUT_MAX_TOKENS
@@ -396,12 +370,6 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         else:
             sorted_ids, expert_ids = align_tokens(topk_ids, e, cfg.bm)
             cursor = sorted_ids
-    if single is None:
-        single = _single_launch_enabled()
-    if single and fused_out:
-        sm90 = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
-        return _decode_single_launch(p, hidden, topk_ids, topk_w, routed_scaling_factor, cfg,
-                                     True if x_in_loop is None else x_in_loop, prefetch and sm90, pdl)
     if fused_out:
         scratch, out_counts = _fused_out_scratch(dev, h)
         out = scratch[: t * h].view(t, h)
@@ -461,42 +429,6 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         count_ptr=out_counts if fused_out else out, NOSORT=nosort, FUSED_OUT=fused_out, USE_PDL=bool(pdl),
         num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl)
     return y if fused_out else out.to(hidden.dtype)
-
-
-def _decode_single_launch(p: PreparedMoE, hidden, topk_ids, topk_w, rsf, cfg: MoeConfig, x_in_loop: bool,
-                          prefetch: bool, pdl: dict) -> torch.Tensor:
-    """The NOSORT fused-output layer as one decode_moe_kernel launch (plus the prep kernel's x
-    prescale when GEMM1 runs in fp16 and x_in_loop is False). hidden [T, H] contiguous, topk_ids
-    [T, k] contiguous, topk_w [T*k] fp32 -> [T, H] in hidden's dtype."""
-    from runtime.moe import triton_kernels as K
-    t, h = hidden.shape
-    k = topk_ids.shape[1]
-    n, e, inter, dev = t * k, p.num_experts, p.w2.shape[2], hidden.device
-    scratch, out_counts = _fused_out_scratch(dev, h)
-    out = scratch[: t * h].view(t, h)
-    y = torch.empty((t, h), dtype=hidden.dtype, device=dev)
-    xscale = torch.empty(t, dtype=torch.float32, device=dev)
-    ascale = p.fp16_1 and x_in_loop
-    x = hidden
-    if p.fp16_1 and not ascale:  # per-row fp16 prescale by the prep kernel
-        x = torch.empty((1, t, h), dtype=torch.float16, device=dev)
-        K.prep_kernel[(t,)](hidden, x, x, xscale, out, topk_ids, topk_ids, topk_ids, topk_ids,
-                            t, h, n, e, 1, hidden.stride(0), DO_ALIGN=False, QUANT=1, ZERO_OUT=False,
-                            HP=next_pow2(h), BM=cfg.bm, EP=16, C=64, CB=128, num_warps=8)
-        x = x[0]
-    act = torch.empty((cfg.bm, inter), dtype=torch.float16 if p.fp16_2 else torch.bfloat16, device=dev)
-    ss13 = (p.w13_scale.stride(0), p.w13_scale.stride(1)) if p.w_fp8 else (0, 0)
-    ss2 = (p.w2_scale.stride(0), p.w2_scale.stride(1)) if p.w_fp8 else (0, 0)
-    n1, n2 = inter // cfg.bn1, h // cfg.bn2
-    K.decode_moe_kernel[(n * (n1 + n2),)](
-        x, x.stride(0), xscale, p.w13, p.w13_scale, p.shift13, p.epi13, p.alpha, p.beta, p.limit,
-        act, p.w2, p.w2_scale, p.shift2, p.epi2, topk_w, out, y, out_counts, topk_ids, _sync_scratch(dev),
-        n, h, inter, e, float(rsf), n1, n2,
-        p.w13.stride(0), p.w13.stride(1), *ss13, p.w2.stride(0), p.w2.stride(1), *ss2,
-        TOPK=k, WMODE1=p.wmode1, WMODE2=p.wmode2, PRESCALED=p.fp16_1 and not ascale, ASCALE=ascale,
-        BM=cfg.bm, BN1=cfg.bn1, BK1=cfg.bk1, BN2=cfg.bn2, BK2=cfg.bk2, PREFETCH=prefetch,
-        USE_PDL=bool(pdl), num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
-    return y
 
 
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):

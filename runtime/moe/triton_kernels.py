@@ -16,7 +16,6 @@ Launches per forward (see triton_backend.fused_moe):
     top-k reduce by atomics; for one token into a persistent zeroed fp32 scratch with the bf16
     output written by the last arriver per (token, N tile): no alignment, no zeroing, no cast
     kernel; for 2..4 tokens into an fp32 output zeroed by the prescale kernel, then a cast).
-    Optionally (triton_backend.SINGLE_LAUNCH) the one-token case is one decode_moe_kernel launch.
   * larger T: prep (align + prescale/quantize + zero the fp32 output), GEMM1, [FP8: act quantize],
     GEMM2 (atomics), cast.
   On SM90 the GEMMs are launched with programmatic dependent launch (griddepcontrol.wait first
@@ -256,15 +255,11 @@ def _operand_ptrs(a_ptr, a_rows, stride_a, w_ptr, s_ptr, e64, w_rows, stride_we,
 @triton.jit
 def _mma_loop(a_ptrs, alo_off, amask, w_ptrs, s_ptrs, sh_ptr, k_len, a_dtype: tl.constexpr,
               WMODE: tl.constexpr, TERMS: tl.constexpr, SWAP: tl.constexpr, ROWS: tl.constexpr,
-              BM: tl.constexpr, BK: tl.constexpr, ASCALE: tl.constexpr = False):
+              BM: tl.constexpr, BK: tl.constexpr):
     """acc [BM, ROWS] fp32 = A W^T over k_len (the K loop of both GEMMs). A rows outside amask read 0.
 
     WMODE 0..3: the weight tile is dequantized (_dequant_tile) and one 16-bit MMA runs per BK step;
-    SWAP makes the weight the MMA's left operand (acc^T = W A^T). ASCALE (fp16 MMA, no SWAP): A is
-    read as stored (bf16 hidden states) and each [BM, BK] step is cast to fp16 as A * 2^-m with m
-    from that step's row amax (_pow2_shift, amax in [2^14, 2^15)); the step's fp32 partial is
-    multiplied by 2^m (exact) before it joins the accumulator (with SWAP: acc^T's columns). This
-    replaces the prep kernel's per-row prescale (same range guard, per BK chunk instead of per row).
+    SWAP makes the weight the MMA's left operand (acc^T = W A^T).
     WMODE 4 (FP8, BK = 128): A is e4m3 (TERMS 2: plus a second e4m3 term, alo_off elements further
     on), W the rebased e4m3 weights with one fp32 power-of-two scale per (row, 128 K); per K step one
     fp8 MMA (two with TERMS 2, chained) whose fp32 result is multiplied by the block scales per weight
@@ -287,22 +282,12 @@ def _mma_loop(a_ptrs, alo_off, amask, w_ptrs, s_ptrs, sh_ptr, k_len, a_dtype: tl
         else:
             acc = tl.zeros((BM, ROWS), dtype=tl.float32)
         for _ in range(0, k_len, BK):
-            if ASCALE:
-                af = tl.load(a_ptrs, mask=amask[:, None], other=0.0).to(tl.float32)  # [BM, BK]
-                down, up = _pow2_shift(tl.max(tl.abs(af), axis=1), 14)  # [BM]
-                w = _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE, ROWS, BK)  # [ROWS, BK]
-                a16 = (af * down[:, None]).to(tl.float16)
-                if SWAP:
-                    acc_t += tl.dot(w, tl.trans(a16)) * up[None, :]
-                else:
-                    acc += tl.dot(a16, tl.trans(w)) * up[:, None]
+            a = tl.load(a_ptrs, mask=amask[:, None], other=0.0).to(a_dtype)  # [BM, BK]
+            w = _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE, ROWS, BK)  # [ROWS, BK]
+            if SWAP:
+                acc_t = tl.dot(w, tl.trans(a), acc_t)
             else:
-                a = tl.load(a_ptrs, mask=amask[:, None], other=0.0).to(a_dtype)  # [BM, BK]
-                w = _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE, ROWS, BK)  # [ROWS, BK]
-                if SWAP:
-                    acc_t = tl.dot(w, tl.trans(a), acc_t)
-                else:
-                    acc = tl.dot(a, tl.trans(w), acc)
+                acc = tl.dot(a, tl.trans(w), acc)
             a_ptrs += BK
             w_ptrs += BK
             s_ptrs += BK // 32
@@ -316,10 +301,9 @@ def _gemm1_tile(x_ptr, xlo_off, xscale_ptr, stride_xm, w_ptr, s_ptr, shift_ptr, 
                 limit_ptr, act_ptr, pid_n, e, rows, tok, tmask, K, INTER,
                 stride_we, stride_wn, stride_se, stride_sn,
                 TOPK: tl.constexpr, WMODE: tl.constexpr, PRESCALED: tl.constexpr, TERMS: tl.constexpr,
-                SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                ASCALE: tl.constexpr = False):
+                SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """act[rows, n..n+BN) = SwiGLU-OAI(x W_gate^T, x W_up^T) of one program's tile (see
-    gemm1_swiglu_kernel); ASCALE: x read as stored and cast per K step (_mma_loop)."""
+    gemm1_swiglu_kernel)."""
     e64 = e.to(tl.int64)
     xrow = tok // TOPK
     r = tl.arange(0, 2 * BN)
@@ -333,7 +317,7 @@ def _gemm1_tile(x_ptr, xlo_off, xscale_ptr, stride_xm, w_ptr, s_ptr, shift_ptr, 
     else:
         mma_dtype: tl.constexpr = tl.float16
     acc = _mma_loop(x_ptrs, xlo_off, tmask, w_ptrs, s_ptrs, shift_ptr + e, K, mma_dtype,
-                    WMODE, TERMS, SWAP, 2 * BN, BM, BK, ASCALE)  # [BM, 2BN]
+                    WMODE, TERMS, SWAP, 2 * BN, BM, BK)  # [BM, 2BN]
     acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
     # undo the operand scales: 2^d_e of the weights (WMODE 2), per-token 2^m of x
     rs = tl.full((BM, 1), 1.0, dtype=tl.float32)
@@ -442,81 +426,3 @@ def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, e
     _gemm2_tile(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, topk_w_ptr, out_ptr,
                 pid_n, e, rows, tok, tmask, K, HID, rsf, NUM_N, stride_we, stride_wn, stride_se, stride_sn,
                 TOPK, WMODE, TERMS, SWAP, BM, BN, BK, y_ptr, count_ptr, FUSED_OUT)
-
-
-@triton.jit
-def _nanosleep():
-    tl.inline_asm_elementwise("nanosleep.u32 256; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """cp.async.bulk.prefetch.L2 of 512 bytes at each pointer (16-B aligned; SM90)."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 512; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def decode_moe_kernel(x_ptr, stride_xm, xscale_ptr, w13_ptr, s13_ptr, shift13_ptr, epi13_ptr,
-                      alpha_ptr, beta_ptr, limit_ptr, act_ptr, w2_ptr, s2_ptr, shift2_ptr, epi2_ptr, topk_w_ptr,
-                      out_ptr, y_ptr, count_ptr, topk_ids_ptr, sync_ptr, N, H, INTER, E, rsf, NUM_N1, NUM_N2,
-                      stride_w13e, stride_w13n, stride_s13e, stride_s13n,
-                      stride_w2e, stride_w2n, stride_s2e, stride_s2n,
-                      TOPK: tl.constexpr, WMODE1: tl.constexpr, WMODE2: tl.constexpr, PRESCALED: tl.constexpr,
-                      ASCALE: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
-                      BN2: tl.constexpr, BK2: tl.constexpr, PREFETCH: tl.constexpr = False,
-                      USE_PDL: tl.constexpr = False):
-    """The whole NOSORT layer (T*k <= BM routed slots, fused output) in one launch: both GEMMs' tiles.
-
-    Programs draw tickets in the order they start (atomic on sync_ptr[0]); tickets 0..N*NUM_N1-1 are
-    GEMM1 tiles (slot-block m = ticket // NUM_N1), the rest GEMM2 tiles. A GEMM1 tile stores its act
-    columns, fences them (every thread, fence.acq_rel.gpu), crosses a CTA barrier and bumps block m's
-    ready counter (sync_ptr[2 + m], release). A GEMM2 tile of block m first (PREFETCH) asks L2 for the
-    first 512 bytes of each of its weight rows, then polls the ready counter (one thread, acquire,
-    256 ns apart) until all NUM_N1 tiles of m are in, fences, and runs as gemm2_reduce_kernel's
-    FUSED_OUT tile. Tickets make this
-    deadlock-free: a waiting GEMM2 program only waits on smaller tickets, all held by programs
-    already running, and GEMM1 programs never wait. So GEMM2 starts as the GEMM1 tiles drain, with
-    no kernel boundary, no prep kernel (ASCALE: x is cast per K step in GEMM1) and one launch gap.
-    The last GEMM2 program to finish (sync_ptr[1] reaches N*NUM_N2) zeroes the ticket, finish and
-    ready counters for the next call; calls sharing sync_ptr must be stream-ordered."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-    n1_tiles = N * NUM_N1
-    if ticket < n1_tiles:
-        m = ticket // NUM_N1
-        e, rows, tok, tmask, active = _block_rows(topk_ids_ptr, topk_ids_ptr, m, N, BM, True)
-        if active & (e < E):
-            _gemm1_tile(x_ptr, 0, xscale_ptr, stride_xm, w13_ptr, s13_ptr, shift13_ptr, epi13_ptr, alpha_ptr,
-                        beta_ptr, limit_ptr, act_ptr, ticket % NUM_N1, e, rows, tok, tmask, H, INTER,
-                        stride_w13e, stride_w13n, stride_s13e, stride_s13n,
-                        TOPK, WMODE1, PRESCALED, 0, False, BM, BN1, BK1, ASCALE)
-            _fence_gpu()
-            tl.debug_barrier()
-            tl.atomic_add(sync_ptr + 2 + m, 1, sem="release")
-    else:
-        j = ticket - n1_tiles
-        m = j // NUM_N2
-        pid_n = j % NUM_N2
-        e, rows, tok, tmask, active = _block_rows(topk_ids_ptr, topk_ids_ptr, m, N, BM, True)
-        if active & (e < E):
-            if PREFETCH:
-                wrows = pid_n * BN2 + tl.arange(0, BN2)
-                _prefetch_l2(w2_ptr + e.to(tl.int64) * stride_w2e + wrows * stride_w2n)
-            # one polling thread per program (a scalar atomic), backing off between polls: every thread
-            # polling (volatile loads) made the waiting programs flood the counters' L2 line
-            ready = tl.atomic_add(sync_ptr + 2 + m, 0, sem="acquire")
-            while ready < NUM_N1:
-                _nanosleep()
-                ready = tl.atomic_add(sync_ptr + 2 + m, 0, sem="acquire")
-            _fence_gpu()
-            tl.debug_barrier()
-            _gemm2_tile(act_ptr, 0, xscale_ptr, w2_ptr, s2_ptr, shift2_ptr, epi2_ptr, topk_w_ptr, out_ptr,
-                        pid_n, e, rows, tok, tmask, INTER, H, rsf, NUM_N2,
-                        stride_w2e, stride_w2n, stride_s2e, stride_s2n,
-                        TOPK, WMODE2, 0, False, BM, BN2, BK2, y_ptr, count_ptr, True)
-        done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
-        if done == N * NUM_N2 - 1:  # every ticket drawn, every GEMM2 tile finished: reset for the next call
-            offs = tl.arange(0, 2 * BM)
-            tl.store(sync_ptr + offs, tl.zeros([2 * BM], dtype=tl.int32), mask=offs < 2 + BM)

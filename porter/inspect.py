@@ -17,6 +17,7 @@ from converters import minimax_m3 as arch
 from porter import manifest as manifest_mod
 from porter import prequantized
 from porter.errors import PorterError
+from porter.layout import HF_LAYOUT_PREFIX
 from porter.safetensors_io import ST_DTYPES, nbytes
 from porter.source import INDEX_NAME, read_header, weight_files
 
@@ -142,7 +143,7 @@ def _contract(quantized: list, plain: list, ignored: list, qc) -> dict:
 
 
 def _is_text_linear(module: str) -> bool:
-    m = module.removeprefix("language_model.")
+    m = module.removeprefix(HF_LAYOUT_PREFIX)
     return m.startswith("model.layers.") or m == "lm_head"
 
 

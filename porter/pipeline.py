@@ -39,8 +39,8 @@ log = logging.getLogger("porter")
 
 SHARD_METADATA = {"format": "pt"}
 COPY_CHUNK_BYTES = 64 << 20  # verbatim tensors are copied in ranges of this size
-QUANT_CHUNK_ELEMS = 1 << 20  # CPU quantizes this many elements per call: 4 MB fp32 stays in cache (3x
-# faster than whole [3072, 6144] expert halves, measured single-threaded)
+QUANT_CHUNK_ELEMS = 1 << 20  # CPU quantizes this many elements per call up to 2 workers (it bounds each
+# call's arrays; porter.mxfp8 tiles them for the cache itself)
 MANY_WORKERS_QUANT_ELEMS = 1 << 22  # ... and this many, in one tile, past 2 workers (quant_sizes)
 SLAB_MAX_BYTES = 256 << 20  # CPU reads up to this size go into the worker's reused buffer
 # Output shards written at once. ext4 (and most Linux filesystems) serialize buffered writes into one file on

@@ -34,6 +34,7 @@ import torch
 from safetensors import safe_open
 
 from porter import mxfp8
+from porter.layout import HF_LAYOUT_PREFIX
 from porter.safetensors_io import ST_DTYPES, nbytes
 from porter.source import read_header, weight_files
 
@@ -260,7 +261,7 @@ class ArtifactReader:
     hf: the vendor release's names (`language_model.` + canonical) with one 2-D tensor per expert."""
 
     LAYOUTS = ("porter", "hf")
-    HF_PREFIX = "language_model."
+    HF_PREFIX = HF_LAYOUT_PREFIX
 
     def __init__(self, art: Path, man: dict):
         from porter.verification.verdict import VerifyInputError

@@ -251,11 +251,11 @@ def _race_problem(t: int):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("t", [1, 200])
+@pytest.mark.parametrize("t", [1])
 def test_fused_output_last_arriver_is_race_free(t):
     """The fused output's last arriver must see every other program's atomics. fused_out=True is
     honoured on the NOSORT path only (the sorted-path variant raced at MiniMax-M3 dims, T >= 64:
-    rel ~1e-2 vs unfused), so at T = 200 this checks that the request falls back to the unfused path.
+    rel ~1e-2 vs unfused; a T = 200 case here compared the unfused path with itself and was dropped).
     Several tokens on the NOSORT path raced too (T = 4) and no longer take the fused output by default
     (test_fused_output_many_calls_at_real_dims)."""
     p, x, ids, w = _race_problem(t)

@@ -463,7 +463,7 @@ def plan_tensors(cfg: TextConfig, src_meta: dict, quantize: str = "experts",
                           f"(e.g. {canon[sorted(c for cs in by_layer.values() for c in cs)[0]]!r})")
     for src in sorted(carried):
         dtype, shape = src_meta[src]
-        out.append(OutTensor(src, tuple(shape), dtype, [src], _read_one(src), group="carried"))
+        out.append(OutTensor(src, tuple(shape), dtype, [src], _read_one(src), carried=True))
     _check_out(cfg, out)
     return out if layout == "porter" else to_hf_layout(cfg, out, quantize)
 
@@ -651,7 +651,7 @@ def to_hf_layout(cfg: TextConfig, out: list, quantize: str) -> list:
     """Rename a canonical plan (experts already per-expert) to hf names, after checking format groups."""
     _check_format_groups(cfg, out, quantize)
     for t in out:
-        if t.group != "carried":
+        if not t.carried:
             t.name = hf_name(t.name)
     return out
 

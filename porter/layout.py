@@ -62,8 +62,8 @@ class OutTensor:
     read_whole: Optional[Callable[[ReadFn], torch.Tensor]] = None
     read_expert_rows: Optional[Callable[[ReadFn, int], list]] = None
     quantize: bool = False
-    group: str = "misc"  # "carried": a source tensor outside the text model, kept under its own name (the
-    # hf layout does not rename it; the runtime reads it as is); nothing reads any other group value
+    carried: bool = False  # a source tensor outside the text model, kept under its own name (the hf layout
+    # does not rename it; the runtime reads it as is)
 
     def __post_init__(self):
         if (self.read_whole is None) == (self.read_expert_rows is None):

@@ -135,8 +135,8 @@ class SourceStore:
         self.path = self.source.path
         self.config = arch.resolve_config(self.source.raw_config)
         plan = arch.plan_tensors(self.config, self.source.meta, quantize="none")
-        self.plan = {t.name: t for t in plan if t.group != "carried"}
-        self._carried = {t.name for t in plan if t.group == "carried"}
+        self.plan = {t.name: t for t in plan if not t.carried}
+        self._carried = {t.name for t in plan if t.carried}
 
     def names(self) -> set:
         return set(self.plan)

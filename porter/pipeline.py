@@ -279,13 +279,14 @@ def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.devic
     2 per shard), plus the hash read-back buffers."""
     mem = memory_status()
     base = mem.get("RssAnon", 0) + mem.get("RssFile", 0) + (CUDA_CONTEXT_BYTES if device.type == "cuda" else 0)
-    costs = [(0, min(COPY_CHUNK_BYTES, _src_bytes(t))) if verbatim_source(t, meta) is not None
-             else unit_costs(t, device, workers) for t in tensors]  # a copied range is both read and output buffer
+    copied = [verbatim_source(t, meta) is not None for t in tensors]
+    costs = [(0, min(COPY_CHUNK_BYTES, _src_bytes(t))) if c else unit_costs(t, device, workers)
+             for t, c in zip(tensors, copied)]  # a copied range is both read and output buffer
     unit = max((w + o for w, o in costs), default=0)
     scales = sum(sorted(scale_array_bytes(t) for t in tensors)[-(shards_in_flight(workers) + 1):])
     readback = workers * safetensors_io.DIGEST_CHUNK_BYTES  # each worker may read a chunk back to hash it
-    reads = [min(COPY_CHUNK_BYTES, _src_bytes(t)) if verbatim_source(t, meta) is not None else _src_bytes(t)
-             for t in tensors]  # one unit's reads
+    reads = [min(COPY_CHUNK_BYTES, _src_bytes(t)) if c else _src_bytes(t)
+             for t, c in zip(tensors, copied)]  # one unit's reads
     src = max(reads, default=0)
     if device.type == "cuda":  # every worker keeps its pinned slabs (registered at their size) for the whole run
         out = max((_out_bytes(t) for t in tensors if t.quantize), default=0)

@@ -9,8 +9,10 @@ its dry run), each measured in a fresh set of files, threads taking 16 MiB piece
   pwrite into one file per thread (no shared inode lock), what writing many threads into one shard costs;
 - copy: read the source and write the output's bytes (pieces in proportion), page cache only and + fsync:
   the floor `porter convert` is held to ("x plain copy" uses it); also with each piece's writeback started
-  right after it (sync_file_range: porter's inline writeback) or by one background thread
-  (porter.pipeline.Writeback: porter's default);
+  right after it (sync_file_range: porter's inline writeback, with --inline) or by one background thread
+  (porter.pipeline.Writeback: porter's default), the latter also with the pieces taken round-robin over
+  --in-flight shards at a time (porter.pipeline.interleave_shards, as a conversion takes its units; default
+  porter's shards_in_flight for --threads workers), so several inodes are written at once;
 - --gpu: what the GPU path's device side moves on its own, one thread and N threads with a stream each: host
   -> device copies of an expert part ([3072, 6144] bf16, 37.7 MB) from page-locked memory, device -> host
   copies of its results, porter.mxfp8.quantize_with_error on the device, and all three per part (the
@@ -20,7 +22,7 @@ Prints GB/s of the bytes each moves and, for copy, GB/s of source consumed (the 
 in). JSON to --out.
 
     python benchmarks/convert_floor.py --src DIR [--threads 16] [--max-shard-size 5GB] [--gpu] [--many-files]
-                                       [--out FILE]
+                                       [--in-flight N] [--inline] [--out FILE]
 """
 from __future__ import annotations
 
@@ -139,11 +141,14 @@ def main():
     ap.add_argument("--tmp", default=str(ROOT / "benchmarks"))
     ap.add_argument("--gpu", action="store_true", help="also the GPU path's device-side floor")
     ap.add_argument("--many-files", action="store_true", help="also pwrite into one file per thread")
+    ap.add_argument("--in-flight", type=int, default=None, help="shards written at once in the interleaved copy "
+                    "(default: porter.pipeline.shards_in_flight(--threads))")
+    ap.add_argument("--inline", action="store_true", help="also the copy with writeback started inline")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import numpy as np
     import porter
-    from porter.pipeline import Writeback, start_writeback
+    from porter.pipeline import Writeback, interleave_shards, shards_in_flight, start_writeback
     from porter.safetensors_io import pread_into, pwrite_all
     src = Path(args.src)
     files = sorted(src.glob("*.safetensors"))
@@ -172,12 +177,14 @@ def main():
                 pass
     res["runs"]["read"] = {"seconds": run_threads(n, read_jobs, read), "gb": src_gb}
 
-    def write_run(name: str, sizes: list, how: str = "pwrite", copy: bool = False):
+    def write_run(name: str, sizes: list, how: str = "pwrite", copy: bool = False, width: int = 0):
         with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
             fds = open_outputs(Path(tmp), sizes)
             flusher = Writeback() if how == "thread" else None
             wb_fds = [flusher.open(fd) for fd in fds] if flusher else []
             jobs = pieces(sizes)
+            if width:  # round-robin over `width` files at a time, each file's pieces in order
+                jobs = interleave_shards(jobs, lambda job: job[0], width)
             if copy:  # each output piece paired with its share of the source pieces
                 per = len(read_jobs) / max(1, len(jobs))
                 jobs = [(j, read_jobs[int(k * per):int((k + 1) * per)]) for k, j in enumerate(jobs)]
@@ -218,8 +225,12 @@ def main():
     if args.many_files:
         write_run(f"write, pwrite, {n} files", [total // n + (i < total % n) for i in range(n)])
     write_run("copy, pwrite, shard layout", out_sizes, copy=True)
-    write_run("copy, pwrite + writeback inline", out_sizes, "inline", copy=True)
+    if args.inline:
+        write_run("copy, pwrite + writeback inline", out_sizes, "inline", copy=True)
     write_run("copy, pwrite + writeback thread", out_sizes, "thread", copy=True)
+    width = args.in_flight or shards_in_flight(n)
+    res["in_flight"] = width
+    write_run(f"copy, + writeback thread, {width} at once", out_sizes, "thread", copy=True, width=width)
     for fd in src_fds:
         os.close(fd)
     if args.gpu:

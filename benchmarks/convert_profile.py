@@ -14,7 +14,7 @@ system time, wall time split at the pipeline's marks (planning, until the first 
 the finish with its fsync) and the final fsync. Checkpoint: the synthetic real-dims one of convert_throughput.py.
 
     python benchmarks/convert_profile.py [--gb 2] [--experts 8] [--workers N] [--device cpu] [--out FILE]
-                                         [--src DIR] [--sample]
+                                         [--src DIR] [--sample] [--max-shard-size 5GB]
 PORTER_WRITEBACK / PORTER_SHARDS_IN_FLIGHT / PORTER_SLAB_PREFAULT in the environment pick porter.pipeline's
 modes.
 """
@@ -134,6 +134,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--src", default=None, help="an existing checkpoint folder instead of building one")
     ap.add_argument("--sample", action="store_true", help="also sample the workers' stacks every 2 ms")
+    ap.add_argument("--max-shard-size", default="5GB", help="porter convert --max-shard-size (output shards)")
     args = ap.parse_args()
     import convert_throughput as ct
     import porter
@@ -152,12 +153,14 @@ def main():
         stop = threading.Event()
         stacks = sample_stacks(stop) if args.sample else collections.Counter()
         r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        done = porter.convert(src, Path(tmp) / "out", progress=False, workers=args.workers, device=args.device)
+        done = porter.convert(src, Path(tmp) / "out", progress=False, workers=args.workers, device=args.device,
+                              max_shard_size=args.max_shard_size)
         wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
         stop.set()
         t_end = t0 + wall
         shutil.rmtree(Path(tmp) / "out", ignore_errors=True)
     result = {"machine": ct.machine(), "source_gb": gb, "workers": done["workers"], "device": done["device"],
+              "output_shards": done["shards"], "max_shard_size": args.max_shard_size,
               "wall_seconds": wall, "fsync_seconds": done["fsync_seconds"],
               "user_seconds": r1.ru_utime - r0.ru_utime, "system_seconds": r1.ru_stime - r0.ru_stime,
               "core_seconds": dict(spent.most_common()),
@@ -169,7 +172,8 @@ def main():
                        "units": marks["last_unit_end"] - marks["first_unit_start"],
                        "after_last_unit": marks["run_end"] - marks["last_unit_end"],
                        "finish_incl_fsync": t_end - marks["run_end"]}}
-    print(f"{gb:.2f} GB, {done['workers']} workers, {done['device']}: {wall:.2f} s ({gb / wall:.2f} GB/s; "
+    print(f"{gb:.2f} GB, {done['shards']} output shards, {done['workers']} workers, {done['device']}: "
+          f"{wall:.2f} s ({gb / wall:.2f} GB/s; "
           f"fsync {done['fsync_seconds']:.2f} s), user {result['user_seconds']:.2f} s, "
           f"system {result['system_seconds']:.2f} s")
     if cuda_init is not None:

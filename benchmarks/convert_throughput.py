@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
 REAL_CHECKPOINT_GB = 795.0  # MiniMax-M3 BF16 release, safetensors bytes
+COPIES = ("copy-safetensors", "copy-safetensors+fsync", "copy-files")
 
 SAMPLER = """
 import sys, threading, time
@@ -232,7 +233,8 @@ def machine() -> dict:
 
 def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list, repeats: int, single: bool,
                experts: int = 8, caches: tuple = ("warm",), max_shard_size: str = "5GB",
-               in_flight: tuple = (None,), variants: tuple = ((None, {}),), floor: bool = False) -> dict:
+               in_flight: tuple = (None,), variants: tuple = ((None, {}),), floor: bool = False,
+               copies: tuple = COPIES) -> dict:
     layers = max(2, round(target_gb * layers_per_gb))
     t0 = time.time()
     src = build_checkpoint(tmp / f"src{target_gb}", layers, experts)
@@ -252,7 +254,7 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
             print(f"# floor failed: {res.stderr[-1500:]}", flush=True)
         else:
             floor_result = json.loads((tmp / "floor.json").read_text())
-    configs = [("copy-safetensors", None, None), ("copy-safetensors+fsync", None, None), ("copy-files", None, None)]
+    configs = [(k, None, None) for k in copies]
     configs += [("convert", "all", d) for d in devices]
     if single:
         configs.append(("convert", "1", "cpu"))
@@ -270,25 +272,28 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
                 if cache == "cold" and ((kind, workers) == ("convert", "1") or kind == "copy-safetensors+fsync"):
                     continue  # cold: the copies and the every-core conversions only
                 out = tmp / f"out-{kind}-{workers}-{device}-{n_flight}-{label}-{r}"
+                extra_env = dict(extra_env)
+                shard_size = extra_env.pop("SHARD", max_shard_size)  # pseudo-variables: convert's arguments
+                workers = extra_env.pop("WORKERS", workers)
                 if kind.startswith("copy"):
                     res = copy_run(src, out, kind, cache)
                 else:
                     env = None if n_flight is None else dict(os.environ, PORTER_SHARDS_IN_FLIGHT=str(n_flight))
                     if extra_env:
                         env = dict(env or os.environ, **extra_env)
-                    res = convert_run(src, out, workers, device, cache, max_shard_size, env=env)
+                    res = convert_run(src, out, workers, device, cache, shard_size, env=env)
                 res |= {"kind": kind, "workers": workers, "device": device, "repeat": r, "shards_in_flight": n_flight,
                         "variant": label, "variant_env": extra_env,
-                        "max_shard_size": max_shard_size if kind == "convert" else None,
+                        "max_shard_size": shard_size if kind == "convert" else None,
                         "gb_per_s": gb / res["seconds"]}
                 runs.append(res)
                 shutil.rmtree(out, ignore_errors=True)
                 print(json.dumps({k: v for k, v in res.items() if k != "shard_digests"}), flush=True)
     for x in runs:
         same = [y for y in runs if y["cache"] == x["cache"]]
-        base = min(y["seconds"] for y in same if y["kind"] == "copy-safetensors")
+        base = min((y["seconds"] for y in same if y["kind"] == "copy-safetensors"), default=float("nan"))
         base_sync = min((y["seconds"] for y in same if y["kind"] == "copy-safetensors+fsync"), default=float("nan"))
-        base_files = min(y["seconds"] for y in same if y["kind"] == "copy-files")
+        base_files = min((y["seconds"] for y in same if y["kind"] == "copy-files"), default=float("nan"))
         x["ratio_to_safetensors_copy"] = x["seconds"] / base
         x["ratio_to_safetensors_copy_fsync"] = x["seconds"] / base_sync
         x["ratio_to_file_copy"] = x["seconds"] / base_files
@@ -296,9 +301,12 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
             x["estimate_over_measured_peak"] = x["estimate"] / x["vmhwm"]
             x["projected_795gb_minutes"] = REAL_CHECKPOINT_GB / x["gb_per_s"] / 60
             x["gb_per_s_before_fsync"] = gb / (x["seconds"] - x["fsync_seconds"])
-            cpu = next((y for y in runs if y.get("device") == "cpu" and "shard_digests" in y and not y["variant"]),
-                       None)
+            same_layout = [y for y in runs if "shard_digests" in y and y["max_shard_size"] == x["max_shard_size"]]
+            cpu = next((y for y in same_layout if y["device"] == "cpu" and not y["variant"]),
+                       next((y for y in same_layout if y["device"] == "cpu"), None))
             x["same_bytes_as_cpu"] = None if cpu is None else x["shard_digests"] == cpu["shard_digests"]
+            x["same_bytes_as_first_run"] = x["shard_digests"] == same_layout[0]["shard_digests"]
+            x["output_shards"] = len(x["shard_digests"])
     shutil.rmtree(src, ignore_errors=True)
     return {"source_gb": gb, "layers": layers, "experts_per_layer": experts, "build_seconds": build_s, "runs": runs,
             "floor": floor_result}
@@ -312,13 +320,16 @@ def summary_lines(result: dict) -> list:
                      f"{s['experts_per_layer']} experts):")
         for x in s["runs"]:
             what = x["kind"] if x["kind"] != "convert" else f"convert {x['device']} workers={x['workers']}"
+            if x.get("output_shards") is not None:
+                what += f" {x['output_shards']}x{x['max_shard_size']}"
             if x.get("shards_in_flight") is not None:
                 what += f" in-flight={x['shards_in_flight']}"
             if x.get("variant"):
                 what += f" [{x['variant']}]"
             what = f"{x['cache']:4s} {what}"
             extra = (f", fsync {x['fsync_seconds']:.2f} s ({x['gb_per_s_before_fsync']:.2f} GB/s before it), "
-                     f"est/peak {x['estimate_over_measured_peak']:.2f}, same bytes as cpu {x['same_bytes_as_cpu']}, "
+                     f"est/peak {x['estimate_over_measured_peak']:.2f}, same bytes as cpu {x['same_bytes_as_cpu']}"
+                     f" / as first run of this layout {x['same_bytes_as_first_run']}, "
                      f"795 GB in {x['projected_795gb_minutes']:.1f} min") if "estimate" in x else ""
             if "cached_before" in x:
                 extra += f", {100 * x['cached_before']:.0f}% cached at start ({x['evicted_by']})"
@@ -363,7 +374,10 @@ def main():
     ap.add_argument("--cache", default="warm", help="page cache states to run: warm, cold or warm,cold")
     ap.add_argument("--no-single", action="store_true", help="skip the 1-worker (intra-op threads) CPU run")
     ap.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
-    ap.add_argument("--max-shard-size", default="5GB", help="porter convert --max-shard-size (output shards)")
+    ap.add_argument("--max-shard-size", default="5GB", help="porter convert --max-shard-size (output shards); "
+                    "a variant's SHARD=SIZE overrides it for that variant (and WORKERS=N the worker count)")
+    ap.add_argument("--copies", default=",".join(COPIES), help="baseline copies to run (comma list of "
+                    + ", ".join(COPIES) + "; empty: none)")
     ap.add_argument("--shards-in-flight", default="", help="comma list: PORTER_SHARDS_IN_FLIGHT values to A/B")
     ap.add_argument("--variants", default="", help="conversion environment variants to A/B besides porter's "
                     "defaults: 'label:NAME=V,NAME=V;label2:NAME=V' (e.g. inline:PORTER_WRITEBACK=inline)")
@@ -382,7 +396,8 @@ def main():
                                               not args.no_single and size == float(args.sizes.split(",")[0]),
                                               args.experts, tuple(args.cache.split(",")), args.max_shard_size,
                                               tuple(int(n) for n in args.shards_in_flight.split(",") if n) or (None,),
-                                              parse_variants(args.variants, not args.no_default), args.floor))
+                                              parse_variants(args.variants, not args.no_default), args.floor,
+                                              tuple(c for c in args.copies.split(",") if c)))
     result["summary"] = summary_lines(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -55,6 +55,10 @@ SHARDS_IN_FLIGHT = 4  # PORTER_SHARDS_IN_FLIGHT overrides it (benchmarks' A/B): 
 # then writes everything; CPU 1.71 / 1.66 / 2.39 s; 8.1 GB, cuda: 3.18 -> 3.13 s). A threaded copy of the same
 # bytes with fsync: 5.19 GB/s thread, 3.74 inline (benchmarks/convert_floor.py). PORTER_WRITEBACK overrides it.
 WRITEBACK = "thread"
+# How a --device cuda worker waits for its part's copies and kernels: "spin" (stream.synchronize: with fewer
+# CUDA contexts than cores CUDA busy-waits on a core) or "block" (an event made with cudaEventBlockingSync:
+# the thread sleeps until the GPU is done). PORTER_CUDA_WAIT overrides it (benchmarks' A/B).
+CUDA_WAIT = "spin"
 CUDA_CONTEXT_BYTES = 600 << 20  # host memory of a CUDA context and its libraries
 
 
@@ -241,6 +245,19 @@ def writeback_mode() -> str:
     """WRITEBACK, or PORTER_WRITEBACK when it is one of its values (anything else is ignored)."""
     env = os.environ.get("PORTER_WRITEBACK", "")
     return env if env in ("thread", "inline", "off") else WRITEBACK
+
+
+def cuda_wait_mode() -> str:
+    """CUDA_WAIT, or PORTER_CUDA_WAIT when it is one of its values (anything else is ignored)."""
+    env = os.environ.get("PORTER_CUDA_WAIT", "")
+    return env if env in ("spin", "block") else CUDA_WAIT
+
+
+def preallocate_mode() -> str:
+    """How a shard's `.partial` file gets its size: "truncate" (ftruncate: a sparse file, blocks allocated
+    as it is written back) or "fallocate" (blocks reserved up front). PORTER_PREALLOCATE (benchmarks' A/B)."""
+    env = os.environ.get("PORTER_PREALLOCATE", "")
+    return env if env in ("truncate", "fallocate") else "truncate"
 
 
 def interleave_shards(units: list, shard_of: Callable[[Unit], str], width: int) -> list:
@@ -468,6 +485,8 @@ class ShardOut:
         size = len(header) + sum(e.nbytes for e in entries)
         self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self.fd, size)
+        if size and preallocate_mode() == "fallocate":
+            os.posix_fallocate(self.fd, 0, size)
         self.writeback, self.flusher = writeback, flusher
         self.wb_fd = flusher.open(self.fd) if (writeback == "thread" and flusher is not None) else None
         if writeback == "thread" and self.wb_fd is None:
@@ -545,6 +564,7 @@ class Pipeline:
         self.local = threading.local()
         self.registered: list = []  # page-locked slabs (GPU path)
         self.writeback = writeback_mode()
+        self.cuda_wait = cuda_wait_mode()
         self.flusher: Optional[Writeback] = None
         self.cuda_init: Optional[threading.Thread] = None  # see _init_cuda_async
 
@@ -878,7 +898,12 @@ class Pipeline:
             q_host.copy_(q, non_blocking=True)
             s_host.copy_(s, non_blocking=True)
             stats = torch.stack([err["err_sq"], err["ref_sq"], err["max_abs_error"]]).to("cpu", non_blocking=True)
-            stream.synchronize()
+            if self.cuda_wait == "block":
+                done = torch.cuda.Event(blocking=True)
+                done.record(stream)
+                done.synchronize()
+            else:
+                stream.synchronize()
         del x, q, s  # w (pinned slab) is reused only after this sync: its async copy has finished
         return q_host, s_host, {"err_sq": float(stats[0]), "ref_sq": float(stats[1]),
                                 "max_abs_error": float(stats[2])}

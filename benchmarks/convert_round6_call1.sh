@@ -14,7 +14,7 @@ taskset -c 0-15 timeout ${T16:-170} python3 benchmarks/convert_throughput.py --s
   --no-single --floor --max-shard-size 512MB --copies copy-safetensors,copy-files --variants \
   "5gb@cuda:SHARD=5GB;in1@cuda:PORTER_SHARDS_IN_FLIGHT=1;in8@cuda:PORTER_SHARDS_IN_FLIGHT=8;in16@cuda:PORTER_SHARDS_IN_FLIGHT=16;block@cuda:PORTER_CUDA_WAIT=block;falloc@cuda:PORTER_PREALLOCATE=fallocate" \
   --out "$OUT/throughput_16c.json" 2>&1 | tee "$OUT/throughput_16c.log" | grep -v '^{'
-taskset -c 0-15 PORTER_SHARDS_IN_FLIGHT=16 timeout ${TPROF:-30} python3 benchmarks/convert_profile.py --gb 4 --device cuda --sample \
+PORTER_SHARDS_IN_FLIGHT=16 taskset -c 0-15 timeout ${TPROF:-30} python3 benchmarks/convert_profile.py --gb 4 --device cuda --sample \
   --max-shard-size 512MB --out "$OUT/profile_cuda.json" 2>&1 | tee "$OUT/profile_cuda.log"
 taskset -c 0,1 timeout ${T2:-70} python3 benchmarks/convert_throughput.py --sizes 2 --devices cuda,cpu --no-single \
   --max-shard-size 512MB --copies copy-safetensors,copy-files --variants "block@cuda:PORTER_CUDA_WAIT=block" \

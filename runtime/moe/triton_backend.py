@@ -271,11 +271,6 @@ _out_scratch: dict = {}
 FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scratch of T x H
 NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per routed slot (BM 16)
 USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORTER_MOE_PDL env, default on
-# NOSORT path with PDL: bytes per weight row each GEMM asks L2 for before its PDL wait, and whether GEMM1
-# signals GEMM2's launch right after its own wait (so GEMM2 prefetches during GEMM1's tail).
-PREFETCH = None  # (gemm1 bytes, gemm2 bytes, launch_next); None: PORTER_MOE_PREFETCH "b1,b2,0|1" env
-# (bytes: 0 or 128 x a power of two)
-PREFETCH_DEFAULT = (0, 0, False)
 
 
 def _fused_out_scratch(device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,27 +286,6 @@ def _fused_out_scratch(device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]
                torch.zeros(FUSED_OUT_MAX_TOKENS * ((hidden + 15) // 16), dtype=torch.int32, device=device))
         _out_scratch[key] = buf
     return buf
-
-
-def _prefetch() -> tuple[int, int, bool]:
-    """PREFETCH, or PORTER_MOE_PREFETCH ("b1,b2,launch_next", bytes multiples of 128), or the default."""
-    import os
-    if PREFETCH is not None:
-        return PREFETCH
-    env = os.environ.get("PORTER_MOE_PREFETCH")
-    if not env:
-        return PREFETCH_DEFAULT
-    b1, b2, nxt = (int(v) for v in env.split(","))
-    if any(b and (b < 128 or b & (b - 1)) for b in (b1, b2)):
-        raise ValueError(f"PORTER_MOE_PREFETCH={env!r}: bytes must be 0 or 128 x a power of two")
-    return b1, b2, bool(nxt)
-
-
-def _pf_bytes(b: int, k: int) -> int:
-    """b bytes per row, capped at the largest 128 x 2^j within the row's K elements (one line per lane)."""
-    while b > max(k, 128):
-        b //= 2
-    return b if b >= 128 else 0
 
 
 def _pdl_enabled(device) -> bool:
@@ -417,9 +391,6 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
             t, h, n, e, nblk, hidden.stride(0),
             DO_ALIGN=in_kernel_align, QUANT=quant_x, ZERO_OUT=zero_out, HP=next_pow2(h),
             BM=cfg.bm, EP=ep, C=64, CB=128, num_warps=8)
-    # Prefetch before the PDL wait (NOSORT only: there the block experts are topk_ids, final before the
-    # previous kernel began; a stale id would only prefetch another expert's bytes).
-    pf1, pf2, launch_next = _prefetch() if (nosort and pdl) else (0, 0, False)
     wmode1 = 4 if fp8 else p.wmode1
     wmode2 = 4 if fp8 else p.wmode2
     if fp8:
@@ -437,8 +408,8 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         sorted_ids, expert_ids, act, n, h, inter, e, n1,
         xq.stride(1), w13.stride(0), w13.stride(1), *ss13,
         TOPK=k, WMODE=wmode1, PRESCALED=quant_x > 0, TERMS=cfg.fp8, SWAP=cfg.swap1 and not fp8,
-        BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, NOSORT=nosort, USE_PDL=bool(pdl), PF_BYTES=_pf_bytes(pf1, h),
-        LAUNCH_NEXT=launch_next and not fp8, num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
+        BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, NOSORT=nosort, USE_PDL=bool(pdl),
+        num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
     if fp8:  # act -> [terms, MAXP, I] e4m3 + per-row 2^m
         aq = torch.empty((cfg.fp8, maxp, inter), dtype=torch.float8_e4m3fn, device=dev)
         ascale = torch.empty(maxp, dtype=torch.float32, device=dev)
@@ -456,7 +427,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         TOPK=k, WMODE=wmode2, TERMS=cfg.fp8, SWAP=cfg.swap2 and not fp8,
         BM=cfg.bm, BN=cfg.bn2, BK=cfg.bk2, y_ptr=y if fused_out else out,
         count_ptr=out_counts if fused_out else out, NOSORT=nosort, FUSED_OUT=fused_out, USE_PDL=bool(pdl),
-        PF_BYTES=_pf_bytes(pf2, inter), num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl)
+        num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl)
     return y if fused_out else out.to(hidden.dtype)
 
 

@@ -200,19 +200,6 @@ def _fence_gpu():
 
 
 @triton.jit
-def _prefetch_rows(w_ptr, e, w_rows, E, stride_we, stride_wn, PF_BYTES: tl.constexpr):
-    """Ask L2 for the first PF_BYTES of each of this program's weight rows (one prefetch.global.L2 per
-    128-byte line): a hint with no result and no wait, so it may run before the PDL wait on an expert id
-    that is not yet final; e is clamped to [0, E) so every address is valid."""
-    el: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    e64 = tl.minimum(tl.maximum(e, 0), E - 1).to(tl.int64)
-    lines = tl.arange(0, PF_BYTES // 128) * (128 // el)
-    ptrs = w_ptr + e64 * stride_we + w_rows[:, None].to(tl.int64) * stride_wn + lines[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
 def _block_rows(sorted_ptr, expert_ids_ptr, pid_m, N, BM: tl.constexpr, NOSORT: tl.constexpr):
     """(expert, rows, slot ids, valid mask, is_active) of BM block pid_m.
 
@@ -359,25 +346,13 @@ def gemm1_swiglu_kernel(x_ptr, xlo_off, xscale_ptr, w_ptr, s_ptr, shift_ptr, epi
                         TOPK: tl.constexpr, WMODE: tl.constexpr, PRESCALED: tl.constexpr,
                         TERMS: tl.constexpr, SWAP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        NOSORT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                        PF_BYTES: tl.constexpr = 0, LAUNCH_NEXT: tl.constexpr = False):
+                        NOSORT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """act[p, n] = SwiGLU-OAI(x W_gate^T, x W_up^T) for sorted row p, columns [n, n+BN) of I.
 
     One [2BN, K] weight slab per program (BN gate rows then the BN matching up rows), one MMA per K
-    step, split in the epilogue. Grid (MAXB * I/BN,).
-
-    NOSORT with PF_BYTES: each program first asks L2 for its slab's first PF_BYTES per row, before
-    the PDL wait (the expert ids are known then: see fused_moe). LAUNCH_NEXT: after the wait, signal
-    the dependent launch so GEMM2's programs start as this grid's programs retire."""
-    if NOSORT and PF_BYTES > 0:  # before the wait: start this slab's first bytes towards L2 (see _prefetch_rows)
-        pid = tl.program_id(0)
-        r = tl.arange(0, 2 * BN)
-        _prefetch_rows(w_ptr, tl.load(expert_ids_ptr + pid // NUM_N), (pid % NUM_N) * BN + (r % BN) + (r // BN) * INTER,
-                       E, stride_we, stride_wn, PF_BYTES)
+    step, split in the epilogue. Grid (MAXB * I/BN,)."""
     pid_n, e, rows, tok, tmask, has_work = _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT,
                                                           USE_PDL)
-    if LAUNCH_NEXT:  # every program is past its wait: GEMM2 may launch now and prefetch during this tail
-        tl.extra.cuda.gdc_launch_dependents()
     if not has_work:
         return
     _gemm1_tile(x_ptr, xlo_off, xscale_ptr, stride_xm, w_ptr, s_ptr, shift_ptr, epi_ptr, alpha_ptr, beta_ptr,
@@ -431,8 +406,7 @@ def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, e
                         TOPK: tl.constexpr, WMODE: tl.constexpr, TERMS: tl.constexpr, SWAP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         y_ptr=None, count_ptr=None, NOSORT: tl.constexpr = False,
-                        FUSED_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                        PF_BYTES: tl.constexpr = 0):
+                        FUSED_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """out[token, n] += rsf * w_route * (act W2^T)[p, n] by fp32 atomics: the top-k reduce happens
     in the atomics. Grid (MAXB * H/BN,). SWAP, WMODE, TERMS as in GEMM1; WMODE 4 reads act as e4m3
     term(s) with the per-row scale 2^m at ascale_ptr.
@@ -444,11 +418,7 @@ def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, e
     that brings a row's counter to TOPK (the last contribution) crosses a CTA barrier and a fence
     again, reads the finished fp32 row tile from L2 (.cg), stores it to y in y's dtype and re-zeroes
     the scratch tile and the counter for the next call. Calls sharing the scratch must be
-    stream-ordered (they are: one stream, one forward at a time). PF_BYTES: as in gemm1_swiglu_kernel."""
-    if NOSORT and PF_BYTES > 0:  # before the wait (see gemm1_swiglu_kernel)
-        pid = tl.program_id(0)
-        _prefetch_rows(w_ptr, tl.load(expert_ids_ptr + pid // NUM_N), (pid % NUM_N) * BN + tl.arange(0, BN), E,
-                       stride_we, stride_wn, PF_BYTES)
+    stream-ordered (they are: one stream, one forward at a time)."""
     pid_n, e, rows, tok, tmask, has_work = _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT,
                                                           USE_PDL)
     if not has_work:

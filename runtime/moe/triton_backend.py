@@ -271,6 +271,7 @@ _out_scratch: dict = {}
 FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scratch of T x H
 NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per routed slot (BM 16)
 USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORTER_MOE_PDL env, default on
+PREP_PDL = True  # the prep kernel launched with PDL too (A/B switch)
 
 
 def _fused_out_scratch(device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,7 +391,8 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
             hidden, xq, xq[-1], xscale, out, topk_ids, sorted_ids, expert_ids, cursor,
             t, h, n, e, nblk, hidden.stride(0),
             DO_ALIGN=in_kernel_align, QUANT=quant_x, ZERO_OUT=zero_out, HP=next_pow2(h),
-            BM=cfg.bm, EP=ep, C=64, CB=128, num_warps=8)
+            BM=cfg.bm, EP=ep, C=64, CB=128, USE_PDL=bool(pdl) and PREP_PDL, num_warps=8,
+            **(pdl if PREP_PDL else {}))
     wmode1 = 4 if fp8 else p.wmode1
     wmode2 = 4 if fp8 else p.wmode2
     if fp8:

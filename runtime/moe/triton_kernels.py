@@ -119,11 +119,15 @@ def _quant_row(x, q_ptr, lo_ptr, scale_ptr, offs, mask, QUANT: tl.constexpr):
 def prep_kernel(hidden_ptr, xq_ptr, xlo_ptr, xscale_ptr, out_ptr, topk_ids_ptr, sorted_ptr, expert_ids_ptr,
                 cursor_ptr, T, H, N, E, MAXB, stride_h,
                 DO_ALIGN: tl.constexpr, QUANT: tl.constexpr, ZERO_OUT: tl.constexpr, HP: tl.constexpr,
-                BM: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, CB: tl.constexpr):
+                BM: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
+                USE_PDL: tl.constexpr = False):
     """With DO_ALIGN: program 0 aligns the tokens and programs 1..T handle tokens 0..T-1; without it
     programs 0..T-1 do. Per token: its MMA operand row with its power-of-two scale (QUANT > 0, see
     _quant_row) and its fp32 output row zeroed for GEMM2's atomics (ZERO_OUT; the fused-output path
-    keeps a persistent zeroed scratch instead)."""
+    keeps a persistent zeroed scratch instead). USE_PDL: launched early, it waits for the previous
+    kernel (its router) before touching memory."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     if DO_ALIGN:
         if pid == 0:

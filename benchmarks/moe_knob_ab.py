@@ -1,0 +1,72 @@
+"""A/B of one triton_backend module switch (e.g. PREP_PDL) on the whole routed MoE layer at MiniMax-M3
+dims, one GPU: CUDA-graph replay queued behind GPU work, median of interleaved rounds (drift hits every
+value alike), each value's output against the first value's and the torch reference. The floor is the
+touched weight + scale bytes at the streaming bandwidth measured in the same run.
+
+  python3 benchmarks/moe_knob_ab.py --knob PREP_PDL --values True,False [--tokens 1,2,4,16,64] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from moe_layer import EXPERT_BYTES, build_layer, decode_problem, graph_time_queued_us, stream_bandwidth  # noqa: E402
+from runtime.moe import triton_backend as tb  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--knob", required=True)
+    ap.add_argument("--values", required=True, help="comma list of Python literals")
+    ap.add_argument("--tokens", default="1,2,4,16,64")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if not hasattr(tb, args.knob):
+        sys.exit(f"runtime.moe.triton_backend has no {args.knob}")
+    values = [ast.literal_eval(v) for v in args.values.split(",")]
+    dev = torch.device("cuda")
+    bw = stream_bandwidth(dev)["used"]
+    moe, ref_moe, _, _ = build_layer(dev)
+    keep = getattr(tb, args.knob)
+    res = {"knob": args.knob, "bandwidth_Bps": bw, "gpu": torch.cuda.get_device_name(dev), "rows": []}
+    print(f"{res['gpu']}, streaming bandwidth {bw / 1e12:.2f} TB/s; {args.knob} in {values}", flush=True)
+    for t in [int(v) for v in args.tokens.split(",")]:
+        x, ids, w = decode_problem(t, dev)
+        floor_us = int(torch.unique(ids).numel()) * EXPERT_BYTES / bw * 1e6
+        ref = ref_moe.forward_topk(x, ids, w).float()
+        times, outs = {v: [] for v in values}, {}
+        for _ in range(args.rounds):
+            for v in values:
+                setattr(tb, args.knob, v)
+                f = lambda: moe.forward_topk(x, ids, w)
+                times[v].append(graph_time_queued_us(f))
+                outs[v] = f().float()
+        setattr(tb, args.knob, keep)
+        first = values[0]
+        base = statistics.median(times[first])
+        for v in values:
+            us = statistics.median(times[v])
+            row = {"T": t, "value": repr(v), "us": us, "x_floor": us / floor_us, "vs_first": us / base,
+                   "rel_vs_first": float((outs[v] - outs[first]).norm() / outs[first].norm()),
+                   "rel_vs_torch": float((outs[v] - ref).norm() / ref.norm()), "rounds_us": times[v]}
+            res["rows"].append(row)
+            print(f"T={t} {args.knob}={v!r:8} {us:8.1f} us  {row['x_floor']:.3f}x floor ({floor_us:.1f} us)  "
+                  f"{row['vs_first']:.3f}x first  rel vs first {row['rel_vs_first']:.1e}  "
+                  f"vs torch {row['rel_vs_torch']:.1e}", flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

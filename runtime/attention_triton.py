@@ -3,31 +3,58 @@
 Program (row b, kv head h, slice sp) streams its slice of the key list in BLOCK_N-key tiles: the G query
 heads that share kv head h are the rows of one tl.dot (padded to GP >= 16), scores and the online
 softmax stay in fp32, K/V rows are read once. Dense: keys are slots 0..pos[b] (tiles past pos are not
-visited). Sparse: key j of the list is slot blocks[b, h, j // KB] * KB + j % KB (any block size KB).
-Writes the slice's unnormalised output, running max and sum; decode_attention merges the slices.
+visited). Sparse: key j of the list is slot blocks[b, h, j // KB] * KB + j % KB (any block size KB); with
+TOPK the kernel picks those blocks itself from the indexer's block scores (the TOPK best, ranked in every
+program: no separate top-k launch). Each slice writes its unnormalised output, running max and sum; they
+are merged by combine_kernel (a second launch) or, with COMBINE, by the slice that arrives last for its
+(row, kv head) (one launch).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from runtime.moe.triton_kernels import _fence_gpu
+
 
 @triton.jit
-def decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, blk_ptr, o_ptr, m_ptr, l_ptr,
+def decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, blk_ptr, sc_ptr, o_ptr, m_ptr, l_ptr, out_ptr, cnt_ptr, top_ptr,
                   n_keys, nblk, nb, tiles_per_split, scale,
-                  sq_b, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
+                  sq_b, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, ss_b, ss_h,
                   NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr, IEEE: tl.constexpr):
+                  BLOCK_N: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr, IEEE: tl.constexpr,
+                  TOPK: tl.constexpr = 0, NBP: tl.constexpr = 1, CH: tl.constexpr = 1, COMBINE: tl.constexpr = False,
+                  SP: tl.constexpr = 2, HC: tl.constexpr = 1, FENCE: tl.constexpr = True,
+                  USE_PDL: tl.constexpr = False):
+    """Grid (B * NKV, splits). Sparse with TOPK > 0: sc_ptr holds block scores [B, *, nblk] fp32 (row
+    stride ss_b, head stride ss_h: 0 when one index head serves every kv head; NBP >= nblk, ranked CH
+    columns at a time); slice 0 of each (row, kv
+    head) also writes the picked blocks to top [B * NKV, TOPK] (best first, nblk = none). Without TOPK,
+    blk_ptr holds the blocks [B, NKV, nb]. COMBINE: cnt_ptr holds zeroed int32 arrival counters, one per
+    (row, kv head); every thread fences its slice's stores (fence.acq_rel.gpu), a CTA barrier follows,
+    then one acq_rel atomic bumps the counter (release: this slice; acquire: every earlier slice,
+    each released the same way). The slice that brings it to the number of slices crosses a barrier and
+    a fence again, merges all slices from L2 (.cg) into out [B, NKV * G, D] and re-zeroes the counter for
+    the next call (calls sharing the counters are stream-ordered). FENCE = False only in the Triton
+    interpreter (no inline PTX; it runs programs one at a time)."""
+    if USE_PDL:  # launched early (programmatic dependent launch): wait for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
     bh = tl.program_id(0)
     sp = tl.program_id(1)
     nsp = tl.num_programs(1)
-    b = bh // NKV
+    b = (bh // NKV).to(tl.int64)  # b x cache stride passes 2^31 at long contexts and batch
     h = bh % NKV
     p = tl.load(pos_ptr + b)
     rows = tl.arange(0, GP)
     dcol = tl.arange(0, D)
     q = tl.load(q_ptr + b * sq_b + (h * G + rows)[:, None] * D + dcol[None, :],
                 mask=(rows < G)[:, None], other=0.0)  # [GP, D]
+    if TOPK > 0:
+        rank, live = _block_ranks(sc_ptr + b * ss_b + h * ss_h, nblk, NBP, CH)  # [NBP] each
+        bidx = tl.arange(0, NBP)
+        if sp == 0:
+            tl.store(top_ptr + bh * TOPK + rank, tl.where(live, bidx, nblk).to(tl.int64),
+                     mask=(rank < TOPK) & (bidx < nblk))
     m_i = tl.full([GP], -1.0e30, tl.float32)  # finite "minus infinity": an empty slice merges with weight 0
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -43,10 +70,20 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, blk_ptr, o_ptr, m_ptr, l_ptr,
             slot = j
             ok = j <= p
         else:
-            bid = tl.load(blk_ptr + bh * nb + j // KB, mask=j < n_keys, other=nblk)
+            if TOPK > 0:
+                if KB % BLOCK_N == 0:  # the tile lies in one list entry: one scalar pick
+                    hit = live & (rank == (t * BLOCK_N) // KB)  # [NBP]
+                    bid = tl.where(tl.sum(hit.to(tl.int32), 0) > 0, tl.sum(tl.where(hit, bidx, 0), 0), nblk)
+                else:
+                    hit = live[None, :] & (rank[None, :] == (j // KB)[:, None])  # [BLOCK_N, NBP]
+                    bid = tl.where(tl.sum(hit.to(tl.int32), 1) > 0, tl.sum(tl.where(hit, bidx[None, :], 0), 1),
+                                   nblk)
+            else:
+                bid = tl.load(blk_ptr + bh * nb + j // KB, mask=j < n_keys, other=nblk)
             slot = tl.minimum(bid, nblk - 1) * KB + j % KB
             ok = (j < n_keys) & (bid < nblk) & (slot <= p)
         k = tl.load(k_base + slot[:, None] * sk_s + dcol[None, :], mask=ok[:, None], other=0.0)  # [BN, D]
+        v = tl.load(v_base + slot[:, None] * sv_s + dcol[None, :], mask=ok[:, None], other=0.0)  # [BN, D]
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -56,7 +93,6 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, blk_ptr, o_ptr, m_ptr, l_ptr,
         alpha = tl.exp(m_i - m_new)
         pr = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pr, 1)
-        v = tl.load(v_base + slot[:, None] * sv_s + dcol[None, :], mask=ok[:, None], other=0.0)  # [BN, D]
         if IEEE:
             pv = tl.dot(pr, v.to(tl.float32), input_precision="ieee")
         else:
@@ -67,21 +103,60 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, blk_ptr, o_ptr, m_ptr, l_ptr,
     tl.store(o_ptr + out[:, None] * D + dcol[None, :], acc)
     tl.store(m_ptr + out, m_i)
     tl.store(l_ptr + out, l_i)
+    if COMBINE:
+        if FENCE:
+            _fence_gpu()
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")
+        tl.debug_barrier()  # the acquiring thread's view is shared before any thread reads the slices
+        if FENCE:
+            _fence_gpu()
+        if arrived == nsp - 1:
+            for g0 in tl.static_range(0, GP, HC):
+                _merge(o_ptr, m_ptr, l_ptr, out_ptr, bh, nsp, g0, G, GP, D, SP, HC)
+            tl.store(cnt_ptr + bh, 0)
+
+
+@triton.jit
+def _block_ranks(s_row, NBLK, NBP: tl.constexpr, CH: tl.constexpr):
+    """Ranks of NBLK block scores (0 = best; equal scores: lower block first, the order of a sequential
+    argmax with tie_break_left) and which are visible (score > -inf): [NBP] each. NBP^2 compares, CH
+    columns at a time."""
+    i = tl.arange(0, NBP)
+    v = tl.load(s_row + i, mask=i < NBLK, other=float("-inf"))
+    rank = tl.zeros([NBP], tl.int32)
+    for c in tl.static_range(0, NBP, CH):
+        jj = c + tl.arange(0, CH)
+        vj = tl.load(s_row + jj, mask=jj < NBLK, other=float("-inf"))
+        ahead = (vj[None, :] > v[:, None]) | ((vj[None, :] == v[:, None]) & (jj[None, :] < i[:, None]))  # [NBP, CH]
+        rank += tl.sum(ahead.to(tl.int32), 1)
+    return rank, (v > float("-inf")) & (i < NBLK)
+
+
+@triton.jit
+def _merge(o_ptr, m_ptr, l_ptr, out_ptr, bh, nsp, g0, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+           SP: tl.constexpr, HC: tl.constexpr):
+    """Merge the nsp slices of (row b, kv head h) for query heads h * G + g0 .. g0 + HC - 1:
+    sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s. Loads bypass L1 (.cg): other programs wrote them."""
+    s = tl.arange(0, SP)
+    g = g0 + tl.arange(0, HC)
+    dcol = tl.arange(0, D)
+    ok = (s < nsp)[:, None] & (g < G)[None, :]  # [SP, HC]
+    idx = (bh * nsp + s)[:, None] * GP + g[None, :]  # [SP, HC]
+    m = tl.load(m_ptr + idx, mask=ok, other=-1.0e30, cache_modifier=".cg")
+    l = tl.load(l_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
+    w = tl.exp(m - tl.max(m, 0)[None, :])  # empty slices (m = -1e30) weigh 0
+    o = tl.load(o_ptr + idx[:, :, None] * D + dcol[None, None, :], mask=ok[:, :, None], other=0.0,
+                cache_modifier=".cg")  # [SP, HC, D]
+    res = tl.sum(o * w[:, :, None], 0) / tl.sum(l * w, 0)[:, None]  # [HC, D]
+    tl.store(out_ptr + (bh * G + g)[:, None] * D + dcol[None, :], res.to(out_ptr.dtype.element_ty),
+             mask=(g < G)[:, None])
 
 
 @triton.jit
 def combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, NSP, GP: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                   SP: tl.constexpr):
-    """Merge the slices of (row b, kv head h) for query head h * G + gi: sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s."""
-    bh = tl.program_id(0)
-    gi = tl.program_id(1)
-    s = tl.arange(0, SP)
-    dcol = tl.arange(0, D)
-    ok = s < NSP
-    idx = (bh * NSP + s) * GP + gi  # [SP]
-    m = tl.load(m_ptr + idx, mask=ok, other=-1.0e30)
-    l = tl.load(l_ptr + idx, mask=ok, other=0.0)
-    w = tl.exp(m - tl.max(m, 0))  # empty slices (m = -1e30) weigh 0
-    o = tl.load(o_ptr + idx[:, None] * D + dcol[None, :], mask=ok[:, None], other=0.0)  # [SP, D]
-    out = tl.sum(o * w[:, None], 0) / tl.sum(l * w, 0)
-    tl.store(out_ptr + (bh * G + gi) * D + dcol, out.to(out_ptr.dtype.element_ty))
+                   SP: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """Program (row b, kv head h, gi): merge the slices for query head h * G + gi (the two-launch path)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    _merge(o_ptr, m_ptr, l_ptr, out_ptr, tl.program_id(0), NSP, tl.program_id(1), G, GP, D, SP, 1)

@@ -149,7 +149,14 @@ def index_select(iq: torch.Tensor, idx_cache: torch.Tensor, pos: torch.Tensor, k
                  topk: int, local_blocks: int, init_blocks: int) -> torch.Tensor:
     """Decode indexer: iq [B, ni, di] against the cached index keys [B, S_max, di] over slots < kv_len ->
     top blocks [B, ni, 1, topk] int64, best first (entry nblk = none left), as Indexer.select."""
-    from runtime.fused_triton import index_scores_kernel, index_topk_kernel
+    return index_topk(index_scores(iq, idx_cache, pos, kv_len, block, local_blocks, init_blocks), topk)[:, :, None]
+
+
+def index_scores(iq: torch.Tensor, idx_cache: torch.Tensor, pos: torch.Tensor, kv_len: int, block: int,
+                 local_blocks: int, init_blocks: int) -> torch.Tensor:
+    """Block scores of the decode indexer -> [B, ni, nblk] fp32: the max of iq . index key over each block's
+    visible slots, -inf where none is visible, +inf for the blocks every query keeps."""
+    from runtime.fused_triton import index_scores_kernel
     B, ni, di = iq.shape
     pos = pos.contiguous()  # read at pos_ptr + b
     nblk = -(-kv_len // block)
@@ -158,10 +165,18 @@ def index_select(iq: torch.Tensor, idx_cache: torch.Tensor, pos: torch.Tensor, k
                                    idx_cache.stride(1), NI=ni, NIP=max(16, next_pow2(ni)), DI=di, DIP=max(16, next_pow2(di)), KB=block,
                                    KBP=max(16, next_pow2(block)), LOCAL=local_blocks, INIT=init_blocks,
                                    IEEE=iq.dtype == torch.float32, num_warps=4, **pdl(iq.device))
-    top = torch.empty((B, ni, 1, topk), dtype=torch.int64, device=iq.device)
+    return scores
+
+
+def index_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Block scores [B, n, nblk] fp32 -> the topk best blocks [B, n, topk] int64, best first (equal scores:
+    lower block first; a pick whose score is -inf is nblk = none)."""
+    from runtime.fused_triton import index_topk_kernel
+    B, n, nblk = scores.shape
+    top = torch.empty((B, n, topk), dtype=torch.int64, device=scores.device)
     nbp = next_pow2(nblk)  # one warp up to 512 blocks (64k keys): its reductions need no shared memory
-    index_topk_kernel[(B * ni,)](scores, top, nblk, TOPK=topk, NBP=nbp, num_warps=1 if nbp <= 512 else 4,
-                                 **pdl(iq.device))
+    index_topk_kernel[(B * n,)](scores.contiguous(), top, nblk, TOPK=topk, NBP=nbp, num_warps=1 if nbp <= 512 else 4,
+                                **pdl(scores.device))
     return top
 
 

@@ -90,6 +90,100 @@ def test_triton_decode_attention_at_real_dims(sparse):
     assert fx.rel(got.float(), want) <= 1e-2
 
 
+def _real_dims_attention(B, s_max, seed, dtype=torch.bfloat16):
+    """q [B, 64, 128], K/V caches [B, 4, s_max, 128] at MiniMax-M3's attention dims."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, 64, 128, device="cuda", generator=g, dtype=dtype)
+    k, v = (torch.randn(B, 4, s_max, 128, device="cuda", generator=g, dtype=dtype) for _ in range(2))
+    return q, k, v
+
+
+def _block_scores(B, s_max, pos, seed):
+    """The decode indexer's block scores [B, 4, s_max/128] over random index keys (2 local blocks and 1
+    init block kept: +inf ties; blocks past a row's position: -inf)."""
+    from runtime import fused
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    iq = torch.randn(B, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    keys = torch.randn(B, s_max, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    return fused.index_scores(iq, keys, pos, s_max, 128, 2, 1)
+
+
+@pytest.mark.parametrize("pos", [[8191], [130, 3000, 8191]], ids=["batch1", "batch3-left-padded"])
+def test_one_launch_attention_equals_two_launches(pos, monkeypatch):
+    """The one-launch decode attention (top-k from the block scores in the kernel, last-arriving slice
+    merges) against the two-launch path (index_topk kernel, split-K kernel, merge kernel) and the fp32 SDPA
+    reference, at real dims, KV 1k and 8k: the same blocks (bit-equal), outputs within bf16 rounding of
+    each other; repeated calls and CUDA-graph replays give the same bits and leave the counters zeroed."""
+    from runtime import attention as A
+    from runtime import fused
+    B, s_max, topk, block, scale = len(pos), 8192, 16, 128, 128 ** -0.5
+    pos_t = torch.tensor(pos, device="cuda")
+    q, k, v = _real_dims_attention(B, s_max, seed=5)
+    scores = _block_scores(B, s_max, pos_t, seed=6)  # [B, 4, 64]
+    assert bool((scores == float("inf")).any()) and (B == 1 or bool((scores == float("-inf")).any()))
+    out, top = A.decode_attention_topk(q, k, v, pos_t, s_max, scores, topk, block, scale)
+    assert torch.equal(top, fused.index_topk(scores, topk)) and torch.equal(top, A.top_blocks(scores, topk))
+    want = decode_attention_reference(q.float(), k.float(), v.float(), pos_t, s_max, top, block, scale)
+    assert out.dtype == torch.bfloat16 and fx.rel(out.float(), want) <= 1e-2
+    monkeypatch.setattr(A, "FUSED_ATTENTION", False)
+    out2, top2 = A.decode_attention_topk(q, k, v, pos_t, s_max, scores, topk, block, scale)
+    assert torch.equal(top2, top)
+    assert fx.rel(out2.float(), want) <= 1e-2 and fx.rel(out.float(), out2.float()) <= 4e-3  # bf16 ulp: 2^-8
+    for kv in (1024, s_max):  # dense: every slot <= pos (rows past kv see kv slots: pos clamped)
+        p = pos_t.clamp(max=kv - 1)
+        two = decode_attention(q, k, v, p, kv, scale=scale)
+        want_d = decode_attention_reference(q.float(), k.float(), v.float(), p, kv, scale=scale)
+        monkeypatch.setattr(A, "FUSED_ATTENTION", True)
+        one = decode_attention(q, k, v, p, kv, scale=scale)
+        monkeypatch.setattr(A, "FUSED_ATTENTION", False)
+        assert fx.rel(one.float(), want_d) <= 1e-2 and fx.rel(two.float(), want_d) <= 1e-2, kv
+        assert fx.rel(one.float(), two.float()) <= 4e-3, kv
+    monkeypatch.setattr(A, "FUSED_ATTENTION", True)
+    counters = A._arrival_counters(q.device)
+    # repeated calls: a counter left non-zero would keep the next call's merge from running
+    qs = [_real_dims_attention(B, 16, seed=10 + i)[0] for i in range(3)]
+    eager = []
+    for qi in qs:
+        for _ in range(2):
+            o, t = A.decode_attention_topk(qi, k, v, pos_t, s_max, scores, topk, block, scale)
+            assert torch.equal(t, top) and int(counters.count_nonzero()) == 0
+            eager.append(o)
+        assert torch.equal(eager[-1], eager[-2])  # the merge order does not depend on which slice is last
+        assert fx.rel(eager[-1].float(), decode_attention_reference(qi.float(), k.float(), v.float(), pos_t, s_max,
+                                                                    top, block, scale)) <= 1e-2
+    static_q = qs[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        A.decode_attention_topk(static_q, k, v, pos_t, s_max, scores, topk, block, scale)
+        decode_attention(static_q, k, v, pos_t, s_max, scale=scale)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, _ = A.decode_attention_topk(static_q, k, v, pos_t, s_max, scores, topk, block, scale)
+        g_dense = decode_attention(static_q, k, v, pos_t, s_max, scale=scale)
+    for rep in range(2):
+        for i, qi in enumerate(qs):
+            static_q.copy_(qi)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(g_out, eager[2 * i]), (rep, i)
+            assert torch.equal(g_dense, decode_attention(qi, k, v, pos_t, s_max, scale=scale)), (rep, i)
+            assert int(counters.count_nonzero()) == 0
+
+
+def test_one_launch_attention_fp32():
+    """fp32 (IEEE dots): the one-launch sparse and dense attention within 1e-5 of the fp32 SDPA reference."""
+    from runtime import attention as A
+    pos = torch.tensor([4000, 77], device="cuda")
+    q, k, v = _real_dims_attention(2, 4096, seed=7, dtype=torch.float32)
+    scores = _block_scores(2, 4096, pos, seed=8)
+    out, top = A.decode_attention_topk(q, k, v, pos, 4096, scores, 16, 128, 0.1)
+    assert torch.equal(top, A.top_blocks(scores, 16))
+    assert fx.rel(out, decode_attention_reference(q, k, v, pos, 4096, top, 128, 0.1)) <= 1e-5
+    assert fx.rel(decode_attention(q, k, v, pos, 4096), decode_attention_reference(q, k, v, pos, 4096)) <= 1e-5
+
+
 @pytest.mark.parametrize("n,k", [(8192 + 3 * 512 + 128, 6144), (6144, 8192)])  # stacked q/k/v/index; o_proj
 def test_gemv_at_real_dims(n, k):
     """runtime.gemv (bf16 and MXFP8 weights) against the torch matmul of the same values."""

@@ -38,7 +38,7 @@ from converters.minimax_m3 import TextConfig
 from porter import mxfp8
 from porter.layout import scale_name
 from runtime import fused, gemv
-from runtime.attention import decode_attention
+from runtime.attention import decode_attention, decode_attention_topk
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params, swiglu_oai
 
 Getter = Callable[[str], Optional[torch.Tensor]]  # canonical name -> tensor on the device, or None
@@ -326,20 +326,23 @@ class Indexer:
             self._dropped = self._excluded(top_i, nblk, pos // bs + 1, step.valid)
         return top_i
 
-    def select_decode(self, iq: torch.Tensor, pos: torch.Tensor, step: Step, cache: LayerCache):
-        """select() at decode after fused.decode_qkv wrote the new index key: iq [B, ni, di] (normed, RoPE'd)
-        -> top blocks [B, ni, 1, topk] or None (every visible block fits the budget)."""
-        bs, topk = self.cfg.index_block_size, self.cfg.index_topk_blocks
-        nblk = -(-step.kv_len // bs)
+    def scores_decode(self, iq: torch.Tensor, pos: torch.Tensor, step: Step, cache: LayerCache):
+        """select() at decode up to the block scores, after fused.decode_qkv wrote the new index key:
+        iq [B, ni, di] (normed, RoPE'd) -> [B, ni, nblk] fp32, or None (every visible block fits the
+        budget). The attention picks the top-k (runtime.attention.decode_attention_topk), then kept()."""
+        nblk = -(-step.kv_len // self.cfg.index_block_size)
         if not _capturing():
             self._dropped = None
-        if nblk <= topk:
+        if nblk <= self.cfg.index_topk_blocks:
             return None
-        top = fused.index_select(iq, cache.idx_k, pos, step.kv_len, bs, topk, self.cfg.index_local_blocks,
-                                 self.cfg.index_init_blocks)
+        return fused.index_scores(iq, cache.idx_k, pos, step.kv_len, self.cfg.index_block_size,
+                                  self.cfg.index_local_blocks, self.cfg.index_init_blocks)
+
+    def kept(self, top: torch.Tensor, step: Step) -> None:
+        """The blocks the decode attention kept, top [B, ni, topk] (diagnostics: last_excluded)."""
         if not _capturing():
-            self._dropped = self._excluded(top, nblk, step.pos // bs + 1, None)
-        return top
+            bs = self.cfg.index_block_size
+            self._dropped = self._excluded(top[:, :, None], -(-step.kv_len // bs), step.pos // bs + 1, None)
 
     def _excluded(self, top_i, nblk, visible, valid) -> torch.Tensor:
         """Visible blocks not selected, over index heads and real queries (0-dim, on the device)."""
@@ -389,18 +392,20 @@ class Attention:
         cos, sin = step.rope(self.rope, x.dtype)  # [B, 1, r]
         pos = step.pos[:, 0]  # [B]
         qkv = self.qkv(x.reshape(B, -1))  # [B, nq*d + 2*nkv*d (+ ni*di + di)]
-        ix = self.indexer
+        ix, scores = self.indexer, None
         if ix is None:
             q, _ = fused.decode_qkv(qkv, pos, cos, sin, (self.q_norm, self.k_norm), (nq, nkv, d), cache.k, cache.v,
                                     eps)
-            blocks = None
         else:
             q, iq = fused.decode_qkv(qkv, pos, cos, sin, (self.q_norm, self.k_norm, ix.q_norm, ix.k_norm),
                                      (nq, nkv, d, ix.ni, ix.di), cache.k, cache.v, eps, cache.idx_k)
-            blocks = ix.select_decode(iq, pos, step, cache)
-            blocks = None if blocks is None else blocks[:, :, 0].expand(B, nkv, -1)  # index head h -> kv head h
-        out = decode_attention(q, cache.k, cache.v, pos, step.kv_len, blocks, cfg.index_block_size,
-                               d ** -0.5)  # [B, nq, d]
+            scores = ix.scores_decode(iq, pos, step, cache)  # [B, ni, nblk] or None; index head h -> kv head h
+        if scores is None:
+            out = decode_attention(q, cache.k, cache.v, pos, step.kv_len, None, cfg.index_block_size, d ** -0.5)
+        else:
+            out, top = decode_attention_topk(q, cache.k, cache.v, pos, step.kv_len, scores, cfg.index_topk_blocks,
+                                             cfg.index_block_size, d ** -0.5)  # [B, nq, d]
+            ix.kept(top, step)
         return out.reshape(B, 1, nq * d)
 
     def __call__(self, x: torch.Tensor, step: Step, cache: Optional[LayerCache]) -> torch.Tensor:

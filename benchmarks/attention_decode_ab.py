@@ -1,0 +1,89 @@
+"""A/B of the decode attention at MiniMax-M3's real dims (64 q / 4 kv heads, head_dim 128, indexer 4 x 128,
+block 128, top-16): the one-launch kernel (top-k picked in the kernel from the indexer's block scores,
+the last-arriving slice merges) against the two-launch path (index_topk, split-K, merge kernels), per
+(batch, cached tokens) and for a few slice caps (MERGE_SPLITS) and key tiles.
+
+Sparse cases time the indexer's block scores + the attention (what follows decode_qkv in a sparse layer);
+dense cases the attention alone. Each timed CUDA graph cycles through enough cache copies (>= 200 MB)
+that no call finds its keys in L2, as in a decode step that streams the weights between two layers'
+attention. Prints µs per call and each output's relative difference to the two-launch output.
+
+    python benchmarks/attention_decode_ab.py --out benchmarks/results/attention_decode_ab.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gemv_stream_ab import rotating_ms  # noqa: E402
+from runtime import attention as A  # noqa: E402
+from runtime import fused  # noqa: E402
+
+NQ, NKV, D, NI, DI, BLOCK, TOPK = 64, 4, 128, 4, 128, 128, 16
+CASES = [("sparse", 1, 8192), ("sparse", 8, 8192), ("dense", 1, 1024), ("dense", 1, 8192), ("dense", 8, 1024),
+         ("dense", 32, 1024)]
+VARIANTS = [(8, 64), (16, 64), (32, 64), (16, 128)]  # (slice cap, key tile) of the one-launch kernel
+
+
+def case_inputs(B: int, kv: int, copies: int):
+    """Per copy: q, K/V caches, index q, index-key cache (as decode.py's filled cache: kv + 128 slots)."""
+    slots = kv + BLOCK
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+    return [(r(B, NQ, D), r(B, NKV, slots, D), r(B, NKV, slots, D), r(B, NI, DI), r(B, slots, DI))
+            for _ in range(copies)]
+
+
+def attention_fn(kind: str, inputs, pos, slots: int, one: bool, cap=None, block_n=64):
+    """fn(i) -> attention output of copy i (sparse: block scores first)."""
+    def run(i):
+        q, k, v, iq, ik = inputs[i]
+        if kind == "dense":
+            return A._decode_attention_triton(q, k, v, pos, slots, None, BLOCK, D ** -0.5, one_launch=one,
+                                              merge_splits=cap, block_n=block_n)[0]
+        scores = fused.index_scores(iq, ik, pos, slots, BLOCK, 1, 0)
+        if one:
+            return A._decode_attention_triton(q, k, v, pos, slots, None, BLOCK, D ** -0.5, scores=scores, topk=TOPK,
+                                              one_launch=True, merge_splits=cap, block_n=block_n)[0]
+        top = fused.index_topk(scores, TOPK)
+        return A._decode_attention_triton(q, k, v, pos, slots, top, BLOCK, D ** -0.5, one_launch=False,
+                                          block_n=block_n)[0]
+    return run
+
+
+@torch.inference_mode()
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    for kind, B, kv in CASES:
+        slots = kv + BLOCK
+        per_copy = B * slots * (2 * NKV * D + DI) * 2
+        copies = max(2, -(-200_000_000 // per_copy))
+        inputs = case_inputs(B, kv, copies)
+        pos = torch.full((B,), kv, device="cuda")
+        base = attention_fn(kind, inputs, pos, slots, one=False)
+        want = base(0).float()
+        rows = {"two-launch": rotating_ms(base, copies)}
+        for cap, bn in VARIANTS:
+            fn = attention_fn(kind, inputs, pos, slots, one=True, cap=cap, block_n=bn)
+            err = float((fn(0).float() - want).norm() / want.norm())
+            rows[f"one-launch cap {cap} tile {bn}"] = rotating_ms(fn, copies)
+            rows[f"one-launch cap {cap} tile {bn} rel"] = err
+        line = ", ".join(f"{k} {v:.2f}" if "rel" not in k else f"{k} {v:.1e}" for k, v in rows.items())
+        print(f"{kind} B={B} KV={kv} ({copies} cache copies), us: {line}", flush=True)
+        doc["rows"].append({"kind": kind, "batch": B, "kv": kv, "copies": copies, "us": rows})
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One H200 call for the one-launch decode attention: the decode benchmark with it (default) and without it
+# (PORTER_FUSED_ATTENTION=0, batch 1), the GPU decode tests, and the attention A/B sweep. Logs to $OUT.
+#   OUT=/tmp/out bash benchmarks/attention_round6.sh
+set -u
+OUT=${OUT:-/tmp/attention-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
+step() {  # name, timeout seconds, command...
+  local name=$1 t=$2; shift 2
+  local start=$SECONDS
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? $((SECONDS - start))s" | tee -a "$OUT/steps.txt"
+  tail -3 "$OUT/$name.log"
+}
+bench="python benchmarks/decode.py --workdir /tmp/m3-decode --layers 2 --experts 8 --scopes experts --prefill-tokens 0"
+step decode_one_launch ${TBENCH:-80} $bench --out "$OUT/d_one"
+step decode_two_launch ${TBENCH:-60} env PORTER_FUSED_ATTENTION=0 $bench --out "$OUT/d_two" --cases 1x1024,1x8192
+step decode_tests ${TTESTS:-150} python -m pytest -q -m gpu tests/test_runtime_gpu_decode.py
+step attention_ab ${TAB:-90} python benchmarks/attention_decode_ab.py --out "$OUT/attention_ab.json"

@@ -27,9 +27,8 @@ from runtime import attention as A  # noqa: E402
 from runtime import fused  # noqa: E402
 
 NQ, NKV, D, NI, DI, BLOCK, TOPK = 64, 4, 128, 4, 128, 128, 16
-CASES = [("sparse", 1, 8192), ("sparse", 8, 8192), ("dense", 1, 1024), ("dense", 1, 8192), ("dense", 8, 1024),
-         ("dense", 32, 1024)]
-VARIANTS = [(8, 64), (16, 64), (32, 64), (16, 128)]  # (slice cap, key tile) of the one-launch kernel
+CASES = [("sparse", 1, 8192), ("sparse", 8, 8192), ("dense", 1, 1024), ("dense", 1, 8192), ("dense", 32, 1024)]
+VARIANTS = [(8, 64), (16, 64), (32, 64)]  # (slice cap, key tile) of the one-launch kernel
 
 
 def case_inputs(B: int, kv: int, copies: int):

@@ -4,6 +4,7 @@ value alike), each value's output against the first value's and the torch refere
 touched weight + scale bytes at the streaming bandwidth measured in the same run.
 
   python3 benchmarks/moe_knob_ab.py --knob PREP_PDL --values True,False [--tokens 1,2,4,16,64] [--rounds 3]
+      [--configs "64,64,128,4,3,128,128,4,3,False,False,2;..."]  (MoeConfig fields; default: default_config)
 """
 from __future__ import annotations
 
@@ -29,11 +30,14 @@ def main():
     ap.add_argument("--values", required=True, help="comma list of Python literals")
     ap.add_argument("--tokens", default="1,2,4,16,64")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--configs", default="", help="';'-separated MoeConfig field lists, each timed per value")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if not hasattr(tb, args.knob):
         sys.exit(f"runtime.moe.triton_backend has no {args.knob}")
     values = [ast.literal_eval(v) for v in args.values.split(",")]
+    configs = [tb.MoeConfig(*ast.literal_eval(f"({c},)")) for c in args.configs.split(";") if c] or [None]
+    variants = [(v, c) for c in configs for v in values]  # (knob value, config or None)
     dev = torch.device("cuda")
     bw = stream_bandwidth(dev)["used"]
     moe, ref_moe, _, _ = build_layer(dev)
@@ -44,23 +48,25 @@ def main():
         x, ids, w = decode_problem(t, dev)
         floor_us = int(torch.unique(ids).numel()) * EXPERT_BYTES / bw * 1e6
         ref = ref_moe.forward_topk(x, ids, w).float()
-        times, outs = {v: [] for v in values}, {}
+        times, outs = {i: [] for i in range(len(variants))}, {}
         for _ in range(args.rounds):
-            for v in values:
+            for i, (v, c) in enumerate(variants):
                 setattr(tb, args.knob, v)
-                f = lambda: moe.forward_topk(x, ids, w)
-                times[v].append(graph_time_queued_us(f))
-                outs[v] = f().float()
+                f = lambda c=c: moe.forward_topk(x, ids, w, c)
+                times[i].append(graph_time_queued_us(f))
+                outs[i] = f().float()
         setattr(tb, args.knob, keep)
-        first = values[0]
+        first = 0
         base = statistics.median(times[first])
-        for v in values:
-            us = statistics.median(times[v])
-            row = {"T": t, "value": repr(v), "us": us, "x_floor": us / floor_us, "vs_first": us / base,
-                   "rel_vs_first": float((outs[v] - outs[first]).norm() / outs[first].norm()),
-                   "rel_vs_torch": float((outs[v] - ref).norm() / ref.norm()), "rounds_us": times[v]}
+        for i, (v, c) in enumerate(variants):
+            us = statistics.median(times[i])
+            row = {"T": t, "value": repr(v), "config": c and c.__dict__, "us": us, "x_floor": us / floor_us,
+                   "vs_first": us / base,
+                   "rel_vs_first": float((outs[i] - outs[first]).norm() / outs[first].norm()),
+                   "rel_vs_torch": float((outs[i] - ref).norm() / ref.norm()), "rounds_us": times[i]}
             res["rows"].append(row)
-            print(f"T={t} {args.knob}={v!r:8} {us:8.1f} us  {row['x_floor']:.3f}x floor ({floor_us:.1f} us)  "
+            tile = "" if c is None else f" cfg {c.bm}/{c.bn1}/{c.bk1}/{c.warps1}w{c.stages1}s-{c.bn2}/{c.bk2}/{c.warps2}w{c.stages2}s"
+            print(f"T={t} {args.knob}={v!r:8}{tile} {us:8.1f} us  {row['x_floor']:.3f}x floor ({floor_us:.1f} us)  "
                   f"{row['vs_first']:.3f}x first  rel vs first {row['rel_vs_first']:.1e}  "
                   f"vs torch {row['rel_vs_torch']:.1e}", flush=True)
     if args.out:

@@ -136,12 +136,15 @@ FP8_CFG = tb.MoeConfig(64, 64, 128, 4, 3, 128, 128, 4, 3)
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (8, 9), reason="needs fp8 MMA (SM89+)")
 @pytest.mark.parametrize("t", [100, 300, 1100])
-def test_fp8_prefill_matches_torch(t):
-    """FP8 path (e4m3 activations per token with a power-of-two scale, stored e4m3 weights, per-32
-    weight scales in the fp32 accumulator). Bounds against the torch reference: two e4m3 terms
-    <= 2e-2 (bf16 act and output rounding remain); one term <= 6e-2 (e4m3's 4 significant bits on
-    both GEMMs' activations: 4.3e-2 in a CPU simulation). T=100 aligns in the prep kernel, T=300 and
-    1100 in torch (more than 1024 routed slots)."""
+@pytest.mark.parametrize("row_scale", [False, True])
+def test_fp8_prefill_matches_torch(t, row_scale, monkeypatch):
+    """FP8 path (e4m3 activations per token with a power-of-two scale, the e4m3 weights rebased to one
+    power-of-two scale per (row, 128 K) applied to each K step's partial, or with row_scale one per row
+    applied once at the end). Bounds against the torch reference: two e4m3 terms <= 2e-2 (bf16 act and
+    output rounding remain); one term <= 6e-2 (e4m3's 4 significant bits on both GEMMs' activations:
+    4.3e-2 in a CPU simulation). T=100 aligns in the prep kernel, T=300 and 1100 in torch (more than
+    1024 routed slots)."""
+    monkeypatch.setattr(tb, "FP8_ROW_SCALE", row_scale)
     quant = make_quant(16, 1536, 768, "cuda", swiglu=make_swiglu_params(16, 1.702, 1.0, 7.0, "cuda"))
     errs = {}
     for terms, bound in ((2, 2e-2), (1, 6e-2)):
@@ -484,7 +487,7 @@ def test_fit_config_divides_dims(t, h, i):
 
 
 @pytest.mark.parametrize("jitter", [0, 3])
-def test_rebase_block128_is_a_power_of_two_shift(jitter):
+def test_rebase_fp8_is_a_power_of_two_shift(jitter):
     """FP8 path's load-time rebase: one 2^(S-127) per (row, 128 K) with S the block's largest MXFP8 byte,
     values shifted by whole octaves. Against the MXFP8 values: rel error <= 2e-6 (only values of
     groups far below their block's largest scale lose bits) with per-32 scale jitter of +-jitter
@@ -496,7 +499,7 @@ def test_rebase_block128_is_a_power_of_two_shift(jitter):
     w = w * torch.exp2(torch.randint(-jitter, jitter + 1, (e, n, k // 32, 1)).float()).repeat_interleave(32, -1).view(e, n, k) \
         if jitter else w
     q, s = mxfp8.quantize(w)
-    q2, sc = tb.rebase_block128(q, s)
+    q2, sc = tb.rebase_fp8(q, s)
     assert q2.dtype == torch.float8_e4m3fn and sc.shape == (e, n, k // 128)
     top = s.view(e, n, k // 128, 4).amax(-1).int()
     assert torch.equal(sc, mxfp8.pow2(top - 127))
@@ -508,6 +511,27 @@ def test_rebase_block128_is_a_power_of_two_shift(jitter):
     same = (flat == flat[..., :1]).all(-1)  # [e, n, K/128] blocks with one byte
     assert same.any()
     assert torch.equal(q2.view(e, n, k // 128, 128)[same].view(torch.uint8), q.view(e, n, k // 128, 128)[same].view(torch.uint8))
+
+
+@pytest.mark.parametrize("jitter", [0, 3])
+def test_rebase_fp8_one_scale_per_row(jitter):
+    """The per-row rebase (FP8_ROW_SCALE) at MiniMax-M3's K = 6144: sc [E, N, 1] is 2^(row's largest byte
+    - 127); against the MXFP8 values rel error <= 1e-5 (measured 1.1e-6 / 6.5e-6 for jitter 0 / 3) and
+    >= 99 % of elements bit-exact."""
+    torch.manual_seed(0)
+    e, n, k = 2, 32, 6144
+    w = torch.randn(e, n, k) * 0.02
+    w[..., ::97] *= 8.0  # outlier columns
+    if jitter:
+        w = w * torch.exp2(torch.randint(-jitter, jitter + 1, (e, n, k // 32, 1)).float()).repeat_interleave(32, -1).view(e, n, k)
+    q, s = mxfp8.quantize(w)
+    q2, sc = tb.rebase_fp8(q, s, k)
+    assert sc.shape == (e, n, 1)
+    assert torch.equal(sc[..., 0], mxfp8.pow2(s.int().amax(-1) - 127))
+    ref = mxfp8.dequantize(q, s)
+    got = q2.float() * sc
+    assert rel(got, ref) <= 1e-5
+    assert (got == ref).float().mean() >= 0.99
 
 
 def test_prefill_path_choice():

@@ -152,24 +152,26 @@ def weight_shifts(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return torch.tensor(shifts, dtype=torch.int32), fp16_ok
 
 
-FP8_BLOCK_K = 128  # K extent of one rebased weight scale on the FP8 path
+FP8_BLOCK_K = 128  # the FP8 path's K step, and the K extent of one rebased weight scale
+FP8_ROW_SCALE = False  # A/B switch: one rebased weight scale per row (whole K) instead of per 128 K
 
 
-def rebase_block128(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rebase_fp8(q: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK_K) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 (q [E, N, K] e4m3, scale [E, N, K/32] uint8) -> block FP8 for the fp8 MMA: (q' [E, N, K]
-    e4m3, sc [E, N, K/128] fp32) with sc = 2^(S-127), S the largest of the block's four scale bytes,
+    e4m3, sc [E, N, K/block] fp32) with sc = 2^(S-127), S the largest of the block's scale bytes,
     and q' = rne_e4m3(q * 2^(s-S)). The shift is exact wherever the shifted value stays in e4m3's normal
     range; only values of a 32-group whose scale lies several octaves below its block's largest lose
-    low bits (rel error <= 5e-7 on Gaussian, Student-t and outlier-column weights; a test bounds it).
-    One expert at a time (fp32 temporaries of one expert)."""
+    low bits (one scale per 128: rel error <= 2e-6 on Gaussian and outlier-column weights with per-group
+    jitter; per whole 6144-wide row <= 1e-5; a test bounds both). One expert at a time (fp32 temporaries
+    of one expert)."""
     e, n, k = q.shape
     out_q = torch.empty_like(q)
-    out_s = torch.empty((e, n, k // FP8_BLOCK_K), dtype=torch.float32, device=q.device)
-    g = FP8_BLOCK_K // mxfp8.BLOCK
+    out_s = torch.empty((e, n, k // block), dtype=torch.float32, device=q.device)
+    g = block // mxfp8.BLOCK
     for i in range(e):
-        s = scale[i].to(torch.int32).reshape(n, k // FP8_BLOCK_K, g)  # [N, K/128, 4]
+        s = scale[i].to(torch.int32).reshape(n, k // block, g)  # [N, K/block, block/32]
         top = s.amax(dim=-1, keepdim=True)
-        vals = q[i].float().reshape(n, k // FP8_BLOCK_K, g, mxfp8.BLOCK) * mxfp8.pow2(s - top)[..., None]
+        vals = q[i].float().reshape(n, k // block, g, mxfp8.BLOCK) * mxfp8.pow2(s - top)[..., None]
         out_q[i] = vals.reshape(n, k).to(torch.float8_e4m3fn)
         out_s[i] = mxfp8.pow2(top[..., 0] - mxfp8.SCALE_BIAS)
     return out_q, out_s
@@ -206,14 +208,20 @@ class PreparedMoE:
     wmode1: int = 1  # kernel WMODE of GEMM1 / GEMM2 (see _wmode)
     wmode2: int = 1
     fp8_blocks: Optional[tuple] = None  # the FP8 path's rebased weights, made on first use (fp8_weights)
+    fp8_row_scale: bool = False  # whether fp8_blocks has one scale per row (FP8_ROW_SCALE) or per 128 K
 
-    def fp8_weights(self) -> tuple:
+    def fp8_weights(self, row_scale: bool = False) -> tuple:
         """(w13 e4m3 [E, 2I, H], s13 fp32 [E, 2I, H/128], w2 e4m3 [E, H, I], s2 fp32 [E, H, I/128]):
-        the weights rebased to one power-of-two scale per (row, 128 K), made once per layer on the
-        first FP8 prefill call. This is a second copy of the experts in e4m3 (1 B per weight + 1/32 B
-        of scales: 7.5 GB per MiniMax-M3 layer); FP8_PREFILL = False / PORTER_MOE_FP8=0 avoids it."""
-        if self.fp8_blocks is None:
-            self.fp8_blocks = (*rebase_block128(self.w13, self.w13_scale), *rebase_block128(self.w2, self.w2_scale))
+        the weights rebased to one power-of-two scale per (row, 128 K) (row_scale: per row, s13 [E, 2I, 1],
+        s2 [E, H, 1]), made once per layer on the first FP8 prefill call. This is a second copy of the
+        experts in e4m3 (1 B per weight + 1/32 B of scales: 7.5 GB per MiniMax-M3 layer);
+        FP8_PREFILL = False / PORTER_MOE_FP8=0 avoids it."""
+        if self.fp8_blocks is None or self.fp8_row_scale != row_scale:
+            self.fp8_blocks = None  # a switched A/B frees the other copy first
+            b13 = self.w13.shape[2] if row_scale else FP8_BLOCK_K
+            b2 = self.w2.shape[2] if row_scale else FP8_BLOCK_K
+            self.fp8_blocks = (*rebase_fp8(self.w13, self.w13_scale, b13), *rebase_fp8(self.w2, self.w2_scale, b2))
+            self.fp8_row_scale = row_scale
         return self.fp8_blocks
 
     def fp8_weights_fit(self) -> bool:
@@ -235,7 +243,7 @@ class PreparedMoE:
     @staticmethod
     def _wmode(w_fp8: bool, fp16: bool, shift: torch.Tensor) -> int:
         """The kernels' WMODE: 0 16-bit weights, 1 fp16 (no offset, fast), 2 fp16 + per-expert
-        offset, 3 bf16 fallback."""
+        offset, 3 bf16 fallback. (4 / 5, the FP8 path's rebased weights, are chosen per call.)"""
         if not w_fp8:
             return 0
         if not fp16:
@@ -393,10 +401,10 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
             DO_ALIGN=in_kernel_align, QUANT=quant_x, ZERO_OUT=zero_out, HP=next_pow2(h),
             BM=cfg.bm, EP=ep, C=64, CB=128, USE_PDL=bool(pdl) and PREP_PDL, num_warps=8,
             **(pdl if PREP_PDL else {}))
-    wmode1 = 4 if fp8 else p.wmode1
-    wmode2 = 4 if fp8 else p.wmode2
+    wmode1 = 4 + FP8_ROW_SCALE if fp8 else p.wmode1
+    wmode2 = 4 + FP8_ROW_SCALE if fp8 else p.wmode2
     if fp8:
-        w13, s13, w2, s2 = p.fp8_weights()
+        w13, s13, w2, s2 = p.fp8_weights(FP8_ROW_SCALE)
     else:
         w13, s13, w2, s2 = p.w13, p.w13_scale, p.w2, p.w2_scale
     ss13 = (s13.stride(0), s13.stride(1)) if p.w_fp8 else (0, 0)

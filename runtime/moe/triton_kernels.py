@@ -6,7 +6,7 @@ UE8M0 byte per 32 along K). Two ways to multiply them (triton_backend.default_co
     e4m3 * 2^(s-127), as the RHS of an fp16 MMA (fp32 accumulate); activations in fp16.
   * FP8 (prefill): activations are quantized per token to e4m3 with a power-of-two scale (one or
     two e4m3 terms, see _quant_row); the weights, rebased once at first use to one power-of-two
-    scale per (row, 128 K) (triton_backend.rebase_block128: a power-of-two shift of the stored e4m3
+    scale per (row, 128 K) (triton_backend.rebase_fp8: a power-of-two shift of the stored e4m3
     values), feed the fp8 MMA; each 128-wide K step's fp32 partial is multiplied by its block scale
     before it joins the accumulator and the token scale is applied in the epilogue (both exact).
     One fp8 MMA per 32-wide MXFP8 group with its scale applied to each partial measured 1.4x slower
@@ -245,9 +245,9 @@ def _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM: tl.constexpr, NOS
 def _operand_ptrs(a_ptr, a_rows, stride_a, w_ptr, s_ptr, e64, w_rows, stride_we, stride_wn, stride_se,
                   stride_sn, WMODE: tl.constexpr, BK: tl.constexpr):
     """Pointers of the first K step: A and W tiles [*, BK]; scale pointers [ROWS, BK/32] (MXFP8 bytes)
-    or, for WMODE 4 (FP8, BK = 128), [ROWS] (one fp32 block scale per row and 128 K)."""
+    or, for WMODE 4 / 5 (FP8, BK = 128), [ROWS] (one fp32 scale per row and 128 K / per row)."""
     offs_k = tl.arange(0, BK)
-    if WMODE == 4:
+    if WMODE >= 4:
         s_ptrs = s_ptr + e64 * stride_se + w_rows * stride_sn
     else:
         s_ptrs = s_ptr + e64 * stride_se + w_rows[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
@@ -267,19 +267,28 @@ def _mma_loop(a_ptrs, alo_off, amask, w_ptrs, s_ptrs, sh_ptr, k_len, a_dtype: tl
     WMODE 4 (FP8, BK = 128): A is e4m3 (TERMS 2: plus a second e4m3 term, alo_off elements further
     on), W the rebased e4m3 weights with one fp32 power-of-two scale per (row, 128 K); per K step one
     fp8 MMA (two with TERMS 2, chained) whose fp32 result is multiplied by the block scales per weight
-    row (exact) and added to the accumulator. A's per-row power-of-two scale is the caller's."""
-    if WMODE == 4:
+    row (exact) and added to the accumulator. A's per-row power-of-two scale is the caller's.
+    WMODE 5 (FP8, one scale per weight row): the fp8 MMAs chain into the accumulator over the whole K
+    and the row scales multiply it once at the end."""
+    if WMODE >= 4:
         acc = tl.zeros((BM, ROWS), dtype=tl.float32)
         for _ in range(0, k_len, BK):
             w = tl.load(w_ptrs)  # [ROWS, BK] e4m3
             a = tl.load(a_ptrs, mask=amask[:, None], other=0.0)  # [BM, BK] e4m3
-            part = tl.dot(a, tl.trans(w))
-            if TERMS == 2:
-                part = tl.dot(tl.load(a_ptrs + alo_off, mask=amask[:, None], other=0.0), tl.trans(w), part)
-            acc += part * tl.load(s_ptrs)[None, :]  # [ROWS] fp32 block scales
+            if WMODE == 4:
+                part = tl.dot(a, tl.trans(w))
+                if TERMS == 2:
+                    part = tl.dot(tl.load(a_ptrs + alo_off, mask=amask[:, None], other=0.0), tl.trans(w), part)
+                acc += part * tl.load(s_ptrs)[None, :]  # [ROWS] fp32 block scales
+                s_ptrs += 1
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+                if TERMS == 2:
+                    acc = tl.dot(tl.load(a_ptrs + alo_off, mask=amask[:, None], other=0.0), tl.trans(w), acc)
             a_ptrs += BK
             w_ptrs += BK
-            s_ptrs += 1
+        if WMODE == 5:
+            acc = acc * tl.load(s_ptrs)[None, :]  # [ROWS] fp32 row scales
     else:
         if SWAP:
             acc_t = tl.zeros((ROWS, BM), dtype=tl.float32)
@@ -381,7 +390,7 @@ def _gemm2_tile(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, 
     row_scale = tl.load(topk_w_ptr + tok, mask=tmask, other=0.0).to(tl.float32) * rsf  # [BM]
     if WMODE == 2:
         row_scale = row_scale * tl.load(epi_ptr + e)
-    if WMODE == 4:
+    if WMODE >= 4:
         row_scale = row_scale * tl.load(ascale_ptr + rows, mask=tmask, other=1.0)
     acc = acc * row_scale[:, None]
     trow = (tok // TOPK).to(tl.int64)
@@ -412,7 +421,7 @@ def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, e
                         y_ptr=None, count_ptr=None, NOSORT: tl.constexpr = False,
                         FUSED_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """out[token, n] += rsf * w_route * (act W2^T)[p, n] by fp32 atomics: the top-k reduce happens
-    in the atomics. Grid (MAXB * H/BN,). SWAP, WMODE, TERMS as in GEMM1; WMODE 4 reads act as e4m3
+    in the atomics. Grid (MAXB * H/BN,). SWAP, WMODE, TERMS as in GEMM1; WMODE 4 / 5 read act as e4m3
     term(s) with the per-row scale 2^m at ascale_ptr.
 
     FUSED_OUT: out is a persistent zeroed fp32 scratch and count_ptr persistent zeroed per

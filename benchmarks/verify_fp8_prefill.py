@@ -1,6 +1,6 @@
 """`porter verify` at MiniMax-M3's real layer dims with and without the Triton backend's FP8 prefill path.
 
-The FP8 prefill path (two e4m3 activation terms, weights rebased to one power-of-two scale per 128 K; see
+The FP8 prefill path (two e4m3 activation terms, weights rebased to one power-of-two scale per row; see
 docs/moe-backends.md) is taken for prompts of T >= 1024 tokens on SM89+. This builds a synthetic real-dims
 checkpoint (layer 0 dense, the rest MoE; fewer layers and experts than the release), converts it, and runs
 `porter verify --device cuda --backend triton` on one long prompt twice: PORTER_MOE_FP8=0 (W8A16 prefill)

@@ -6,11 +6,14 @@ UE8M0 byte per 32 along K). Two ways to multiply them (triton_backend.default_co
     e4m3 * 2^(s-127), as the RHS of an fp16 MMA (fp32 accumulate); activations in fp16.
   * FP8 (prefill): activations are quantized per token to e4m3 with a power-of-two scale (one or
     two e4m3 terms, see _quant_row); the weights, rebased once at first use to one power-of-two
-    scale per (row, 128 K) (triton_backend.rebase_fp8: a power-of-two shift of the stored e4m3
-    values), feed the fp8 MMA; each 128-wide K step's fp32 partial is multiplied by its block scale
-    before it joins the accumulator and the token scale is applied in the epilogue (both exact).
-    One fp8 MMA per 32-wide MXFP8 group with its scale applied to each partial measured 1.4x slower
-    than the W8A16 path at T=4096 on the H200, hence the rebase.
+    scale per row (WMODE 5) or per (row, 128 K) (WMODE 4; triton_backend.rebase_fp8: a power-of-two
+    shift of the stored e4m3 values), feed the fp8 MMA. WMODE 5 chains the MMAs over the whole K
+    and applies the row scale in the epilogue; WMODE 4 multiplies each 128-wide K step's fp32
+    partial by its block scale before it joins the accumulator, which also bounds how long the fp8
+    MMA accumulates on its own (Hopper's fp8 MMA accumulates with fewer bits than fp32: layer error
+    vs torch 4.2e-3 with WMODE 4, 5.7e-3 with WMODE 5, which is 1.3x faster at T=4096; the token
+    scale is applied in the epilogue either way). One fp8 MMA per 32-wide MXFP8 group with its scale
+    applied to each partial measured 1.4x slower than the W8A16 path at T=4096, hence the rebase.
 Launches per forward (see triton_backend.fused_moe):
   * T*k <= 16 (NOSORT): prescale (T programs), GEMM1 (+ SwiGLU-OAI), GEMM2 (+ routing weight,
     top-k reduce by atomics; for one token into a persistent zeroed fp32 scratch with the bf16
@@ -119,15 +122,12 @@ def _quant_row(x, q_ptr, lo_ptr, scale_ptr, offs, mask, QUANT: tl.constexpr):
 def prep_kernel(hidden_ptr, xq_ptr, xlo_ptr, xscale_ptr, out_ptr, topk_ids_ptr, sorted_ptr, expert_ids_ptr,
                 cursor_ptr, T, H, N, E, MAXB, stride_h,
                 DO_ALIGN: tl.constexpr, QUANT: tl.constexpr, ZERO_OUT: tl.constexpr, HP: tl.constexpr,
-                BM: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
-                USE_PDL: tl.constexpr = False):
+                BM: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, CB: tl.constexpr):
     """With DO_ALIGN: program 0 aligns the tokens and programs 1..T handle tokens 0..T-1; without it
     programs 0..T-1 do. Per token: its MMA operand row with its power-of-two scale (QUANT > 0, see
     _quant_row) and its fp32 output row zeroed for GEMM2's atomics (ZERO_OUT; the fused-output path
-    keeps a persistent zeroed scratch instead). USE_PDL: launched early, it waits for the previous
-    kernel (its router) before touching memory."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+    keeps a persistent zeroed scratch instead). Launched without PDL: with it the one-token layer
+    measured slower on the H200 (69.1 -> 71.8 us, benchmarks/results/moe_round6_prep_pdl_ab.log)."""
     pid = tl.program_id(0)
     if DO_ALIGN:
         if pid == 0:

@@ -14,12 +14,11 @@ Two key sets:
 `decode_attention` runs a split-K flash-decoding Triton kernel on CUDA (each program streams a slice of
 the key list once, online softmax in fp32, then the slices are merged with their log-sum-exp), and an
 SDPA reference elsewhere (same key set, additive mask, no boolean-mask path). `decode_attention_topk`
-takes the indexer's block scores instead of the blocks: the attention kernel picks the top-k itself.
-
-One launch (default): the slice that finishes last for its (row, kv head) merges the slices (arrival
-counters, see runtime/attention_triton.py), and with block scores every program ranks them itself, so a
-sparse layer's attention is one kernel after the indexer's scores instead of three (top-k, split-K,
-merge). PORTER_FUSED_ATTENTION=0 runs the separate top-k and merge kernels (A/B).
+takes the indexer's block scores instead of the blocks: on CUDA the split-K kernel picks the top-k blocks
+itself (every program ranks the scores), so a sparse layer's attention is two launches after the
+indexer's scores (split-K, merge) instead of three; PORTER_ATTENTION_TOPK=0 runs the separate top-k
+kernel (A/B). A one-launch variant whose last-arriving slice merged the slices was measured slower on the
+H200 at every batch and length (docs/runtime-decode.md) and is not kept.
 """
 from __future__ import annotations
 
@@ -32,11 +31,8 @@ import torch.nn.functional as F
 from runtime import fused
 from runtime.fused import next_pow2, pdl, use_triton
 
-FUSED_ATTENTION = os.environ.get("PORTER_FUSED_ATTENTION", "1") != "0"  # see the module docstring
-MERGE_SPLITS = 16  # one launch: at most this many slices per (row, kv head); the last one reads them all
-RANK_BLOCKS = 256  # one launch ranks up to this many block scores in every program (NBP^2 compares)
-COUNTERS = 4096  # arrival counters per device: (row, kv head) pairs of one call
-_counters: dict = {}  # device -> int32 [COUNTERS], zero between calls
+TOPK_IN_KERNEL = os.environ.get("PORTER_ATTENTION_TOPK", "1") != "0"  # see the module docstring
+RANK_BLOCKS = 256  # the kernel ranks up to this many block scores per program (NBP^2 compares)
 
 
 def key_slots(pos: torch.Tensor, kv_len: int, blocks: Optional[torch.Tensor], block: int, nkv: int):
@@ -93,7 +89,7 @@ def decode_attention_topk(q, k_cache, v_cache, pos, kv_len: int, scores: torch.T
     (out [B, nq, d], the blocks kept [B, n, topk] as top_blocks picks them)."""
     B, n, nblk = scores.shape
     nkv = k_cache.shape[1]
-    if use_triton(q) and FUSED_ATTENTION and topk < nblk <= RANK_BLOCKS and B * nkv <= COUNTERS:
+    if use_triton(q) and TOPK_IN_KERNEL and topk < nblk <= RANK_BLOCKS:
         out, top = _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, None, block, scale, scores=scores,
                                             topk=topk)
         return out, top[:, :n]
@@ -108,60 +104,41 @@ def num_splits(n_keys: int, programs: int, block_n: int, target: int = 264) -> i
     return max(1, min(tiles, -(-target // max(programs, 1))))
 
 
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """The device's zeroed int32 arrival counters (kept zeroed by the kernel's last arrivers). Allocated
-    once per device and never freed or grown, so CUDA graphs captured with them stay valid."""
-    cnt = _counters.get(device)
-    if cnt is None:
-        cnt = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return cnt
-
-
 def _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, scale, scores=None, topk=0,
-                             one_launch=None, merge_splits=None, block_n=64):
-    """-> (out [B, nq, d], top [B, nkv, topk] or None). scores: pick the topk blocks in the kernel
-    (one launch only); one_launch / merge_splits / block_n: FUSED_ATTENTION / MERGE_SPLITS / the tile
-    (benchmarks)."""
+                             block_n=64):
+    """-> (out [B, nq, d], top [B, nkv, topk] or None). scores: the kernel picks the topk blocks."""
     from runtime.attention_triton import combine_kernel, decode_kernel
     B, nq, d = q.shape
     pos = pos.contiguous()  # the kernels read pos[b] at pos_ptr + b
     nkv = k_cache.shape[1]
     g = nq // nkv
     gp = max(16, next_pow2(g))  # tl.dot needs >= 16 rows
-    pairs = B * nkv
-    one = (FUSED_ATTENTION if one_launch is None else one_launch) and pairs <= COUNTERS
-    if scores is not None and not one:
-        raise ValueError("block scores need the one-launch attention (decode_attention_topk falls back)")
     dense = blocks is None and scores is None
     nblk = 0 if dense else -(-kv_len // block)
     nb = 0 if dense else (topk if scores is not None else blocks.shape[-1])
     n_keys = kv_len if dense else nb * block
-    splits = num_splits(n_keys, pairs, block_n)
-    if one:
-        splits = min(splits, merge_splits or MERGE_SPLITS)
+    splits = num_splits(n_keys, B * nkv, block_n)
     tiles = -(-n_keys // block_n)
     tiles_per_split = -(-tiles // splits)
     splits = -(-tiles // tiles_per_split)  # no slice without a tile
     dev = q.device
-    o = torch.empty((pairs, splits, gp, d), dtype=torch.float32, device=dev)
-    ml = torch.empty((2, pairs, splits, gp), dtype=torch.float32, device=dev)
-    out = torch.empty((B, nq, d), dtype=q.dtype, device=dev)  # query head h*g + i <- (kv head h, row i)
+    o = torch.empty((B, nkv, splits, gp, d), dtype=torch.float32, device=dev)
+    ml = torch.empty((2, B, nkv, splits, gp), dtype=torch.float32, device=dev)
     qc = q.contiguous()
     blk = blocks.contiguous() if blocks is not None else pos  # pos: unused
     sc = scores.contiguous() if scores is not None else ml  # ml: unused
     top = torch.empty((B, nkv, topk), dtype=torch.int64, device=dev) if scores is not None else None
     nbp = next_pow2(nblk) if scores is not None else 1
-    sp2 = max(2, next_pow2(splits))
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    decode_kernel[(pairs, splits)](
-        qc, k_cache, v_cache, pos, blk, sc, o, ml[0], ml[1], out, _arrival_counters(dev) if one else pos,
-        top if top is not None else pos, n_keys, nblk, nb, tiles_per_split, scale,
+    decode_kernel[(B * nkv, splits)](
+        qc, k_cache, v_cache, pos, blk, sc, o, ml[0], ml[1], top if top is not None else pos,
+        n_keys, nblk, nb, tiles_per_split, scale,
         qc.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         sc.stride(0), sc.stride(1) if scores is not None and scores.shape[1] > 1 else 0,
         NKV=nkv, G=g, GP=gp, D=d, BLOCK_N=block_n, KB=block, DENSE=dense, IEEE=q.dtype == torch.float32,
-        TOPK=topk if scores is not None else 0, NBP=nbp, CH=min(nbp, 64), COMBINE=one, SP=sp2,
-        HC=max(1, min(gp, 8192 // (sp2 * d))), FENCE=not interpret, num_warps=4, num_stages=2, **pdl(dev))
-    if not one:
-        combine_kernel[(pairs, g)](o, ml[0], ml[1], out, splits, GP=gp, G=g, D=d, SP=sp2, num_warps=4, **pdl(dev))
+        TOPK=topk if scores is not None else 0, NBP=nbp, CH=max(1, min(nbp, 4096 // nbp)), num_warps=4, num_stages=2,
+        **pdl(dev))  # CH: the ranking compares [NBP, CH] scores at a time (4096: no spills at NBP 256)
+    out = torch.empty((B, nq, d), dtype=q.dtype, device=dev)  # query head h*g + i <- (kv head h, row i)
+    combine_kernel[(B * nkv, g)](o, ml[0], ml[1], out, splits, GP=gp, G=g, D=d, SP=max(2, next_pow2(splits)),
+                                 num_warps=4, **pdl(dev))
     return out, top

@@ -5,38 +5,26 @@ heads that share kv head h are the rows of one tl.dot (padded to GP >= 16), scor
 softmax stay in fp32, K/V rows are read once. Dense: keys are slots 0..pos[b] (tiles past pos are not
 visited). Sparse: key j of the list is slot blocks[b, h, j // KB] * KB + j % KB (any block size KB); with
 TOPK the kernel picks those blocks itself from the indexer's block scores (the TOPK best, ranked in every
-program: no separate top-k launch). Each slice writes its unnormalised output, running max and sum; they
-are merged by combine_kernel (a second launch) or, with COMBINE, by the slice that arrives last for its
-(row, kv head) (one launch).
+program: no separate top-k launch). Each slice writes its unnormalised output, running max and sum;
+combine_kernel merges the slices.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from runtime.moe.triton_kernels import _fence_gpu
-
 
 @triton.jit
-def decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, blk_ptr, sc_ptr, o_ptr, m_ptr, l_ptr, out_ptr, cnt_ptr, top_ptr,
+def decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, blk_ptr, sc_ptr, o_ptr, m_ptr, l_ptr, top_ptr,
                   n_keys, nblk, nb, tiles_per_split, scale,
                   sq_b, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, ss_b, ss_h,
                   NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                   BLOCK_N: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr, IEEE: tl.constexpr,
-                  TOPK: tl.constexpr = 0, NBP: tl.constexpr = 1, CH: tl.constexpr = 1, COMBINE: tl.constexpr = False,
-                  SP: tl.constexpr = 2, HC: tl.constexpr = 1, FENCE: tl.constexpr = True,
-                  USE_PDL: tl.constexpr = False):
+                  TOPK: tl.constexpr = 0, NBP: tl.constexpr = 1, CH: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
     """Grid (B * NKV, splits). Sparse with TOPK > 0: sc_ptr holds block scores [B, *, nblk] fp32 (row
     stride ss_b, head stride ss_h: 0 when one index head serves every kv head; NBP >= nblk, ranked CH
-    columns at a time); slice 0 of each (row, kv
-    head) also writes the picked blocks to top [B * NKV, TOPK] (best first, nblk = none). Without TOPK,
-    blk_ptr holds the blocks [B, NKV, nb]. COMBINE: cnt_ptr holds zeroed int32 arrival counters, one per
-    (row, kv head); every thread fences its slice's stores (fence.acq_rel.gpu), a CTA barrier follows,
-    then one acq_rel atomic bumps the counter (release: this slice; acquire: every earlier slice,
-    each released the same way). The slice that brings it to the number of slices crosses a barrier and
-    a fence again, merges all slices from L2 (.cg) into out [B, NKV * G, D] and re-zeroes the counter for
-    the next call (calls sharing the counters are stream-ordered). FENCE = False only in the Triton
-    interpreter (no inline PTX; it runs programs one at a time)."""
+    columns at a time); slice 0 of each (row, kv head) also writes the picked blocks to top
+    [B * NKV, TOPK] (best first, nblk = none). Without TOPK, blk_ptr holds the blocks [B, NKV, nb]."""
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the previous kernel's writes
         tl.extra.cuda.gdc_wait()
     bh = tl.program_id(0)
@@ -103,18 +91,6 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, blk_ptr, sc_ptr, o_ptr, m_ptr, l
     tl.store(o_ptr + out[:, None] * D + dcol[None, :], acc)
     tl.store(m_ptr + out, m_i)
     tl.store(l_ptr + out, l_i)
-    if COMBINE:
-        if FENCE:
-            _fence_gpu()
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")
-        tl.debug_barrier()  # the acquiring thread's view is shared before any thread reads the slices
-        if FENCE:
-            _fence_gpu()
-        if arrived == nsp - 1:
-            for g0 in tl.static_range(0, GP, HC):
-                _merge(o_ptr, m_ptr, l_ptr, out_ptr, bh, nsp, g0, G, GP, D, SP, HC)
-            tl.store(cnt_ptr + bh, 0)
 
 
 @triton.jit
@@ -134,29 +110,20 @@ def _block_ranks(s_row, NBLK, NBP: tl.constexpr, CH: tl.constexpr):
 
 
 @triton.jit
-def _merge(o_ptr, m_ptr, l_ptr, out_ptr, bh, nsp, g0, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-           SP: tl.constexpr, HC: tl.constexpr):
-    """Merge the nsp slices of (row b, kv head h) for query heads h * G + g0 .. g0 + HC - 1:
-    sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s. Loads bypass L1 (.cg): other programs wrote them."""
-    s = tl.arange(0, SP)
-    g = g0 + tl.arange(0, HC)
-    dcol = tl.arange(0, D)
-    ok = (s < nsp)[:, None] & (g < G)[None, :]  # [SP, HC]
-    idx = (bh * nsp + s)[:, None] * GP + g[None, :]  # [SP, HC]
-    m = tl.load(m_ptr + idx, mask=ok, other=-1.0e30, cache_modifier=".cg")
-    l = tl.load(l_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
-    w = tl.exp(m - tl.max(m, 0)[None, :])  # empty slices (m = -1e30) weigh 0
-    o = tl.load(o_ptr + idx[:, :, None] * D + dcol[None, None, :], mask=ok[:, :, None], other=0.0,
-                cache_modifier=".cg")  # [SP, HC, D]
-    res = tl.sum(o * w[:, :, None], 0) / tl.sum(l * w, 0)[:, None]  # [HC, D]
-    tl.store(out_ptr + (bh * G + g)[:, None] * D + dcol[None, :], res.to(out_ptr.dtype.element_ty),
-             mask=(g < G)[:, None])
-
-
-@triton.jit
 def combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, NSP, GP: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                    SP: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """Program (row b, kv head h, gi): merge the slices for query head h * G + gi (the two-launch path)."""
+    """Merge the slices of (row b, kv head h) for query head h * G + gi: sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    _merge(o_ptr, m_ptr, l_ptr, out_ptr, tl.program_id(0), NSP, tl.program_id(1), G, GP, D, SP, 1)
+    bh = tl.program_id(0)
+    gi = tl.program_id(1)
+    s = tl.arange(0, SP)
+    dcol = tl.arange(0, D)
+    ok = s < NSP
+    idx = (bh * NSP + s) * GP + gi  # [SP]
+    m = tl.load(m_ptr + idx, mask=ok, other=-1.0e30)
+    l = tl.load(l_ptr + idx, mask=ok, other=0.0)
+    w = tl.exp(m - tl.max(m, 0))  # empty slices (m = -1e30) weigh 0
+    o = tl.load(o_ptr + idx[:, None] * D + dcol[None, :], mask=ok[:, None], other=0.0)  # [SP, D]
+    out = tl.sum(o * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + (bh * G + gi) * D + dcol, out.to(out_ptr.dtype.element_ty))

@@ -74,7 +74,8 @@ def main():
             if kind == "dense" and in_kernel:
                 continue
             fn = attention_fn(kind, inputs, pos, slots, in_kernel, bn)
-            name = f"{'in-kernel top-k' if in_kernel else 'topk kernel'}, tile {bn}" if kind == "sparse" else f"tile {bn}"
+            pick = "in-kernel top-k, " if in_kernel else "topk kernel, "
+            name = f"{pick if kind == 'sparse' else ''}tile {bn}"
             rows[name] = rotating_ms(fn, copies)
             rows[name + " rel"] = float((fn(0).float() - want).norm() / want.norm())
         line = ", ".join(f"{k} {v:.2f}" if "rel" not in k else f"{k} {v:.1e}" for k, v in rows.items())

@@ -14,11 +14,12 @@ Two key sets:
 `decode_attention` runs a split-K flash-decoding Triton kernel on CUDA (each program streams a slice of
 the key list once, online softmax in fp32, then the slices are merged with their log-sum-exp), and an
 SDPA reference elsewhere (same key set, additive mask, no boolean-mask path). `decode_attention_topk`
-takes the indexer's block scores instead of the blocks: on CUDA the split-K kernel picks the top-k blocks
-itself (every program ranks the scores), so a sparse layer's attention is two launches after the
-indexer's scores (split-K, merge) instead of three; PORTER_ATTENTION_TOPK=0 runs the separate top-k
-kernel (A/B). A one-launch variant whose last-arriving slice merged the slices was measured slower on the
-H200 at every batch and length (docs/runtime-decode.md) and is not kept.
+takes the indexer's block scores instead of the blocks and keeps the top-k: by default the index_topk
+kernel picks them, then the split-K and merge kernels run (three launches after the indexer's scores).
+PORTER_ATTENTION_TOPK=1 has the split-K kernel pick them itself (every program ranks the scores: two
+launches); its ranking ran on the H200 only inside a one-launch variant (the slice arriving last for its
+(row, kv head) merged the slices), which was measured slower at every batch and length
+(docs/runtime-decode.md) and is not kept; the two-launch form is not yet timed.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from runtime import fused
 from runtime.fused import next_pow2, pdl, use_triton
 
-TOPK_IN_KERNEL = os.environ.get("PORTER_ATTENTION_TOPK", "1") != "0"  # see the module docstring
+TOPK_IN_KERNEL = os.environ.get("PORTER_ATTENTION_TOPK", "0") == "1"  # see the module docstring
 RANK_BLOCKS = 256  # the kernel ranks up to this many block scores per program (NBP^2 compares)
 
 

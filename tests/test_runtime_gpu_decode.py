@@ -120,6 +120,7 @@ def test_in_kernel_topk_attention_equals_topk_kernel(pos, monkeypatch):
     q, k, v = _real_dims_attention(B, s_max, seed=5)
     scores = _block_scores(B, s_max, pos_t, seed=6)  # [B, 4, 64]
     assert bool((scores == float("inf")).any()) and (B == 1 or bool((scores == float("-inf")).any()))
+    monkeypatch.setattr(A, "TOPK_IN_KERNEL", True)
     out, top = A.decode_attention_topk(q, k, v, pos_t, s_max, scores, topk, block, scale)
     assert torch.equal(top, fused.index_topk(scores, topk)) and torch.equal(top, A.top_blocks(scores, topk))
     want = decode_attention_reference(q.float(), k.float(), v.float(), pos_t, s_max, top, block, scale)
@@ -149,10 +150,11 @@ def test_in_kernel_topk_attention_equals_topk_kernel(pos, monkeypatch):
             assert torch.equal(g_out, eager[i]) and torch.equal(g_top, top), (rep, i)
 
 
-def test_in_kernel_topk_attention_fp32():
+def test_in_kernel_topk_attention_fp32(monkeypatch):
     """fp32 (IEEE dots): the in-kernel top-k attention and the dense attention within 1e-5 of the fp32 SDPA
     reference, two rows at different positions (one sees 1 of the 32 blocks)."""
     from runtime import attention as A
+    monkeypatch.setattr(A, "TOPK_IN_KERNEL", True)
     pos = torch.tensor([4000, 77], device="cuda")
     q, k, v = _real_dims_attention(2, 4096, seed=7, dtype=torch.float32)
     scores = _block_scores(2, 4096, pos, seed=8)

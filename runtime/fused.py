@@ -145,17 +145,11 @@ def decode_qkv(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: tor
     return q, iq
 
 
-def index_select(iq: torch.Tensor, idx_cache: torch.Tensor, pos: torch.Tensor, kv_len: int, block: int,
-                 topk: int, local_blocks: int, init_blocks: int) -> torch.Tensor:
-    """Decode indexer: iq [B, ni, di] against the cached index keys [B, S_max, di] over slots < kv_len ->
-    top blocks [B, ni, 1, topk] int64, best first (entry nblk = none left), as Indexer.select."""
-    return index_topk(index_scores(iq, idx_cache, pos, kv_len, block, local_blocks, init_blocks), topk)[:, :, None]
-
-
 def index_scores(iq: torch.Tensor, idx_cache: torch.Tensor, pos: torch.Tensor, kv_len: int, block: int,
                  local_blocks: int, init_blocks: int) -> torch.Tensor:
-    """Block scores of the decode indexer -> [B, ni, nblk] fp32: the max of iq . index key over each block's
-    visible slots, -inf where none is visible, +inf for the blocks every query keeps."""
+    """Decode indexer: iq [B, ni, di] against the cached index keys [B, S_max, di] over slots < kv_len ->
+    block scores [B, ni, nblk] fp32: the max of iq . index key over each block's visible slots, -inf where
+    none is visible, +inf for the blocks every query keeps (index_topk of them = Indexer.select's pick)."""
     from runtime.fused_triton import index_scores_kernel
     B, ni, di = iq.shape
     pos = pos.contiguous()  # read at pos_ptr + b

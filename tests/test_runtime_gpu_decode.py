@@ -304,8 +304,8 @@ def test_decode_qkv_equals_norm_rope_and_cache_writes(sparse):
     assert all(torch.equal(a, b) for a, b in zip(c_exp, c_copy)) and bool(c_exp[0][:, :, 700].abs().sum(-1).gt(0).all())
 
 
-def test_index_select_equals_the_torch_indexer():
-    """fused.index_select == Indexer.select's torch scoring at real dims (same blocks per query)."""
+def test_index_kernels_equal_the_torch_indexer():
+    """fused.index_scores + index_topk == Indexer.select's torch scoring at real dims (same blocks per query)."""
     from types import SimpleNamespace
     from runtime import fused
     from runtime.models.minimax_m3 import Indexer, Step
@@ -315,7 +315,7 @@ def test_index_select_equals_the_torch_indexer():
     iq = torch.randn(B, ni, di, device="cuda", generator=g, dtype=torch.bfloat16)
     keys = torch.randn(B, S, di, device="cuda", generator=g, dtype=torch.bfloat16)
     pos = torch.tensor([3000, 8191, 130], device="cuda")
-    got = fused.index_select(iq, keys, pos, S, block, topk, 2, 1)  # [B, ni, 1, topk]
+    got = fused.index_topk(fused.index_scores(iq, keys, pos, S, block, 2, 1), topk)[:, :, None]  # [B, ni, 1, topk]
     ix = Indexer.__new__(Indexer)
     ix.cfg = cfg
     step = Step(pos[:, None], None, S, decode=True)

@@ -5,17 +5,7 @@
 #   OUT=/tmp/out bash benchmarks/attention_round6.sh
 set -u
 OUT=${OUT:-/tmp/attention-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
-step() {  # name, timeout seconds, command...
-  local name=$1 t=$2; shift 2
-  local start=$SECONDS
-  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? $((SECONDS - start))s" | tee -a "$OUT/steps.txt"
-  tail -3 "$OUT/$name.log"
-}
+source "$(dirname "$0")/gpu_steps.sh"
 bench="python benchmarks/decode.py --workdir /tmp/m3-decode --layers 2 --experts 8 --scopes experts --prefill-tokens 0"
 step decode ${TBENCH:-50} $bench --out "$OUT/d_topk_kernel"
 step decode_tests ${TTESTS:-60} python -m pytest -q -m gpu tests/test_runtime_gpu_decode.py \

@@ -7,17 +7,7 @@
 set -u
 OUT=${OUT:-/tmp/decode-out}
 MODE=${MODE:-final}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
-step() {  # name, timeout seconds, command...
-  local name=$1 t=$2; shift 2
-  local start=$SECONDS
-  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? ${SECONDS}s-${start}s" | tee -a "$OUT/steps.txt"
-  tail -3 "$OUT/$name.log"
-}
+source "$(dirname "$0")/gpu_steps.sh"
 KERNEL_TESTS="gemv or router or qkv or index_select or attention"
 if [ "$MODE" = explore ]; then
   step kernel_tests 35 python -m pytest -q -m gpu tests/test_runtime_gpu_decode.py -k "$KERNEL_TESTS"

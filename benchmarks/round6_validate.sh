@@ -4,17 +4,7 @@
 #   OUT=/tmp/out bash benchmarks/round6_validate.sh
 set -u
 OUT=${OUT:-/tmp/validate-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
-step() {  # name, timeout seconds, command...
-  local name=$1 t=$2; shift 2
-  local start=$SECONDS
-  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? $((SECONDS - start))s" | tee -a "$OUT/steps.txt"
-  tail -2 "$OUT/$name.log"
-}
+source "$(dirname "$0")/gpu_steps.sh"
 step decode_tests 110 python -m pytest -q -m gpu tests/test_runtime_gpu_decode.py tests/test_gpu_end_to_end.py
 step convert_verify_tests 45 python -m pytest -q -m gpu tests/test_convert.py tests/test_verify_gpu.py
 step moe_tests 200 python -m pytest -q -m gpu tests/test_triton_moe.py

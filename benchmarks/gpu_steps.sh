@@ -1,0 +1,13 @@
+# Sourced by the one-call H200 scripts: records the GPU and versions in $OUT/gpu.txt and defines
+#   step NAME TIMEOUT_S COMMAND...   (runs COMMAND into $OUT/NAME.log, appends "NAME rc=… Ns" to $OUT/steps.txt)
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
+step() {  # name, timeout seconds, command...
+  local name=$1 t=$2; shift 2
+  local start=$SECONDS
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? $((SECONDS - start))s" | tee -a "$OUT/steps.txt"
+  tail -3 "$OUT/$name.log"
+}

@@ -7,6 +7,8 @@
 # flight, with the blocking CUDA wait, with fallocated shards, at 5GB (round 5's 2-shard layout), and the CPU
 # path at 512MB (the bytes every cuda run is compared with); (3) a sampled profile of cuda at 512MB, 16 shards in flight; (4) 2 cores
 # (taskset -c 0,1), 2 GB: copies, cuda (spin and block wait), CPU. Logs and JSON go to $OUT.
+# PORTER_CUDA_WAIT and PORTER_PREALLOCATE were removed after this call (measured no gain): at later commits the
+# block@cuda and falloc@cuda variants run porter's defaults. Results: benchmarks/results/convert_round6.md.
 source "$(dirname "$0")/convert_env.sh" env.txt
 timeout ${TGPU:-40} python3 -m pytest -q -m gpu tests/test_convert.py -p no:cacheprovider 2>&1 | tail -5 \
   | tee "$OUT/gpu_tests.log"

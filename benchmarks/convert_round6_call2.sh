@@ -5,6 +5,8 @@
 # shards in flight / 32 workers / 5GB shards (round 5's 2-shard layout), and the CPU path (the bytes every
 # run is compared with); (3) 2 cores (taskset -c 0,1), 2 GB: copies, cuda, CPU; (4) a sampled profile of cuda.
 # Logs and JSON go to $OUT.
+# PORTER_JOURNAL_UNDER_LOCK was removed after this call: at later commits locked@cuda runs porter's defaults.
+# Results: benchmarks/results/convert_round6.md.
 source "$(dirname "$0")/convert_env.sh" env.txt
 timeout ${TGPU:-30} python3 -m pytest -q -m gpu tests/test_convert.py -p no:cacheprovider 2>&1 | tail -5 \
   | tee "$OUT/gpu_tests.log"

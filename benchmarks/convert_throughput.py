@@ -15,6 +15,13 @@ page cache and (--cache cold) from disk:
   fsync inside the conversion, whether the output is byte-identical to the CPU conversion (same shard
   digests), and the projected time for the real 795 GB checkpoint at the measured rate.
 
+Output shards: 512MB by default (--max-shard-size), not porter's 5GB. The release's ~430 GB of output is ~86
+shards of 5 GB, so a conversion of it always has its SHARDS_IN_FLIGHT shards open; an 8 GB synthetic checkpoint
+at 5 GB shards has 2 (nearly every byte in the first) and would measure a one-file regime the real run never
+sees. At 512MB the 8 GB checkpoint writes 13 shards (stacked expert tensors of 151-302 MB: 1-3 per shard; the
+release's 2.4-4.8 GB stacked tensors: 1-2 per 5 GB shard). Measured on the H200 machine, 16
+cores, --device cuda: 2.88-2.92 s at 512MB vs 3.00-3.25 s at 5GB (benchmarks/results/convert_round6.md).
+
 Cold: before each run the page cache is emptied (`echo 3 > /proc/sys/vm/drop_caches` as root; otherwise the
 source files' clean pages are evicted with posix_fadvise(DONTNEED), which leaves other files cached).
 
@@ -131,7 +138,7 @@ def copy_run(src: Path, out: Path, kind: str, cache: str = "warm") -> dict:
 
 
 def convert_run(src: Path, out: Path, workers: str = "all", device: str = "cpu", cache: str = "warm",
-                max_shard_size: str = "5GB", root: Path = ROOT, env=None) -> dict:
+                max_shard_size: str = "512MB", root: Path = ROOT, env=None) -> dict:
     """One `porter convert` (of the porter tree at `root`) in a fresh process, after its dry run."""
     return child(CONVERT.replace("ROOT_PATH", repr(str(root))), src, out, workers, device, cache, max_shard_size,
                  env=env)
@@ -232,7 +239,7 @@ def machine() -> dict:
 
 
 def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list, repeats: int, single: bool,
-               experts: int = 8, caches: tuple = ("warm",), max_shard_size: str = "5GB",
+               experts: int = 8, caches: tuple = ("warm",), max_shard_size: str = "512MB",
                in_flight: tuple = (None,), variants: tuple = ((None, {}),), floor: bool = False,
                copies: tuple = COPIES) -> dict:
     layers = max(2, round(target_gb * layers_per_gb))
@@ -374,7 +381,8 @@ def main():
     ap.add_argument("--cache", default="warm", help="page cache states to run: warm, cold or warm,cold")
     ap.add_argument("--no-single", action="store_true", help="skip the 1-worker (intra-op threads) CPU run")
     ap.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
-    ap.add_argument("--max-shard-size", default="5GB", help="porter convert --max-shard-size (output shards); "
+    ap.add_argument("--max-shard-size", default="512MB", help="porter convert --max-shard-size (output shards; "
+                    "512MB: many shards, as the release's conversion has, see above); "
                     "a variant's SHARD=SIZE overrides it for that variant (and WORKERS=N the worker count)")
     ap.add_argument("--copies", default=",".join(COPIES), help="baseline copies to run (comma list of "
                     + ", ".join(COPIES) + "; empty: none)")

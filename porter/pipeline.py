@@ -47,6 +47,9 @@ SLAB_MAX_BYTES = 256 << 20  # CPU reads up to this size go into the worker's reu
 # its inode lock, so workers that all pwrite into one shard copy into the page cache one at a time (2-core
 # box: two threads into one file were no faster than one, into two files twice as fast). A few shards at
 # once spread the writes; few enough that a killed run loses at most this many partial shards to --resume.
+# On the H200 machine's 16 cores the count made no measured difference: 8.1 GB in 13 shards, --device cuda,
+# 1 / 4 / 8 / 16 in flight: 2.78 / 2.92 / 2.87 / 3.21 s, and 2.83 s at 16 in another run
+# (benchmarks/results/convert_round6.md).
 SHARDS_IN_FLIGHT = 4  # PORTER_SHARDS_IN_FLIGHT overrides it (benchmarks' A/B): shards_in_flight()
 # When the kernel is asked to start writing the shards to disk: "thread" (one background thread, Writeback),
 # "inline" (each worker right after its write) or "off" (only the final fsync). sync_file_range blocks while
@@ -55,10 +58,6 @@ SHARDS_IN_FLIGHT = 4  # PORTER_SHARDS_IN_FLIGHT overrides it (benchmarks' A/B): 
 # then writes everything; CPU 1.71 / 1.66 / 2.39 s; 8.1 GB, cuda: 3.18 -> 3.13 s). A threaded copy of the same
 # bytes with fsync: 5.19 GB/s thread, 3.74 inline (benchmarks/convert_floor.py). PORTER_WRITEBACK overrides it.
 WRITEBACK = "thread"
-# How a --device cuda worker waits for its part's copies and kernels: "spin" (stream.synchronize: with fewer
-# CUDA contexts than cores CUDA busy-waits on a core) or "block" (an event made with cudaEventBlockingSync:
-# the thread sleeps until the GPU is done). PORTER_CUDA_WAIT overrides it (benchmarks' A/B).
-CUDA_WAIT = "spin"
 CUDA_CONTEXT_BYTES = 600 << 20  # host memory of a CUDA context and its libraries
 
 
@@ -245,19 +244,6 @@ def writeback_mode() -> str:
     """WRITEBACK, or PORTER_WRITEBACK when it is one of its values (anything else is ignored)."""
     env = os.environ.get("PORTER_WRITEBACK", "")
     return env if env in ("thread", "inline", "off") else WRITEBACK
-
-
-def cuda_wait_mode() -> str:
-    """CUDA_WAIT, or PORTER_CUDA_WAIT when it is one of its values (anything else is ignored)."""
-    env = os.environ.get("PORTER_CUDA_WAIT", "")
-    return env if env in ("spin", "block") else CUDA_WAIT
-
-
-def preallocate_mode() -> str:
-    """How a shard's `.partial` file gets its size: "truncate" (ftruncate: a sparse file, blocks allocated
-    as it is written back) or "fallocate" (blocks reserved up front). PORTER_PREALLOCATE (benchmarks' A/B)."""
-    env = os.environ.get("PORTER_PREALLOCATE", "")
-    return env if env in ("truncate", "fallocate") else "truncate"
 
 
 def interleave_shards(units: list, shard_of: Callable[[Unit], str], width: int) -> list:
@@ -485,8 +471,6 @@ class ShardOut:
         size = len(header) + sum(e.nbytes for e in entries)
         self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self.fd, size)
-        if size and preallocate_mode() == "fallocate":
-            os.posix_fallocate(self.fd, 0, size)
         self.writeback, self.flusher = writeback, flusher
         self.wb_fd = flusher.open(self.fd) if (writeback == "thread" and flusher is not None) else None
         if writeback == "thread" and self.wb_fd is None:
@@ -554,7 +538,6 @@ class Pipeline:
         self.pin = device.type == "cuda"
         self.lock = threading.RLock()  # re-entered when a zero-byte tensor's hash completes at creation
         self.journal_lock = threading.Lock()  # on_shard_done calls, one at a time (see _closed)
-        self.journal_under_lock = os.environ.get("PORTER_JOURNAL_UNDER_LOCK") == "1"  # the old way (A/B only)
         self.shards: dict = {}
         self.tensor_digest: dict = {}
         self.chunk_bytes = safetensors_io.DIGEST_CHUNK_BYTES
@@ -566,7 +549,6 @@ class Pipeline:
         self.local = threading.local()
         self.registered: list = []  # page-locked slabs (GPU path)
         self.writeback = writeback_mode()
-        self.cuda_wait = cuda_wait_mode()
         self.flusher: Optional[Writeback] = None
         self.cuda_init: Optional[threading.Thread] = None  # see _init_cuda_async
 
@@ -699,18 +681,16 @@ class Pipeline:
 
     def _closed(self, shard: ShardOut) -> None:
         """Hands the finished shard's record to on_shard_done (the journal: a file write with fsync) outside
-        the pipeline's lock, so only the worker that finished the shard waits for that fsync. Under the lock,
-        every worker stalled behind it (their next digest or progress update takes the lock): with shards
-        finishing every ~0.2 s, the fsyncs, which wait on the shards' writeback, took ~30% of the wall
-        clock (H200 machine, 3.2 GB, 5 shards, 16 workers, --device cuda; benchmarks/convert_profile.py)."""
+        the pipeline's lock, so only the workers that finish shards wait for those fsyncs; under it, every
+        worker's next digest or progress update waited too (16 workers, --device cuda, 3.2 GB in 5 shards on
+        the H200 machine: the journal writes held the lock for ~0.4 s of 1.35 s; benchmarks/convert_profile.py).
+        End to end it measured within noise: 8.1 GB in 13 shards, 2.88 s now vs 2.79 s under the lock, one
+        run each (benchmarks/results/convert_round6.md)."""
         f = shard.path.name
         with self.lock:
             tensors = {e.name: dict(self.stats[e.name]) for e in shard.entries}
             record = {"header_sha256": shard.header_sha256, "tensors": tensors,
                       "digest": shard_digest(shard.header_sha256, [tensors[e.name]["digest"] for e in shard.entries])}
-            if self.journal_under_lock:
-                self.on_shard_done(f, record)
-                return
         with self.journal_lock:
             self.on_shard_done(f, record)
 
@@ -909,12 +889,7 @@ class Pipeline:
             q_host.copy_(q, non_blocking=True)
             s_host.copy_(s, non_blocking=True)
             stats = torch.stack([err["err_sq"], err["ref_sq"], err["max_abs_error"]]).to("cpu", non_blocking=True)
-            if self.cuda_wait == "block":
-                done = torch.cuda.Event(blocking=True)
-                done.record(stream)
-                done.synchronize()
-            else:
-                stream.synchronize()
+            stream.synchronize()
         del x, q, s  # w (pinned slab) is reused only after this sync: its async copy has finished
         return q_host, s_host, {"err_sq": float(stats[0]), "ref_sq": float(stats[1]),
                                 "max_abs_error": float(stats[2])}

@@ -1,0 +1,36 @@
+"""The journal write of a finished shard (a file write with fsync) runs outside the pipeline's lock: another
+thread can take that lock while it runs, so workers do not stall behind each shard's fsync."""
+import threading
+
+import porter
+import porter.conversion as conversion
+import porter.pipeline as pp
+
+
+def test_journal_is_written_outside_the_pipeline_lock(tiny_vendor, tmp_path, monkeypatch):
+    engines, free = [], []
+    real_init, real_write = pp.Pipeline.__init__, conversion._write_journal
+
+    def init(self, *args, **kwargs):
+        engines.append(self)
+        real_init(self, *args, **kwargs)
+
+    def write(out, journal):
+        if engines and journal.get("shards"):  # a shard's record (the first write, before any, has none)
+            got = []
+
+            def take():  # from another thread: can the pipeline's lock be had while the journal is written?
+                got.append(engines[-1].lock.acquire(timeout=2))
+                if got[0]:
+                    engines[-1].lock.release()
+            probe = threading.Thread(target=take)
+            probe.start()
+            probe.join()
+            free.append(got[0])
+        real_write(out, journal)
+    monkeypatch.setattr(pp.Pipeline, "__init__", init)
+    monkeypatch.setattr(conversion, "_write_journal", write)
+    out = porter.convert(tiny_vendor, tmp_path / "out", max_shard_size="300KB", progress=False, workers=3,
+                         device="cpu")
+    assert out["shards"] > 1 and len(free) == out["shards"], (out["shards"], free)
+    assert all(free), free

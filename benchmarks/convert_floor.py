@@ -16,7 +16,10 @@ its dry run), each measured in a fresh set of files, threads taking 16 MiB piece
 - --gpu: what the GPU path's device side moves on its own, one thread and N threads with a stream each: host
   -> device copies of an expert part ([3072, 6144] bf16, 37.7 MB) from page-locked memory, device -> host
   copies of its results, porter.mxfp8.quantize_with_error on the device, and all three per part (the
-  GPU path of a conversion without its disk I/O and hashing).
+  GPU path of a conversion without its disk I/O and hashing); "host" only pwrites a part's 18.9 MB of values
+  into a file per thread (over the same bytes each time: page cache) and hashes them (sha256), a worker's host
+  work per part, and "all+host" does both: if it takes much longer than the slower of "all" and "host", the
+  workers' host and GPU work serialize (the GIL, or CUDA's host-side locks).
 
 Prints GB/s of the bytes each moves and, for copy, GB/s of source consumed (the unit porter convert's rate is
 in). JSON to --out.
@@ -77,7 +80,7 @@ def open_outputs(folder: Path, sizes: list) -> list:
     return fds
 
 
-def gpu_floor(threads: int, parts: int = 8) -> dict:
+def gpu_floor(threads: int, parts: int = 8, tmp: str = str(ROOT / "benchmarks")) -> dict:
     """GB/s (of source bf16 bytes) of the GPU path's device side, 1 thread and `threads` threads. Every thread
     of a round takes its own buffers and stream, all made (and their pages locked) before any round; each
     timed round follows an untimed one."""
@@ -100,6 +103,13 @@ def gpu_floor(threads: int, parts: int = 8) -> dict:
         return host, out, torch.cuda.Stream(dev), host.to(dev)
     slots = [make() for _ in range(threads)]
 
+    import hashlib
+    import tempfile
+    from porter.safetensors_io import pwrite_all
+    spill = tempfile.TemporaryDirectory(dir=tmp)
+    q_bytes = shape[0] * shape[1]
+    spill_fds = []
+
     def run(kind: str, n: int) -> float:
         local, counter = threading.local(), itertools.count()
 
@@ -107,25 +117,39 @@ def gpu_floor(threads: int, parts: int = 8) -> dict:
             if not hasattr(local, "slot"):
                 local.slot = slots[next(counter)]
             host, out, stream, on_dev = local.slot
-            with torch.cuda.stream(stream):
-                x = host.to(dev, non_blocking=True) if kind in ("h2d", "all") else on_dev
-                if kind in ("quantize", "all"):
-                    q, sc, err = mxfp8.quantize_with_error(x, "rceil", "part", host_stats=False)
-                else:  # the size of a part's values (e4m3: one byte per element)
-                    q = x.view(torch.uint8).view(-1)[:shape[0] * shape[1]]
-                if kind in ("d2h", "all"):
-                    out[:q.numel()].copy_(q.reshape(-1).view(torch.uint8), non_blocking=True)
-                stream.synchronize()
+            if kind != "host":
+                gpu_step(kind, host, out, stream, on_dev)
+            if kind in ("host", "all+host"):
+                if not hasattr(local, "fd"):
+                    local.fd = os.open(Path(spill.name) / f"t{threading.get_ident()}", os.O_RDWR | os.O_CREAT, 0o644)
+                    spill_fds.append(local.fd)
+                values = memoryview(out.numpy())[:q_bytes]
+                pwrite_all(local.fd, values, 0)
+                hashlib.sha256(values).digest()
         return run_threads(n, [kind] * (parts * n), step)
+
+    def gpu_step(kind, host, out, stream, on_dev):
+        with torch.cuda.stream(stream):
+            x = host.to(dev, non_blocking=True) if kind in ("h2d", "all", "all+host") else on_dev
+            if kind in ("quantize", "all", "all+host"):
+                q, sc, err = mxfp8.quantize_with_error(x, "rceil", "part", host_stats=False)
+            else:  # the size of a part's values (e4m3: one byte per element)
+                q = x.view(torch.uint8).view(-1)[:shape[0] * shape[1]]
+            if kind in ("d2h", "all", "all+host"):
+                out[:q.numel()].copy_(q.reshape(-1).view(torch.uint8), non_blocking=True)
+            stream.synchronize()
     res = {"registered": all(c == 0 for c in codes)}
     part_gb = shape[0] * shape[1] * 2 / 1e9
     print(f"gpu buffers page-locked: {res['registered']}", flush=True)
-    for kind in ("h2d", "d2h", "quantize", "all"):
+    for kind in ("h2d", "d2h", "quantize", "all", "host", "all+host"):
         for n in (1, threads):
             run(kind, n)  # untimed: kernels loaded, the caching allocator filled
             secs = run(kind, n)
             res[f"{kind}, {n} threads"] = {"seconds": secs, "gb": part_gb * parts * n}
             print(f"gpu {kind:9s} {n:2d} threads {part_gb * parts * n / secs:7.2f} GB/s of bf16 parts", flush=True)
+    for fd in spill_fds:
+        os.close(fd)
+    spill.cleanup()
     return res
 
 
@@ -235,7 +259,7 @@ def main():
         os.close(fd)
     if args.gpu:
         try:
-            res["gpu"] = gpu_floor(n)
+            res["gpu"] = gpu_floor(n, tmp=args.tmp)
         except Exception as e:  # noqa: BLE001 — the disk floor above stands on its own
             print(f"gpu floor failed: {type(e).__name__}: {e}", flush=True)
     shutil.rmtree(Path(args.tmp) / "floor-dry-run", ignore_errors=True)

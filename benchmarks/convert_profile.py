@@ -6,7 +6,9 @@ the finiteness check's wait), GPU quantize (Pipeline._quantize_cuda: host-side t
 launched and waited for), source reads (TensorReader.read/read_bytes),
 pwrite, digests (TensorDigest.add: every sha256 of the output) and the part of them that reads written
 bytes back (read_chunk_sha256), early writeback (sync_file_range), slab allocation, prefault and
-registration, the submitting thread's wait on the memory budget; for each also the threads' wall-clock
+registration, the submitting thread's wait on the memory budget, and on the GPU path the two waits for the
+device inside a part (the finiteness check's sync, the final stream.synchronize: the rest of the GPU section
+is host time: launches and waits for the GIL); for each also the threads' wall-clock
 seconds inside it (time.perf_counter): wall minus CPU is waiting there (a lock, a full disk queue, the GPU).
 --sample also samples the workers' Python stacks every 2 ms. On --device cuda the CUDA context is created
 before the clock starts (its seconds printed apart). Prints them with the process's user and
@@ -67,6 +69,9 @@ def instrument() -> tuple[collections.Counter, collections.Counter]:
     wrap(pipeline.TensorDigest, "add", "digests (all sha256)")
     wrap(pipeline, "read_chunk_sha256", "  of which read back + sha256")
     wrap(pipeline, "start_writeback", "sync_file_range")
+    wrap(mxfp8, "_check_finite", "  of which the finiteness check (GPU: waits for the part's copy + first kernels)")
+    import torch
+    wrap(torch.cuda.Stream, "synchronize", "GPU wait at the end of a part (stream.synchronize)")
     return spent, waited
 
 
@@ -135,6 +140,8 @@ def main():
     ap.add_argument("--src", default=None, help="an existing checkpoint folder instead of building one")
     ap.add_argument("--sample", action="store_true", help="also sample the workers' stacks every 2 ms")
     ap.add_argument("--max-shard-size", default="5GB", help="porter convert --max-shard-size (output shards)")
+    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the run (s; "
+                    "Python's default 0.005): whether the GIL's hand-over between the workers moves the time")
     args = ap.parse_args()
     import convert_throughput as ct
     import porter
@@ -150,6 +157,8 @@ def main():
             torch.zeros(1, device="cuda")
             cuda_init = time.perf_counter() - c0
         (spent, waited), marks = instrument(), timeline()
+        if args.switch_interval is not None:
+            sys.setswitchinterval(args.switch_interval)
         stop = threading.Event()
         stacks = sample_stacks(stop) if args.sample else collections.Counter()
         r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -167,6 +176,7 @@ def main():
               "thread_wall_seconds": dict(waited.most_common()), "cuda_context_seconds": cuda_init,
               "stack_samples": dict(stacks.most_common(25)),
               "env": {k: v for k, v in os.environ.items() if k.startswith("PORTER_")},
+              "switch_interval": sys.getswitchinterval(),
               "wall": {"plan_and_open": marks["run_start"] - t0,
                        "until_first_unit": marks["first_unit_start"] - marks["run_start"],
                        "units": marks["last_unit_end"] - marks["first_unit_start"],

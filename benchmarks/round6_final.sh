@@ -4,6 +4,8 @@
 # without FP8 prefill, then the decode benchmark (default; in-kernel top-k at batch 1), the attention A/B and
 # the --device cuda / cpu conversion A/B of Python's thread switch interval. Logs to $OUT.
 #   OUT=/tmp/out bash benchmarks/round6_final.sh
+# PORTER_SWITCH_INTERVAL (the switch interval A/B) was removed after this call: it changed nothing measurable,
+# so at later commits its variants run porter's defaults. Results: benchmarks/results/*round6_final*.
 set -u
 OUT=${OUT:-/tmp/final-out}
 source "$(dirname "$0")/gpu_steps.sh"

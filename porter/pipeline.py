@@ -20,7 +20,6 @@ import hashlib
 import logging
 import os
 import signal
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -721,15 +720,6 @@ class Pipeline:
 
     # -- units
     def run(self, units: list) -> None:
-        """Run the units on the worker pool; Python's thread switch interval is switch_interval() meanwhile."""
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(switch_interval(interval))
-        try:
-            self._run_units(units)
-        finally:
-            sys.setswitchinterval(interval)
-
-    def _run_units(self, units: list) -> None:
         units = interleave_shards(units, lambda u: self.places[u.t.name].shard, shards_in_flight(self.workers))
         self.slab_bytes = pinned_slab_bytes(units) if self.pin else {}
         threads = torch.get_num_threads()
@@ -903,22 +893,6 @@ class Pipeline:
         del x, q, s  # w (pinned slab) is reused only after this sync: its async copy has finished
         return q_host, s_host, {"err_sq": float(stats[0]), "ref_sq": float(stats[1]),
                                 "max_abs_error": float(stats[2])}
-
-
-def switch_interval(default: float) -> float:
-    """Python's thread switch interval during a conversion (seconds): PORTER_SWITCH_INTERVAL (A/B switch:
-    each worker takes the interpreter lock for every torch op, and a thread that asks for it waits up to
-    this long while another holds it), else `default` (Python's, 5 ms)."""
-    env = os.environ.get("PORTER_SWITCH_INTERVAL")
-    if not env:
-        return default
-    try:
-        value = float(env)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise ValueError(f"PORTER_SWITCH_INTERVAL={env!r}: a positive number of seconds, e.g. 0.0005")
-    return value
 
 
 def _sync_file_range():

@@ -8,7 +8,7 @@ set -u
 OUT=${OUT:-/tmp/decode-out}
 MODE=${MODE:-final}
 source "$(dirname "$0")/gpu_steps.sh"
-KERNEL_TESTS="gemv or router or qkv or index_select or attention"
+KERNEL_TESTS="gemv or router or qkv or index_kernels or attention"
 if [ "$MODE" = explore ]; then
   step kernel_tests 35 python -m pytest -q -m gpu tests/test_runtime_gpu_decode.py -k "$KERNEL_TESTS"
   step decode_bench 75 python benchmarks/decode.py --workdir /tmp/m3-decode --out "$OUT" --layers 2 --experts 8 \

@@ -1,9 +1,9 @@
-"""A/B of one triton_backend module switch (e.g. PREP_PDL) on the whole routed MoE layer at MiniMax-M3
+"""A/B of one triton_backend module switch (e.g. FP8_ROW_SCALE) on the whole routed MoE layer at MiniMax-M3
 dims, one GPU: CUDA-graph replay queued behind GPU work, median of interleaved rounds (drift hits every
 value alike), each value's output against the first value's and the torch reference. The floor is the
 touched weight + scale bytes at the streaming bandwidth measured in the same run.
 
-  python3 benchmarks/moe_knob_ab.py --knob PREP_PDL --values True,False [--tokens 1,2,4,16,64] [--rounds 3]
+  python3 benchmarks/moe_knob_ab.py --knob FP8_ROW_SCALE --values False,True --tokens 1024,4096 [--rounds 3]
       [--configs "64,64,128,4,3,128,128,4,3,False,False,2;..."]  (MoeConfig fields; default: default_config)
 """
 from __future__ import annotations

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # H200 call (round 6, MoE): PREP_PDL A/B at decode sizes, FP8_ROW_SCALE A/B with four FP8 tiles at prefill
 # sizes, the decode benchmark at batch 1, the MoE GPU tests. Logs to $OUT.
+# PREP_PDL was removed after this call (PDL on the prep kernel measured slower): at later commits its
+# step exits with "runtime.moe.triton_backend has no PREP_PDL". Results: benchmarks/results/moe_round6_*.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 timeout 100 python benchmarks/moe_knob_ab.py --knob PREP_PDL --values True,False --out $OUT/prep_pdl_ab.json \

@@ -89,6 +89,8 @@ def decode_attention_topk(q, k_cache, v_cache, pos, kv_len: int, scores: torch.T
     (out [B, nq, d], the blocks kept [B, n, topk] as top_blocks picks them)."""
     B, n, nblk = scores.shape
     nkv = k_cache.shape[1]
+    if n not in (1, nkv):  # the kernel would read index heads past n
+        raise ValueError(f"decode_attention_topk: {n} index heads for {nkv} kv heads (needs 1 or {nkv})")
     if use_triton(q) and TOPK_IN_KERNEL and topk < nblk <= RANK_BLOCKS:
         out, top = _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, None, block, scale, scores=scores,
                                             topk=topk)

@@ -1,8 +1,9 @@
 """runtime.attention's block pick from the indexer's block scores (top_blocks, the torch reference of the
-one-launch kernel's in-kernel ranking) and decode_attention_topk's reference path, on CPU. The Triton
+split-K kernel's in-kernel ranking) and decode_attention_topk's reference path, on CPU. The Triton
 kernels are checked against these on the GPU (tests/test_runtime_gpu_decode.py)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import runtime_fixtures as fx
@@ -59,3 +60,10 @@ def test_decode_attention_topk_reference_path():
         k2 = k.clone()
         k2[0, :, unpicked * block:(unpicked + 1) * block] += 5.0
         assert torch.equal(decode_attention_topk(q, k2, v, pos, S, scores, topk, block, 0.3)[0], out)
+
+
+def test_decode_attention_topk_index_heads_must_match():
+    """One index head for all kv heads or one per kv head; anything else is refused before any kernel runs."""
+    q, k, v = torch.randn(1, 6, 8), torch.randn(1, 3, 16, 8), torch.randn(1, 3, 16, 8)
+    with pytest.raises(ValueError, match="2 index heads for 3 kv heads"):
+        decode_attention_topk(q, k, v, torch.tensor([15]), 16, torch.randn(1, 2, 4), 2, 4)

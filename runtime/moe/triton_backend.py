@@ -212,7 +212,7 @@ class PreparedMoE:
     fp8_blocks: Optional[tuple] = None  # the FP8 path's rebased weights, made on first use (fp8_weights)
     fp8_row_scale: bool = False  # whether fp8_blocks has one scale per row (FP8_ROW_SCALE) or per 128 K
 
-    def fp8_weights(self, row_scale: bool = False) -> tuple:
+    def fp8_weights(self, row_scale: bool) -> tuple:
         """(w13 e4m3 [E, 2I, H], s13 fp32 [E, 2I, H/128], w2 e4m3 [E, H, I], s2 fp32 [E, H, I/128]):
         the weights rebased to one power-of-two scale per (row, 128 K) (row_scale: per row, s13 [E, 2I, 1],
         s2 [E, H, 1]), made once per layer on the first FP8 prefill call. This is a second copy of the

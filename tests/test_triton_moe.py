@@ -534,6 +534,33 @@ def test_rebase_fp8_one_scale_per_row(jitter):
     assert (got == ref).float().mean() >= 0.99
 
 
+def test_row_scale_falls_back_to_128_blocks_past_13_octaves():
+    """FP8_ROW_SCALE asks for one rebased scale per row; a layer with a row whose MXFP8 scale bytes span more
+    than ROW_SCALE_MAX_OCTAVES (byte-0 groups ignored) keeps one per 128 K instead, and fp8_row_scale says so.
+    Within the limit, every value of the per-row rebase is within half an e4m3 ulp at its group's amax."""
+    q = make_quant(2, 256, 128, "cpu")
+    p = tb.prepare(q.w13_weight, q.w13_weight_scale, q.w2_weight, q.w2_weight_scale,
+                   q.gemm1_alpha, q.gemm1_beta, q.gemm1_clamp_limit)
+    s13 = p.w13_scale.int()
+    spread = int((s13.amax(-1) - s13.masked_fill(s13 == 0, 255).amin(-1)).max())
+    assert spread <= tb.ROW_SCALE_MAX_OCTAVES and tb.row_scale_ok(p.w13_scale) and tb.row_scale_ok(p.w2_scale)
+    w13, sc13, _, _ = p.fp8_weights(True)
+    assert p.fp8_row_scale and sc13.shape == (2, 256, 1)
+    ref = mxfp8.dequantize(p.w13, p.w13_scale)  # [E, N, K]
+    half_ulp = mxfp8.pow2(p.w13_scale.int() - 127 + 3).repeat_interleave(32, -1)  # 8 x the group's scale
+    assert bool(((w13.float() * sc13 - ref).abs() <= half_ulp).all())
+    wide = p.w13_scale.clone()
+    wide[0, 5, 0] = int(wide[0, 5].max()) - tb.ROW_SCALE_MAX_OCTAVES - 1  # one group 14 octaves down
+    assert tb.row_scale_ok(p.w13_scale) and not tb.row_scale_ok(wide)
+    zeroed = p.w13_scale.clone()
+    zeroed[0, 5, 0] = 0  # an all-zero group: exact at any shift
+    assert tb.row_scale_ok(zeroed)
+    p.w13_scale, p.fp8_blocks = wide, None  # another layer's weights
+    _, sc13, _, sc2 = p.fp8_weights(True)  # w13 [2, 256, 256]: K / 128 = 2 blocks per row; w2 K = 128: 1
+    assert not p.fp8_row_scale and sc13.shape == (2, 256, 2) and sc2.shape == (2, 256, 1)
+    assert p.fp8_weights(True)[1] is sc13  # made once per request
+
+
 def test_prefill_path_choice():
     assert tb.default_config(tb.FP8_PREFILL_MIN_TOKENS, True).fp8 == tb.FP8_TERMS
     assert tb.default_config(4096, True).fp8 == tb.FP8_TERMS

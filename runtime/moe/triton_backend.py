@@ -158,6 +158,25 @@ FP8_BLOCK_K = 128  # the FP8 path's K step, and the K extent of one rebased weig
 FP8_ROW_SCALE = True  # one rebased weight scale per row (whole K; faster) instead of per 128 K (more exact)
 
 
+ROW_SCALE_MAX_OCTAVES = 13  # see row_scale_ok
+
+
+def row_scale_ok(scale: torch.Tensor) -> bool:
+    """Whether one rebased scale per row (FP8_ROW_SCALE) adds no more error than MXFP8 itself did: a 32-group
+    whose scale byte is d below its row's largest is shifted d octaves down, and the bits that fall below
+    e4m3's smallest subnormal (2^-9 of the row's scale) are rounded off, at most 2^(d-10) of the group's own
+    scale per value. With porter's scale rule (rceil) a group's amax is over 224 of its scale, where e4m3's
+    half-ulp is 8, so
+    d <= 13 keeps the shift's error at or below the rounding the group's largest values already carry.
+    scale [E, N, K/32] uint8; byte-0 groups (values below 448 * 2^-127, read as 0) are ignored."""
+    for s in scale:  # one expert at a time: int16 temporaries of one expert
+        s = s.to(torch.int16)  # [N, K/32]
+        low = s.masked_fill(s == 0, 255).amin(dim=-1)  # [N] smallest non-zero byte (255: none)
+        if bool((s.amax(dim=-1) - low > ROW_SCALE_MAX_OCTAVES).any()):
+            return False
+    return True
+
+
 def rebase_fp8(q: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK_K) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 (q [E, N, K] e4m3, scale [E, N, K/32] uint8) -> block FP8 for the fp8 MMA: (q' [E, N, K]
     e4m3, sc [E, N, K/block] fp32) with sc = 2^(S-127), S the largest of the block's scale bytes,
@@ -210,20 +229,26 @@ class PreparedMoE:
     wmode1: int = 1  # kernel WMODE of GEMM1 / GEMM2 (see _wmode)
     wmode2: int = 1
     fp8_blocks: Optional[tuple] = None  # the FP8 path's rebased weights, made on first use (fp8_weights)
-    fp8_row_scale: bool = False  # whether fp8_blocks has one scale per row (FP8_ROW_SCALE) or per 128 K
+    fp8_row_scale: bool = False  # whether fp8_blocks has one scale per row or per (row, 128 K)
+    fp8_requested: Optional[bool] = None  # the row_scale fp8_blocks was made for
 
     def fp8_weights(self, row_scale: bool) -> tuple:
         """(w13 e4m3 [E, 2I, H], s13 fp32 [E, 2I, H/128], w2 e4m3 [E, H, I], s2 fp32 [E, H, I/128]):
-        the weights rebased to one power-of-two scale per (row, 128 K) (row_scale: per row, s13 [E, 2I, 1],
-        s2 [E, H, 1]), made once per layer on the first FP8 prefill call. This is a second copy of the
-        experts in e4m3 (1 B per weight + 1/32 B of scales: 7.5 GB per MiniMax-M3 layer);
-        FP8_PREFILL = False / PORTER_MOE_FP8=0 avoids it."""
-        if self.fp8_blocks is None or self.fp8_row_scale != row_scale:
+        the weights rebased to one power-of-two scale per (row, 128 K), or with row_scale per row (s13
+        [E, 2I, 1], s2 [E, H, 1]) where row_scale_ok holds for both (else per 128 K; fp8_row_scale says
+        which), made once per layer on the first FP8 prefill call. This is a second copy of the experts
+        in e4m3 (1 B per weight + 1/32 B of scales: 7.5 GB per MiniMax-M3 layer); FP8_PREFILL = False /
+        PORTER_MOE_FP8=0 avoids it."""
+        if self.fp8_blocks is None or self.fp8_requested != row_scale:
             self.fp8_blocks = None  # a switched A/B frees the other copy first
-            b13 = self.w13.shape[2] if row_scale else FP8_BLOCK_K
-            b2 = self.w2.shape[2] if row_scale else FP8_BLOCK_K
+            rows = row_scale and row_scale_ok(self.w13_scale) and row_scale_ok(self.w2_scale)
+            if row_scale and not rows:
+                log.info("FP8 prefill: a weight row spans more than %d octaves of MXFP8 scales; this layer "
+                         "keeps one scale per 128 K", ROW_SCALE_MAX_OCTAVES)
+            b13 = self.w13.shape[2] if rows else FP8_BLOCK_K
+            b2 = self.w2.shape[2] if rows else FP8_BLOCK_K
             self.fp8_blocks = (*rebase_fp8(self.w13, self.w13_scale, b13), *rebase_fp8(self.w2, self.w2_scale, b2))
-            self.fp8_row_scale = row_scale
+            self.fp8_row_scale, self.fp8_requested = rows, row_scale
         return self.fp8_blocks
 
     def fp8_weights_fit(self) -> bool:
@@ -401,11 +426,11 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
             t, h, n, e, nblk, hidden.stride(0),
             DO_ALIGN=in_kernel_align, QUANT=quant_x, ZERO_OUT=zero_out, HP=next_pow2(h),
             BM=cfg.bm, EP=ep, C=64, CB=128, num_warps=8)
-    wmode1 = 4 + FP8_ROW_SCALE if fp8 else p.wmode1
-    wmode2 = 4 + FP8_ROW_SCALE if fp8 else p.wmode2
     if fp8:
         w13, s13, w2, s2 = p.fp8_weights(FP8_ROW_SCALE)
+        wmode1 = wmode2 = 5 if p.fp8_row_scale else 4  # 5: one weight scale per row
     else:
+        wmode1, wmode2 = p.wmode1, p.wmode2
         w13, s13, w2, s2 = p.w13, p.w13_scale, p.w2, p.w2_scale
     ss13 = (s13.stride(0), s13.stride(1)) if p.w_fp8 else (0, 0)
     ss2 = (s2.stride(0), s2.stride(1)) if p.w_fp8 else (0, 0)

@@ -486,6 +486,17 @@ def test_fit_config_divides_dims(t, h, i):
         assert cfg.bk1 % 32 == 0 and cfg.bk2 % 32 == 0
 
 
+def _outlier_weights(e: int, n: int, k: int, jitter: int) -> torch.Tensor:
+    """[e, n, k] Gaussian weights (sigma 0.02) with outlier columns (every 97th x8) and, with jitter, each
+    32-group scaled by 2^j, j uniform in [-jitter, jitter] (a spread of MXFP8 scale bytes within a row)."""
+    w = torch.randn(e, n, k) * 0.02
+    w[..., ::97] *= 8.0
+    if jitter:
+        gains = torch.exp2(torch.randint(-jitter, jitter + 1, (e, n, k // 32, 1)).float())
+        w = w * gains.repeat_interleave(32, -1).view(e, n, k)
+    return w
+
+
 @pytest.mark.parametrize("jitter", [0, 3])
 def test_rebase_fp8_is_a_power_of_two_shift(jitter):
     """FP8 path's load-time rebase: one 2^(S-127) per (row, 128 K) with S the block's largest MXFP8 byte,
@@ -494,11 +505,7 @@ def test_rebase_fp8_is_a_power_of_two_shift(jitter):
     octaves and outlier columns,
     >= 99.5 % of elements bit-exact; blocks whose four bytes are equal are untouched."""
     e, n, k = 3, 64, 1024
-    w = torch.randn(e, n, k) * 0.02
-    w[..., ::97] *= 8.0  # outlier columns
-    w = w * torch.exp2(torch.randint(-jitter, jitter + 1, (e, n, k // 32, 1)).float()).repeat_interleave(32, -1).view(e, n, k) \
-        if jitter else w
-    q, s = mxfp8.quantize(w)
+    q, s = mxfp8.quantize(_outlier_weights(e, n, k, jitter))
     q2, sc = tb.rebase_fp8(q, s)
     assert q2.dtype == torch.float8_e4m3fn and sc.shape == (e, n, k // 128)
     top = s.view(e, n, k // 128, 4).amax(-1).int()
@@ -520,11 +527,7 @@ def test_rebase_fp8_one_scale_per_row(jitter):
     >= 99 % of elements bit-exact."""
     torch.manual_seed(0)
     e, n, k = 2, 32, 6144
-    w = torch.randn(e, n, k) * 0.02
-    w[..., ::97] *= 8.0  # outlier columns
-    if jitter:
-        w = w * torch.exp2(torch.randint(-jitter, jitter + 1, (e, n, k // 32, 1)).float()).repeat_interleave(32, -1).view(e, n, k)
-    q, s = mxfp8.quantize(w)
+    q, s = mxfp8.quantize(_outlier_weights(e, n, k, jitter))
     q2, sc = tb.rebase_fp8(q, s, k)
     assert sc.shape == (e, n, 1)
     assert torch.equal(sc[..., 0], mxfp8.pow2(s.int().amax(-1) - 127))

@@ -48,7 +48,7 @@ def main():
         x, ids, w = decode_problem(t, dev)
         floor_us = int(torch.unique(ids).numel()) * EXPERT_BYTES / bw * 1e6
         ref = ref_moe.forward_topk(x, ids, w).float()
-        times, outs = {i: [] for i in range(len(variants))}, {}
+        times, outs = [[] for _ in variants], [None] * len(variants)
         for _ in range(args.rounds):
             for i, (v, c) in enumerate(variants):
                 setattr(tb, args.knob, v)
@@ -56,14 +56,13 @@ def main():
                 times[i].append(graph_time_queued_us(f))
                 outs[i] = f().float()
         setattr(tb, args.knob, keep)
-        first = 0
-        base = statistics.median(times[first])
+        rel = lambda a, b: float((a - b).norm() / b.norm())
+        base = statistics.median(times[0])
         for i, (v, c) in enumerate(variants):
             us = statistics.median(times[i])
             row = {"T": t, "value": repr(v), "config": c and c.__dict__, "us": us, "x_floor": us / floor_us,
-                   "vs_first": us / base,
-                   "rel_vs_first": float((outs[i] - outs[first]).norm() / outs[first].norm()),
-                   "rel_vs_torch": float((outs[i] - ref).norm() / ref.norm()), "rounds_us": times[i]}
+                   "vs_first": us / base, "rel_vs_first": rel(outs[i], outs[0]), "rel_vs_torch": rel(outs[i], ref),
+                   "rounds_us": times[i]}
             res["rows"].append(row)
             tile = "" if c is None else f" cfg {c.bm}/{c.bn1}/{c.bk1}/{c.warps1}w{c.stages1}s-{c.bn2}/{c.bk2}/{c.warps2}w{c.stages2}s"
             print(f"T={t} {args.knob}={v!r:8}{tile} {us:8.1f} us  {row['x_floor']:.3f}x floor ({floor_us:.1f} us)  "

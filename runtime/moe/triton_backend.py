@@ -166,8 +166,8 @@ def row_scale_ok(scale: torch.Tensor) -> bool:
     whose scale byte is d below its row's largest is shifted d octaves down, and the bits that fall below
     e4m3's smallest subnormal (2^-9 of the row's scale) are rounded off, at most 2^(d-10) of the group's own
     scale per value. With porter's scale rule (rceil) a group's amax is over 224 of its scale, where e4m3's
-    half-ulp is 8, so
-    d <= 13 keeps the shift's error at or below the rounding the group's largest values already carry.
+    half-ulp is 8, so d <= 13 keeps the shift's error at or below the rounding the group's largest values
+    already carry.
     scale [E, N, K/32] uint8; byte-0 groups (values below 448 * 2^-127, read as 0) are ignored."""
     for s in scale:  # one expert at a time: int16 temporaries of one expert
         s = s.to(torch.int16)  # [N, K/32]
@@ -378,8 +378,9 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     # read rows missing other programs' adds (rel 1e-2 vs the unfused path on H200, even with
     # per-thread gpu fences), and at T = 4 on the NOSORT path (programs holding rows of several
     # tokens) 8 of 200 calls at real dims were off by up to 5e-2
-    # (benchmarks/results/gpu_tests_round4_call2.log); not understood yet. T = 1: 0 of 200 off. Otherwise prep zeroing + atomics + cast. An explicit fused_out=True is honoured
-    # on the NOSORT path (diagnosis).
+    # (benchmarks/results/gpu_tests_round4_call2.log); not understood yet. T = 1: 0 of 200 off.
+    # Otherwise prep zeroing + atomics + cast. An explicit fused_out=True is honoured on the NOSORT path
+    # (diagnosis).
     fused_out = (nosort and t == 1) if fused_out is None else fused_out
     fused_out = fused_out and nosort and t <= FUSED_OUT_MAX_TOKENS
     if nosort:

@@ -330,16 +330,15 @@ def _reuse_freed_memory() -> None:
     page-faults its memory in again (measured: a third of the conversion's CPU time was kernel time).
     Raising the mmap/trim thresholds keeps freed blocks in the heap for reuse; the working set (one
     expert's temporaries per worker) is what stays resident. No-op where glibc's mallopt is unavailable."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: chunk temporaries (< 32 MiB) from the heap; whole
-        # expert reads (38 MB and up) mapped and unmapped, so they cannot fragment the heap
-        libc.mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD: keep up to 128 MiB of freed heap per arena for reuse
-        libc.mallopt(-8, 2)  # M_ARENA_MAX: workers share 2 arenas (one each would keep its own freed memory:
-        # measured +2 GB of RSS at 16 workers on an 8 GB checkpoint vs 2 GB)
-    except (OSError, AttributeError):
-        pass
+    import ctypes
+    mallopt = pipeline.libc_function("mallopt", ctypes.c_int, ctypes.c_int)
+    if mallopt is None:
+        return
+    mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: chunk temporaries (< 32 MiB) from the heap; whole
+    # expert reads (38 MB and up) mapped and unmapped, so they cannot fragment the heap
+    mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD: keep up to 128 MiB of freed heap per arena for reuse
+    mallopt(-8, 2)  # M_ARENA_MAX: workers share 2 arenas (one each would keep its own freed memory:
+    # measured +2 GB of RSS at 16 workers on an 8 GB checkpoint vs 2 GB)
 
 
 def _finish(plan: Plan, out: Path, stats: dict) -> float:

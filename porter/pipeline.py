@@ -16,6 +16,7 @@ Generic over `porter.layout.OutTensor` lists: nothing here knows an architecture
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -895,17 +896,27 @@ class Pipeline:
                                 "max_abs_error": float(stats[2])}
 
 
-def _sync_file_range():
+def _load_libc():
     try:
-        import ctypes
-        fn = ctypes.CDLL("libc.so.6", use_errno=True).sync_file_range
-        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        return fn
-    except (OSError, AttributeError):
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
         return None
 
 
-_SYNC_FILE_RANGE = _sync_file_range()
+_LIBC = _load_libc()
+
+
+def libc_function(name: str, *argtypes):
+    """A glibc function through ctypes (which drops the GIL while it runs), with its argument types, or None
+    where libc.so.6 or the function is unavailable: its callers treat it as a hint and skip it then."""
+    fn = getattr(_LIBC, name, None)
+    if fn is not None:
+        fn.argtypes = list(argtypes)
+    return fn
+
+
+_SYNC_FILE_RANGE = libc_function("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+_MADVISE = libc_function("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 def prefault(buf: torch.Tensor) -> None:
@@ -917,33 +928,19 @@ def prefault(buf: torch.Tensor) -> None:
     registering took 1.1 thread-seconds (0.2 on a CPU), the touching 2.4 (all on a CPU: first touch is slow
     in that VM). With the context made in the background (Pipeline._init_cuda_async), 8.1 GB on cuda went
     3.13 -> 2.84 s; how much of that each of the two gives was not separated."""
-    import ctypes
     n = buf.numel() * buf.element_size()
     if not n:
         return
     addr = buf.data_ptr()
     page = os.sysconf("SC_PAGE_SIZE")
     start, end = -(-addr // page) * page, (addr + n) // page * page
-    if _LIBC is not None and end > start:
-        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE; a hint
+    if _MADVISE is not None and end > start:
+        _MADVISE(start, end - start, 14)  # MADV_HUGEPAGE; a hint
     ctypes.memset(addr, 0, n)
 
 
 def _prefault_slabs() -> bool:
     return os.environ.get("PORTER_SLAB_PREFAULT", "1") != "0"
-
-
-def _libc():
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _libc()
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:

@@ -33,6 +33,10 @@ from runtime.fused import next_pow2, pdl, use_triton
 
 TOPK_IN_KERNEL = os.environ.get("PORTER_ATTENTION_TOPK", "1") != "0"  # see the module docstring
 RANK_BLOCKS = 256  # the kernel ranks up to this many block scores per program (NBP^2 compares)
+# Keys per tile of the split-K kernel. 128 measured no faster on the H200 at real dims: within 3% dense
+# and with the top-k kernel, 10% slower with the in-kernel top-k at KV 8k batch 1
+# (benchmarks/results/attention_ab_round6_final.log)
+BLOCK_N = 64
 
 
 def key_slots(pos: torch.Tensor, kv_len: int, blocks: Optional[torch.Tensor], block: int, nkv: int):
@@ -106,8 +110,7 @@ def num_splits(n_keys: int, programs: int, block_n: int, target: int = 264) -> i
     return max(1, min(tiles, -(-target // max(programs, 1))))
 
 
-def _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, scale, scores=None, topk=0,
-                             block_n=64):
+def _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, scale, scores=None, topk=0):
     """-> (out [B, nq, d], top [B, nkv, topk] or None). scores: the kernel picks the topk blocks."""
     from runtime.attention_triton import combine_kernel, decode_kernel
     B, nq, d = q.shape
@@ -119,8 +122,8 @@ def _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, sc
     nblk = 0 if dense else -(-kv_len // block)
     nb = 0 if dense else (topk if scores is not None else blocks.shape[-1])
     n_keys = kv_len if dense else nb * block
-    splits = num_splits(n_keys, B * nkv, block_n)
-    tiles = -(-n_keys // block_n)
+    splits = num_splits(n_keys, B * nkv, BLOCK_N)
+    tiles = -(-n_keys // BLOCK_N)
     tiles_per_split = -(-tiles // splits)
     splits = -(-tiles // tiles_per_split)  # no slice without a tile
     dev = q.device
@@ -137,7 +140,7 @@ def _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, sc
         qc.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         sc.stride(0), sc.stride(1) if scores is not None and scores.shape[1] > 1 else 0,
-        NKV=nkv, G=g, GP=gp, D=d, BLOCK_N=block_n, KB=block, DENSE=dense, IEEE=q.dtype == torch.float32,
+        NKV=nkv, G=g, GP=gp, D=d, BLOCK_N=BLOCK_N, KB=block, DENSE=dense, IEEE=q.dtype == torch.float32,
         TOPK=topk if scores is not None else 0, NBP=nbp, CH=max(1, min(nbp, 4096 // nbp)), num_warps=4, num_stages=2,
         **pdl(dev))  # CH: the ranking compares [NBP, CH] scores at a time (4096: no spills at NBP 256)
     out = torch.empty((B, nq, d), dtype=q.dtype, device=dev)  # query head h*g + i <- (kv head h, row i)

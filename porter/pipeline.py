@@ -233,18 +233,29 @@ def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], dev
     return units
 
 
+def _env_switch(name: str, default: str, valid: Callable[[str], bool]) -> str:
+    """The benchmarks' A/B switches (PORTER_*): the variable's value where `valid` accepts it, else `default`
+    (anything else is ignored)."""
+    value = os.environ.get(name, "")
+    return value if valid(value) else default
+
+
 def shards_in_flight(workers: int) -> int:
-    """Output shards written at once: SHARDS_IN_FLIGHT (or PORTER_SHARDS_IN_FLIGHT, a positive integer;
-    anything else is ignored), and never more than one per worker."""
-    env = os.environ.get("PORTER_SHARDS_IN_FLIGHT", "")
-    n = int(env) if env.isdigit() and int(env) > 0 else SHARDS_IN_FLIGHT
+    """Output shards written at once: SHARDS_IN_FLIGHT (or PORTER_SHARDS_IN_FLIGHT, a positive integer),
+    and never more than one per worker."""
+    n = int(_env_switch("PORTER_SHARDS_IN_FLIGHT", str(SHARDS_IN_FLIGHT), lambda v: v.isdigit() and int(v) > 0))
     return max(1, min(n, workers))
 
 
 def writeback_mode() -> str:
-    """WRITEBACK, or PORTER_WRITEBACK when it is one of its values (anything else is ignored)."""
-    env = os.environ.get("PORTER_WRITEBACK", "")
-    return env if env in ("thread", "inline", "off") else WRITEBACK
+    """WRITEBACK, or PORTER_WRITEBACK when it is one of its values."""
+    return _env_switch("PORTER_WRITEBACK", WRITEBACK, ("thread", "inline", "off").__contains__)
+
+
+def slab_prefault() -> bool:
+    """Whether the GPU path prefaults its slabs and makes the CUDA context early (Pipeline._new_slab);
+    PORTER_SLAB_PREFAULT=0 turns both off."""
+    return _env_switch("PORTER_SLAB_PREFAULT", "1", lambda v: v == "0") != "0"
 
 
 def interleave_shards(units: list, shard_of: Callable[[Unit], str], width: int) -> list:
@@ -550,6 +561,7 @@ class Pipeline:
         self.local = threading.local()
         self.registered: list = []  # page-locked slabs (GPU path)
         self.writeback = writeback_mode()
+        self.prefault_slabs = slab_prefault()
         self.flusher: Optional[Writeback] = None
         self.cuda_init: Optional[threading.Thread] = None  # see _init_cuda_async
 
@@ -605,7 +617,7 @@ class Pipeline:
         slab = torch.empty(n, dtype=torch.uint8)
         if self.device.type != "cuda" or not n:
             return slab
-        if not _prefault_slabs():
+        if not self.prefault_slabs:
             self._register(slab)
             return slab
         prefault(slab)
@@ -729,7 +741,7 @@ class Pipeline:
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="porter-convert")
         if self.writeback == "thread":
             self.flusher = Writeback()
-        if self.device.type == "cuda" and _prefault_slabs():
+        if self.device.type == "cuda" and self.prefault_slabs:
             self._init_cuda_async()
         try:
             futures = []
@@ -937,10 +949,6 @@ def prefault(buf: torch.Tensor) -> None:
     if _MADVISE is not None and end > start:
         _MADVISE(start, end - start, 14)  # MADV_HUGEPAGE; a hint
     ctypes.memset(addr, 0, n)
-
-
-def _prefault_slabs() -> bool:
-    return os.environ.get("PORTER_SLAB_PREFAULT", "1") != "0"
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:

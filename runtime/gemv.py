@@ -28,10 +28,10 @@ from runtime.fused import next_pow2, pdl, use_triton
 MAX_ROWS = 64  # the kernel pads rows to BM <= 64; beyond that a GEMM is no longer bound by weight bytes
 SMEM_BYTES = 216 * 1024  # per program: (stages - 1) pipeline buffers (+ the e4m3 path's MMA operand copies)
 # Which kernel 16/32-bit-weight linears run at decode sizes: "stream" (one row: gemv_stream, more rows:
-# cuBLAS; the adds then in one kernel), "none" (cuBLAS), "adds" (this kernel for those with residual adds
-# fused), or "all" (this kernel). MXFP8 weights always run this kernel. On the H200 cuBLAS beat this kernel
-# at rows 1-32 (dense layer 1.24-1.33x its bytes floor against 1.27-1.39x with "adds":
-# benchmarks/results/decode_round5_*), and gemv_stream beat cuBLAS at one row by 2-20% per linear
+# cuBLAS; the adds then in one kernel), "none" (cuBLAS), or "all" (this kernel). MXFP8 weights always run
+# this kernel. On the H200 cuBLAS beat this kernel at rows 1-32, also where it saved the residual adds'
+# kernels (dense layer 1.24-1.33x its bytes floor against 1.27-1.39x: benchmarks/results/decode_round5_*),
+# and gemv_stream beat cuBLAS at one row by 2-20% per linear
 # (benchmarks/results/gemv_stream_ab_NVIDIA_H200.log) but lost at 2 and 4 rows.
 BF16 = os.environ.get("PORTER_GEMV_BF16", "stream")
 
@@ -43,13 +43,13 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and use_triton(weight) and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS)
 
 
-def runs(x: torch.Tensor, weight: torch.Tensor, adds: bool = False) -> bool:
+def runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a linear of x against weight runs gemv (MXFP8: whenever it applies; else per BF16)."""
     if not applies(x, weight):
         return False
     if weight.dtype != torch.float8_e4m3fn and weight.dtype != x.dtype:
         return False  # Linear's own path rounds the weight to x's dtype first; gemv would multiply unrounded
-    return weight.dtype == torch.float8_e4m3fn or BF16 == "all" or (BF16 == "adds" and adds)
+    return weight.dtype == torch.float8_e4m3fn or BF16 == "all"
 
 
 def streams(x: torch.Tensor, weight: torch.Tensor) -> bool:

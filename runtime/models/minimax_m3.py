@@ -101,7 +101,7 @@ class Linear:
         self.weight, self.scale = weight, scale
 
     def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:
-        if len(add) <= 2 and gemv.runs(x, self.weight, adds=bool(add)):  # the epilogue takes two adds
+        if len(add) <= 2 and gemv.runs(x, self.weight):  # the epilogue takes two adds
             return gemv.gemv(x, self.weight, self.scale, add=add)
         if gemv.streams(x, self.weight):
             y = gemv.gemv_stream(x, self.weight)
@@ -563,7 +563,7 @@ class DecoderLayer:
             if self.fused_decode(h, step, cache):
                 a = self.attn.decode(rms_norm(h, self.ln_in, self.eps), step, cache)  # [B, 1, nq*d]
                 wo = self.attn.wo
-                if gemv.runs(a, wo.weight, adds=True):  # the add in the GEMV's epilogue, then the norm
+                if gemv.runs(a, wo.weight):  # the add in the GEMV's epilogue, then the norm
                     h = wo(a, add=(h,))  # h + o_proj(a)
                     x = rms_norm(h, self.ln_post, self.eps)
                 else:  # one kernel adds the residual and norms the sum

@@ -208,13 +208,19 @@ def test_workers_do_not_change_a_byte(tiny_vendor, tmp_path, converted):
                        device="cpu")
         runs[w] = tmp_path / f"w{w}"
     for d in (runs[4], converted):
-        names = sorted(p.name for p in runs[1].iterdir())
-        assert names == sorted(p.name for p in d.iterdir())
-        for n in names:
-            if n != "porter.json":
-                assert (runs[1] / n).read_bytes() == (d / n).read_bytes(), n
-        a, b = (json.loads((x / "porter.json").read_text()) for x in (runs[1], d))
-        assert a["tensors"] == b["tensors"] and a["shards"] == b["shards"]
+        assert_same_conversion(runs[1], d)
+
+
+def assert_same_conversion(a: Path, b: Path) -> None:
+    """The same file names, every file but porter.json byte-identical, and porter.json's tensor and shard
+    records equal."""
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for n in names:
+        if n != "porter.json":
+            assert (a / n).read_bytes() == (b / n).read_bytes(), n
+    ma, mb = (json.loads((x / "porter.json").read_text()) for x in (a, b))
+    assert ma["tensors"] == mb["tensors"] and ma["shards"] == mb["shards"]
 
 
 def _corrupt(src: Path, dst: Path, fn):
@@ -413,13 +419,7 @@ def test_writeback_modes_do_not_change_a_byte(tiny_vendor, tmp_path, monkeypatch
     monkeypatch.setattr(pp.Writeback, "close", lambda self, fd: (closed.append(fd), real_close(self, fd)))
     out = tmp_path / "out"
     porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=3, device="cpu")
-    names = sorted(p.name for p in converted.iterdir())
-    assert names == sorted(p.name for p in out.iterdir())
-    for n in names:
-        if n != "porter.json":
-            assert (out / n).read_bytes() == (converted / n).read_bytes(), n
-    a, b = (json.loads((d / "porter.json").read_text()) for d in (converted, out))
-    assert a["tensors"] == b["tensors"] and a["shards"] == b["shards"]
+    assert_same_conversion(converted, out)
     shards = list(out.glob("*.safetensors"))
     data = sum(p.stat().st_size for p in shards) - sum(8 + int.from_bytes(p.read_bytes()[:8], "little") for p in shards)
     assert (sum(flushed), len(closed)) == ((data, len(shards)) if writeback == "thread" else (0, 0))

@@ -54,12 +54,12 @@ def main():
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             want = x.float() @ ws[0].float().t()
-            runs = {"cublas": (lambda i: torch.nn.functional.linear(x, ws[i]), None),
-                    "gemv_mma": (lambda i: gemv.gemv(x, ws[i]), None)}
+            runs = {"cublas": lambda i: torch.nn.functional.linear(x, ws[i]),
+                    "gemv_mma": lambda i: gemv.gemv(x, ws[i])}
             for cfg in STREAM_CONFIGS:
-                runs[f"stream{cfg}"] = ((lambda c: lambda i: gemv.gemv_stream(x, ws[i], cfg=c))(cfg), cfg)
+                runs[f"stream{cfg}"] = lambda i, c=cfg: gemv.gemv_stream(x, ws[i], cfg=c)
             base = None
-            for label, (fn, cfg) in runs.items():
+            for label, fn in runs.items():
                 try:
                     err = float((fn(0).float() - want).norm() / want.norm())
                     us = rotating_ms(fn, copies)

@@ -12,7 +12,7 @@ fold in what the unfused layer does next with the output, bit for bit in its rou
 Tile configs (BN output columns per program, BK, warps, stages) come from the H200 sweep
 (benchmarks/gemv_sweep.py, benchmarks/results/gemv_sweep_NVIDIA_H200.log): the largest tiles that fit
 in shared memory streamed best (32 output rows x 512 K per step, 4 warps, 4 stages: bf16 3.1-3.3 TB/s,
-MXFP8 1.8-2.2 TB/s of 1-byte weights); PORTER_GEMV_CONFIG="BN,BK,WARPS,STAGES" overrides them.
+MXFP8 1.8-2.2 TB/s of 1-byte weights); gemv's cfg=(BN, BK, WARPS, STAGES) overrides them (the sweep).
 cuBLAS streams a plain bf16 GEMV at 3.4-3.7 TB/s on the same shapes, so 16-bit weights run `gemv_stream`
 (one row) or cuBLAS by default, not `gemv` (`runs`, `streams`, policy BF16).
 """
@@ -61,10 +61,6 @@ def streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def config(swiglu: bool, mx: bool) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages): the H200 sweep's best at MiniMax-M3's decode shapes (rows 1 and 8)."""
-    env = os.environ.get("PORTER_GEMV_CONFIG")
-    if env:
-        bn, bk, warps, stages = (int(v) for v in env.split(","))
-        return bn, bk, warps, stages
     if swiglu and not mx:
         return 32, 256, 4, 3  # 64 weight rows x 256 (bf16: 32 KB per step)
     return 32, 512, 4, 4

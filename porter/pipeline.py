@@ -473,20 +473,20 @@ class Writeback:
 
 class ShardOut:
     """One output shard: `.partial` written with pwrite, renamed once every tensor's digest and every error
-    record is in (`todo` counts those events). writeback: see WRITEBACK (flusher: the thread mode's)."""
+    record is in (`todo` counts those events). writeback: see WRITEBACK; flusher: the thread mode's (else None)."""
 
-    def __init__(self, path: Path, entries: list, todo: int, on_closed: Callable, writeback: str = "inline",
-                 flusher: Optional[Writeback] = None):
+    def __init__(self, path: Path, entries: list, todo: int, on_closed: Callable, writeback: str,
+                 flusher: Optional[Writeback]):
         self.path, self.entries, self.on_closed = path, entries, on_closed
         self.partial = path.with_name(path.name + ".partial")
         header = header_bytes(entries, SHARD_METADATA)
         size = len(header) + sum(e.nbytes for e in entries)
         self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self.fd, size)
-        self.writeback, self.flusher = writeback, flusher
-        self.wb_fd = flusher.open(self.fd) if (writeback == "thread" and flusher is not None) else None
-        if writeback == "thread" and self.wb_fd is None:
-            self.writeback = "inline"  # no flusher, or it holds MAX_FDS shards already
+        self.flusher = flusher
+        self.wb_fd = flusher.open(self.fd) if flusher is not None else None
+        # inline: asked for, or thread mode without a flusher or with one that holds MAX_FDS shards already
+        self.inline_writeback = self.wb_fd is None and writeback != "off"
         self.lock = threading.Lock()
         self.todo = todo
         self.header_sha256 = hashlib.sha256(header).hexdigest()
@@ -497,7 +497,7 @@ class ShardOut:
         pwrite_all(self.fd, data, offset)
         if self.wb_fd is not None:
             self.flusher.submit(self.wb_fd, offset, len(data))
-        elif self.writeback == "inline":
+        elif self.inline_writeback:
             start_writeback(self.fd, offset, len(data))
 
     def event(self) -> None:

@@ -10,5 +10,5 @@ taskset -c 0-15 timeout ${TCPU:-120} python3 benchmarks/convert_throughput.py --
   --variants "inline:PORTER_WRITEBACK=inline" --out "$OUT/throughput_cpu.json" 2>&1 | tee "$OUT/throughput_cpu.log" \
   | grep -v '^{'
 taskset -c 0-15 timeout ${TCUDA:-120} python3 benchmarks/convert_throughput.py --sizes 8 --devices cuda --no-single \
-  --max-shard-size 1GB --shards-in-flight 1,4 --out "$OUT/throughput_cuda_1gb.json" 2>&1 \
+  --max-shard-size 1GB --variants "in1:PORTER_SHARDS_IN_FLIGHT=1" --out "$OUT/throughput_cuda_1gb.json" 2>&1 \
   | tee "$OUT/throughput_cuda_1gb.log" | grep -v '^{'

@@ -240,7 +240,7 @@ def machine() -> dict:
 
 def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list, repeats: int, single: bool,
                experts: int = 8, caches: tuple = ("warm",), max_shard_size: str = "512MB",
-               in_flight: tuple = (None,), variants: tuple = ((None, {}),), floor: bool = False,
+               variants: tuple = ((None, {}),), floor: bool = False,
                copies: tuple = COPIES) -> dict:
     layers = max(2, round(target_gb * layers_per_gb))
     t0 = time.time()
@@ -265,32 +265,28 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
     configs += [("convert", "all", d) for d in devices]
     if single:
         configs.append(("convert", "1", "cpu"))
-    # porter.pipeline.SHARDS_IN_FLIGHT variants (PORTER_SHARDS_IN_FLIGHT; None: porter's default), and
     # environment variants (label, {PORTER_*: value}) for the conversions: (None, {}) is porter's defaults
     # (a label ending in @cpu or @cuda runs on that device only)
-    configs = [(k, w, d, n, v) for k, w, d in configs for n in (in_flight if k == "convert" else (None,))
-               for v in (variants if k == "convert" else ((None, {}),))
+    configs = [(k, w, d, v) for k, w, d in configs for v in (variants if k == "convert" else ((None, {}),))
                if not (v[0] and "@" in v[0] and v[0].rsplit("@", 1)[1] != d)]
     for cache in caches:
         if cache == "warm":
             warm(src)
         for r in range(repeats):
-            for kind, workers, device, n_flight, (label, extra_env) in configs:
+            for kind, workers, device, (label, extra_env) in configs:
                 if cache == "cold" and ((kind, workers) == ("convert", "1") or kind == "copy-safetensors+fsync"):
                     continue  # cold: the copies and the every-core conversions only
-                out = tmp / f"out-{kind}-{workers}-{device}-{n_flight}-{label}-{r}"
+                out = tmp / f"out-{kind}-{workers}-{device}-{label}-{r}"
                 extra_env = dict(extra_env)
                 shard_size = extra_env.pop("SHARD", max_shard_size)  # pseudo-variables: convert's arguments
                 workers = extra_env.pop("WORKERS", workers)
                 if kind.startswith("copy"):
                     res = copy_run(src, out, kind, cache)
                 else:
-                    env = None if n_flight is None else dict(os.environ, PORTER_SHARDS_IN_FLIGHT=str(n_flight))
-                    if extra_env:
-                        env = dict(env or os.environ, **extra_env)
+                    env = dict(os.environ, **extra_env) if extra_env else None
                     res = convert_run(src, out, workers, device, cache, shard_size, env=env)
-                res |= {"kind": kind, "workers": workers, "device": device, "repeat": r, "shards_in_flight": n_flight,
-                        "variant": label, "variant_env": extra_env,
+                res |= {"kind": kind, "workers": workers, "device": device, "repeat": r, "variant": label,
+                        "variant_env": extra_env,
                         "max_shard_size": shard_size if kind == "convert" else None,
                         "gb_per_s": gb / res["seconds"]}
                 runs.append(res)
@@ -329,8 +325,6 @@ def summary_lines(result: dict) -> list:
             what = x["kind"] if x["kind"] != "convert" else f"convert {x['device']} workers={x['workers']}"
             if x.get("output_shards") is not None:
                 what += f" {x['output_shards']}x{x['max_shard_size']}"
-            if x.get("shards_in_flight") is not None:
-                what += f" in-flight={x['shards_in_flight']}"
             if x.get("variant"):
                 what += f" [{x['variant']}]"
             what = f"{x['cache']:4s} {what}"
@@ -386,7 +380,6 @@ def main():
                     "a variant's SHARD=SIZE overrides it for that variant (and WORKERS=N the worker count)")
     ap.add_argument("--copies", default=",".join(COPIES), help="baseline copies to run (comma list of "
                     + ", ".join(COPIES) + "; empty: none)")
-    ap.add_argument("--shards-in-flight", default="", help="comma list: PORTER_SHARDS_IN_FLIGHT values to A/B")
     ap.add_argument("--variants", default="", help="conversion environment variants to A/B besides porter's "
                     "defaults: 'label:NAME=V,NAME=V;label2:NAME=V' (e.g. inline:PORTER_WRITEBACK=inline)")
     ap.add_argument("--floor", action="store_true", help="also measure the bytes floor (convert_floor.py)")
@@ -403,7 +396,6 @@ def main():
             result["sizes"].append(bench_size(Path(tmp), size, args.layers_per_gb, devices, args.repeats,
                                               not args.no_single and size == float(args.sizes.split(",")[0]),
                                               args.experts, tuple(args.cache.split(",")), args.max_shard_size,
-                                              tuple(int(n) for n in args.shards_in_flight.split(",") if n) or (None,),
                                               parse_variants(args.variants, not args.no_default), args.floor,
                                               tuple(c for c in args.copies.split(",") if c)))
     result["summary"] = summary_lines(result)

@@ -302,10 +302,8 @@ def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.devic
     readback = workers * safetensors_io.DIGEST_CHUNK_BYTES  # each worker may read a chunk back to hash it
     reads = [min(COPY_CHUNK_BYTES, _src_bytes(t)) if c else _src_bytes(t)
              for t, c in zip(tensors, copied)]  # one unit's reads
-    src = max(reads, default=0)
     if device.type == "cuda":  # every worker keeps its pinned slabs (registered at their size) for the whole run
-        out = max((_out_bytes(t) for t in tensors if t.quantize), default=0)
-        base += workers * (src + 4096 + out + 4096)
+        base += workers * sum(pinned_slab_bytes(reads, [t for t in tensors if t.quantize]).values())
     else:  # CPU: every worker keeps a read slab as large as its largest read that goes into one
         base += workers * max((r for r in reads if r <= SLAB_MAX_BYTES), default=0)
     inflight = max(unit, min(workers * unit, budget_for(max_memory, base, scales + readback)))
@@ -323,12 +321,12 @@ def scale_array_bytes(t: OutTensor) -> int:
     return n
 
 
-def pinned_slab_bytes(units: list) -> dict:
-    """Sizes of one worker's pinned buffers on the GPU path: src holds a unit's reads (each 64-byte aligned),
-    out one part's results (values + scales)."""
-    src = max((u.length if u.kind == "copy" else _src_bytes(u.t) for u in units), default=0)
-    out = max((_out_bytes(u.t) for u in units if u.t.quantize), default=0)
-    return {"src": src + 4096, "out": out + 4096}
+def pinned_slab_bytes(reads: list, quantized: list) -> dict:
+    """Sizes of one worker's pinned buffers on the GPU path, for units reading up to max(reads) bytes each
+    and quantizing these tensors: src holds a unit's reads (each 64-byte aligned), out one part's results
+    (values + scales)."""
+    out = max((_out_bytes(t) for t in quantized), default=0)
+    return {"src": max(reads, default=0) + 4096, "out": out + 4096}
 
 
 def _out_bytes(t: OutTensor) -> int:
@@ -734,7 +732,8 @@ class Pipeline:
     # -- units
     def run(self, units: list) -> None:
         units = interleave_shards(units, lambda u: self.places[u.t.name].shard, shards_in_flight(self.workers))
-        self.slab_bytes = pinned_slab_bytes(units) if self.pin else {}
+        self.slab_bytes = pinned_slab_bytes([u.length if u.kind == "copy" else _src_bytes(u.t) for u in units],
+                                            [u.t for u in units if u.t.quantize]) if self.pin else {}
         threads = torch.get_num_threads()
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, available_cores() // self.workers))

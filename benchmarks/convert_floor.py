@@ -119,7 +119,7 @@ def gpu_floor(threads: int, parts: int = 8, tmp: str = str(ROOT / "benchmarks"))
             host, out, stream, on_dev = local.slot
             if kind != "host":
                 gpu_step(kind, host, out, stream, on_dev)
-            if kind in ("host", "all+host"):
+            if kind in ("host", "all+host", "all+host fused"):
                 if not hasattr(local, "fd"):
                     local.fd = os.open(Path(spill.name) / f"t{threading.get_ident()}", os.O_RDWR | os.O_CREAT, 0o644)
                     spill_fds.append(local.fd)
@@ -128,10 +128,16 @@ def gpu_floor(threads: int, parts: int = 8, tmp: str = str(ROOT / "benchmarks"))
                 hashlib.sha256(values).digest()
         return run_threads(n, [kind] * (parts * n), step)
 
+    from porter import mxfp8_triton
+
     def gpu_step(kind, host, out, stream, on_dev):
+        fused = kind.endswith(" fused")  # porter.mxfp8_triton (the GPU path's default) instead of torch ops
+        kind = kind.removesuffix(" fused")
         with torch.cuda.stream(stream):
             x = host.to(dev, non_blocking=True) if kind in ("h2d", "all", "all+host") else on_dev
-            if kind in ("quantize", "all", "all+host"):
+            if kind in ("quantize", "all", "all+host") and fused:
+                q, sc, stats = mxfp8_triton.quantize_with_error(x, "rceil", "part")
+            elif kind in ("quantize", "all", "all+host"):
                 q, sc, err = mxfp8.quantize_with_error(x, "rceil", "part", host_stats=False)
             else:  # the size of a part's values (e4m3: one byte per element)
                 q = x.view(torch.uint8).view(-1)[:shape[0] * shape[1]]
@@ -141,12 +147,13 @@ def gpu_floor(threads: int, parts: int = 8, tmp: str = str(ROOT / "benchmarks"))
     res = {"registered": all(c == 0 for c in codes)}
     part_gb = shape[0] * shape[1] * 2 / 1e9
     print(f"gpu buffers page-locked: {res['registered']}", flush=True)
-    for kind in ("h2d", "d2h", "quantize", "all", "host", "all+host"):
+    for kind in ("h2d", "d2h", "quantize", "quantize fused", "all", "all fused", "host", "all+host",
+                 "all+host fused"):
         for n in (1, threads):
             run(kind, n)  # untimed: kernels loaded, the caching allocator filled
             secs = run(kind, n)
             res[f"{kind}, {n} threads"] = {"seconds": secs, "gb": part_gb * parts * n}
-            print(f"gpu {kind:9s} {n:2d} threads {part_gb * parts * n / secs:7.2f} GB/s of bf16 parts", flush=True)
+            print(f"gpu {kind:14s} {n:2d} threads {part_gb * parts * n / secs:7.2f} GB/s of bf16 parts", flush=True)
     for fd in spill_fds:
         os.close(fd)
     spill.cleanup()

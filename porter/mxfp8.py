@@ -59,9 +59,13 @@ def _check_shape(w: torch.Tensor, name: str) -> None:
             f"MXFP8 needs whole 32-element blocks — leave this tensor unquantized")
 
 
+def nonfinite_error(name: str) -> MXFP8Error:
+    return MXFP8Error(f"{name}: contains NaN or Inf; fix the source checkpoint (refusing to quantize)")
+
+
 def _check_finite(amax: torch.Tensor, name: str) -> None:
     if not bool(torch.isfinite(amax).all()):
-        raise MXFP8Error(f"{name}: contains NaN or Inf; fix the source checkpoint (refusing to quantize)")
+        raise nonfinite_error(name)
 
 
 def _kept_bytes(keep_scale: torch.Tensor, amax: torch.Tensor, block_shape: tuple, name: str) -> torch.Tensor:

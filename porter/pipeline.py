@@ -240,6 +240,20 @@ def _env_switch(name: str, default: str, valid: Callable[[str], bool]) -> str:
     return value if valid(value) else default
 
 
+def fused_quantizer(device: torch.device):
+    """The GPU path's quantizer: porter.mxfp8_triton (two launches per part instead of ~75 torch ops), or None
+    for mxfp8's torch ops: on the CPU, where Triton is not importable, or with PORTER_CUDA_QUANTIZE=torch (the
+    benchmarks' A/B). Both write the same bytes."""
+    if device.type != "cuda" or _env_switch("PORTER_CUDA_QUANTIZE", "fused", "torch".__eq__) == "torch":
+        return None
+    try:
+        from porter import mxfp8_triton
+    except ImportError as exc:
+        log.info("quantizing with torch ops on the GPU (Triton is not importable: %s)", exc)
+        return None
+    return mxfp8_triton
+
+
 def shards_in_flight(workers: int) -> int:
     """Output shards written at once: SHARDS_IN_FLIGHT (or PORTER_SHARDS_IN_FLIGHT, a positive integer),
     and never more than one per worker."""
@@ -562,6 +576,7 @@ class Pipeline:
         self.prefault_slabs = slab_prefault()
         self.flusher: Optional[Writeback] = None
         self.cuda_init: Optional[threading.Thread] = None  # see _init_cuda_async
+        self.fused_quantizer = fused_quantizer(device)
 
     # -- reads
     def read(self, name: str, index: Optional[int] = None) -> torch.Tensor:
@@ -893,16 +908,23 @@ class Pipeline:
         with torch.cuda.stream(stream):
             x = w.to(self.device, non_blocking=True)
             keep = None if keep is None else keep.to(self.device, non_blocking=True)
-            q, s, err = mxfp8.quantize_with_error(x, self.rounding, name, host_stats=False, keep_scale=keep)
+            fused = self.fused_quantizer is not None and self.fused_quantizer.supports(x, keep)
+            if fused:  # two launches, no device sync inside; NaN/Inf are counted and refused below
+                q, s, stats = self.fused_quantizer.quantize_with_error(x, self.rounding, name)
+            else:
+                q, s, err = mxfp8.quantize_with_error(x, self.rounding, name, host_stats=False, keep_scale=keep)
+                stats = torch.stack([err["err_sq"], err["ref_sq"], err["max_abs_error"]])
             self.local.out_at = 0  # the previous part's results were written out before this part
             q_host = self._slab("out", q.numel()).view(q.dtype).view(q.shape)
             s_host = self._slab("out", s.numel()).view(s.shape)
             self._register_pending()  # the results slab, once per worker
             q_host.copy_(q, non_blocking=True)
             s_host.copy_(s, non_blocking=True)
-            stats = torch.stack([err["err_sq"], err["ref_sq"], err["max_abs_error"]]).to("cpu", non_blocking=True)
+            stats = stats.to("cpu", non_blocking=True)
             stream.synchronize()
         del x, q, s  # w (pinned slab) is reused only after this sync: its async copy has finished
+        if fused and float(stats[3]) != 0:  # the fused kernel's count of NaN and Inf elements
+            raise mxfp8.nonfinite_error(name)
         return q_host, s_host, {"err_sq": float(stats[0]), "ref_sq": float(stats[1]),
                                 "max_abs_error": float(stats[2])}
 

@@ -364,11 +364,32 @@ def test_staging_slabs_do_not_change_a_byte(tiny_vendor, tiny_transformers, tmp_
         assert (tmp_path / "staged" / f).read_bytes() == (want / f).read_bytes(), f
 
 
-def test_gpu_quantize_path_contract_on_cpu(tiny_vendor, tmp_path, monkeypatch, converted):
+class FusedStandIn:
+    """porter.mxfp8_triton's contract (stats [4] on the device, the last a count of NaN and Inf; no raise)
+    computed with porter.mxfp8 on the CPU, to run the pipeline's fused branch where Triton is absent."""
+    supports = staticmethod(lambda w, keep_scale=None: keep_scale is None)
+
+    @staticmethod
+    def quantize_with_error(w, rounding, name):
+        bad = int((~torch.isfinite(w)).sum())
+        if bad:
+            return (torch.zeros_like(w, dtype=torch.float8_e4m3fn),
+                    torch.zeros(*w.shape[:-1], w.shape[-1] // 32, dtype=torch.uint8),
+                    torch.tensor([0.0, 0.0, 0.0, bad], dtype=torch.float64))
+        q, s, e = mxfp8.quantize_with_error(w, rounding, name)
+        return q, s, torch.tensor([e["err_sq"], e["ref_sq"], e["max_abs_error"], 0.0], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("quantizer", ["torch", "fused"])
+def test_gpu_quantize_path_contract_on_cpu(tiny_vendor, tmp_path, monkeypatch, converted, quantizer):
     """The --device cuda code path (_quantize_cuda: stream, staged copies, stats gathered in one tensor) run
-    on the CPU with the stream stubbed: the same shard bytes as the CPU path and the same per-tensor error
-    records (to 1e-9 relative: the GPU path sums a whole tensor where the CPU path sums row chunks)."""
+    on the CPU with the stream stubbed, with mxfp8's torch ops and with the fused quantizer's contract: the
+    same shard bytes as the CPU path and the same per-tensor error records (to 1e-9 relative: the GPU path
+    sums a whole tensor where the CPU path sums row chunks)."""
     cuda_quantize_path_on_cpu(monkeypatch)
+    if quantizer == "fused":
+        import porter.pipeline as pp
+        monkeypatch.setattr(pp, "fused_quantizer", lambda device: FusedStandIn)
     out = tmp_path / "gpu_path"
     porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=2, device="cpu")
     for f in sorted(p.name for p in converted.glob("*.safetensors")):
@@ -376,6 +397,20 @@ def test_gpu_quantize_path_contract_on_cpu(tiny_vendor, tmp_path, monkeypatch, c
     want, got = (json.loads((d / "porter.json").read_text())["tensors"] for d in (converted, out))
     errs = [(n, r["rel_fro_error"], got[n]["rel_fro_error"]) for n, r in want.items() if "rel_fro_error" in r]
     assert errs and all(abs(a - b) <= 1e-9 * max(a, 1e-30) for _, a, b in errs), errs[:3]
+
+
+def test_fused_gpu_path_names_a_nan_weight(tiny_vendor, tmp_path, monkeypatch):
+    """The fused quantizer only counts NaN and Inf (no sync inside a part): the pipeline refuses the part
+    afterwards, naming the expert's source tensor, and leaves no index behind."""
+    import porter.pipeline as pp
+    cuda_quantize_path_on_cpu(monkeypatch)
+    monkeypatch.setattr(pp, "fused_quantizer", lambda device: FusedStandIn)
+    name = "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight"
+    src = _corrupt(tiny_vendor, tmp_path / "nan", lambda d: _edit_source_shard(
+        d, name, lambda tensors: tensors[name].__setitem__((1, 2), float("inf"))))
+    with pytest.raises(mxfp8.MXFP8Error, match=f"^{name} .*NaN or Inf"):
+        porter.convert(src, tmp_path / "o", progress=False, workers=2, device="cpu")
+    assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
 
 
 @pytest.mark.gpu

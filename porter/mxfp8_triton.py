@@ -122,3 +122,12 @@ def quantize_with_error(w: torch.Tensor, rounding: str = "rceil", name: str = "t
                                              BLOCKS=BLOCKS_PER_PROGRAM, num_warps=4)
         _reduce_partials_kernel[(1,)](part, stats, programs, CHUNK=REDUCE_CHUNK, num_warps=4)
     return q, scale, stats
+
+
+def warm_up(device: torch.device, rounding: str) -> None:
+    """Build (or load from Triton's cache) the kernels a conversion launches, with the specialization of a
+    real bf16 part (a block count divisible by 16), and wait for them: raises where this GPU or Triton cannot
+    run them."""
+    w = torch.zeros(16, 4 * mxfp8.BLOCK, dtype=torch.bfloat16, device=device)
+    torch.cuda.synchronize(device)
+    quantize_with_error(w, rounding, "warm-up")[2].cpu()

@@ -240,16 +240,19 @@ def _env_switch(name: str, default: str, valid: Callable[[str], bool]) -> str:
     return value if valid(value) else default
 
 
-def fused_quantizer(device: torch.device):
-    """The GPU path's quantizer: porter.mxfp8_triton (two launches per part instead of ~75 torch ops), or None
-    for mxfp8's torch ops: on the CPU, where Triton is not importable, or with PORTER_CUDA_QUANTIZE=torch (the
-    benchmarks' A/B). Both write the same bytes."""
+def fused_quantizer(device: torch.device, rounding: str):
+    """The GPU path's quantizer: porter.mxfp8_triton (two launches per part instead of ~75 torch ops), its
+    kernel loaded by one small launch, or None for mxfp8's torch ops: on the CPU, with PORTER_CUDA_QUANTIZE=torch
+    (the benchmarks' A/B), or where Triton cannot be imported or cannot build the kernel for this GPU (its
+    e4m3 cast needs compute capability 8.9). Both write the same bytes."""
     if device.type != "cuda" or _env_switch("PORTER_CUDA_QUANTIZE", "fused", "torch".__eq__) == "torch":
         return None
     try:
         from porter import mxfp8_triton
-    except ImportError as exc:
-        log.info("quantizing with torch ops on the GPU (Triton is not importable: %s)", exc)
+        mxfp8_triton.warm_up(device, rounding)
+    except Exception as exc:  # noqa: BLE001 — any failure here only means the slower torch ops
+        log.info("quantizing with torch ops on the GPU (the Triton quantizer is unavailable: %s)",
+                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
     return mxfp8_triton
 
@@ -576,7 +579,8 @@ class Pipeline:
         self.prefault_slabs = slab_prefault()
         self.flusher: Optional[Writeback] = None
         self.cuda_init: Optional[threading.Thread] = None  # see _init_cuda_async
-        self.fused_quantizer = fused_quantizer(device)
+        self.fused_lock = threading.Lock()  # see _fused
+        self.fused_quantizer, self.fused_resolved = None, False
 
     # -- reads
     def read(self, name: str, index: Optional[int] = None) -> torch.Tensor:
@@ -666,10 +670,19 @@ class Pipeline:
         def init():
             try:
                 torch.empty(1, device=self.device)
+                self._fused()
             except Exception:  # noqa: BLE001 — the workers' own CUDA calls raise it where it is handled
                 pass
         self.cuda_init = threading.Thread(target=init, name="porter-cuda-init", daemon=True)
         self.cuda_init.start()
+
+    def _fused(self):
+        """fused_quantizer, resolved once per run: by the CUDA init thread while the workers make their first
+        reads (importing Triton and loading the kernel take a few hundred ms), else by the first part."""
+        with self.fused_lock:
+            if not self.fused_resolved:
+                self.fused_quantizer, self.fused_resolved = fused_quantizer(self.device, self.rounding), True
+            return self.fused_quantizer
 
     def _release_slabs(self) -> None:
         """After the workers are done: unlock the registered slabs (once no copy can still be reading them)."""
@@ -908,9 +921,10 @@ class Pipeline:
         with torch.cuda.stream(stream):
             x = w.to(self.device, non_blocking=True)
             keep = None if keep is None else keep.to(self.device, non_blocking=True)
-            fused = self.fused_quantizer is not None and self.fused_quantizer.supports(x, keep)
+            fused_quantizer = self._fused()
+            fused = fused_quantizer is not None and fused_quantizer.supports(x, keep)
             if fused:  # two launches, no device sync inside; NaN/Inf are counted and refused below
-                q, s, stats = self.fused_quantizer.quantize_with_error(x, self.rounding, name)
+                q, s, stats = fused_quantizer.quantize_with_error(x, self.rounding, name)
             else:
                 q, s, err = mxfp8.quantize_with_error(x, self.rounding, name, host_stats=False, keep_scale=keep)
                 stats = torch.stack([err["err_sq"], err["ref_sq"], err["max_abs_error"]])

@@ -389,7 +389,7 @@ def test_gpu_quantize_path_contract_on_cpu(tiny_vendor, tmp_path, monkeypatch, c
     cuda_quantize_path_on_cpu(monkeypatch)
     if quantizer == "fused":
         import porter.pipeline as pp
-        monkeypatch.setattr(pp, "fused_quantizer", lambda device: FusedStandIn)
+        monkeypatch.setattr(pp, "fused_quantizer", lambda device, rounding: FusedStandIn)
     out = tmp_path / "gpu_path"
     porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=2, device="cpu")
     for f in sorted(p.name for p in converted.glob("*.safetensors")):
@@ -404,7 +404,7 @@ def test_fused_gpu_path_names_a_nan_weight(tiny_vendor, tmp_path, monkeypatch):
     afterwards, naming the expert's source tensor, and leaves no index behind."""
     import porter.pipeline as pp
     cuda_quantize_path_on_cpu(monkeypatch)
-    monkeypatch.setattr(pp, "fused_quantizer", lambda device: FusedStandIn)
+    monkeypatch.setattr(pp, "fused_quantizer", lambda device, rounding: FusedStandIn)
     name = "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight"
     src = _corrupt(tiny_vendor, tmp_path / "nan", lambda d: _edit_source_shard(
         d, name, lambda tensors: tensors[name].__setitem__((1, 2), float("inf"))))

@@ -35,8 +35,8 @@ def assert_same(w: torch.Tensor, fused, rounding: str, stats_too: bool = True):
     got = stats.cpu().tolist()
     assert got[3] == 0
     if stats_too:
-        assert got[0] == pytest.approx(ref["err_sq"], rel=1e-9)
-        assert got[1] == pytest.approx(ref["ref_sq"], rel=1e-9)
+        assert got[0] == pytest.approx(ref["err_sq"], rel=1e-6)  # fp32 block sums in another order
+        assert got[1] == pytest.approx(ref["ref_sq"], rel=1e-6)  # fp32 block sums in another order
         assert got[2] == ref["max_abs_error"]  # a max of exact products: order-free
 
 

@@ -677,12 +677,21 @@ class Pipeline:
         self.cuda_init.start()
 
     def _fused(self):
-        """fused_quantizer, resolved once per run: by the CUDA init thread while the workers make their first
-        reads (importing Triton and loading the kernel take a few hundred ms), else by the first part."""
-        with self.fused_lock:
-            if not self.fused_resolved:
-                self.fused_quantizer, self.fused_resolved = fused_quantizer(self.device, self.rounding), True
+        """fused_quantizer, resolved once per run by the CUDA init thread (else by the first part). Parts that
+        start while it is being resolved use the torch ops (the same bytes) instead of waiting: importing
+        Triton and loading the kernel took 0.7 s on the H200 machine, and workers waiting for it idled 40% of
+        a 3 GB conversion (benchmarks/results/convert_round7.md)."""
+        if self.fused_resolved:
             return self.fused_quantizer
+        if not self.fused_lock.acquire(blocking=False):
+            return None
+        try:
+            if not self.fused_resolved:
+                self.fused_quantizer = fused_quantizer(self.device, self.rounding)
+                self.fused_resolved = True
+        finally:
+            self.fused_lock.release()
+        return self.fused_quantizer
 
     def _release_slabs(self) -> None:
         """After the workers are done: unlock the registered slabs (once no copy can still be reading them)."""

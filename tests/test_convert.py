@@ -409,7 +409,8 @@ def test_fused_gpu_path_names_a_nan_weight(tiny_vendor, tmp_path, monkeypatch):
     src = _corrupt(tiny_vendor, tmp_path / "nan", lambda d: _edit_source_shard(
         d, name, lambda tensors: tensors[name].__setitem__((1, 2), float("inf"))))
     with pytest.raises(mxfp8.MXFP8Error, match=f"^{name} .*NaN or Inf"):
-        porter.convert(src, tmp_path / "o", progress=False, workers=2, device="cpu")
+        porter.convert(src, tmp_path / "o", progress=False, workers=1, device="cpu")  # one worker: every
+        # part after the first resolves the quantizer goes through it
     assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
 
 

@@ -11,7 +11,8 @@ device inside a part (the finiteness check's sync, the final stream.synchronize:
 is host time: launches and waits for the GIL); for each also the threads' wall-clock
 seconds inside it (time.perf_counter): wall minus CPU is waiting there (a lock, a full disk queue, the GPU).
 --sample also samples the workers' Python stacks every 2 ms. On --device cuda the CUDA context is created
-before the clock starts (its seconds printed apart). Prints them with the process's user and
+and the fused quantizer's kernel loaded (porter.pipeline.fused_quantizer) before the clock starts (their
+seconds printed apart: one-time costs of a conversion, here the steady state is measured). Prints them with the process's user and
 system time, wall time split at the pipeline's marks (planning, until the first unit starts, the units,
 the finish with its fsync) and the final fsync. Checkpoint: the synthetic real-dims one of convert_throughput.py.
 
@@ -150,12 +151,16 @@ def main():
                                                                  args.experts)
         gb = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
         ct.warm(src)
-        cuda_init = None
+        cuda_init = quantizer_init = quantizer = None
         if args.device == "cuda":  # the CUDA context is made before the clock starts (its cost printed apart)
             import torch
             c0 = time.perf_counter()
             torch.zeros(1, device="cuda")
             cuda_init = time.perf_counter() - c0
+            from porter import pipeline  # and the fused quantizer's kernel loaded: a one-time cost as well
+            c0 = time.perf_counter()
+            quantizer = pipeline.fused_quantizer(torch.device("cuda"), "rceil")
+            quantizer_init = time.perf_counter() - c0
         (spent, waited), marks = instrument(), timeline()
         if args.switch_interval is not None:
             sys.setswitchinterval(args.switch_interval)
@@ -174,6 +179,7 @@ def main():
               "user_seconds": r1.ru_utime - r0.ru_utime, "system_seconds": r1.ru_stime - r0.ru_stime,
               "core_seconds": dict(spent.most_common()),
               "thread_wall_seconds": dict(waited.most_common()), "cuda_context_seconds": cuda_init,
+              "fused_quantizer_load_seconds": quantizer_init, "fused_quantizer": quantizer is not None,
               "stack_samples": dict(stacks.most_common(25)),
               "env": {k: v for k, v in os.environ.items() if k.startswith("PORTER_")},
               "switch_interval": sys.getswitchinterval(),
@@ -187,7 +193,8 @@ def main():
           f"fsync {done['fsync_seconds']:.2f} s), user {result['user_seconds']:.2f} s, "
           f"system {result['system_seconds']:.2f} s")
     if cuda_init is not None:
-        print(f"  CUDA context (before the clock): {cuda_init:.2f} s")
+        print(f"  CUDA context (before the clock): {cuda_init:.2f} s; fused quantizer "
+              f"{'loaded' if quantizer else 'not used'} (before the clock): {quantizer_init:.2f} s")
     print("  wall: " + ", ".join(f"{k} {v:.2f} s" for k, v in result["wall"].items()))
     for k, v in waited.most_common():
         print(f"  {k:44s} {spent[k]:7.2f} core-s {v:7.2f} thread-s of wall")

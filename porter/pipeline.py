@@ -241,11 +241,13 @@ def _env_switch(name: str, default: str, valid: Callable[[str], bool]) -> str:
 
 
 def fused_quantizer(device: torch.device, rounding: str):
-    """The GPU path's quantizer: porter.mxfp8_triton (two launches per part instead of ~75 torch ops), its
-    kernel loaded by one small launch, or None for mxfp8's torch ops: on the CPU, with PORTER_CUDA_QUANTIZE=torch
-    (the benchmarks' A/B), or where Triton cannot be imported or cannot build the kernel for this GPU (its
-    e4m3 cast needs compute capability 8.9). Both write the same bytes."""
-    if device.type != "cuda" or _env_switch("PORTER_CUDA_QUANTIZE", "fused", "torch".__eq__) == "torch":
+    """The GPU path's quantizer with PORTER_CUDA_QUANTIZE=fused: porter.mxfp8_triton (two launches per part
+    instead of ~75 torch ops), its kernel loaded by one small launch; else None, for mxfp8's torch ops (also on
+    the CPU, and where Triton cannot be imported or cannot build the kernel for this GPU: its e4m3 cast needs
+    compute capability 8.9). Both write the same bytes. Not the default: it cut the GPU section's host time
+    ~5x, but end to end the conversion was no faster in the steady state and its one-time load (0.6-0.8 s)
+    made short conversions slower (benchmarks/results/convert_round7.md)."""
+    if device.type != "cuda" or _env_switch("PORTER_CUDA_QUANTIZE", "torch", "fused".__eq__) != "fused":
         return None
     try:
         from porter import mxfp8_triton
@@ -564,7 +566,9 @@ class Pipeline:
         self.reader = TensorReader(plan.source.spans)
         self.pin = device.type == "cuda"
         self.lock = threading.RLock()  # re-entered when a zero-byte tensor's hash completes at creation
-        self.journal_lock = threading.Lock()  # on_shard_done calls, one at a time (see _closed)
+        self.journal: Optional[ThreadPoolExecutor] = None  # on_shard_done calls, in order (see _closed)
+        self.journal_in_worker = _env_switch("PORTER_JOURNAL", "thread", "worker".__eq__) == "worker"
+        self.journal_worker_lock = threading.Lock()
         self.shards: dict = {}
         self.tensor_digest: dict = {}
         self.chunk_bytes = safetensors_io.DIGEST_CHUNK_BYTES
@@ -728,19 +732,31 @@ class Pipeline:
         shard.event()
 
     def _closed(self, shard: ShardOut) -> None:
-        """Hands the finished shard's record to on_shard_done (the journal: a file write with fsync) outside
-        the pipeline's lock, so only the workers that finish shards wait for those fsyncs; under it, every
-        worker's next digest or progress update waited too (16 workers, --device cuda, 3.2 GB in 5 shards on
-        the H200 machine: the journal writes held the lock for ~0.4 s of 1.35 s; benchmarks/convert_profile.py).
-        End to end it measured within noise: 8.1 GB in 13 shards, 2.88 s now vs 2.79 s under the lock, one
-        run each (benchmarks/results/convert_round6.md)."""
+        """Hands the finished shard's record to on_shard_done (the journal: a file write with fsync) on the
+        journal thread, one record at a time in the order shards finish; run() waits for them before it
+        returns. The worker that finished the shard goes on with its next unit: waiting for the journal's
+        fsync (which on ext4 also commits the shards' data written so far) took 11-13% of the workers' time
+        at 16 workers on the GPU path (benchmarks/results/convert_round7.md); under the pipeline's lock,
+        before round 6, every worker waited too."""
         f = shard.path.name
         with self.lock:
             tensors = {e.name: dict(self.stats[e.name]) for e in shard.entries}
             record = {"header_sha256": shard.header_sha256, "tensors": tensors,
                       "digest": shard_digest(shard.header_sha256, [tensors[e.name]["digest"] for e in shard.entries])}
-        with self.journal_lock:
+        if self.journal_in_worker:  # PORTER_JOURNAL=worker: the A/B of the journal thread
+            with self.journal_worker_lock:
+                self._write_journal(f, record)
+        else:
+            self.journal.submit(self._write_journal, f, record)
+
+    def _write_journal(self, f: str, record: dict) -> None:
+        try:
             self.on_shard_done(f, record)
+        except BaseException as e:  # noqa: BLE001 — fails the run like a unit would (after any unit's failure)
+            with self.lock:
+                if self.error is None:
+                    self.error = (float("inf"), e)
+            self.budget.abort()
 
     def _record_error(self, t: OutTensor, record: dict) -> None:
         f = self.places[t.name].shard
@@ -775,6 +791,7 @@ class Pipeline:
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, available_cores() // self.workers))
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="porter-convert")
+        self.journal = ThreadPoolExecutor(1, thread_name_prefix="porter-journal")
         if self.writeback == "thread":
             self.flusher = Writeback()
         if self.device.type == "cuda" and self.prefault_slabs:
@@ -789,6 +806,7 @@ class Pipeline:
                 fut.result()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            self.journal.shutdown(wait=True)  # every finished shard journaled (or its failure recorded)
             torch.set_num_threads(threads)
             self.reader.close()
             if self.error is not None:

@@ -415,13 +415,25 @@ def test_fused_gpu_path_names_a_nan_weight(tiny_vendor, tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quantizer", ["torch", "fused"])
 @pytest.mark.parametrize("quantize", ["experts", "all"])
-def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, quantize):
-    """--device cuda (pinned async copies, one stream per worker) writes the very bytes of --device cpu:
-    every shard file, hence every tensor, on a checkpoint with wide experts (CPU quantizes them in row
-    chunks, the GPU whole) and with every linear quantized."""
+def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, monkeypatch, quantize, quantizer):
+    """--device cuda (pinned async copies, one stream per worker; mxfp8's torch ops or the fused Triton
+    quantizer) writes the very bytes of --device cpu: every shard file, hence every tensor, on a checkpoint
+    with wide experts (CPU quantizes them in row chunks, the GPU whole) and with every linear quantized."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("PORTER_CUDA_QUANTIZE", quantizer)
+    if quantizer == "fused":  # every part through it, not only those after its background load
+        import porter.pipeline as pp
+
+        def fused_waited_for(self):
+            with self.fused_lock:
+                if not self.fused_resolved:
+                    self.fused_quantizer, self.fused_resolved = pp.fused_quantizer(self.device, self.rounding), True
+            assert self.fused_quantizer is not None, "the fused quantizer did not load"
+            return self.fused_quantizer
+        monkeypatch.setattr(pp.Pipeline, "_fused", fused_waited_for)
     from tiny_checkpoint import synthetic_overrides
     src = build_tiny_checkpoint(tmp_path / "src", text_overrides=synthetic_overrides(3, hidden=1024,
                                                                                      intermediate=2048, experts=4))

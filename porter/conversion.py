@@ -307,7 +307,7 @@ def _produce(plan: Plan, out: Path, done: dict, progress: bool, workers: int, ma
     stats = {n: r for rec in done.values() for n, r in rec["tensors"].items()}
     journal = _read_journal(out)
 
-    def shard_done(f: str, record: dict) -> None:  # called one at a time (the pipeline's journal thread)
+    def shard_done(f: str, record: dict) -> None:  # called one at a time (the pipeline's journal lock)
         journal["shards"][f] = record
         _write_journal(out, journal)
 

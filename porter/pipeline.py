@@ -566,9 +566,7 @@ class Pipeline:
         self.reader = TensorReader(plan.source.spans)
         self.pin = device.type == "cuda"
         self.lock = threading.RLock()  # re-entered when a zero-byte tensor's hash completes at creation
-        self.journal: Optional[ThreadPoolExecutor] = None  # on_shard_done calls, in order (see _closed)
-        self.journal_in_worker = _env_switch("PORTER_JOURNAL", "thread", "worker".__eq__) == "worker"
-        self.journal_worker_lock = threading.Lock()
+        self.journal_lock = threading.Lock()  # on_shard_done calls, one at a time (see _closed)
         self.shards: dict = {}
         self.tensor_digest: dict = {}
         self.chunk_bytes = safetensors_io.DIGEST_CHUNK_BYTES
@@ -732,31 +730,21 @@ class Pipeline:
         shard.event()
 
     def _closed(self, shard: ShardOut) -> None:
-        """Hands the finished shard's record to on_shard_done (the journal: a file write with fsync) on the
-        journal thread, one record at a time in the order shards finish; run() waits for them before it
-        returns. The worker that finished the shard goes on with its next unit: waiting for the journal's
-        fsync (which on ext4 also commits the shards' data written so far) took 11-13% of the workers' time
-        at 16 workers on the GPU path (benchmarks/results/convert_round7.md); under the pipeline's lock,
-        before round 6, every worker waited too."""
+        """Hands the finished shard's record to on_shard_done (the journal: a file write with fsync) outside
+        the pipeline's lock, so only the workers that finish shards wait for those fsyncs; under it, every
+        worker's next digest or progress update waited too (16 workers, --device cuda, 3.2 GB in 5 shards on
+        the H200 machine: the journal writes held the lock for ~0.4 s of 1.35 s; benchmarks/convert_profile.py).
+        End to end it measured within noise: 8.1 GB in 13 shards, 2.88 s now vs 2.79 s under the lock, one
+        run each (benchmarks/results/convert_round6.md). A journal thread of its own, so that no worker waits
+        for the fsync, measured no faster either (8.1 GB, 16 workers, --device cuda: 2.72-2.89 s vs 2.44-2.72 s
+        here; benchmarks/results/convert_round7.md) and was not kept."""
         f = shard.path.name
         with self.lock:
             tensors = {e.name: dict(self.stats[e.name]) for e in shard.entries}
             record = {"header_sha256": shard.header_sha256, "tensors": tensors,
                       "digest": shard_digest(shard.header_sha256, [tensors[e.name]["digest"] for e in shard.entries])}
-        if self.journal_in_worker:  # PORTER_JOURNAL=worker: the A/B of the journal thread
-            with self.journal_worker_lock:
-                self._write_journal(f, record)
-        else:
-            self.journal.submit(self._write_journal, f, record)
-
-    def _write_journal(self, f: str, record: dict) -> None:
-        try:
+        with self.journal_lock:
             self.on_shard_done(f, record)
-        except BaseException as e:  # noqa: BLE001 — fails the run like a unit would (after any unit's failure)
-            with self.lock:
-                if self.error is None:
-                    self.error = (float("inf"), e)
-            self.budget.abort()
 
     def _record_error(self, t: OutTensor, record: dict) -> None:
         f = self.places[t.name].shard
@@ -791,7 +779,6 @@ class Pipeline:
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, available_cores() // self.workers))
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="porter-convert")
-        self.journal = ThreadPoolExecutor(1, thread_name_prefix="porter-journal")
         if self.writeback == "thread":
             self.flusher = Writeback()
         if self.device.type == "cuda" and self.prefault_slabs:
@@ -806,7 +793,6 @@ class Pipeline:
                 fut.result()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-            self.journal.shutdown(wait=True)  # every finished shard journaled (or its failure recorded)
             torch.set_num_threads(threads)
             self.reader.close()
             if self.error is not None:

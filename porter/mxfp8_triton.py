@@ -1,8 +1,8 @@
-"""porter.mxfp8's quantize_with_error as one Triton kernel for `porter convert --device cuda`.
+"""porter.mxfp8's quantize_with_error as one Triton kernel for `porter convert --device cuda`, opt-in with
+PORTER_CUDA_QUANTIZE=fused (porter.pipeline.fused_quantizer says why it is not the default).
 
-The torch path on the GPU runs ~75 small ops per tensor (and a device sync for the finiteness check); with 16
-conversion workers sharing one process those host calls, not the GPU, bounded --device cuda (docs/conversion.md).
-Here a tensor costs two launches: `_quantize_blocks_kernel` quantizes [BLOCKS, 32] tiles and writes each
+The torch path on the GPU runs ~75 small ops per tensor (and a device sync for the finiteness check). Here a
+tensor costs two launches: `_quantize_blocks_kernel` quantizes [BLOCKS, 32] tiles and writes each
 program's float64 partial error sums, `_reduce_partials_kernel` adds those up in a fixed order (deterministic:
 the same statistics on every run). The rule is porter.mxfp8's, step for step:
 
@@ -13,9 +13,10 @@ the same statistics on every run). The rule is porter.mxfp8's, step for step:
 - error pieces per block in fp32 (||w||^2, ||x - q||^2, max |x - q|), scaled back by 2^(byte-127) and summed in
   float64 (mxfp8._error_totals).
 
-The bytes equal mxfp8.quantize_with_error's (GPU test over every tensor of a converted checkpoint:
-tests/test_convert.py); the sums differ from the torch path's only in summation order. Inputs it does not
-take (other dtypes, kept scale bytes of an MXFP8 source, empty tensors) go through the torch path.
+The bytes equal mxfp8.quantize_with_error's (GPU tests: every finite bf16 value, tests/test_mxfp8_triton.py;
+every tensor of a converted checkpoint, tests/test_convert.py); the sums differ from the torch path's only in
+summation order. Inputs it does not take (other dtypes, kept scale bytes of an MXFP8 source, empty tensors)
+go through the torch path.
 """
 from __future__ import annotations
 

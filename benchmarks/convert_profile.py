@@ -103,12 +103,58 @@ def sample_stacks(stop: threading.Event, every: float = 0.002) -> collections.Co
     return seen
 
 
+def trace_summary(marks: dict, workers: int) -> dict:
+    """From timeline()'s trace: how many units ran at once over the units' span (share of the span with k
+    running), when the last unit started (the queue was empty after it: the drain), the longest units, the
+    journal writes, and the budget waits that were long (> 1 ms)."""
+    units = sorted(marks["units"])
+    t0, t1 = units[0][0], max(u[1] for u in units)
+    edges = sorted([(u[0], 1) for u in units] + [(u[1], -1) for u in units])
+    share, running, last = collections.Counter(), 0, t0
+    for t, d in edges:
+        share[running] += t - last
+        running, last = running + d, t
+    span = t1 - t0
+    busy = sum(k * v for k, v in share.items()) / span
+    by_kind = collections.defaultdict(list)
+    for u in units:
+        by_kind[u[2]].append(u[1] - u[0])
+    waits = [(a - t0, b - a) for a, b in marks["budget"] if b - a > 1e-3]
+    return {"span_s": span, "workers": workers, "mean_running": busy,
+            "share_running": {k: v / span for k, v in sorted(share.items())},
+            "last_unit_start_s": units[-1][0] - t0, "drain_s": t1 - units[-1][0],
+            "unit_seconds_by_kind": {k: {"n": len(v), "mean": sum(v) / len(v), "max": max(v)}
+                                     for k, v in by_kind.items()},
+            "longest_units": [{"start_s": u[0] - t0, "seconds": u[1] - u[0], "kind": u[2], "tensor": u[3],
+                               "mb": u[4] / 1e6} for u in sorted(units, key=lambda u: u[0] - u[1])[:8]],
+            "journal_writes": [(a - t0, b - a) for a, b in marks["journal"]],
+            "budget_waits": {"n": len(waits), "seconds": sum(w for _, w in waits),
+                             "longest": sorted(waits, key=lambda w: -w[1])[:5]}}
+
+
 def timeline() -> dict:
     """Wall-clock marks of the pipeline (seconds from time.perf_counter): run start/end, first unit start,
-    last unit end."""
+    last unit end; and a trace: every unit's (start, end, kind, tensor, source bytes, thread), every journal
+    write's (start, end) and every start of the submitting thread's wait on the memory budget."""
     from porter import pipeline
-    marks, lock = {}, threading.Lock()
+    marks, lock = {"units": [], "journal": [], "budget": []}, threading.Lock()
     run, unit = pipeline.Pipeline.run, pipeline.Pipeline._run_unit
+    closed, acquire = pipeline.Pipeline._closed, pipeline.Budget.acquire
+
+    def timed_closed(self, shard):
+        t = time.perf_counter()
+        try:
+            return closed(self, shard)
+        finally:
+            marks["journal"].append((t, time.perf_counter()))
+
+    def timed_acquire(self, n):
+        t = time.perf_counter()
+        try:
+            return acquire(self, n)
+        finally:
+            marks["budget"].append((t, time.perf_counter()))
+    pipeline.Pipeline._closed, pipeline.Budget.acquire = timed_closed, timed_acquire
 
     def timed_run(self, units):
         marks["run_start"] = time.perf_counter()
@@ -125,7 +171,8 @@ def timeline() -> dict:
             return unit(self, u)
         finally:
             with lock:
-                marks["last_unit_end"] = time.perf_counter()
+                marks["last_unit_end"] = end = time.perf_counter()
+                marks["units"].append((t, end, u.kind, u.t.name, u.src_bytes, threading.current_thread().name))
     pipeline.Pipeline.run, pipeline.Pipeline._run_unit = timed_run, timed_unit
     return marks
 
@@ -187,7 +234,8 @@ def main():
                        "until_first_unit": marks["first_unit_start"] - marks["run_start"],
                        "units": marks["last_unit_end"] - marks["first_unit_start"],
                        "after_last_unit": marks["run_end"] - marks["last_unit_end"],
-                       "finish_incl_fsync": t_end - marks["run_end"]}}
+                       "finish_incl_fsync": t_end - marks["run_end"]},
+              "trace": trace_summary(marks, done["workers"])}
     print(f"{gb:.2f} GB, {done['shards']} output shards, {done['workers']} workers, {done['device']}: "
           f"{wall:.2f} s ({gb / wall:.2f} GB/s; "
           f"fsync {done['fsync_seconds']:.2f} s), user {result['user_seconds']:.2f} s, "
@@ -196,6 +244,17 @@ def main():
         print(f"  CUDA context (before the clock): {cuda_init:.2f} s; fused quantizer "
               f"{'loaded' if quantizer else 'not used'} (before the clock): {quantizer_init:.2f} s")
     print("  wall: " + ", ".join(f"{k} {v:.2f} s" for k, v in result["wall"].items()))
+    tr = result["trace"]
+    print(f"  units: {tr['mean_running']:.1f} of {tr['workers']} running on average over {tr['span_s']:.2f} s; "
+          f"last unit started at {tr['last_unit_start_s']:.2f} s (drain {tr['drain_s']:.2f} s); share of the span "
+          "with k running: " + ", ".join(f"{k}: {v:.0%}" for k, v in tr["share_running"].items() if v >= 0.01))
+    print("  unit seconds by kind: " + ", ".join(f"{k} n={v['n']} mean {v['mean']:.3f} max {v['max']:.3f}"
+                                                 for k, v in tr["unit_seconds_by_kind"].items()))
+    print("  longest units: " + "; ".join(f"{u['kind']} {u['tensor'].split('.')[-2:]} {u['mb']:.0f} MB "
+                                          f"{u['seconds']:.3f} s at {u['start_s']:.2f}" for u in tr["longest_units"][:5]))
+    print("  journal writes (start s, seconds): " + ", ".join(f"({a:.2f}, {b:.3f})" for a, b in tr["journal_writes"]))
+    print(f"  budget waits > 1 ms: {tr['budget_waits']['n']}, {tr['budget_waits']['seconds']:.2f} s; longest "
+          + ", ".join(f"({a:.2f}, {b:.3f})" for a, b in tr["budget_waits"]["longest"]))
     for k, v in waited.most_common():
         print(f"  {k:44s} {spent[k]:7.2f} core-s {v:7.2f} thread-s of wall")
     total = sum(stacks.values())

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def instrument() -> tuple[collections.Counter, collections.Counter]:
+def instrument(device: str = "cpu") -> tuple[collections.Counter, collections.Counter]:
     """(core-seconds, thread-seconds of wall clock) per stage: their difference is time a thread spent
     waiting inside the stage (a lock, a full disk queue, the GPU, the GIL)."""
     from porter import mxfp8, pipeline, safetensors_io
@@ -73,6 +73,25 @@ def instrument() -> tuple[collections.Counter, collections.Counter]:
     wrap(mxfp8, "_check_finite", "  of which the finiteness check (GPU: waits for the part's copy + first kernels)")
     import torch
     wrap(torch.cuda.Stream, "synchronize", "GPU wait at the end of a part (stream.synchronize)")
+    if device != "cuda":
+        return spent, waited
+    # the GPU section's other steps (in porter-convert threads: Tensor.to and copy_ also run elsewhere)
+    in_worker = lambda: threading.current_thread().name.startswith("porter-convert")  # noqa: E731
+
+    def wrap_in_workers(owner, name, key):
+        real = getattr(owner, name)
+        wrap(owner, name, key)
+        timed = getattr(owner, name)
+        setattr(owner, name, lambda *a, **k: timed(*a, **k) if in_worker() else real(*a, **k))
+    wrap_in_workers(torch.Tensor, "to", "  GPU section: Tensor.to (part -> GPU, stats -> host)")
+    wrap_in_workers(torch.Tensor, "copy_", "  GPU section: Tensor.copy_ (results -> pinned host)")
+    wrap(pipeline.Pipeline, "_register_pending", "  GPU section: _register_pending")
+    wrap(pipeline.Pipeline, "_fused", "  GPU section: _fused")
+    try:
+        from porter import mxfp8_triton
+        wrap(mxfp8_triton, "quantize_with_error", "  GPU section: fused quantizer launches")
+    except ImportError:
+        pass
     return spent, waited
 
 
@@ -208,7 +227,7 @@ def main():
             c0 = time.perf_counter()
             quantizer = pipeline.fused_quantizer(torch.device("cuda"), "rceil")
             quantizer_init = time.perf_counter() - c0
-        (spent, waited), marks = instrument(), timeline()
+        (spent, waited), marks = instrument(args.device), timeline()
         if args.switch_interval is not None:
             sys.setswitchinterval(args.switch_interval)
         stop = threading.Event()

@@ -139,7 +139,17 @@ def trace_summary(marks: dict, workers: int) -> dict:
     for u in units:
         by_kind[u[2]].append(u[1] - u[0])
     waits = [(a - t0, b - a) for a, b in marks["budget"] if b - a > 1e-3]
+    # steady state: source bytes processed per second between the end of the first wave (the workers' first
+    # units: new streams, slabs, registrations, allocator pools) and the start of the drain, each unit's bytes
+    # counted in proportion to its overlap with that window. Needs several waves (at 16 workers, more than ~3 GB).
+    first = sorted(units, key=lambda u: u[5])
+    wave_end = max(min((u for u in first if u[5] == name), key=lambda u: u[0])[1] for name in {u[5] for u in units})
+    lo, hi = wave_end, units[-1][0]
+    steady = (sum(u[4] * max(0.0, min(u[1], hi) - max(u[0], lo)) / (u[1] - u[0]) for u in units if u[1] > u[0])
+              / (hi - lo) / 1e9) if hi > lo else None
     return {"span_s": span, "workers": workers, "mean_running": busy,
+            "first_wave_end_s": wave_end - t0, "steady_gb_per_s": steady,
+            "units_raw": [(u[0] - t0, u[1] - t0, u[2], u[3], u[4], u[5]) for u in units],
             "share_running": {k: v / span for k, v in sorted(share.items())},
             "last_unit_start_s": units[-1][0] - t0, "drain_s": t1 - units[-1][0],
             "unit_seconds_by_kind": {k: {"n": len(v), "mean": sum(v) / len(v), "max": max(v)}
@@ -267,6 +277,9 @@ def main():
     print(f"  units: {tr['mean_running']:.1f} of {tr['workers']} running on average over {tr['span_s']:.2f} s; "
           f"last unit started at {tr['last_unit_start_s']:.2f} s (drain {tr['drain_s']:.2f} s); share of the span "
           "with k running: " + ", ".join(f"{k}: {v:.0%}" for k, v in tr["share_running"].items() if v >= 0.01))
+    print(f"  first wave (each worker's first unit) done at {tr['first_wave_end_s']:.2f} s; steady state between "
+          f"it and the drain: " + (f"{tr['steady_gb_per_s']:.2f} GB/s of source" if tr["steady_gb_per_s"]
+                                   else "none (too few units: the run is all head and tail)"))
     print("  unit seconds by kind: " + ", ".join(f"{k} n={v['n']} mean {v['mean']:.3f} max {v['max']:.3f}"
                                                  for k, v in tr["unit_seconds_by_kind"].items()))
     print("  longest units: " + "; ".join(f"{u['kind']} {u['tensor'].split('.')[-2:]} {u['mb']:.0f} MB "

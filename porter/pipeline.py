@@ -244,8 +244,8 @@ def fused_quantizer(device: torch.device, rounding: str):
     """The GPU path's quantizer with PORTER_CUDA_QUANTIZE=fused: porter.mxfp8_triton (two launches per part
     instead of ~75 torch ops), its kernel loaded by one small launch; else None, for mxfp8's torch ops (also on
     the CPU, and where Triton cannot be imported or cannot build the kernel for this GPU: its e4m3 cast needs
-    compute capability 8.9). Both write the same bytes. Not the default: it cut the GPU section's host time
-    ~5x, but end to end the conversion was no faster in the steady state and its one-time load (0.6-0.8 s)
+    compute capability 8.9). Both write the same bytes. Not the default: on 8 GB conversions it was no faster
+    end to end (parts wait in its launches as they did in the torch ops'), and its one-time load (0.6-0.8 s)
     made short conversions slower (benchmarks/results/convert_round7.md)."""
     if device.type != "cuda" or _env_switch("PORTER_CUDA_QUANTIZE", "torch", "fused".__eq__) != "fused":
         return None
@@ -681,8 +681,8 @@ class Pipeline:
     def _fused(self):
         """fused_quantizer, resolved once per run by the CUDA init thread (else by the first part). Parts that
         start while it is being resolved use the torch ops (the same bytes) instead of waiting: importing
-        Triton and loading the kernel took 0.7 s on the H200 machine, and workers waiting for it idled 40% of
-        a 3 GB conversion (benchmarks/results/convert_round7.md)."""
+        Triton and loading the kernel took 0.6-0.8 s on the H200 machine, and waiting for it was 40% of the
+        workers' stack samples in a 3 GB conversion (benchmarks/results/convert_round7.md)."""
         if self.fused_resolved:
             return self.fused_quantizer
         if not self.fused_lock.acquire(blocking=False):

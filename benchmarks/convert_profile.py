@@ -10,9 +10,12 @@ registration, the submitting thread's wait on the memory budget, and on the GPU 
 device inside a part (the finiteness check's sync, the final stream.synchronize: the rest of the GPU section
 is host time: launches and waits for the GIL); for each also the threads' wall-clock
 seconds inside it (time.perf_counter): wall minus CPU is waiting there (a lock, a full disk queue, the GPU).
---sample also samples the workers' Python stacks every 2 ms. On --device cuda the CUDA context is created
-and the fused quantizer's kernel loaded (porter.pipeline.fused_quantizer) before the clock starts (their
-seconds printed apart: one-time costs of a conversion, here the steady state is measured). Prints them with the process's user and
+--sample also samples the workers' Python stacks every 2 ms; the sampler needs the GIL to take a sample, so
+the samples lean toward moments when the workers do not hold it (in round 7 they showed 30-59% "idle in the
+pool" where the unit trace showed all 16 workers inside a unit 75-77% of the run: trust the trace). On
+--device cuda the CUDA context is created and the fused quantizer's kernel loaded
+(porter.pipeline.fused_quantizer) before the clock starts (their seconds printed apart: one-time costs of a
+conversion). Prints them with the process's user and
 system time, wall time split at the pipeline's marks (planning, until the first unit starts, the units,
 the finish with its fsync) and the final fsync. Checkpoint: the synthetic real-dims one of convert_throughput.py.
 

@@ -678,14 +678,14 @@ class Pipeline:
         self.cuda_init = threading.Thread(target=init, name="porter-cuda-init", daemon=True)
         self.cuda_init.start()
 
-    def _fused(self):
+    def _fused(self, wait: bool = False):
         """fused_quantizer, resolved once per run by the CUDA init thread (else by the first part). Parts that
-        start while it is being resolved use the torch ops (the same bytes) instead of waiting: importing
-        Triton and loading the kernel took 0.6-0.8 s on the H200 machine, and waiting for it was 40% of the
-        workers' stack samples in a 3 GB conversion (benchmarks/results/convert_round7.md)."""
+        start while it is being resolved use the torch ops (the same bytes) instead of waiting (wait=False):
+        importing Triton and loading the kernel took 0.6-0.8 s on the H200 machine, and waiting for it was 40%
+        of the workers' stack samples in a 3 GB conversion (benchmarks/results/convert_round7.md)."""
         if self.fused_resolved:
             return self.fused_quantizer
-        if not self.fused_lock.acquire(blocking=False):
+        if not self.fused_lock.acquire(blocking=wait):
             return None
         try:
             if not self.fused_resolved:

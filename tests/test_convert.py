@@ -427,12 +427,12 @@ def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, monkeypatch, quantize
     if quantizer == "fused":  # every part through it, not only those after its background load
         import porter.pipeline as pp
 
-        def fused_waited_for(self):
-            with self.fused_lock:
-                if not self.fused_resolved:
-                    self.fused_quantizer, self.fused_resolved = pp.fused_quantizer(self.device, self.rounding), True
-            assert self.fused_quantizer is not None, "the fused quantizer did not load"
-            return self.fused_quantizer
+        real = pp.Pipeline._fused
+
+        def fused_waited_for(self, wait=False):
+            quantizer = real(self, wait=True)
+            assert quantizer is not None, "the fused quantizer did not load"
+            return quantizer
         monkeypatch.setattr(pp.Pipeline, "_fused", fused_waited_for)
     from tiny_checkpoint import synthetic_overrides
     src = build_tiny_checkpoint(tmp_path / "src", text_overrides=synthetic_overrides(3, hidden=1024,

@@ -145,8 +145,10 @@ def trace_summary(marks: dict, workers: int) -> dict:
     # steady state: source bytes processed per second between the end of the first wave (the workers' first
     # units: new streams, slabs, registrations, allocator pools) and the start of the drain, each unit's bytes
     # counted in proportion to its overlap with that window. Needs several waves (at 16 workers, more than ~3 GB).
-    first = sorted(units, key=lambda u: u[5])
-    wave_end = max(min((u for u in first if u[5] == name), key=lambda u: u[0])[1] for name in {u[5] for u in units})
+    first_of = {}  # thread -> its first unit (units are sorted by start)
+    for u in units:
+        first_of.setdefault(u[5], u)
+    wave_end = max(u[1] for u in first_of.values())
     lo, hi = wave_end, units[-1][0]
     steady = (sum(u[4] * max(0.0, min(u[1], hi) - max(u[0], lo)) / (u[1] - u[0]) for u in units if u[1] > u[0])
               / (hi - lo) / 1e9) if hi > lo else None
@@ -171,22 +173,19 @@ def timeline() -> dict:
     from porter import pipeline
     marks, lock = {"units": [], "journal": [], "budget": []}, threading.Lock()
     run, unit = pipeline.Pipeline.run, pipeline.Pipeline._run_unit
-    closed, acquire = pipeline.Pipeline._closed, pipeline.Budget.acquire
 
-    def timed_closed(self, shard):
-        t = time.perf_counter()
-        try:
-            return closed(self, shard)
-        finally:
-            marks["journal"].append((t, time.perf_counter()))
+    def record_intervals(owner, name, key):  # each call's (start, end) appended to marks[key]
+        real = getattr(owner, name)
 
-    def timed_acquire(self, n):
-        t = time.perf_counter()
-        try:
-            return acquire(self, n)
-        finally:
-            marks["budget"].append((t, time.perf_counter()))
-    pipeline.Pipeline._closed, pipeline.Budget.acquire = timed_closed, timed_acquire
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                marks[key].append((t, time.perf_counter()))
+        setattr(owner, name, timed)
+    record_intervals(pipeline.Pipeline, "_closed", "journal")
+    record_intervals(pipeline.Budget, "acquire", "budget")
 
     def timed_run(self, units):
         marks["run_start"] = time.perf_counter()

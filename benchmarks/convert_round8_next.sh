@@ -12,8 +12,7 @@ source "$(dirname "$0")/gpu_steps.sh"
 step convert_16c 420 taskset -c 0-15 python benchmarks/convert_throughput.py --devices cuda --no-single \
   --max-shard-size 512MB --copies copy-safetensors,copy-files --sizes 8,24 \
   --variants fused@cuda:PORTER_CUDA_QUANTIZE=fused --out "$OUT/convert_16c.json"
-step build 200 python -c 'import sys; sys.path[:0] = ["benchmarks", "examples", "tests"]; from pathlib import Path
-import convert_throughput as ct; ct.build_checkpoint(Path("/tmp/ck24"), 20, 8)'
+step build 200 "${BUILD_CHECKPOINT[@]}" /tmp/ck24 20
 prof="taskset -c 0-15 python benchmarks/convert_profile.py --src /tmp/ck24 --device cuda --max-shard-size 512MB"
 step steady_torch 120 $prof --out "$OUT/steady_torch.json"
 step steady_fused 120 env PORTER_CUDA_QUANTIZE=fused $prof --out "$OUT/steady_fused.json"

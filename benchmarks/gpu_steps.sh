@@ -1,5 +1,7 @@
 # Sourced by the one-call H200 scripts: records the GPU and versions in $OUT/gpu.txt and defines
 #   step NAME TIMEOUT_S COMMAND...   (runs COMMAND into $OUT/NAME.log, appends "NAME rc=… Ns" to $OUT/steps.txt)
+#   BUILD_CHECKPOINT DIR LAYERS      (a command for step: convert_throughput's synthetic real-dims checkpoint,
+#                                     8 experts per layer, built into DIR)
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
@@ -11,3 +13,5 @@ step() {  # name, timeout seconds, command...
   echo "$name rc=$? $((SECONDS - start))s" | tee -a "$OUT/steps.txt"
   tail -3 "$OUT/$name.log"
 }
+BUILD_CHECKPOINT=(python -c 'import sys; sys.path[:0] = ["benchmarks", "examples", "tests"]; from pathlib import Path
+import convert_throughput as ct; ct.build_checkpoint(Path(sys.argv[1]), int(sys.argv[2]), 8)')

@@ -6,8 +6,7 @@
 set -u
 OUT=${OUT:-/tmp/r7-out}
 source "$(dirname "$0")/gpu_steps.sh"
-step build 120 python -c 'import sys; sys.path[:0] = ["benchmarks", "examples", "tests"]; from pathlib import Path
-import convert_throughput as ct; ct.build_checkpoint(Path("/tmp/ck4"), 3, 8)'
+step build 120 "${BUILD_CHECKPOINT[@]}" /tmp/ck4 3
 prof="taskset -c 0-15 python benchmarks/convert_profile.py --src /tmp/ck4 --device cuda --sample --max-shard-size 512MB"
 for r in 1 2; do
   step profile_fused_$r 40 $prof --out "$OUT/profile_fused_$r.json"

@@ -13,7 +13,7 @@ import runtime_fixtures as fx
 from porter import mxfp8
 from runtime import gemv
 from runtime.attention import decode_attention, decode_attention_reference
-from runtime.models.minimax_m3 import DecodeGraph
+from runtime.models.minimax_m3 import DecodeGraph, rms_norm_reference
 from runtime.placement import store_sizes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -235,15 +235,10 @@ def test_add_kernels_equal_torch_adds_and_norm(dtype):
         assert torch.equal(hout, h + a)
         assert torch.equal(y, fused.rms_norm(h + a, w, 1e-6))
         # against torch ops (minimax_m3.rms_norm would run the same kernel on CUDA)
-        assert fx.rel(y.float(), _torch_rms_norm(h + a, w, 1e-6).float()) <= (1e-6 if dtype == torch.float32
-                                                                             else 8e-3)
+        assert fx.rel(y.float(), rms_norm_reference(h + a, w, 1e-6).float()) <= (1e-6 if dtype == torch.float32
+                                                                                 else 8e-3)
         assert torch.equal(fused.add_chain(a, h), a + h)
         assert torch.equal(fused.add_chain(a, h, c), (a + h) + c)
-
-
-def _torch_rms_norm(x, w, eps):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).to(x.dtype)
 
 
 def test_router_kernels_equal_route():

@@ -80,6 +80,13 @@ def check_against_torch(quant, t, k, h, rsf=2.5, config=None, x_scale=1.0, tol=R
     return moe, x, ids, w, out
 
 
+def assert_fused_out_scratch_zero(device, h):
+    """The fused output's persistent fp32 scratch and arrival counters are zero again (its last arrivers
+    re-zero them for the next call)."""
+    scratch, counts = tb._fused_out_scratch(device, h)
+    assert scratch.eq(0).all() and counts.eq(0).all()
+
+
 # ---------------------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
@@ -115,8 +122,7 @@ def test_repeat_calls_agree_within_one_bf16_ulp(t):
         torch.cuda.synchronize()
         step = out.float().abs() * 2.0 ** -8 + 1e-30
         assert ((again.float() - out.float()).abs() <= step).all(), f"max diff {(again - out).abs().max():.3e}"
-    scratch, counts = tb._fused_out_scratch(x.device, 768)
-    assert scratch.eq(0).all() and counts.eq(0).all()
+    assert_fused_out_scratch_zero(x.device, 768)
 
 
 @pytest.mark.gpu
@@ -233,8 +239,7 @@ def test_fused_output_paths_agree_and_leave_scratch_zeroed(t, cfg):
                     assert torch.isfinite(out).all()
                     assert rel(out, base) < 4e-3, f"nosort={nosort} fused={fused} pdl={pdl}: {rel(out, base):.2e}"
                     if fused:
-                        scratch, counts = tb._fused_out_scratch(x.device, h)
-                        assert scratch.eq(0).all() and counts.eq(0).all()
+                        assert_fused_out_scratch_zero(x.device, h)
     finally:
         tb.USE_PDL = None
 
@@ -267,11 +272,6 @@ def test_fused_output_last_arriver_is_race_free(t):
     assert worst < 1e-3, f"fused output differs from the unfused path: {worst:.2e}"
 
 
-def _assert_sync_state_zero(device, h):
-    scratch, counts = tb._fused_out_scratch(device, h)
-    assert scratch.eq(0).all() and counts.eq(0).all()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
 @pytest.mark.parametrize("t", [1, 4])
@@ -294,7 +294,7 @@ def test_fused_output_many_calls_at_real_dims(t):
                         for _ in range(200)])  # on the device: no sync per call
     worst = float(errs.max())
     assert worst < 1e-3, f"{int((errs > 1e-3).sum())} of 200 calls off, worst {worst:.2e}"
-    _assert_sync_state_zero(x.device, h)
+    assert_fused_out_scratch_zero(x.device, h)
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ touched weight + scale bytes at the streaming bandwidth measured in the same run
 
   python3 benchmarks/moe_knob_ab.py --knob FP8_ROW_SCALE --values False,True --tokens 1024,4096 [--rounds 3]
       [--configs "64,64,128,4,3,128,128,4,3,False,False,2;..."]  (MoeConfig fields; default: default_config)
+      [--kernels]  (also each variant's device time per kernel, torch.profiler: where the time goes)
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from moe_layer import EXPERT_BYTES, build_layer, decode_problem, graph_time_queued_us, stream_bandwidth  # noqa: E402
+from moe_layer import EXPERT_BYTES, build_layer, decode_problem, graph_time_queued_us, kernel_times, stream_bandwidth  # noqa: E402
 from runtime.moe import triton_backend as tb  # noqa: E402
 
 
@@ -31,6 +32,7 @@ def main():
     ap.add_argument("--tokens", default="1,2,4,16,64")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--configs", default="", help="';'-separated MoeConfig field lists, each timed per value")
+    ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if not hasattr(tb, args.knob):
@@ -63,11 +65,18 @@ def main():
             row = {"T": t, "value": repr(v), "config": c and c.__dict__, "us": us, "x_floor": us / floor_us,
                    "vs_first": us / base, "rel_vs_first": rel(outs[i], outs[0]), "rel_vs_torch": rel(outs[i], ref),
                    "rounds_us": times[i]}
+            if args.kernels:
+                setattr(tb, args.knob, v)
+                row["kernels_us"] = kernel_times(lambda c=c: moe.forward_topk(x, ids, w, c))
+                setattr(tb, args.knob, keep)
             res["rows"].append(row)
-            tile = "" if c is None else f" cfg {c.bm}/{c.bn1}/{c.bk1}/{c.warps1}w{c.stages1}s-{c.bn2}/{c.bk2}/{c.warps2}w{c.stages2}s"
+            tile = "" if c is None else (f" cfg {c.bm}/{c.bn1}/{c.bk1}/{c.warps1}w{c.stages1}s-{c.bn2}/{c.bk2}/"
+                                         f"{c.warps2}w{c.stages2}s{' swap' * (c.swap1 or c.swap2)} g{c.group_m}")
             print(f"T={t} {args.knob}={v!r:8}{tile} {us:8.1f} us  {row['x_floor']:.3f}x floor ({floor_us:.1f} us)  "
                   f"{row['vs_first']:.3f}x first  rel vs first {row['rel_vs_first']:.1e}  "
                   f"vs torch {row['rel_vs_torch']:.1e}", flush=True)
+            if args.kernels:
+                print("    kernels us: " + " ".join(f"{k} {v:.1f}" for k, v in row["kernels_us"].items()), flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)

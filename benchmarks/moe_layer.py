@@ -167,7 +167,7 @@ def graph_time_queued_us(fn, reps=60, calls=None) -> float:
 
 def kernel_times(fn, calls=10) -> dict:
     """Mean device time per call (us) of the MoE kernels by name prefix (torch.profiler), plus
-    'other': elementwise kernels and memsets."""
+    'other': elementwise kernels and memsets, 'all': every kernel (the sort of the sorted path too)."""
     from torch.profiler import ProfilerActivity, profile
     for _ in range(2):
         fn()
@@ -184,6 +184,7 @@ def kernel_times(fn, calls=10) -> dict:
                 res[key] = us
         if "elementwise" in ev.key or "Memset" in ev.key:
             res["other"] = res.get("other", 0) + us
+        res["all"] = res.get("all", 0) + us
     return res
 
 

@@ -4,6 +4,8 @@
 # and FP8 tiles with the weights as wgmma's M side (swap, which also allows BM 32) with per-kernel times;
 # then the MoE GPU tests (new: test_grouped_order_and_swapped_fp8_tiles). Logs to $OUT.
 #   OUT=/tmp/out bash benchmarks/round8_moe_call1.sh
+# Ran at d4a5d14 (benchmarks/results/moe_round8_call1_*). Neither group_m nor the FP8 swap beat the plain
+# tiles, so both were removed after this call: at later commits the ab step fails on the 13-field configs.
 set -u
 OUT=${OUT:-/tmp/r8-moe}
 source "$(dirname "$0")/gpu_steps.sh"

@@ -39,7 +39,6 @@ class MoeConfig:
     swap1: bool = False  # W8A16: weight as the left MMA operand (prefill, BM >= 64)
     swap2: bool = False
     fp8: int = 0  # 0: W8A16 (weights dequantized to fp16); 1 / 2: e4m3 activations in 1 / 2 terms, fp8 MMA
-    group_m: int = 1  # sorted path: grid in groups of this many BM blocks, block fastest (L2 reuse of weights)
 
 
 # Prefill path choice, measured on one H200 at MiniMax-M3 dims (E=128, H=6144, I=3072, top-4; whole layer,
@@ -444,8 +443,8 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         xq, t * h, xscale, w13, s13, p.shift13, p.epi13, p.alpha, p.beta, p.limit,
         sorted_ids, expert_ids, act, n, h, inter, e, n1,
         xq.stride(1), w13.stride(0), w13.stride(1), *ss13,
-        TOPK=k, WMODE=wmode1, PRESCALED=quant_x > 0, TERMS=cfg.fp8, SWAP=cfg.swap1,
-        BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, NOSORT=nosort, USE_PDL=bool(pdl), GROUP_M=1 if nosort else cfg.group_m,
+        TOPK=k, WMODE=wmode1, PRESCALED=quant_x > 0, TERMS=cfg.fp8, SWAP=cfg.swap1 and not fp8,
+        BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, NOSORT=nosort, USE_PDL=bool(pdl),
         num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
     if fp8:  # act -> [terms, MAXP, I] e4m3 + per-row 2^m
         aq = torch.empty((cfg.fp8, maxp, inter), dtype=torch.float8_e4m3fn, device=dev)
@@ -461,10 +460,9 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         act, maxp * inter, ascale, w2, s2, p.shift2, p.epi2, topk_w, out, sorted_ids, expert_ids,
         n, inter, h, e, float(routed_scaling_factor), n2,
         w2.stride(0), w2.stride(1), *ss2,
-        TOPK=k, WMODE=wmode2, TERMS=cfg.fp8, SWAP=cfg.swap2,
+        TOPK=k, WMODE=wmode2, TERMS=cfg.fp8, SWAP=cfg.swap2 and not fp8,
         BM=cfg.bm, BN=cfg.bn2, BK=cfg.bk2, y_ptr=y if fused_out else out,
         count_ptr=out_counts if fused_out else out, NOSORT=nosort, FUSED_OUT=fused_out, USE_PDL=bool(pdl),
-        GROUP_M=1 if nosort else cfg.group_m,
         num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl)
     return y if fused_out else out.to(hidden.dtype)
 

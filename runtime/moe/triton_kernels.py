@@ -227,29 +227,18 @@ def _block_rows(sorted_ptr, expert_ids_ptr, pid_m, N, BM: tl.constexpr, NOSORT: 
 
 @triton.jit
 def _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM: tl.constexpr, NOSORT: tl.constexpr,
-                  USE_PDL: tl.constexpr, GROUP_M: tl.constexpr = 1):
+                  USE_PDL: tl.constexpr):
     """(N tile, expert, rows, slot ids, valid mask, has work) of this program; grid order: N tile
-    fastest, so neighbouring programs stream adjacent rows of one expert (DRAM locality). GROUP_M > 1
-    (prefill: several BM blocks per expert) orders the grid in groups of GROUP_M blocks with the block
-    fastest, so the programs reading one weight tile for an expert's blocks run side by side and the
-    later ones find it in L2. No work: a block past the last used one (the grid is sized for the worst
-    case: no host sync) or, NOSORT, a later slot of an expert an earlier slot's block computes. With
-    USE_PDL (programmatic dependent launch) the grid was launched early to hide the launch gap and
-    waits here until the previous kernel has finished and its writes are visible."""
+    fastest, so neighbouring programs stream adjacent rows of one expert (DRAM locality). No work:
+    a block past the last used one (the grid is sized for the worst case: no host sync) or, NOSORT,
+    a later slot of an expert an earlier slot's block computes. With USE_PDL (programmatic dependent
+    launch) the grid was launched early to hide the launch gap and waits here until the previous
+    kernel has finished and its writes are visible."""
     pid = tl.program_id(0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    if GROUP_M == 1:
-        pid_m = pid // NUM_N
-        pid_n = pid % NUM_N
-    else:
-        per_group = GROUP_M * NUM_N
-        first_m = (pid // per_group) * GROUP_M
-        group = tl.minimum(tl.num_programs(0) // NUM_N - first_m, GROUP_M)  # the last group may be short
-        pid_m = first_m + (pid % per_group) % group
-        pid_n = (pid % per_group) // group
-    e, rows, tok, tmask, active = _block_rows(sorted_ptr, expert_ids_ptr, pid_m, N, BM, NOSORT)
-    return pid_n, e, rows, tok, tmask, active & (e < E)
+    e, rows, tok, tmask, active = _block_rows(sorted_ptr, expert_ids_ptr, pid // NUM_N, N, BM, NOSORT)
+    return pid % NUM_N, e, rows, tok, tmask, active & (e < E)
 
 
 @triton.jit
@@ -268,63 +257,38 @@ def _operand_ptrs(a_ptr, a_rows, stride_a, w_ptr, s_ptr, e64, w_rows, stride_we,
 
 
 @triton.jit
-def _mma(a, w, acc, SWAP: tl.constexpr):
-    """acc + a w^T [BM, ROWS], or with SWAP acc + w a^T [ROWS, BM] (acc None: a fresh product)."""
-    if SWAP:  # no early return: Triton would still build the statement after it
-        out = tl.dot(w, tl.trans(a), acc)
-    else:
-        out = tl.dot(a, tl.trans(w), acc)
-    return out
-
-
-@triton.jit
-def _row_scales(s, SWAP: tl.constexpr):
-    """Per-weight-row scales s [ROWS] broadcast over the accumulator's row (SWAP) or column axis."""
-    if SWAP:
-        out = s[:, None]
-    else:
-        out = s[None, :]
-    return out
-
-
-@triton.jit
 def _mma_loop(a_ptrs, alo_off, amask, w_ptrs, s_ptrs, sh_ptr, k_len, a_dtype: tl.constexpr,
               WMODE: tl.constexpr, TERMS: tl.constexpr, SWAP: tl.constexpr, ROWS: tl.constexpr,
               BM: tl.constexpr, BK: tl.constexpr):
     """acc [BM, ROWS] fp32 = A W^T over k_len (the K loop of both GEMMs). A rows outside amask read 0.
 
     WMODE 0..3: the weight tile is dequantized (_dequant_tile) and one 16-bit MMA runs per BK step;
-    SWAP (every mode) makes the weight the MMA's left operand (acc^T = W A^T).
+    SWAP makes the weight the MMA's left operand (acc^T = W A^T).
     WMODE 4 (FP8, BK = 128): A is e4m3 (TERMS 2: plus a second e4m3 term, alo_off elements further
     on), W the rebased e4m3 weights with one fp32 power-of-two scale per (row, 128 K); per K step one
     fp8 MMA (two with TERMS 2, chained) whose fp32 result is multiplied by the block scales per weight
     row (exact) and added to the accumulator. A's per-row power-of-two scale is the caller's.
     WMODE 5 (FP8, one scale per weight row): the fp8 MMAs chain into the accumulator over the whole K
     and the row scales multiply it once at the end."""
-    if WMODE >= 4:  # SWAP: acc^T [ROWS, BM] = W A^T, the same products with the weights as wgmma's M side
-        if SWAP:
-            acc = tl.zeros((ROWS, BM), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BM, ROWS), dtype=tl.float32)
+    if WMODE >= 4:
+        acc = tl.zeros((BM, ROWS), dtype=tl.float32)
         for _ in range(0, k_len, BK):
             w = tl.load(w_ptrs)  # [ROWS, BK] e4m3
             a = tl.load(a_ptrs, mask=amask[:, None], other=0.0)  # [BM, BK] e4m3
             if WMODE == 4:
-                part = _mma(a, w, None, SWAP)
+                part = tl.dot(a, tl.trans(w))
                 if TERMS == 2:
-                    part = _mma(tl.load(a_ptrs + alo_off, mask=amask[:, None], other=0.0), w, part, SWAP)
-                acc += part * _row_scales(tl.load(s_ptrs), SWAP)  # [ROWS] fp32 block scales
+                    part = tl.dot(tl.load(a_ptrs + alo_off, mask=amask[:, None], other=0.0), tl.trans(w), part)
+                acc += part * tl.load(s_ptrs)[None, :]  # [ROWS] fp32 block scales
                 s_ptrs += 1
             else:
-                acc = _mma(a, w, acc, SWAP)
+                acc = tl.dot(a, tl.trans(w), acc)
                 if TERMS == 2:
-                    acc = _mma(tl.load(a_ptrs + alo_off, mask=amask[:, None], other=0.0), w, acc, SWAP)
+                    acc = tl.dot(tl.load(a_ptrs + alo_off, mask=amask[:, None], other=0.0), tl.trans(w), acc)
             a_ptrs += BK
             w_ptrs += BK
         if WMODE == 5:
-            acc = acc * _row_scales(tl.load(s_ptrs), SWAP)  # [ROWS] fp32 row scales
-        if SWAP:
-            acc = tl.trans(acc)
+            acc = acc * tl.load(s_ptrs)[None, :]  # [ROWS] fp32 row scales
     else:
         if SWAP:
             acc_t = tl.zeros((ROWS, BM), dtype=tl.float32)
@@ -395,14 +359,13 @@ def gemm1_swiglu_kernel(x_ptr, xlo_off, xscale_ptr, w_ptr, s_ptr, shift_ptr, epi
                         TOPK: tl.constexpr, WMODE: tl.constexpr, PRESCALED: tl.constexpr,
                         TERMS: tl.constexpr, SWAP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        NOSORT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                        GROUP_M: tl.constexpr = 1):
+                        NOSORT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """act[p, n] = SwiGLU-OAI(x W_gate^T, x W_up^T) for sorted row p, columns [n, n+BN) of I.
 
     One [2BN, K] weight slab per program (BN gate rows then the BN matching up rows), one MMA per K
     step, split in the epilogue. Grid (MAXB * I/BN,)."""
     pid_n, e, rows, tok, tmask, has_work = _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT,
-                                                          USE_PDL, GROUP_M)
+                                                          USE_PDL)
     if not has_work:
         return
     _gemm1_tile(x_ptr, xlo_off, xscale_ptr, stride_xm, w_ptr, s_ptr, shift_ptr, epi_ptr, alpha_ptr, beta_ptr,
@@ -456,8 +419,7 @@ def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, e
                         TOPK: tl.constexpr, WMODE: tl.constexpr, TERMS: tl.constexpr, SWAP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         y_ptr=None, count_ptr=None, NOSORT: tl.constexpr = False,
-                        FUSED_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                        GROUP_M: tl.constexpr = 1):
+                        FUSED_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """out[token, n] += rsf * w_route * (act W2^T)[p, n] by fp32 atomics: the top-k reduce happens
     in the atomics. Grid (MAXB * H/BN,). SWAP, WMODE, TERMS as in GEMM1; WMODE 4 / 5 read act as e4m3
     term(s) with the per-row scale 2^m at ascale_ptr.
@@ -471,7 +433,7 @@ def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, e
     the scratch tile and the counter for the next call. Calls sharing the scratch must be
     stream-ordered (they are: one stream, one forward at a time)."""
     pid_n, e, rows, tok, tmask, has_work = _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT,
-                                                          USE_PDL, GROUP_M)
+                                                          USE_PDL)
     if not has_work:
         return
     _gemm2_tile(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, topk_w_ptr, out_ptr,

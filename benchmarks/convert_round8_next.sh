@@ -7,13 +7,13 @@
 # worker's pinned slabs registered before any GPU work instead of in the first wave's launches: does the fixed
 # cost shrink?); (2) convert_profile's steady-state rate (between the first wave and the drain) on a 24 GB
 # checkpoint: torch ops, fused, and torch ops with early registration (its first_wave_end_s and the first
-# wave's expert units against steady_torch's). Step timeouts add up to 530 s (one device call: 600 s);
+# wave's expert units against steady_torch's). Step timeouts add up to 560 s (one device call: 600 s);
 # expected ~150 s for (1) (round 7 call 5: ~7.5 s per 8 GB run, 5 runs per size) and ~20 s per profile.
 #   OUT=/tmp/out bash benchmarks/convert_round8_next.sh
 set -u
 OUT=${OUT:-/tmp/r8-out}
 source "$(dirname "$0")/gpu_steps.sh"
-step convert_16c 260 taskset -c 0-15 python benchmarks/convert_throughput.py --devices cuda --no-single \
+step convert_16c 290 taskset -c 0-15 python benchmarks/convert_throughput.py --devices cuda --no-single \
   --max-shard-size 512MB --copies copy-safetensors,copy-files --sizes 8,24 \
   --variants "fused@cuda:PORTER_CUDA_QUANTIZE=fused;early@cuda:PORTER_SLAB_REGISTER=early" \
   --out "$OUT/convert_16c.json"

@@ -2,6 +2,7 @@
 import hashlib
 import json
 import math
+import os
 import shutil
 import threading
 import time
@@ -548,6 +549,38 @@ def test_writeback_thread_holds_at_most_max_fds(tiny_vendor, tmp_path, monkeypat
     assert held and max(held) == 1 and len(list(out.glob("*.safetensors"))) > 1
     assert "porter-writeback" in inline  # the first shard's ranges: the flusher thread
     assert any(name.startswith("porter-convert") for name in inline)  # the rest: inline, by the workers
+
+
+def test_writeback_thread_coalesces_queued_ranges(tmp_path, monkeypatch):
+    """Ranges queued while the flusher is busy go out as one call per descriptor over their span, before
+    that descriptor's close; every submitted byte is inside a span that was started."""
+    import porter.pipeline as pp
+    calls, busy, release = [], threading.Event(), threading.Event()
+
+    def start(fd, offset, length):
+        calls.append((fd, offset, length, threading.current_thread().name))
+        if len(calls) == 1:  # hold the thread on its first call so the rest queue up
+            busy.set()
+            release.wait(10)
+
+    monkeypatch.setattr(pp, "start_writeback", start)
+    fds = [os.open(tmp_path / f"s{i}", os.O_CREAT | os.O_WRONLY) for i in range(2)]
+    wb = pp.Writeback()
+    dups = [wb.open(fd) for fd in fds]
+    wb.submit(dups[0], 0, 10)
+    assert busy.wait(10)
+    ranges = [(dups[0], 30, 5), (dups[1], 100, 50), (dups[0], 10, 20), (dups[1], 0, 10), (dups[0], 50, 1)]
+    for d, o, n in ranges:
+        wb.submit(d, o, n)
+    wb.close(dups[0])
+    wb.close(dups[1])
+    release.set()
+    wb.stop()
+    for fd in fds:
+        os.close(fd)
+    assert calls[0][:3] == (dups[0], 0, 10)
+    assert sorted(c[:3] for c in calls[1:]) == sorted([(dups[0], 10, 41), (dups[1], 0, 150)])
+    assert {c[3] for c in calls} == {"porter-writeback"} and not wb.fds  # both dups closed, by the thread
 
 
 def test_zero_byte_tensors_convert(tiny_vendor, tmp_path):

@@ -21,8 +21,8 @@ the finish with its fsync) and the final fsync. Checkpoint: the synthetic real-d
 
     python benchmarks/convert_profile.py [--gb 2] [--experts 8] [--workers N] [--device cpu] [--out FILE]
                                          [--src DIR] [--sample] [--max-shard-size 5GB]
-PORTER_WRITEBACK / PORTER_SHARDS_IN_FLIGHT / PORTER_SLAB_PREFAULT / PORTER_SLAB_REGISTER in the environment pick
-porter.pipeline's modes.
+PORTER_WRITEBACK / PORTER_SHARDS_IN_FLIGHT / PORTER_SLAB_PREFAULT in the environment pick porter.pipeline's
+modes.
 """
 from __future__ import annotations
 

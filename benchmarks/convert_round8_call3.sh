@@ -3,6 +3,8 @@
 # shard record (PORTER_JOURNAL_FSYNC=1), the fused quantizer and early slab registration, at 8 and 24 GB on 16
 # cores and 8 GB on 2; then the steady-state profile at 24 GB and the conversion GPU tests. Logs to $OUT.
 #   OUT=/tmp/out bash benchmarks/convert_round8_call3.sh
+# Ran in round 8 (benchmarks/results/convert_round8.md); PORTER_JOURNAL_FSYNC and PORTER_SLAB_REGISTER were removed after it (the
+# journal is fsynced again, as before the call), so at later commits those variants run the default.
 set -u
 OUT=${OUT:-/tmp/r8-conv}
 source "$(dirname "$0")/gpu_steps.sh"

@@ -3,6 +3,8 @@
 # queued (the new default) against one call per range (PORTER_WRITEBACK_COALESCE=0), 8 and 24 GB on 16 cores;
 # the 24 GB steady-state profile; the conversion GPU tests. Logs to $OUT.
 #   OUT=/tmp/out bash benchmarks/convert_round8_call5.sh
+# Ran in round 8 (benchmarks/results/convert_round8.md); the coalescing and PORTER_WRITEBACK_COALESCE were removed after it, so at
+# later commits both rows run one call per range.
 set -u
 OUT=${OUT:-/tmp/r8-wb}
 source "$(dirname "$0")/gpu_steps.sh"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Prepared at the end of round 7, NOT RUN (no device time left): is --device cuda's end-to-end rate a fixed
+# Prepared at the end of round 7, ran as round 8's call 2 (benchmarks/results/convert_round8.md; PORTER_SLAB_REGISTER
+# was removed after round 8, so the early variant now runs the default). Is --device cuda's end-to-end rate a fixed
 # cost of the first wave of units plus a steady state, and what is that steady state? (round 7's traces: the
 # 8 longest expert units, 0.74-1.49 s each against a mean of ~0.3 s for the rest, all start in the first 0.43 s;
 # benchmarks/results/convert_round7.md). (1) 8 and 24 GB on 16 cores in one run: the seconds per GB between

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 import time
@@ -275,18 +274,12 @@ def _clear_output(out: Path) -> None:
 def _read_journal(out: Path) -> dict:
     try:
         return json.loads((out / JOURNAL).read_text())
-    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError):  # torn by a power loss: start over
+    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError):  # unreadable: as if absent
         return {}
 
 
 def _write_journal(out: Path, journal: dict) -> None:
-    """No fsync: the journal only has to outlive the process (a SIGKILL keeps the page cache), and what it says
-    is checked on --resume (_verified_done re-hashes every journaled shard; a journal lost or torn by a power
-    loss means shards are redone). On ext4 an fsync here commits the filesystem journal, which waits for the
-    shards' data written back meanwhile: 24 GB at 16 workers on the H200 machine spent 0.5-4.5 s in each
-    of 39 shard records, most of the workers' time (benchmarks/results/convert_round8.md)."""
-    atomic_write_text(out / JOURNAL, json.dumps(journal), before_rename=lambda: fault_point("journal-tmp"),
-                      durable=os.environ.get("PORTER_JOURNAL_FSYNC") == "1")
+    atomic_write_text(out / JOURNAL, json.dumps(journal), before_rename=lambda: fault_point("journal-tmp"))
     fault_point("journal")
 
 

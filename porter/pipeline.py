@@ -20,7 +20,6 @@ import ctypes
 import hashlib
 import logging
 import os
-import queue
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -278,13 +277,6 @@ def slab_prefault() -> bool:
     return _env_switch("PORTER_SLAB_PREFAULT", "1", lambda v: v == "0") != "0"
 
 
-def slab_register() -> str:
-    """When the GPU path page-locks its workers' slabs: "lazy", each worker at its first GPU call
-    (Pipeline._register_pending), or with PORTER_SLAB_REGISTER=early all workers' at once before any GPU work
-    (Pipeline._early_slabs; benchmarks' A/B: does registering in the first wave hold up its launches?)."""
-    return _env_switch("PORTER_SLAB_REGISTER", "lazy", "early".__eq__)
-
-
 def interleave_shards(units: list, shard_of: Callable[[Unit], str], width: int) -> list:
     """Units reordered round-robin over `width` output shards at a time (each shard's own units keep plan
     order; the next shard joins when one runs out), so writes go to several files at once."""
@@ -478,38 +470,15 @@ class Writeback:
             self._close(fd)
 
     def _loop(self) -> None:
-        """Each time it runs, everything queued: one sync_file_range per shard over the span of its queued
-        ranges (pages in the span that are not dirty are skipped), then the closes. One call per range kept
-        this thread seconds behind the workers at 16 workers (24 GB: 2.45 s after the last unit, mostly
-        waiting for the GIL between its ~2000 calls; benchmarks/results/convert_round8.md)."""
-        import queue
-        coalesce = os.environ.get("PORTER_WRITEBACK_COALESCE") != "0"
-        stop = False
-        while not stop:
-            batch = [self.queue.get()]
-            while coalesce:
+        while (item := self.queue.get()) is not None:
+            fd, offset, length = item
+            if offset is None:
+                self._close(fd)
+            else:
                 try:
-                    batch.append(self.queue.get_nowait())
-                except queue.Empty:
-                    break
-            spans, closes = {}, []  # fd -> [lo, hi); a dup's close comes after its ranges (FIFO), and its
-            for item in batch:  # number is not reused before this thread closes it
-                if item is None:
-                    stop = True
-                    break
-                fd, offset, length = item
-                if offset is None:
-                    closes.append(fd)
-                else:
-                    lo, hi = spans.get(fd, (offset, offset + length))
-                    spans[fd] = (min(lo, offset), max(hi, offset + length))
-            for fd, (lo, hi) in spans.items():
-                try:
-                    start_writeback(fd, lo, hi - lo)  # a hint; the final fsync reports write errors
+                    start_writeback(fd, offset, length)  # a hint; the final fsync reports write errors
                 except Exception:  # noqa: BLE001 — the thread must keep closing the dups it owns
                     pass
-            for fd in closes:
-                self._close(fd)
 
     def _close(self, fd: int) -> None:
         self.fds.discard(fd)
@@ -610,8 +579,6 @@ class Pipeline:
         self.registered: list = []  # page-locked slabs (GPU path)
         self.writeback = writeback_mode()
         self.prefault_slabs = slab_prefault()
-        self.early_slabs = slab_register() == "early"  # needs the prefault path's CUDA init thread
-        self.slab_sets: Optional[queue.Queue] = None  # see _early_slabs
         self.flusher: Optional[Writeback] = None
         self.cuda_init: Optional[threading.Thread] = None  # see _init_cuda_async
         self.fused_lock = threading.Lock()  # see _fused
@@ -649,9 +616,6 @@ class Pipeline:
         one part's results on the GPU path). Allocated once per worker and reused for every unit (reset when
         a unit starts; results are written out before the next part), so slab memory stays workers x (unit
         + part) bytes and no read page-faults fresh memory in."""
-        if self.slab_sets is not None and not hasattr(self.local, "src"):
-            premade = self.slab_sets.get()  # this worker's set (_early_slabs), once all are registered
-            self.local.src, self.local.out = premade.get("src"), premade.get("out")  # None: made below
         at = getattr(self.local, which + "_at", 0)
         slab = getattr(self.local, which, None)
         if slab is None or at + n > slab.numel():  # sized once from the plan (slab_bytes); grows only past it
@@ -670,7 +634,7 @@ class Pipeline:
         PORTER_SLAB_PREFAULT=0 registers fresh pages at once instead, and leaves the CUDA context to the first
         worker's CUDA call (the previous GPU start; benchmarks' A/B)."""
         slab = torch.empty(n, dtype=torch.uint8)
-        if not self.pin or not n:
+        if self.device.type != "cuda" or not n:
             return slab
         if not self.prefault_slabs:
             self._register(slab)
@@ -707,36 +671,12 @@ class Pipeline:
         machine); their first CUDA call waits for it. An error here is left to that call to raise."""
         def init():
             try:
-                if self.slab_sets is not None:
-                    self._early_slabs()
                 torch.empty(1, device=self.device)
                 self._fused()
             except Exception:  # noqa: BLE001 — the workers' own CUDA calls raise it where it is handled
                 pass
         self.cuda_init = threading.Thread(target=init, name="porter-cuda-init", daemon=True)
         self.cuda_init.start()
-
-    def _early_slabs(self) -> None:
-        """PORTER_SLAB_REGISTER=early: every worker's slabs at the plan's sizes (the same workers x (src + out)
-        as memory_estimate counts), prefaulted in parallel while the CUDA context is made, then all registered
-        here before any worker gets one (_slab: each takes a set at its first read, and waits for it), so no
-        cudaHostRegister runs while parts launch GPU work. On the CUDA init thread, where the context is made
-        anyway and the fused kernel's load (which no worker waits for) comes after. Slabs still grow past the
-        plan the lazy way (_new_slab)."""
-        sets: list = []
-        try:
-            sets = [{w: torch.empty(n, dtype=torch.uint8) for w, n in self.slab_bytes.items()}
-                    for _ in range(self.workers)]
-            slabs = [s for d in sets for s in d.values()]
-            with ThreadPoolExecutor(self.workers, thread_name_prefix="porter-prefault") as pool:
-                faulted = pool.map(prefault, slabs)  # ctypes drops the GIL: in parallel
-                torch.empty(1, device=self.device)
-                list(faulted)
-            for slab in slabs:
-                self._register(slab)
-        finally:  # after an error too (the workers' own CUDA calls raise it): no worker waits forever
-            for premade in sets or [{}] * self.workers:  # {}: the worker makes its own (the lazy way)
-                self.slab_sets.put(premade)
 
     def _fused(self, wait: bool = False):
         """fused_quantizer, resolved once per run by the CUDA init thread (else by the first part). Parts that
@@ -835,15 +775,13 @@ class Pipeline:
         units = interleave_shards(units, lambda u: self.places[u.t.name].shard, shards_in_flight(self.workers))
         self.slab_bytes = pinned_slab_bytes([u.length if u.kind == "copy" else _src_bytes(u.t) for u in units],
                                             [u.t for u in units if u.t.quantize]) if self.pin else {}
-        if self.pin and self.prefault_slabs and self.early_slabs:
-            self.slab_sets = queue.Queue()
         threads = torch.get_num_threads()
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, available_cores() // self.workers))
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="porter-convert")
         if self.writeback == "thread":
             self.flusher = Writeback()
-        if self.pin and self.prefault_slabs:  # pin: the GPU path
+        if self.device.type == "cuda" and self.prefault_slabs:
             self._init_cuda_async()
         try:
             futures = []

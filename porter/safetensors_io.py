@@ -207,16 +207,14 @@ class TensorReader:
         self._fds.clear()
 
 
-def atomic_write_text(path: Path, text: str, before_rename=None, durable: bool = True) -> None:
-    """Write a small file so that it is either absent/old or complete: temp file, fsync, rename. durable=False
-    skips the fsync: the file then survives the process (SIGKILL) but not necessarily a power loss."""
+def atomic_write_text(path: Path, text: str, before_rename=None) -> None:
+    """Write a small file so that it is either absent/old or complete: temp file, fsync, rename."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
-        if durable:
-            os.fsync(f.fileno())
+        os.fsync(f.fileno())
     if before_rename is not None:
         before_rename()
     os.replace(tmp, path)

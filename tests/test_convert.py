@@ -2,10 +2,8 @@
 import hashlib
 import json
 import math
-import os
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -401,62 +399,6 @@ def test_gpu_quantize_path_contract_on_cpu(tiny_vendor, tmp_path, monkeypatch, c
     assert errs and all(abs(a - b) <= 1e-9 * max(a, 1e-30) for _, a, b in errs), errs[:3]
 
 
-def test_early_slab_registration_before_any_gpu_work(tiny_vendor, tmp_path, monkeypatch, converted):
-    """PORTER_SLAB_REGISTER=early on the --device cuda code path (run on the CPU: stream and cudaHostRegister
-    stubbed): all workers' slabs are registered before any part's GPU work and none inside it, every worker
-    uses a slab of that set, all are unregistered at the end, and the bytes are those of the default (lazy)
-    path, which registers inside the parts."""
-    import porter.pipeline as pp
-    cuda_quantize_path_on_cpu(monkeypatch)
-    events, unregistered = [], []
-
-    class FakeCudart:
-        def cudaHostRegister(self, ptr, n, flags):
-            time.sleep(0.02)  # slow, as on the device: a part that did not wait for all of them would show
-            events.append(("register", ptr))
-            return 0
-
-        def cudaHostUnregister(self, ptr):
-            unregistered.append(ptr)
-            return 0
-    monkeypatch.setattr(torch.cuda, "cudart", FakeCudart)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    real_run, real_quantize = pp.Pipeline.run, pp.Pipeline._quantize_cuda
-
-    def pinned_run(self, units):
-        self.pin = True  # the GPU path's slabs
-        return real_run(self, units)
-
-    def quantize(self, w, name, keep=None):
-        events.append(("gpu", None))
-        out = real_quantize(self, w, name, keep)
-        events.append(("used", (self.local.src.data_ptr(), self.local.out.data_ptr())))
-        return out
-    monkeypatch.setattr(pp.Pipeline, "run", pinned_run)
-    monkeypatch.setattr(pp.Pipeline, "_quantize_cuda", quantize)
-    workers, outs = 3, {}
-    for mode in ("lazy", "early"):
-        monkeypatch.setenv("PORTER_SLAB_REGISTER", mode)
-        events.clear()
-        unregistered.clear()
-        outs[mode] = tmp_path / mode
-        porter.convert(tiny_vendor, outs[mode], max_shard_size="300KB", progress=False, workers=workers,
-                       device="cpu")
-        kinds = [k for k, _ in events]
-        first_gpu = kinds.index("gpu")
-        registered = [p for k, p in events[:first_gpu] if k == "register"]
-        later = [p for k, p in events[first_gpu:] if k == "register"]
-        used = {p for k, p in events if k == "used"}
-        assert sorted(unregistered) == sorted(registered + later), mode
-        if mode == "lazy":
-            assert not registered and later  # each worker at its first GPU call
-            continue
-        assert len(registered) == len(set(registered)) == workers * 2 and not later, (len(registered), later)
-        assert 1 < len(used) <= workers and {p for pair in used for p in pair} <= set(registered), used
-    for f in sorted(p.name for p in converted.glob("*.safetensors")):
-        assert (outs["early"] / f).read_bytes() == (outs["lazy"] / f).read_bytes() == (converted / f).read_bytes(), f
-
-
 def test_fused_gpu_path_names_a_nan_weight(tiny_vendor, tmp_path, monkeypatch):
     """The fused quantizer only counts NaN and Inf (no sync inside a part): the pipeline refuses the part
     afterwards, naming the expert's source tensor, and leaves no index behind."""
@@ -549,38 +491,6 @@ def test_writeback_thread_holds_at_most_max_fds(tiny_vendor, tmp_path, monkeypat
     assert held and max(held) == 1 and len(list(out.glob("*.safetensors"))) > 1
     assert "porter-writeback" in inline  # the first shard's ranges: the flusher thread
     assert any(name.startswith("porter-convert") for name in inline)  # the rest: inline, by the workers
-
-
-def test_writeback_thread_coalesces_queued_ranges(tmp_path, monkeypatch):
-    """Ranges queued while the flusher is busy go out as one call per descriptor over their span, before
-    that descriptor's close; every submitted byte is inside a span that was started."""
-    import porter.pipeline as pp
-    calls, busy, release = [], threading.Event(), threading.Event()
-
-    def start(fd, offset, length):
-        calls.append((fd, offset, length, threading.current_thread().name))
-        if len(calls) == 1:  # hold the thread on its first call so the rest queue up
-            busy.set()
-            release.wait(10)
-
-    monkeypatch.setattr(pp, "start_writeback", start)
-    fds = [os.open(tmp_path / f"s{i}", os.O_CREAT | os.O_WRONLY) for i in range(2)]
-    wb = pp.Writeback()
-    dups = [wb.open(fd) for fd in fds]
-    wb.submit(dups[0], 0, 10)
-    assert busy.wait(10)
-    ranges = [(dups[0], 30, 5), (dups[1], 100, 50), (dups[0], 10, 20), (dups[1], 0, 10), (dups[0], 50, 1)]
-    for d, o, n in ranges:
-        wb.submit(d, o, n)
-    wb.close(dups[0])
-    wb.close(dups[1])
-    release.set()
-    wb.stop()
-    for fd in fds:
-        os.close(fd)
-    assert calls[0][:3] == (dups[0], 0, 10)
-    assert sorted(c[:3] for c in calls[1:]) == sorted([(dups[0], 10, 41), (dups[1], 0, 150)])
-    assert {c[3] for c in calls} == {"porter-writeback"} and not wb.fds  # both dups closed, by the thread
 
 
 def test_zero_byte_tensors_convert(tiny_vendor, tmp_path):

@@ -156,3 +156,17 @@ def test_resume_with_other_options_is_refused(tiny_vendor, crashed, tmp_path, op
     assert "--resume" in res.output and "different" in res.output and "--force" in res.output
     assert {p.name: sha256(p) for p in out.iterdir() if p.is_file()} == before  # nothing touched
     assert not (out / INDEX).exists()
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xfe\x00binary", b'{"fingerprint": "x", "sha'])
+def test_unreadable_journal_is_refused_in_one_line(tiny_vendor, crashed, tmp_path, garbage):
+    """A journal that is not UTF-8 or not JSON reads as no journal: --resume is refused with porter's one-line
+    message and exit code 2 (not a UnicodeDecodeError traceback), and nothing is touched."""
+    out, _ = interrupted_copy(crashed, tmp_path)
+    (out / JOURNAL).write_bytes(garbage)
+    before = {p.name: sha256(p) for p in out.iterdir() if p.is_file()}
+    args = ["convert", str(tiny_vendor), "--output", str(out), "--resume", "--max-shard-size", SHARD_CAP]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2, res.output
+    assert "--resume" in res.output and "--force" in res.output and "Traceback" not in res.output
+    assert {p.name: sha256(p) for p in out.iterdir() if p.is_file()} == before

@@ -3,6 +3,8 @@
 # fsynced) and/or writeback started by each worker after its write (PORTER_WRITEBACK=inline), 24 GB on 16 cores,
 # and the pair against the default on 2 cores at 8 GB. Logs to $OUT.
 #   OUT=/tmp/out bash benchmarks/convert_round8_call6.sh
+# Ran in round 8 (benchmarks/results/convert_round8.md); PORTER_JOURNAL_THREAD was removed after it (no gain beyond
+# the run-to-run spread), so at later commits the jthread variants run the default journal.
 set -u
 OUT=${OUT:-/tmp/r8-j}
 source "$(dirname "$0")/gpu_steps.sh"

@@ -12,10 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,8 +278,8 @@ def _read_journal(out: Path) -> dict:
         return {}
 
 
-def _write_journal(out: Path, journal: dict, text: Optional[str] = None) -> None:
-    atomic_write_text(out / JOURNAL, text or json.dumps(journal), before_rename=lambda: fault_point("journal-tmp"))
+def _write_journal(out: Path, journal: dict) -> None:
+    atomic_write_text(out / JOURNAL, json.dumps(journal), before_rename=lambda: fault_point("journal-tmp"))
     fault_point("journal")
 
 
@@ -308,11 +306,8 @@ def _produce(plan: Plan, out: Path, done: dict, progress: bool, workers: int, ma
     """Make, hash and write every tensor (porter.pipeline); returns per-tensor manifest records."""
     stats = {n: r for rec in done.values() for n, r in rec["tensors"].items()}
     journal = _read_journal(out)
-    writer = JournalWriter(out, journal) if os.environ.get("PORTER_JOURNAL_THREAD") == "1" else None
 
     def shard_done(f: str, record: dict) -> None:  # called one at a time (the pipeline's journal lock)
-        if writer is not None:
-            return writer.shard_done(f, record)
         journal["shards"][f] = record
         _write_journal(out, journal)
 
@@ -327,52 +322,7 @@ def _produce(plan: Plan, out: Path, done: dict, progress: bool, workers: int, ma
         engine.run(units)
     finally:
         bar.close()
-        if writer is not None:
-            writer.close()  # every finished shard journaled (also after a failure) before anything reads it
     return stats
-
-
-class JournalWriter:
-    """PORTER_JOURNAL_THREAD=1 (A/B): the journal written (temp file, fsync, rename) by a thread of its own, so
-    no worker waits for its fsync; records that arrive meanwhile go out together in the next write. What a
-    kill leaves is a journal naming a subset of the finished shards, as before."""
-
-    def __init__(self, out: Path, journal: dict):
-        self.out, self.journal = out, journal
-        self.cond = threading.Condition()
-        self.dirty = self.closed = False
-        self.error: Optional[BaseException] = None
-        self.thread = threading.Thread(target=self._loop, name="porter-journal", daemon=True)
-        self.thread.start()
-
-    def shard_done(self, f: str, record: dict) -> None:
-        with self.cond:
-            self.journal["shards"][f] = record
-            self.dirty = True
-            self.cond.notify()
-
-    def _loop(self) -> None:
-        while True:
-            with self.cond:
-                while not (self.dirty or self.closed):
-                    self.cond.wait()
-                if not self.dirty:
-                    return
-                text = json.dumps(self.journal)  # the state now; later records make the next write
-                self.dirty = False
-            try:
-                _write_journal(self.out, self.journal, text)
-            except BaseException as e:  # noqa: BLE001 — raised by close(), in the converting thread
-                self.error = e
-                return
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify()
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
 
 
 def _reuse_freed_memory() -> None:

@@ -9,15 +9,14 @@ set -u
 OUT=${OUT:-/tmp/r8-conv}
 source "$(dirname "$0")/gpu_steps.sh"
 step convert_tests 60 python -m pytest -q -m gpu tests/test_convert.py
-step convert_16c 280 taskset -c 0-15 python benchmarks/convert_throughput.py --devices cuda --no-single \
-  --max-shard-size 512MB --copies copy-safetensors,copy-files --sizes 8,24 \
+step convert_16c 280 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" \
+  --copies copy-safetensors,copy-files --sizes 8,24 \
   --variants "fsync@cuda:PORTER_JOURNAL_FSYNC=1;fused@cuda:PORTER_CUDA_QUANTIZE=fused;early@cuda:PORTER_SLAB_REGISTER=early" \
   --out "$OUT/convert_16c.json"
-step convert_2c 110 taskset -c 0,1 python benchmarks/convert_throughput.py --devices cuda --no-single \
-  --max-shard-size 512MB --copies copy-safetensors,copy-files --sizes 8 \
+step convert_2c 110 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" \
+  --copies copy-safetensors,copy-files --sizes 8 \
   --variants "fsync@cuda:PORTER_JOURNAL_FSYNC=1" --out "$OUT/convert_2c.json"
 step build 40 "${BUILD_CHECKPOINT[@]}" /tmp/ck24 20
-step steady_torch 50 taskset -c 0-15 python benchmarks/convert_profile.py --src /tmp/ck24 --device cuda \
-  --max-shard-size 512MB --out "$OUT/steady_torch.json"
+step steady_torch 50 taskset -c 0-15 "${CONVERT_PROFILE[@]}" --src /tmp/ck24 --out "$OUT/steady_torch.json"
 grep -h "warm convert\|warm copy" "$OUT"/convert_*.log | cut -c1-150
 head -12 "$OUT/steady_torch.log"

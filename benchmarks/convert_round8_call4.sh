@@ -6,7 +6,7 @@
 set -u
 OUT=${OUT:-/tmp/r8-disk}
 source "$(dirname "$0")/gpu_steps.sh"
-step convert_24 400 taskset -c 0-15 python benchmarks/convert_throughput.py --devices cuda --no-single \
-  --max-shard-size 512MB --copies copy-safetensors,copy-safetensors+fsync,copy-files --sizes 24 --floor \
+step convert_24 400 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" \
+  --copies copy-safetensors,copy-safetensors+fsync,copy-files --sizes 24 --floor \
   --variants "off@cuda:PORTER_WRITEBACK=off" --out "$OUT/convert_24.json"
 grep -v "^{" "$OUT/convert_24.log" | cut -c1-220 | tail -40

@@ -9,11 +9,10 @@ set -u
 OUT=${OUT:-/tmp/r8-wb}
 source "$(dirname "$0")/gpu_steps.sh"
 step convert_tests 60 python -m pytest -q -m gpu tests/test_convert.py
-step convert_16c 250 taskset -c 0-15 python benchmarks/convert_throughput.py --devices cuda --no-single \
-  --max-shard-size 512MB --copies copy-safetensors,copy-files --sizes 8,24 \
+step convert_16c 250 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" \
+  --copies copy-safetensors,copy-files --sizes 8,24 \
   --variants "each@cuda:PORTER_WRITEBACK_COALESCE=0" --out "$OUT/convert_16c.json"
 step build 40 "${BUILD_CHECKPOINT[@]}" /tmp/ck24 20
-step steady 50 taskset -c 0-15 python benchmarks/convert_profile.py --src /tmp/ck24 --device cuda \
-  --max-shard-size 512MB --out "$OUT/steady.json"
+step steady 50 taskset -c 0-15 "${CONVERT_PROFILE[@]}" --src /tmp/ck24 --out "$OUT/steady.json"
 grep -h "warm convert\|warm copy" "$OUT"/convert_16c.log | cut -c1-150
 head -6 "$OUT/steady.log"

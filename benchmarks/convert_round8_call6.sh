@@ -8,11 +8,11 @@
 set -u
 OUT=${OUT:-/tmp/r8-j}
 source "$(dirname "$0")/gpu_steps.sh"
-step convert_16c 150 taskset -c 0-15 python benchmarks/convert_throughput.py --devices cuda --no-single \
-  --max-shard-size 512MB --copies copy-safetensors,copy-files --sizes 24 \
+step convert_16c 150 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" \
+  --copies copy-safetensors,copy-files --sizes 24 \
   --variants "inline@cuda:PORTER_WRITEBACK=inline;jthread@cuda:PORTER_JOURNAL_THREAD=1;jthread_inline@cuda:PORTER_JOURNAL_THREAD=1,PORTER_WRITEBACK=inline" \
   --out "$OUT/convert_16c.json"
-step convert_2c 75 taskset -c 0,1 python benchmarks/convert_throughput.py --devices cuda --no-single \
-  --max-shard-size 512MB --copies copy-safetensors --sizes 8 \
+step convert_2c 75 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" \
+  --copies copy-safetensors --sizes 8 \
   --variants "jthread_inline@cuda:PORTER_JOURNAL_THREAD=1,PORTER_WRITEBACK=inline" --out "$OUT/convert_2c.json"
 grep -h "warm convert\|warm copy" "$OUT"/convert_*.log | cut -c1-140

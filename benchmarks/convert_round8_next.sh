@@ -14,13 +14,13 @@
 set -u
 OUT=${OUT:-/tmp/r8-out}
 source "$(dirname "$0")/gpu_steps.sh"
-step convert_16c 290 taskset -c 0-15 python benchmarks/convert_throughput.py --devices cuda --no-single \
-  --max-shard-size 512MB --copies copy-safetensors,copy-files --sizes 8,24 \
+step convert_16c 290 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" \
+  --copies copy-safetensors,copy-files --sizes 8,24 \
   --variants "fused@cuda:PORTER_CUDA_QUANTIZE=fused;early@cuda:PORTER_SLAB_REGISTER=early" \
   --out "$OUT/convert_16c.json"
 step build 90 "${BUILD_CHECKPOINT[@]}" /tmp/ck24 20
-prof="taskset -c 0-15 python benchmarks/convert_profile.py --src /tmp/ck24 --device cuda --max-shard-size 512MB"
-step steady_torch 60 $prof --out "$OUT/steady_torch.json"
-step steady_fused 60 env PORTER_CUDA_QUANTIZE=fused $prof --out "$OUT/steady_fused.json"
-step steady_early 60 env PORTER_SLAB_REGISTER=early $prof --out "$OUT/steady_early.json"
+prof=(taskset -c 0-15 "${CONVERT_PROFILE[@]}" --src /tmp/ck24)
+step steady_torch 60 "${prof[@]}" --out "$OUT/steady_torch.json"
+step steady_fused 60 env PORTER_CUDA_QUANTIZE=fused "${prof[@]}" --out "$OUT/steady_fused.json"
+step steady_early 60 env PORTER_SLAB_REGISTER=early "${prof[@]}" --out "$OUT/steady_early.json"
 grep -h "warm \|steady\|first wave" "$OUT"/*.log | grep -v "^{" | head -40

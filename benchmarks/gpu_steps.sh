@@ -2,6 +2,8 @@
 #   step NAME TIMEOUT_S COMMAND...   (runs COMMAND into $OUT/NAME.log, appends "NAME rc=… Ns" to $OUT/steps.txt)
 #   BUILD_CHECKPOINT DIR LAYERS      (a command for step: convert_throughput's synthetic real-dims checkpoint,
 #                                     8 experts per layer, built into DIR)
+#   CONVERT_THROUGHPUT ARGS...       (convert_throughput.py, --device cuda only, no 1-worker run, 512MB shards)
+#   CONVERT_PROFILE --src DIR ARGS...  (convert_profile.py, --device cuda, 512MB shards)
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
@@ -15,3 +17,5 @@ step() {  # name, timeout seconds, command...
 }
 BUILD_CHECKPOINT=(python -c 'import sys; sys.path[:0] = ["benchmarks", "examples", "tests"]; from pathlib import Path
 import convert_throughput as ct; ct.build_checkpoint(Path(sys.argv[1]), int(sys.argv[2]), 8)')
+CONVERT_THROUGHPUT=(python benchmarks/convert_throughput.py --devices cuda --no-single --max-shard-size 512MB)
+CONVERT_PROFILE=(python benchmarks/convert_profile.py --device cuda --max-shard-size 512MB)

@@ -7,9 +7,9 @@ set -u
 OUT=${OUT:-/tmp/r7-out}
 source "$(dirname "$0")/gpu_steps.sh"
 step build 120 "${BUILD_CHECKPOINT[@]}" /tmp/ck4 3
-prof="taskset -c 0-15 python benchmarks/convert_profile.py --src /tmp/ck4 --device cuda --sample --max-shard-size 512MB"
+prof=(taskset -c 0-15 "${CONVERT_PROFILE[@]}" --src /tmp/ck4 --sample)
 for r in 1 2; do
-  step profile_fused_$r 40 $prof --out "$OUT/profile_fused_$r.json"
-  step profile_torch_$r 40 env PORTER_CUDA_QUANTIZE=torch $prof --out "$OUT/profile_torch_$r.json"
+  step profile_fused_$r 40 "${prof[@]}" --out "$OUT/profile_fused_$r.json"
+  step profile_torch_$r 40 env PORTER_CUDA_QUANTIZE=torch "${prof[@]}" --out "$OUT/profile_torch_$r.json"
 done
 for f in profile_fused_1 profile_torch_1 profile_fused_2 profile_torch_2; do echo "== $f"; grep -v "^{" "$OUT/$f.log" | head -24; done

@@ -9,8 +9,7 @@ source "$(dirname "$0")/gpu_steps.sh"
 step convert_tests 40 python -m pytest -q -m gpu -p no:cacheprovider tests/test_convert.py
 v="fused@cuda:PORTER_CUDA_QUANTIZE=fused;jworker@cuda:PORTER_JOURNAL=worker"
 v="$v;fused+jworker@cuda:PORTER_CUDA_QUANTIZE=fused,PORTER_JOURNAL=worker"
-cmp="python benchmarks/convert_throughput.py --devices cuda --no-single --max-shard-size 512MB \
-  --copies copy-safetensors,copy-files --sizes 8"
-step convert_16c 200 taskset -c 0-15 $cmp --repeats 2 --variants "$v" --out "$OUT/convert_16c.json"
-step convert_2c 150 taskset -c 0,1 $cmp --variants "$v" --out "$OUT/convert_2c.json"
+cmp=(--copies copy-safetensors,copy-files --sizes 8)
+step convert_16c 200 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" "${cmp[@]}" --repeats 2 --variants "$v" --out "$OUT/convert_16c.json"
+step convert_2c 150 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" "${cmp[@]}" --variants "$v" --out "$OUT/convert_2c.json"
 grep -h "warm \|copy" "$OUT"/convert_*.log | grep -v "^{" | head -40

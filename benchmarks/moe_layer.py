@@ -249,16 +249,20 @@ def time_any(fn) -> float:
         return torch_time_us(fn, 20)
 
 
+def scaled_mm_us(m: int, k: int, n: int, dev) -> float:
+    """Median µs of torch._scaled_mm on random e4m3 [m, k] x [k, n] -> bf16 (B column-major, as it wants)."""
+    import triton
+    a = torch.randn(m, k, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device=dev).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=dev)
+    return triton.testing.do_bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16),
+                                   warmup=20, rep=100, return_mode="median") * 1e3
+
+
 def fp8_matmul_rate(dev) -> float:
     """Dense fp8 rate of torch._scaled_mm, 8192^3 e4m3 -> bf16 (a measured ceiling next to the datasheet)."""
-    import triton
     n = 8192
-    a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device=dev)
-    ms = triton.testing.do_bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16),
-                                 warmup=20, rep=100, return_mode="median")
-    return 2 * n ** 3 / (ms * 1e-3)
+    return 2 * n ** 3 / (scaled_mm_us(n, n, n, dev) * 1e-6)
 
 
 def main():

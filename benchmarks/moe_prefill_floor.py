@@ -21,23 +21,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from moe_layer import E, FP8_DENSE_FLOPS, H, I, TOPK, decode_problem  # noqa: E402
+from moe_layer import E, FP8_DENSE_FLOPS, H, I, TOPK, decode_problem, scaled_mm_us  # noqa: E402
 from runtime.moe import triton_backend as tb  # noqa: E402
 
 
 def computed_rows(ids: torch.Tensor, bm: int) -> int:
-    """Rows the sorted path multiplies: each expert's routed rows rounded up to BM."""
-    counts = torch.bincount(ids.reshape(-1), minlength=E)
-    return int(((counts + bm - 1) // bm * bm).sum())
-
-
-def scaled_mm_us(m: int, k: int, n: int, dev) -> float:
-    import triton
-    a = torch.randn(m, k, device=dev).to(torch.float8_e4m3fn)
-    b = torch.randn(n, k, device=dev).to(torch.float8_e4m3fn).t()  # column-major B, as _scaled_mm wants
-    one = torch.ones((), device=dev)
-    return triton.testing.do_bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16),
-                                   warmup=20, rep=100, return_mode="median") * 1e3
+    """Rows the sorted path multiplies: the BM blocks triton_backend.align_tokens fills (each expert's routed
+    rows rounded up to BM)."""
+    _, expert_ids = tb.align_tokens(ids, E, bm)
+    return int((expert_ids < E).sum()) * bm
 
 
 def main():

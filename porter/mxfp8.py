@@ -110,6 +110,9 @@ def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[li
 def quantize(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor",
              keep_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., K] float -> (q [..., K] float8_e4m3fn, scale [..., K/32] uint8). keep_scale: see _quantize_blocks."""
+    native = _quantize_native(w, rounding, keep_scale, with_error=False)
+    if native is not None:
+        return native[0], native[1]
     if _cpu_fast_path(w):
         q, byte, _ = _quantize_cpu_tiles(w, rounding, name, keep_scale, with_error=False)
         return q, byte
@@ -127,7 +130,10 @@ def quantize_with_error(w: torch.Tensor, rounding: str = "rceil", name: str = "t
     w's device (no device sync here). keep_scale: see _quantize_blocks (an MXFP8 source keeps its own scale
     bytes). On the CPU the work is done tile by tile (_quantize_cpu_tiles) of `tile_blocks` blocks (default
     CPU_TILE_BLOCKS); the bytes and numbers do not depend on the tile size."""
-    if _cpu_fast_path(w):
+    native = _quantize_native(w, rounding, keep_scale, with_error=True)
+    if native is not None:
+        q, byte, parts = native
+    elif _cpu_fast_path(w):
         q, byte, parts = _quantize_cpu_tiles(w, rounding, name, keep_scale, with_error=True,
                                              tile_blocks=tile_blocks)
     else:
@@ -165,6 +171,18 @@ CPU_TILE_BLOCKS = 3072  # 98,304 elements: fp32 copy + squares + int16 decode ~1
 _SQUARE_EXACT = (torch.bfloat16, torch.float16)  # <= 11 significant bits: x*x is exact in fp32
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _tile_buffers = threading.local()  # one set per thread: conversion workers run quantization concurrently
+
+
+def _quantize_native(w: torch.Tensor, rounding: str, keep_scale, with_error: bool):
+    """The rule as compiled C (porter.mxfp8_native) where it takes w: same bytes, ~6x the torch tiles' rate
+    per core; None otherwise, and for a w with NaN or Inf (the torch path then names it)."""
+    if w.device.type != "cpu":
+        return None
+    from porter import mxfp8_native
+    _check_rounding(rounding)
+    if not mxfp8_native.supports(w, keep_scale):
+        return None
+    return mxfp8_native.quantize_blocks(w, rounding, with_error)
 
 
 def _cpu_fast_path(w: torch.Tensor) -> bool:

@@ -1,0 +1,156 @@
+/* porter.mxfp8's CPU quantization rule in C, for porter.mxfp8_native (compiled on first use with the
+ * system C compiler, loaded with ctypes, called with the GIL released).
+ *
+ * The rule, step for step as porter/mxfp8.py states it:
+ *   - block amax over 32 values in fp32 (exact);
+ *   - scale byte from amax's bits: rceil k = (bits + 0x1FFFFF) >> 23, floor k = bits >> 23, byte = max(k-8, 0);
+ *   - x = w * 2^(127 - byte) in fp32 (exact power-of-two scaling), floor's x clipped to +-448 for the cast;
+ *   - round to nearest even onto the e4m3 grid: 3 mantissa bits from 2^-6 up, steps of 2^-9 below;
+ *   - per block, in fp32: ||w||^2, ||x - q||^2 and max |x - q| (x unclipped), written out for
+ *     porter.mxfp8._error_totals to sum in float64.
+ * Written with GCC/Clang vector extensions, 8 lanes of 32 bits (one AVX2 register; the compiler splits them
+ * where the target is narrower), branch-free. Built without -ffast-math and with -ffp-contract=off: every
+ * float operation stays one IEEE operation (no fused multiply-add in the sums), subnormals included.
+ *
+ * Returns 0, or 1 when a block holds a NaN or an infinity (nothing is to be trusted then: the caller
+ * re-runs the tensor through the torch path, which names it).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 32
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+
+/* Magnitudes are kept as non-negative int32 (fp32 bits without the sign): signed compares are one
+ * instruction on AVX2, unsigned ones are not. */
+static inline i32x8 select(i32x8 mask, i32x8 a, i32x8 b) { return (mask & a) | (~mask & b); }
+static inline i32x8 smax(i32x8 a, i32x8 b) { return select(a > b, a, b); }
+static inline i32x8 smin(i32x8 a, i32x8 b) { return select(a < b, a, b); }
+static inline i32x8 splat(int32_t v) { return (i32x8){v, v, v, v, v, v, v, v}; }
+/* Lane 0 of a pairwise tree over the eight lanes: lane j with lane j + 4, then j + 2, then j + 1. */
+static inline float tree_sum(f32x8 v) {
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 2, 3, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 1, 1, 2, 3, 4, 5, 6, 7);
+    return v[0];
+}
+static inline int32_t tree_max(i32x8 v) {
+    v = smax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7));
+    v = smax(v, __builtin_shufflevector(v, v, 2, 3, 2, 3, 4, 5, 6, 7));
+    v = smax(v, __builtin_shufflevector(v, v, 1, 1, 2, 3, 4, 5, 6, 7));
+    return v[0];
+}
+static inline int32_t tree_min(i32x8 v) {
+    v = smin(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7));
+    v = smin(v, __builtin_shufflevector(v, v, 2, 3, 2, 3, 4, 5, 6, 7));
+    v = smin(v, __builtin_shufflevector(v, v, 1, 1, 2, 3, 4, 5, 6, 7));
+    return v[0];
+}
+
+/* |x| as fp32 bits a (finite, at most 448) -> the e4m3 code without sign; *value: the magnitude it stands
+ * for, as fp32 bits. `subnormal`: whether any |x| may lie below 2^-6 (a constant after inlining). */
+static inline __attribute__((always_inline)) i32x8 e4m3_code(i32x8 a, i32x8 *value, int subnormal) {
+    /* normal (|x| >= 2^-6, exponent field >= 121): round the 23-bit mantissa to 3 bits, to nearest even; a
+     * carry runs into the exponent */
+    i32x8 r = a + 0x7FFFF + ((a >> 20) & 1);
+    i32x8 code = (r >> 20) - (120 << 3);
+    *value = r & (int32_t)0xFFF00000;
+    if (subnormal) {
+        /* |x| = m * 2^(e-150) with the implicit bit; in units of 2^-9 that is m >> (141 - e), rounded to
+         * nearest even. Shifts of 25 and more give 0 for every m < 2^24, so e is clamped to [110, 120]:
+         * the shift stays in [21, 31] (lanes that are normal ignore it) */
+        i32x8 e = a >> 23;
+        i32x8 is_sub = e < 121;
+        u32x8 m = (u32x8)((a & 0x7FFFFF) | 0x800000);
+        u32x8 sh = (u32x8)(141 - smin(smax(e, splat(110)), splat(120)));
+        i32x8 sub_code = (i32x8)((m + (1u << (sh - 1u)) - 1u + ((m >> sh) & 1u)) >> sh);
+        f32x8 sub_value = __builtin_convertvector(sub_code, f32x8) * 0.001953125f;  /* * 2^-9, exact */
+        *value = select(is_sub, (i32x8)sub_value, *value);
+        code = select(is_sub, sub_code, code);
+    }
+    return code;
+}
+
+/* The block after its scale: codes into q, and the error pieces accumulated lane by lane (element 8c + j
+ * goes to lane j). floor: clip |x| to 448 for the code (floor's scales can leave it above; x stays
+ * unclipped for the error); subnormal: see e4m3_code. Both are constants after inlining. */
+static inline __attribute__((always_inline)) void block_codes(const i32x8 x[4], float mult, int floor,
+                                                              int subnormal, uint8_t *q, f32x8 *ref,
+                                                              f32x8 *err, i32x8 *dmax) {
+    for (int c = 0; c < 4; c++) {
+        f32x8 w = (f32x8)x[c];
+        i32x8 u = (i32x8)(w * mult);  /* exact power-of-two scaling */
+        i32x8 a = u & 0x7FFFFFFF;
+        i32x8 value;
+        i32x8 code = e4m3_code(floor ? smin(a, splat(0x43E00000)) : a, &value, subnormal);
+        code |= (u >> 24) & 0x80;  /* the sign */
+        u8x8 code8 = __builtin_shufflevector((u8x32)code, (u8x32)code, 0, 4, 8, 12, 16, 20, 24, 28);
+        memcpy(q + 8 * c, &code8, 8);
+        f32x8 d = (f32x8)a - (f32x8)value;  /* |x| - |q|: the error up to its sign, exact in fp32 */
+        *ref += w * w;
+        *err += d * d;
+        *dmax = smax(*dmax, (i32x8)d & 0x7FFFFFFF);  /* |d| as bits: non-negative floats order as ints */
+    }
+}
+
+/* One block of 32 values as fp32 bits (x[4]) -> 32 codes, the scale byte and (stats3 != 0) ||w||^2,
+ * ||x - q||^2 and max |x - q| of the block. Returns 1 for a block holding a NaN or an infinity. */
+static inline int quantize_block(const i32x8 x[4], int floor, uint8_t *q, uint8_t *scale, float *stats3) {
+    i32x8 a0 = x[0] & 0x7FFFFFFF, a1 = x[1] & 0x7FFFFFFF, a2 = x[2] & 0x7FFFFFFF, a3 = x[3] & 0x7FFFFFFF;
+    /* finite magnitudes order as their bits; NaN and Inf lie above every finite one */
+    int32_t amax_bits = tree_max(smax(smax(a0, a1), smax(a2, a3)));
+    int32_t amin_bits = tree_min(smin(smin(a0, a1), smin(a2, a3)));
+    if (amax_bits >= 0x7F800000) return 1;
+    uint32_t k = (uint32_t)(floor ? amax_bits : amax_bits + 0x1FFFFF) >> 23;
+    uint32_t byte = k > 8u ? k - 8u : 0u;
+    *scale = (uint8_t)byte;
+    uint32_t mult_bits = (254u - byte) << 23;  /* 2^(127 - byte): exponent field in [7, 254] */
+    float mult, amin;
+    memcpy(&mult, &mult_bits, 4);
+    memcpy(&amin, &amin_bits, 4);
+    int subnormal = amin * mult < 0.015625f;  /* some |x| below 2^-6: the slower rounding for the block */
+    f32x8 ref = {0}, err = {0};
+    i32x8 dmax = {0};
+    if (floor) {
+        if (subnormal) block_codes(x, mult, 1, 1, q, &ref, &err, &dmax);
+        else block_codes(x, mult, 1, 0, q, &ref, &err, &dmax);
+    } else {
+        if (subnormal) block_codes(x, mult, 0, 1, q, &ref, &err, &dmax);
+        else block_codes(x, mult, 0, 0, q, &ref, &err, &dmax);
+    }
+    if (stats3) {  /* a fixed order (torch's follows its SIMD width) */
+        stats3[0] = tree_sum(ref);
+        stats3[1] = tree_sum(err);
+        int32_t m = tree_max(dmax);
+        memcpy(&stats3[2], &m, 4);
+    }
+    return 0;
+}
+
+/* w: nb blocks of 32 values, fp32 (is_bf16 == 0) or bf16 bits (is_bf16 == 1), contiguous.
+ * q: nb*32 e4m3 codes; scale: nb bytes; stats: nb*3 floats (||w||^2, ||x-q||^2, max |x-q| per block) or NULL.
+ * Returns the number of blocks holding a NaN or an infinity (their outputs are not written in full). */
+int64_t porter_mxfp8_quantize(const void *w, int is_bf16, int64_t nb, int floor_rounding,
+                              uint8_t *q, uint8_t *scale, float *stats) {
+    int64_t bad = 0;
+    i32x8 x[4];
+    for (int64_t b = 0; b < nb; b++) {
+        for (int c = 0; c < 4; c++) {
+            if (is_bf16) {
+                u16x8 h;
+                memcpy(&h, (const uint16_t *)w + b * BLOCK + 8 * c, 16);
+                x[c] = __builtin_convertvector(h, i32x8) << 16;  /* bf16 -> fp32 bits, exact */
+            } else {
+                memcpy(&x[c], (const float *)w + b * BLOCK + 8 * c, 32);
+            }
+        }
+        bad += quantize_block(x, floor_rounding, q + b * BLOCK, scale + b, stats ? stats + 3 * b : 0);
+    }
+    return bad;
+}

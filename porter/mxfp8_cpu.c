@@ -9,11 +9,13 @@
  *   - per block, in fp32: ||w||^2, ||x - q||^2 and max |x - q| (x unclipped), written out for
  *     porter.mxfp8._error_totals to sum in float64.
  * Written with GCC/Clang vector extensions, 8 lanes of 32 bits (one AVX2 register; the compiler splits them
- * where the target is narrower), branch-free. Built without -ffast-math and with -ffp-contract=off: every
- * float operation stays one IEEE operation (no fused multiply-add in the sums), subnormals included.
+ * where the target is narrower), branch-free within a block; the one branch per block picks the slower
+ * rounding only where some value can land among e4m3's subnormals. Built without -ffast-math and with
+ * -ffp-contract=off: every float operation stays one IEEE operation (no fused multiply-add in the sums),
+ * subnormals included.
  *
- * Returns 0, or 1 when a block holds a NaN or an infinity (nothing is to be trusted then: the caller
- * re-runs the tensor through the torch path, which names it).
+ * porter_mxfp8_quantize returns the number of blocks holding a NaN or an infinity: nothing is to be trusted
+ * then, and the caller re-runs the tensor through the torch path, which names it.
  */
 #include <stdint.h>
 #include <string.h>

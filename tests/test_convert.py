@@ -640,3 +640,31 @@ def test_units_interleave_over_a_few_shards_in_plan_order(width):
         assert len(open_shards) <= width
     if width == 1:
         assert order == units
+
+
+def test_compiled_and_torch_cpu_quantizers_write_the_same_bytes(tiny_vendor, tmp_path, monkeypatch, converted):
+    """The default CPU conversion quantizes with the compiled C loop (porter.mxfp8_native); with
+    PORTER_CPU_QUANTIZE=torch the torch ops: every shard, the index and config byte-identical, the shard
+    records equal, and each tensor's error record equal up to the order of the per-block fp32 sums (relative
+    3.7e-6, docs/mxfp8.md; the maximum error identical)."""
+    from porter import mxfp8_native
+    monkeypatch.setenv("PORTER_CPU_QUANTIZE", "native")
+    assert mxfp8_native.function() is not None, mxfp8_native.reason()
+    monkeypatch.setenv("PORTER_CPU_QUANTIZE", "torch")
+    out = tmp_path / "torch"
+    porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=2, device="cpu")
+    for p in converted.iterdir():
+        if p.name != "porter.json":
+            assert p.read_bytes() == (out / p.name).read_bytes(), p.name
+    native, torch_ops = (json.loads((d / "porter.json").read_text()) for d in (converted, out))
+    assert native["shards"] == torch_ops["shards"]
+    assert native["tensors"].keys() == torch_ops["tensors"].keys()
+    quantized = 0
+    for name, rec in native["tensors"].items():
+        other = torch_ops["tensors"][name]
+        assert {k: v for k, v in rec.items() if k != "rel_fro_error"} == \
+               {k: v for k, v in other.items() if k != "rel_fro_error"}, name
+        if rec.get("rel_fro_error") is not None:
+            quantized += 1
+            assert math.isclose(rec["rel_fro_error"], other["rel_fro_error"], rel_tol=3.7e-6), name
+    assert quantized > 0

@@ -2,7 +2,8 @@
 
 Why: on the CPU, quantize_with_error as torch ops costs ~20 passes over every tile (the fp32 -> e4m3 cast
 alone is a scalar loop), 0.46 GB/s of bf16 per core; the C loop reads each value once and runs with the GIL
-released, so conversion workers scale with cores. Measured in benchmarks/quantize_cpu.py.
+released, so conversion workers scale with cores: 2.7-3.8x the torch path's rate on one core, 5.5 against
+0.27 GB/s over 16 threads (benchmarks/results/convert_round9.md).
 
 How: the system C compiler (`$CC`, else `cc`) builds the file once per machine into porter's cache
 (`$PORTER_CACHE_DIR`, else `$XDG_CACHE_HOME/porter`, else `~/.cache/porter`), keyed by the source, the
@@ -32,11 +33,13 @@ from typing import Optional
 
 import torch
 
+from porter.mxfp8 import BLOCK
+
 log = logging.getLogger("porter")
 
 SOURCE = Path(__file__).with_name("mxfp8_cpu.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off")
-FALLBACK_FLAGS = ("-O3", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off")  # a compiler without -march=native
+FALLBACK_FLAGS = tuple(f for f in FLAGS if f != "-march=native")  # a compiler without -march=native
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 _state = {"fn": None, "tried": False, "why": ""}
 _lock = threading.Lock()
@@ -129,15 +132,15 @@ def reason() -> str:
 
 def supports(w: torch.Tensor, keep_scale=None) -> bool:
     return (keep_scale is None and w.device.type == "cpu" and w.dtype in _DTYPES and w.numel() > 0
-            and w.is_contiguous() and w.shape[-1] % 32 == 0 and function() is not None)
+            and w.is_contiguous() and w.shape[-1] % BLOCK == 0 and function() is not None)
 
 
 def quantize_blocks(w: torch.Tensor, rounding: str, with_error: bool):
     """w [..., K] (supports(w)) -> (q [..., K] e4m3, byte [..., K/32] uint8, (ref_sq, err_sq, max |err|) fp32
     [NB] each or None), the return of mxfp8._quantize_cpu_tiles; None when w holds a NaN or an infinity."""
-    nb = w.numel() // 32
+    nb = w.numel() // BLOCK
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
-    byte = torch.empty((*w.shape[:-1], w.shape[-1] // 32), dtype=torch.uint8)
+    byte = torch.empty((*w.shape[:-1], w.shape[-1] // BLOCK), dtype=torch.uint8)
     stats = torch.empty(nb, 3) if with_error else None  # [NB, 3] fp32
     bad = function()(w.data_ptr(), _DTYPES[w.dtype], nb, int(rounding == "floor"), q.data_ptr(),
                      byte.data_ptr(), stats.data_ptr() if with_error else None)

@@ -51,19 +51,32 @@ def main():
         floor_us = int(torch.unique(ids).numel()) * EXPERT_BYTES / bw * 1e6
         ref = ref_moe.forward_topk(x, ids, w).float()
         times, outs = [[] for _ in variants], [None] * len(variants)
+        failed = {}
         for _ in range(args.rounds):
             for i, (v, c) in enumerate(variants):
+                if i in failed:
+                    continue
                 setattr(tb, args.knob, v)
                 f = lambda c=c: moe.forward_topk(x, ids, w, c)
-                times[i].append(graph_time_queued_us(f))
-                outs[i] = f().float()
+                try:
+                    times[i].append(graph_time_queued_us(f))
+                    outs[i] = f().float()
+                except Exception as exc:  # a variant that does not compile or run is reported, not fatal
+                    failed[i] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+                    print(f"T={t} {args.knob}={v!r} {c}: FAILED {failed[i]}", flush=True)
         setattr(tb, args.knob, keep)
         rel = lambda a, b: float((a - b).norm() / b.norm())
-        base = statistics.median(times[0])
+        ok = [i for i in range(len(variants)) if i not in failed]
+        if not ok:
+            continue
+        base, first = statistics.median(times[ok[0]]), outs[ok[0]]  # the first variant that ran
         for i, (v, c) in enumerate(variants):
+            if i in failed:
+                res["rows"].append({"T": t, "value": repr(v), "config": c and c.__dict__, "failed": failed[i]})
+                continue
             us = statistics.median(times[i])
             row = {"T": t, "value": repr(v), "config": c and c.__dict__, "us": us, "x_floor": us / floor_us,
-                   "vs_first": us / base, "rel_vs_first": rel(outs[i], outs[0]), "rel_vs_torch": rel(outs[i], ref),
+                   "vs_first": us / base, "rel_vs_first": rel(outs[i], first), "rel_vs_torch": rel(outs[i], ref),
                    "rounds_us": times[i]}
             if args.kernels:
                 setattr(tb, args.knob, v)

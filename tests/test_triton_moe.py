@@ -160,6 +160,49 @@ def test_fp8_prefill_matches_torch(t, row_scale, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (8, 9), reason="needs fp8 MMA (SM89+)")
+@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("mode", [1, 2])
+def test_fp8_decode_nosort_matches_torch(t, mode, monkeypatch):
+    """The FP8 path on the NOSORT decode path (FP8_DECODE: fused output at one token, atomics + cast at
+    2 and 4) on the rebased weights, activations (mode 1) or weights (2) as the left MMA operand, K steps
+    of 256: two e4m3 terms
+    within the FP8 bound (2e-2) of the torch reference at MiniMax-M3's H 6144 / I 3072, and a second
+    call agrees with the first within one bf16 ulp per element (only the fp32 top-k atomics' order may
+    differ, which can flip a rounding; scratch and counters re-zeroed)."""
+    monkeypatch.setattr(tb, "FP8_DECODE", mode)
+    e, h, i, k = 8, 6144, 3072, 4
+    quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"))
+    cfg = tb.default_config(t, True)
+    assert cfg.fp8 == 2 and cfg.swap1 == (mode == 2) and cfg.bk1 == 256
+    moe, x, ids, w, out = check_against_torch(quant, t, k, h, tol=2e-2)
+    again = moe.forward_topk(x, ids, w)
+    torch.cuda.synchronize()
+    mag = torch.maximum(out.float().abs(), again.float().abs())
+    ulp = torch.exp2(torch.floor(torch.log2(mag + 1e-30)) - 7)  # bf16: 8 significant bits
+    assert ((again.float() - out.float()).abs() <= ulp).all(), f"max diff {(again - out).abs().max():.3e}"
+    assert_fused_out_scratch_zero(x.device, h)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("t", [1, 4, 16, 300])
+def test_w8a16_on_rebased_weights_matches_torch(t, monkeypatch):
+    """W8A16_REBASED (WMODE 7): the fp16 MMA on the per-row rebased e4m3 weights, the row scale applied
+    after the K loop, on the NOSORT and sorted paths at MiniMax-M3's H 6144 / I 3072: within the W8A16
+    bound of the torch reference and within 1e-3 of the W8A16 path on the weights as stored (the rebase
+    moves values by <= 1e-5 relative; the rest is fp32 summation order)."""
+    e, h, i, k = 8, 6144, 3072, 4
+    quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"))
+    moe, x, ids, w, stored = check_against_torch(quant, t, k, h)
+    monkeypatch.setattr(tb, "W8A16_REBASED", True)
+    rebased = moe.forward_topk(x, ids, w)
+    torch.cuda.synchronize()
+    assert moe.prepared.fp8_row_scale
+    assert rel(rebased, stored) <= 1e-3, f"{rel(rebased, stored):.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (8, 9), reason="needs fp8 MMA (SM89+)")
 @pytest.mark.parametrize("terms", [1, 2])
 def test_fp8_activation_quantization_is_rne_with_pow2_scale(terms):
     """prep's e4m3 quantization: m = floor(log2 amax) - 7 per token, hi = rne_e4m3(x 2^-m), lo =

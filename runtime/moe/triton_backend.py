@@ -54,6 +54,13 @@ class MoeConfig:
 FP8_PREFILL_MIN_TOKENS = 1024  # the FP8 path from here on (when enabled), W8A16 below
 FP8_TERMS = 2  # e4m3 terms per activation (one term: layer rel error 4.8e-2, over the 2e-2 bound)
 FP8_PREFILL = None  # None: PORTER_MOE_FP8 env ("0" disables), default on
+# The FP8 path for 1..4 tokens too (NOSORT, two e4m3 activation terms, the rebased weights straight into
+# the fp8 MMA: no dequantization in the weight stream); 1: activations the left MMA operand, 2: the
+# weights (wgmma M side). 0: W8A16 there.
+FP8_DECODE = 0
+# W8A16 on the rebased weights (one power-of-two scale per row, where row_scale_ok holds): the weight tile
+# only converts e4m3 -> fp16, no per-32 scale multiply; the row scale multiplies the accumulator (WMODE 7).
+W8A16_REBASED = False
 _FP8_NO_ROOM_WARNED: list = []  # warn once per process
 
 
@@ -76,6 +83,9 @@ def default_config(num_tokens: int, fp8_prefill: bool = False) -> MoeConfig:
     7.28, 64x256 tiles 10.5)."""
     if fp8_prefill and num_tokens >= FP8_PREFILL_MIN_TOKENS:
         return MoeConfig(64, 64, 128, 4, 3, 128, 128, 4, 3, fp8=FP8_TERMS)
+    if fp8_prefill and FP8_DECODE and num_tokens <= 4:
+        swap = FP8_DECODE == 2
+        return MoeConfig(16, 32, 256, 4, 3, 64, 256, 4, 3, swap, swap, fp8=FP8_TERMS)
     if num_tokens <= 4:
         return MoeConfig(16, 32, 256, 4, 3, 64, 256, 4, 3)
     if num_tokens <= 128:
@@ -98,8 +108,11 @@ def fit_config(cfg: MoeConfig, hidden: int, inter: int) -> MoeConfig:
 
     if cfg.fp8 and (hidden % FP8_BLOCK_K or inter % FP8_BLOCK_K):
         cfg = replace(cfg, fp8=0)  # the rebased weight blocks need K % 128 == 0: W8A16 instead
-    if cfg.fp8:  # one K step per rebased weight block
-        return replace(cfg, bn1=div(cfg.bn1, inter), bk1=FP8_BLOCK_K, bn2=div(cfg.bn2, hidden), bk2=FP8_BLOCK_K)
+    if cfg.fp8:  # K steps of whole rebased weight blocks (fused_moe makes them one block with 128-K scales)
+        def kstep(b, n):
+            return b if b % FP8_BLOCK_K == 0 and n % b == 0 else FP8_BLOCK_K
+        return replace(cfg, bn1=div(cfg.bn1, inter), bk1=kstep(cfg.bk1, hidden), bn2=div(cfg.bn2, hidden),
+                       bk2=kstep(cfg.bk2, inter))
     return replace(cfg, bn1=div(cfg.bn1, inter), bk1=div(cfg.bk1, hidden), bn2=div(cfg.bn2, hidden),
                    bk2=div(cfg.bk2, inter))
 
@@ -353,8 +366,8 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     output directly (fused output, one token; with more tokens prep also zeroes the fp32 output and a
     cast follows); else prep (align in kernel or torch, prescale or e4m3 quantize,
     zeroing), GEMM1, [FP8: act quantize], GEMM2 (atomics), cast. nosort / fused_out override the
-    choice (tests, A/B); fused_out is honoured on the NOSORT path only (see below); cfg.fp8 runs
-    the sorted path. (Both GEMMs of the one-token layer in one launch, GEMM2 tiles waiting on counters
+    choice (tests, A/B); fused_out is honoured on the NOSORT path only (see below); cfg.fp8 runs on
+    either path (NOSORT with FP8_DECODE, or a cfg with fp8 for T*k <= 16). (Both GEMMs of the one-token layer in one launch, GEMM2 tiles waiting on counters
     for their GEMM1 tiles, measured slower on the H200 - T=1 79.5-83.4 vs 70-71 us - and was removed;
     docs/moe-backends.md.)"""
     from runtime.moe import triton_kernels as K
@@ -372,7 +385,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         raise ValueError("MoeConfig.fp8 needs MXFP8 weights (float8_e4m3fn + uint8 scales)")
     if nosort is None:
         nosort = n <= NOSORT_MAX_SLOTS
-    nosort = nosort and n <= 64 and not fp8
+    nosort = nosort and n <= 64
     # Fused output by default only for one token (NOSORT: every program then holds one routed row).
     # On the sorted path (T = 64..256 at MiniMax-M3 dims, 10^4+ programs) the last arriver sometimes
     # read rows missing other programs' adds (rel 1e-2 vs the unfused path on H200, even with
@@ -430,6 +443,12 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     if fp8:
         w13, s13, w2, s2 = p.fp8_weights(FP8_ROW_SCALE)
         wmode1 = wmode2 = 5 if p.fp8_row_scale else 4  # 5: one weight scale per row
+        if wmode1 == 4:  # one K step per 128-K weight scale
+            cfg = replace(cfg, bk1=FP8_BLOCK_K, bk2=FP8_BLOCK_K)
+    elif W8A16_REBASED and p.w_fp8 and p.fp16_1 and p.fp16_2 and p.fp8_weights_fit() and p.fp8_weights(True) \
+            and p.fp8_row_scale:  # fp16 MMA on the rebased weights: a plain e4m3 -> fp16 per weight
+        w13, s13, w2, s2 = p.fp8_weights(True)
+        wmode1 = wmode2 = 7
     else:
         wmode1, wmode2 = p.wmode1, p.wmode2
         w13, s13, w2, s2 = p.w13, p.w13_scale, p.w2, p.w2_scale
@@ -443,7 +462,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         xq, t * h, xscale, w13, s13, p.shift13, p.epi13, p.alpha, p.beta, p.limit,
         sorted_ids, expert_ids, act, n, h, inter, e, n1,
         xq.stride(1), w13.stride(0), w13.stride(1), *ss13,
-        TOPK=k, WMODE=wmode1, PRESCALED=quant_x > 0, TERMS=cfg.fp8, SWAP=cfg.swap1 and not fp8,
+        TOPK=k, WMODE=wmode1, PRESCALED=quant_x > 0, TERMS=cfg.fp8, SWAP=cfg.swap1,
         BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, NOSORT=nosort, USE_PDL=bool(pdl),
         num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
     if fp8:  # act -> [terms, MAXP, I] e4m3 + per-row 2^m
@@ -451,7 +470,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         ascale = torch.empty(maxp, dtype=torch.float32, device=dev)
         K.quant_rows_kernel[(maxp,)](act, aq, aq[-1], ascale, sorted_ids, n, inter,
                                      QUANT=1 + cfg.fp8, DP=next_pow2(inter), USE_PDL=bool(pdl),
-                                     num_warps=8, **pdl)
+                                     NOSORT=nosort, num_warps=8, **pdl)
         act = aq
     else:
         act, ascale = act[None], xscale
@@ -460,7 +479,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         act, maxp * inter, ascale, w2, s2, p.shift2, p.epi2, topk_w, out, sorted_ids, expert_ids,
         n, inter, h, e, float(routed_scaling_factor), n2,
         w2.stride(0), w2.stride(1), *ss2,
-        TOPK=k, WMODE=wmode2, TERMS=cfg.fp8, SWAP=cfg.swap2 and not fp8,
+        TOPK=k, WMODE=wmode2, TERMS=cfg.fp8, SWAP=cfg.swap2,
         BM=cfg.bm, BN=cfg.bn2, BK=cfg.bk2, y_ptr=y if fused_out else out,
         count_ptr=out_counts if fused_out else out, NOSORT=nosort, FUSED_OUT=fused_out, USE_PDL=bool(pdl),
         num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl)

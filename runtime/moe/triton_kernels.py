@@ -147,13 +147,17 @@ def prep_kernel(hidden_ptr, xq_ptr, xlo_ptr, xscale_ptr, out_ptr, topk_ids_ptr, 
 
 @triton.jit
 def quant_rows_kernel(src_ptr, q_ptr, lo_ptr, scale_ptr, sorted_ptr, N, D,
-                      QUANT: tl.constexpr, DP: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """FP8 path, between the GEMMs: row p of act [MAXP, D] (sorted order) -> e4m3 term(s) + 2^m.
-    Padding rows (slot id N) are skipped: GEMM2 masks them."""
+                      QUANT: tl.constexpr, DP: tl.constexpr, USE_PDL: tl.constexpr = False,
+                      NOSORT: tl.constexpr = False):
+    """FP8 path, between the GEMMs: row p of act [MAXP, D] (sorted order; NOSORT: row p is slot p) ->
+    e4m3 term(s) + 2^m. Padding rows (slot id N; NOSORT: p >= N) are skipped: GEMM2 masks them."""
     p = tl.program_id(0).to(tl.int64)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    if tl.load(sorted_ptr + p) >= N:
+    if NOSORT:
+        if p >= N:
+            return
+    elif tl.load(sorted_ptr + p) >= N:
         return
     offs = tl.arange(0, DP)
     m = offs < D
@@ -169,6 +173,7 @@ def _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE: tl.constexpr, BN: tl.constexpr,
     WMODE 1: fp16, e4m3 * fp16(2^(s-127)) (all scale bytes in the fp16-exact window; the fast path).
     WMODE 2: fp16, e4m3 * fp16(2^(s-d_e-127)) with the per-expert offset d_e at sh_ptr.
     WMODE 3: bf16, fp32 product e4m3 * 2^(s-127) rounded to bf16 (exact for every byte s >= 1).
+    WMODE 7: fp16 of the rebased e4m3 (one scale per row, applied by the caller after the K loop).
     Byte 0 decodes to 0 in every mode.
 
     Performance rule (Triton 3.6, checked on the SM90 TTGIR): the scale arithmetic may only use
@@ -178,22 +183,26 @@ def _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE: tl.constexpr, BN: tl.constexpr,
     registers -> shared -> registers round trip (measured ~1.6x slower). WMODE 2 therefore loads
     d_e as a broadcast [BN, BK/32] tensor inside the loop (L1 hits)."""
     w = tl.load(w_ptrs)
-    if WMODE == 0:
-        return w
-    s = tl.load(s_ptrs).to(tl.int32)  # [BN, BK/32]
-    if WMODE == 1:
-        sf = (s << 23).to(tl.float32, bitcast=True).to(tl.float16)  # 2^(s-127); byte 0 -> 0
-        wd = tl.reshape(w.to(tl.float16), (BN, BK // 32, 32)) * sf[:, :, None]
-    elif WMODE == 2:
-        sh = tl.load(sh_ptr + tl.zeros([BN, BK // 32], dtype=tl.int32))  # d_e, broadcast
-        e = tl.minimum(tl.maximum(s - sh, 0), 254)
-        e = tl.where(s == 0, 0, e)  # byte 0 stays 0 after the offset
-        sf = (e << 23).to(tl.float32, bitcast=True).to(tl.float16)
-        wd = tl.reshape(w.to(tl.float16), (BN, BK // 32, 32)) * sf[:, :, None]
+    if WMODE == 0:  # (an if/elif chain: Triton keeps generating code past a return inside a constexpr if)
+        wd = w
+    elif WMODE == 7:
+        wd = w.to(tl.float16)  # rebased e4m3, its row scale applied after the K loop
     else:
-        sf = (s << 23).to(tl.float32, bitcast=True)  # 2^(s-127)
-        wd = (tl.reshape(w.to(tl.float32), (BN, BK // 32, 32)) * sf[:, :, None]).to(tl.bfloat16)
-    return tl.reshape(wd, (BN, BK))
+        s = tl.load(s_ptrs).to(tl.int32)  # [BN, BK/32]
+        if WMODE == 1:
+            sf = (s << 23).to(tl.float32, bitcast=True).to(tl.float16)  # 2^(s-127); byte 0 -> 0
+            wd = tl.reshape(w.to(tl.float16), (BN, BK // 32, 32)) * sf[:, :, None]
+        elif WMODE == 2:
+            sh = tl.load(sh_ptr + tl.zeros([BN, BK // 32], dtype=tl.int32))  # d_e, broadcast
+            e = tl.minimum(tl.maximum(s - sh, 0), 254)
+            e = tl.where(s == 0, 0, e)  # byte 0 stays 0 after the offset
+            sf = (e << 23).to(tl.float32, bitcast=True).to(tl.float16)
+            wd = tl.reshape(w.to(tl.float16), (BN, BK // 32, 32)) * sf[:, :, None]
+        else:
+            sf = (s << 23).to(tl.float32, bitcast=True)  # 2^(s-127)
+            wd = (tl.reshape(w.to(tl.float32), (BN, BK // 32, 32)) * sf[:, :, None]).to(tl.bfloat16)
+        wd = tl.reshape(wd, (BN, BK))
+    return wd
 
 
 
@@ -245,7 +254,7 @@ def _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM: tl.constexpr, NOS
 def _operand_ptrs(a_ptr, a_rows, stride_a, w_ptr, s_ptr, e64, w_rows, stride_we, stride_wn, stride_se,
                   stride_sn, WMODE: tl.constexpr, BK: tl.constexpr):
     """Pointers of the first K step: A and W tiles [*, BK]; scale pointers [ROWS, BK/32] (MXFP8 bytes)
-    or, for WMODE 4 / 5 (FP8, BK = 128), [ROWS] (one fp32 scale per row and 128 K / per row)."""
+    or, for WMODE 4 / 5 / 7 (rebased weights), [ROWS] (one fp32 scale per row and 128 K / per row)."""
     offs_k = tl.arange(0, BK)
     if WMODE >= 4:
         s_ptrs = s_ptr + e64 * stride_se + w_rows * stride_sn
@@ -254,6 +263,17 @@ def _operand_ptrs(a_ptr, a_rows, stride_a, w_ptr, s_ptr, e64, w_rows, stride_we,
     a_ptrs = a_ptr + a_rows[:, None] * stride_a + offs_k[None, :]
     w_ptrs = w_ptr + e64 * stride_we + w_rows[:, None] * stride_wn + offs_k[None, :]
     return a_ptrs, w_ptrs, s_ptrs
+
+
+@triton.jit
+def _dot_w(w, a, acc, SWAP: tl.constexpr):
+    """One MMA of weight tile w [ROWS, BK] and activation tile a [BM, BK]: A W^T [BM, ROWS], or with
+    SWAP W A^T [ROWS, BM] (the weights the left operand); added to acc (None: a fresh fp32 accumulator)."""
+    if SWAP:  # (an if/else: Triton keeps generating code past a return inside a constexpr if)
+        out = tl.dot(w, tl.trans(a), acc)
+    else:
+        out = tl.dot(a, tl.trans(w), acc)
+    return out
 
 
 @triton.jit
@@ -269,43 +289,51 @@ def _mma_loop(a_ptrs, alo_off, amask, w_ptrs, s_ptrs, sh_ptr, k_len, a_dtype: tl
     fp8 MMA (two with TERMS 2, chained) whose fp32 result is multiplied by the block scales per weight
     row (exact) and added to the accumulator. A's per-row power-of-two scale is the caller's.
     WMODE 5 (FP8, one scale per weight row): the fp8 MMAs chain into the accumulator over the whole K
-    and the row scales multiply it once at the end."""
-    if WMODE >= 4:
-        acc = tl.zeros((BM, ROWS), dtype=tl.float32)
+    and the row scales multiply it once at the end.
+    WMODE 7 (16-bit MMA on the rebased weights with one scale per row): the e4m3 tile converts to fp16
+    (exact) without any scale multiply, the row scales multiply the accumulator once at the end."""
+    if WMODE == 4 or WMODE == 5:
+        # SWAP: acc^T [ROWS, BM] = W A^T, the e4m3 weight tile the left (wgmma M) operand straight from
+        # shared memory, A^T K-major as fp8 MMA wants it (decode: BM 16 token rows, ROWS >= 64).
+        acc = tl.zeros((ROWS, BM) if SWAP else (BM, ROWS), dtype=tl.float32)
         for _ in range(0, k_len, BK):
             w = tl.load(w_ptrs)  # [ROWS, BK] e4m3
             a = tl.load(a_ptrs, mask=amask[:, None], other=0.0)  # [BM, BK] e4m3
+            if TERMS == 2:
+                a_lo = tl.load(a_ptrs + alo_off, mask=amask[:, None], other=0.0)
             if WMODE == 4:
-                part = tl.dot(a, tl.trans(w))
+                part = _dot_w(w, a, None, SWAP)
                 if TERMS == 2:
-                    part = tl.dot(tl.load(a_ptrs + alo_off, mask=amask[:, None], other=0.0), tl.trans(w), part)
-                acc += part * tl.load(s_ptrs)[None, :]  # [ROWS] fp32 block scales
+                    part = _dot_w(w, a_lo, part, SWAP)
+                s = tl.load(s_ptrs)  # [ROWS] fp32 block scales
+                acc += part * (s[:, None] if SWAP else s[None, :])
                 s_ptrs += 1
             else:
-                acc = tl.dot(a, tl.trans(w), acc)
+                acc = _dot_w(w, a, acc, SWAP)
                 if TERMS == 2:
-                    acc = tl.dot(tl.load(a_ptrs + alo_off, mask=amask[:, None], other=0.0), tl.trans(w), acc)
+                    acc = _dot_w(w, a_lo, acc, SWAP)
             a_ptrs += BK
             w_ptrs += BK
         if WMODE == 5:
-            acc = acc * tl.load(s_ptrs)[None, :]  # [ROWS] fp32 row scales
-    else:
+            s = tl.load(s_ptrs)  # [ROWS] fp32 row scales
+            acc = acc * (s[:, None] if SWAP else s[None, :])
         if SWAP:
-            acc_t = tl.zeros((ROWS, BM), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BM, ROWS), dtype=tl.float32)
+            acc = tl.trans(acc)
+    else:
+        acc = tl.zeros((ROWS, BM) if SWAP else (BM, ROWS), dtype=tl.float32)
         for _ in range(0, k_len, BK):
             a = tl.load(a_ptrs, mask=amask[:, None], other=0.0).to(a_dtype)  # [BM, BK]
             w = _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE, ROWS, BK)  # [ROWS, BK]
-            if SWAP:
-                acc_t = tl.dot(w, tl.trans(a), acc_t)
-            else:
-                acc = tl.dot(a, tl.trans(w), acc)
+            acc = _dot_w(w, a, acc, SWAP)
             a_ptrs += BK
             w_ptrs += BK
-            s_ptrs += BK // 32
+            if WMODE != 7:
+                s_ptrs += BK // 32
+        if WMODE == 7:
+            s = tl.load(s_ptrs)  # [ROWS] fp32 row scales
+            acc = acc * (s[:, None] if SWAP else s[None, :])
         if SWAP:
-            acc = tl.trans(acc_t)
+            acc = tl.trans(acc)
     return acc
 
 
@@ -390,7 +418,7 @@ def _gemm2_tile(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, 
     row_scale = tl.load(topk_w_ptr + tok, mask=tmask, other=0.0).to(tl.float32) * rsf  # [BM]
     if WMODE == 2:
         row_scale = row_scale * tl.load(epi_ptr + e)
-    if WMODE >= 4:
+    if WMODE == 4 or WMODE == 5:
         row_scale = row_scale * tl.load(ascale_ptr + rows, mask=tmask, other=1.0)
     acc = acc * row_scale[:, None]
     trow = (tok // TOPK).to(tl.int64)

@@ -67,8 +67,12 @@ def mlp_bytes(layer, experts_touched: int) -> int:
     m = layer.mlp
     if not isinstance(m, MoE):
         return linear_bytes(m.gate) + linear_bytes(m.up) + linear_bytes(m.down)
-    q = m.quant
-    per_expert = nbytes(q.w13_weight[0], q.w13_weight_scale[0], q.w2_weight[0], q.w2_weight_scale[0])
+    if m.quant is not None:
+        q = m.quant
+        per_expert = nbytes(q.w13_weight[0], q.w13_weight_scale[0], q.w2_weight[0], q.w2_weight_scale[0])
+    else:  # the backend's own layout (Triton, rebased at load: e4m3 + one fp32 scale per row)
+        p = m.experts.prepared
+        per_expert = nbytes(p.w13[0], p.w13_scale[0], p.w2[0], p.w2_scale[0])
     shared = linear_bytes(m.shared.gate) + linear_bytes(m.shared.up) + linear_bytes(m.shared.down)
     return experts_touched * per_expert + shared + nbytes(m.routing.router_weight, m.routing.e_score_correction_bias)
 

@@ -100,10 +100,14 @@ def test_matches_torch_small_dims(t):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
 @pytest.mark.parametrize("t", [1, 4, 64, 1024])
-def test_matches_torch_minimax_like_dims(t):
-    # H, I multiples of every tile (BK 256, BN 128) like MiniMax-M3's 6144 / 3072, 32 experts
+@pytest.mark.parametrize("rebase", [True, False])
+def test_matches_torch_minimax_like_dims(t, rebase, monkeypatch):
+    # H, I multiples of every tile (BK 256, BN 128) like MiniMax-M3's 6144 / 3072, 32 experts; the
+    # experts rebased at load (default) and as stored (WMODE 1)
+    monkeypatch.setattr(tb, "REBASE_AT_LOAD", rebase)
     quant = make_quant(32, 1536, 768, "cuda")
-    check_against_torch(quant, t, 4, 1536)
+    moe, *_ = check_against_torch(quant, t, 4, 1536)
+    assert moe.prepared.rebased == rebase and moe.prepared.wmode1 == (7 if rebase else 1)
 
 
 @pytest.mark.gpu
@@ -151,6 +155,7 @@ def test_fp8_prefill_matches_torch(t, row_scale, monkeypatch):
     4.3e-2 in a CPU simulation). T=100 aligns in the prep kernel, T=300 and 1100 in torch (more than
     1024 routed slots)."""
     monkeypatch.setattr(tb, "FP8_ROW_SCALE", row_scale)
+    monkeypatch.setattr(tb, "REBASE_AT_LOAD", False)  # the copy made for the FP8 path (rebased: the test above)
     quant = make_quant(16, 1536, 768, "cuda", swiglu=make_swiglu_params(16, 1.702, 1.0, 7.0, "cuda"))
     errs = {}
     for terms, bound in ((2, 2e-2), (1, 6e-2)):
@@ -159,46 +164,38 @@ def test_fp8_prefill_matches_torch(t, row_scale, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (8, 9), reason="needs fp8 MMA (SM89+)")
-@pytest.mark.parametrize("t", [1, 2, 4])
-@pytest.mark.parametrize("mode", [1, 2])
-def test_fp8_decode_nosort_matches_torch(t, mode, monkeypatch):
-    """The FP8 path on the NOSORT decode path (FP8_DECODE: fused output at one token, atomics + cast at
-    2 and 4) on the rebased weights, activations (mode 1) or weights (2) as the left MMA operand, K steps
-    of 256: two e4m3 terms
-    within the FP8 bound (2e-2) of the torch reference at MiniMax-M3's H 6144 / I 3072, and a second
-    call agrees with the first within one bf16 ulp per element (only the fp32 top-k atomics' order may
-    differ, which can flip a rounding; scratch and counters re-zeroed)."""
-    monkeypatch.setattr(tb, "FP8_DECODE", mode)
-    e, h, i, k = 8, 6144, 3072, 4
-    quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"))
-    cfg = tb.default_config(t, True)
-    assert cfg.fp8 == 2 and cfg.swap1 == (mode == 2) and cfg.bk1 == 256
-    moe, x, ids, w, out = check_against_torch(quant, t, k, h, tol=2e-2)
-    again = moe.forward_topk(x, ids, w)
-    torch.cuda.synchronize()
-    mag = torch.maximum(out.float().abs(), again.float().abs())
-    ulp = torch.exp2(torch.floor(torch.log2(mag + 1e-30)) - 7)  # bf16: 8 significant bits
-    assert ((again.float() - out.float()).abs() <= ulp).all(), f"max diff {(again - out).abs().max():.3e}"
-    assert_fused_out_scratch_zero(x.device, h)
-
-
-@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("t", [1, 4, 16, 300])
-def test_w8a16_on_rebased_weights_matches_torch(t, monkeypatch):
-    """W8A16_REBASED (WMODE 7): the fp16 MMA on the per-row rebased e4m3 weights, the row scale applied
-    after the K loop, on the NOSORT and sorted paths at MiniMax-M3's H 6144 / I 3072: within the W8A16
-    bound of the torch reference and within 1e-3 of the W8A16 path on the weights as stored (the rebase
-    moves values by <= 1e-5 relative; the rest is fp32 summation order)."""
+@pytest.mark.parametrize("t", [1, 4, 16, 300, 1100])
+def test_load_time_rebase_replaces_the_stored_weights(t, monkeypatch):
+    """REBASE_AT_LOAD (the default): where row_scale_ok holds, prepare rebases the experts to one power-of-two
+    scale per row and keeps only that copy - every path reads it (W8A16 as WMODE 7 at 1..1023 tokens, the
+    FP8 path at 1100 without a second copy) and the backend drops its reference to the MXFP8 tensors. At
+    MiniMax-M3's H 6144 / I 3072: within the bounds of the torch reference (W8A16 1e-2, FP8 2e-2) and of
+    the layer on the weights as stored (the rebase moves values by <= 1e-5 relative; W8A16 within 1e-3,
+    the rest is fp32 summation order and bf16 output rounding)."""
     e, h, i, k = 8, 6144, 3072, 4
     quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"))
-    moe, x, ids, w, stored = check_against_torch(quant, t, k, h)
-    monkeypatch.setattr(tb, "W8A16_REBASED", True)
+    fp8 = t >= tb.FP8_PREFILL_MIN_TOKENS
+    monkeypatch.setattr(tb, "REBASE_AT_LOAD", False)
+    stored_moe, x, ids, w, stored = check_against_torch(quant, t, k, h, tol=2e-2 if fp8 else REL_TOL)
+    assert not stored_moe.prepared.rebased and stored_moe.quant is quant
+    del stored_moe
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    monkeypatch.setattr(tb, "REBASE_AT_LOAD", True)
+    moe = tb.TritonMoE(quant, MoeRouting(torch.zeros(e, h, device="cuda"), torch.zeros(e, device="cuda"), k, 2.5))
+    p = moe.prepared
+    assert p.rebased and moe.replaced_weights and moe.quant is None
+    assert (p.wmode1, p.wmode2) == (7, 7) and p.w13_scale.shape == (e, 2 * i, 1) and p.w2_scale.shape == (e, h, 1)
+    expert_bytes = sum(t_.numel() * t_.element_size() for t_ in (p.w13, p.w13_scale, p.w2, p.w2_scale))
+    assert torch.cuda.memory_allocated() - before <= expert_bytes * 1.01  # one rebased copy, nothing else
     rebased = moe.forward_topk(x, ids, w)
     torch.cuda.synchronize()
-    assert moe.prepared.fp8_row_scale
-    assert rel(rebased, stored) <= 1e-3, f"{rel(rebased, stored):.3e}"
+    assert p.fp8_blocks is None  # the FP8 path (t >= 1024) read the rebased weights themselves
+    ref = TorchMoE(quant, moe.routing).forward_topk(x, ids, w)
+    assert rel(rebased, ref) <= (2e-2 if fp8 else REL_TOL)
+    if not fp8:
+        assert rel(rebased, stored) <= 1e-3, f"{rel(rebased, stored):.3e}"
 
 
 @pytest.mark.gpu
@@ -356,9 +353,10 @@ def test_in_kernel_alignment_equals_torch_alignment(t):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
 @pytest.mark.parametrize("octaves", [-16, 24])
-def test_weight_scale_bytes_outside_fp16_window_are_offset(octaves):
+def test_weight_scale_bytes_outside_fp16_window_are_offset(octaves, monkeypatch):
     # bytes (about 114 at sigma 0.03) moved to about 98 / 138, outside [112, 134]; the spread stays
-    # small, so an exact per-expert offset exists and the fp16 path is kept
+    # small, so an exact per-expert offset exists and the fp16 path is kept (weights as stored)
+    monkeypatch.setattr(tb, "REBASE_AT_LOAD", False)
     quant = make_quant(8, 512, 256, "cuda", weight_scale=0.03 * 2.0 ** octaves)
     moe, *_ = check_against_torch(quant, 16, 4, 512)
     assert moe.prepared.fp16_1 and moe.prepared.fp16_2
@@ -367,13 +365,18 @@ def test_weight_scale_bytes_outside_fp16_window_are_offset(octaves):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-def test_wide_scale_spread_falls_back_to_bf16():
+@pytest.mark.parametrize("rebase", [False, True])
+def test_wide_scale_spread_falls_back_to_bf16(rebase, monkeypatch):
+    """A 24-octave spread between the rows of every expert: as stored no fp16-exact per-expert offset
+    exists and GEMM1 runs in bf16 (WMODE 3); rebased at load each row has its own fp32 scale, so the
+    fp16 path (WMODE 7) holds it exactly."""
+    monkeypatch.setattr(tb, "REBASE_AT_LOAD", rebase)
     e, h, i = 8, 512, 256
     gain = torch.ones(e, 2 * i, 1, device="cuda")
     gain[:, ::2] = 2.0 ** 24  # 24-octave spread inside every expert: no fp16-exact offset exists
     quant = make_quant(e, h, i, "cuda", weight_scale=0.03 * 2.0 ** -12, row_gain=gain)
     moe, *_ = check_against_torch(quant, 16, 4, h)
-    assert not moe.prepared.fp16_1
+    assert moe.prepared.rebased == rebase and moe.prepared.fp16_1 == rebase
 
 
 @pytest.mark.gpu
@@ -580,10 +583,11 @@ def test_rebase_fp8_one_scale_per_row(jitter):
     assert (got == ref).float().mean() >= 0.99
 
 
-def test_row_scale_falls_back_to_128_blocks_past_13_octaves():
+def test_row_scale_falls_back_to_128_blocks_past_13_octaves(monkeypatch):
     """FP8_ROW_SCALE asks for one rebased scale per row; a layer with a row whose MXFP8 scale bytes span more
     than ROW_SCALE_MAX_OCTAVES (byte-0 groups ignored) keeps one per 128 K instead, and fp8_row_scale says so.
     Within the limit, every value of the per-row rebase is within half an e4m3 ulp at its group's amax."""
+    monkeypatch.setattr(tb, "REBASE_AT_LOAD", False)  # the weights as stored, the copy made on request
     q = make_quant(2, 256, 128, "cpu")
     p = tb.prepare(q.w13_weight, q.w13_weight_scale, q.w2_weight, q.w2_weight_scale,
                    q.gemm1_alpha, q.gemm1_beta, q.gemm1_clamp_limit)
@@ -607,6 +611,34 @@ def test_row_scale_falls_back_to_128_blocks_past_13_octaves():
     assert p.fp8_weights(True)[1] is sc13  # made once per request
 
 
+def test_prepare_rebases_at_load_where_row_scales_hold(monkeypatch):
+    """prepare (REBASE_AT_LOAD, the default) keeps the experts as e4m3 with one fp32 power-of-two scale per
+    row (WMODE 7 on both GEMMs), within 1e-5 relative of the MXFP8 values, and the FP8 path reads those
+    same tensors; a row spanning more than ROW_SCALE_MAX_OCTAVES, a SwiGLU bound past fp16 (GEMM2 then
+    runs in bf16) or PORTER_MOE_REBASE=0 keep the weights as stored."""
+    q = make_quant(4, 256, 128, "cpu", swiglu=make_swiglu_params(4, 1.702, 1.0, 7.0, "cpu"))
+    args = (q.w13_weight, q.w13_weight_scale, q.w2_weight, q.w2_weight_scale)
+    swiglu = (q.gemm1_alpha, q.gemm1_beta, q.gemm1_clamp_limit)
+    p = tb.prepare(*args, *swiglu)
+    assert p.rebased and (p.wmode1, p.wmode2) == (7, 7) and p.fp16_1 and p.fp16_2
+    assert p.w13.dtype == torch.float8_e4m3fn and p.w13_scale.dtype == torch.float32
+    assert p.w13_scale.shape == (4, 256, 1) and p.w2_scale.shape == (4, 256, 1)  # w13 [4, 2I, H], w2 [4, H, I]
+    for w, sc, (wq, ws) in ((p.w13, p.w13_scale, args[:2]), (p.w2, p.w2_scale, args[2:])):
+        ref = mxfp8.dequantize(wq, ws)
+        assert rel(w.float() * sc, ref) <= 1e-5
+    assert p.fp8_weights_fit() and all(a is b for a, b in zip(p.fp8_weights(False), (p.w13, p.w13_scale, p.w2, p.w2_scale)))
+    assert p.fp8_row_scale and p.fp8_blocks is None  # no second copy
+    wide = q.w13_weight_scale.clone()
+    wide[0, 5, 0] = int(wide[0, 5].max()) - tb.ROW_SCALE_MAX_OCTAVES - 1
+    assert not tb.prepare(args[0], wide, *args[2:], *swiglu).rebased
+    inf_limit = make_swiglu_params(4, 1.702, 1.0, math.inf, "cpu")
+    assert not tb.prepare(*args, inf_limit["gemm1_alpha"], inf_limit["gemm1_beta"],
+                          inf_limit["gemm1_clamp_limit"]).rebased
+    monkeypatch.setenv("PORTER_MOE_REBASE", "0")
+    kept = tb.prepare(*args, *swiglu)
+    assert not kept.rebased and kept.w13 is args[0] and kept.wmode1 == 1
+
+
 def test_prefill_path_choice():
     assert tb.default_config(tb.FP8_PREFILL_MIN_TOKENS, True).fp8 == tb.FP8_TERMS
     assert tb.default_config(4096, True).fp8 == tb.FP8_TERMS
@@ -623,6 +655,7 @@ def test_pdl_and_fused_output_gates_on_cpu():
 def test_fp8_prefill_copy_is_skipped_when_it_does_not_fit(monkeypatch):
     """A resident model leaves no room for the FP8 path's rebased copy of the experts: the check says
     no (prefill then stays on W8A16) instead of allocating it and dying out of memory."""
+    monkeypatch.setattr(tb, "REBASE_AT_LOAD", False)  # weights kept as stored: the copy would be a second one
     q = make_quant(4, 256, 128, "cpu")
     p = tb.prepare(q.w13_weight, q.w13_weight_scale, q.w2_weight, q.w2_weight_scale,
                    q.gemm1_alpha, q.gemm1_beta, q.gemm1_clamp_limit)

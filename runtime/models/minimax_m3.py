@@ -502,12 +502,15 @@ class MoE:
                                   e_score_correction_bias=get(p + "e_score_correction_bias").float(),  # [E]
                                   top_k=cfg.num_experts_per_tok, routed_scaling_factor=cfg.routed_scaling_factor)
         w13, w2 = p + "experts.w13_weight", p + "experts.w2_weight"
-        self.quant = MoeQuantInfo(
+        quant = MoeQuantInfo(
             w13_weight=get(w13), w13_weight_scale=get(scale_name(w13)),  # [E, 2I, H]
             w2_weight=get(w2), w2_weight_scale=get(scale_name(w2)),  # [E, H, I]
             **make_swiglu_params(cfg.num_local_experts, cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit,
                                  device))
-        self.experts = make_backend(self.quant, self.routing)
+        self.experts = make_backend(quant, self.routing)
+        # A backend that made its own layout of the experts at load (the Triton backend's rebase) holds no
+        # reference to these tensors; neither does the layer then, so the experts are resident once.
+        self.quant = None if getattr(self.experts, "replaced_weights", False) else quant
         self.shared = MLP(cfg, get, p + "shared_experts.") if cfg.n_shared_experts else None
 
     def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:

@@ -54,13 +54,11 @@ class MoeConfig:
 FP8_PREFILL_MIN_TOKENS = 1024  # the FP8 path from here on (when enabled), W8A16 below
 FP8_TERMS = 2  # e4m3 terms per activation (one term: layer rel error 4.8e-2, over the 2e-2 bound)
 FP8_PREFILL = None  # None: PORTER_MOE_FP8 env ("0" disables), default on
-# The FP8 path for 1..4 tokens too (NOSORT, two e4m3 activation terms, the rebased weights straight into
-# the fp8 MMA: no dequantization in the weight stream); 1: activations the left MMA operand, 2: the
-# weights (wgmma M side). 0: W8A16 there.
-FP8_DECODE = 0
-# W8A16 on the rebased weights (one power-of-two scale per row, where row_scale_ok holds): the weight tile
-# only converts e4m3 -> fp16, no per-32 scale multiply; the row scale multiplies the accumulator (WMODE 7).
-W8A16_REBASED = False
+# Load-time rebase (prepare): where row_scale_ok holds for both GEMMs, the experts are kept as e4m3 with one
+# power-of-two scale per row instead of the MXFP8 tensors, for every path (W8A16 WMODE 7, FP8 WMODE 5): no
+# per-32 scale multiply in the weight stream (T=1..256 3.3-6% faster on the H200) and no second copy for
+# the FP8 path. None: PORTER_MOE_REBASE env ("0" keeps the weights as stored), default on.
+REBASE_AT_LOAD = None
 _FP8_NO_ROOM_WARNED: list = []  # warn once per process
 
 
@@ -83,9 +81,6 @@ def default_config(num_tokens: int, fp8_prefill: bool = False) -> MoeConfig:
     7.28, 64x256 tiles 10.5)."""
     if fp8_prefill and num_tokens >= FP8_PREFILL_MIN_TOKENS:
         return MoeConfig(64, 64, 128, 4, 3, 128, 128, 4, 3, fp8=FP8_TERMS)
-    if fp8_prefill and FP8_DECODE and num_tokens <= 4:
-        swap = FP8_DECODE == 2
-        return MoeConfig(16, 32, 256, 4, 3, 64, 256, 4, 3, swap, swap, fp8=FP8_TERMS)
     if num_tokens <= 4:
         return MoeConfig(16, 32, 256, 4, 3, 64, 256, 4, 3)
     if num_tokens <= 128:
@@ -108,11 +103,8 @@ def fit_config(cfg: MoeConfig, hidden: int, inter: int) -> MoeConfig:
 
     if cfg.fp8 and (hidden % FP8_BLOCK_K or inter % FP8_BLOCK_K):
         cfg = replace(cfg, fp8=0)  # the rebased weight blocks need K % 128 == 0: W8A16 instead
-    if cfg.fp8:  # K steps of whole rebased weight blocks (fused_moe makes them one block with 128-K scales)
-        def kstep(b, n):
-            return b if b % FP8_BLOCK_K == 0 and n % b == 0 else FP8_BLOCK_K
-        return replace(cfg, bn1=div(cfg.bn1, inter), bk1=kstep(cfg.bk1, hidden), bn2=div(cfg.bn2, hidden),
-                       bk2=kstep(cfg.bk2, inter))
+    if cfg.fp8:  # one K step per rebased weight block
+        return replace(cfg, bn1=div(cfg.bn1, inter), bk1=FP8_BLOCK_K, bn2=div(cfg.bn2, hidden), bk2=FP8_BLOCK_K)
     return replace(cfg, bn1=div(cfg.bn1, inter), bk1=div(cfg.bk1, hidden), bn2=div(cfg.bn2, hidden),
                    bk2=div(cfg.bk2, inter))
 
@@ -224,11 +216,12 @@ def act_fp16_ok(alpha: torch.Tensor, beta: torch.Tensor, limit: torch.Tensor) ->
 
 @dataclass
 class PreparedMoE:
-    """Device tensors the kernels read; the weights are the caller's tensors, never copied."""
+    """Device tensors the kernels read: the caller's tensors, or (rebased) the experts rebased at load to
+    one power-of-two scale per row, which replace them (the caller's copy can then be freed)."""
     w13: torch.Tensor  # [E, 2I, H] float8_e4m3fn (or bf16 for the benchmark baseline)
-    w13_scale: torch.Tensor  # [E, 2I, H/32] uint8 (dummy for bf16)
+    w13_scale: torch.Tensor  # [E, 2I, H/32] uint8 (dummy for bf16); rebased: [E, 2I, 1] fp32 row scales
     w2: torch.Tensor  # [E, H, I]
-    w2_scale: torch.Tensor  # [E, H, I/32] uint8
+    w2_scale: torch.Tensor  # [E, H, I/32] uint8; rebased: [E, H, 1] fp32
     alpha: torch.Tensor  # [E] fp32
     beta: torch.Tensor
     limit: torch.Tensor
@@ -244,14 +237,19 @@ class PreparedMoE:
     fp8_blocks: Optional[tuple] = None  # the FP8 path's rebased weights, made on first use (fp8_weights)
     fp8_row_scale: bool = False  # whether fp8_blocks has one scale per row or per (row, 128 K)
     fp8_requested: Optional[bool] = None  # the row_scale fp8_blocks was made for
+    rebased: bool = False  # w13 / w2 are the load-time rebase (WMODE 7 / 5), not the MXFP8 tensors
 
     def fp8_weights(self, row_scale: bool) -> tuple:
         """(w13 e4m3 [E, 2I, H], s13 fp32 [E, 2I, H/128], w2 e4m3 [E, H, I], s2 fp32 [E, H, I/128]):
         the weights rebased to one power-of-two scale per (row, 128 K), or with row_scale per row (s13
         [E, 2I, 1], s2 [E, H, 1]) where row_scale_ok holds for both (else per 128 K; fp8_row_scale says
-        which), made once per layer on the first FP8 prefill call. This is a second copy of the experts
-        in e4m3 (1 B per weight + 1/32 B of scales: 7.5 GB per MiniMax-M3 layer); FP8_PREFILL = False /
-        PORTER_MOE_FP8=0 avoids it."""
+        which). A layer rebased at load returns its own tensors (one scale per row, whatever row_scale
+        asks: the MXFP8 bytes per 128 K are gone). Otherwise the copy is made once per layer on the first
+        FP8 prefill call: a second copy of the experts in e4m3 (1 B per weight + 1/32 B of scales: 7.5 GB
+        per MiniMax-M3 layer); FP8_PREFILL = False / PORTER_MOE_FP8=0 avoids it."""
+        if self.rebased:
+            self.fp8_row_scale = True
+            return self.w13, self.w13_scale, self.w2, self.w2_scale
         if self.fp8_blocks is None or self.fp8_requested != row_scale:
             self.fp8_blocks = None  # a switched A/B frees the other copy first
             rows = row_scale and row_scale_ok(self.w13_scale) and row_scale_ok(self.w2_scale)
@@ -268,7 +266,7 @@ class PreparedMoE:
         """Whether the rebased copy (fp8_weights) exists or fits in the device's free memory with a
         25% margin. A fully resident model leaves no room for a second copy of every layer's experts;
         then prefill stays on the W8A16 path instead of dying with an out-of-memory error."""
-        if self.fp8_blocks is not None:
+        if self.fp8_blocks is not None or self.rebased:
             return True
         need = (self.w13.numel() + self.w2.numel()) * (1 + 4 / FP8_BLOCK_K)  # e4m3 + fp32 per 128
         free, _ = torch.cuda.mem_get_info(self.w13.device)
@@ -283,7 +281,8 @@ class PreparedMoE:
     @staticmethod
     def _wmode(w_fp8: bool, fp16: bool, shift: torch.Tensor) -> int:
         """The kernels' WMODE: 0 16-bit weights, 1 fp16 (no offset, fast), 2 fp16 + per-expert
-        offset, 3 bf16 fallback. (4 / 5, the FP8 path's rebased weights, are chosen per call.)"""
+        offset, 3 bf16 fallback. (7: rebased at load, see prepare; 4 / 5, the FP8 path's rebased weights,
+        are chosen per call.)"""
         if not w_fp8:
             return 0
         if not fp16:
@@ -295,10 +294,30 @@ class PreparedMoE:
         return self.w13.shape[0]
 
 
+def rebase_at_load() -> bool:
+    import os
+    flag = REBASE_AT_LOAD
+    if flag is None:
+        flag = os.environ.get("PORTER_MOE_REBASE", "1") != "0"
+    return bool(flag)
+
+
 def prepare(w13, w13_scale, w2, w2_scale, alpha, beta, limit) -> PreparedMoE:
-    """Load-time guard analysis: reads the scales once, keeps references to the stored tensors."""
+    """Load-time guard analysis: reads the scales once. MXFP8 weights whose rows each span at most
+    ROW_SCALE_MAX_OCTAVES of scales (row_scale_ok), with SwiGLU-OAI's output in fp16's range, are rebased
+    to one power-of-two scale per row (REBASE_AT_LOAD; against the MXFP8 values rel error <= 1e-5) and
+    the result replaces them: the weight stream then converts e4m3 -> fp16 with no per-32 scale multiply
+    (WMODE 7) and the FP8 path reads the same tensors. Otherwise it keeps references to the stored
+    tensors."""
     dev, e = w13.device, w13.shape[0]
     w_fp8 = w13_scale is not None
+    if (w_fp8 and rebase_at_load() and act_fp16_ok(alpha, beta, limit) and row_scale_ok(w13_scale)
+            and row_scale_ok(w2_scale)):
+        w13, s13 = rebase_fp8(w13, w13_scale, w13.shape[2])  # [E, 2I, H] e4m3, [E, 2I, 1] fp32
+        w2, s2 = rebase_fp8(w2, w2_scale, w2.shape[2])
+        zero, one = torch.zeros(e, dtype=torch.int32, device=dev), torch.ones(e, dtype=torch.float32, device=dev)
+        return PreparedMoE(w13, s13, w2, s2, alpha, beta, limit, True, True, True, zero, zero, one, one,
+                           7, 7, fp8_row_scale=True, rebased=True)
     if w_fp8:
         d13, ok13 = weight_shifts(w13_scale)
         d2, ok2 = weight_shifts(w2_scale)
@@ -366,8 +385,8 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     output directly (fused output, one token; with more tokens prep also zeroes the fp32 output and a
     cast follows); else prep (align in kernel or torch, prescale or e4m3 quantize,
     zeroing), GEMM1, [FP8: act quantize], GEMM2 (atomics), cast. nosort / fused_out override the
-    choice (tests, A/B); fused_out is honoured on the NOSORT path only (see below); cfg.fp8 runs on
-    either path (NOSORT with FP8_DECODE, or a cfg with fp8 for T*k <= 16). (Both GEMMs of the one-token layer in one launch, GEMM2 tiles waiting on counters
+    choice (tests, A/B); fused_out is honoured on the NOSORT path only (see below); cfg.fp8 runs
+    the sorted path. (Both GEMMs of the one-token layer in one launch, GEMM2 tiles waiting on counters
     for their GEMM1 tiles, measured slower on the H200 - T=1 79.5-83.4 vs 70-71 us - and was removed;
     docs/moe-backends.md.)"""
     from runtime.moe import triton_kernels as K
@@ -385,7 +404,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         raise ValueError("MoeConfig.fp8 needs MXFP8 weights (float8_e4m3fn + uint8 scales)")
     if nosort is None:
         nosort = n <= NOSORT_MAX_SLOTS
-    nosort = nosort and n <= 64
+    nosort = nosort and n <= 64 and not fp8
     # Fused output by default only for one token (NOSORT: every program then holds one routed row).
     # On the sorted path (T = 64..256 at MiniMax-M3 dims, 10^4+ programs) the last arriver sometimes
     # read rows missing other programs' adds (rel 1e-2 vs the unfused path on H200, even with
@@ -443,12 +462,6 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     if fp8:
         w13, s13, w2, s2 = p.fp8_weights(FP8_ROW_SCALE)
         wmode1 = wmode2 = 5 if p.fp8_row_scale else 4  # 5: one weight scale per row
-        if wmode1 == 4:  # one K step per 128-K weight scale
-            cfg = replace(cfg, bk1=FP8_BLOCK_K, bk2=FP8_BLOCK_K)
-    elif W8A16_REBASED and p.w_fp8 and p.fp16_1 and p.fp16_2 and p.fp8_weights_fit() and p.fp8_weights(True) \
-            and p.fp8_row_scale:  # fp16 MMA on the rebased weights: a plain e4m3 -> fp16 per weight
-        w13, s13, w2, s2 = p.fp8_weights(True)
-        wmode1 = wmode2 = 7
     else:
         wmode1, wmode2 = p.wmode1, p.wmode2
         w13, s13, w2, s2 = p.w13, p.w13_scale, p.w2, p.w2_scale
@@ -462,7 +475,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         xq, t * h, xscale, w13, s13, p.shift13, p.epi13, p.alpha, p.beta, p.limit,
         sorted_ids, expert_ids, act, n, h, inter, e, n1,
         xq.stride(1), w13.stride(0), w13.stride(1), *ss13,
-        TOPK=k, WMODE=wmode1, PRESCALED=quant_x > 0, TERMS=cfg.fp8, SWAP=cfg.swap1,
+        TOPK=k, WMODE=wmode1, PRESCALED=quant_x > 0, TERMS=cfg.fp8, SWAP=cfg.swap1 and not fp8,
         BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, NOSORT=nosort, USE_PDL=bool(pdl),
         num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
     if fp8:  # act -> [terms, MAXP, I] e4m3 + per-row 2^m
@@ -470,7 +483,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         ascale = torch.empty(maxp, dtype=torch.float32, device=dev)
         K.quant_rows_kernel[(maxp,)](act, aq, aq[-1], ascale, sorted_ids, n, inter,
                                      QUANT=1 + cfg.fp8, DP=next_pow2(inter), USE_PDL=bool(pdl),
-                                     NOSORT=nosort, num_warps=8, **pdl)
+                                     num_warps=8, **pdl)
         act = aq
     else:
         act, ascale = act[None], xscale
@@ -479,7 +492,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         act, maxp * inter, ascale, w2, s2, p.shift2, p.epi2, topk_w, out, sorted_ids, expert_ids,
         n, inter, h, e, float(routed_scaling_factor), n2,
         w2.stride(0), w2.stride(1), *ss2,
-        TOPK=k, WMODE=wmode2, TERMS=cfg.fp8, SWAP=cfg.swap2,
+        TOPK=k, WMODE=wmode2, TERMS=cfg.fp8, SWAP=cfg.swap2 and not fp8,
         BM=cfg.bm, BN=cfg.bn2, BK=cfg.bk2, y_ptr=y if fused_out else out,
         count_ptr=out_counts if fused_out else out, NOSORT=nosort, FUSED_OUT=fused_out, USE_PDL=bool(pdl),
         num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl)
@@ -532,10 +545,14 @@ class TritonMoE:
             raise BackendUnavailable("triton MoE backend runs MXFP8 weights only (float8_e4m3fn + uint8 "
                                      "UE8M0 scales); these weights are unquantized: use backend='torch'")
         self.check_supported(quant.w13_weight.device)
-        self.quant, self.routing = quant, routing
+        self.routing = routing
         self.prepared = prepare(quant.w13_weight, quant.w13_weight_scale, quant.w2_weight,
                                 quant.w2_weight_scale, quant.gemm1_alpha, quant.gemm1_beta,
                                 quant.gemm1_clamp_limit)
+        # Rebased at load, the backend holds its own copy of the experts: it keeps no reference to the
+        # MXFP8 tensors (quant None), so a caller that drops its own has each layer's experts resident once.
+        self.replaced_weights = self.prepared.rebased
+        self.quant = None if self.replaced_weights else quant
 
     def forward_topk(self, hidden_states, topk_ids, topk_weights, config: MoeConfig | None = None):
         """hidden [T, H], topk_ids [T, k], topk_weights [T, k] (renormalised) -> routed output [T, H],

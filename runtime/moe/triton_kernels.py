@@ -147,17 +147,13 @@ def prep_kernel(hidden_ptr, xq_ptr, xlo_ptr, xscale_ptr, out_ptr, topk_ids_ptr, 
 
 @triton.jit
 def quant_rows_kernel(src_ptr, q_ptr, lo_ptr, scale_ptr, sorted_ptr, N, D,
-                      QUANT: tl.constexpr, DP: tl.constexpr, USE_PDL: tl.constexpr = False,
-                      NOSORT: tl.constexpr = False):
-    """FP8 path, between the GEMMs: row p of act [MAXP, D] (sorted order; NOSORT: row p is slot p) ->
-    e4m3 term(s) + 2^m. Padding rows (slot id N; NOSORT: p >= N) are skipped: GEMM2 masks them."""
+                      QUANT: tl.constexpr, DP: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """FP8 path, between the GEMMs: row p of act [MAXP, D] (sorted order) -> e4m3 term(s) + 2^m.
+    Padding rows (slot id N) are skipped: GEMM2 masks them."""
     p = tl.program_id(0).to(tl.int64)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    if NOSORT:
-        if p >= N:
-            return
-    elif tl.load(sorted_ptr + p) >= N:
+    if tl.load(sorted_ptr + p) >= N:
         return
     offs = tl.arange(0, DP)
     m = offs < D
@@ -293,8 +289,6 @@ def _mma_loop(a_ptrs, alo_off, amask, w_ptrs, s_ptrs, sh_ptr, k_len, a_dtype: tl
     WMODE 7 (16-bit MMA on the rebased weights with one scale per row): the e4m3 tile converts to fp16
     (exact) without any scale multiply, the row scales multiply the accumulator once at the end."""
     if WMODE == 4 or WMODE == 5:
-        # SWAP: acc^T [ROWS, BM] = W A^T, the e4m3 weight tile the left (wgmma M) operand straight from
-        # shared memory, A^T K-major as fp8 MMA wants it (decode: BM 16 token rows, ROWS >= 64).
         acc = tl.zeros((ROWS, BM) if SWAP else (BM, ROWS), dtype=tl.float32)
         for _ in range(0, k_len, BK):
             w = tl.load(w_ptrs)  # [ROWS, BK] e4m3

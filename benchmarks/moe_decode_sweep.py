@@ -40,13 +40,17 @@ def g1_variants():
     """(name, (bn1, bk1, warps1, stages1, swap1)) for GEMM1 at one token; None: the default's."""
     return [("g1_base", None), ("g1_swap", (32, 256, 4, 3, True)), ("g1_bn16", (16, 256, 4, 3, False)),
             ("g1_bk128s4", (32, 128, 4, 4, False)), ("g1_w8", (32, 256, 8, 3, False)),
-            ("g1_swap64", (64, 256, 4, 3, True)), ("g1_swap_s4", (32, 256, 4, 4, True))]
+            ("g1_swap64", (64, 256, 4, 3, True)), ("g1_swap_s4", (32, 256, 4, 4, True)),
+            ("g1_bk512", (32, 512, 4, 3, False)), ("g1_bn64", (64, 256, 4, 3, False)), ("g1_s4", (32, 256, 4, 4, False)),
+            ("g1_w2", (32, 256, 2, 3, False))]
 
 
 def g2_variants():
     return [("g2_base", None), ("g2_swap", (64, 256, 4, 3, True)), ("g2_bk128s4", (64, 128, 4, 4, False)),
             ("g2_bn128w8", (128, 256, 8, 3, False)), ("g2_swap128", (128, 256, 4, 3, True)),
-            ("g2_swap_s4", (64, 256, 4, 4, True)), ("g2_w8", (64, 256, 8, 3, False))]
+            ("g2_swap_s4", (64, 256, 4, 4, True)), ("g2_w8", (64, 256, 8, 3, False)),
+            ("g2_bn32", (32, 256, 4, 3, False)), ("g2_bn32s4", (32, 256, 4, 4, False)), ("g2_bk512", (64, 512, 4, 3, False)),
+            ("g2_w2", (64, 256, 2, 3, False))]
 
 
 def with_g1(cfg, g):

@@ -49,12 +49,18 @@ def main(argv=None) -> int:
     name = resolve_backend(args.backend, device, quantized=quantized)
 
     get = getter(store, store.names(), device)
-    moe = MoE(cfg, get, p, device, lambda q, r: make_moe(name, q, r))
-    reference = make_moe("torch", moe.quant, moe.routing)
+    canonical = []  # the canonical tensors as loaded: a backend that rebases them at load keeps no reference
+
+    def backend(q, r):
+        canonical.append(q)
+        return make_moe(name, q, r)
+
+    moe = MoE(cfg, get, p, device, backend)
+    q = canonical[0]
+    reference = make_moe("torch", q, moe.routing)
 
     x = torch.randn(args.tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(args.seed))
     x = x.to(device=device, dtype=dtype)  # [T, H]
-    q = moe.quant
     print(f"layer {layer}: w13 {tuple(q.w13_weight.shape)} {q.w13_weight.dtype}, "
           f"w2 {tuple(q.w2_weight.shape)} {q.w2_weight.dtype}, "
           f"scales {None if q.w13_weight_scale is None else tuple(q.w13_weight_scale.shape)}")

@@ -639,6 +639,28 @@ def test_prepare_rebases_at_load_where_row_scales_hold(monkeypatch):
     assert not kept.rebased and kept.w13 is args[0] and kept.wmode1 == 1
 
 
+def test_rebase_at_load_needs_room_on_the_device(monkeypatch, caplog):
+    """Until the layer drops the stored tensors, the rebase holds both copies: with less free device memory
+    than REBASE_MARGIN x rebase_bytes (rebased e4m3 + fp32 row scales + one expert's fp32 temporaries) the
+    layer keeps the stored layout and says so once, instead of running out of memory at load."""
+    q = make_quant(4, 256, 128, "cpu", swiglu=make_swiglu_params(4, 1.702, 1.0, 7.0, "cpu"))
+    args = (q.w13_weight, q.w13_weight_scale, q.w2_weight, q.w2_weight_scale,
+            q.gemm1_alpha, q.gemm1_beta, q.gemm1_clamp_limit)
+    need = tb.rebase_bytes(q.w13_weight, q.w2_weight)  # w13 [4, 256, 256], w2 [4, 256, 128]
+    assert need == 4 * 256 * 256 + 4 * 256 * 128 + 4 * 4 * (256 + 256) + 2 * 4 * 256 * 256
+    assert tb.device_free_bytes(torch.device("cpu")) is None and tb.prepare(*args).rebased  # host: no check
+    monkeypatch.setattr(tb, "_REBASE_NO_ROOM_WARNED", [])
+    monkeypatch.setattr(tb, "device_free_bytes", lambda dev: int(tb.REBASE_MARGIN * need) - 1)
+    with caplog.at_level("WARNING", logger="porter.runtime"):
+        kept = tb.prepare(*args)
+        tb.prepare(*args)
+    assert not kept.rebased and kept.w13 is q.w13_weight and kept.wmode1 == 1
+    warnings = [r for r in caplog.records if "kept as stored" in r.getMessage()]
+    assert len(warnings) == 1 and "GB free" in warnings[0].getMessage()
+    monkeypatch.setattr(tb, "device_free_bytes", lambda dev: int(tb.REBASE_MARGIN * need) + 1)
+    assert tb.prepare(*args).rebased
+
+
 def test_prefill_path_choice():
     assert tb.default_config(tb.FP8_PREFILL_MIN_TOKENS, True).fp8 == tb.FP8_TERMS
     assert tb.default_config(4096, True).fp8 == tb.FP8_TERMS

@@ -254,13 +254,17 @@ def shard_digest(header_sha256: str, tensor_digests: list) -> str:
 _CHUNK_BUF = threading.local()  # per thread: a reusable buffer for reading a chunk
 
 
-def read_chunk_sha256(fd: int, offset: int, length: int, path) -> bytes:
-    """sha256 (32 bytes) of `length` bytes of an open file from `offset`, read into this thread's buffer."""
+def read_chunk_sha256(fd: int, offset: int, length: int, path, h=None) -> bytes:
+    """sha256 (32 bytes) of `length` bytes of an open file from `offset`, read into this thread's buffer;
+    with h (a hashlib sha256 that has taken the bytes before `offset`), of h's bytes followed by these."""
     buf = getattr(_CHUNK_BUF, "buf", None)
     if buf is None or len(buf) < length:
         buf = _CHUNK_BUF.buf = memoryview(bytearray(max(length, DIGEST_CHUNK_BYTES)))
     pread_into(fd, buf[:length], offset, path)
-    return hashlib.sha256(buf[:length]).digest()  # releases the GIL
+    if h is None:
+        return hashlib.sha256(buf[:length]).digest()  # releases the GIL
+    h.update(buf[:length])
+    return h.digest()
 
 
 @dataclass

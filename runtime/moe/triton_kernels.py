@@ -1,13 +1,17 @@
 """Triton kernels of the Hopper (SM90, runs on SM80+) MXFP8 fused MoE.
 
-Weights are read exactly as stored (w13 [E, 2I, H] / w2 [E, H, I] float8_e4m3fn, K contiguous, one
-UE8M0 byte per 32 along K). Two ways to multiply them (triton_backend.default_config picks per T):
-  * W8A16 (decode and small prefill): the weight tile is dequantized in registers to fp16,
-    e4m3 * 2^(s-127), as the RHS of an fp16 MMA (fp32 accumulate); activations in fp16.
+Weights: w13 [E, 2I, H] / w2 [E, H, I] float8_e4m3fn, K contiguous, either rebased at load to one fp32
+power-of-two scale per row (triton_backend.prepare, the default where row_scale_ok holds: WMODE 7 / 5)
+or as stored with one UE8M0 byte per 32 along K (WMODE 1..4). Two ways to multiply them
+(triton_backend.default_config picks per T):
+  * W8A16 (decode and small prefill): the weight tile is converted in registers to fp16 (rebased:
+    e4m3 -> fp16 only, the row scale applied to the accumulator; as stored: e4m3 * 2^(s-127)), as the
+    RHS of an fp16 MMA (fp32 accumulate); activations in fp16.
   * FP8 (prefill): activations are quantized per token to e4m3 with a power-of-two scale (one or
-    two e4m3 terms, see _quant_row); the weights, rebased once at first use to one power-of-two
-    scale per row (WMODE 5) or per (row, 128 K) (WMODE 4; triton_backend.rebase_fp8: a power-of-two
-    shift of the stored e4m3 values), feed the fp8 MMA. WMODE 5 chains the MMAs over the whole K
+    two e4m3 terms, see _quant_row); the weights rebased to one power-of-two scale per row (WMODE 5:
+    the load-time tensors, or a copy made at first use when the weights are kept as stored) or per
+    (row, 128 K) (WMODE 4; triton_backend.rebase_fp8: a power-of-two shift of the stored e4m3
+    values) feed the fp8 MMA. WMODE 5 chains the MMAs over the whole K
     and applies the row scale in the epilogue; WMODE 4 multiplies each 128-wide K step's fp32
     partial by its block scale before it joins the accumulator, which also bounds how long the fp8
     MMA accumulates on its own (Hopper's fp8 MMA accumulates with fewer bits than fp32: layer error

@@ -297,11 +297,7 @@ class PreparedMoE:
 
 
 def rebase_at_load() -> bool:
-    import os
-    flag = REBASE_AT_LOAD
-    if flag is None:
-        flag = os.environ.get("PORTER_MOE_REBASE", "1") != "0"
-    return bool(flag)
+    return _switch(REBASE_AT_LOAD, "PORTER_MOE_REBASE")
 
 
 def device_free_bytes(dev: torch.device) -> Optional[int]:
@@ -391,23 +387,22 @@ def _fused_out_scratch(device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]
     return buf
 
 
+def _switch(flag: Optional[bool], env: str) -> bool:
+    """A module switch: its value, or with None the environment variable env (on unless it is "0")."""
+    import os
+    return bool(os.environ.get(env, "1") != "0" if flag is None else flag)
+
+
 def _pdl_enabled(device) -> bool:
     import os
-    flag = USE_PDL
-    if flag is None:
-        flag = os.environ.get("PORTER_MOE_PDL", "1") != "0"
-    if not flag or os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+    if not _switch(USE_PDL, "PORTER_MOE_PDL") or os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def fp8_prefill_enabled(device) -> bool:
     """The FP8 prefill path needs fp8 MMA (SM89+); FP8_PREFILL / PORTER_MOE_FP8=0 turn it off."""
-    import os
-    flag = FP8_PREFILL
-    if flag is None:
-        flag = os.environ.get("PORTER_MOE_FP8", "1") != "0"
-    if not flag or device.type != "cuda":
+    if not _switch(FP8_PREFILL, "PORTER_MOE_FP8") or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 

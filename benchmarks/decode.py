@@ -70,7 +70,7 @@ def mlp_bytes(layer, experts_touched: int) -> int:
     if m.quant is not None:
         q = m.quant
         per_expert = nbytes(q.w13_weight[0], q.w13_weight_scale[0], q.w2_weight[0], q.w2_weight_scale[0])
-    else:  # the backend's own layout (Triton, rebased at load: e4m3 + one fp32 scale per row)
+    else:  # the Triton backend's own layout (rebased at load: e4m3 + one fp32 scale per row)
         p = m.experts.prepared
         per_expert = nbytes(p.w13[0], p.w13_scale[0], p.w2[0], p.w2_scale[0])
     shared = linear_bytes(m.shared.gate) + linear_bytes(m.shared.up) + linear_bytes(m.shared.down)

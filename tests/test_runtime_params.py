@@ -174,3 +174,28 @@ def test_interrupted_artifact_is_refused(tmp_path, tiny_vendor):
     (art / "model.safetensors.index.json").unlink()
     with pytest.raises(runtime.LoadError, match="did not finish.*--resume"):
         runtime.load(art)
+
+
+def test_moe_layer_holds_the_expert_tensors_only_through_its_backend(ckpts):
+    """A backend that keeps the canonical tensors (torch) leaves them reachable as layer.quant; one that
+    makes its own layout at load and keeps none (TRT-LLM, the Triton rebase) leaves the layer none either,
+    so the experts are not resident twice."""
+    from runtime.loader import getter, open_store
+    from runtime.models.minimax_m3 import MoE
+    from runtime.moe import make_moe
+
+    _, _, art = ckpts
+    store = open_store(art)
+    layer = next(i for i in range(store.config.num_hidden_layers) if store.config.is_moe(i))
+    get = getter(store, store.names(), torch.device("cpu"))
+    prefix = f"model.layers.{layer}.block_sparse_moe."
+    torch_layer = MoE(store.config, get, prefix, torch.device("cpu"), lambda q, r: make_moe("torch", q, r))
+    assert torch_layer.quant is torch_layer.experts.quant
+    assert torch_layer.quant.w13_weight.dtype == torch.float8_e4m3fn
+
+    class OwnLayout:  # what TrtllmMoE keeps: derived tensors, no MoeQuantInfo
+        def __init__(self, q, r):
+            self.gemm1_weights = q.w13_weight.clone()
+
+    own = MoE(store.config, get, prefix, torch.device("cpu"), OwnLayout)
+    assert own.quant is None and own.experts.gemm1_weights.shape == torch_layer.quant.w13_weight.shape

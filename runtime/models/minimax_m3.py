@@ -508,9 +508,10 @@ class MoE:
             **make_swiglu_params(cfg.num_local_experts, cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit,
                                  device))
         self.experts = make_backend(quant, self.routing)
-        # A backend that made its own layout of the experts at load (the Triton backend's rebase) holds no
-        # reference to these tensors; neither does the layer then, so the experts are resident once.
-        self.quant = None if getattr(self.experts, "replaced_weights", False) else quant
+        # The layer holds the canonical tensors only through its backend: one that makes its own layout at
+        # load (TRT-LLM's shuffled tensors, the Triton backend's rebase) keeps none, and the experts are
+        # resident once.
+        self.quant = getattr(self.experts, "quant", None)
         self.shared = MLP(cfg, get, p + "shared_experts.") if cfg.n_shared_experts else None
 
     def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:

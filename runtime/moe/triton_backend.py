@@ -582,8 +582,12 @@ class TritonMoE:
                                 quant.gemm1_clamp_limit)
         # Rebased at load, the backend holds its own copy of the experts: it keeps no reference to the
         # MXFP8 tensors (quant None), so a caller that drops its own has each layer's experts resident once.
-        self.replaced_weights = self.prepared.rebased
-        self.quant = None if self.replaced_weights else quant
+        self.quant = None if self.prepared.rebased else quant
+
+    @property
+    def replaced_weights(self) -> bool:
+        """Whether the backend's layout replaced the canonical tensors (rebased at load)."""
+        return self.prepared.rebased
 
     def forward_topk(self, hidden_states, topk_ids, topk_weights, config: MoeConfig | None = None):
         """hidden [T, H], topk_ids [T, k], topk_weights [T, k] (renormalised) -> routed output [T, H],

@@ -398,8 +398,7 @@ class TensorDigest:
     in order (each writer feeds the chunk's running sha256 the part of its range that continues the bytes
     hashed so far; one writer at a time per chunk), and once all its bytes are in, its digest is finished by
     whichever writer is last: from the running hash, plus the bytes that came out of order read back from
-    the page cache. A write that holds a whole chunk hashes it at once. Chunks of one tensor are hashed on
-    many threads at once. Streaming spares the read-back of chunks one worker writes in order (a CPU
+    the page cache. Chunks of one tensor are hashed on many threads at once. Streaming spares the read-back of chunks one worker writes in order (a CPU
     worker writes an expert in 1 MiB pieces, each 16 MiB chunk then took a 16 MiB pread back)."""
 
     def __init__(self, fd: int, path: Path, start: int, length: int, chunk_bytes: int,
@@ -434,26 +433,15 @@ class TensorDigest:
                     self.claimed[i] = True
                     finish.append(i)
         for i, lo, hi in feeds:
-            b, n = self.spans[i]
-            piece = data[lo - offset:hi - offset]
-            whole = lo == b and hi == b + n
-            if whole:  # this write holds the whole chunk
-                sha = hashlib.sha256(piece).digest()
-            else:
-                if self.hashers[i] is None:
-                    self.hashers[i] = hashlib.sha256()
-                self.hashers[i].update(piece)  # releases the GIL
+            if self.hashers[i] is None:
+                self.hashers[i] = hashlib.sha256()
+            self.hashers[i].update(data[lo - offset:hi - offset])  # releases the GIL
             with self.lock:
                 self.busy[i] = False
                 self.fed[i] += hi - lo
-                if whole:
-                    self.claimed[i] = True
-                    self.digests[i] = sha
-                elif self.left[i] == 0 and not self.claimed[i]:
+                if self.left[i] == 0 and not self.claimed[i]:
                     self.claimed[i] = True
                     finish.append(i)
-            if whole:
-                self._chunk_done()
         for i in finish:
             b, n = self.spans[i]
             fed, h = self.fed[i], self.hashers[i]
@@ -464,14 +452,10 @@ class TensorDigest:
             self.hashers[i] = None
             with self.lock:
                 self.digests[i] = sha
-            self._chunk_done()
-
-    def _chunk_done(self) -> None:
-        with self.lock:
-            self.todo -= 1
-            last = self.todo == 0
-        if last:
-            self.on_done(tensor_digest(self.digests))
+                self.todo -= 1
+                last = self.todo == 0
+            if last:
+                self.on_done(tensor_digest(self.digests))
 
 
 class Writeback:

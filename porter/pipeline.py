@@ -398,8 +398,9 @@ class TensorDigest:
     in order (each writer feeds the chunk's running sha256 the part of its range that continues the bytes
     hashed so far; one writer at a time per chunk), and once all its bytes are in, its digest is finished by
     whichever writer is last: from the running hash, plus the bytes that came out of order read back from
-    the page cache. Chunks of one tensor are hashed on many threads at once. Streaming spares the read-back of chunks one worker writes in order (a CPU
-    worker writes an expert in 1 MiB pieces, each 16 MiB chunk then took a 16 MiB pread back)."""
+    the page cache. Chunks of one tensor are hashed on many threads at once. Streaming spares the
+    read-back of chunks one worker writes in order (a CPU worker writes an expert in 1 MiB pieces; each
+    16 MiB chunk then took a 16 MiB pread back)."""
 
     def __init__(self, fd: int, path: Path, start: int, length: int, chunk_bytes: int,
                  on_done: Callable[[str], None]):

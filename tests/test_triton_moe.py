@@ -422,6 +422,25 @@ def test_decode_tiles_match_torch_at_real_dims(t):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("prefetch", [0, 1024, 3072])
+@pytest.mark.parametrize("t", [1, 4, 64])
+def test_gemm2_early_launch_and_l2_prefetch_match_torch(t, prefetch, monkeypatch):
+    """GEMM2_PREFETCH (GEMM1 lets GEMM2 launch once its own wait is over; GEMM2 prefetches its weight rows
+    before it waits for GEMM1) at MiniMax-M3's layer dims: same bound against the torch reference, and
+    three calls in a row (GEMM2 waits for the whole of GEMM1 every time, or act rows would be stale)."""
+    monkeypatch.setattr(tb, "GEMM2_PREFETCH", prefetch)
+    e, h, i, k = 16, 6144, 3072, 4
+    quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"))
+    moe, x, ids, w, out = check_against_torch(quant, t, k, h)
+    assert tb.gemm2_prefetch_bytes(i) == prefetch
+    for _ in range(2):
+        x2 = torch.randn_like(x)  # new activations: a GEMM2 that read act early would reuse the old rows
+        ref = TorchMoE(quant, moe.routing).forward_topk(x2, ids, w)
+        assert rel(moe.forward_topk(x2, ids, w), ref) <= REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
 def test_call_routes_and_applies_rsf_once():
     e, h, i, k = 16, 256, 128, 4
     quant = make_quant(e, h, i, "cuda")
@@ -666,6 +685,17 @@ def test_prefill_path_choice():
     assert tb.default_config(4096, True).fp8 == tb.FP8_TERMS
     assert tb.default_config(tb.FP8_PREFILL_MIN_TOKENS - 1, True).fp8 == 0
     assert all(tb.default_config(t, False).fp8 == 0 for t in (1, 256, 4096))
+
+
+def test_gemm2_prefetch_switch(monkeypatch):
+    monkeypatch.delenv("PORTER_MOE_GEMM2_PREFETCH", raising=False)
+    assert tb.gemm2_prefetch_bytes(3072) is None  # off unless asked for
+    monkeypatch.setenv("PORTER_MOE_GEMM2_PREFETCH", "100000")
+    assert tb.gemm2_prefetch_bytes(3072) == 3072  # at most one whole row
+    monkeypatch.setattr(tb, "GEMM2_PREFETCH", 1000)
+    assert tb.gemm2_prefetch_bytes(3072) == 992  # a multiple of 16 (the bulk prefetch's unit)
+    monkeypatch.setattr(tb, "GEMM2_PREFETCH", -1)
+    assert tb.gemm2_prefetch_bytes(3072) is None
 
 
 def test_pdl_and_fused_output_gates_on_cpu():

@@ -165,12 +165,12 @@ def test_fp8_prefill_matches_torch(t, row_scale, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("t", [1, 4, 16, 300, 1100])
+@pytest.mark.parametrize("t", [1, 4, 16, 300, 600, 1100])
 def test_load_time_rebase_replaces_the_stored_weights(t, monkeypatch):
     """REBASE_AT_LOAD (the default): where row_scale_ok holds, prepare rebases the experts to one power-of-two
-    scale per row and keeps only that copy - every path reads it (W8A16 as WMODE 7 at 1..1023 tokens, the
-    FP8 path at 1100 without a second copy) and the backend drops its reference to the MXFP8 tensors. At
-    MiniMax-M3's H 6144 / I 3072: within the bounds of the torch reference (W8A16 1e-2, FP8 2e-2) and of
+    scale per row and keeps only that copy - every path reads it (W8A16 as WMODE 7 below
+    FP8_PREFILL_MIN_TOKENS, the FP8 path at 600 and 1100 without a second copy) and the backend drops its
+    reference to the MXFP8 tensors. At MiniMax-M3's H 6144 / I 3072: within the bounds of the torch reference (W8A16 1e-2, FP8 2e-2) and of
     the layer on the weights as stored (the rebase moves values by <= 1e-5 relative; W8A16 within 1e-3,
     the rest is fp32 summation order and bf16 output rounding)."""
     e, h, i, k = 8, 6144, 3072, 4
@@ -191,7 +191,7 @@ def test_load_time_rebase_replaces_the_stored_weights(t, monkeypatch):
     assert torch.cuda.memory_allocated() - before <= expert_bytes * 1.01  # one rebased copy, nothing else
     rebased = moe.forward_topk(x, ids, w)
     torch.cuda.synchronize()
-    assert p.fp8_blocks is None  # the FP8 path (t >= 1024) read the rebased weights themselves
+    assert p.fp8_blocks is None  # the FP8 path (t >= FP8_PREFILL_MIN_TOKENS) read the rebased weights themselves
     ref = TorchMoE(quant, moe.routing).forward_topk(x, ids, w)
     assert rel(rebased, ref) <= (2e-2 if fp8 else REL_TOL)
     if not fp8:
@@ -418,25 +418,6 @@ def test_decode_tiles_match_torch_at_real_dims(t):
     cfgs = decode_tile_variants(t) + [replace(tb.default_config(t), swap1=True, swap2=True)]
     for j, cfg in enumerate(cfgs):
         check_against_torch(quant, t, k, h, config=cfg, errs=errs, key=j)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("prefetch", [0, 1024, 3072])
-@pytest.mark.parametrize("t", [1, 4, 64])
-def test_gemm2_early_launch_and_l2_prefetch_match_torch(t, prefetch, monkeypatch):
-    """GEMM2_PREFETCH (GEMM1 lets GEMM2 launch once its own wait is over; GEMM2 prefetches its weight rows
-    before it waits for GEMM1) at MiniMax-M3's layer dims: same bound against the torch reference, and
-    three calls in a row (GEMM2 waits for the whole of GEMM1 every time, or act rows would be stale)."""
-    monkeypatch.setattr(tb, "GEMM2_PREFETCH", prefetch)
-    e, h, i, k = 16, 6144, 3072, 4
-    quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"))
-    moe, x, ids, w, out = check_against_torch(quant, t, k, h)
-    assert tb.gemm2_prefetch_bytes(i) == prefetch
-    for _ in range(2):
-        x2 = torch.randn_like(x)  # new activations: a GEMM2 that read act early would reuse the old rows
-        ref = TorchMoE(quant, moe.routing).forward_topk(x2, ids, w)
-        assert rel(moe.forward_topk(x2, ids, w), ref) <= REL_TOL
 
 
 @pytest.mark.gpu
@@ -685,17 +666,6 @@ def test_prefill_path_choice():
     assert tb.default_config(4096, True).fp8 == tb.FP8_TERMS
     assert tb.default_config(tb.FP8_PREFILL_MIN_TOKENS - 1, True).fp8 == 0
     assert all(tb.default_config(t, False).fp8 == 0 for t in (1, 256, 4096))
-
-
-def test_gemm2_prefetch_switch(monkeypatch):
-    monkeypatch.delenv("PORTER_MOE_GEMM2_PREFETCH", raising=False)
-    assert tb.gemm2_prefetch_bytes(3072) is None  # off unless asked for
-    monkeypatch.setenv("PORTER_MOE_GEMM2_PREFETCH", "100000")
-    assert tb.gemm2_prefetch_bytes(3072) == 3072  # at most one whole row
-    monkeypatch.setattr(tb, "GEMM2_PREFETCH", 1000)
-    assert tb.gemm2_prefetch_bytes(3072) == 992  # a multiple of 16 (the bulk prefetch's unit)
-    monkeypatch.setattr(tb, "GEMM2_PREFETCH", -1)
-    assert tb.gemm2_prefetch_bytes(3072) is None
 
 
 def test_pdl_and_fused_output_gates_on_cpu():

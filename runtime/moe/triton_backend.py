@@ -47,11 +47,13 @@ class MoeConfig:
 #   256    1888    2331          2217
 #   1024   4132    2611          2389
 #   4096   8041    6005          4998
-# FP8 wins from 1024 tokens on; 256..1023 were not measured between those points, so W8A16 stays there.
+# Between those points (round 12, rebased weights, benchmarks/results/moe_layer_round12_crossover_NVIDIA_H200.md
+# and moe_layer_round12_NVIDIA_H200.md): W8A16 / FP8 2 terms 256: 1692 / 1857, 320: 1769 / 1919,
+# 384: 1858 / 1945, 448: 1950 / 2014, 512: 2242 / 2007, 768: 2550 / 2066, 1024: 3336 / 2106. FP8 from 512 on.
 # Rel error vs the torch reference: W8A16 3.9e-3, FP8 with two terms 4.2e-3. Those FP8 figures are for
 # one weight scale per 128 K; one per row (FP8_ROW_SCALE, the default since) measured T=1024 2454 -> 2050,
 # T=4096 5847 -> 4586 in one run, rel error 5.7e-3 (benchmarks/results/moe_round6_fp8_row_scale_ab.log).
-FP8_PREFILL_MIN_TOKENS = 1024  # the FP8 path from here on (when enabled), W8A16 below
+FP8_PREFILL_MIN_TOKENS = 512  # the FP8 path from here on (when enabled), W8A16 below
 FP8_TERMS = 2  # e4m3 terms per activation (one term: layer rel error 4.8e-2, over the 2e-2 bound)
 FP8_PREFILL = None  # None: PORTER_MOE_FP8 env ("0" disables), default on
 # Load-time rebase (prepare): where row_scale_ok holds for both GEMMs, the experts are kept as e4m3 with one
@@ -370,10 +372,6 @@ _out_scratch: dict = {}
 FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scratch of T x H
 NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per routed slot (BM 16)
 USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORTER_MOE_PDL env, default on
-# Experiment (W8A16 with PDL): None off; 0: GEMM1 triggers GEMM2's launch early (its programs become resident
-# during GEMM1's tail); n > 0: that, and each GEMM2 program prefetches the first n bytes of its weight rows
-# into L2 before it waits for GEMM1. None: PORTER_MOE_GEMM2_PREFETCH env (unset: off).
-GEMM2_PREFETCH = None
 
 
 def _fused_out_scratch(device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,16 +400,6 @@ def _pdl_enabled(device) -> bool:
     if not _switch(USE_PDL, "PORTER_MOE_PDL") or os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def gemm2_prefetch_bytes(inter: int) -> Optional[int]:
-    """GEMM2_PREFETCH resolved: None (off) or the prefetched bytes per weight row (0..inter, multiple of 16)."""
-    import os
-    v = GEMM2_PREFETCH
-    if v is None:
-        env = os.environ.get("PORTER_MOE_GEMM2_PREFETCH", "")
-        v = int(env) if env else None
-    return None if v is None or v < 0 else min(v, inter) // 16 * 16
 
 
 def fp8_prefill_enabled(device) -> bool:
@@ -515,14 +503,13 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     # act rows in sorted (or slot) order; bf16 before the FP8 path's quantize kernel
     act_dtype = torch.float16 if p.fp16_2 and not fp8 else torch.bfloat16
     act = torch.empty((maxp, inter), dtype=act_dtype, device=dev)
-    prefetch = gemm2_prefetch_bytes(inter) if pdl and not fp8 else None
     n1 = inter // cfg.bn1
     K.gemm1_swiglu_kernel[(nblk * n1,)](
         xq, t * h, xscale, w13, s13, p.shift13, p.epi13, p.alpha, p.beta, p.limit,
         sorted_ids, expert_ids, act, n, h, inter, e, n1,
         xq.stride(1), w13.stride(0), w13.stride(1), *ss13,
         TOPK=k, WMODE=wmode1, PRESCALED=quant_x > 0, TERMS=cfg.fp8, SWAP=cfg.swap1 and not fp8,
-        BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, NOSORT=nosort, USE_PDL=bool(pdl), EARLY_TRIGGER=prefetch is not None,
+        BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, NOSORT=nosort, USE_PDL=bool(pdl),
         num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
     if fp8:  # act -> [terms, MAXP, I] e4m3 + per-row 2^m
         aq = torch.empty((cfg.fp8, maxp, inter), dtype=torch.float8_e4m3fn, device=dev)
@@ -541,7 +528,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         TOPK=k, WMODE=wmode2, TERMS=cfg.fp8, SWAP=cfg.swap2 and not fp8,
         BM=cfg.bm, BN=cfg.bn2, BK=cfg.bk2, y_ptr=y if fused_out else out,
         count_ptr=out_counts if fused_out else out, NOSORT=nosort, FUSED_OUT=fused_out, USE_PDL=bool(pdl),
-        PREFETCH_K=prefetch or 0, num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl)
+        num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl)
     return y if fused_out else out.to(hidden.dtype)
 
 

@@ -213,16 +213,6 @@ def _fence_gpu():
 
 
 @triton.jit
-def _prefetch_rows_l2(row_ptrs, NBYTES: tl.constexpr):
-    """One bulk L2 prefetch (cp.async.bulk.prefetch.L2, SM90) of NBYTES from each row pointer (16-byte
-    aligned, NBYTES a multiple of 16); nothing is loaded into registers."""
-    addr = row_ptrs.to(tl.int64)
-    size = tl.full(addr.shape, NBYTES, dtype=tl.int32)
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                              [addr, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _block_rows(sorted_ptr, expert_ids_ptr, pid_m, N, BM: tl.constexpr, NOSORT: tl.constexpr):
     """(expert, rows, slot ids, valid mask, is_active) of BM block pid_m.
 
@@ -395,18 +385,13 @@ def gemm1_swiglu_kernel(x_ptr, xlo_off, xscale_ptr, w_ptr, s_ptr, shift_ptr, epi
                         TOPK: tl.constexpr, WMODE: tl.constexpr, PRESCALED: tl.constexpr,
                         TERMS: tl.constexpr, SWAP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        NOSORT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                        EARLY_TRIGGER: tl.constexpr = False):
+                        NOSORT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """act[p, n] = SwiGLU-OAI(x W_gate^T, x W_up^T) for sorted row p, columns [n, n+BN) of I.
 
     One [2BN, K] weight slab per program (BN gate rows then the BN matching up rows), one MMA per K
-    step, split in the epilogue. Grid (MAXB * I/BN,). EARLY_TRIGGER (with USE_PDL): every program
-    lets the dependent GEMM2 launch as soon as its own wait is over, instead of at its exit, so GEMM2's
-    programs become resident during this kernel's tail (they still wait for its completion)."""
+    step, split in the epilogue. Grid (MAXB * I/BN,)."""
     pid_n, e, rows, tok, tmask, has_work = _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT,
                                                           USE_PDL)
-    if EARLY_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
     if not has_work:
         return
     _gemm1_tile(x_ptr, xlo_off, xscale_ptr, stride_xm, w_ptr, s_ptr, shift_ptr, epi_ptr, alpha_ptr, beta_ptr,
@@ -460,8 +445,7 @@ def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, e
                         TOPK: tl.constexpr, WMODE: tl.constexpr, TERMS: tl.constexpr, SWAP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         y_ptr=None, count_ptr=None, NOSORT: tl.constexpr = False,
-                        FUSED_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                        PREFETCH_K: tl.constexpr = 0):
+                        FUSED_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """out[token, n] += rsf * w_route * (act W2^T)[p, n] by fp32 atomics: the top-k reduce happens
     in the atomics. Grid (MAXB * H/BN,). SWAP, WMODE, TERMS as in GEMM1; WMODE 4 / 5 read act as e4m3
     term(s) with the per-row scale 2^m at ascale_ptr.
@@ -473,17 +457,7 @@ def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, e
     that brings a row's counter to TOPK (the last contribution) crosses a CTA barrier and a fence
     again, reads the finished fp32 row tile from L2 (.cg), stores it to y in y's dtype and re-zeroes
     the scratch tile and the counter for the next call. Calls sharing the scratch must be
-    stream-ordered (they are: one stream, one forward at a time).
-
-    PREFETCH_K > 0 (with USE_PDL and GEMM1's EARLY_TRIGGER): before waiting for GEMM1, the program
-    prefetches the first PREFETCH_K bytes of each of its weight rows into L2. Its expert is known then:
-    the routing (NOSORT) or prep's alignment finished before GEMM1 passed its own wait."""
-    if PREFETCH_K > 0:
-        pid = tl.program_id(0)
-        e0, _, _, _, active0 = _block_rows(sorted_ptr, expert_ids_ptr, pid // NUM_N, N, BM, NOSORT)
-        if active0 & (e0 < E):
-            wrows = ((pid % NUM_N) * BN + tl.arange(0, BN)).to(tl.int64)
-            _prefetch_rows_l2(w_ptr + e0.to(tl.int64) * stride_we + wrows * stride_wn, PREFETCH_K)
+    stream-ordered (they are: one stream, one forward at a time)."""
     pid_n, e, rows, tok, tmask, has_work = _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT,
                                                           USE_PDL)
     if not has_work:

@@ -12,6 +12,8 @@
 #             verify GPU tests
 #   convert   conversion with streaming chunk digests: 2 cores (taskset -c 0,1; 1.92 GB, CPU + cuda, and the
 #             CPU path's stage profile) and 16 cores (8.1 GB, CPU + cuda)
+#   convmap   the CPU path mapping source tensors (default) against reading them (PORTER_SOURCE_MAP=0), in the
+#             same runs: 2 cores (1.92 GB, two repeats, and both stage profiles) and 16 cores (8.1 GB)
 #   OUT=/tmp/out STEPS="tests prefetch" bash benchmarks/round12_call.sh
 set -u
 OUT=${OUT:-/tmp/r12}
@@ -64,6 +66,20 @@ if has convert; then
     --copies copy-safetensors,copy-safetensors+fsync,copy-files --sizes 8 --out "$OUT/convert_16c_8.json"
   grep -h "warm convert\|warm copy\|GB checkpoint" "$OUT"/convert_*.log | cut -c1-160
   grep -v "longest\|journal writes" "$OUT/profile_2c.log" | tail -16
+fi
+if has convmap; then
+  { lscpu | grep -i "model name"; grep -c sha_ni /proc/cpuinfo; } >> "$OUT/gpu.txt" 2>&1
+  step convmap_2c 200 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --devices cpu --variants "pread@cpu:PORTER_SOURCE_MAP=0" \
+    --copies copy-safetensors,copy-safetensors+fsync,copy-files --sizes 2 --repeats 2 --out "$OUT/convmap_2c.json"
+  step build_2 60 "${BUILD_CHECKPOINT[@]}" /tmp/r12src2 2
+  for v in 1 0; do
+    step profile_2c_map$v 60 env PORTER_SOURCE_MAP=$v taskset -c 0,1 python benchmarks/convert_profile.py --device cpu \
+      --max-shard-size 512MB --src /tmp/r12src2 --out "$OUT/profile_2c_map$v.json"
+  done
+  step convmap_16c_8 200 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu --variants "pread@cpu:PORTER_SOURCE_MAP=0" \
+    --copies copy-safetensors,copy-files --sizes 8 --out "$OUT/convmap_16c_8.json"
+  grep -h "warm convert\|warm copy\|GB checkpoint" "$OUT"/convmap_*.log | cut -c1-200
+  for v in 1 0; do grep -v "longest\|journal writes" "$OUT/profile_2c_map$v.log" | grep -E "cpu:|core-s" | cut -c1-110; done
 fi
 # one archive comes back (the device returns at most 8 files per call)
 tar czf /tmp/r12.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/r12.tgz "$OUT/r12_${STEPS// /_}.tgz"

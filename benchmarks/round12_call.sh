@@ -12,7 +12,8 @@
 #             verify GPU tests
 #   convert   conversion with streaming chunk digests: 2 cores (taskset -c 0,1; 1.92 GB, CPU + cuda, and the
 #             CPU path's stage profile) and 16 cores (8.1 GB, CPU + cuda)
-#   convmap   the CPU path mapping source tensors (default) against reading them (PORTER_SOURCE_MAP=0), in the
+#   convmap   (needs commit d241d27: mapped source reads were taken out again after this measurement) the CPU
+#             path mapping source tensors against reading them (PORTER_SOURCE_MAP=0), in the
 #             same runs: 2 cores (1.92 GB, two repeats, and both stage profiles) and 16 cores (8.1 GB)
 #   OUT=/tmp/out STEPS="tests prefetch" bash benchmarks/round12_call.sh
 set -u

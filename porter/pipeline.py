@@ -44,11 +44,6 @@ QUANT_CHUNK_ELEMS = 1 << 20  # CPU quantizes this many elements per call up to 2
 # call's arrays; porter.mxfp8 tiles them for the cache itself)
 MANY_WORKERS_QUANT_ELEMS = 1 << 22  # ... and this many, in one tile, past 2 workers (quant_sizes)
 SLAB_MAX_BYTES = 256 << 20  # CPU reads up to this size go into the worker's reused buffer
-# CPU path: source tensors of at least this many bytes are not read but mapped (TensorReader.map): the
-# quantizer, the hash and pwrite read the page cache's own pages, which saves the pread copy (on 2 cores of the
-# H200 machine 0.50 core-seconds per 1.92 GB). Smaller ones are read: a mapping costs two system calls.
-# PORTER_SOURCE_MAP=0 reads everything (A/B).
-MAP_MIN_BYTES = 1 << 20
 # Output shards written at once. ext4 (and most Linux filesystems) serialize buffered writes into one file on
 # its inode lock, so workers that all pwrite into one shard copy into the page cache one at a time (2-core
 # box: two threads into one file were no faster than one, into two files twice as fast). A few shards at
@@ -200,19 +195,11 @@ def quant_sizes(workers: int) -> tuple[int, Optional[int]]:
     return MANY_WORKERS_QUANT_ELEMS, MANY_WORKERS_QUANT_ELEMS // mxfp8.BLOCK
 
 
-def reads_into_slab(n: int, device: torch.device) -> bool:
-    """Whether a source read of n bytes lands in the worker's reused slab (Pipeline.read): always on the GPU
-    path (pinned); on the CPU when it is neither mapped (MAP_MIN_BYTES) nor larger than SLAB_MAX_BYTES."""
-    if device.type == "cuda":
-        return True
-    return n <= SLAB_MAX_BYTES and not (source_mapping() and n >= MAP_MIN_BYTES)
-
-
 def unit_costs(t: OutTensor, device: torch.device, workers: int = 1) -> tuple[int, int]:
     """(working set, output bytes) of one unit of t (one expert, or the whole tensor), in bytes."""
     src = _src_bytes(t)
-    read = 0 if reads_into_slab(src, device) else src  # slab reads: memory_estimate counts the slabs; the
-    # rest are CPU reads mapped in place (file-backed RSS while the unit runs) or too large for a slab
+    read = src if device.type == "cpu" and src > SLAB_MAX_BYTES else 0  # reads live in the worker's slab
+    # (memory_estimate counts the slabs), except CPU reads too large for one
     if not t.quantize:
         return read, src  # the value: the read itself, or a copy a builder makes of it
     if device.type == "cpu":  # chunk temporaries + the chunk's q. 16 bytes/element bounds mxfp8's reference path
@@ -290,12 +277,6 @@ def slab_prefault() -> bool:
     return _env_switch("PORTER_SLAB_PREFAULT", "1", lambda v: v == "0") != "0"
 
 
-def source_mapping() -> bool:
-    """Whether the CPU path maps large source tensors instead of reading them (MAP_MIN_BYTES);
-    PORTER_SOURCE_MAP=0 reads them."""
-    return _env_switch("PORTER_SOURCE_MAP", "1", lambda v: v == "0") != "0"
-
-
 def interleave_shards(units: list, shard_of: Callable[[Unit], str], width: int) -> list:
     """Units reordered round-robin over `width` output shards at a time (each shard's own units keep plan
     order; the next shard joins when one runs out), so writes go to several files at once."""
@@ -343,7 +324,7 @@ def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.devic
     if device.type == "cuda":  # every worker keeps its pinned slabs (registered at their size) for the whole run
         base += workers * sum(pinned_slab_bytes(reads, [t for t in tensors if t.quantize]).values())
     else:  # CPU: every worker keeps a read slab as large as its largest read that goes into one
-        base += workers * max((r for r in reads if reads_into_slab(r, device)), default=0)
+        base += workers * max((r for r in reads if r <= SLAB_MAX_BYTES), default=0)
     inflight = max(unit, min(workers * unit, budget_for(max_memory, base, scales + readback)))
     return {"base": base, "unit": unit, "workers": workers, "inflight": inflight, "scales": scales,
             "readback": readback, "total": base + inflight + scales + readback, "max_memory": max_memory}
@@ -609,7 +590,6 @@ class Pipeline:
         self.rounding = plan.options["scale_rounding"]
         self.reader = TensorReader(plan.source.spans)
         self.pin = device.type == "cuda"
-        self.map_source = not self.pin and source_mapping()  # CPU path: source tensors viewed in place
         self.lock = threading.RLock()  # re-entered when a zero-byte tensor's hash completes at creation
         self.journal_lock = threading.Lock()  # on_shard_done calls, one at a time (see _closed)
         self.shards: dict = {}
@@ -635,9 +615,7 @@ class Pipeline:
         if pre is not None and name in pre.scales:
             return pre.dequantize(self.reader.read(name, index), self.reader.read(pre.scales[name], index))
         n = self.reader.nbytes(name, index)
-        if self.map_source and not self.pin and n >= MAP_MIN_BYTES:
-            return self.reader.map(name, index)
-        if self.pin or reads_into_slab(n, self.device):  # into this worker's slab: pinned on the GPU path (the async
+        if self.pin or n <= SLAB_MAX_BYTES:  # into this worker's slab: pinned on the GPU path (the async
             # host->device copy needs page-locked memory); on the CPU a reused buffer instead of a fresh
             # allocation per read (large ones are mmapped and page-faulted in every time: kernel time)
             return self.reader.read(name, index, into=self._slab("src", n))
@@ -881,9 +859,6 @@ class Pipeline:
 
     def _copy(self, u: Unit, cost: list) -> None:
         src = u.t.sources[0]
-        if self.map_source and u.length >= MAP_MIN_BYTES:  # hashed and written straight from the file's pages
-            self.deposit(u.t.name, u.begin, self.reader.map_bytes(src, u.begin, u.length), cost)
-            return
         buf = self._slab("src", u.length)  # at most COPY_CHUNK_BYTES
         self.deposit(u.t.name, u.begin, self.reader.read_bytes(src, u.begin, u.length, into=buf), cost)
 

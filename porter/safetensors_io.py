@@ -1,8 +1,7 @@
 """safetensors files without the safetensors library: validated headers, pread/pwrite at known offsets.
 
 Reading: `parse_header` checks a header against its file (every malformed file is named), `TensorReader`
-reads tensors with pread from any thread, or maps one tensor's bytes (`TensorReader.map`: no copy, for the
-CPU path; the mapping and its file-backed RSS go away with the last tensor viewing it).
+reads tensors with pread from any thread (no mmap: file pages never count as the process's RSS).
 Writing: the output header is known up front from the plan, so every tensor's byte range in its shard
 is known and tensors can be written out of order with pwrite (porter.conversion). Shards are written as
 `<name>.partial` and renamed only when complete, so a crash never leaves a file that looks finished.
@@ -11,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import threading
 from concurrent import futures
@@ -196,42 +194,6 @@ class TensorReader:
         out = torch.empty(length, dtype=torch.uint8, pin_memory=pin) if into is None else into
         pread_into(self._fd(path), memoryview(out.numpy()), offset + begin, path)
         return out
-
-    def map(self, name: str, index: Optional[int] = None) -> torch.Tensor:
-        """The tensor (or its row `index` along dim 0) as a view of the file's pages: no copy, unlike read.
-        The view is copy-on-write (writes to it never reach the file) and holds its own mapping, which is
-        unmapped when the last tensor viewing it is freed."""
-        path, offset, dtype, shape = self.spans[name]
-        if dtype == ST_DTYPES["F8_E8M0"]:
-            dtype = torch.uint8
-        if index is not None:
-            if not 0 <= index < shape[0]:
-                raise IndexError(f"{name}: row {index} of {shape[0]}")
-            offset += index * nbytes(dtype, shape[1:])
-            shape = shape[1:]
-        if offset % dtype.itemsize:  # a view needs its elements aligned (safetensors writers align them)
-            return self.read(name, index)
-        return self.map_range(path, offset, nbytes(dtype, shape)).view(dtype).view(shape)
-
-    def map_bytes(self, name: str, begin: int, length: int) -> torch.Tensor:
-        """`length` raw bytes of a tensor's data from byte `begin`, as map does it."""
-        path, offset, _, _ = self.spans[name]
-        return self.map_range(path, offset + begin, length)
-
-    def map_range(self, path, offset: int, length: int) -> torch.Tensor:
-        """uint8 [length] view of a file's bytes [offset, offset + length). A file that no longer holds them
-        (truncated since its header was checked) is named here, before any page is touched: a mapped page
-        past the end of a file would kill the process (SIGBUS) instead of raising."""
-        fd = self._fd(path)
-        if offset + length > os.fstat(fd).st_size:
-            raise MalformedSafetensors(f"{path}: file ends at byte {os.fstat(fd).st_size}, inside tensor data "
-                                       f"(bytes {offset}..{offset + length}): truncated; re-download or "
-                                       "re-create this shard")
-        if not length:
-            return torch.empty(0, dtype=torch.uint8)
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        view = mmap.mmap(fd, offset + length - start, access=mmap.ACCESS_COPY, offset=start)
-        return torch.frombuffer(view, dtype=torch.uint8, count=length, offset=offset - start)
 
     def _fd(self, path) -> int:
         fd = self._fds.get(path)

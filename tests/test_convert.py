@@ -455,64 +455,6 @@ def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, monkeypatch, quantize
             assert rec["max_abs_error"] == b[name]["max_abs_error"]
 
 
-@pytest.mark.parametrize("mapped", [True, False])
-def test_mapped_source_reads_do_not_change_a_byte(tiny_vendor, tmp_path, monkeypatch, converted, mapped):
-    """The CPU path viewing source tensors in the file's pages (TensorReader.map; here every non-empty one, the
-    tiny tensors being below MAP_MIN_BYTES) or reading them all (PORTER_SOURCE_MAP=0): the same files and
-    records, every source byte mapped at least once or none, and no mapping of a source file left once the
-    conversion returns (the views die with their units, so file-backed RSS stays bounded)."""
-    import gc
-    import porter.pipeline as pp
-    from porter.safetensors_io import TensorReader
-    monkeypatch.setattr(pp, "MAP_MIN_BYTES", 1)
-    monkeypatch.setenv("PORTER_SOURCE_MAP", "1" if mapped else "0")
-    spans, real = [], TensorReader.map_range
-    monkeypatch.setattr(TensorReader, "map_range", lambda self, path, o, n: (spans.append((str(path), o, n)),
-                                                                              real(self, path, o, n))[1])
-    out = tmp_path / "out"
-    porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=3, device="cpu")
-    assert_same_conversion(converted, out)
-    covered = {}
-    for path, o, n in spans:
-        covered.setdefault(path, set()).update(range(o, o + n))
-    want = {}
-    for f in tiny_vendor.glob("*.safetensors"):
-        header = read_header(f)
-        base = 8 + int.from_bytes(f.read_bytes()[:8], "little")
-        want[str(f)] = {b for k, v in header.items() if k != "__metadata__"
-                        for b in range(base + v["data_offsets"][0], base + v["data_offsets"][1])}
-    if mapped:
-        assert all(want[f] <= covered.get(f, set()) for f in want)
-    else:
-        assert not spans
-    gc.collect()
-    maps = Path("/proc/self/maps")
-    if maps.exists():
-        text = maps.read_text()
-        assert not [f for f in want if f in text], "a source file is still mapped after the conversion"
-
-
-def test_mapped_read_of_a_truncated_file_is_named(tmp_path):
-    """A source file truncated after its header was checked: mapping its tensor raises porter's one-line error
-    naming the file instead of touching pages past the end (SIGBUS)."""
-    from porter.safetensors_io import MalformedSafetensors, TensorReader
-    f = tmp_path / "a.safetensors"
-    from safetensors.torch import save_file
-    save_file({"w": torch.arange(4096, dtype=torch.float32)}, str(f))
-    base = 8 + int.from_bytes(f.read_bytes()[:8], "little")
-    reader = TensorReader({"w": (f, base, torch.float32, [4096])})
-    assert torch.equal(reader.map("w"), torch.arange(4096, dtype=torch.float32))
-    assert torch.equal(reader.map("w", 0), torch.tensor(0.0))
-    odd = TensorReader({"w": (f, base + 1, torch.float32, [8])})  # misaligned elements: read, not viewed
-    assert torch.equal(odd.map("w"), odd.read("w"))
-    odd.close()
-    with open(f, "r+b") as fh:
-        fh.truncate(base + 100)
-    with pytest.raises(MalformedSafetensors, match=r"a\.safetensors: file ends at byte .* truncated"):
-        reader.map("w")
-    reader.close()
-
-
 @pytest.mark.parametrize("writeback", ["thread", "inline", "off"])
 def test_writeback_modes_do_not_change_a_byte(tiny_vendor, tmp_path, monkeypatch, converted, writeback):
     """Writeback started by a background thread (the default), by each worker after its write, or left to the

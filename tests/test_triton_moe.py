@@ -170,9 +170,9 @@ def test_load_time_rebase_replaces_the_stored_weights(t, monkeypatch):
     """REBASE_AT_LOAD (the default): where row_scale_ok holds, prepare rebases the experts to one power-of-two
     scale per row and keeps only that copy - every path reads it (W8A16 as WMODE 7 below
     FP8_PREFILL_MIN_TOKENS, the FP8 path at 600 and 1100 without a second copy) and the backend drops its
-    reference to the MXFP8 tensors. At MiniMax-M3's H 6144 / I 3072: within the bounds of the torch reference (W8A16 1e-2, FP8 2e-2) and of
-    the layer on the weights as stored (the rebase moves values by <= 1e-5 relative; W8A16 within 1e-3,
-    the rest is fp32 summation order and bf16 output rounding)."""
+    reference to the MXFP8 tensors. At MiniMax-M3's H 6144 / I 3072: within the bounds of the torch
+    reference (W8A16 1e-2, FP8 2e-2) and of the layer on the weights as stored (the rebase moves values by
+    <= 1e-5 relative; W8A16 within 1e-3, the rest is fp32 summation order and bf16 output rounding)."""
     e, h, i, k = 8, 6144, 3072, 4
     quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"))
     fp8 = t >= tb.FP8_PREFILL_MIN_TOKENS

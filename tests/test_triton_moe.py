@@ -683,8 +683,8 @@ def test_fp8_prefill_copy_is_skipped_when_it_does_not_fit(monkeypatch):
                    q.gemm1_alpha, q.gemm1_beta, q.gemm1_clamp_limit)
     need = (p.w13.numel() + p.w2.numel()) * (1 + 4 / tb.FP8_BLOCK_K)  # 4*256*256 + 4*256*128 elements
     assert need == (4 * 256 * 256 + 4 * 256 * 128) * (1 + 4 / 128)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (int(need), 1 << 40))
-    assert not p.fp8_weights_fit()  # needs a 25% margin
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (int(1.25 * need) + 1, 1 << 40))
+    monkeypatch.setattr(tb, "device_free_bytes", lambda dev: int(need))
+    assert not p.fp8_weights_fit()  # needs FP8_COPY_MARGIN (25%) on top
+    monkeypatch.setattr(tb, "device_free_bytes", lambda dev: int(tb.FP8_COPY_MARGIN * need) + 1)
     assert p.fp8_weights_fit()
     assert p.fp8_blocks is None  # the check allocates nothing

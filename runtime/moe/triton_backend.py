@@ -63,6 +63,7 @@ FP8_PREFILL = None  # None: PORTER_MOE_FP8 env ("0" disables), default on
 REBASE_AT_LOAD = None
 _FP8_NO_ROOM_WARNED: list = []  # warn once per process
 REBASE_MARGIN = 1.1  # free device memory the load-time rebase asks for, times its own bytes (rebase_fits)
+FP8_COPY_MARGIN = 1.25  # the same for the FP8 path's copy of weights kept as stored (fp8_weights_fit)
 _REBASE_NO_ROOM_WARNED: list = []
 
 
@@ -267,14 +268,14 @@ class PreparedMoE:
         return self.fp8_blocks
 
     def fp8_weights_fit(self) -> bool:
-        """Whether the rebased copy (fp8_weights) exists or fits in the device's free memory with a
-        25% margin. A fully resident model leaves no room for a second copy of every layer's experts;
+        """Whether the rebased copy (fp8_weights) exists or fits in the device's free memory
+        (device_free_bytes) with FP8_COPY_MARGIN. A fully resident model leaves no room for a second copy of every layer's experts;
         then prefill stays on the W8A16 path instead of dying with an out-of-memory error."""
         if self.fp8_blocks is not None or self.rebased:
             return True
         need = (self.w13.numel() + self.w2.numel()) * (1 + 4 / FP8_BLOCK_K)  # e4m3 + fp32 per 128
-        free, _ = torch.cuda.mem_get_info(self.w13.device)
-        if free >= 1.25 * need:
+        free = device_free_bytes(self.w13.device)
+        if free is None or free >= FP8_COPY_MARGIN * need:
             return True
         if not _FP8_NO_ROOM_WARNED:
             _FP8_NO_ROOM_WARNED.append(True)

@@ -268,20 +268,15 @@ class PreparedMoE:
         return self.fp8_blocks
 
     def fp8_weights_fit(self) -> bool:
-        """Whether the rebased copy (fp8_weights) exists or fits in the device's free memory
-        (device_free_bytes) with FP8_COPY_MARGIN. A fully resident model leaves no room for a second copy of every layer's experts;
-        then prefill stays on the W8A16 path instead of dying with an out-of-memory error."""
+        """Whether the rebased copy (fp8_weights) exists or fits in the device's free memory with
+        FP8_COPY_MARGIN (has_room). A fully resident model leaves no room for a second copy of every
+        layer's experts; then prefill stays on the W8A16 path instead of dying with an out-of-memory error."""
         if self.fp8_blocks is not None or self.rebased:
             return True
         need = (self.w13.numel() + self.w2.numel()) * (1 + 4 / FP8_BLOCK_K)  # e4m3 + fp32 per 128
-        free = device_free_bytes(self.w13.device)
-        if free is None or free >= FP8_COPY_MARGIN * need:
-            return True
-        if not _FP8_NO_ROOM_WARNED:
-            _FP8_NO_ROOM_WARNED.append(True)
-            log.warning("FP8 prefill path off: its rebased expert copy needs %.1f GB per layer, %.1f GB "
-                        "free; prefill runs on the W8A16 path (same results, slower)", need / 1e9, free / 1e9)
-        return False
+        return has_room(self.w13.device, need, FP8_COPY_MARGIN, _FP8_NO_ROOM_WARNED,
+                        "FP8 prefill path off: its rebased expert copy needs %.1f GB per layer, %.1f GB "
+                        "free; prefill runs on the W8A16 path (same results, slower)")
 
     @staticmethod
     def _wmode(w_fp8: bool, fp16: bool, shift: torch.Tensor) -> int:
@@ -312,6 +307,18 @@ def device_free_bytes(dev: torch.device) -> Optional[int]:
     return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
 
 
+def has_room(dev: torch.device, need: int, margin: float, warned: list, message: str) -> bool:
+    """Whether device_free_bytes(dev) holds margin * need bytes (always off CUDA). If not, message (a log
+    format taking the needed and the free GB) is logged once per process (warned: that message's flag)."""
+    free = device_free_bytes(dev)
+    if free is None or free >= margin * need:
+        return True
+    if not warned:
+        warned.append(True)
+        log.warning(message, need / 1e9, free / 1e9)
+    return False
+
+
 def rebase_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:
     """Peak bytes the load-time rebase allocates while the stored tensors are still held: the rebased
     e4m3 copies and fp32 row scales of both GEMMs, plus rebase_fp8's fp32 temporaries of one expert
@@ -324,17 +331,11 @@ def rebase_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:
 def rebase_fits(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the device has room for the rebase (rebase_bytes, REBASE_MARGIN): until the layer drops the
     stored tensors both copies are resident, so a GPU packed to its weight budget could otherwise run out
-    of memory at load. Without room the layer keeps the stored layout (same results, 3-6% slower decode at T=1..256)."""
-    free = device_free_bytes(w13.device)
-    need = rebase_bytes(w13, w2)
-    if free is None or free >= REBASE_MARGIN * need:
-        return True
-    if not _REBASE_NO_ROOM_WARNED:
-        _REBASE_NO_ROOM_WARNED.append(True)
-        log.warning("MoE experts kept as stored on %s: rebasing a layer at load needs %.1f GB free for a "
-                    "moment, %.1f GB are; decode runs on the stored layout (same results, 3-6%% slower)",
-                    w13.device, need / 1e9, free / 1e9)
-    return False
+    of memory at load. Without room the layer keeps the stored layout (same results, 3-6% slower decode
+    at T=1..256)."""
+    return has_room(w13.device, rebase_bytes(w13, w2), REBASE_MARGIN, _REBASE_NO_ROOM_WARNED,
+                    f"MoE experts kept as stored on {w13.device}: rebasing a layer at load needs %.1f GB free "
+                    "for a moment, %.1f GB are; decode runs on the stored layout (same results, 3-6%% slower)")
 
 
 def prepare(w13, w13_scale, w2, w2_scale, alpha, beta, limit) -> PreparedMoE:

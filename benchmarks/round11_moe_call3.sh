@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# NOT RUN: the device refused new machines after round-11 call 2; the plan for the next call.
+# NOT RUN in round 11 (the device refused new machines after call 2); its steps ran in round 12 as
+# benchmarks/round12_call.sh STEPS="layer decode".
 # H200 call (round 11, 3): the record on the rebased default. STEPS="layer" : the MoE layer benchmark at
 # MiniMax-M3 dims over T = 1..4096 with 512 and 768 added (where the FP8 prefill path starts to win);
 # STEPS="decode": the decode step at real layer dims (benchmarks/decode.py) with the experts rebased at

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # H200 calls (round 12). STEPS picks what one call runs (logs to $OUT):
-#   tests     every GPU test file (MoE kernels incl. the GEMM2 early-launch / L2-prefetch test, mxfp8 Triton,
-#             runtime decode, end to end, convert, verify)
-#   prefetch  A/B of GEMM2_PREFETCH on the whole routed layer at MiniMax-M3 dims (None: as before; 0: GEMM2
+#   tests     every GPU test file (MoE kernels, mxfp8 Triton, runtime decode, end to end, convert, verify)
+#   prefetch  (needs commit e35e848: the experiment was taken out again after this measurement) A/B of GEMM2_PREFETCH on the whole routed layer at MiniMax-M3 dims (None: as before; 0: GEMM2
 #             launched early only; 1024 / 3072: plus an L2 prefetch of that many bytes of each weight row)
 #   layer     the MoE layer table on the rebased default, T = 1..4096 with 512 and 768 added
 #   decode    benchmarks/decode.py, experts rebased at load vs as stored (PORTER_MOE_REBASE=0)

@@ -1,10 +1,10 @@
 """`porter verify` at MiniMax-M3's real layer dims with and without the Triton backend's FP8 prefill path.
 
 The FP8 prefill path (two e4m3 activation terms, weights rebased to one power-of-two scale per row; see
-docs/moe-backends.md) is taken for prompts of T >= triton_backend.FP8_PREFILL_MIN_TOKENS (512) tokens on SM89+. This builds a synthetic real-dims
-checkpoint (layer 0 dense, the rest MoE; fewer layers and experts than the release), converts it, and runs
-`porter verify --device cuda --backend triton` on one long prompt twice: PORTER_MOE_FP8=0 (W8A16 prefill)
-and PORTER_MOE_FP8=1. It prints both verdicts with the logits KL(ref||conv), top-1 agreement and the worst
+docs/moe-backends.md) is taken for prompts of T >= triton_backend.FP8_PREFILL_MIN_TOKENS (512) tokens on
+SM89+. This builds a synthetic real-dims checkpoint (layer 0 dense, the rest MoE; fewer layers and experts
+than the release), converts it, and runs `porter verify --device cuda --backend triton` on one long prompt
+twice: PORTER_MOE_FP8=0 (W8A16 prefill) and PORTER_MOE_FP8=1. It prints both verdicts with the logits KL(ref||conv), top-1 agreement and the worst
 layer error, so the accuracy cost of FP8 prefill is stated next to the same check without it.
 
     python benchmarks/verify_fp8_prefill.py [--layers 3] [--experts 8] [--min-tokens 1100] [--out FILE.json]
@@ -67,7 +67,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--min-tokens", type=int, default=1100, help="prompt length; FP8 prefill starts at triton_backend.FP8_PREFILL_MIN_TOKENS")
+    ap.add_argument("--min-tokens", type=int, default=1100, help="prompt length; FP8 prefill starts at "
+                    "triton_backend.FP8_PREFILL_MIN_TOKENS")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="triton", help="MoE backend (the FP8 path exists in triton only)")
     ap.add_argument("--small", action="store_true", help="small synthetic dims (CPU smoke run of this script)")

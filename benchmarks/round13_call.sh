@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# H200 calls (round 13). STEPS picks what one call runs (logs to $OUT):
+#   idle      benchmarks/moe_idle_probe.py: why the MXFP8 layer pays more than its bf16 twin for an idle-GPU
+#             graph replay at T = 4 and 16 (interleaved idle / queued timings, host replay cost, PDL off,
+#             kernel trace)
+#   convshm   16 cores, 8.1 GB, CPU + cuda, with the bytes floor (convert_floor.py): the checkpoint and every
+#             output on this machine's disk, then all of it in /dev/shm (no disk under the writes), in one call
+#   tests     every GPU test file
+#   OUT=/tmp/out STEPS="idle convshm" bash benchmarks/round13_call.sh
+set -u
+OUT=${OUT:-/tmp/r13}
+STEPS=${STEPS:-idle}
+source "$(dirname "$0")/gpu_steps.sh"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+if has idle; then
+  step idle_probe 300 python benchmarks/moe_idle_probe.py --tokens 1,4,16,64 --out "$OUT/idle_probe.json"
+  grep -E "^T=" "$OUT/idle_probe.log" | head -60
+fi
+if has convshm; then
+  { lscpu | grep -i "model name"; df -h /dev/shm "$PWD"; } >> "$OUT/gpu.txt" 2>&1
+  step convdisk_16c_8 220 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --floor \
+    --copies copy-safetensors,copy-safetensors+fsync,copy-files --sizes 8 --out "$OUT/convdisk_16c_8.json"
+  step convshm_16c_8 220 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --floor --tmp /dev/shm \
+    --copies copy-safetensors,copy-safetensors+fsync,copy-files --sizes 8 --out "$OUT/convshm_16c_8.json"
+  grep -h "warm convert\|warm copy\|GB checkpoint\|GB/s" "$OUT"/conv*_16c_8.log | cut -c1-180 | head -60
+fi
+if has tests; then
+  step gpu_tests 330 python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_moe.py tests/test_mxfp8_triton.py \
+    tests/test_runtime_gpu_decode.py tests/test_gpu_end_to_end.py tests/test_convert.py tests/test_verify_gpu.py
+  grep -E "passed|failed|^FAILED|^E  " "$OUT/gpu_tests.log" | head -16
+fi
+tar czf /tmp/r13.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/r13.tgz "$OUT/r13_${STEPS// /_}.tgz"

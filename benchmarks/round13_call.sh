@@ -3,6 +3,7 @@
 #   idle      benchmarks/moe_idle_probe.py: why the MXFP8 layer pays more than its bf16 twin for an idle-GPU
 #             graph replay at T = 4 and 16 (interleaved idle / queued timings, host replay cost, PDL off,
 #             kernel trace)
+#   layer     the MoE layer table (T = 1..4096), the layer and its bf16 twin timed in interleaved rounds
 #   convshm   16 cores, 8.1 GB, CPU + cuda, with the bytes floor (convert_floor.py): the checkpoint and every
 #             output on this machine's disk, then all of it in /dev/shm (no disk under the writes), in one call
 #   tests     every GPU test file
@@ -15,6 +16,10 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 if has idle; then
   step idle_probe 300 python benchmarks/moe_idle_probe.py --tokens 1,4,16,64 --out "$OUT/idle_probe.json"
   grep -E "^T=" "$OUT/idle_probe.log" | head -60
+fi
+if has layer; then
+  step layer 420 python benchmarks/moe_layer.py --out "$OUT" --tag _round13 --tokens 1,4,16,64,256,512,1024,4096
+  grep -E "^T=|GPU|bandwidth" "$OUT/layer.log" | cut -c1-200 | head -30
 fi
 if has convshm; then
   { lscpu | grep -i "model name"; df -h /dev/shm "$PWD"; } >> "$OUT/gpu.txt" 2>&1

@@ -6,6 +6,8 @@
 #   layer     the MoE layer table (T = 1..4096), the layer and its bf16 twin timed in interleaved rounds
 #   convshm   16 cores, 8.1 GB, CPU + cuda, with the bytes floor (convert_floor.py): the checkpoint and every
 #             output on this machine's disk, then all of it in /dev/shm (no disk under the writes), in one call
+#   jfsync    (experiment) 16 cores, 8.1 GB on this disk: the shard journal written with and without its fsync
+#             (PORTER_JOURNAL_FSYNC=0), CPU + cuda, two repeats; the CPU path's 16-core profile both ways
 #   tests     every GPU test file
 #   OUT=/tmp/out STEPS="idle convshm" bash benchmarks/round13_call.sh
 set -u
@@ -28,6 +30,17 @@ if has convshm; then
   step convshm_16c_8 220 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --floor --tmp /dev/shm \
     --copies copy-safetensors,copy-safetensors+fsync,copy-files --sizes 8 --out "$OUT/convshm_16c_8.json"
   grep -h "warm convert\|warm copy\|GB checkpoint\|GB/s" "$OUT"/conv*_16c_8.log | cut -c1-180 | head -60
+fi
+if has jfsync; then
+  step jfsync_16c_8 300 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --repeats 2 \
+    --variants "nojfsync:PORTER_JOURNAL_FSYNC=0" --copies copy-safetensors,copy-files --sizes 8 --out "$OUT/jfsync_16c_8.json"
+  step build_8 60 "${BUILD_CHECKPOINT[@]}" /tmp/r13src8 7
+  for v in 1 0; do
+    step profile_16c_j$v 60 env PORTER_JOURNAL_FSYNC=$v taskset -c 0-15 python benchmarks/convert_profile.py --device cpu \
+      --max-shard-size 512MB --src /tmp/r13src8 --out "$OUT/profile_16c_j$v.json"
+  done
+  grep -h "warm convert\|warm copy\|GB checkpoint" "$OUT"/jfsync_*.log | cut -c1-200
+  for v in 1 0; do grep -E "cpu:|core-s|journal|wall" "$OUT/profile_16c_j$v.log" | cut -c1-200 | head -20; done
 fi
 if has tests; then
   step gpu_tests 330 python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_moe.py tests/test_mxfp8_triton.py \

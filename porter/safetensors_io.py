@@ -207,14 +207,15 @@ class TensorReader:
         self._fds.clear()
 
 
-def atomic_write_text(path: Path, text: str, before_rename=None) -> None:
+def atomic_write_text(path: Path, text: str, before_rename=None, fsync: bool = True) -> None:
     """Write a small file so that it is either absent/old or complete: temp file, fsync, rename."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
     if before_rename is not None:
         before_rename()
     os.replace(tmp, path)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 import time
@@ -280,8 +279,7 @@ def _read_journal(out: Path) -> dict:
 
 
 def _write_journal(out: Path, journal: dict) -> None:
-    atomic_write_text(out / JOURNAL, json.dumps(journal), before_rename=lambda: fault_point("journal-tmp"),
-                      fsync=os.environ.get("PORTER_JOURNAL_FSYNC", "1") != "0")  # experiment (A/B)
+    atomic_write_text(out / JOURNAL, json.dumps(journal), before_rename=lambda: fault_point("journal-tmp"))
     fault_point("journal")
 
 

@@ -207,15 +207,14 @@ class TensorReader:
         self._fds.clear()
 
 
-def atomic_write_text(path: Path, text: str, before_rename=None, fsync: bool = True) -> None:
+def atomic_write_text(path: Path, text: str, before_rename=None) -> None:
     """Write a small file so that it is either absent/old or complete: temp file, fsync, rename."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
-        if fsync:
-            os.fsync(f.fileno())
+        os.fsync(f.fileno())
     if before_rename is not None:
         before_rename()
     os.replace(tmp, path)

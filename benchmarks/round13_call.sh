@@ -7,7 +7,8 @@
 #   convshm   16 cores, 8.1 GB, CPU + cuda, with the bytes floor (convert_floor.py): the checkpoint and every
 #             output on this machine's disk, then all of it in /dev/shm (no disk under the writes), in one call
 #   jfsync    (needs commit 7345496: the knob was taken out again after this measurement) 16 cores,
-#             8.1 GB on this disk: the shard journal written with and without its fsync (PORTER_JOURNAL_FSYNC=0), CPU + cuda, two repeats; the CPU path's 16-core profile both ways
+#             8.1 GB on this disk: the shard journal written with and without its fsync (PORTER_JOURNAL_FSYNC=0),
+#             CPU + cuda, two repeats; the CPU path's 16-core profile both ways
 #   tests     every GPU test file
 #   OUT=/tmp/out STEPS="idle convshm" bash benchmarks/round13_call.sh
 set -u

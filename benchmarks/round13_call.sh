@@ -9,6 +9,8 @@
 #   jfsync    (needs commit 7345496: the knob was taken out again after this measurement) 16 cores,
 #             8.1 GB on this disk: the shard journal written with and without its fsync (PORTER_JOURNAL_FSYNC=0),
 #             CPU + cuda, two repeats; the CPU path's 16-core profile both ways
+#   cold      16 cores, 8.1 GB from this machine's disk (page cache dropped before each run), CPU + cuda,
+#             against the safetensors copy and shutil.copyfile, two repeats
 #   tests     every GPU test file
 #   OUT=/tmp/out STEPS="idle convshm" bash benchmarks/round13_call.sh
 set -u
@@ -42,6 +44,11 @@ if has jfsync; then
   done
   grep -h "warm convert\|warm copy\|GB checkpoint" "$OUT"/jfsync_*.log | cut -c1-200
   for v in 1 0; do grep -E "cpu:|core-s|journal|wall" "$OUT/profile_16c_j$v.log" | cut -c1-200 | head -20; done
+fi
+if has cold; then
+  step cold_16c_8 420 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --cache cold --repeats 2 \
+    --copies copy-safetensors,copy-files --sizes 8 --out "$OUT/cold_16c_8.json"
+  grep -h "cold convert\|cold copy\|GB checkpoint" "$OUT"/cold_16c_8.log | cut -c1-220
 fi
 if has tests; then
   step gpu_tests 330 python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_moe.py tests/test_mxfp8_triton.py \

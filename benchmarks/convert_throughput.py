@@ -6,7 +6,9 @@ page cache and (--cache cold) from disk:
 
 - baseline: safetensors `load_file` + `save_file` of every shard (what any converter pays to read and
   write the bytes), the same plus fsync of every output (porter syncs its shards before writing the
-  index), and a raw file copy (`shutil.copyfile`, the I/O floor);
+  index), and a raw file copy (`shutil.copyfile`, the I/O floor), also plus fsync of every output (the
+  durable I/O floor: from disk a copy that is not synced ends with most of its output still in the page
+  cache, while porter's time includes writing all of it);
 - `porter convert` on the CPU (`--workers` = every core, and 1 worker with torch's intra-op threads: what
   scales) and with `--device cuda` when there is a GPU;
 - for each: seconds, GB/s of source consumed, ratio to the same cache state's safetensors copy, peak
@@ -49,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
 REAL_CHECKPOINT_GB = 795.0  # MiniMax-M3 BF16 release, safetensors bytes
-COPIES = ("copy-safetensors", "copy-safetensors+fsync", "copy-files")
+COPIES = ("copy-safetensors", "copy-safetensors+fsync", "copy-files", "copy-files+fsync")
 
 SAMPLER = """
 import sys, threading, time
@@ -88,15 +90,15 @@ from pathlib import Path
 src, out, kind = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 out.mkdir(parents=True, exist_ok=True)
 state = prepare(src, sys.argv[4])
-if kind != "copy-files":  # torch only where it is used: copy-files' peak memory stays the copy's own
+if not kind.startswith("copy-files"):  # torch only where it is used: a file copy's peak memory stays its own
     from safetensors.torch import load_file, save_file
 t0 = time.perf_counter()
 for f in sorted(src.glob("*.safetensors")):
-    if kind == "copy-files":
+    if kind.startswith("copy-files"):
         shutil.copyfile(f, out / f.name)
     else:
         save_file(load_file(str(f)), str(out / f.name))
-if kind == "copy-safetensors+fsync":  # durable, as porter convert is before it writes its index
+if kind.endswith("+fsync"):  # durable, as porter convert is before it writes its index
     import os
     for f in sorted(out.glob("*.safetensors")):
         fd = os.open(f, os.O_RDONLY)
@@ -133,7 +135,7 @@ def child(code: str, *args, env=None) -> dict:
 
 
 def copy_run(src: Path, out: Path, kind: str, cache: str = "warm") -> dict:
-    """One baseline copy in a fresh process: copy-safetensors, copy-safetensors+fsync or copy-files."""
+    """One baseline copy in a fresh process: copy-safetensors, copy-files, either + fsync of every output."""
     return child(COPY, src, out, kind, cache)
 
 
@@ -297,9 +299,11 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
         base = min((y["seconds"] for y in same if y["kind"] == "copy-safetensors"), default=float("nan"))
         base_sync = min((y["seconds"] for y in same if y["kind"] == "copy-safetensors+fsync"), default=float("nan"))
         base_files = min((y["seconds"] for y in same if y["kind"] == "copy-files"), default=float("nan"))
+        base_files_sync = min((y["seconds"] for y in same if y["kind"] == "copy-files+fsync"), default=float("nan"))
         x["ratio_to_safetensors_copy"] = x["seconds"] / base
         x["ratio_to_safetensors_copy_fsync"] = x["seconds"] / base_sync
         x["ratio_to_file_copy"] = x["seconds"] / base_files
+        x["ratio_to_file_copy_fsync"] = x["seconds"] / base_files_sync
         if "estimate" in x:
             x["estimate_over_measured_peak"] = x["estimate"] / x["vmhwm"]
             x["projected_795gb_minutes"] = REAL_CHECKPOINT_GB / x["gb_per_s"] / 60
@@ -336,7 +340,8 @@ def summary_lines(result: dict) -> list:
                 extra += f", {100 * x['cached_before']:.0f}% cached at start ({x['evicted_by']})"
             lines.append(f"  {what:39s} {x['seconds']:7.2f} s {x['gb_per_s']:6.2f} GB/s "
                          f"x{x['ratio_to_safetensors_copy']:.2f} of copy (x{x['ratio_to_safetensors_copy_fsync']:.2f} "
-                         f"of copy+fsync, x{x['ratio_to_file_copy']:.2f} of file copy); peak anon "
+                         f"of copy+fsync, x{x['ratio_to_file_copy']:.2f} of file copy, "
+                         f"x{x['ratio_to_file_copy_fsync']:.2f} of file copy+fsync); peak anon "
                          f"{x['rssanon'] / 1e9:.2f} GB file {x['rssfile'] / 1e9:.2f} GB hwm {x['vmhwm'] / 1e9:.2f} GB"
                          f"{extra}")
         fl = s.get("floor")

@@ -11,6 +11,7 @@
 #             CPU + cuda, two repeats; the CPU path's 16-core profile both ways
 #   cold      16 cores, 8.1 GB from this machine's disk (page cache dropped before each run), CPU + cuda,
 #             against the safetensors copy and shutil.copyfile, two repeats
+#   durable   16 cores, 8.1 GB, warm and cold, CPU + cuda, against shutil.copyfile with and without fsync
 #   tests     every GPU test file
 #   OUT=/tmp/out STEPS="idle convshm" bash benchmarks/round13_call.sh
 set -u
@@ -49,6 +50,11 @@ if has cold; then
   step cold_16c_8 420 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --cache cold --repeats 2 \
     --copies copy-safetensors,copy-files --sizes 8 --out "$OUT/cold_16c_8.json"
   grep -h "cold convert\|cold copy\|GB checkpoint" "$OUT"/cold_16c_8.log | cut -c1-220
+fi
+if has durable; then
+  step durable_16c_8 420 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --cache warm,cold \
+    --copies copy-safetensors,copy-files,copy-files+fsync --sizes 8 --out "$OUT/durable_16c_8.json"
+  grep -h "convert\|copy\|GB checkpoint" "$OUT"/durable_16c_8.log | grep -v "^{" | cut -c1-240
 fi
 if has tests; then
   step gpu_tests 330 python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_moe.py tests/test_mxfp8_triton.py \

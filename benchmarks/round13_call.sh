@@ -12,6 +12,8 @@
 #   cold      16 cores, 8.1 GB from this machine's disk (page cache dropped before each run), CPU + cuda,
 #             against the safetensors copy and shutil.copyfile, two repeats
 #   durable   16 cores, 8.1 GB, warm and cold, CPU + cuda, against shutil.copyfile with and without fsync
+#   sparse    benchmarks/sparse_checkpoint.py on 16 cores (MiniMax-M3's real 59-shard structure as sparse
+#             files), 20 s each with the CPU path and --device cuda, output on this machine's disk
 #   tests     every GPU test file
 #   OUT=/tmp/out STEPS="idle convshm" bash benchmarks/round13_call.sh
 set -u
@@ -55,6 +57,13 @@ if has durable; then
   step durable_16c_8 420 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --cache warm,cold \
     --copies copy-safetensors,copy-files,copy-files+fsync --sizes 8 --out "$OUT/durable_16c_8.json"
   grep -h "convert\|copy\|GB checkpoint" "$OUT"/durable_16c_8.log | grep -v "^{" | cut -c1-240
+fi
+if has sparse; then
+  for d in cpu cuda; do
+    step sparse_16c_$d 150 taskset -c 0-15 python benchmarks/sparse_checkpoint.py --seconds 20 --device $d \
+      --out "$OUT/sparse_16c_$d.json"
+  done
+  tail -n 4 "$OUT"/sparse_16c_*.log
 fi
 if has tests; then
   step gpu_tests 330 python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_moe.py tests/test_mxfp8_triton.py \

@@ -167,6 +167,17 @@ os._exit(0)
 """
 
 
+def second_half_rate(run: dict) -> float:
+    """Source bytes/s over the run's second half (from the first timeline sample at or past half its seconds).
+    The first seconds can run far above the steady rate while the output only fills the page cache (on the
+    H200 machine, --device cuda: ~9 GB/s for 7 s, then ~4 GB/s once writeback paced it), so a run of a few
+    tens of seconds overstates what the whole checkpoint would see; the second half is closer to it."""
+    mid = next((p for p in run["timeline"] if p[0] >= run["seconds"] / 2), None)
+    if mid is None or run["seconds"] <= mid[0]:
+        return run["source_bytes_done"] / run["seconds"]
+    return (run["source_bytes_done"] - mid[1]) / (run["seconds"] - mid[0])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=15.0, help="convert this long, then stop")
@@ -190,9 +201,11 @@ def main():
             raise SystemExit(f"child failed ({res.returncode}): {res.stdout[-2000:]} {res.stderr[-3000:]}")
         run = json.loads(lines[-1][7:])
     rate = run["source_bytes_done"] / run["seconds"]
+    late = second_half_rate(run)
     result = {"checkpoint": info, "device": args.device, "workers": args.workers, "cores": len(os.sched_getaffinity(0)),
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, **run,
               "source_gb_per_s": rate / 1e9, "eta_minutes": info["logical_bytes"] / max(rate, 1) / 60,
+              "second_half_gb_per_s": late / 1e9, "eta_minutes_second_half": info["logical_bytes"] / max(late, 1) / 60,
               "estimate_over_measured_peak": run["estimate"] / max(run["peak"]["VmHWM"], 1),
               "stderr_tail": res.stderr[-1500:]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +213,8 @@ def main():
     p = run["peak"]
     print(f"dry run {run['dry_run_seconds']:.1f} s, estimate {run['estimate'] / 1e9:.2f} GB; converted "
           f"{run['source_bytes_done'] / 1e9:.1f} GB in {run['seconds']:.1f} s = {rate / 1e9:.2f} GB/s "
-          f"(ETA {result['eta_minutes']:.1f} min for {info['logical_bytes'] / 1e9:.0f} GB); peak anon "
+          f"(ETA {result['eta_minutes']:.1f} min for {info['logical_bytes'] / 1e9:.0f} GB; second half "
+          f"{late / 1e9:.2f} GB/s, ETA {result['eta_minutes_second_half']:.1f} min); peak anon "
           f"{p['RssAnon'] / 1e9:.2f} GB, file {p['RssFile'] / 1e9:.2f} GB, VmHWM {p['VmHWM'] / 1e9:.2f} GB; "
           f"estimate / VmHWM {result['estimate_over_measured_peak']:.2f}")
 

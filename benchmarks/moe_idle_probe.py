@@ -33,22 +33,6 @@ import moe_layer as ml  # noqa: E402
 from runtime.moe import triton_backend as tb  # noqa: E402
 
 
-def capture(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
 def host_replay_us(g, reps=40) -> float:
     """Median host seconds of g.replay() while the GPU is busy with a ~1 ms spin (the call never waits)."""
     times = []
@@ -116,7 +100,8 @@ def main():
                     row["order"].append({"round": rnd, "kind": kind, "mode": mode, "us": us})
                     print(f"T={t} round {rnd} {kind:5s} {mode:6s} {us:8.1f} us", flush=True)
         for kind, fn in fns.items():
-            g = capture(fn)
+            g = ml.capture_graph([fn])
+            torch.cuda.synchronize()
             row[f"{kind}_host_replay_us"] = host_replay_us(g)
             row[f"{kind}_trace"] = tr = trace(g)
             spans = [r["span_us"] for r in tr["replays"]]

@@ -124,13 +124,8 @@ def stream_bandwidth(dev) -> dict:
 BUSY_CYCLES = 200_000  # ~100 us of GPU spin queued ahead of each timed replay (see graph_time_queued_us)
 
 
-def graph_time_us(fn, reps=60, calls=None, busy_cycles=0) -> float:
-    """Median of per-replay event timings of a CUDA graph of fn (launch gaps between the kernels
-    of one call are included; CPU launch cost is not). calls: a list of callables captured back to
-    back in one graph instead of fn (e.g. one layer per set of routed experts, so no layer finds its
-    weights in L2); the median is divided by their number. busy_cycles: GPU spin queued ahead of
-    each timed replay (see graph_time_queued_us)."""
-    calls = calls or [fn]
+def capture_graph(calls: list):
+    """A CUDA graph of the callables run back to back: 3 warm-up runs on a side stream, capture, 5 replays."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -144,6 +139,17 @@ def graph_time_us(fn, reps=60, calls=None, busy_cycles=0) -> float:
             c()
     for _ in range(5):
         g.replay()
+    return g
+
+
+def graph_time_us(fn, reps=60, calls=None, busy_cycles=0) -> float:
+    """Median of per-replay event timings of a CUDA graph of fn (launch gaps between the kernels
+    of one call are included; CPU launch cost is not). calls: a list of callables captured back to
+    back in one graph instead of fn (e.g. one layer per set of routed experts, so no layer finds its
+    weights in L2); the median is divided by their number. busy_cycles: GPU spin queued ahead of
+    each timed replay (see graph_time_queued_us)."""
+    calls = calls or [fn]
+    g = capture_graph(calls)
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -178,7 +178,7 @@ def timed_rounds(fn, twin, rounds=TIMING_ROUNDS) -> tuple:
     """(idle, twin idle, queued, twin queued, the rounds): the layer and its bf16 twin timed the same way, in
     interleaved rounds, each figure the best round's median. One idle timing of the MXFP8 layer taken right
     after its path choice (after the torch reference) read 80-100 us above its queued time at T=16 in rounds
-    10-12 while its twin's read 3-15 above (benchmarks/moe_idle_probe.py, interleaved: both 8-19 above), so
+    10-12 while its twin's read 3-15 above (benchmarks/moe_idle_probe.py, interleaved: both 8-30 above), so
     neither side's figure comes from a single timing that follows other work."""
     runs = []
     for _ in range(rounds):

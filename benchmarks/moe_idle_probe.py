@@ -12,6 +12,12 @@ probe, at MiniMax-M3 dims (E 128, H 6144, I 3072, top-4), per T and for both wei
 - a kernel trace (torch.profiler) of idle replays: per kernel, its duration and the gap before it, and
   the gap between the replay's first event and its first kernel.
 
+What it found on the H200 (round 13, two runs: benchmarks/results/moe_round13_call{1,8}_idle_probe.log):
+timed interleaved, both kinds read 8-30 us above their queued times at T=4 and 16, with PDL on or off, and
+one graph replay costs the host 14-46 us for either. The excess was the layer benchmark's order: it timed
+the MXFP8 layer's idle replay once, right after the path choice and the torch reference, and its twin
+later; benchmarks/moe_layer.py now times both in interleaved rounds (timed_rounds).
+
     python benchmarks/moe_idle_probe.py [--tokens 1,4,16,64] [--out FILE.json]
 """
 from __future__ import annotations
@@ -34,7 +40,7 @@ from runtime.moe import triton_backend as tb  # noqa: E402
 
 
 def host_replay_us(g, reps=40) -> float:
-    """Median host seconds of g.replay() while the GPU is busy with a ~1 ms spin (the call never waits)."""
+    """Median host time (us) of g.replay() while the GPU is busy with a ~1 ms spin (the call never waits)."""
     times = []
     for _ in range(reps):
         torch.cuda._sleep(2_000_000)

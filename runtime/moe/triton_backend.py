@@ -7,6 +7,7 @@ token alignment, launch-config choice and the TritonMoE class with TorchMoE's in
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -393,12 +394,10 @@ def _fused_out_scratch(device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def _switch(flag: Optional[bool], env: str) -> bool:
     """A module switch: its value, or with None the environment variable env (on unless it is "0")."""
-    import os
     return bool(os.environ.get(env, "1") != "0" if flag is None else flag)
 
 
 def _pdl_enabled(device) -> bool:
-    import os
     if not _switch(USE_PDL, "PORTER_MOE_PDL") or os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)

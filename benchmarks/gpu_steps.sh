@@ -4,6 +4,9 @@
 #                                     8 experts per layer, built into DIR)
 #   CONVERT_THROUGHPUT ARGS...       (convert_throughput.py, --device cuda only, no 1-worker run, 512MB shards)
 #   CONVERT_PROFILE --src DIR ARGS...  (convert_profile.py, --device cuda, 512MB shards)
+#   has STEP                         (whether $STEPS names STEP, as a whole word: "moetests" is not "tests")
+#   pack TAG                         (everything in $OUT into one archive $OUT/TAG_<steps>.tgz: the device
+#                                     returns at most 8 files per call)
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
@@ -19,3 +22,5 @@ BUILD_CHECKPOINT=(python -c 'import sys; sys.path[:0] = ["benchmarks", "examples
 import convert_throughput as ct; ct.build_checkpoint(Path(sys.argv[1]), int(sys.argv[2]), 8)')
 CONVERT_THROUGHPUT=(python benchmarks/convert_throughput.py --devices cuda --no-single --max-shard-size 512MB)
 CONVERT_PROFILE=(python benchmarks/convert_profile.py --device cuda --max-shard-size 512MB)
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+pack() { tar czf "/tmp/$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/$1.tgz" "$OUT/$1_${STEPS// /_}.tgz"; }

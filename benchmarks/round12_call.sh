@@ -19,7 +19,6 @@ set -u
 OUT=${OUT:-/tmp/r12}
 STEPS=${STEPS:-tests}
 source "$(dirname "$0")/gpu_steps.sh"
-has() { [[ " $STEPS " == *" $1 "* ]]; }  # whole words: "moetests" does not select "tests"
 if has tests; then
   step gpu_tests 330 python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_moe.py tests/test_mxfp8_triton.py \
     tests/test_runtime_gpu_decode.py tests/test_gpu_end_to_end.py tests/test_convert.py tests/test_verify_gpu.py
@@ -81,5 +80,4 @@ if has convmap; then
   grep -h "warm convert\|warm copy\|GB checkpoint" "$OUT"/convmap_*.log | cut -c1-200
   for v in 1 0; do grep -v "longest\|journal writes" "$OUT/profile_2c_map$v.log" | grep -E "cpu:|core-s" | cut -c1-110; done
 fi
-# one archive comes back (the device returns at most 8 files per call)
-tar czf /tmp/r12.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/r12.tgz "$OUT/r12_${STEPS// /_}.tgz"
+pack r12

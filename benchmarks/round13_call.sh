@@ -19,7 +19,6 @@ set -u
 OUT=${OUT:-/tmp/r13}
 STEPS=${STEPS:-idle}
 source "$(dirname "$0")/gpu_steps.sh"
-has() { [[ " $STEPS " == *" $1 "* ]]; }
 if has idle; then
   step idle_probe 300 python benchmarks/moe_idle_probe.py --tokens 1,4,16,64 --out "$OUT/idle_probe.json"
   grep -E "^T=" "$OUT/idle_probe.log" | head -60
@@ -64,4 +63,4 @@ if has sparse; then
   done
   tail -n 4 "$OUT"/sparse_16c_*.log
 fi
-tar czf /tmp/r13.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/r13.tgz "$OUT/r13_${STEPS// /_}.tgz"
+pack r13

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# H200 calls (round 14). STEPS picks what one call runs (logs to $OUT):
+#   splitab   benchmarks/moe_knob_ab.py at T = 1, 2, 4: the two-launch decode tiles against the one-launch split-I
+#             kernel (moe_split_i_kernel) over chunk width (bn1 32/64/128), GEMM2 columns per step (bn2 128/256/512),
+#             GEMM1 K step (bk1 128/256), 4/8 warps and 3/4 stages; interleaved rounds, per-kernel times
+#   layer     the MoE layer table at T = 1, 2, 4, 16, 64 (split-I on by default for T <= 4), with its bf16 twin
+#   moetests  tests/test_triton_moe.py on the GPU
+#   gputests  the other GPU test files (mxfp8 Triton, runtime decode, end to end, convert, verify)
+#   OUT=/tmp/out STEPS="splitab layer" bash benchmarks/round14_call.sh
+set -u
+OUT=${OUT:-/tmp/r14}
+STEPS=${STEPS:-splitab}
+source "$(dirname "$0")/gpu_steps.sh"
+S=False,False,0,True
+if has splitab; then
+  step split_ab 300 python benchmarks/moe_knob_ab.py --knob USE_PDL --values None --tokens 1,2,4 --rounds 3 --kernels \
+    --configs "16,32,256,4,3,64,256,4,3;16,64,256,4,3,256,64,4,3,$S;16,32,256,4,3,256,32,4,3,$S;16,128,256,4,3,256,128,4,3,$S;16,64,256,8,3,256,64,4,3,$S;16,64,256,4,4,256,64,4,3,$S;16,64,256,4,3,128,64,4,3,$S;16,64,256,4,3,512,64,4,3,$S;16,64,128,4,3,256,64,4,3,$S" \
+    --out "$OUT/split_ab.json"
+  grep -E "^T=|kernels|bandwidth" "$OUT/split_ab.log" | cut -c1-220 | head -60
+fi
+if has layer; then
+  step layer 240 python benchmarks/moe_layer.py --out "$OUT" --tag _round14 --tokens 1,2,4,16,64
+  grep -E "^T=|GPU|bandwidth" "$OUT/layer.log" | cut -c1-200 | head -30
+fi
+if has moetests; then
+  step moe_tests 420 python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_moe.py
+  grep -E "passed|failed|^FAILED|^E  " "$OUT/moe_tests.log" | head -16
+fi
+if has gputests; then
+  step gpu_tests 300 python -m pytest -q -p no:cacheprovider -m gpu tests/test_mxfp8_triton.py \
+    tests/test_runtime_gpu_decode.py tests/test_gpu_end_to_end.py tests/test_convert.py tests/test_verify_gpu.py
+  grep -E "passed|failed|^FAILED|^E  " "$OUT/gpu_tests.log" | head -16
+fi
+pack r14

@@ -3,6 +3,8 @@
 #   splitab   benchmarks/moe_knob_ab.py at T = 1, 2, 4: the two-launch decode tiles against the one-launch split-I
 #             kernel (moe_split_i_kernel) over chunk width (bn1 32/64/128), GEMM2 columns per step (bn2 128/256/512),
 #             GEMM1 K step (bk1 128/256), 4/8 warps and 3/4 stages; interleaved rounds, per-kernel times
+#   prefab    split-I with and without the GEMM2 phase's hand prefetch (SPLIT_I_PREFETCH), wider GEMM2 steps, 8 warps
+#   diag      split-I phase costs at T = 1 (SPLIT_I_DIAG: 1 no GEMM2 weight stream, 2 GEMM1 phase dead, 3 no per-step atomics)
 #   layer     the MoE layer table at T = 1, 2, 4, 16, 64 (split-I on by default for T <= 4), with its bf16 twin
 #   moetests  tests/test_triton_moe.py on the GPU
 #   gputests  the other GPU test files (mxfp8 Triton, runtime decode, end to end, convert, verify)
@@ -17,6 +19,17 @@ if has splitab; then
     --configs "16,32,256,4,3,64,256,4,3;16,64,256,4,3,256,64,4,3,$S;16,32,256,4,3,256,32,4,3,$S;16,128,256,4,3,256,128,4,3,$S;16,64,256,8,3,256,64,4,3,$S;16,64,256,4,4,256,64,4,3,$S;16,64,256,4,3,128,64,4,3,$S;16,64,256,4,3,512,64,4,3,$S;16,64,128,4,3,256,64,4,3,$S" \
     --out "$OUT/split_ab.json"
   grep -E "^T=|kernels|bandwidth" "$OUT/split_ab.log" | cut -c1-220 | head -60
+fi
+if has prefab; then
+  step prefetch_ab 300 python benchmarks/moe_knob_ab.py --knob SPLIT_I_PREFETCH --values False,True --tokens 1,4 --rounds 3 \
+    --configs "16,32,256,4,3,64,256,4,3;16,64,256,4,3,256,64,4,3,$S;16,64,256,8,3,512,64,4,3,$S;16,64,256,8,3,1024,64,4,3,$S;16,128,256,8,3,512,128,4,3,$S;16,32,256,8,3,1024,32,4,3,$S" \
+    --out "$OUT/prefetch_ab.json"
+  grep -E "^T=|bandwidth" "$OUT/prefetch_ab.log" | cut -c1-200 | head -40
+fi
+if has diag; then  # SPLIT_I_DIAG 1: GEMM2 phase without its weight stream, 2: act zero (GEMM1 phase dead), 3: one atomic step
+  step diag_ab 200 python benchmarks/moe_knob_ab.py --knob SPLIT_I_DIAG --values 0,1,2,3 --tokens 1 --rounds 3 --kernels \
+    --configs "16,64,256,8,3,512,64,4,3,$S" --out "$OUT/diag_ab.json"
+  grep -E "^T=|kernels" "$OUT/diag_ab.log" | cut -c1-200 | head -20
 fi
 if has layer; then
   step layer 240 python benchmarks/moe_layer.py --out "$OUT" --tag _round14 --tokens 1,2,4,16,64

@@ -380,6 +380,8 @@ _out_scratch: dict = {}
 FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scratch of T x H
 NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per routed slot (BM 16)
 USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORTER_MOE_PDL env, default on
+SPLIT_I_PREFETCH = True
+SPLIT_I_DIAG = 0
 SPLIT_I_DECODE = None  # NOSORT batches in one launch split along I (MoeConfig.split_i); None: PORTER_MOE_SPLIT_I env
 
 
@@ -567,7 +569,7 @@ def _split_i_launch(p: PreparedMoE, cfg: MoeConfig, xq, xscale, prescaled: bool,
         xq.stride(1), p.w13.stride(0), p.w13.stride(1), *ss13, p.w2.stride(0), p.w2.stride(1), *ss2,
         TOPK=k, WMODE1=p.wmode1, WMODE2=p.wmode2, PRESCALED=prescaled, ACT_FP16=act_fp16,
         BM=cfg.bm, BC=cfg.bn1, BK1=cfg.bk1, BN2=cfg.bn2, FUSED_OUT=fused_out, USE_PDL=bool(pdl),
-        num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
+        PREFETCH=bool(SPLIT_I_PREFETCH), DIAG=SPLIT_I_DIAG, num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
 
 
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):

@@ -182,7 +182,12 @@ def _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE: tl.constexpr, BN: tl.constexpr,
     scalar (e.g. `s - shift` with a scalar shift) breaks that and every tile takes an extra
     registers -> shared -> registers round trip (measured ~1.6x slower). WMODE 2 therefore loads
     d_e as a broadcast [BN, BK/32] tensor inside the loop (L1 hits)."""
-    w = tl.load(w_ptrs)
+    return _dequant(tl.load(w_ptrs), s_ptrs, sh_ptr, WMODE, BN, BK)
+
+
+@triton.jit
+def _dequant(w, s_ptrs, sh_ptr, WMODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """_dequant_tile of an already loaded weight tile w [BN, BK]."""
     if WMODE == 0:  # (an if/elif chain: Triton keeps generating code past a return inside a constexpr if)
         wd = w
     elif WMODE == 7:
@@ -499,7 +504,8 @@ def moe_split_i_kernel(x_ptr, xscale_ptr, w13_ptr, s13_ptr, shift13_ptr, epi13_p
                        stride_w2e, stride_w2n, stride_s2e, stride_s2n,
                        TOPK: tl.constexpr, WMODE1: tl.constexpr, WMODE2: tl.constexpr, PRESCALED: tl.constexpr,
                        ACT_FP16: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, BK1: tl.constexpr,
-                       BN2: tl.constexpr, FUSED_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                       BN2: tl.constexpr, FUSED_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+                       PREFETCH: tl.constexpr = True, DIAG: tl.constexpr = 0):
     """Both GEMMs of the NOSORT (decode) layer in one launch, split along I so that no program waits on
     another. Program (routed slot m, chunk c) of grid (N * NUM_C,): GEMM1 + SwiGLU-OAI for columns
     [c*BC, +BC) of I of slot m's expert (the rows of every slot routed to it, as gemm1_swiglu_kernel's
@@ -517,6 +523,8 @@ def moe_split_i_kernel(x_ptr, xscale_ptr, w13_ptr, s13_ptr, shift13_ptr, epi13_p
                      beta_ptr, limit_ptr, pid_c, e, tok, tmask, H, INTER,
                      stride_w13e, stride_w13n, stride_s13e, stride_s13n,
                      TOPK, WMODE1, PRESCALED, 0, False, BM, BC, BK1)  # [BM, BC] fp32
+    if DIAG == 2:
+        act = act * 0.0
     if ACT_FP16:  # the dtype gemm1_swiglu_kernel stores act in for GEMM2
         act = act.to(tl.float16)
     else:
@@ -535,12 +543,26 @@ def moe_split_i_kernel(x_ptr, xscale_ptr, w13_ptr, s13_ptr, shift13_ptr, epi13_p
                   + (pid_c * (BC // 32) + tl.arange(0, BC // 32))[None, :])  # [BN2, BC/32] bytes
     trow = (tok // TOPK).to(tl.int64)
     o_ptrs = out_ptr + trow[:, None] * H + offs_n[None, :]  # [BM, BN2]
-    for _ in range(0, H, BN2):
-        w = _dequant_tile(w_ptrs, s_ptrs, shift2_ptr + e, WMODE2, BN2, BC)  # [BN2, BC]
+    # the loop's weight loads are not software-pipelined (they feed a conversion, not the MMA): with
+    # PREFETCH each step's tile is loaded one step ahead, by hand
+    w_next = tl.load(w_ptrs)
+    for n0 in range(0, H, BN2):
+        if PREFETCH:
+            w_raw = w_next
+            w_next = tl.load(w_ptrs + tl.where(n0 + BN2 < H, BN2 * stride_w2n, 0))  # the last step re-reads its own
+        else:
+            w_raw = tl.load(w_ptrs)
+        if DIAG == 1:
+            w_raw = tl.zeros_like(w_raw)
+        w = _dequant(w_raw, s_ptrs, shift2_ptr + e, WMODE2, BN2, BC)  # [BN2, BC]
         part = _dot_w(w, act, None, False)  # [BM, BN2]
         if WMODE2 == 7:
             part = part * tl.load(s_ptrs)[None, :]
-        tl.atomic_add(o_ptrs, part * row_scale[:, None], mask=tmask[:, None], sem="relaxed")
+        if DIAG == 3:
+            if n0 + BN2 >= H:
+                tl.atomic_add(o_ptrs, part * row_scale[:, None], mask=tmask[:, None], sem="relaxed")
+        else:
+            tl.atomic_add(o_ptrs, part * row_scale[:, None], mask=tmask[:, None], sem="relaxed")
         w_ptrs += BN2 * stride_w2n
         s_ptrs += BN2 * stride_s2n
         o_ptrs += BN2

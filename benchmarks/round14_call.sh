@@ -31,6 +31,12 @@ if has diag; then  # SPLIT_I_DIAG 1: GEMM2 phase without its weight stream, 2: a
     --configs "16,64,256,8,3,512,64,4,3,$S" --out "$OUT/diag_ab.json"
   grep -E "^T=|kernels" "$OUT/diag_ab.log" | cut -c1-200 | head -20
 fi
+if has diag4; then  # SPLIT_I_DIAG 4: the GEMM2 phase reads a contiguous [H, chunk] slab per program (wrong values, timing)
+  step diag4_ab 240 python benchmarks/moe_knob_ab.py --knob SPLIT_I_DIAG --values 0,4,1 --tokens 1,4 --rounds 3 --kernels \
+    --configs "16,32,256,4,3,64,256,4,3;16,64,256,4,3,512,64,4,3,$S;16,64,256,4,3,256,64,4,3,$S;16,128,256,4,3,256,128,4,3,$S;16,128,256,8,3,512,128,4,3,$S" \
+    --out "$OUT/diag4_ab.json"
+  grep -E "^T=|kernels" "$OUT/diag4_ab.log" | cut -c1-200 | head -70
+fi
 if has layer; then
   step layer 240 python benchmarks/moe_layer.py --out "$OUT" --tag _round14 --tokens 1,2,4,16,64
   grep -E "^T=|GPU|bandwidth" "$OUT/layer.log" | cut -c1-200 | head -30

@@ -380,7 +380,7 @@ _out_scratch: dict = {}
 FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scratch of T x H
 NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per routed slot (BM 16)
 USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORTER_MOE_PDL env, default on
-SPLIT_I_PREFETCH = True
+SPLIT_I_PREFETCH = False
 SPLIT_I_DIAG = 0
 SPLIT_I_DECODE = None  # NOSORT batches in one launch split along I (MoeConfig.split_i); None: PORTER_MOE_SPLIT_I env
 

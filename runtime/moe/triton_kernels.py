@@ -536,6 +536,10 @@ def moe_split_i_kernel(x_ptr, xscale_ptr, w13_ptr, s13_ptr, shift13_ptr, epi13_p
     offs_n = tl.arange(0, BN2)
     w_ptrs = (w2_ptr + e64 * stride_w2e + offs_n[:, None] * stride_w2n
               + (pid_c * BC + tl.arange(0, BC))[None, :])  # [BN2, BC]
+    w_step = BN2 * stride_w2n
+    if DIAG == 4:  # timing only: read w2 as if each chunk's [H, BC] slab were contiguous
+        w_ptrs = (w2_ptr + e64 * stride_w2e + pid_c * H * BC + offs_n[:, None] * BC + tl.arange(0, BC)[None, :])
+        w_step = BN2 * BC
     if WMODE2 == 7:
         s_ptrs = s2_ptr + e64 * stride_s2e + offs_n * stride_s2n  # [BN2] fp32 row scales
     else:
@@ -549,7 +553,7 @@ def moe_split_i_kernel(x_ptr, xscale_ptr, w13_ptr, s13_ptr, shift13_ptr, epi13_p
     for n0 in range(0, H, BN2):
         if PREFETCH:
             w_raw = w_next
-            w_next = tl.load(w_ptrs + tl.where(n0 + BN2 < H, BN2 * stride_w2n, 0))  # the last step re-reads its own
+            w_next = tl.load(w_ptrs + tl.where(n0 + BN2 < H, w_step, 0))  # the last step re-reads its own
         else:
             w_raw = tl.load(w_ptrs)
         if DIAG == 1:
@@ -563,7 +567,7 @@ def moe_split_i_kernel(x_ptr, xscale_ptr, w13_ptr, s13_ptr, shift13_ptr, epi13_p
                 tl.atomic_add(o_ptrs, part * row_scale[:, None], mask=tmask[:, None], sem="relaxed")
         else:
             tl.atomic_add(o_ptrs, part * row_scale[:, None], mask=tmask[:, None], sem="relaxed")
-        w_ptrs += BN2 * stride_w2n
+        w_ptrs += w_step
         s_ptrs += BN2 * stride_s2n
         o_ptrs += BN2
     if FUSED_OUT:

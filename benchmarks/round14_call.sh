@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# H200 calls (round 14). STEPS picks what one call runs (logs to $OUT):
+# H200 calls (round 14). splitab, prefab, diag and diag4 need commit dd43c91 (the split-I decode kernel and its
+# switches were taken out again after these measurements: slower than the two launches). STEPS picks what one
+# call runs (logs to $OUT):
 #   splitab   benchmarks/moe_knob_ab.py at T = 1, 2, 4: the two-launch decode tiles against the one-launch split-I
 #             kernel (moe_split_i_kernel) over chunk width (bn1 32/64/128), GEMM2 columns per step (bn2 128/256/512),
 #             GEMM1 K step (bk1 128/256), 4/8 warps and 3/4 stages; interleaved rounds, per-kernel times

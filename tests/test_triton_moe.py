@@ -247,62 +247,6 @@ def test_nosort_path_matches_torch(t, k, e):
         assert rel(out, ref) <= REL_TOL, f"nosort={nosort}: {rel(out, ref):.3e}"
 
 
-SPLIT_I_TILES = [tb.SPLIT_I_CONFIG, replace(tb.SPLIT_I_CONFIG, bn1=32, bn2=128, bk1=128),
-                 replace(tb.SPLIT_I_CONFIG, bn1=128, bn2=64, warps1=8, stages1=4)]
-
-
-def _split_i_quant(kind, e, h, i):
-    """MXFP8 experts for each weight mode the split-I kernel reads: (quant, bf16 weights or None), built as
-    the fp16-window tests below build them."""
-    if kind == "offset":  # scale bytes ~16 octaves below the fp16 window: per-expert offset (WMODE 2)
-        return make_quant(e, h, i, "cuda", weight_scale=0.03 * 2.0 ** -16), None
-    if kind == "bf16-fallback":  # a 24-octave spread inside every expert: GEMM1 in bf16 (WMODE 3)
-        gain = torch.ones(e, 2 * i, 1, device="cuda")
-        gain[:, ::2] = 2.0 ** 24
-        return make_quant(e, h, i, "cuda", weight_scale=0.03 * 2.0 ** -12, row_gain=gain), None
-    q = make_quant(e, h, i, "cuda")
-    if kind == "bf16":  # the benchmark's bf16-weight twin (WMODE 0)
-        return q, (mxfp8.dequantize(q.w13_weight, q.w13_weight_scale, torch.bfloat16),
-                   mxfp8.dequantize(q.w2_weight, q.w2_weight_scale, torch.bfloat16))
-    return q, None
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("kind,wmode", [("rebased", 7), ("stored", 1), ("offset", 2), ("bf16-fallback", 3),
-                                        ("bf16", 0)])
-@pytest.mark.parametrize("t", [1, 2, 4])
-def test_split_i_decode_matches_two_launches(kind, wmode, t, monkeypatch):
-    """The one-launch split-I decode kernel against the two-launch path on the same prepared weights, for
-    every weight mode and three tiles (chunk 32 / 64 / 128 of I): only the fp32 order of the atomics
-    differs, so each element agrees within one bf16 rounding step of its magnitude (2^-8 relative); a
-    missed chunk or expert is orders of magnitude larger. Against the torch reference within REL_TOL.
-    At one token the fused output leaves its scratch and counters zeroed."""
-    e, h, i, k = 8, 768, 384, 4
-    monkeypatch.setattr(tb, "REBASE_AT_LOAD", kind == "rebased")
-    quant, bf16 = _split_i_quant(kind, e, h, i)
-    routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
-    if bf16 is None:
-        p = tb.TritonMoE(quant, routing).prepared
-    else:
-        p = tb.prepare(bf16[0], None, bf16[1], None, quant.gemm1_alpha, quant.gemm1_beta, quant.gemm1_clamp_limit)
-    assert p.wmode1 == wmode
-    x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
-    ids, w = skewed_routing(t, e, k, "cuda", empty_experts=1)  # t >= 2 share experts between tokens
-    ref = TorchMoE(quant, routing).forward_topk(x, ids, w)
-    two = tb.fused_moe(p, x, ids, w, 2.5, tb.DECODE_CONFIG).float()
-    for cfg in SPLIT_I_TILES:
-        for _ in range(2):  # the second call reuses the scratch and counters the first left zeroed
-            poison_allocator()
-            out = tb.fused_moe(p, x, ids, w, 2.5, cfg).float()
-            torch.cuda.synchronize()
-            assert torch.isfinite(out).all()
-            step = two.abs() * 2.0 ** -8 + 1e-30
-            assert ((out - two).abs() <= step).all(), f"{cfg}: max diff {(out - two).abs().max():.3e}"
-            assert rel(out, ref) <= REL_TOL
-            assert_fused_out_scratch_zero(x.device, h)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
 @pytest.mark.parametrize("t,cfg", [(1, None), (8, None), (3, tb.MoeConfig(16, 32, 128, 4, 3, 64, 128, 4, 3)),
@@ -371,15 +315,13 @@ def test_fused_output_last_arriver_is_race_free(t):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
 @pytest.mark.parametrize("t", [1, 4])
-@pytest.mark.parametrize("split_i", [False, True])
-def test_fused_output_many_calls_at_real_dims(t, split_i, monkeypatch):
+def test_fused_output_many_calls_at_real_dims(t):
     """200 calls in a row at MiniMax-M3's layer dims (H 6144, I 3072; 8 experts, so T=4 shares experts
     between tokens), each checked against the sorted unfused path: a last arriver that reads before
     another program's adds land, or an add that lands after the re-zeroing, shows up as a wrong call
     (~1e-2) and as a nonzero scratch after the last call; fp32 add order alone stays below 1e-5.
     T=1 runs the fused output; T=4 runs the unfused NOSORT path since the fused output there had 8 of
-    200 calls off by up to 5e-2 on the H200. Both the two-launch and the split-I decode path."""
-    monkeypatch.setattr(tb, "SPLIT_I_DECODE", split_i)
+    200 calls off by up to 5e-2 on the H200."""
     e, h, i, k = 8, 6144, 3072, 4
     quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"))
     routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
@@ -724,25 +666,6 @@ def test_prefill_path_choice():
     assert tb.default_config(4096, True).fp8 == tb.FP8_TERMS
     assert tb.default_config(tb.FP8_PREFILL_MIN_TOKENS - 1, True).fp8 == 0
     assert all(tb.default_config(t, False).fp8 == 0 for t in (1, 256, 4096))
-
-
-def test_split_i_decode_switch_and_tiles(monkeypatch):
-    """SPLIT_I_DECODE picks the one-launch decode config for T <= 4 only; at MiniMax-M3 dims its tiles divide
-    I and H unchanged (chunks of I per program, GEMM2 output columns per step)."""
-    monkeypatch.setattr(tb, "SPLIT_I_DECODE", True)
-    assert tb.default_config(1) is tb.SPLIT_I_CONFIG and tb.default_config(4).split_i
-    assert not tb.default_config(5).split_i and not tb.default_config(1, True).fp8
-    monkeypatch.setattr(tb, "SPLIT_I_DECODE", False)
-    assert tb.default_config(1) is tb.DECODE_CONFIG and not tb.DECODE_CONFIG.split_i
-    monkeypatch.setenv("PORTER_MOE_SPLIT_I", "0")
-    monkeypatch.setattr(tb, "SPLIT_I_DECODE", None)
-    assert not tb.split_i_enabled()
-    fit = tb.fit_config(tb.SPLIT_I_CONFIG, 6144, 3072)
-    assert (fit.bn1, fit.bk1, fit.bn2, fit.split_i) == (tb.SPLIT_I_CONFIG.bn1, tb.SPLIT_I_CONFIG.bk1,
-                                                        tb.SPLIT_I_CONFIG.bn2, True)
-    assert 3072 % fit.bn1 == 0 and 6144 % fit.bn2 == 0 and fit.bn1 % 32 == 0
-    small = tb.fit_config(tb.SPLIT_I_CONFIG, 96, 160)  # 32-multiples that the tiles do not divide
-    assert 160 % small.bn1 == 0 and 96 % small.bn2 == 0 and 96 % small.bk1 == 0 and small.bn1 >= 32
 
 
 def test_pdl_and_fused_output_gates_on_cpu():

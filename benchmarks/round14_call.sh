@@ -9,7 +9,7 @@
 #   diag      split-I phase costs at T = 1 (SPLIT_I_DIAG: 1 no GEMM2 weight stream, 2 GEMM1 phase dead, 3 no per-step atomics)
 #   layer     the MoE layer table at T = 1, 2, 4, 16, 64 (split-I on by default for T <= 4), with its bf16 twin
 #   moetests  tests/test_triton_moe.py on the GPU
-#   gputests  the other GPU test files (mxfp8 Triton, runtime decode, end to end, convert, verify)
+#   gputests  every GPU test file (MoE kernels, mxfp8 Triton, runtime decode, end to end, convert, verify)
 #   OUT=/tmp/out STEPS="splitab layer" bash benchmarks/round14_call.sh
 set -u
 OUT=${OUT:-/tmp/r14}
@@ -48,7 +48,7 @@ if has moetests; then
   grep -E "passed|failed|^FAILED|^E  " "$OUT/moe_tests.log" | head -16
 fi
 if has gputests; then
-  step gpu_tests 300 python -m pytest -q -p no:cacheprovider -m gpu tests/test_mxfp8_triton.py \
+  step gpu_tests 540 python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_moe.py tests/test_mxfp8_triton.py \
     tests/test_runtime_gpu_decode.py tests/test_gpu_end_to_end.py tests/test_convert.py tests/test_verify_gpu.py
   grep -E "passed|failed|^FAILED|^E  " "$OUT/gpu_tests.log" | head -16
 fi

@@ -39,6 +39,15 @@ if has diag4; then  # SPLIT_I_DIAG 4: the GEMM2 phase reads a contiguous [H, chu
     --out "$OUT/diag4_ab.json"
   grep -E "^T=|kernels" "$OUT/diag4_ab.log" | cut -c1-200 | head -70
 fi
+if has gemv; then  # SPLIT_I_GEMV 1 / 2: the one-token GEMM2 phase as a GEMV in fp32 / fp16 products; then DIAG 5 (no GEMM2 phase)
+  step gemv_ab 300 python benchmarks/moe_knob_ab.py --knob SPLIT_I_GEMV --values 0,1,2 --tokens 1 --rounds 3 --kernels \
+    --configs "16,32,256,4,3,64,256,4,3;16,64,256,4,3,512,64,4,3,$S;16,64,256,4,3,256,64,4,3,$S;16,128,256,8,3,512,128,4,3,$S;16,128,256,4,3,256,128,4,3,$S;16,64,256,8,3,1024,64,4,3,$S;16,32,256,4,3,512,32,4,3,$S" \
+    --out "$OUT/gemv_ab.json"
+  grep -E "^T=|kernels" "$OUT/gemv_ab.log" | cut -c1-200 | head -70
+  step diag5_ab 120 python benchmarks/moe_knob_ab.py --knob SPLIT_I_DIAG --values 0,5 --tokens 1 --rounds 3 --kernels \
+    --configs "16,32,256,4,3,64,256,4,3;16,64,256,4,3,512,64,4,3,$S;16,128,256,8,3,512,128,4,3,$S;16,32,256,4,3,512,32,4,3,$S" --out "$OUT/diag5_ab.json"
+  grep -E "^T=|kernels" "$OUT/diag5_ab.log" | cut -c1-200 | head -30
+fi
 if has layer; then
   step layer 240 python benchmarks/moe_layer.py --out "$OUT" --tag _round14 --tokens 1,2,4,16,64
   grep -E "^T=|GPU|bandwidth" "$OUT/layer.log" | cut -c1-200 | head -30

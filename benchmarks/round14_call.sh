@@ -48,6 +48,16 @@ if has gemv; then  # SPLIT_I_GEMV 1 / 2: the one-token GEMM2 phase as a GEMV in 
     --configs "16,32,256,4,3,64,256,4,3;16,64,256,4,3,512,64,4,3,$S;16,128,256,8,3,512,128,4,3,$S;16,32,256,4,3,512,32,4,3,$S" --out "$OUT/diag5_ab.json"
   grep -E "^T=|kernels" "$OUT/diag5_ab.log" | cut -c1-200 | head -30
 fi
+if has fout; then  # the one-token fused output (last arriver) off / on, split-I DIAG 5 (no GEMM2 phase) and 6 (no counter)
+  C="16,32,256,4,3,64,256,4,3;16,32,256,4,3,512,32,4,3,$S;16,64,256,4,3,512,64,4,3,$S;16,128,256,8,3,512,128,4,3,$S"
+  step fout_ab 200 python benchmarks/moe_knob_ab.py --knob FUSED_OUT_ONE_TOKEN --values True,False --tokens 1 --rounds 3 \
+    --kernels --configs "$C" --out "$OUT/fout_ab.json"
+  step diag56_ab 200 python benchmarks/moe_knob_ab.py --knob SPLIT_I_DIAG --values 0,5,6 --tokens 1 --rounds 3 \
+    --kernels --configs "$C" --out "$OUT/diag56_ab.json"
+  step regs 120 python benchmarks/kernel_regs.py --configs "$C"
+  grep -hE "^T=|kernels" "$OUT/fout_ab.log" "$OUT/diag56_ab.log" | cut -c1-150 | head -60
+  grep -E "regs" "$OUT/regs.log" | cut -c1-260
+fi
 if has layer; then
   step layer 240 python benchmarks/moe_layer.py --out "$OUT" --tag _round14 --tokens 1,2,4,16,64
   grep -E "^T=|GPU|bandwidth" "$OUT/layer.log" | cut -c1-200 | head -30

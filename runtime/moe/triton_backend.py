@@ -383,6 +383,7 @@ USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORT
 SPLIT_I_PREFETCH = False
 SPLIT_I_DIAG = 0
 SPLIT_I_GEMV = 0
+FUSED_OUT_ONE_TOKEN = True  # temporary A/B switch
 SPLIT_I_DECODE = None  # NOSORT batches in one launch split along I (MoeConfig.split_i); None: PORTER_MOE_SPLIT_I env
 
 
@@ -463,7 +464,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     # (benchmarks/results/gpu_tests_round4_call2.log); not understood yet. T = 1: 0 of 200 off.
     # Otherwise prep zeroing + atomics + cast. An explicit fused_out=True is honoured on the NOSORT path
     # (diagnosis).
-    fused_out = (nosort and t == 1) if fused_out is None else fused_out
+    fused_out = (nosort and t == 1 and FUSED_OUT_ONE_TOKEN) if fused_out is None else fused_out
     fused_out = fused_out and nosort and t <= FUSED_OUT_MAX_TOKENS
     if nosort:
         cfg = replace(cfg, bm=max(16, next_pow2(n)))

@@ -1,0 +1,45 @@
+"""Registers and spills per compiled MoE kernel (what the driver reports after loading), for the decode
+configs given, at MiniMax-M3 dims with 8 experts: python3 benchmarks/kernel_regs.py [--configs "..."]."""
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from moe_layer import decode_problem  # noqa: E402
+from porter import mxfp8  # noqa: E402
+from runtime.moe import triton_backend as tb, triton_kernels as K  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    e, h, i = 8, 6144, 3072
+    q13, s13 = mxfp8.quantize(torch.randn(e, 2 * i, h, device=dev) * 0.02)
+    q2, s2 = mxfp8.quantize(torch.randn(e, h, i, device=dev) * 0.02)
+    one = torch.ones(e, device=dev)
+    p = tb.prepare(q13, s13, q2, s2, 1.702 * one, one, 7.0 * one)
+    x, ids, w = decode_problem(1, dev)
+    ids = ids % e
+    for c in [tb.MoeConfig(*ast.literal_eval(f"({c},)")) for c in args.configs.split(";") if c]:
+        tb.fused_moe(p, x, ids, w, 2.5, c)
+    torch.cuda.synchronize()
+    for fn in (K.prep_kernel, K.gemm1_swiglu_kernel, K.gemm2_reduce_kernel, getattr(K, "moe_split_i_kernel", None)):
+        if fn is None:
+            continue
+        for cache in fn.device_caches.values():
+            for key, k in cache[0].items():
+                print(f"{fn.__name__}: regs {k.n_regs} spills {k.n_spills} warps {k.metadata.num_warps} "
+                      f"stages {k.metadata.num_stages} shared {k.metadata.shared} | {str(key)[-160:]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

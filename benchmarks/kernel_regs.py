@@ -1,5 +1,7 @@
-"""Registers and spills per compiled MoE kernel (what the driver reports after loading), for the decode
-configs given, at MiniMax-M3 dims with 8 experts: python3 benchmarks/kernel_regs.py [--configs "..."]."""
+"""Registers, spills and shared memory per compiled MoE kernel (what the driver reports after loading) for the
+MoeConfig field lists given, one token at MiniMax-M3 dims with 8 experts (occupancy: 65536 registers and 227 KB
+of shared memory per SM on the H200):
+  python3 benchmarks/kernel_regs.py --configs "16,32,256,4,3,64,256,4,3;..." """
 from __future__ import annotations
 
 import argparse
@@ -19,7 +21,7 @@ from runtime.moe import triton_backend as tb, triton_kernels as K  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="")
+    ap.add_argument("--configs", default="16,32,256,4,3,64,256,4,3")
     args = ap.parse_args()
     dev = torch.device("cuda")
     e, h, i = 8, 6144, 3072
@@ -32,9 +34,7 @@ def main():
     for c in [tb.MoeConfig(*ast.literal_eval(f"({c},)")) for c in args.configs.split(";") if c]:
         tb.fused_moe(p, x, ids, w, 2.5, c)
     torch.cuda.synchronize()
-    for fn in (K.prep_kernel, K.gemm1_swiglu_kernel, K.gemm2_reduce_kernel, getattr(K, "moe_split_i_kernel", None)):
-        if fn is None:
-            continue
+    for fn in (K.prep_kernel, K.gemm1_swiglu_kernel, K.gemm2_reduce_kernel):
         for cache in fn.device_caches.values():
             for key, k in cache[0].items():
                 print(f"{fn.__name__}: regs {k.n_regs} spills {k.n_spills} warps {k.metadata.num_warps} "

@@ -84,7 +84,7 @@ def main():
                 setattr(tb, args.knob, keep)
             res["rows"].append(row)
             tile = "" if c is None else (f" cfg {c.bm}/{c.bn1}/{c.bk1}/{c.warps1}w{c.stages1}s-{c.bn2}/{c.bk2}/"
-                                         f"{c.warps2}w{c.stages2}s{' swap' * (c.swap1 or c.swap2)}{' split-I' * c.split_i}")
+                                         f"{c.warps2}w{c.stages2}s{' swap' * (c.swap1 or c.swap2)}")
             print(f"T={t} {args.knob}={v!r:8}{tile} {us:8.1f} us  {row['x_floor']:.3f}x floor ({floor_us:.1f} us)  "
                   f"{row['vs_first']:.3f}x first  rel vs first {row['rel_vs_first']:.1e}  "
                   f"vs torch {row['rel_vs_torch']:.1e}", flush=True)

@@ -202,7 +202,7 @@ def kernel_times(fn, calls=10) -> dict:
     res = {}
     for ev in prof.key_averages():
         us = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0)) / calls
-        for key in ("gemm1", "gemm2", "moe_split_i", "prep", "quant_rows"):
+        for key in ("gemm1", "gemm2", "prep", "quant_rows"):
             if ev.key.startswith(key):
                 res[key] = us
         if "elementwise" in ev.key or "Memset" in ev.key:

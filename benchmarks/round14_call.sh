@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# H200 calls (round 14). splitab, prefab, diag and diag4 need commit dd43c91 (the split-I decode kernel and its
-# switches were taken out again after these measurements: slower than the two launches). STEPS picks what one
-# call runs (logs to $OUT):
+# H200 calls (round 14). splitab, prefab, diag and diag4 need commit dd43c91, gemv commit e5aa719 and fout commit
+# 6fd2fdc (the split-I decode kernel and its switches were taken out again after these measurements: slower than
+# the two launches). STEPS picks what one call runs (logs to $OUT):
 #   splitab   benchmarks/moe_knob_ab.py at T = 1, 2, 4: the two-launch decode tiles against the one-launch split-I
 #             kernel (moe_split_i_kernel) over chunk width (bn1 32/64/128), GEMM2 columns per step (bn2 128/256/512),
 #             GEMM1 K step (bk1 128/256), 4/8 warps and 3/4 stages; interleaved rounds, per-kernel times
 #   prefab    split-I with and without the GEMM2 phase's hand prefetch (SPLIT_I_PREFETCH), wider GEMM2 steps, 8 warps
 #   diag      split-I phase costs at T = 1 (SPLIT_I_DIAG: 1 no GEMM2 weight stream, 2 GEMM1 phase dead, 3 no per-step atomics)
+#   gemv      split-I with the one-token GEMM2 phase as a GEMV (SPLIT_I_GEMV), and DIAG 5 (no GEMM2 phase)
+#   fout      the one-token fused output off / on (FUSED_OUT_ONE_TOKEN), DIAG 5 / 6 (no counter), kernel_regs.py
 #   layer     the MoE layer table at T = 1, 2, 4, 16, 64 (split-I on by default for T <= 4), with its bf16 twin
 #   moetests  tests/test_triton_moe.py on the GPU
 #   gputests  every GPU test file (MoE kernels, mxfp8 Triton, runtime decode, end to end, convert, verify)

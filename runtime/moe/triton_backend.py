@@ -40,9 +40,6 @@ class MoeConfig:
     swap1: bool = False  # W8A16: weight as the left MMA operand (prefill, BM >= 64)
     swap2: bool = False
     fp8: int = 0  # 0: W8A16 (weights dequantized to fp16); 1 / 2: e4m3 activations in 1 / 2 terms, fp8 MMA
-    # NOSORT only: both GEMMs in one launch split along I (moe_split_i_kernel): bn1 is the I chunk of one
-    # program, bk1 GEMM1's K step, bn2 GEMM2's output columns per step, warps1 / stages1 the launch's
-    split_i: bool = False
 
 
 # Prefill path choice, measured on one H200 at MiniMax-M3 dims (E=128, H=6144, I=3072, top-4; whole layer,
@@ -57,8 +54,6 @@ class MoeConfig:
 # Rel error vs the torch reference: W8A16 3.9e-3, FP8 with two terms 4.2e-3. Those FP8 figures are for
 # one weight scale per 128 K; one per row (FP8_ROW_SCALE, the default since) measured T=1024 2454 -> 2050,
 # T=4096 5847 -> 4586 in one run, rel error 5.7e-3 (benchmarks/results/moe_round6_fp8_row_scale_ab.log).
-DECODE_CONFIG = MoeConfig(16, 32, 256, 4, 3, 64, 256, 4, 3)  # T <= 4, two launches
-SPLIT_I_CONFIG = MoeConfig(16, 64, 256, 4, 3, 256, 64, 4, 3, split_i=True)  # T <= 4, one launch (SPLIT_I_DECODE)
 FP8_PREFILL_MIN_TOKENS = 512  # the FP8 path from here on (when enabled), W8A16 below
 FP8_TERMS = 2  # e4m3 terms per activation (one term: layer rel error 4.8e-2, over the 2e-2 bound)
 FP8_PREFILL = None  # None: PORTER_MOE_FP8 env ("0" disables), default on
@@ -93,7 +88,7 @@ def default_config(num_tokens: int, fp8_prefill: bool = False) -> MoeConfig:
     if fp8_prefill and num_tokens >= FP8_PREFILL_MIN_TOKENS:
         return MoeConfig(64, 64, 128, 4, 3, 128, 128, 4, 3, fp8=FP8_TERMS)
     if num_tokens <= 4:
-        return SPLIT_I_CONFIG if split_i_enabled() else DECODE_CONFIG
+        return MoeConfig(16, 32, 256, 4, 3, 64, 256, 4, 3)
     if num_tokens <= 128:
         return MoeConfig(16, 32, 256, 4, 4, 64, 256, 4, 4)
     if num_tokens <= 512:
@@ -380,11 +375,6 @@ _out_scratch: dict = {}
 FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scratch of T x H
 NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per routed slot (BM 16)
 USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORTER_MOE_PDL env, default on
-SPLIT_I_PREFETCH = False
-SPLIT_I_DIAG = 0
-SPLIT_I_GEMV = 0
-FUSED_OUT_ONE_TOKEN = True  # temporary A/B switch
-SPLIT_I_DECODE = None  # NOSORT batches in one launch split along I (MoeConfig.split_i); None: PORTER_MOE_SPLIT_I env
 
 
 def _fused_out_scratch(device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -411,10 +401,6 @@ def _pdl_enabled(device) -> bool:
     if not _switch(USE_PDL, "PORTER_MOE_PDL") or os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def split_i_enabled() -> bool:
-    return _switch(SPLIT_I_DECODE, "PORTER_MOE_SPLIT_I")
 
 
 def fp8_prefill_enabled(device) -> bool:
@@ -453,9 +439,6 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     if nosort is None:
         nosort = n <= NOSORT_MAX_SLOTS
     nosort = nosort and n <= 64 and not fp8
-    split_i = cfg.split_i and nosort
-    if cfg.split_i and not nosort:  # (a forced nosort=False): the two-launch decode tiles
-        cfg = DECODE_CONFIG if t <= 4 else default_config(t, False)
     # Fused output by default only for one token (NOSORT: every program then holds one routed row).
     # On the sorted path (T = 64..256 at MiniMax-M3 dims, 10^4+ programs) the last arriver sometimes
     # read rows missing other programs' adds (rel 1e-2 vs the unfused path on H200, even with
@@ -464,7 +447,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     # (benchmarks/results/gpu_tests_round4_call2.log); not understood yet. T = 1: 0 of 200 off.
     # Otherwise prep zeroing + atomics + cast. An explicit fused_out=True is honoured on the NOSORT path
     # (diagnosis).
-    fused_out = (nosort and t == 1 and FUSED_OUT_ONE_TOKEN) if fused_out is None else fused_out
+    fused_out = (nosort and t == 1) if fused_out is None else fused_out
     fused_out = fused_out and nosort and t <= FUSED_OUT_MAX_TOKENS
     if nosort:
         cfg = replace(cfg, bm=max(16, next_pow2(n)))
@@ -520,11 +503,6 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     ss2 = (s2.stride(0), s2.stride(1)) if p.w_fp8 else (0, 0)
     # act rows in sorted (or slot) order; bf16 before the FP8 path's quantize kernel
     act_dtype = torch.float16 if p.fp16_2 and not fp8 else torch.bfloat16
-    if split_i:
-        _split_i_launch(p, cfg, xq, xscale, quant_x > 0, act_dtype == torch.float16, topk_ids, topk_w, out,
-                        y if fused_out else out, out_counts if fused_out else out, fused_out,
-                        float(routed_scaling_factor), pdl)
-        return y if fused_out else out.to(hidden.dtype)
     act = torch.empty((maxp, inter), dtype=act_dtype, device=dev)
     n1 = inter // cfg.bn1
     K.gemm1_swiglu_kernel[(nblk * n1,)](
@@ -553,25 +531,6 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         count_ptr=out_counts if fused_out else out, NOSORT=nosort, FUSED_OUT=fused_out, USE_PDL=bool(pdl),
         num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl)
     return y if fused_out else out.to(hidden.dtype)
-
-
-def _split_i_launch(p: PreparedMoE, cfg: MoeConfig, xq, xscale, prescaled: bool, act_fp16: bool, topk_ids,
-                    topk_w, out, y, counts, fused_out: bool, rsf: float, pdl: dict) -> None:
-    """fused_moe's NOSORT batch as one moe_split_i_kernel launch: grid (slots * I / bn1,)."""
-    from runtime.moe import triton_kernels as K
-    t, k = topk_ids.shape
-    h, inter = p.w2.shape[1], p.w2.shape[2]
-    num_c = inter // cfg.bn1
-    ss13 = (p.w13_scale.stride(0), p.w13_scale.stride(1)) if p.w_fp8 else (0, 0)
-    ss2 = (p.w2_scale.stride(0), p.w2_scale.stride(1)) if p.w_fp8 else (0, 0)
-    K.moe_split_i_kernel[(t * k * num_c,)](
-        xq, xscale, p.w13, p.w13_scale, p.shift13, p.epi13, p.alpha, p.beta, p.limit,
-        p.w2, p.w2_scale, p.shift2, p.epi2, topk_ids, topk_w, out, y, counts,
-        t * k, h, inter, p.num_experts, rsf, num_c,
-        xq.stride(1), p.w13.stride(0), p.w13.stride(1), *ss13, p.w2.stride(0), p.w2.stride(1), *ss2,
-        TOPK=k, WMODE1=p.wmode1, WMODE2=p.wmode2, PRESCALED=prescaled, ACT_FP16=act_fp16,
-        BM=cfg.bm, BC=cfg.bn1, BK1=cfg.bk1, BN2=cfg.bn2, FUSED_OUT=fused_out, USE_PDL=bool(pdl),
-        PREFETCH=bool(SPLIT_I_PREFETCH), DIAG=SPLIT_I_DIAG, GEMV2=SPLIT_I_GEMV if t == 1 else 0, num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
 
 
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):

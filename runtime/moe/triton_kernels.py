@@ -182,12 +182,7 @@ def _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE: tl.constexpr, BN: tl.constexpr,
     scalar (e.g. `s - shift` with a scalar shift) breaks that and every tile takes an extra
     registers -> shared -> registers round trip (measured ~1.6x slower). WMODE 2 therefore loads
     d_e as a broadcast [BN, BK/32] tensor inside the loop (L1 hits)."""
-    return _dequant(tl.load(w_ptrs), s_ptrs, sh_ptr, WMODE, BN, BK)
-
-
-@triton.jit
-def _dequant(w, s_ptrs, sh_ptr, WMODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """_dequant_tile of an already loaded weight tile w [BN, BK]."""
+    w = tl.load(w_ptrs)
     if WMODE == 0:  # (an if/elif chain: Triton keeps generating code past a return inside a constexpr if)
         wd = w
     elif WMODE == 7:
@@ -215,22 +210,6 @@ def _dequant(w, s_ptrs, sh_ptr, WMODE: tl.constexpr, BN: tl.constexpr, BK: tl.co
 def _fence_gpu():
     """fence.acq_rel.gpu in every thread (__threadfence())."""
     tl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _arrive(c_ptrs, tmask, TARGET):
-    """Called after a program's output atomics: every thread fences them (fence.acq_rel.gpu), a CTA
-    barrier follows, then the counters c_ptrs of the rows in tmask are bumped with acq_rel atomics
-    (release: this CTA's adds; acquire: all earlier arrivers' adds, each released the same way).
-    Returns the rows whose counter this program brought to TARGET (it made the last contribution),
-    after a second barrier and fence, so the finished rows can be read from L2 (.cg)."""
-    _fence_gpu()
-    tl.debug_barrier()
-    arrived = tl.atomic_add(c_ptrs, 1, mask=tmask, sem="acq_rel")
-    last = tmask & (arrived == TARGET - 1)
-    tl.debug_barrier()  # the acquiring threads' view is shared before any thread reads rows
-    _fence_gpu()
-    return last
 
 
 @triton.jit
@@ -357,13 +336,13 @@ def _mma_loop(a_ptrs, alo_off, amask, w_ptrs, s_ptrs, sh_ptr, k_len, a_dtype: tl
 
 
 @triton.jit
-def _gemm1_act(x_ptr, xlo_off, xscale_ptr, stride_xm, w_ptr, s_ptr, shift_ptr, epi_ptr, alpha_ptr, beta_ptr,
-               limit_ptr, pid_n, e, tok, tmask, K, INTER,
-               stride_we, stride_wn, stride_se, stride_sn,
-               TOPK: tl.constexpr, WMODE: tl.constexpr, PRESCALED: tl.constexpr, TERMS: tl.constexpr,
-               SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """[BM, BN] fp32 SwiGLU-OAI(x W_gate^T, x W_up^T) for columns [pid_n*BN, +BN) of I of expert e
-    (rows: the slots tok, x row tok // TOPK)."""
+def _gemm1_tile(x_ptr, xlo_off, xscale_ptr, stride_xm, w_ptr, s_ptr, shift_ptr, epi_ptr, alpha_ptr, beta_ptr,
+                limit_ptr, act_ptr, pid_n, e, rows, tok, tmask, K, INTER,
+                stride_we, stride_wn, stride_se, stride_sn,
+                TOPK: tl.constexpr, WMODE: tl.constexpr, PRESCALED: tl.constexpr, TERMS: tl.constexpr,
+                SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """act[rows, n..n+BN) = SwiGLU-OAI(x W_gate^T, x W_up^T) of one program's tile (see
+    gemm1_swiglu_kernel)."""
     e64 = e.to(tl.int64)
     xrow = tok // TOPK
     r = tl.arange(0, 2 * BN)
@@ -392,20 +371,7 @@ def _gemm1_act(x_ptr, xlo_off, xscale_ptr, stride_xm, w_ptr, s_ptr, shift_ptr, e
     limit = tl.load(limit_ptr + e)
     gate = tl.minimum(gate, limit)
     up = tl.maximum(tl.minimum(up, limit), -limit)
-    return gate * tl.sigmoid(alpha * gate) * (up + beta)
-
-
-@triton.jit
-def _gemm1_tile(x_ptr, xlo_off, xscale_ptr, stride_xm, w_ptr, s_ptr, shift_ptr, epi_ptr, alpha_ptr, beta_ptr,
-                limit_ptr, act_ptr, pid_n, e, rows, tok, tmask, K, INTER,
-                stride_we, stride_wn, stride_se, stride_sn,
-                TOPK: tl.constexpr, WMODE: tl.constexpr, PRESCALED: tl.constexpr, TERMS: tl.constexpr,
-                SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """act[rows, n..n+BN) = SwiGLU-OAI(x W_gate^T, x W_up^T) of one program's tile (see
-    gemm1_swiglu_kernel)."""
-    act = _gemm1_act(x_ptr, xlo_off, xscale_ptr, stride_xm, w_ptr, s_ptr, shift_ptr, epi_ptr, alpha_ptr, beta_ptr,
-                     limit_ptr, pid_n, e, tok, tmask, K, INTER, stride_we, stride_wn, stride_se, stride_sn,
-                     TOPK, WMODE, PRESCALED, TERMS, SWAP, BM, BN, BK)
+    act = gate * tl.sigmoid(alpha * gate) * (up + beta)
     offs_n = pid_n * BN + tl.arange(0, BN)
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * INTER + offs_n[None, :]
     tl.store(a_ptrs, act.to(act_ptr.dtype.element_ty), mask=tmask[:, None])
@@ -457,8 +423,13 @@ def _gemm2_tile(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, 
     o_ptrs = out_ptr + trow[:, None] * HID + offs_n[None, :]
     tl.atomic_add(o_ptrs, acc, mask=tmask[:, None], sem="relaxed")
     if FUSED_OUT:
+        _fence_gpu()
+        tl.debug_barrier()
         c_ptrs = count_ptr + trow * NUM_N + pid_n
-        last = _arrive(c_ptrs, tmask, TOPK)
+        arrived = tl.atomic_add(c_ptrs, 1, mask=tmask, sem="acq_rel")
+        last = tmask & (arrived == TOPK - 1)
+        tl.debug_barrier()  # the acquiring threads' view is shared before any thread reads rows
+        _fence_gpu()
         if tl.max(last.to(tl.int32), axis=0) > 0:
             v = tl.load(o_ptrs, mask=last[:, None], other=0.0, cache_modifier=".cg")
             y_ptrs = y_ptr + trow[:, None] * HID + offs_n[None, :]
@@ -494,121 +465,3 @@ def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, e
     _gemm2_tile(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, topk_w_ptr, out_ptr,
                 pid_n, e, rows, tok, tmask, K, HID, rsf, NUM_N, stride_we, stride_wn, stride_se, stride_sn,
                 TOPK, WMODE, TERMS, SWAP, BM, BN, BK, y_ptr, count_ptr, FUSED_OUT)
-
-
-@triton.jit
-def _split_i_gemm2(act, w_ptrs, w_step, s_ptrs, stride_s2n, sh_ptr, o_ptrs, row_scale, tmask, H,
-                   WMODE2: tl.constexpr, BN2: tl.constexpr, BC: tl.constexpr, PREFETCH: tl.constexpr,
-                   DIAG: tl.constexpr):
-    # the loop's weight loads are not software-pipelined (they feed a conversion, not the MMA): with
-    # PREFETCH each step's tile is loaded one step ahead, by hand
-    w_next = tl.load(w_ptrs)
-    for n0 in range(0, H, BN2):
-        if PREFETCH:
-            w_raw = w_next
-            w_next = tl.load(w_ptrs + tl.where(n0 + BN2 < H, w_step, 0))  # the last step re-reads its own
-        else:
-            w_raw = tl.load(w_ptrs)
-        if DIAG == 1:
-            w_raw = tl.zeros_like(w_raw)
-        w = _dequant(w_raw, s_ptrs, sh_ptr, WMODE2, BN2, BC)  # [BN2, BC]
-        part = _dot_w(w, act, None, False)  # [BM, BN2]
-        if WMODE2 == 7:
-            part = part * tl.load(s_ptrs)[None, :]
-        if DIAG == 3:
-            if n0 + BN2 >= H:
-                tl.atomic_add(o_ptrs, part * row_scale[:, None], mask=tmask[:, None], sem="relaxed")
-        else:
-            tl.atomic_add(o_ptrs, part * row_scale[:, None], mask=tmask[:, None], sem="relaxed")
-        w_ptrs += w_step
-        s_ptrs += BN2 * stride_s2n
-        o_ptrs += BN2
-
-
-@triton.jit
-def moe_split_i_kernel(x_ptr, xscale_ptr, w13_ptr, s13_ptr, shift13_ptr, epi13_ptr, alpha_ptr, beta_ptr, limit_ptr,
-                       w2_ptr, s2_ptr, shift2_ptr, epi2_ptr, topk_ids_ptr, topk_w_ptr, out_ptr, y_ptr, count_ptr,
-                       N, H, INTER, E, rsf, NUM_C,
-                       stride_xm, stride_w13e, stride_w13n, stride_s13e, stride_s13n,
-                       stride_w2e, stride_w2n, stride_s2e, stride_s2n,
-                       TOPK: tl.constexpr, WMODE1: tl.constexpr, WMODE2: tl.constexpr, PRESCALED: tl.constexpr,
-                       ACT_FP16: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, BK1: tl.constexpr,
-                       BN2: tl.constexpr, FUSED_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                       PREFETCH: tl.constexpr = True, DIAG: tl.constexpr = 0, GEMV2: tl.constexpr = 0):
-    """Both GEMMs of the NOSORT (decode) layer in one launch, split along I so that no program waits on
-    another. Program (routed slot m, chunk c) of grid (N * NUM_C,): GEMM1 + SwiGLU-OAI for columns
-    [c*BC, +BC) of I of slot m's expert (the rows of every slot routed to it, as gemm1_swiglu_kernel's
-    NOSORT blocks), act kept in registers in GEMM2's operand dtype, then that chunk's share of GEMM2:
-    out[token, n] += rsf * w_route * (act[:, chunk] W2[e, n, chunk]^T) for n in steps of BN2, by fp32
-    atomics (the I-chunk and the top-k reduce both happen in the atomics). Weights stream once: each
-    program reads its [2BC, H] slab of w13 and its [H, BC] slab of w2.
-    FUSED_OUT (one token): out is the persistent zeroed fp32 scratch; one counter per token (count_ptr
-    + token), brought to TOPK * NUM_C by the token's programs (_arrive); the last arriver writes the
-    whole row to y in y's dtype and re-zeroes scratch row and counter."""
-    pid_c, e, rows, tok, tmask, has_work = _program_tile(topk_ids_ptr, topk_ids_ptr, N, E, NUM_C, BM, True, USE_PDL)
-    if not has_work:
-        return
-    act = _gemm1_act(x_ptr, 0, xscale_ptr, stride_xm, w13_ptr, s13_ptr, shift13_ptr, epi13_ptr, alpha_ptr,
-                     beta_ptr, limit_ptr, pid_c, e, tok, tmask, H, INTER,
-                     stride_w13e, stride_w13n, stride_s13e, stride_s13n,
-                     TOPK, WMODE1, PRESCALED, 0, False, BM, BC, BK1)  # [BM, BC] fp32
-    if DIAG == 2:
-        act = act * 0.0
-    if ACT_FP16:  # the dtype gemm1_swiglu_kernel stores act in for GEMM2
-        act = act.to(tl.float16)
-    else:
-        act = act.to(tl.bfloat16)
-    e64 = e.to(tl.int64)
-    row_scale = tl.load(topk_w_ptr + tok, mask=tmask, other=0.0).to(tl.float32) * rsf  # [BM]
-    if WMODE2 == 2:
-        row_scale = row_scale * tl.load(epi2_ptr + e)
-    offs_n = tl.arange(0, BN2)
-    w_ptrs = (w2_ptr + e64 * stride_w2e + offs_n[:, None] * stride_w2n
-              + (pid_c * BC + tl.arange(0, BC))[None, :])  # [BN2, BC]
-    w_step = BN2 * stride_w2n
-    if DIAG == 4:  # timing only: read w2 as if each chunk's [H, BC] slab were contiguous
-        w_ptrs = (w2_ptr + e64 * stride_w2e + pid_c * H * BC + offs_n[:, None] * BC + tl.arange(0, BC)[None, :])
-        w_step = BN2 * BC
-    if WMODE2 == 7:
-        s_ptrs = s2_ptr + e64 * stride_s2e + offs_n * stride_s2n  # [BN2] fp32 row scales
-    else:
-        s_ptrs = (s2_ptr + e64 * stride_s2e + offs_n[:, None] * stride_s2n
-                  + (pid_c * (BC // 32) + tl.arange(0, BC // 32))[None, :])  # [BN2, BC/32] bytes
-    trow = (tok // TOPK).to(tl.int64)
-    o_ptrs = out_ptr + trow[:, None] * H + offs_n[None, :]  # [BM, BN2]
-    if DIAG == 5:  # timing only: no GEMM2 phase
-        tl.atomic_add(out_ptr + trow, tl.sum(act.to(tl.float32), axis=1), mask=tmask, sem="relaxed")
-    elif GEMV2 > 0:  # one token: the program's one routed row as a vector, GEMM2 as a GEMV (no MMA)
-        a_row = tl.sum(tl.where(tmask[:, None], act.to(tl.float32), 0.0), axis=0)  # [BC]
-        a_scale = tl.sum(tl.where(tmask, row_scale, 0.0), axis=0)
-        t0 = tl.sum(tl.where(tmask, trow, 0), axis=0)
-        g_ptrs = out_ptr + t0 * H + offs_n  # [BN2]
-        for n0 in range(0, H, BN2):
-            w_raw = tl.load(w_ptrs)
-            if GEMV2 == 1:
-                w = _dequant(w_raw, s_ptrs, shift2_ptr + e, WMODE2, BN2, BC).to(tl.float32)
-                part = tl.sum(w * a_row[None, :], axis=1)  # [BN2]
-            else:
-                w = _dequant(w_raw, s_ptrs, shift2_ptr + e, WMODE2, BN2, BC)
-                part = tl.sum((w * a_row.to(w.dtype)[None, :]).to(tl.float32), axis=1)
-            if WMODE2 == 7:
-                part = part * tl.load(s_ptrs)
-            tl.atomic_add(g_ptrs, part * a_scale, sem="relaxed")
-            w_ptrs += w_step
-            s_ptrs += BN2 * stride_s2n
-            g_ptrs += BN2
-    else:
-        _split_i_gemm2(act, w_ptrs, w_step, s_ptrs, stride_s2n, shift2_ptr + e, o_ptrs, row_scale, tmask, H,
-                       WMODE2, BN2, BC, PREFETCH, DIAG)
-    if FUSED_OUT and DIAG != 6:  # DIAG 6: timing only, no arrival counting
-        last = _arrive(count_ptr + trow, tmask, TOPK * NUM_C)
-        if tl.max(last.to(tl.int32), axis=0) > 0:
-            o_ptrs = out_ptr + trow[:, None] * H + offs_n[None, :]
-            y_ptrs = y_ptr + trow[:, None] * H + offs_n[None, :]
-            for _ in range(0, H, BN2):
-                v = tl.load(o_ptrs, mask=last[:, None], other=0.0, cache_modifier=".cg")
-                tl.store(y_ptrs, v.to(y_ptr.dtype.element_ty), mask=last[:, None])
-                tl.store(o_ptrs, tl.zeros((BM, BN2), dtype=tl.float32), mask=last[:, None])
-                o_ptrs += BN2
-                y_ptrs += BN2
-            tl.store(count_ptr + trow, tl.zeros((BM,), dtype=tl.int32), mask=last)

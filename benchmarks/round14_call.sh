@@ -9,6 +9,7 @@
 #   diag      split-I phase costs at T = 1 (SPLIT_I_DIAG: 1 no GEMM2 weight stream, 2 GEMM1 phase dead, 3 no per-step atomics)
 #   gemv      split-I with the one-token GEMM2 phase as a GEMV (SPLIT_I_GEMV), and DIAG 5 (no GEMM2 phase)
 #   fout      the one-token fused output off / on (FUSED_OUT_ONE_TOKEN), DIAG 5 / 6 (no counter), kernel_regs.py
+#   race      benchmarks/fused_out_race.py: the fused output at T = 2, 3, 4, which tiles go wrong and how
 #   layer     the MoE layer table at T = 1, 2, 4, 16, 64 (split-I on by default for T <= 4), with its bf16 twin
 #   moetests  tests/test_triton_moe.py on the GPU
 #   gputests  every GPU test file (MoE kernels, mxfp8 Triton, runtime decode, end to end, convert, verify)
@@ -59,6 +60,10 @@ if has fout; then  # the one-token fused output (last arriver) off / on, split-I
   step regs 120 python benchmarks/kernel_regs.py --configs "$C"
   grep -hE "^T=|kernels" "$OUT/fout_ab.log" "$OUT/diag56_ab.log" | cut -c1-150 | head -60
   grep -E "regs" "$OUT/regs.log" | cut -c1-260
+fi
+if has race; then  # the fused output with several tokens: which tiles go wrong, and how
+  step race 300 python benchmarks/fused_out_race.py --tokens 2,3,4 --calls 200
+  cat "$OUT/race.log" | cut -c1-220 | head -80
 fi
 if has layer; then
   step layer 240 python benchmarks/moe_layer.py --out "$OUT" --tag _round14 --tokens 1,2,4,16,64

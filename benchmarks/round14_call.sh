@@ -10,6 +10,8 @@
 #   gemv      split-I with the one-token GEMM2 phase as a GEMV (SPLIT_I_GEMV), and DIAG 5 (no GEMM2 phase)
 #   fout      the one-token fused output off / on (FUSED_OUT_ONE_TOKEN), DIAG 5 / 6 (no counter), kernel_regs.py
 #   race      benchmarks/fused_out_race.py: the fused output at T = 2, 3, 4, which tiles go wrong and how
+#   fused4    the fused output at 2-4 tokens: fused_out_race.py with 2000 calls (both weight layouts), and
+#             FUSED_OUT_NOSORT_TOKENS 1 / 4 timed (moe_knob_ab.py)
 #   layer     the MoE layer table at T = 1, 2, 4, 16, 64 (split-I on by default for T <= 4), with its bf16 twin
 #   moetests  tests/test_triton_moe.py on the GPU
 #   gputests  every GPU test file (MoE kernels, mxfp8 Triton, runtime decode, end to end, convert, verify)
@@ -64,6 +66,13 @@ fi
 if has race; then  # the fused output with several tokens: which tiles go wrong, and how
   step race 300 python benchmarks/fused_out_race.py --tokens 2,3,4 --calls 200
   cat "$OUT/race.log" | cut -c1-220 | head -80
+fi
+if has fused4; then  # the fused output for 2-4 tokens: 2000 calls each way, then its speed against prep zeroing + cast
+  step race2000 300 python benchmarks/fused_out_race.py --tokens 2,3,4 --calls 2000 --layouts rebased,stored
+  grep -E "^(rebased|stored)|call " "$OUT/race2000.log" | cut -c1-220 | head -40
+  step fused4_ab 200 python benchmarks/moe_knob_ab.py --knob FUSED_OUT_NOSORT_TOKENS --values 1,4 --tokens 1,2,3,4 \
+    --rounds 5 --kernels --out "$OUT/fused4_ab.json"
+  grep -E "^T=|kernels" "$OUT/fused4_ab.log" | cut -c1-200 | head -20
 fi
 if has layer; then
   step layer 240 python benchmarks/moe_layer.py --out "$OUT" --tag _round14 --tokens 1,2,4,16,64

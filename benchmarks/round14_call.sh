@@ -12,6 +12,7 @@
 #   race      benchmarks/fused_out_race.py: the fused output at T = 2, 3, 4, which tiles go wrong and how
 #   fused4    the fused output at 2-4 tokens: fused_out_race.py with 2000 calls (both weight layouts), and
 #             FUSED_OUT_NOSORT_TOKENS 1 / 4 timed (moe_knob_ab.py)
+#   race1     fused_out_race.py at one token (the shipped default), 20000 calls per weight layout and PDL setting
 #   layer     the MoE layer table at T = 1, 2, 4, 16, 64 (split-I on by default for T <= 4), with its bf16 twin
 #   moetests  tests/test_triton_moe.py on the GPU
 #   gputests  every GPU test file (MoE kernels, mxfp8 Triton, runtime decode, end to end, convert, verify)
@@ -73,6 +74,10 @@ if has fused4; then  # the fused output for 2-4 tokens: 2000 calls each way, the
   step fused4_ab 200 python benchmarks/moe_knob_ab.py --knob FUSED_OUT_NOSORT_TOKENS --values 1,4 --tokens 1,2,3,4 \
     --rounds 5 --kernels --out "$OUT/fused4_ab.json"
   grep -E "^T=|kernels" "$OUT/fused4_ab.log" | cut -c1-200 | head -20
+fi
+if has race1; then  # the one-token fused output (the default) under many calls, both weight layouts
+  step race1 300 python benchmarks/fused_out_race.py --tokens 1 --calls 20000 --layouts rebased,stored
+  grep -E "^(rebased|stored)|call " "$OUT/race1.log" | cut -c1-220 | head -30
 fi
 if has layer; then
   step layer 240 python benchmarks/moe_layer.py --out "$OUT" --tag _round14 --tokens 1,2,4,16,64

@@ -11,7 +11,7 @@
 #   fout      the one-token fused output off / on (FUSED_OUT_ONE_TOKEN), DIAG 5 / 6 (no counter), kernel_regs.py
 #   race      benchmarks/fused_out_race.py: the fused output at T = 2, 3, 4, which tiles go wrong and how
 #   fused4    the fused output at 2-4 tokens: fused_out_race.py with 2000 calls (both weight layouts), and
-#             FUSED_OUT_NOSORT_TOKENS 1 / 4 timed (moe_knob_ab.py)
+#             FUSED_OUT_NOSORT_TOKENS 1 / 4 timed (moe_knob_ab.py; the switch needs commit e9827e8)
 #   race1     fused_out_race.py at one token (the shipped default), 20000 calls per weight layout and PDL setting
 #   layer     the MoE layer table at T = 1, 2, 4, 16, 64 (split-I on by default for T <= 4), with its bf16 twin
 #   moetests  tests/test_triton_moe.py on the GPU

@@ -373,7 +373,6 @@ def prepare(w13, w13_scale, w2, w2_scale, alpha, beta, limit) -> PreparedMoE:
 
 _out_scratch: dict = {}
 FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scratch of T x H
-FUSED_OUT_NOSORT_TOKENS = 1  # NOSORT batches of up to this many tokens take the fused output by default
 NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per routed slot (BM 16)
 USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORTER_MOE_PDL env, default on
 
@@ -448,7 +447,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     # (benchmarks/results/gpu_tests_round4_call2.log); not understood yet. T = 1: 0 of 200 off.
     # Otherwise prep zeroing + atomics + cast. An explicit fused_out=True is honoured on the NOSORT path
     # (diagnosis).
-    fused_out = (nosort and t <= FUSED_OUT_NOSORT_TOKENS) if fused_out is None else fused_out
+    fused_out = (nosort and t == 1) if fused_out is None else fused_out
     fused_out = fused_out and nosort and t <= FUSED_OUT_MAX_TOKENS
     if nosort:
         cfg = replace(cfg, bm=max(16, next_pow2(n)))

@@ -13,6 +13,8 @@
 #   fused4    the fused output at 2-4 tokens: fused_out_race.py with 2000 calls (both weight layouts), and
 #             FUSED_OUT_NOSORT_TOKENS 1 / 4 timed (moe_knob_ab.py; the switch needs commit e9827e8)
 #   race1     fused_out_race.py at one token (the shipped default), 20000 calls per weight layout and PDL setting
+#   xstep     one token without the prep kernel (X_STEP_SCALE): the MoE GPU tests, the A/B, the layer table with it
+#             off and on (twin ratios)
 #   layer     the MoE layer table at T = 1, 2, 4, 16, 64 (split-I on by default for T <= 4), with its bf16 twin
 #   moetests  tests/test_triton_moe.py on the GPU
 #   gputests  every GPU test file (MoE kernels, mxfp8 Triton, runtime decode, end to end, convert, verify)
@@ -78,6 +80,18 @@ fi
 if has race1; then  # the one-token fused output (the default) under many calls, both weight layouts
   step race1 300 python benchmarks/fused_out_race.py --tokens 1 --calls 20000 --layouts rebased,stored
   grep -E "^(rebased|stored)|call " "$OUT/race1.log" | cut -c1-220 | head -30
+fi
+if has xstep; then  # one token without the prep kernel: GEMM1 scales x per K step (X_STEP_SCALE)
+  step xstep_tests 300 python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_moe.py
+  grep -E "passed|failed|^FAILED|^E  " "$OUT/xstep_tests.log" | head -12
+  step xstep_ab 150 python benchmarks/moe_knob_ab.py --knob X_STEP_SCALE --values False,True --tokens 1,2,4 --rounds 5 \
+    --kernels --out "$OUT/xstep_ab.json"
+  grep -E "^T=|kernels" "$OUT/xstep_ab.log" | cut -c1-200 | head -14
+  for v in 0 1; do
+    step xstep_layer_$v 120 env PORTER_MOE_X_STEP_SCALE=$v python benchmarks/moe_layer.py --out "$OUT/l$v" \
+      --tag _round14_xstep$v --tokens 1,4,16
+    grep -E "^T=" "$OUT/xstep_layer_$v.log" | cut -c1-200
+  done
 fi
 if has layer; then
   step layer 240 python benchmarks/moe_layer.py --out "$OUT" --tag _round14 --tokens 1,2,4,16,64

@@ -13,7 +13,7 @@
 #   fused4    the fused output at 2-4 tokens: fused_out_race.py with 2000 calls (both weight layouts), and
 #             FUSED_OUT_NOSORT_TOKENS 1 / 4 timed (moe_knob_ab.py; the switch needs commit e9827e8)
 #   race1     fused_out_race.py at one token (the shipped default), 20000 calls per weight layout and PDL setting
-#   xstep     one token without the prep kernel (X_STEP_SCALE): the MoE GPU tests, the A/B, the layer table with it
+#   xstep     (needs commit bfe1457) one token without the prep kernel (X_STEP_SCALE): the MoE GPU tests, the A/B, the layer table with it
 #             off and on (twin ratios)
 #   layer     the MoE layer table at T = 1, 2, 4, 16, 64 (split-I on by default for T <= 4), with its bf16 twin
 #   moetests  tests/test_triton_moe.py on the GPU

@@ -375,7 +375,6 @@ _out_scratch: dict = {}
 FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scratch of T x H
 NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per routed slot (BM 16)
 USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORTER_MOE_PDL env, default on
-X_STEP_SCALE = None  # one token: GEMM1 scales x per K step, no prep kernel; None: PORTER_MOE_X_STEP_SCALE env, default on
 
 
 def _fused_out_scratch(device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -480,15 +479,12 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     else:
         out = torch.empty((t, h), dtype=torch.float32, device=dev)  # zeroed by prep, reduced by atomics
         y = out_counts = None
-    # GEMM1's activation operand: [terms, T, H] e4m3 (FP8), [T, H] fp16 (W8A16 with guards) or hidden. With
-    # the fused output (one token) GEMM1 may scale hidden into fp16's range per K step itself (X_STEP_SCALE):
-    # then no prep kernel runs at all.
-    step_scale = fused_out and p.fp16_1 and not fp8 and _switch(X_STEP_SCALE, "PORTER_MOE_X_STEP_SCALE")
-    quant_x = 1 + cfg.fp8 if fp8 else int(p.fp16_1 and not step_scale)  # _quant_row's QUANT
+    # GEMM1's activation operand: [terms, T, H] e4m3 (FP8), [T, H] fp16 (W8A16 with guards) or hidden
+    quant_x = 1 + cfg.fp8 if fp8 else int(p.fp16_1)  # _quant_row's QUANT
     if fp8:
         xq = torch.empty((cfg.fp8, t, h), dtype=torch.float8_e4m3fn, device=dev)
     else:
-        xq = torch.empty((1, t, h), dtype=torch.float16, device=dev) if quant_x else hidden[None]
+        xq = torch.empty((1, t, h), dtype=torch.float16, device=dev) if p.fp16_1 else hidden[None]
     xscale = torch.empty(t, dtype=torch.float32, device=dev)
     zero_out = not fused_out
     if in_kernel_align or quant_x or zero_out:
@@ -513,8 +509,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         xq, t * h, xscale, w13, s13, p.shift13, p.epi13, p.alpha, p.beta, p.limit,
         sorted_ids, expert_ids, act, n, h, inter, e, n1,
         xq.stride(1), w13.stride(0), w13.stride(1), *ss13,
-        TOPK=k, WMODE=wmode1, PRESCALED=2 if step_scale else int(quant_x > 0), TERMS=cfg.fp8,
-        SWAP=cfg.swap1 and not fp8,
+        TOPK=k, WMODE=wmode1, PRESCALED=quant_x > 0, TERMS=cfg.fp8, SWAP=cfg.swap1 and not fp8,
         BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, NOSORT=nosort, USE_PDL=bool(pdl),
         num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
     if fp8:  # act -> [terms, MAXP, I] e4m3 + per-row 2^m

@@ -279,7 +279,7 @@ def _dot_w(w, a, acc, SWAP: tl.constexpr):
 @triton.jit
 def _mma_loop(a_ptrs, alo_off, amask, w_ptrs, s_ptrs, sh_ptr, k_len, a_dtype: tl.constexpr,
               WMODE: tl.constexpr, TERMS: tl.constexpr, SWAP: tl.constexpr, ROWS: tl.constexpr,
-              BM: tl.constexpr, BK: tl.constexpr, A_STEP_SCALE: tl.constexpr = False):
+              BM: tl.constexpr, BK: tl.constexpr):
     """acc [BM, ROWS] fp32 = A W^T over k_len (the K loop of both GEMMs). A rows outside amask read 0.
 
     WMODE 0..3: the weight tile is dequantized (_dequant_tile) and one 16-bit MMA runs per BK step;
@@ -291,11 +291,7 @@ def _mma_loop(a_ptrs, alo_off, amask, w_ptrs, s_ptrs, sh_ptr, k_len, a_dtype: tl
     WMODE 5 (FP8, one scale per weight row): the fp8 MMAs chain into the accumulator over the whole K
     and the row scales multiply it once at the end.
     WMODE 7 (16-bit MMA on the rebased weights with one scale per row): the e4m3 tile converts to fp16
-    (exact) without any scale multiply, the row scales multiply the accumulator once at the end.
-    A_STEP_SCALE (W8A16, A a 16-bit row as it comes): each K step scales its A tile by a power of two
-    per row, 2^-m with the step's row amax in [2^14, 2^15) (the prep kernel's rule per row, here per
-    BK values; exact), before the cast to a_dtype, and multiplies that step's fp32 MMA result by 2^m
-    before it joins the accumulator: no pass over the row ahead of the weight stream."""
+    (exact) without any scale multiply, the row scales multiply the accumulator once at the end."""
     if WMODE == 4 or WMODE == 5:
         acc = tl.zeros((ROWS, BM) if SWAP else (BM, ROWS), dtype=tl.float32)
         for _ in range(0, k_len, BK):
@@ -324,16 +320,9 @@ def _mma_loop(a_ptrs, alo_off, amask, w_ptrs, s_ptrs, sh_ptr, k_len, a_dtype: tl
     else:
         acc = tl.zeros((ROWS, BM) if SWAP else (BM, ROWS), dtype=tl.float32)
         for _ in range(0, k_len, BK):
-            if A_STEP_SCALE:
-                a = tl.load(a_ptrs, mask=amask[:, None], other=0.0).to(tl.float32)  # [BM, BK]
-                w = _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE, ROWS, BK)  # [ROWS, BK]
-                down, up = _pow2_shift(tl.max(tl.abs(a), axis=1), 14)  # [BM] each
-                part = _dot_w(w, (a * down[:, None]).to(a_dtype), None, SWAP)
-                acc += part * (up[None, :] if SWAP else up[:, None])
-            else:
-                a = tl.load(a_ptrs, mask=amask[:, None], other=0.0).to(a_dtype)  # [BM, BK]
-                w = _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE, ROWS, BK)  # [ROWS, BK]
-                acc = _dot_w(w, a, acc, SWAP)
+            a = tl.load(a_ptrs, mask=amask[:, None], other=0.0).to(a_dtype)  # [BM, BK]
+            w = _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE, ROWS, BK)  # [ROWS, BK]
+            acc = _dot_w(w, a, acc, SWAP)
             a_ptrs += BK
             w_ptrs += BK
             if WMODE != 7:
@@ -367,13 +356,13 @@ def _gemm1_tile(x_ptr, xlo_off, xscale_ptr, stride_xm, w_ptr, s_ptr, shift_ptr, 
     else:
         mma_dtype: tl.constexpr = tl.float16
     acc = _mma_loop(x_ptrs, xlo_off, tmask, w_ptrs, s_ptrs, shift_ptr + e, K, mma_dtype,
-                    WMODE, TERMS, SWAP, 2 * BN, BM, BK, PRESCALED == 2)  # [BM, 2BN]
+                    WMODE, TERMS, SWAP, 2 * BN, BM, BK)  # [BM, 2BN]
     acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
     # undo the operand scales: 2^d_e of the weights (WMODE 2), per-token 2^m of x
     rs = tl.full((BM, 1), 1.0, dtype=tl.float32)
     if WMODE == 2:
         rs = rs * tl.load(epi_ptr + e)
-    if PRESCALED == 1:
+    if PRESCALED:
         rs = rs * tl.load(xscale_ptr + xrow, mask=tmask, other=1.0)[:, None]  # [BM, 1]
     gate = acc_g * rs
     up = acc_u * rs

@@ -2,7 +2,9 @@
 on the NOSORT path: many calls at MiniMax-M3 dims (H 6144, I 3072, 8 experts top-4, so experts are shared
 between tokens), each against the unfused path; for every wrong (token, N tile) it reports which subset of the
 token's routed slots the written tile equals (from each slot's contribution alone), and whether the scratch and
-counters are left zero. PDL on and off.
+counters are left zero. PDL on and off. The per-element count ("off by more than one bf16 step") has no
+absolute floor, so near-zero elements whose fp32 sum order moves them count too (the worst call's relative
+error tells those apart); a tile off by more than 1e-3 of its norm is the race's signature.
   python3 benchmarks/fused_out_race.py [--tokens 2,3,4] [--calls 200]"""
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ The FP8 prefill path (two e4m3 activation terms, weights rebased to one power-of
 docs/moe-backends.md) is taken for prompts of T >= triton_backend.FP8_PREFILL_MIN_TOKENS (512) tokens on
 SM89+. This builds a synthetic real-dims checkpoint (layer 0 dense, the rest MoE; fewer layers and experts
 than the release), converts it, and runs `porter verify --device cuda --backend triton` on one long prompt
-twice: PORTER_MOE_FP8=0 (W8A16 prefill) and PORTER_MOE_FP8=1. It prints both verdicts with the logits KL(ref||conv), top-1 agreement and the worst
-layer error, so the accuracy cost of FP8 prefill is stated next to the same check without it.
+twice: PORTER_MOE_FP8=0 (W8A16 prefill) and PORTER_MOE_FP8=1. It prints both verdicts with the logits
+KL(ref||conv), top-1 agreement and the worst layer error, so the accuracy cost of FP8 prefill is stated
+next to the same check without it.
 
     python benchmarks/verify_fp8_prefill.py [--layers 3] [--experts 8] [--min-tokens 1100] [--out FILE.json]
 """

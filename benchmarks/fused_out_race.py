@@ -16,8 +16,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from porter import mxfp8  # noqa: E402
+from moe_layer import H, RSF, TOPK, prepare_quant, random_quant  # noqa: E402
 from runtime.moe import triton_backend as tb  # noqa: E402
 
 
@@ -28,27 +29,25 @@ def main():
     ap.add_argument("--layouts", default="rebased", help="rebased,stored: the experts rebased at load or as stored")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    e, h, i, k = 8, 6144, 3072, 4
-    q13, s13 = mxfp8.quantize(torch.randn(e, 2 * i, h, device=dev) * 0.03)
-    q2, s2 = mxfp8.quantize(torch.randn(e, h, i, device=dev) * 0.03)
-    one = torch.ones(e, device=dev)
+    e, h, k = 8, H, TOPK
+    quant = random_quant(dev, e, sigma=0.03)
     bn = tb.default_config(1).bn2
     for layout, t in itertools.product(args.layouts.split(","), [int(v) for v in args.tokens.split(",")]):
         tb.REBASE_AT_LOAD = layout == "rebased"
-        p = tb.prepare(q13, s13, q2, s2, 1.702 * one, one, 7.0 * one)
+        p = prepare_quant(quant)
         tb.REBASE_AT_LOAD = None
         x = torch.randn(t, h, device=dev).to(torch.bfloat16)
         ids = torch.rand(t, e, device=dev).topk(k, dim=-1).indices
         w = torch.rand(t, k, device=dev) + 0.1
-        base = tb.fused_moe(p, x, ids, w, 2.5, nosort=True, fused_out=False).float()
+        base = tb.fused_moe(p, x, ids, w, RSF, nosort=True, fused_out=False).float()
         parts = []  # [k] of [t, h]: each slot's contribution alone
         for s in range(k):
             ws = torch.zeros_like(w)
             ws[:, s] = w[:, s]
-            parts.append(tb.fused_moe(p, x, ids, ws, 2.5, nosort=True, fused_out=False).float())
+            parts.append(tb.fused_moe(p, x, ids, ws, RSF, nosort=True, fused_out=False).float())
         for pdl in (True, False):
             tb.USE_PDL = pdl
-            outs = torch.stack([tb.fused_moe(p, x, ids, w, 2.5, nosort=True, fused_out=True).float()
+            outs = torch.stack([tb.fused_moe(p, x, ids, w, RSF, nosort=True, fused_out=True).float()
                                 for _ in range(args.calls)])  # [calls, t, h]
             torch.cuda.synchronize()
             tb.USE_PDL = None

@@ -14,8 +14,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from moe_layer import decode_problem  # noqa: E402
-from porter import mxfp8  # noqa: E402
+from moe_layer import RSF, TOPK, decode_problem, prepare_quant, random_quant  # noqa: E402
 from runtime.moe import triton_backend as tb, triton_kernels as K  # noqa: E402
 
 
@@ -24,15 +23,12 @@ def main():
     ap.add_argument("--configs", default="16,32,256,4,3,64,256,4,3")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    e, h, i = 8, 6144, 3072
-    q13, s13 = mxfp8.quantize(torch.randn(e, 2 * i, h, device=dev) * 0.02)
-    q2, s2 = mxfp8.quantize(torch.randn(e, h, i, device=dev) * 0.02)
-    one = torch.ones(e, device=dev)
-    p = tb.prepare(q13, s13, q2, s2, 1.702 * one, one, 7.0 * one)
-    x, ids, w = decode_problem(1, dev)
-    ids = ids % e
+    e = 8
+    p = prepare_quant(random_quant(dev, e))
+    x, _, w = decode_problem(1, dev)
+    ids = torch.randperm(e, device=dev)[:TOPK][None]  # [1, TOPK] distinct experts of the e
     for c in [tb.MoeConfig(*ast.literal_eval(f"({c},)")) for c in args.configs.split(";") if c]:
-        tb.fused_moe(p, x, ids, w, 2.5, c)
+        tb.fused_moe(p, x, ids, w, RSF, c)
     torch.cuda.synchronize()
     for fn in (K.prep_kernel, K.gemm1_swiglu_kernel, K.gemm2_reduce_kernel):
         for cache in fn.device_caches.values():

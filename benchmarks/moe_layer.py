@@ -79,6 +79,20 @@ def read_kernel():
 EXPERT_BYTES = (2 * I * H + H * I) * (mxfp8.BLOCK + 1) // mxfp8.BLOCK  # w13 + w2 e4m3 bytes + one scale byte per 32
 
 
+def random_quant(dev, experts: int, sigma: float = 0.02) -> MoeQuantInfo:
+    """`experts` random Gaussian MXFP8 experts at MiniMax-M3's H and I (porter.mxfp8, rceil) with MiniMax-M3's
+    SwiGLU-OAI parameters; prepare_quant makes the backend's PreparedMoE of them."""
+    q13, s13 = mxfp8.quantize(torch.randn(experts, 2 * I, H, device=dev) * sigma)  # [E, 2I, H]
+    q2, s2 = mxfp8.quantize(torch.randn(experts, H, I, device=dev) * sigma)  # [E, H, I]
+    return MoeQuantInfo(q13, s13, q2, s2, **make_swiglu_params(experts, ALPHA, BETA, LIMIT, dev))
+
+
+def prepare_quant(q: MoeQuantInfo) -> "tb.PreparedMoE":
+    """triton_backend.prepare of q's tensors (the layout REBASE_AT_LOAD picks)."""
+    return tb.prepare(q.w13_weight, q.w13_weight_scale, q.w2_weight, q.w2_weight_scale,
+                      q.gemm1_alpha, q.gemm1_beta, q.gemm1_clamp_limit)
+
+
 def build_layer(dev):
     """(TritonMoE on build_weights' experts, its TorchMoE reference, the bf16-weight twin's PreparedMoE,
     (b13, b2) bf16 weights) with MiniMax-M3's SwiGLU-OAI parameters and a random router."""

@@ -17,7 +17,7 @@ its dry run), each measured in a fresh set of files, threads taking 16 MiB piece
   -> device copies of an expert part ([3072, 6144] bf16, 37.7 MB) from page-locked memory, device -> host
   copies of its results, porter.mxfp8.quantize_with_error on the device, and all three per part (the
   GPU path of a conversion without its disk I/O and hashing); "host" only pwrites a part's 18.9 MB of values
-  into a file per thread (over the same bytes each time: page cache) and hashes them (sha256), a worker's host
+  into a file per thread (over the same bytes each time: page cache) and hashes them (porter's default chunk hash), a worker's host
   work per part, and "all+host" does both: if it takes much longer than the slower of "all" and "host", the
   workers' host and GPU work serialize (the GIL, or CUDA's host-side locks).
 
@@ -103,9 +103,9 @@ def gpu_floor(threads: int, parts: int = 8, tmp: str = str(ROOT / "benchmarks"))
         return host, out, torch.cuda.Stream(dev), host.to(dev)
     slots = [make() for _ in range(threads)]
 
-    import hashlib
     import tempfile
-    from porter.safetensors_io import pwrite_all
+    from porter.safetensors_io import CHUNK_HASHES, DEFAULT_DIGEST, pwrite_all
+    chunk_hash = CHUNK_HASHES[DEFAULT_DIGEST]
     spill = tempfile.TemporaryDirectory(dir=tmp)
     q_bytes = shape[0] * shape[1]
     spill_fds = []
@@ -125,7 +125,7 @@ def gpu_floor(threads: int, parts: int = 8, tmp: str = str(ROOT / "benchmarks"))
                     spill_fds.append(local.fd)
                 values = memoryview(out.numpy())[:q_bytes]
                 pwrite_all(local.fd, values, 0)
-                hashlib.sha256(values).digest()
+                chunk_hash(values).digest()
         return run_threads(n, [kind] * (parts * n), step)
 
     from porter import mxfp8_triton

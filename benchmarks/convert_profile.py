@@ -4,8 +4,8 @@ Wraps the pipeline's stage functions with per-thread CPU clocks (time.thread_tim
 counted): porter.mxfp8.quantize_with_error (the CPU quantizer; on the GPU path its host side: launches and
 the finiteness check's wait), GPU quantize (Pipeline._quantize_cuda: host-side time of copies, kernels
 launched and waited for), source reads (TensorReader.read/read_bytes),
-pwrite, digests (TensorDigest.add: every sha256 of the output) and the part of them that reads written
-bytes back (read_chunk_sha256), early writeback (sync_file_range), slab allocation, prefault and
+pwrite, digests (TensorDigest.add: every chunk hash of the output) and the part of them that reads written
+bytes back (read_chunk_digest), early writeback (sync_file_range), slab allocation, prefault and
 registration, the submitting thread's wait on the memory budget, and on the GPU path the two waits for the
 device inside a part (the finiteness check's sync, the final stream.synchronize: the rest of the GPU section
 is host time: launches and waits for the GIL); for each also the threads' wall-clock
@@ -70,8 +70,8 @@ def instrument(device: str = "cpu") -> tuple[collections.Counter, collections.Co
     wrap(pipeline.Pipeline, "_register", "cudaHostRegister")
     wrap(pipeline, "prefault", "prefault (madvise + memset)")
     wrap(pipeline.Budget, "acquire", "budget wait (submitting thread)")
-    wrap(pipeline.TensorDigest, "add", "digests (all sha256)")
-    wrap(pipeline, "read_chunk_sha256", "  of which read back + sha256")
+    wrap(pipeline.TensorDigest, "add", "digests (all chunk hashes)")
+    wrap(pipeline, "read_chunk_digest", "  of which read back + hash")
     wrap(pipeline, "start_writeback", "sync_file_range")
     wrap(mxfp8, "_check_finite", "  of which the finiteness check (GPU: waits for the part's copy + first kernels)")
     import torch
@@ -219,6 +219,7 @@ def main():
     ap.add_argument("--src", default=None, help="an existing checkpoint folder instead of building one")
     ap.add_argument("--sample", action="store_true", help="also sample the workers' stacks every 2 ms")
     ap.add_argument("--max-shard-size", default="5GB", help="porter convert --max-shard-size (output shards)")
+    ap.add_argument("--digest", default="xxh3-128", help="porter convert --digest (the chunk hash)")
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the run (s; "
                     "Python's default 0.005): whether the GIL's hand-over between the workers moves the time")
     args = ap.parse_args()
@@ -246,12 +247,13 @@ def main():
         stacks = sample_stacks(stop) if args.sample else collections.Counter()
         r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         done = porter.convert(src, Path(tmp) / "out", progress=False, workers=args.workers, device=args.device,
-                              max_shard_size=args.max_shard_size)
+                              max_shard_size=args.max_shard_size, digest=args.digest)
         wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
         stop.set()
         t_end = t0 + wall
         shutil.rmtree(Path(tmp) / "out", ignore_errors=True)
     result = {"machine": ct.machine(), "source_gb": gb, "workers": done["workers"], "device": done["device"],
+              "digest": args.digest,
               "output_shards": done["shards"], "max_shard_size": args.max_shard_size,
               "wall_seconds": wall, "fsync_seconds": done["fsync_seconds"],
               "user_seconds": r1.ru_utime - r0.ru_utime, "system_seconds": r1.ru_stime - r0.ru_stime,

@@ -117,11 +117,11 @@ sys.path.insert(0, ROOT_PATH)
 import porter
 workers = None if sys.argv[3] == "all" else int(sys.argv[3])
 dry = porter.convert(sys.argv[1], sys.argv[2], dry_run=True, workers=workers, device=sys.argv[4],
-                     max_shard_size=sys.argv[6])
+                     max_shard_size=sys.argv[6], digest=sys.argv[7])
 state = prepare(Path(sys.argv[1]), sys.argv[5])
 t0 = time.perf_counter()
 done = porter.convert(sys.argv[1], sys.argv[2], progress=False, workers=workers, device=sys.argv[4],
-                      max_shard_size=sys.argv[6])
+                      max_shard_size=sys.argv[6], digest=sys.argv[7])
 secs = time.perf_counter() - t0
 import json
 man = json.loads((Path(sys.argv[2]) / "porter.json").read_text())
@@ -143,10 +143,10 @@ def copy_run(src: Path, out: Path, kind: str, cache: str = "warm") -> dict:
 
 
 def convert_run(src: Path, out: Path, workers: str = "all", device: str = "cpu", cache: str = "warm",
-                max_shard_size: str = "512MB", root: Path = ROOT, env=None) -> dict:
+                max_shard_size: str = "512MB", root: Path = ROOT, env=None, digest: str = "xxh3-128") -> dict:
     """One `porter convert` (of the porter tree at `root`) in a fresh process, after its dry run."""
     return child(CONVERT.replace("ROOT_PATH", repr(str(root))), src, out, workers, device, cache, max_shard_size,
-                 env=env)
+                 digest, env=env)
 
 
 class _PooledRandn:
@@ -285,11 +285,13 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
                 extra_env = dict(extra_env)
                 shard_size = extra_env.pop("SHARD", max_shard_size)  # pseudo-variables: convert's arguments
                 workers = extra_env.pop("WORKERS", workers)
+                digest = extra_env.pop("DIGEST", "xxh3-128")  # convert's --digest
                 if kind.startswith("copy"):
                     res = copy_run(src, out, kind, cache)
                 else:
                     env = dict(os.environ, **extra_env) if extra_env else None
-                    res = convert_run(src, out, workers, device, cache, shard_size, env=env)
+                    res = convert_run(src, out, workers, device, cache, shard_size, env=env, digest=digest)
+                    res["digest"] = digest
                 res |= {"kind": kind, "workers": workers, "device": device, "repeat": r, "variant": label,
                         "variant_env": extra_env,
                         "max_shard_size": shard_size if kind == "convert" else None,
@@ -305,7 +307,8 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
             x["estimate_over_measured_peak"] = x["estimate"] / x["vmhwm"]
             x["projected_795gb_minutes"] = REAL_CHECKPOINT_GB / x["gb_per_s"] / 60
             x["gb_per_s_before_fsync"] = gb / (x["seconds"] - x["fsync_seconds"])
-            same_layout = [y for y in runs if "shard_digests" in y and y["max_shard_size"] == x["max_shard_size"]]
+            same_layout = [y for y in runs if "shard_digests" in y and y["max_shard_size"] == x["max_shard_size"]
+                           and y["digest"] == x["digest"]]  # digests of one rule compare bytes
             cpu = next((y for y in same_layout if y["device"] == "cpu" and not y["variant"]),
                        next((y for y in same_layout if y["device"] == "cpu"), None))
             x["same_bytes_as_cpu"] = None if cpu is None else x["shard_digests"] == cpu["shard_digests"]
@@ -379,7 +382,8 @@ def main():
     ap.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
     ap.add_argument("--max-shard-size", default="512MB", help="porter convert --max-shard-size (output shards; "
                     "512MB: many shards, as the release's conversion has, see above); "
-                    "a variant's SHARD=SIZE overrides it for that variant (and WORKERS=N the worker count)")
+                    "a variant's SHARD=SIZE overrides it for that variant (WORKERS=N the worker count, DIGEST=sha256 "
+                    "convert's --digest)")
     ap.add_argument("--copies", default=",".join(COPIES), help="baseline copies to run (comma list of "
                     + ", ".join(COPIES) + "; empty: none)")
     ap.add_argument("--variants", default="", help="conversion environment variants to A/B besides porter's "

@@ -17,6 +17,7 @@ from porter.errors import EXIT_INTERNAL, PorterError
 log = logging.getLogger("porter")
 
 EXIT_INTERRUPTED = 130
+DIGESTS = ("xxh3-128", "sha256")  # porter.safetensors_io.CHUNK_HASHES (not imported here: it imports torch)
 
 
 def _setup_logging(verbose: int, quiet: bool) -> None:
@@ -92,10 +93,13 @@ def main(ctx, verbose, quiet):
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where to quantize: auto uses a CUDA GPU when there is one (and says so). Output is "
                    "byte-identical either way.")
+@click.option("--digest", type=click.Choice(DIGESTS), default=DIGESTS[0], show_default=True,
+              help="Chunk hash of the shard digests in porter.json: xxh3-128 (fast checksum, like rsync's) or "
+                   "sha256 (for a manifest that is signed or published apart from the shards).")
 @click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bar.")
 @click.pass_context
 def convert(ctx, source, output, revision, quantize, layout, gate_up, scale_rounding, max_shard_size, force, resume,
-            dry_run, workers, max_memory, device, quiet):
+            dry_run, workers, max_memory, device, digest, quiet):
     """Convert SOURCE (a local dir or a Hugging Face repo id) to a porter MXFP8 artifact."""
     from porter.conversion import convert as do_convert
     if quiet:
@@ -104,7 +108,7 @@ def convert(ctx, source, output, revision, quantize, layout, gate_up, scale_roun
     _run(ctx, lambda: do_convert(source, output, revision=revision, quantize=quantize, gate_up=gate_up,
                                  scale_rounding=scale_rounding, max_shard_size=max_shard_size, force=force,
                                  resume=resume, dry_run=dry_run, progress=not ctx.obj["quiet"], layout=layout,
-                                 workers=workers, max_memory=max_memory, device=device))
+                                 workers=workers, max_memory=max_memory, device=device, digest=digest))
 
 
 @main.command("inspect")
@@ -142,7 +146,7 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
 
     \b
     What it proves:
-    1. integrity: the files are what porter.json says (chunked sha256 shard digests, headers, index, scale bytes, config);
+    1. integrity: the files are what porter.json says (chunked shard digests, headers, index, scale bytes, config);
     2. bytes: every tensor re-derived from the source (verify's own source->artifact mapping table, not the
        converter's plan) with porter.mxfp8 and the recorded scale rule: e4m3 and scale bytes identical,
        unquantized tensors bit-identical; mismatching 32-blocks named per tensor and expert;

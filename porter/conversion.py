@@ -27,7 +27,8 @@ from porter import manifest, mxfp8, pipeline
 from porter.errors import PorterError
 from porter.layout import OutTensor, scale_name
 from porter.pipeline import fault_point
-from porter.safetensors_io import Entry, MalformedSafetensors, atomic_write_text, digest_rule, file_digests
+from porter.safetensors_io import (CHUNK_HASHES, DEFAULT_DIGEST, Entry, MalformedSafetensors, atomic_write_text,
+                                   digest_rule, file_digests)
 from porter.source import INDEX_NAME, Source, open_source
 from porter.version import __version__
 
@@ -64,6 +65,7 @@ class Plan:
     shards: list  # [(file name, [Entry, ...])]
     options: dict
     shard_of: dict = field(default_factory=dict)  # entry name -> file name
+    digest: str = DEFAULT_DIGEST  # the chunk hash of the digest rule (safetensors_io.CHUNK_HASHES)
 
     @property
     def output_bytes(self) -> int:
@@ -79,9 +81,11 @@ def entries_for(t: OutTensor) -> list[Entry]:
 
 
 def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding="rceil",
-              max_shard_size="5GB", layout="porter") -> Plan:
+              max_shard_size="5GB", layout="porter", digest=DEFAULT_DIGEST) -> Plan:
     if scale_rounding not in mxfp8.ROUNDING_MODES:
         raise ConvertError(f"--scale-rounding must be one of {mxfp8.ROUNDING_MODES}")
+    if digest not in CHUNK_HASHES:
+        raise ConvertError(f"--digest {digest!r}: give one of {', '.join(CHUNK_HASHES)}")
     config = arch.resolve_config(source.raw_config)
     if layout == "hf":
         arch.check_hf_source(source.raw_config, str(source.path / "config.json"))
@@ -102,7 +106,7 @@ def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding
                "layout": layout}
     if source.prequantized is not None:  # how its values were read and re-quantized: verify's rule too
         options["source_quantization"] = source.prequantized.record()
-    plan = Plan(source, config, arch.manifest_facts(config), tensors, shards, options)
+    plan = Plan(source, config, arch.manifest_facts(config), tensors, shards, options, digest=digest)
     plan.shard_of = {e.name: f for f, es in shards for e in es}
     return plan
 
@@ -110,7 +114,7 @@ def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding
 def fingerprint(plan: Plan) -> str:
     """Identifies a conversion: porter version, options, source identity and the full output plan."""
     src = plan.source
-    ident = {"porter": __version__, "format_version": manifest.FORMAT_VERSION, "digest": digest_rule(),
+    ident = {"porter": __version__, "format_version": manifest.FORMAT_VERSION, "digest": digest_rule(plan.digest),
              "options": plan.options, "commit": src.commit,
              "source_files": [(f.name, f.stat().st_size if f.exists() else None) for f in src.shard_files],
              "shards": [(f, [(e.name, str(e.dtype), e.shape) for e in es]) for f, es in plan.shards]}
@@ -123,16 +127,17 @@ def fingerprint(plan: Plan) -> str:
 def convert(source, output, *, revision: Optional[str] = None, quantize: Optional[str] = None, gate_up: str = "auto",
             scale_rounding: str = "rceil", max_shard_size="5GB", force: bool = False, resume: bool = False,
             dry_run: bool = False, progress: bool = True, layout: str = "porter", workers: Optional[int] = None,
-            max_memory=None, device: str = "auto") -> dict:
+            max_memory=None, device: str = "auto", digest: str = DEFAULT_DIGEST) -> dict:
     """Convert; returns a summary dict. Mirrors `porter convert` (see `porter convert --help`).
     quantize=None: the layout's default scope (arch.DEFAULT_SCOPE). workers=None: every available core;
-    max_memory=None: half the available RAM; device: auto (the GPU when there is one), cpu or cuda."""
+    max_memory=None: half the available RAM; device: auto (the GPU when there is one), cpu or cuda;
+    digest: the chunk hash of the shard digests, xxh3-128 or sha256 (docs/artifact-format.md)."""
     t0 = time.time()
     quantize = quantize or arch.DEFAULT_SCOPE.get(layout, "experts")
     workers = _check_workers(workers)
     max_memory = pipeline.default_max_memory() if max_memory is None else parse_size(max_memory, "--max-memory")
     src = open_source(source, revision, headers_only=dry_run)
-    plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size, layout)
+    plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size, layout, digest)
     dev = pipeline.resolve_device(device)  # an unknown device, or cuda without a GPU: PorterError (exit 2)
     out = Path(output)
     workers, estimate = _workers_within(plan, workers, dev, max_memory)
@@ -224,7 +229,7 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
                      "`porter verify %s` checks it", out, out)
             return None
         if resume and journal.get("fingerprint") == fp:
-            return _verified_done(out, journal, workers)
+            return _verified_done(out, journal, workers, plan.digest)
         if resume and not journal and all(p.is_file() and p.name == JOURNAL + ".tmp" for p in out.iterdir()):
             # killed before the first journal write: nothing finished, start over in place
             log.info("resume: %s holds no finished shard yet; starting from the beginning", out)
@@ -283,7 +288,7 @@ def _write_journal(out: Path, journal: dict) -> None:
     fault_point("journal")
 
 
-def _verified_done(out: Path, journal: dict, workers: int) -> dict:
+def _verified_done(out: Path, journal: dict, workers: int, chunk_hash: str) -> dict:
     """The journaled shards whose bytes still hash to the digest the journal says (chunks re-hashed on every
     worker: a shard torn by a power loss, or edited, is rewritten)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -291,7 +296,7 @@ def _verified_done(out: Path, journal: dict, workers: int) -> dict:
     with ThreadPoolExecutor(max(1, workers)) as pool:
         for f, rec in shards.items():
             try:
-                intact = file_digests(out / f, pool).digest == rec.get("digest")
+                intact = file_digests(out / f, pool, chunk_hash=chunk_hash).digest == rec.get("digest")
             except (OSError, MalformedSafetensors):
                 intact = False
             if intact:

@@ -51,7 +51,7 @@ def write(out: Path, plan, stats: dict, shard_digests: dict, before_rename=None)
     """porter.json, atomically (temp file + rename; `before_rename` runs in between).
     shard_digests: {file: {"header_sha256", "digest"}} (porter.safetensors_io.digest_rule).
     plan: the conversion plan — `source`, `config` (resolved, with `to_dict()` and `provenance`),
-    `architecture_facts` ({"architecture": name, ...more top-level records}), `options`, `shards`."""
+    `architecture_facts` ({"architecture": name, ...more top-level records}), `options`, `shards`, `digest`."""
     src, cfg = plan.source, plan.config
     facts = dict(plan.architecture_facts)
     doc = {
@@ -72,7 +72,7 @@ def write(out: Path, plan, stats: dict, shard_digests: dict, before_rename=None)
                    "scale_rounding": plan.options["scale_rounding"],
                    "scale_rule": ("smallest e with amax <= 448*2^e" if plan.options["scale_rounding"] == "rceil"
                                   else "floor(log2 amax) - 8 (OCP; clips)")},
-        "digest": digest_rule(),
+        "digest": digest_rule(plan.digest),
         "shards": {f: {"tensors": len(es), "bytes": sum(e.nbytes for e in es) + _header_len(es),
                        **shard_digests[f]} for f, es in plan.shards},
         "tensors": stats,

@@ -6,8 +6,8 @@ carried verbatim, or one whole plain tensor; they run interleaved over a few out
 has a known place: a worker writes its results with pwrite as soon as they exist, in any order. Digests
 are chunked (porter.safetensors_io.digest_rule): each 16 MiB chunk of a tensor's data is hashed by the
 worker whose write completes it, from the bytes it holds when its write covers the chunk, else read back
-from the page cache; a tensor's digest and a shard's follow from those without another pass (hashlib,
-pread/pwrite and torch ops all release the GIL, so threads scale). A unit takes its working set plus its
+from the page cache; a tensor's digest and a shard's follow from those without another pass (the chunk
+hashes, pread/pwrite and torch ops all release the GIL, so threads scale). A unit takes its working set plus its
 output bytes from the budget before it starts; output bytes go back once written, so memory stays flat
 with model size. Bytes, digests and error statistics do not depend on the worker count or on timing:
 units are fixed by the plan and statistics are summed in plan order.
@@ -34,7 +34,7 @@ from porter.errors import PorterError
 from porter.layout import OutTensor, scale_name
 from porter import safetensors_io
 from porter.safetensors_io import (Entry, TensorReader, chunk_spans, dtype_name, header_bytes, pwrite_all,
-                                   read_chunk_sha256, shard_digest, tensor_bytes, tensor_digest)
+                                   read_chunk_digest, shard_digest, tensor_bytes, tensor_digest)
 
 log = logging.getLogger("porter")
 
@@ -395,7 +395,7 @@ class Budget:
 class TensorDigest:
     """The chunked digest of one tensor's data (bytes [start, start + length) of a shard file written out
     of order). Writers report each range they wrote. A chunk is hashed as its bytes arrive when they arrive
-    in order (each writer feeds the chunk's running sha256 the part of its range that continues the bytes
+    in order (each writer feeds the chunk's running hash the part of its range that continues the bytes
     hashed so far; one writer at a time per chunk), and once all its bytes are in, its digest is finished by
     whichever writer is last: from the running hash, plus the bytes that came out of order read back from
     the page cache. Chunks of one tensor are hashed on many threads at once. Streaming spares the
@@ -403,12 +403,13 @@ class TensorDigest:
     16 MiB chunk then took a 16 MiB pread back)."""
 
     def __init__(self, fd: int, path: Path, start: int, length: int, chunk_bytes: int,
-                 on_done: Callable[[str], None]):
+                 on_done: Callable[[str], None], chunk_hash: str = safetensors_io.DEFAULT_DIGEST):
         self.fd, self.path, self.start, self.chunk, self.on_done = fd, path, start, chunk_bytes, on_done
+        self.new_hash = safetensors_io.CHUNK_HASHES[chunk_hash]
         self.spans = chunk_spans(length, chunk_bytes)
         self.left = [n for _, n in self.spans]  # bytes of each chunk not written yet
         self.fed = [0] * len(self.spans)  # bytes from each chunk's start in its running hash
-        self.hashers: list = [None] * len(self.spans)  # running sha256 per chunk (None: nothing fed yet)
+        self.hashers: list = [None] * len(self.spans)  # running hash per chunk (None: nothing fed yet)
         self.busy = [False] * len(self.spans)  # a writer is feeding the chunk's hash right now
         self.claimed = [False] * len(self.spans)  # a writer is finishing (or has finished) the chunk
         self.digests: list = [None] * len(self.spans)
@@ -435,7 +436,7 @@ class TensorDigest:
                     finish.append(i)
         for i, lo, hi in feeds:
             if self.hashers[i] is None:
-                self.hashers[i] = hashlib.sha256()
+                self.hashers[i] = self.new_hash()
             self.hashers[i].update(data[lo - offset:hi - offset])  # releases the GIL
             with self.lock:
                 self.busy[i] = False
@@ -446,13 +447,14 @@ class TensorDigest:
         for i in finish:
             b, n = self.spans[i]
             fed, h = self.fed[i], self.hashers[i]
+            h = self.new_hash() if h is None else h
             if fed == n:
-                sha = h.digest()
+                digest = h.digest()
             else:  # the bytes after the in-order prefix arrived out of order: read them back
-                sha = read_chunk_sha256(self.fd, self.start + b + fed, n - fed, self.path, h)
+                digest = read_chunk_digest(self.fd, self.start + b + fed, n - fed, self.path, h)
             self.hashers[i] = None
             with self.lock:
-                self.digests[i] = sha
+                self.digests[i] = digest
                 self.todo -= 1
                 last = self.todo == 0
             if last:
@@ -745,7 +747,7 @@ class Pipeline:
                     p = self.places[e.name]
                     self.tensor_digest[e.name] = TensorDigest(
                         s.fd, s.partial, p.offset, p.nbytes, self.chunk_bytes,
-                        lambda d, e=e, s=s: self._tensor_hashed(s, e, d))
+                        lambda d, e=e, s=s: self._tensor_hashed(s, e, d), self.plan.digest)
             return s
 
     def _tensor_hashed(self, shard: ShardOut, e: Entry, digest: str) -> None:

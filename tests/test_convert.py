@@ -18,7 +18,7 @@ from porter.cli import main as cli
 from porter.layout import scale_name
 from porter.source import read_header
 from tiny_checkpoint import build_tiny_checkpoint
-from tensor_checks import chunked_sha256, cuda_quantize_path_on_cpu, load_all, shard_digests
+from tensor_checks import chunked_digest, cuda_quantize_path_on_cpu, load_all, shard_digests
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_index_manifest_and_shards_consistent(converted):
                 t = h.get_tensor(name)
                 assert list(t.shape) == rec["shape"] == header[name]["shape"]
                 assert str(t.dtype).replace("torch.", "") == rec["dtype"]
-                assert chunked_sha256(t.contiguous().view(torch.uint8).numpy().tobytes()) == rec["digest"]
+                assert chunked_digest(t.contiguous().view(torch.uint8).numpy().tobytes()) == rec["digest"]
     w13 = doc["tensors"]["model.layers.2.block_sparse_moe.experts.w13_weight"]
     assert 0.005 < w13["rel_fro_error"] < 0.0625 and w13["max_abs_error"] > 0
     assert doc["swiglu"] == {"alpha": 1.702, "beta": 1.0, "limit": 7.0,
@@ -548,6 +548,36 @@ def test_chunked_digests_at_any_chunk_size_and_worker_count(tiny_vendor, tmp_pat
     assert not check_integrity(tmp_path / "w3", man | {"digest": man["digest"] | {"chunk_bytes": 4096}}).passed
 
 
+def test_sha256_digests_same_bytes_and_verified(tiny_vendor, converted, tmp_path):
+    """`--digest sha256` (a manifest meant to be signed) writes the same shards as the default xxh3-128 rule;
+    porter.json records the rule, its digests equal the sha256 rule written out independently, `porter verify`
+    follows the rule each manifest records, and --resume refuses to mix the two."""
+    out = tmp_path / "sha"
+    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", "300KB",
+                                   "--digest", "sha256", "-q"])
+    assert res.exit_code == 0, res.output
+    doc, ref = (json.loads((d / "porter.json").read_text()) for d in (out, converted))
+    assert doc["digest"]["algorithm"] == "sha256-chunked" and ref["digest"]["algorithm"] == "xxh3-128-chunked"
+    assert sorted(doc["shards"]) == sorted(ref["shards"])
+    for f, rec in doc["shards"].items():
+        assert (out / f).read_bytes() == (converted / f).read_bytes(), f
+        head, tensors, digest = shard_digests(out / f, hash_name="sha256")
+        assert (head, digest) == (rec["header_sha256"], rec["digest"]) and digest != ref["shards"][f]["digest"]
+        assert head == ref["shards"][f]["header_sha256"]  # the header digest is sha256 under both rules
+        assert {n: doc["tensors"][n]["digest"] for n in tensors} == tensors
+    from porter.verification.integrity import check_integrity
+    assert check_integrity(out, doc).passed and check_integrity(converted, ref).passed
+    # the other rule's name on these digests: every shard is named as changed
+    swapped = check_integrity(out, doc | {"digest": ref["digest"]})
+    assert not swapped.passed and {f.shard for f in swapped.issues} >= set(doc["shards"])
+    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", "300KB",
+                                   "--resume", "-q"])  # default digest: another conversion than the one there
+    assert res.exit_code == 2 and "different source or options" in res.output, res.output
+    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", "300KB",
+                                   "--resume", "--digest", "sha256"])
+    assert res.exit_code == 0 and "already complete" in res.output, res.output
+
+
 def test_verify_refuses_format_version_1_in_one_line(converted, tmp_path):
     art = tmp_path / "old"
     shutil.copytree(converted, art)
@@ -561,6 +591,7 @@ def test_verify_refuses_format_version_1_in_one_line(converted, tmp_path):
 
 @pytest.mark.parametrize("rule", [None, {"algorithm": "sha256", "chunk_bytes": 16}, {"algorithm": "sha256-chunked",
                                                                                    "chunk_bytes": 0},
+                                  {"algorithm": "md5-chunked", "chunk_bytes": 1 << 24}, {"algorithm": 7},
                                   {"algorithm": "sha256-chunked", "chunk_bytes": 1},
                                   {"algorithm": "sha256-chunked", "chunk_bytes": 1 << 40}])
 def test_verify_refuses_a_broken_digest_rule_in_one_line(converted, tmp_path, rule):

@@ -4,7 +4,7 @@
     porter verify out/m3-mxfp8 --reference DIR|REPO --prompt "..." --report r.json --plot r.svg
 
 Steps (one module each; what each proves and what it does not: docs/verify.md):
-1. integrity.py — the files are what porter.json says (chunked sha256 digests, headers, index, scales, config).
+1. integrity.py — the files are what porter.json says (chunked digests, headers, index, scales, config).
 2. exact.py — every tensor re-derived from the source through verify's own mapping table (mapping.py)
    and porter.mxfp8 with the recorded rule: bytes identical, carried tensors bit-identical; weight error
    as a second opinion.

@@ -22,7 +22,7 @@ from converters import minimax_m3 as arch
 from porter import manifest, mxfp8
 from porter.errors import PorterError
 from porter.pipeline import available_cores
-from porter.safetensors_io import DTYPE_NAMES, dtype_name, file_digests
+from porter.safetensors_io import CHUNK_HASHES, DTYPE_NAMES, chunk_hash_of, dtype_name, file_digests
 from porter.verification.verdict import Failure, IntegrityResult, VerifyInputError
 
 INDEX = "model.safetensors.index.json"
@@ -36,10 +36,10 @@ STRUCTURAL = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_h
 
 
 def check_integrity(art: Path, man: dict, ref_config=None, progress: bool = False) -> IntegrityResult:
-    chunk_bytes = _chunk_bytes(man)
+    chunk_bytes, chunk_hash = _digest_rule(man)
     tensors, shards = man.get("tensors", {}), man.get("shards", {})
     by_shard = _by_shard(tensors)
-    headers, issues = _check_shards(art, tensors, shards, by_shard, chunk_bytes, progress)
+    headers, issues = _check_shards(art, tensors, shards, by_shard, chunk_bytes, chunk_hash, progress)
     issues += _check_headers(headers, tensors, shards, by_shard)
     issues += _check_index(art, tensors)
     issues += _check_scales(art, tensors, headers)
@@ -57,27 +57,29 @@ def _by_shard(tensors: dict) -> dict:
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4096, 1 << 30  # porter writes 16 MiB (safetensors_io.DIGEST_CHUNK_BYTES)
 
 
-def _chunk_bytes(man: dict) -> int:
-    """The digest chunk size porter.json records (a manifest of another format version is refused)."""
+def _digest_rule(man: dict) -> tuple[int, str]:
+    """The digest chunk size and chunk hash porter.json records (a manifest of another format version is
+    refused)."""
     v = man.get("format_version")
     if v != manifest.FORMAT_VERSION:
         raise VerifyInputError(f"porter.json format_version {v!r}: this porter verifies version "
                                f"{manifest.FORMAT_VERSION} (chunked digests); reconvert the artifact with it")
     rule = man.get("digest")
     n = rule.get("chunk_bytes") if isinstance(rule, dict) else None
+    chunk_hash = chunk_hash_of(rule)
     # bounds: a 1-byte chunk would queue one hash per byte, a huge one a buffer per core of that size
-    if (not isinstance(rule, dict) or rule.get("algorithm") != "sha256-chunked" or type(n) is not int
-            or not MIN_CHUNK_BYTES <= n <= MAX_CHUNK_BYTES):
-        raise VerifyInputError(f"porter.json digest {rule!r} is not sha256-chunked with chunk_bytes in "
+    if chunk_hash is None or type(n) is not int or not MIN_CHUNK_BYTES <= n <= MAX_CHUNK_BYTES:
+        names = " or ".join(f"{h}-chunked" for h in CHUNK_HASHES)
+        raise VerifyInputError(f"porter.json digest {rule!r} is not {names} with chunk_bytes in "
                                f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]; restore porter.json or reconvert")
-    return n
+    return n, chunk_hash
 
 
-def _check_shards(art: Path, tensors: dict, shards: dict, by_shard: dict, chunk_bytes: int,
+def _check_shards(art: Path, tensors: dict, shards: dict, by_shard: dict, chunk_bytes: int, chunk_hash: str,
                   progress: bool) -> tuple[dict, list[Failure]]:
     """Reads every header and hashes every shard, chunks on every core; returns ({shard: header}, failures)."""
     issues, headers = [], {}
-    bar = tqdm(total=sum(r.get("bytes", 0) for r in shards.values()), unit="B", unit_scale=True, desc="sha256",
+    bar = tqdm(total=sum(r.get("bytes", 0) for r in shards.values()), unit="B", unit_scale=True, desc=chunk_hash,
                disable=not progress)
     with ThreadPoolExecutor(available_cores(), thread_name_prefix="porter-digest") as pool:
         for f, rec in shards.items():
@@ -86,7 +88,7 @@ def _check_shards(art: Path, tensors: dict, shards: dict, by_shard: dict, chunk_
                 issues.append(Failure("integrity", f"shard {f} is missing (listed in porter.json)", shard=f))
                 continue
             try:
-                got = file_digests(p, pool, chunk_bytes)
+                got = file_digests(p, pool, chunk_bytes, chunk_hash)
             except (PorterError, OSError) as e:  # malformed, or unreadable (EIO, permissions): named, not fatal
                 issues.append(Failure("integrity", f"shard {f}: {e}", shard=f))
                 continue

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# H200 calls (round 15): conversion with XXH3-128 chunk digests (the default) against sha256 chunks
+# (`--digest sha256`, the rule before), each pair in one run. STEPS picks what one call runs (logs to $OUT):
+#   gputests  the GPU tests of conversion and verify: --device cuda bit-identical to the CPU over every shard
+#   conv16    16 cores, 2 and 8 GB, CPU + cuda, xxh3-128 and sha256 digests, against the safetensors copy and
+#             shutil.copyfile (output on this machine's disk)
+#   shm16     the same at 8 GB with the checkpoint and every output in /dev/shm (no disk under the writes)
+#   conv2     2 cores (taskset -c 0,1), 1.92 GB, CPU + cuda, both digests, two repeats
+#   profile2  2 cores, CPU path, core-seconds per stage (convert_profile.py), both digests
+#   sparse    benchmarks/sparse_checkpoint.py on 16 cores (MiniMax-M3's real 59-shard structure as sparse
+#             files), 20 s each with the CPU path and --device cuda
+# The H200 image has no xxhash: the call carries its wheel in .whl (see benchmarks/results/convert_round15.md).
+#   OUT=/tmp/out STEPS="gputests conv16 conv2 profile2" bash benchmarks/round15_call.sh
+set -u
+OUT=${OUT:-/tmp/r15}
+STEPS=${STEPS:-conv2}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "could not install the carried wheels"; exit 1; }
+source "$(dirname "$0")/gpu_steps.sh"
+export PYTHONPATH=$PWD:/tmp/site
+BOTH=(--variants "sha256:DIGEST=sha256" --copies copy-safetensors,copy-files)
+if has gputests; then
+  step gputests 300 python -m pytest -q -m gpu tests/test_convert.py tests/test_verify_gpu.py -p no:cacheprovider
+  tail -n 3 "$OUT/gputests.log"
+fi
+if has conv16; then
+  step conv16 330 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda "${BOTH[@]}" --sizes 2,8 \
+    --out "$OUT/conv16.json"
+  grep -h "warm convert\|warm copy\|GB (" "$OUT/conv16.log" | cut -c1-200
+fi
+if has shm16; then
+  step shm16 200 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda "${BOTH[@]}" --sizes 8 --tmp /dev/shm \
+    --out "$OUT/shm16.json"
+  grep -h "warm convert\|warm copy\|GB (" "$OUT/shm16.log" | cut -c1-200
+fi
+if has conv2; then
+  step conv2 300 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda "${BOTH[@]}" --sizes 2 --repeats 2 \
+    --out "$OUT/conv2.json"
+  grep -h "warm convert\|warm copy\|GB (" "$OUT/conv2.log" | cut -c1-200
+fi
+if has profile2; then
+  step build_2 120 taskset -c 0,1 "${BUILD_CHECKPOINT[@]}" /tmp/r15src2 2
+  for d in xxh3-128 sha256; do
+    step profile2_$d 90 taskset -c 0,1 python benchmarks/convert_profile.py --device cpu --max-shard-size 512MB \
+      --src /tmp/r15src2 --digest $d --out "$OUT/profile2_$d.json"
+    grep -E "core-s|wall|digest|quantize|pread|pwrite" "$OUT/profile2_$d.log" | cut -c1-160 | head -14
+  done
+fi
+if has sparse; then
+  for d in cpu cuda; do
+    step sparse_16c_$d 150 taskset -c 0-15 python benchmarks/sparse_checkpoint.py --seconds 20 --device $d \
+      --out "$OUT/sparse_16c_$d.json"
+  done
+  tail -n 4 "$OUT"/sparse_16c_*.log
+fi
+pack r15

@@ -24,6 +24,10 @@ sees. At 512MB the 8 GB checkpoint writes 13 shards (stacked expert tensors of 1
 release's 2.4-4.8 GB stacked tensors: 1-2 per 5 GB shard). Measured on the H200 machine, 16
 cores, --device cuda: 2.88-2.92 s at 512MB vs 3.00-3.25 s at 5GB (benchmarks/results/convert_round6.md).
 
+Between runs the last run's output is deleted and os.sync() returns only once its writeback is done, so no run
+pays for the one before it (before round 15 a conversion on 2 cores ran right after a copy's 1.9 GB of dirty
+pages and measured ~0.2 s slower than the same conversion alone).
+
 Cold: before each run the page cache is emptied (`echo 3 > /proc/sys/vm/drop_caches` as root; otherwise the
 source files' clean pages are evicted with posix_fadvise(DONTNEED), which leaves other files cached).
 
@@ -298,6 +302,7 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
                         "gb_per_s": gb / res["seconds"]}
                 runs.append(res)
                 shutil.rmtree(out, ignore_errors=True)
+                os.sync()  # the next run starts with no dirty pages of this one still being written back
                 print(json.dumps({k: v for k, v in res.items() if k != "shard_digests"}), flush=True)
     for x in runs:
         same = [y for y in runs if y["cache"] == x["cache"]]

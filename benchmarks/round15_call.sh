@@ -7,6 +7,8 @@
 #   shm16     the same at 8 GB with the checkpoint and every output in /dev/shm (no disk under the writes)
 #   conv2     2 cores (taskset -c 0,1), 1.92 GB, CPU + cuda, both digests, two repeats
 #   profile2  2 cores, CPU path, core-seconds per stage (convert_profile.py), both digests
+#   lanes     benchmarks/quantize_native_lanes.py: the C quantizer at 8 and 16 lanes on this CPU (1 and 2
+#             threads, and 16), then its CPU tests with porter's own build (16 lanes where AVX-512F)
 #   sparse    benchmarks/sparse_checkpoint.py on 16 cores (MiniMax-M3's real 59-shard structure as sparse
 #             files), 20 s each with the CPU path and --device cuda
 # The H200 image has no xxhash: the call carries its wheel in .whl (see benchmarks/results/convert_round15.md).
@@ -19,6 +21,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 source "$(dirname "$0")/gpu_steps.sh"
 export PYTHONPATH=$PWD:/tmp/site
 BOTH=(--variants "sha256:DIGEST=sha256" --copies copy-safetensors,copy-files)
+if has lanes; then
+  grep -o -m1 "avx512f" /proc/cpuinfo >> "$OUT/gpu.txt"; lscpu | grep -i "model name" >> "$OUT/gpu.txt"
+  step lanes2 120 taskset -c 0,1 python benchmarks/quantize_native_lanes.py --threads 2 --out "$OUT/lanes2.json"
+  step lanes16 120 taskset -c 0-15 python benchmarks/quantize_native_lanes.py --threads 16 --out "$OUT/lanes16.json"
+  step cputests 200 python -m pytest -q tests/test_mxfp8_native.py tests/test_mxfp8.py -p no:cacheprovider
+  cat "$OUT/lanes2.log" "$OUT/lanes16.log"; tail -n 2 "$OUT/cputests.log"
+fi
 if has gputests; then
   step gputests 300 python -m pytest -q -m gpu tests/test_convert.py tests/test_verify_gpu.py -p no:cacheprovider
   tail -n 3 "$OUT/gputests.log"

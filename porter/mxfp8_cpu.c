@@ -8,8 +8,10 @@
  *   - round to nearest even onto the e4m3 grid: 3 mantissa bits from 2^-6 up, steps of 2^-9 below;
  *   - per block, in fp32: ||w||^2, ||x - q||^2 and max |x - q| (x unclipped), written out for
  *     porter.mxfp8._error_totals to sum in float64.
- * Written with GCC/Clang vector extensions, 8 lanes of 32 bits (one AVX2 register; the compiler splits them
- * where the target is narrower), branch-free within a block; the one branch per block picks the slower
+ * Written with GCC/Clang vector extensions, LANES lanes of 32 bits: 16 (one AVX-512 register) where the
+ * target has AVX-512F, else 8 (one AVX2 register; the compiler splits them where the target is narrower;
+ * 16 lanes split into two AVX2 registers ran 3x slower). -DPORTER_LANES=8|16 overrides the choice (the
+ * benchmark benchmarks/quantize_native_lanes.py times both). Branch-free within a block; the one branch per block picks the slower
  * rounding only where some value can land among e4m3's subnormals. Built without -ffast-math and with
  * -ffp-contract=off: every float operation stays one IEEE operation (no fused multiply-add in the sums),
  * subnormals included.
@@ -22,36 +24,73 @@
 
 #define BLOCK 32
 
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint8_t u8x32 __attribute__((vector_size(32)));
-typedef uint8_t u8x8 __attribute__((vector_size(8)));
+#ifndef PORTER_LANES
+#ifdef __AVX512F__
+#define PORTER_LANES 16
+#else
+#define PORTER_LANES 8
+#endif
+#endif
+#define LANES PORTER_LANES
+#define CHUNKS (BLOCK / LANES)  /* vectors per block */
+
+/* the names say 8 lanes; LANES decides (the code is the same but for the shuffle index lists below) */
+typedef int32_t i32x8 __attribute__((vector_size(4 * LANES)));
+typedef uint32_t u32x8 __attribute__((vector_size(4 * LANES)));
+typedef float f32x8 __attribute__((vector_size(4 * LANES)));
+typedef uint16_t u16x8 __attribute__((vector_size(2 * LANES)));
+typedef uint8_t u8x32 __attribute__((vector_size(4 * LANES)));
+typedef uint8_t u8x8 __attribute__((vector_size(LANES)));
+
+#if LANES == 16
+#define HALVES(v) __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)
+#define QUARTERS(v) __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define EIGHTHS(v) __builtin_shufflevector(v, v, 2, 3, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define SIXTEENTHS(v) __builtin_shufflevector(v, v, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define LOW_BYTES(v) __builtin_shufflevector(v, v, 0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60)
+#define SPLAT(v) {v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}
+#elif LANES == 8
+#define QUARTERS(v) __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7)
+#define EIGHTHS(v) __builtin_shufflevector(v, v, 2, 3, 2, 3, 4, 5, 6, 7)
+#define SIXTEENTHS(v) __builtin_shufflevector(v, v, 1, 1, 2, 3, 4, 5, 6, 7)
+#define LOW_BYTES(v) __builtin_shufflevector(v, v, 0, 4, 8, 12, 16, 20, 24, 28)
+#define SPLAT(v) {v, v, v, v, v, v, v, v}
+#else
+#error "PORTER_LANES must be 8 or 16"
+#endif
 
 /* Magnitudes are kept as non-negative int32 (fp32 bits without the sign): signed compares are one
  * instruction on AVX2, unsigned ones are not. */
 static inline i32x8 select(i32x8 mask, i32x8 a, i32x8 b) { return (mask & a) | (~mask & b); }
 static inline i32x8 smax(i32x8 a, i32x8 b) { return select(a > b, a, b); }
 static inline i32x8 smin(i32x8 a, i32x8 b) { return select(a < b, a, b); }
-static inline i32x8 splat(int32_t v) { return (i32x8){v, v, v, v, v, v, v, v}; }
-/* Lane 0 of a pairwise tree over the eight lanes: lane j with lane j + 4, then j + 2, then j + 1. */
+static inline i32x8 splat(int32_t v) { return (i32x8)SPLAT(v); }
+/* Lane 0 of a pairwise tree over the lanes: lane j with lane j + 8 (16 lanes), then j + 4, j + 2, j + 1. */
 static inline float tree_sum(f32x8 v) {
-    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7);
-    v += __builtin_shufflevector(v, v, 2, 3, 2, 3, 4, 5, 6, 7);
-    v += __builtin_shufflevector(v, v, 1, 1, 2, 3, 4, 5, 6, 7);
+#if LANES == 16
+    v += HALVES(v);
+#endif
+    v += QUARTERS(v);
+    v += EIGHTHS(v);
+    v += SIXTEENTHS(v);
     return v[0];
 }
 static inline int32_t tree_max(i32x8 v) {
-    v = smax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7));
-    v = smax(v, __builtin_shufflevector(v, v, 2, 3, 2, 3, 4, 5, 6, 7));
-    v = smax(v, __builtin_shufflevector(v, v, 1, 1, 2, 3, 4, 5, 6, 7));
+#if LANES == 16
+    v = smax(v, HALVES(v));
+#endif
+    v = smax(v, QUARTERS(v));
+    v = smax(v, EIGHTHS(v));
+    v = smax(v, SIXTEENTHS(v));
     return v[0];
 }
 static inline int32_t tree_min(i32x8 v) {
-    v = smin(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7));
-    v = smin(v, __builtin_shufflevector(v, v, 2, 3, 2, 3, 4, 5, 6, 7));
-    v = smin(v, __builtin_shufflevector(v, v, 1, 1, 2, 3, 4, 5, 6, 7));
+#if LANES == 16
+    v = smin(v, HALVES(v));
+#endif
+    v = smin(v, QUARTERS(v));
+    v = smin(v, EIGHTHS(v));
+    v = smin(v, SIXTEENTHS(v));
     return v[0];
 }
 
@@ -79,21 +118,22 @@ static inline __attribute__((always_inline)) i32x8 e4m3_code(i32x8 a, i32x8 *val
     return code;
 }
 
-/* The block after its scale: codes into q, and the error pieces accumulated lane by lane (element 8c + j
+/* The block after its scale: codes into q, and the error pieces accumulated lane by lane (element LANES*c + j
  * goes to lane j). floor: clip |x| to 448 for the code (floor's scales can leave it above; x stays
  * unclipped for the error); subnormal: see e4m3_code. Both are constants after inlining. */
-static inline __attribute__((always_inline)) void block_codes(const i32x8 x[4], float mult, int floor,
+static inline __attribute__((always_inline)) void block_codes(const i32x8 x[CHUNKS], float mult, int floor,
                                                               int subnormal, uint8_t *q, f32x8 *ref,
                                                               f32x8 *err, i32x8 *dmax) {
-    for (int c = 0; c < 4; c++) {
+    for (int c = 0; c < CHUNKS; c++) {
         f32x8 w = (f32x8)x[c];
         i32x8 u = (i32x8)(w * mult);  /* exact power-of-two scaling */
         i32x8 a = u & 0x7FFFFFFF;
         i32x8 value;
         i32x8 code = e4m3_code(floor ? smin(a, splat(0x43E00000)) : a, &value, subnormal);
         code |= (u >> 24) & 0x80;  /* the sign */
-        u8x8 code8 = __builtin_shufflevector((u8x32)code, (u8x32)code, 0, 4, 8, 12, 16, 20, 24, 28);
-        memcpy(q + 8 * c, &code8, 8);
+        u8x32 code_bytes = (u8x32)code;
+        u8x8 code8 = LOW_BYTES(code_bytes);
+        memcpy(q + LANES * c, &code8, LANES);
         f32x8 d = (f32x8)a - (f32x8)value;  /* |x| - |q|: the error up to its sign, exact in fp32 */
         *ref += w * w;
         *err += d * d;
@@ -103,11 +143,15 @@ static inline __attribute__((always_inline)) void block_codes(const i32x8 x[4], 
 
 /* One block of 32 values as fp32 bits (x[4]) -> 32 codes, the scale byte and (stats3 != 0) ||w||^2,
  * ||x - q||^2 and max |x - q| of the block. Returns 1 for a block holding a NaN or an infinity. */
-static inline int quantize_block(const i32x8 x[4], int floor, uint8_t *q, uint8_t *scale, float *stats3) {
-    i32x8 a0 = x[0] & 0x7FFFFFFF, a1 = x[1] & 0x7FFFFFFF, a2 = x[2] & 0x7FFFFFFF, a3 = x[3] & 0x7FFFFFFF;
-    /* finite magnitudes order as their bits; NaN and Inf lie above every finite one */
-    int32_t amax_bits = tree_max(smax(smax(a0, a1), smax(a2, a3)));
-    int32_t amin_bits = tree_min(smin(smin(a0, a1), smin(a2, a3)));
+static inline int quantize_block(const i32x8 x[CHUNKS], int floor, uint8_t *q, uint8_t *scale, float *stats3) {
+    i32x8 hi = x[0] & 0x7FFFFFFF, lo = hi;
+    for (int c = 1; c < CHUNKS; c++) {  /* finite magnitudes order as their bits; NaN and Inf above them all */
+        i32x8 a = x[c] & 0x7FFFFFFF;
+        hi = smax(hi, a);
+        lo = smin(lo, a);
+    }
+    int32_t amax_bits = tree_max(hi);
+    int32_t amin_bits = tree_min(lo);
     if (amax_bits >= 0x7F800000) return 1;
     uint32_t k = (uint32_t)(floor ? amax_bits : amax_bits + 0x1FFFFF) >> 23;
     uint32_t byte = k > 8u ? k - 8u : 0u;
@@ -141,15 +185,15 @@ static inline int quantize_block(const i32x8 x[4], int floor, uint8_t *q, uint8_
 int64_t porter_mxfp8_quantize(const void *w, int is_bf16, int64_t nb, int floor_rounding,
                               uint8_t *q, uint8_t *scale, float *stats) {
     int64_t bad = 0;
-    i32x8 x[4];
+    i32x8 x[CHUNKS];
     for (int64_t b = 0; b < nb; b++) {
-        for (int c = 0; c < 4; c++) {
+        for (int c = 0; c < CHUNKS; c++) {
             if (is_bf16) {
                 u16x8 h;
-                memcpy(&h, (const uint16_t *)w + b * BLOCK + 8 * c, 16);
+                memcpy(&h, (const uint16_t *)w + b * BLOCK + LANES * c, 2 * LANES);
                 x[c] = __builtin_convertvector(h, i32x8) << 16;  /* bf16 -> fp32 bits, exact */
             } else {
-                memcpy(&x[c], (const float *)w + b * BLOCK + 8 * c, 32);
+                memcpy(&x[c], (const float *)w + b * BLOCK + LANES * c, 4 * LANES);
             }
         }
         bad += quantize_block(x, floor_rounding, q + b * BLOCK, scale + b, stats ? stats + 3 * b : 0);

@@ -6,6 +6,8 @@
 #             shutil.copyfile (output on this machine's disk)
 #   shm16     the same at 8 GB with the checkpoint and every output in /dev/shm (no disk under the writes)
 #   conv2     2 cores (taskset -c 0,1), 1.92 GB, CPU + cuda, both digests, two repeats
+#   workers2  2 cores, 1.92 GB, CPU + cuda, 2 (the default), 3 and 4 workers, three repeats: whether a worker more
+#             than cores hides the time workers block (journal fsync, budget waits)
 #   profile2  2 cores, CPU path, core-seconds per stage (convert_profile.py), both digests
 #   lanes     benchmarks/quantize_native_lanes.py: the C quantizer at 8 and 16 lanes on this CPU (1 and 2
 #             threads, and 16), then its CPU tests with porter's own build (16 lanes where AVX-512F)
@@ -46,6 +48,11 @@ if has conv2; then
   step conv2 300 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda "${BOTH[@]}" --sizes 2 --repeats 2 \
     --out "$OUT/conv2.json"
   grep -h "warm convert\|warm copy\|GB (" "$OUT/conv2.log" | cut -c1-200
+fi
+if has workers2; then
+  step workers2 300 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --variants "w3:WORKERS=3;w4:WORKERS=4" \
+    --copies copy-safetensors,copy-files --sizes 2 --repeats 3 --out "$OUT/workers2.json"
+  grep -h "warm convert\|warm copy\|GB (" "$OUT/workers2.log" | cut -c1-200
 fi
 if has profile2; then
   step build_2 120 taskset -c 0,1 "${BUILD_CHECKPOINT[@]}" /tmp/r15src2 2

@@ -8,6 +8,8 @@
 #   conv2     2 cores (taskset -c 0,1), 1.92 GB, CPU + cuda, both digests, two repeats
 #   workers2  2 cores, 1.92 GB, CPU + cuda, 2 (the default), 3 and 4 workers, three repeats: whether a worker more
 #             than cores hides the time workers block (journal fsync, budget waits)
+#   final     with the default now cores + 1: 2 cores, 1.92 GB, default (3) against WORKERS=2, three repeats; 16
+#             cores, 2 and 8 GB, default (17) against WORKERS=16; CPU + cuda
 #   profile2  2 cores, CPU path, core-seconds per stage (convert_profile.py), both digests
 #   lanes     benchmarks/quantize_native_lanes.py: the C quantizer at 8 and 16 lanes on this CPU (1 and 2
 #             threads, and 16), then its CPU tests with porter's own build (16 lanes where AVX-512F)
@@ -53,6 +55,13 @@ if has workers2; then
   step workers2 300 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --variants "w3:WORKERS=3;w4:WORKERS=4" \
     --copies copy-safetensors,copy-files --sizes 2 --repeats 3 --out "$OUT/workers2.json"
   grep -h "warm convert\|warm copy\|GB (" "$OUT/workers2.log" | cut -c1-200
+fi
+if has final; then
+  step final2 300 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --variants "w2:WORKERS=2" \
+    --copies copy-safetensors,copy-files --sizes 2 --repeats 3 --out "$OUT/final2.json"
+  step final16 300 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --variants "w16:WORKERS=16" \
+    --copies copy-safetensors,copy-files --sizes 2,8 --out "$OUT/final16.json"
+  grep -h "warm convert\|warm copy\|GB (" "$OUT/final2.log" "$OUT/final16.log" | cut -c1-150
 fi
 if has profile2; then
   step build_2 120 taskset -c 0,1 "${BUILD_CHECKPOINT[@]}" /tmp/r15src2 2

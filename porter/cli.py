@@ -88,7 +88,7 @@ def main(ctx, verbose, quiet):
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion into the same folder.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (reads, quantized tensors, shards, memory); write nothing.")
 @click.option("--workers", type=int, default=None, help="Worker threads for read/quantize/hash/write "
-                                                         "[default: the cores available].")
+                                                         "[default: the cores available + 1].")
 @click.option("--max-memory", default=None, help="Memory budget, e.g. 16GB [default: half the available RAM].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where to quantize: auto uses a CUDA GPU when there is one (and says so). Output is "

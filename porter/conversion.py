@@ -129,7 +129,7 @@ def convert(source, output, *, revision: Optional[str] = None, quantize: Optiona
             dry_run: bool = False, progress: bool = True, layout: str = "porter", workers: Optional[int] = None,
             max_memory=None, device: str = "auto", digest: str = DEFAULT_DIGEST) -> dict:
     """Convert; returns a summary dict. Mirrors `porter convert` (see `porter convert --help`).
-    quantize=None: the layout's default scope (arch.DEFAULT_SCOPE). workers=None: every available core;
+    quantize=None: the layout's default scope (arch.DEFAULT_SCOPE). workers=None: the available cores + 1;
     max_memory=None: half the available RAM; device: auto (the GPU when there is one), cpu or cuda;
     digest: the chunk hash of the shard digests, xxh3-128 or sha256 (docs/artifact-format.md)."""
     t0 = time.time()
@@ -161,7 +161,7 @@ def convert(source, output, *, revision: Optional[str] = None, quantize: Optiona
 
 def _check_workers(workers) -> int:
     if workers is None:
-        return pipeline.available_cores()
+        return pipeline.default_workers()
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ConvertError(f"--workers {workers!r}: give a positive number of worker threads")
     return workers

@@ -97,6 +97,15 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def default_workers() -> int:
+    """`--workers` when not given: one more than the cores this process may run on, so that a worker blocked
+    (in the shard journal's fsync, waiting for the memory budget, on a page the kernel is reading) leaves no
+    core idle. On the H200 machine's Xeon limited to 2 cores (1.92 GB, three repeats in one run): CPU path
+    1.40-1.44 s with 3 workers against 1.49-1.59 s with 2 and 1.39-1.67 s with 4
+    (benchmarks/results/convert_round15_call3_workers2.log)."""
+    return available_cores() + 1
+
+
 def memory_status() -> dict:
     """This process's RssAnon / RssFile / VmHWM and the machine's MemAvailable, in bytes (Linux)."""
     out = {}

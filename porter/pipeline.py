@@ -100,9 +100,10 @@ def available_cores() -> int:
 def default_workers() -> int:
     """`--workers` when not given: one more than the cores this process may run on, so that a worker blocked
     (in the shard journal's fsync, waiting for the memory budget, on a page the kernel is reading) leaves no
-    core idle. On the H200 machine's Xeon limited to 2 cores (1.92 GB, three repeats in one run): CPU path
-    1.40-1.44 s with 3 workers against 1.49-1.59 s with 2 and 1.39-1.67 s with 4
-    (benchmarks/results/convert_round15_call3_workers2.log)."""
+    core idle. On the H200 machine's Xeon limited to 2 cores (1.92 GB, CPU path, two runs of three repeats):
+    3 workers 1.40-1.44 and 1.18-1.49 s, 2 workers 1.49-1.59 and 1.24-1.53 s (medians 1.42 vs 1.51 s), 4
+    workers 1.39-1.67 s; on 16 cores 17 and 16 workers were within the run-to-run spread (2 GB 0.90 vs 0.96 s,
+    8 GB 3.12 vs 2.70 s; benchmarks/results/convert_round15.md)."""
     return available_cores() + 1
 
 

@@ -75,24 +75,18 @@ static inline float tree_sum(f32x8 v) {
     v += SIXTEENTHS(v);
     return v[0];
 }
-static inline int32_t tree_max(i32x8 v) {
+/* The same tree with max (is_max) or min; is_max is a constant after inlining. */
+static inline int32_t tree_extreme(i32x8 v, int is_max) {
 #if LANES == 16
-    v = smax(v, HALVES(v));
+    v = is_max ? smax(v, HALVES(v)) : smin(v, HALVES(v));
 #endif
-    v = smax(v, QUARTERS(v));
-    v = smax(v, EIGHTHS(v));
-    v = smax(v, SIXTEENTHS(v));
+    v = is_max ? smax(v, QUARTERS(v)) : smin(v, QUARTERS(v));
+    v = is_max ? smax(v, EIGHTHS(v)) : smin(v, EIGHTHS(v));
+    v = is_max ? smax(v, SIXTEENTHS(v)) : smin(v, SIXTEENTHS(v));
     return v[0];
 }
-static inline int32_t tree_min(i32x8 v) {
-#if LANES == 16
-    v = smin(v, HALVES(v));
-#endif
-    v = smin(v, QUARTERS(v));
-    v = smin(v, EIGHTHS(v));
-    v = smin(v, SIXTEENTHS(v));
-    return v[0];
-}
+static inline int32_t tree_max(i32x8 v) { return tree_extreme(v, 1); }
+static inline int32_t tree_min(i32x8 v) { return tree_extreme(v, 0); }
 
 /* |x| as fp32 bits a (finite, at most 448) -> the e4m3 code without sign; *value: the magnitude it stands
  * for, as fp32 bits. `subnormal`: whether any |x| may lie below 2^-6 (a constant after inlining). */

@@ -73,6 +73,35 @@ def test_real_weights_and_fp32_extremes(monkeypatch, native, dtype):
             assert math.isfinite(e_ref[k]) and abs(e[k] - e_ref[k]) <= 3.7e-6 * e_ref[k], (k, e[k], e_ref[k])
 
 
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_either_lane_count_gives_the_same_bytes(monkeypatch, native, tmp_path, lanes):
+    """porter builds 16 lanes where the compiler targets AVX-512F and 8 elsewhere; each count, forced with
+    -DPORTER_LANES (16 runs split into two registers on a machine without AVX-512), gives the torch path's
+    bytes and max |error| for every bf16 value, both roundings, so CI checks the AVX-512 machines' code too."""
+    import ctypes
+    import shutil
+    import subprocess
+    cc = shutil.which(os.environ.get("CC") or "cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    lib = tmp_path / f"q{lanes}.so"
+    subprocess.run([cc, *mxfp8_native.FLAGS, f"-DPORTER_LANES={lanes}", "-o", str(lib), str(mxfp8_native.SOURCE)],
+                   check=True, capture_output=True)
+    fn = ctypes.CDLL(str(lib)).porter_mxfp8_quantize
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p]
+    fn.restype = ctypes.c_int64
+    monkeypatch.setattr(mxfp8_native, "_state", {"fn": fn, "tried": True, "why": ""})
+    w = every_bf16_under_every_scale()
+    for rounding in ("rceil", "floor"):
+        q, s, e = mxfp8.quantize_with_error(w, rounding)
+        q_ref, s_ref, e_ref = torch_path(monkeypatch, mxfp8.quantize_with_error, w, rounding)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+        assert e["max_abs_error"] == e_ref["max_abs_error"]
+        for k in ("err_sq", "ref_sq"):
+            assert e[k] == e_ref[k] or abs(e[k] - e_ref[k]) <= 3.7e-6 * abs(e_ref[k]), (k, e[k], e_ref[k])
+
+
 def test_takes_only_what_it_supports(native):
     w = torch.randn(4, 64)
     assert mxfp8_native.supports(w) and mxfp8_native.supports(w.bfloat16())

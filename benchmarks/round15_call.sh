@@ -11,6 +11,8 @@
 #   final     with the default now cores + 1: 2 cores, 1.92 GB, default (3) against WORKERS=2, three repeats; 16
 #             cores, 2 and 8 GB, default (17) against WORKERS=16; CPU + cuda
 #   tests     the final tree: the conversion and verify GPU tests, and the CPU quantizer tests on this AVX-512 CPU
+#   cold      16 cores, 4 GB from this machine's disk (page cache dropped before each run), CPU + cuda, against
+#             the safetensors copy and shutil.copyfile, one repeat
 #   profile2  2 cores, CPU path, core-seconds per stage (convert_profile.py), both digests
 #   lanes     benchmarks/quantize_native_lanes.py: the C quantizer at 8 and 16 lanes on this CPU (1 and 2
 #             threads, and 16), then its CPU tests with porter's own build (16 lanes where AVX-512F)
@@ -56,6 +58,11 @@ if has workers2; then
   step workers2 300 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --variants "w3:WORKERS=3;w4:WORKERS=4" \
     --copies copy-safetensors,copy-files --sizes 2 --repeats 3 --out "$OUT/workers2.json"
   grep -h "warm convert\|warm copy\|GB (" "$OUT/workers2.log" | cut -c1-200
+fi
+if has cold; then
+  step cold16 240 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --cache cold \
+    --copies copy-safetensors,copy-files --sizes 4 --out "$OUT/cold16.json"
+  grep -h "cold convert\|cold copy\|GB (" "$OUT/cold16.log" | cut -c1-200
 fi
 if has tests; then
   step finaltests 400 python -m pytest -q tests/test_mxfp8_native.py tests/test_mxfp8.py tests/test_tensor_digest.py \

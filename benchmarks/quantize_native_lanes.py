@@ -13,10 +13,8 @@ tests/test_mxfp8_native.py states). The run fails otherwise.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,16 +28,10 @@ sys.path.insert(0, str(ROOT))
 from porter import mxfp8_native  # noqa: E402
 
 
-def build(tmp: Path, lanes) -> ctypes._CFuncPtr:
-    out = tmp / f"q{lanes or 'default'}.so"
-    extra = [] if lanes is None else [f"-DPORTER_LANES={lanes}"]
-    subprocess.run(["cc", *mxfp8_native.FLAGS, *extra, "-o", str(out), str(mxfp8_native.SOURCE)], check=True,
-                   capture_output=True)
-    fn = ctypes.CDLL(str(out)).porter_mxfp8_quantize
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = ctypes.c_int64
-    return fn
+def build(tmp: Path, lanes):
+    """The quantizer built with -DPORTER_LANES=lanes (None: as porter builds it), bound through ctypes."""
+    return mxfp8_native.build_variant(tmp / f"q{lanes or 'default'}.so",
+                                      () if lanes is None else (f"-DPORTER_LANES={lanes}",))
 
 
 def outputs(w: torch.Tensor) -> tuple:

@@ -34,25 +34,26 @@
 #define LANES PORTER_LANES
 #define CHUNKS (BLOCK / LANES)  /* vectors per block */
 
-/* the names say 8 lanes; LANES decides (the code is the same but for the shuffle index lists below) */
-typedef int32_t i32x8 __attribute__((vector_size(4 * LANES)));
-typedef uint32_t u32x8 __attribute__((vector_size(4 * LANES)));
-typedef float f32x8 __attribute__((vector_size(4 * LANES)));
-typedef uint16_t u16x8 __attribute__((vector_size(2 * LANES)));
-typedef uint8_t u8x32 __attribute__((vector_size(4 * LANES)));
-typedef uint8_t u8x8 __attribute__((vector_size(LANES)));
+/* LANES lanes of 32 bits; u8v_word: their bytes, u8v_code: one byte per lane (the e4m3 codes) */
+typedef int32_t i32v __attribute__((vector_size(4 * LANES)));
+typedef uint32_t u32v __attribute__((vector_size(4 * LANES)));
+typedef float f32v __attribute__((vector_size(4 * LANES)));
+typedef uint16_t u16v __attribute__((vector_size(2 * LANES)));
+typedef uint8_t u8v_word __attribute__((vector_size(4 * LANES)));
+typedef uint8_t u8v_code __attribute__((vector_size(LANES)));
 
+/* FROM_k_ON(v): lane j + k of v in lane j (for the lanes a reduction tree still reads) */
 #if LANES == 16
-#define HALVES(v) __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)
-#define QUARTERS(v) __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
-#define EIGHTHS(v) __builtin_shufflevector(v, v, 2, 3, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
-#define SIXTEENTHS(v) __builtin_shufflevector(v, v, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define FROM_8_ON(v) __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)
+#define FROM_4_ON(v) __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define FROM_2_ON(v) __builtin_shufflevector(v, v, 2, 3, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define FROM_1_ON(v) __builtin_shufflevector(v, v, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define LOW_BYTES(v) __builtin_shufflevector(v, v, 0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60)
 #define SPLAT(v) {v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}
 #elif LANES == 8
-#define QUARTERS(v) __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7)
-#define EIGHTHS(v) __builtin_shufflevector(v, v, 2, 3, 2, 3, 4, 5, 6, 7)
-#define SIXTEENTHS(v) __builtin_shufflevector(v, v, 1, 1, 2, 3, 4, 5, 6, 7)
+#define FROM_4_ON(v) __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7)
+#define FROM_2_ON(v) __builtin_shufflevector(v, v, 2, 3, 2, 3, 4, 5, 6, 7)
+#define FROM_1_ON(v) __builtin_shufflevector(v, v, 1, 1, 2, 3, 4, 5, 6, 7)
 #define LOW_BYTES(v) __builtin_shufflevector(v, v, 0, 4, 8, 12, 16, 20, 24, 28)
 #define SPLAT(v) {v, v, v, v, v, v, v, v}
 #else
@@ -61,52 +62,52 @@ typedef uint8_t u8x8 __attribute__((vector_size(LANES)));
 
 /* Magnitudes are kept as non-negative int32 (fp32 bits without the sign): signed compares are one
  * instruction on AVX2, unsigned ones are not. */
-static inline i32x8 select(i32x8 mask, i32x8 a, i32x8 b) { return (mask & a) | (~mask & b); }
-static inline i32x8 smax(i32x8 a, i32x8 b) { return select(a > b, a, b); }
-static inline i32x8 smin(i32x8 a, i32x8 b) { return select(a < b, a, b); }
-static inline i32x8 splat(int32_t v) { return (i32x8)SPLAT(v); }
+static inline i32v select(i32v mask, i32v a, i32v b) { return (mask & a) | (~mask & b); }
+static inline i32v smax(i32v a, i32v b) { return select(a > b, a, b); }
+static inline i32v smin(i32v a, i32v b) { return select(a < b, a, b); }
+static inline i32v splat(int32_t v) { return (i32v)SPLAT(v); }
 /* Lane 0 of a pairwise tree over the lanes: lane j with lane j + 8 (16 lanes), then j + 4, j + 2, j + 1. */
-static inline float tree_sum(f32x8 v) {
+static inline float tree_sum(f32v v) {
 #if LANES == 16
-    v += HALVES(v);
+    v += FROM_8_ON(v);
 #endif
-    v += QUARTERS(v);
-    v += EIGHTHS(v);
-    v += SIXTEENTHS(v);
+    v += FROM_4_ON(v);
+    v += FROM_2_ON(v);
+    v += FROM_1_ON(v);
     return v[0];
 }
 /* The same tree with max (is_max) or min; is_max is a constant after inlining. */
-static inline int32_t tree_extreme(i32x8 v, int is_max) {
+static inline int32_t tree_extreme(i32v v, int is_max) {
 #if LANES == 16
-    v = is_max ? smax(v, HALVES(v)) : smin(v, HALVES(v));
+    v = is_max ? smax(v, FROM_8_ON(v)) : smin(v, FROM_8_ON(v));
 #endif
-    v = is_max ? smax(v, QUARTERS(v)) : smin(v, QUARTERS(v));
-    v = is_max ? smax(v, EIGHTHS(v)) : smin(v, EIGHTHS(v));
-    v = is_max ? smax(v, SIXTEENTHS(v)) : smin(v, SIXTEENTHS(v));
+    v = is_max ? smax(v, FROM_4_ON(v)) : smin(v, FROM_4_ON(v));
+    v = is_max ? smax(v, FROM_2_ON(v)) : smin(v, FROM_2_ON(v));
+    v = is_max ? smax(v, FROM_1_ON(v)) : smin(v, FROM_1_ON(v));
     return v[0];
 }
-static inline int32_t tree_max(i32x8 v) { return tree_extreme(v, 1); }
-static inline int32_t tree_min(i32x8 v) { return tree_extreme(v, 0); }
+static inline int32_t tree_max(i32v v) { return tree_extreme(v, 1); }
+static inline int32_t tree_min(i32v v) { return tree_extreme(v, 0); }
 
 /* |x| as fp32 bits a (finite, at most 448) -> the e4m3 code without sign; *value: the magnitude it stands
  * for, as fp32 bits. `subnormal`: whether any |x| may lie below 2^-6 (a constant after inlining). */
-static inline __attribute__((always_inline)) i32x8 e4m3_code(i32x8 a, i32x8 *value, int subnormal) {
+static inline __attribute__((always_inline)) i32v e4m3_code(i32v a, i32v *value, int subnormal) {
     /* normal (|x| >= 2^-6, exponent field >= 121): round the 23-bit mantissa to 3 bits, to nearest even; a
      * carry runs into the exponent */
-    i32x8 r = a + 0x7FFFF + ((a >> 20) & 1);
-    i32x8 code = (r >> 20) - (120 << 3);
+    i32v r = a + 0x7FFFF + ((a >> 20) & 1);
+    i32v code = (r >> 20) - (120 << 3);
     *value = r & (int32_t)0xFFF00000;
     if (subnormal) {
         /* |x| = m * 2^(e-150) with the implicit bit; in units of 2^-9 that is m >> (141 - e), rounded to
          * nearest even. Shifts of 25 and more give 0 for every m < 2^24, so e is clamped to [110, 120]:
          * the shift stays in [21, 31] (lanes that are normal ignore it) */
-        i32x8 e = a >> 23;
-        i32x8 is_sub = e < 121;
-        u32x8 m = (u32x8)((a & 0x7FFFFF) | 0x800000);
-        u32x8 sh = (u32x8)(141 - smin(smax(e, splat(110)), splat(120)));
-        i32x8 sub_code = (i32x8)((m + (1u << (sh - 1u)) - 1u + ((m >> sh) & 1u)) >> sh);
-        f32x8 sub_value = __builtin_convertvector(sub_code, f32x8) * 0.001953125f;  /* * 2^-9, exact */
-        *value = select(is_sub, (i32x8)sub_value, *value);
+        i32v e = a >> 23;
+        i32v is_sub = e < 121;
+        u32v m = (u32v)((a & 0x7FFFFF) | 0x800000);
+        u32v sh = (u32v)(141 - smin(smax(e, splat(110)), splat(120)));
+        i32v sub_code = (i32v)((m + (1u << (sh - 1u)) - 1u + ((m >> sh) & 1u)) >> sh);
+        f32v sub_value = __builtin_convertvector(sub_code, f32v) * 0.001953125f;  /* * 2^-9, exact */
+        *value = select(is_sub, (i32v)sub_value, *value);
         code = select(is_sub, sub_code, code);
     }
     return code;
@@ -115,32 +116,32 @@ static inline __attribute__((always_inline)) i32x8 e4m3_code(i32x8 a, i32x8 *val
 /* The block after its scale: codes into q, and the error pieces accumulated lane by lane (element LANES*c + j
  * goes to lane j). floor: clip |x| to 448 for the code (floor's scales can leave it above; x stays
  * unclipped for the error); subnormal: see e4m3_code. Both are constants after inlining. */
-static inline __attribute__((always_inline)) void block_codes(const i32x8 x[CHUNKS], float mult, int floor,
-                                                              int subnormal, uint8_t *q, f32x8 *ref,
-                                                              f32x8 *err, i32x8 *dmax) {
+static inline __attribute__((always_inline)) void block_codes(const i32v x[CHUNKS], float mult, int floor,
+                                                              int subnormal, uint8_t *q, f32v *ref,
+                                                              f32v *err, i32v *dmax) {
     for (int c = 0; c < CHUNKS; c++) {
-        f32x8 w = (f32x8)x[c];
-        i32x8 u = (i32x8)(w * mult);  /* exact power-of-two scaling */
-        i32x8 a = u & 0x7FFFFFFF;
-        i32x8 value;
-        i32x8 code = e4m3_code(floor ? smin(a, splat(0x43E00000)) : a, &value, subnormal);
+        f32v w = (f32v)x[c];
+        i32v u = (i32v)(w * mult);  /* exact power-of-two scaling */
+        i32v a = u & 0x7FFFFFFF;
+        i32v value;
+        i32v code = e4m3_code(floor ? smin(a, splat(0x43E00000)) : a, &value, subnormal);
         code |= (u >> 24) & 0x80;  /* the sign */
-        u8x32 code_bytes = (u8x32)code;
-        u8x8 code8 = LOW_BYTES(code_bytes);
+        u8v_word code_bytes = (u8v_word)code;
+        u8v_code code8 = LOW_BYTES(code_bytes);
         memcpy(q + LANES * c, &code8, LANES);
-        f32x8 d = (f32x8)a - (f32x8)value;  /* |x| - |q|: the error up to its sign, exact in fp32 */
+        f32v d = (f32v)a - (f32v)value;  /* |x| - |q|: the error up to its sign, exact in fp32 */
         *ref += w * w;
         *err += d * d;
-        *dmax = smax(*dmax, (i32x8)d & 0x7FFFFFFF);  /* |d| as bits: non-negative floats order as ints */
+        *dmax = smax(*dmax, (i32v)d & 0x7FFFFFFF);  /* |d| as bits: non-negative floats order as ints */
     }
 }
 
 /* One block of 32 values as fp32 bits (x[4]) -> 32 codes, the scale byte and (stats3 != 0) ||w||^2,
  * ||x - q||^2 and max |x - q| of the block. Returns 1 for a block holding a NaN or an infinity. */
-static inline int quantize_block(const i32x8 x[CHUNKS], int floor, uint8_t *q, uint8_t *scale, float *stats3) {
-    i32x8 hi = x[0] & 0x7FFFFFFF, lo = hi;
+static inline int quantize_block(const i32v x[CHUNKS], int floor, uint8_t *q, uint8_t *scale, float *stats3) {
+    i32v hi = x[0] & 0x7FFFFFFF, lo = hi;
     for (int c = 1; c < CHUNKS; c++) {  /* finite magnitudes order as their bits; NaN and Inf above them all */
-        i32x8 a = x[c] & 0x7FFFFFFF;
+        i32v a = x[c] & 0x7FFFFFFF;
         hi = smax(hi, a);
         lo = smin(lo, a);
     }
@@ -155,8 +156,8 @@ static inline int quantize_block(const i32x8 x[CHUNKS], int floor, uint8_t *q, u
     memcpy(&mult, &mult_bits, 4);
     memcpy(&amin, &amin_bits, 4);
     int subnormal = amin * mult < 0.015625f;  /* some |x| below 2^-6: the slower rounding for the block */
-    f32x8 ref = {0}, err = {0};
-    i32x8 dmax = {0};
+    f32v ref = {0}, err = {0};
+    i32v dmax = {0};
     if (floor) {
         if (subnormal) block_codes(x, mult, 1, 1, q, &ref, &err, &dmax);
         else block_codes(x, mult, 1, 0, q, &ref, &err, &dmax);
@@ -179,13 +180,13 @@ static inline int quantize_block(const i32x8 x[CHUNKS], int floor, uint8_t *q, u
 int64_t porter_mxfp8_quantize(const void *w, int is_bf16, int64_t nb, int floor_rounding,
                               uint8_t *q, uint8_t *scale, float *stats) {
     int64_t bad = 0;
-    i32x8 x[CHUNKS];
+    i32v x[CHUNKS];
     for (int64_t b = 0; b < nb; b++) {
         for (int c = 0; c < CHUNKS; c++) {
             if (is_bf16) {
-                u16x8 h;
+                u16v h;
                 memcpy(&h, (const uint16_t *)w + b * BLOCK + LANES * c, 2 * LANES);
-                x[c] = __builtin_convertvector(h, i32x8) << 16;  /* bf16 -> fp32 bits, exact */
+                x[c] = __builtin_convertvector(h, i32v) << 16;  /* bf16 -> fp32 bits, exact */
             } else {
                 memcpy(&x[c], (const float *)w + b * BLOCK + LANES * c, 4 * LANES);
             }

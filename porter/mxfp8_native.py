@@ -64,15 +64,22 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _build(cc: str, out: Path) -> Optional[str]:
-    """Compile SOURCE into `out` (atomically: a temp file renamed); -> None, or why it failed."""
+def _compiler() -> tuple[str, Optional[str]]:
+    """(the compiler's name, its path or None)."""
+    cc = os.environ.get("CC") or "cc"
+    return cc, shutil.which(cc)
+
+
+def _build(cc: str, out: Path, defines: tuple = ()) -> Optional[str]:
+    """Compile SOURCE into `out` (atomically: a temp file renamed) with `defines` (-D flags) added;
+    -> None, or why it failed."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     why = ""
     try:
         for flags in (FLAGS, FALLBACK_FLAGS):
-            proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+            proc = subprocess.run([cc, *flags, *defines, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
             if proc.returncode == 0:
                 os.replace(tmp, out)
                 return None
@@ -83,9 +90,28 @@ def _build(cc: str, out: Path) -> Optional[str]:
             os.unlink(tmp)
 
 
+def _bind(path: Path):
+    """porter_mxfp8_quantize from the library at `path`, typed for ctypes."""
+    fn = ctypes.CDLL(str(path)).porter_mxfp8_quantize
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int64
+    return fn
+
+
+def build_variant(out: Path, defines: tuple):
+    """SOURCE built into `out` with `defines` added (e.g. ("-DPORTER_LANES=16",)), bound as function()'s C
+    function is: for benchmarks and tests that compare builds, never the conversion's own (uncached).
+    Raises RuntimeError without a compiler or when the build fails."""
+    cc, cc_path = _compiler()
+    why = f"no C compiler ({cc}) on PATH" if cc_path is None else _build(cc_path, Path(out), defines)
+    if why is not None:
+        raise RuntimeError(f"could not build {SOURCE.name} with {' '.join(defines)}: {why}")
+    return _bind(Path(out))
+
+
 def _load():
-    cc = os.environ.get("CC") or "cc"
-    cc_path = shutil.which(cc)
+    cc, cc_path = _compiler()
     if cc_path is None:
         return None, f"no C compiler ({cc}) on PATH"
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cc_path.encode(), " ".join(FLAGS).encode(),
@@ -101,12 +127,7 @@ def _load():
         if why is not None:
             return None, f"{cc_path} could not build {SOURCE.name}: {why}"
         log.debug("built the native MXFP8 quantizer in %.2f s: %s", time.perf_counter() - t0, path)
-    lib = ctypes.CDLL(str(path))
-    fn = lib.porter_mxfp8_quantize
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = ctypes.c_int64
-    return fn, ""
+    return _bind(path), ""
 
 
 def function():

@@ -78,19 +78,7 @@ def test_either_lane_count_gives_the_same_bytes(monkeypatch, native, tmp_path, l
     """porter builds 16 lanes where the compiler targets AVX-512F and 8 elsewhere; each count, forced with
     -DPORTER_LANES (16 runs split into two registers on a machine without AVX-512), gives the torch path's
     bytes and max |error| for every bf16 value, both roundings, so CI checks the AVX-512 machines' code too."""
-    import ctypes
-    import shutil
-    import subprocess
-    cc = shutil.which(os.environ.get("CC") or "cc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    lib = tmp_path / f"q{lanes}.so"
-    subprocess.run([cc, *mxfp8_native.FLAGS, f"-DPORTER_LANES={lanes}", "-o", str(lib), str(mxfp8_native.SOURCE)],
-                   check=True, capture_output=True)
-    fn = ctypes.CDLL(str(lib)).porter_mxfp8_quantize
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p]
-    fn.restype = ctypes.c_int64
+    fn = mxfp8_native.build_variant(tmp_path / f"q{lanes}.so", (f"-DPORTER_LANES={lanes}",))
     monkeypatch.setattr(mxfp8_native, "_state", {"fn": fn, "tried": True, "why": ""})
     w = every_bf16_under_every_scale()
     for rounding in ("rceil", "floor"):

@@ -219,7 +219,7 @@ def main():
     ap.add_argument("--src", default=None, help="an existing checkpoint folder instead of building one")
     ap.add_argument("--sample", action="store_true", help="also sample the workers' stacks every 2 ms")
     ap.add_argument("--max-shard-size", default="5GB", help="porter convert --max-shard-size (output shards)")
-    ap.add_argument("--digest", default="xxh3-128", help="porter convert --digest (the chunk hash)")
+    ap.add_argument("--digest", default=None, help="porter convert --digest (the chunk hash; default: porter's)")
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the run (s; "
                     "Python's default 0.005): whether the GIL's hand-over between the workers moves the time")
     args = ap.parse_args()
@@ -247,13 +247,13 @@ def main():
         stacks = sample_stacks(stop) if args.sample else collections.Counter()
         r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         done = porter.convert(src, Path(tmp) / "out", progress=False, workers=args.workers, device=args.device,
-                              max_shard_size=args.max_shard_size, digest=args.digest)
+                              max_shard_size=args.max_shard_size, **({"digest": args.digest} if args.digest else {}))
         wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
         stop.set()
         t_end = t0 + wall
         shutil.rmtree(Path(tmp) / "out", ignore_errors=True)
     result = {"machine": ct.machine(), "source_gb": gb, "workers": done["workers"], "device": done["device"],
-              "digest": args.digest,
+              "digest": args.digest or "default",
               "output_shards": done["shards"], "max_shard_size": args.max_shard_size,
               "wall_seconds": wall, "fsync_seconds": done["fsync_seconds"],
               "user_seconds": r1.ru_utime - r0.ru_utime, "system_seconds": r1.ru_stime - r0.ru_stime,

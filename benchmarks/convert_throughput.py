@@ -147,8 +147,11 @@ def copy_run(src: Path, out: Path, kind: str, cache: str = "warm") -> dict:
 
 
 def convert_run(src: Path, out: Path, workers: str = "all", device: str = "cpu", cache: str = "warm",
-                max_shard_size: str = "512MB", root: Path = ROOT, env=None, digest: str = "xxh3-128") -> dict:
-    """One `porter convert` (of the porter tree at `root`) in a fresh process, after its dry run."""
+                max_shard_size: str = "512MB", root: Path = ROOT, env=None, digest: str = None) -> dict:
+    """One `porter convert` (of the porter tree at `root`) in a fresh process, after its dry run; digest:
+    convert's --digest (None: porter's default)."""
+    from porter.safetensors_io import DEFAULT_DIGEST  # here: a copy's child process imports this module too
+    digest = digest or DEFAULT_DIGEST
     return child(CONVERT.replace("ROOT_PATH", repr(str(root))), src, out, workers, device, cache, max_shard_size,
                  digest, env=env)
 
@@ -289,7 +292,7 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
                 extra_env = dict(extra_env)
                 shard_size = extra_env.pop("SHARD", max_shard_size)  # pseudo-variables: convert's arguments
                 workers = extra_env.pop("WORKERS", workers)
-                digest = extra_env.pop("DIGEST", "xxh3-128")  # convert's --digest
+                digest = extra_env.pop("DIGEST", None)  # convert's --digest (None: porter's default)
                 if kind.startswith("copy"):
                     res = copy_run(src, out, kind, cache)
                 else:

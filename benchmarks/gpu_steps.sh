@@ -5,6 +5,7 @@
 #   CONVERT_THROUGHPUT ARGS...       (convert_throughput.py, --device cuda only, no 1-worker run, 512MB shards)
 #   CONVERT_PROFILE --src DIR ARGS...  (convert_profile.py, --device cuda, 512MB shards)
 #   has STEP                         (whether $STEPS names STEP, as a whole word: "moetests" is not "tests")
+#   sparse_runs                      (sparse_checkpoint.py on 16 cores, 20 s with the CPU path, then --device cuda)
 #   pack TAG                         (everything in $OUT into one archive $OUT/TAG_<steps>.tgz: the device
 #                                     returns at most 8 files per call)
 mkdir -p "$OUT"
@@ -23,4 +24,11 @@ import convert_throughput as ct; ct.build_checkpoint(Path(sys.argv[1]), int(sys.
 CONVERT_THROUGHPUT=(python benchmarks/convert_throughput.py --devices cuda --no-single --max-shard-size 512MB)
 CONVERT_PROFILE=(python benchmarks/convert_profile.py --device cuda --max-shard-size 512MB)
 has() { [[ " $STEPS " == *" $1 "* ]]; }
+sparse_runs() {
+  for d in cpu cuda; do
+    step sparse_16c_$d 150 taskset -c 0-15 python benchmarks/sparse_checkpoint.py --seconds 20 --device $d \
+      --out "$OUT/sparse_16c_$d.json"
+  done
+  tail -n 4 "$OUT"/sparse_16c_*.log
+}
 pack() { tar czf "/tmp/$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/$1.tgz" "$OUT/$1_${STEPS// /_}.tgz"; }

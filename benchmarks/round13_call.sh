@@ -57,10 +57,6 @@ if has durable; then
   grep -h "convert\|copy\|GB checkpoint" "$OUT"/durable_16c_8.log | grep -v "^{" | cut -c1-240
 fi
 if has sparse; then
-  for d in cpu cuda; do
-    step sparse_16c_$d 150 taskset -c 0-15 python benchmarks/sparse_checkpoint.py --seconds 20 --device $d \
-      --out "$OUT/sparse_16c_$d.json"
-  done
-  tail -n 4 "$OUT"/sparse_16c_*.log
+  sparse_runs
 fi
 pack r13

@@ -86,10 +86,6 @@ if has profile2; then
   done
 fi
 if has sparse; then
-  for d in cpu cuda; do
-    step sparse_16c_$d 150 taskset -c 0-15 python benchmarks/sparse_checkpoint.py --seconds 20 --device $d \
-      --out "$OUT/sparse_16c_$d.json"
-  done
-  tail -n 4 "$OUT"/sparse_16c_*.log
+  sparse_runs
 fi
 pack r15

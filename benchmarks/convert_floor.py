@@ -104,7 +104,8 @@ def gpu_floor(threads: int, parts: int = 8, tmp: str = str(ROOT / "benchmarks"))
     slots = [make() for _ in range(threads)]
 
     import tempfile
-    from porter.safetensors_io import CHUNK_HASHES, DEFAULT_DIGEST, pwrite_all
+    from porter.digest import CHUNK_HASHES, DEFAULT_DIGEST
+    from porter.safetensors_io import pwrite_all
     chunk_hash = CHUNK_HASHES[DEFAULT_DIGEST]
     spill = tempfile.TemporaryDirectory(dir=tmp)
     q_bytes = shape[0] * shape[1]

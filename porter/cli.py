@@ -12,12 +12,12 @@ import traceback
 
 import click
 
+from porter.digest import CHUNK_HASHES, DEFAULT_DIGEST
 from porter.errors import EXIT_INTERNAL, PorterError
 
 log = logging.getLogger("porter")
 
 EXIT_INTERRUPTED = 130
-DIGESTS = ("xxh3-128", "sha256")  # porter.safetensors_io.CHUNK_HASHES (not imported here: it imports torch)
 
 
 def _setup_logging(verbose: int, quiet: bool) -> None:
@@ -93,7 +93,7 @@ def main(ctx, verbose, quiet):
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where to quantize: auto uses a CUDA GPU when there is one (and says so). Output is "
                    "byte-identical either way.")
-@click.option("--digest", type=click.Choice(DIGESTS), default=DIGESTS[0], show_default=True,
+@click.option("--digest", type=click.Choice(list(CHUNK_HASHES)), default=DEFAULT_DIGEST, show_default=True,
               help="Chunk hash of the shard digests in porter.json: xxh3-128 (fast checksum, like rsync's) or "
                    "sha256 (for a manifest that is signed or published apart from the shards).")
 @click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bar.")

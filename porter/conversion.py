@@ -27,8 +27,8 @@ from porter import manifest, mxfp8, pipeline
 from porter.errors import PorterError
 from porter.layout import OutTensor, scale_name
 from porter.pipeline import fault_point
-from porter.safetensors_io import (CHUNK_HASHES, DEFAULT_DIGEST, Entry, MalformedSafetensors, atomic_write_text,
-                                   digest_rule, file_digests)
+from porter.digest import CHUNK_HASHES, DEFAULT_DIGEST
+from porter.safetensors_io import Entry, MalformedSafetensors, atomic_write_text, digest_rule, file_digests
 from porter.source import INDEX_NAME, Source, open_source
 from porter.version import __version__
 
@@ -65,7 +65,7 @@ class Plan:
     shards: list  # [(file name, [Entry, ...])]
     options: dict
     shard_of: dict = field(default_factory=dict)  # entry name -> file name
-    digest: str = DEFAULT_DIGEST  # the chunk hash of the digest rule (safetensors_io.CHUNK_HASHES)
+    digest: str = DEFAULT_DIGEST  # the chunk hash of the digest rule (porter.digest.CHUNK_HASHES)
 
     @property
     def output_bytes(self) -> int:

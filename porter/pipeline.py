@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import torch
 
 from porter import mxfp8
+from porter.digest import CHUNK_HASHES, DEFAULT_DIGEST
 from porter.errors import PorterError
 from porter.layout import OutTensor, scale_name
 from porter import safetensors_io
@@ -413,9 +414,9 @@ class TensorDigest:
     16 MiB chunk then took a 16 MiB pread back)."""
 
     def __init__(self, fd: int, path: Path, start: int, length: int, chunk_bytes: int,
-                 on_done: Callable[[str], None], chunk_hash: str = safetensors_io.DEFAULT_DIGEST):
+                 on_done: Callable[[str], None], chunk_hash: str = DEFAULT_DIGEST):
         self.fd, self.path, self.start, self.chunk, self.on_done = fd, path, start, chunk_bytes, on_done
-        self.new_hash = safetensors_io.CHUNK_HASHES[chunk_hash]
+        self.new_hash = CHUNK_HASHES[chunk_hash]
         self.spans = chunk_spans(length, chunk_bytes)
         self.left = [n for _, n in self.spans]  # bytes of each chunk not written yet
         self.fed = [0] * len(self.spans)  # bytes from each chunk's start in its running hash

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import xxhash
 
+from porter.digest import CHUNK_HASH_DOC, CHUNK_HASHES, DEFAULT_DIGEST
 from porter.errors import PorterError
 
 DTYPE_NAMES = {  # torch dtype -> safetensors header dtype
@@ -227,20 +227,11 @@ def atomic_write_text(path: Path, text: str, before_rename=None) -> None:
 
 DIGEST_CHUNK_BYTES = 16 << 20  # what porter writes; a reader follows the chunk_bytes a manifest records
 
-# name (as `porter convert --digest` takes it) -> the chunk hash. The tensor and shard roots are sha256 for
-# both: they hash a few digests, not data. xxh3-128 is the default: ~6x sha256's rate on one core (9.1 vs
-# 1.4 GB/s on a 2-core EPYC), the checksum rsync uses for files since 3.2; sha256 is for a manifest that is
-# signed or published apart from the shards (a collision can be built for xxh3, not for sha256).
-CHUNK_HASHES = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}
-DEFAULT_DIGEST = "xxh3-128"
-_CHUNK_HASH_DOC = {"xxh3-128": "16-byte XXH3-128 (seed 0, canonical big-endian) digests",
-                   "sha256": "32-byte sha256 digests"}
-
 
 def digest_rule(chunk_hash: str = DEFAULT_DIGEST) -> dict:
     """The digest rule, as porter.json records it."""
     return {"algorithm": f"{chunk_hash}-chunked", "chunk_bytes": DIGEST_CHUNK_BYTES,
-            "tensor": f"sha256 of the concatenated {_CHUNK_HASH_DOC[chunk_hash]} of its data bytes' chunks "
+            "tensor": f"sha256 of the concatenated {CHUNK_HASH_DOC[chunk_hash]} of its data bytes' chunks "
                       "[i*chunk_bytes, (i+1)*chunk_bytes), the last one shorter; a 0-byte tensor has no chunks",
             "shard": "sha256 of the 32-byte sha256 of its header bytes [0, 8 + header length) followed by each "
                      "tensor's 32-byte digest in the order the header lists them"}

@@ -10,7 +10,8 @@ import threading
 import pytest
 
 from porter import pipeline
-from porter.safetensors_io import CHUNK_HASHES, chunk_spans, tensor_digest
+from porter.digest import CHUNK_HASHES
+from porter.safetensors_io import chunk_spans, tensor_digest
 from tensor_checks import chunk_hash
 
 CHUNK = 1 << 12  # 4 KiB chunks: many chunks, pieces of every alignment

@@ -217,6 +217,8 @@ def main():
     ap.add_argument("--tmp", default=str(ROOT / "benchmarks"))
     ap.add_argument("--out", default=None)
     ap.add_argument("--src", default=None, help="an existing checkpoint folder instead of building one")
+    ap.add_argument("--cold", action="store_true", help="empty the page cache of the source first (from disk; "
+                    "convert_throughput.evict) instead of warming it")
     ap.add_argument("--sample", action="store_true", help="also sample the workers' stacks every 2 ms")
     ap.add_argument("--max-shard-size", default="5GB", help="porter convert --max-shard-size (output shards)")
     ap.add_argument("--digest", default=None, help="porter convert --digest (the chunk hash; default: porter's)")
@@ -229,7 +231,10 @@ def main():
         src = Path(args.src) if args.src else ct.build_checkpoint(Path(tmp) / "src", max(2, round(args.gb * 0.85)),
                                                                  args.experts)
         gb = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
-        ct.warm(src)
+        if args.cold:
+            ct.evict(src)
+        else:
+            ct.warm(src)
         cuda_init = quantizer_init = quantizer = None
         if args.device == "cuda":  # the CUDA context is made before the clock starts (its cost printed apart)
             import torch

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# H200 calls (round 16): conversion from disk against copies whose writes reach the disk too, the disk's own
+# durable write rate (the floor under --device cuda once the page cache stops absorbing the output), and the
+# 2-core warm ratio over more repeats. STEPS picks what one call runs (logs to $OUT):
+#   diskw     benchmarks/disk_write_rate.py: 24 GB by 8 threads into this machine's disk, per-2 s rates and durable
+#   cold16    16 cores, 3.16 GB from disk (page cache dropped before each run), CPU + cuda, two repeats, against
+#             the safetensors copy, shutil.copyfile and shutil.copyfile + fsync of every output
+#   coldprof  16 cores, 3.16 GB from disk: convert_profile.py --cold (where the time goes), CPU and cuda
+#   conv2     2 cores (taskset -c 0,1), 1.92 GB warm, CPU + cuda, five repeats, against the safetensors copy
+#             and shutil.copyfile
+# The H200 image has no xxhash: the call carries its wheel in .whl (see benchmarks/results/convert_round15.md).
+#   OUT=/tmp/out STEPS="diskw cold16 coldprof conv2" bash benchmarks/round16_call.sh
+set -u
+OUT=${OUT:-/tmp/r16}
+STEPS=${STEPS:-conv2}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "could not install the carried wheels"; exit 1; }
+source "$(dirname "$0")/gpu_steps.sh"
+export PYTHONPATH=$PWD:/tmp/site
+nproc >> "$OUT/gpu.txt"; df -h "$PWD" >> "$OUT/gpu.txt"; cat /proc/sys/vm/dirty_ratio /proc/sys/vm/dirty_background_ratio >> "$OUT/gpu.txt"
+if has diskw; then
+  step diskw 200 python benchmarks/disk_write_rate.py --dir "$PWD/benchmarks" --gb 24 --threads 8 --out "$OUT/diskw.json"
+  cat "$OUT/diskw.log"
+fi
+if has cold16; then
+  step cold16 300 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --cache cold --repeats 2 \
+    --copies copy-safetensors,copy-files,copy-files+fsync --sizes 4 --out "$OUT/cold16.json"
+  grep -h "cold convert\|cold copy\|GB (" "$OUT/cold16.log" | cut -c1-230
+fi
+if has coldprof; then
+  step build_3 120 "${BUILD_CHECKPOINT[@]}" "$PWD/benchmarks/r16src3" 3
+  for d in cpu cuda; do
+    step coldprof_$d 120 taskset -c 0-15 python benchmarks/convert_profile.py --device $d --max-shard-size 512MB \
+      --src "$PWD/benchmarks/r16src3" --cold --tmp "$PWD/benchmarks" --out "$OUT/coldprof_$d.json"
+    grep -E "GB,|wall|journal|core-s" "$OUT/coldprof_$d.log" | cut -c1-200 | head -16
+  done
+  rm -rf "$PWD/benchmarks/r16src3"
+fi
+if has conv2; then
+  step conv2 400 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --copies copy-safetensors,copy-files \
+    --sizes 2 --repeats 5 --out "$OUT/conv2.json"
+  grep -h "warm convert\|warm copy\|GB (" "$OUT/conv2.log" | cut -c1-160
+fi
+pack r16

@@ -6,6 +6,8 @@
 #   cold16    16 cores, 3.16 GB from disk (page cache dropped before each run), CPU + cuda, two repeats, against
 #             the safetensors copy, shutil.copyfile and shutil.copyfile + fsync of every output
 #   coldprof  16 cores, 3.16 GB from disk: convert_profile.py --cold (where the time goes), CPU and cuda
+#   sparseshm the release structure (sparse_checkpoint.py, 16 cores) with the checkpoint and its output in /dev/shm,
+#             8 s each, CPU then cuda: the pipeline's own rate with no disk under the writes
 #   conv2     2 cores (taskset -c 0,1), 1.92 GB warm, CPU + cuda, five repeats, against the safetensors copy
 #             and shutil.copyfile
 # The H200 image has no xxhash: the call carries its wheel in .whl (see benchmarks/results/convert_round15.md).
@@ -35,6 +37,14 @@ if has coldprof; then
     grep -E "GB,|wall|journal|core-s" "$OUT/coldprof_$d.log" | cut -c1-200 | head -16
   done
   rm -rf "$PWD/benchmarks/r16src3"
+fi
+if has sparseshm; then
+  df -h /dev/shm | tee -a "$OUT/gpu.txt"
+  for d in cpu cuda; do
+    step sparseshm_16c_$d 150 taskset -c 0-15 python benchmarks/sparse_checkpoint.py --seconds 8 --device $d \
+      --tmp /dev/shm --out "$OUT/sparseshm_16c_$d.json"
+  done
+  tail -n 2 "$OUT"/sparseshm_16c_*.log
 fi
 if has conv2; then
   step conv2 400 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --copies copy-safetensors,copy-files \

@@ -10,6 +10,10 @@
 #             8 s each, CPU then cuda: the pipeline's own rate with no disk under the writes
 #   conv2     2 cores (taskset -c 0,1), 1.92 GB warm, CPU + cuda, five repeats, against the safetensors copy
 #             and shutil.copyfile
+#   warmup    the CUDA init thread also quantizing one block per source dtype (kernels loaded before the workers'
+#             first parts) against PORTER_CUDA_WARMUP=0: --device cuda, 2 cores warm (1.92 GB, five repeats) and
+#             16 cores from disk (3.16 GB, two repeats), then convert_profile.py --cold --device cuda with it on
+#   gputests  the GPU tests of conversion and verify (--device cuda bit-identical to the CPU over every shard)
 # The H200 image has no xxhash: the call carries its wheel in .whl (see benchmarks/results/convert_round15.md).
 #   OUT=/tmp/out STEPS="diskw cold16 coldprof conv2" bash benchmarks/round16_call.sh
 set -u
@@ -50,5 +54,22 @@ if has conv2; then
   step conv2 400 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --copies copy-safetensors,copy-files \
     --sizes 2 --repeats 5 --out "$OUT/conv2.json"
   grep -h "warm convert\|warm copy\|GB (" "$OUT/conv2.log" | cut -c1-160
+fi
+if has warmup; then
+  step warmup2 300 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --variants "nowarm:PORTER_CUDA_WARMUP=0" \
+    --copies copy-safetensors --sizes 2 --repeats 5 --out "$OUT/warmup2.json"
+  grep -h "warm convert\|warm copy\|GB (" "$OUT/warmup2.log" | cut -c1-130
+  step warmupcold 300 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --variants "nowarm:PORTER_CUDA_WARMUP=0" --cache cold \
+    --copies copy-safetensors,copy-files+fsync --sizes 4 --repeats 2 --out "$OUT/warmupcold.json"
+  grep -h "cold convert\|cold copy\|GB (" "$OUT/warmupcold.log" | cut -c1-130
+  step build_3w 120 "${BUILD_CHECKPOINT[@]}" "$PWD/benchmarks/r16src3w" 3
+  step coldprof_warmup 120 taskset -c 0-15 python benchmarks/convert_profile.py --device cuda --max-shard-size 512MB \
+    --src "$PWD/benchmarks/r16src3w" --cold --tmp "$PWD/benchmarks" --out "$OUT/coldprof_warmup.json"
+  grep -E "GB,|wall|units|core-s" "$OUT/coldprof_warmup.log" | cut -c1-200 | head -12
+  rm -rf "$PWD/benchmarks/r16src3w"
+fi
+if has gputests; then
+  step gputests 300 python -m pytest -q -m gpu tests/test_convert.py tests/test_verify_gpu.py -p no:cacheprovider
+  tail -n 3 "$OUT/gputests.log"
 fi
 pack r16

@@ -282,12 +282,6 @@ def writeback_mode() -> str:
     return _env_switch("PORTER_WRITEBACK", WRITEBACK, ("thread", "inline", "off").__contains__)
 
 
-def cuda_warm_up() -> bool:
-    """Whether the GPU path's CUDA init thread also runs the quantizer once (Pipeline._init_cuda_async);
-    PORTER_CUDA_WARMUP=0 turns it off (benchmarks' A/B)."""
-    return _env_switch("PORTER_CUDA_WARMUP", "1", lambda v: v == "0") != "0"
-
-
 def slab_prefault() -> bool:
     """Whether the GPU path prefaults its slabs and makes the CUDA context early (Pipeline._new_slab);
     PORTER_SLAB_PREFAULT=0 turns both off."""
@@ -712,19 +706,11 @@ class Pipeline:
 
     def _init_cuda_async(self) -> None:
         """Make the CUDA context on a background thread while the workers start reading (~0.3 s on the H200
-        machine); their first CUDA call waits for it. An error here is left to that call to raise. Then, with
-        cuda_warm_up(), quantize one block of each source dtype on the GPU: CUDA loads a kernel's module at
-        its first launch, under a lock its other threads wait on, so otherwise the workers' first parts
-        load the quantizer's kernels between them."""
-        dtypes = sorted({t.dtype for t in self.plan.tensors if t.quantize}, key=str) if cuda_warm_up() else []
-
+        machine); their first CUDA call waits for it. An error here is left to that call to raise."""
         def init():
             try:
                 torch.empty(1, device=self.device)
-                if self._fused() is None:
-                    for dtype in dtypes:
-                        mxfp8.quantize_with_error(torch.ones(1, mxfp8.BLOCK, dtype=dtype, device=self.device),
-                                                  self.rounding, "warm-up")
+                self._fused()
             except Exception:  # noqa: BLE001 — the workers' own CUDA calls raise it where it is handled
                 pass
         self.cuda_init = threading.Thread(target=init, name="porter-cuda-init", daemon=True)

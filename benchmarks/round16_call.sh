@@ -13,6 +13,7 @@
 #   warmup    the CUDA init thread also quantizing one block per source dtype (kernels loaded before the workers'
 #             first parts) against PORTER_CUDA_WARMUP=0: --device cuda, 2 cores warm (1.92 GB, five repeats) and
 #             16 cores from disk (3.16 GB, two repeats), then convert_profile.py --cold --device cuda with it on
+#             (measured in call 3, no difference, taken out again: the switch exists only at commit 92a033e)
 #   gputests  the GPU tests of conversion and verify (--device cuda bit-identical to the CPU over every shard)
 # The H200 image has no xxhash: the call carries its wheel in .whl (see benchmarks/results/convert_round15.md).
 #   OUT=/tmp/out STEPS="diskw cold16 coldprof conv2" bash benchmarks/round16_call.sh

@@ -1,4 +1,4 @@
-"""What e4m3 activations cost a MiniMax-M3 MoE expert, in exact CPU arithmetic at the real dims (H 6144,
+"""What e4m3 activations cost a MiniMax-M3 MoE expert, in fp32 on the CPU at the real dims (H 6144,
 I 3072): why the Triton backend's FP8 prefill quantizes activations to two e4m3 terms (FP8_TERMS = 2).
 
 The expert runs in fp32 on MXFP8 weights (porter.mxfp8), with the activations entering GEMM1 (the hidden

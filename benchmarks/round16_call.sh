@@ -15,6 +15,8 @@
 #             16 cores from disk (3.16 GB, two repeats), then convert_profile.py --cold --device cuda with it on
 #             (measured in call 3, no difference, taken out again: the switch exists only at commit 92a033e)
 #   gputests  the GPU tests of conversion and verify (--device cuda bit-identical to the CPU over every shard)
+#   estcuda   with CUDA_CONTEXT_BYTES at the measured 400 MiB (benchmarks/cuda_context_rss.py): --device cuda on 16
+#             cores, 2 GB warm and the release structure (sparse, 10 s): --dry-run's estimate against the peak
 # The H200 image has no xxhash: the call carries its wheel in .whl (see benchmarks/results/convert_round15.md).
 #   OUT=/tmp/out STEPS="diskw cold16 coldprof conv2" bash benchmarks/round16_call.sh
 set -u
@@ -72,5 +74,12 @@ fi
 if has gputests; then
   step gputests 300 python -m pytest -q -m gpu tests/test_convert.py tests/test_verify_gpu.py -p no:cacheprovider
   tail -n 3 "$OUT/gputests.log"
+fi
+if has estcuda; then
+  step estcuda 200 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --copies copy-safetensors --sizes 2,8 --out "$OUT/estcuda.json"
+  grep -h "warm convert\|GB (" "$OUT/estcuda.log" | cut -c1-250
+  step sparse_est_cuda 150 taskset -c 0-15 python benchmarks/sparse_checkpoint.py --seconds 10 --device cuda \
+    --out "$OUT/sparse_est_cuda.json"
+  tail -n 1 "$OUT/sparse_est_cuda.log"
 fi
 pack r16

@@ -60,7 +60,12 @@ SHARDS_IN_FLIGHT = 4  # PORTER_SHARDS_IN_FLIGHT overrides it (benchmarks' A/B): 
 # then writes everything; CPU 1.71 / 1.66 / 2.39 s; 8.1 GB, cuda: 3.18 -> 3.13 s). A threaded copy of the same
 # bytes with fsync: 5.19 GB/s thread, 3.74 inline (benchmarks/convert_floor.py). PORTER_WRITEBACK overrides it.
 WRITEBACK = "thread"
-CUDA_CONTEXT_BYTES = 600 << 20  # host memory of a CUDA context and its libraries
+# Host memory the GPU path adds: the CUDA context, its libraries and the kernels a conversion loads. Measured on
+# the H200 machine (torch 2.11.0+cu130): VmHWM +401 MB after the context and porter.mxfp8's GPU quantizer on 4
+# streams (benchmarks/cuda_context_rss.py, benchmarks/results/convert_round16_call4_cuda_context_rss.log). With
+# 600 MiB, --dry-run's estimate was 1.31-1.56x the measured peak over the 63 GPU conversions recorded in rounds
+# 15-16 (benchmarks/results/convert_round1[56]_*.json); 200 MiB less puts those runs at 1.14-1.49x.
+CUDA_CONTEXT_BYTES = 400 << 20
 
 
 class ProduceError(PorterError):

@@ -17,6 +17,8 @@
 #   gputests  the GPU tests of conversion and verify (--device cuda bit-identical to the CPU over every shard)
 #   estcuda   with CUDA_CONTEXT_BYTES at the measured 400 MiB (benchmarks/cuda_context_rss.py): --device cuda on 16
 #             cores, 2 GB warm and the release structure (sparse, 10 s): --dry-run's estimate against the peak
+#   lanes     the C quantizer with grouped (transposed) reductions: quantize_native_lanes.py on 2 threads (8 and 16
+#             lanes, GB/s per core), then the CPU quantizer tests on this AVX-512 CPU
 # The H200 image has no xxhash: the call carries its wheel in .whl (see benchmarks/results/convert_round15.md).
 #   OUT=/tmp/out STEPS="diskw cold16 coldprof conv2" bash benchmarks/round16_call.sh
 set -u
@@ -81,5 +83,11 @@ if has estcuda; then
   step sparse_est_cuda 150 taskset -c 0-15 python benchmarks/sparse_checkpoint.py --seconds 10 --device cuda \
     --out "$OUT/sparse_est_cuda.json"
   tail -n 1 "$OUT/sparse_est_cuda.log"
+fi
+if has lanes; then
+  grep -o -m1 "avx512f" /proc/cpuinfo >> "$OUT/gpu.txt"
+  step lanes2 120 taskset -c 0,1 python benchmarks/quantize_native_lanes.py --threads 2 --out "$OUT/lanes2.json"
+  step cputests 200 python -m pytest -q tests/test_mxfp8_native.py tests/test_mxfp8.py -p no:cacheprovider
+  cat "$OUT/lanes2.log"; tail -n 2 "$OUT/cputests.log"
 fi
 pack r16

@@ -19,6 +19,7 @@
 #             cores, 2 GB warm and the release structure (sparse, 10 s): --dry-run's estimate against the peak
 #   lanes     the C quantizer with grouped (transposed) reductions: quantize_native_lanes.py on 2 threads (8 and 16
 #             lanes, GB/s per core), then the CPU quantizer tests on this AVX-512 CPU
+#   conv16    16 cores, 8 GB warm, CPU + cuda, one repeat, against the safetensors copy (after the quantizer change)
 # The H200 image has no xxhash: the call carries its wheel in .whl (see benchmarks/results/convert_round15.md).
 #   OUT=/tmp/out STEPS="diskw cold16 coldprof conv2" bash benchmarks/round16_call.sh
 set -u
@@ -89,5 +90,10 @@ if has lanes; then
   step lanes2 120 taskset -c 0,1 python benchmarks/quantize_native_lanes.py --threads 2 --out "$OUT/lanes2.json"
   step cputests 200 python -m pytest -q tests/test_mxfp8_native.py tests/test_mxfp8.py -p no:cacheprovider
   cat "$OUT/lanes2.log"; tail -n 2 "$OUT/cputests.log"
+fi
+if has conv16; then
+  step conv16 140 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --copies copy-safetensors --sizes 8 \
+    --out "$OUT/conv16.json"
+  grep -h "warm convert\|warm copy\|GB (" "$OUT/conv16.log" | cut -c1-200
 fi
 pack r16

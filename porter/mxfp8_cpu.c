@@ -14,7 +14,8 @@
  * benchmark benchmarks/quantize_native_lanes.py times both). Branch-free within a block; the one branch per block picks the slower
  * rounding only where some value can land among e4m3's subnormals. Blocks go LANES at a time (quantize_group):
  * their amax, amin and three statistics each come out of one transposed reduction over the LANES blocks instead
- * of one tree per block (the same pairs, so the same bits; on one AVX2 core 2.22 vs 1.62 GB/s of bf16). Built without -ffast-math and with
+ * of one tree per block (the same pairs, so the same bits; on one AVX2 core 2.22 vs 1.62 GB/s of bf16); the
+ * last nb % LANES blocks go through it too, padded with all-zero blocks. Built without -ffast-math and with
  * -ffp-contract=off: every float operation stays one IEEE operation (no fused multiply-add in the sums),
  * subnormals included.
  *
@@ -44,12 +45,7 @@ typedef uint16_t u16v __attribute__((vector_size(2 * LANES)));
 typedef uint8_t u8v_word __attribute__((vector_size(4 * LANES)));
 typedef uint8_t u8v_code __attribute__((vector_size(LANES)));
 
-/* FROM_k_ON(v): lane j + k of v in lane j (for the lanes a reduction tree still reads) */
 #if LANES == 16
-#define FROM_8_ON(v) __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)
-#define FROM_4_ON(v) __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
-#define FROM_2_ON(v) __builtin_shufflevector(v, v, 2, 3, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
-#define FROM_1_ON(v) __builtin_shufflevector(v, v, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define LOW_BYTES(v) __builtin_shufflevector(v, v, 0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60)
 #define SPLAT(v) {v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}
 /* PAIR_k_LO / _HI (a, b): of each k-lane group of a, then of b, its first / last k/2 lanes (the transposed
@@ -63,9 +59,6 @@ typedef uint8_t u8v_code __attribute__((vector_size(LANES)));
 #define PAIR_2_LO(a, b) __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
 #define PAIR_2_HI(a, b) __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31)
 #elif LANES == 8
-#define FROM_4_ON(v) __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7)
-#define FROM_2_ON(v) __builtin_shufflevector(v, v, 2, 3, 2, 3, 4, 5, 6, 7)
-#define FROM_1_ON(v) __builtin_shufflevector(v, v, 1, 1, 2, 3, 4, 5, 6, 7)
 #define LOW_BYTES(v) __builtin_shufflevector(v, v, 0, 4, 8, 12, 16, 20, 24, 28)
 #define SPLAT(v) {v, v, v, v, v, v, v, v}
 #define PAIR_8_LO(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11)
@@ -84,34 +77,11 @@ static inline i32v select(i32v mask, i32v a, i32v b) { return (mask & a) | (~mas
 static inline i32v smax(i32v a, i32v b) { return select(a > b, a, b); }
 static inline i32v smin(i32v a, i32v b) { return select(a < b, a, b); }
 static inline i32v splat(int32_t v) { return (i32v)SPLAT(v); }
-/* Lane 0 of a pairwise tree over the lanes: lane j with lane j + 8 (16 lanes), then j + 4, j + 2, j + 1. */
-static inline float tree_sum(f32v v) {
-#if LANES == 16
-    v += FROM_8_ON(v);
-#endif
-    v += FROM_4_ON(v);
-    v += FROM_2_ON(v);
-    v += FROM_1_ON(v);
-    return v[0];
-}
-/* The same tree with max (is_max) or min; is_max is a constant after inlining. */
-static inline int32_t tree_extreme(i32v v, int is_max) {
-#if LANES == 16
-    v = is_max ? smax(v, FROM_8_ON(v)) : smin(v, FROM_8_ON(v));
-#endif
-    v = is_max ? smax(v, FROM_4_ON(v)) : smin(v, FROM_4_ON(v));
-    v = is_max ? smax(v, FROM_2_ON(v)) : smin(v, FROM_2_ON(v));
-    v = is_max ? smax(v, FROM_1_ON(v)) : smin(v, FROM_1_ON(v));
-    return v[0];
-}
-static inline int32_t tree_max(i32v v) { return tree_extreme(v, 1); }
-static inline int32_t tree_min(i32v v) { return tree_extreme(v, 0); }
-
 /* Transposed reductions of LANES blocks at once: v[b] holds block b's lanes; lane b of the result is block b's
- * sum (max, min), with the same pairs as tree_sum (lane j with j + LANES/2, then j + LANES/4, ...), so each sum
- * is bit-identical to tree_sum's. One level pairs vectors 2i and 2i + 1: each k-lane group of both is halved
- * and its halves combined. LANES - 1 combines of two shuffles for LANES blocks, instead of LANES trees of
- * log2(LANES) shuffles each. v is overwritten. */
+ * sum (max, min) over its lanes, taken pairwise: lane j with j + LANES/2, then with j + LANES/4, ..., a fixed
+ * order (torch's follows its SIMD width). One level pairs vectors 2i and 2i + 1: each k-lane group of both is
+ * halved and its halves combined. LANES - 1 combines of two shuffles for LANES blocks, where a tree per block
+ * takes log2(LANES) shuffles for each. v is overwritten. */
 #define REDUCE_LEVEL(v, n, k, COMBINE) \
     for (int i = 0; i < (n) / 2; i++) v[i] = COMBINE(PAIR_##k##_LO(v[2 * i], v[2 * i + 1]), \
                                                       PAIR_##k##_HI(v[2 * i], v[2 * i + 1]))
@@ -219,29 +189,9 @@ static inline void load_block(const void *w, int is_bf16, int64_t b, i32v x[CHUN
     }
 }
 
-/* One block of 32 values as fp32 bits -> 32 codes, the scale byte and (stats3 != 0) ||w||^2, ||x - q||^2 and
- * max |x - q| of the block, each reduced by one tree (a fixed order; torch's follows its SIMD width). Returns 1
- * for a block holding a NaN or an infinity. The blocks after the last whole group (quantize_group). */
-static inline int quantize_block(const i32v x[CHUNKS], int floor, uint8_t *q, uint8_t *scale, float *stats3) {
-    i32v hi, lo;
-    block_extremes(x, &hi, &lo);
-    int32_t amax_bits = tree_max(hi);
-    if (amax_bits >= 0x7F800000) return 1;
-    f32v ref = {0}, err = {0};
-    i32v dmax = {0};
-    block_scaled(x, amax_bits, tree_min(lo), floor, q, scale, &ref, &err, &dmax);
-    if (stats3) {
-        stats3[0] = tree_sum(ref);
-        stats3[1] = tree_sum(err);
-        int32_t m = tree_max(dmax);
-        memcpy(&stats3[2], &m, 4);
-    }
-    return 0;
-}
-
-/* LANES blocks from block b0 on, the same as quantize_block on each (the same bytes and, through the transposed
- * reductions, bit-identical statistics) with their extremes and statistics reduced for all of them at once.
- * Returns the number of blocks holding a NaN or an infinity (nothing of those is written). */
+/* LANES blocks from block b0 on -> their codes, scale bytes and (stats != 0) per block ||w||^2, ||x - q||^2 and
+ * max |x - q|, with their extremes and statistics reduced for all of them at once. Returns the number of blocks
+ * holding a NaN or an infinity (nothing of those is written). */
 static inline int64_t quantize_group(const void *w, int is_bf16, int64_t b0, int floor, uint8_t *q,
                                      uint8_t *scale, float *stats) {
     i32v x[LANES][CHUNKS], hi[LANES], lo[LANES];
@@ -287,10 +237,16 @@ int64_t porter_mxfp8_quantize(const void *w, int is_bf16, int64_t nb, int floor_
     int64_t bad = 0, b = 0;
     for (; b + LANES <= nb; b += LANES)
         bad += quantize_group(w, is_bf16, b, floor_rounding, q, scale, stats);
-    i32v x[CHUNKS];
-    for (; b < nb; b++) {
-        load_block(w, is_bf16, b, x);
-        bad += quantize_block(x, floor_rounding, q + b * BLOCK, scale + b, stats ? stats + 3 * b : 0);
+    int64_t rest = nb - b;
+    if (rest) {  /* the last blocks, padded with all-zero blocks to a whole group in local buffers */
+        size_t elem = is_bf16 ? 2 : 4;
+        uint8_t w_pad[LANES * BLOCK * 4] = {0}, q_pad[LANES * BLOCK] = {0}, scale_pad[LANES] = {0};
+        float stats_pad[3 * LANES] = {0};
+        memcpy(w_pad, (const uint8_t *)w + b * BLOCK * elem, rest * BLOCK * elem);
+        bad += quantize_group(w_pad, is_bf16, 0, floor_rounding, q_pad, scale_pad, stats ? stats_pad : 0);
+        memcpy(q + b * BLOCK, q_pad, rest * BLOCK);
+        memcpy(scale + b, scale_pad, rest);
+        if (stats) memcpy(stats + 3 * b, stats_pad, 3 * rest * sizeof(float));
     }
     return bad;
 }

@@ -21,12 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def status() -> dict:
-    out = {}
-    for line in open("/proc/self/status"):
-        k, _, v = line.partition(":")
-        if k in ("RssAnon", "RssFile", "VmHWM"):
-            out[k] = int(v.split()[0]) * 1024
-    return out
+    from porter.pipeline import memory_status
+    return {k: v for k, v in memory_status().items() if k in ("RssAnon", "RssFile", "VmHWM")}
 
 
 def main():

@@ -1,9 +1,8 @@
 """How fast this machine's disk takes writes once the page cache stops absorbing them: the floor under any
 conversion whose output is larger than the dirty-page limit (the real checkpoint's ~430 GB of shards).
 
-N threads pwrite --gb of bytes into 512 MB files in a fresh folder (pieces of 16 MiB, each file's writeback
-started by one background thread with sync_file_range, as porter.pipeline's Writeback does), then fsync every
-file. Prints the rate per --window seconds as the writes land in the page cache (the first windows run at
+N threads pwrite --gb of bytes into 512 MB files in a fresh folder (pieces of 16 MiB, each piece's writeback
+started by porter.pipeline.Writeback, the background thread a conversion uses), then fsync every file. Prints the rate per --window seconds as the writes land in the page cache (the first windows run at
 memory speed until the kernel's dirty limit throttles the writers; after that the rate is the disk's), the
 rate over the second half, and the whole rate to durable. The files are deleted at the end.
 
@@ -42,37 +41,34 @@ def main():
                     "conversion the cap is stated for")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from porter.pipeline import start_writeback
+    from porter.pipeline import Writeback, start_writeback
     files = max(1, int(args.gb * 1e9) // FILE_BYTES)
     data = memoryview(os.urandom(PIECE))  # incompressible, written again and again
     written = [0]
     lock = threading.Lock()
-    flush: queue.SimpleQueue = queue.SimpleQueue()
-
-    def flusher():
-        while (item := flush.get()) is not None:
-            start_writeback(*item)
-
+    flusher = Writeback()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         fds = [os.open(Path(tmp) / f"f{i:04d}", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644) for i in range(files)]
+        dups = [flusher.open(fd) for fd in fds]  # Writeback's own descriptors (None past its MAX_FDS: inline)
         jobs: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(files):
             for off in range(0, FILE_BYTES, PIECE):
-                jobs.put((fds[i], off))
+                jobs.put((i, off))
 
         def worker():
             while True:
                 try:
-                    fd, off = jobs.get_nowait()
+                    i, off = jobs.get_nowait()
                 except queue.Empty:
                     return
-                n = os.pwrite(fd, data, off)
-                flush.put((fd, off, n))
+                n = os.pwrite(fds[i], data, off)
+                if dups[i] is None:
+                    start_writeback(fds[i], off, n)
+                else:
+                    flusher.submit(dups[i], off, n)
                 with lock:
                     written[0] += n
 
-        fl = threading.Thread(target=flusher, daemon=True)
-        fl.start()
         threads = [threading.Thread(target=worker) for _ in range(args.threads)]
         t0 = time.perf_counter()
         for t in threads:
@@ -89,8 +85,7 @@ def main():
         for t in threads:
             t.join()
         t_written = time.perf_counter() - t0
-        flush.put(None)
-        fl.join()
+        flusher.stop()  # every range asked for, its descriptors closed
         for fd in fds:
             os.fsync(fd)
         t_durable = time.perf_counter() - t0

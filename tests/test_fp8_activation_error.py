@@ -23,10 +23,15 @@ H, I, T = 6144, 3072, 16
 BOUND = 2e-2
 
 
+def token_shift(x: torch.Tensor) -> torch.Tensor:
+    """[T, 1] m per row of x [T, K]: floor(log2 amax) - 7, so amax * 2^-m lies in [2^7, 2^8) (the kernel's rule)."""
+    amax = x.abs().amax(dim=1, keepdim=True)
+    return torch.frexp(amax)[1].to(torch.float32) - 1 - 7
+
+
 def per_token_e4m3(x: torch.Tensor, terms: int) -> torch.Tensor:
     """x [T, K] fp32 through the kernel's per-token rule, back in fp32."""
-    amax = x.abs().amax(dim=1, keepdim=True)  # [T, 1]
-    shift = torch.frexp(amax)[1].to(torch.float32) - 1 - 7  # floor(log2 amax) - 7: amax * 2^-shift in [2^7, 2^8)
+    shift = token_shift(x)  # [T, 1]
     xs = x * torch.exp2(-shift)
     hi = xs.to(torch.float8_e4m3fn).float()
     q = hi if terms == 1 else hi + (xs - hi).to(torch.float8_e4m3fn).float()
@@ -89,9 +94,7 @@ def test_the_scale_granularity_changes_only_the_subnormals(expert):
     act = swiglu_oai(*(x @ w13.T).split(I, dim=1), 1.702, 1.0, 7.0)  # [T, I]
     for a in (x, act):
         differ = per_token_e4m3(a, 1) != per_32_e4m3(a, 1)
-        amax = a.abs().amax(dim=1, keepdim=True)
-        shift = torch.frexp(amax)[1].to(torch.float32) - 1 - 7
-        subnormal = (a * torch.exp2(-shift)).abs() < 2.0 ** -6  # [T, K]
+        subnormal = (a * torch.exp2(-token_shift(a))).abs() < 2.0 ** -6  # [T, K]
         assert not (differ & ~subnormal).any()
         assert differ.sum() < 0.01 * a.numel()
     ref = run(expert, per_token_e4m3, 0, 0)

@@ -5,6 +5,11 @@
 #   CONVERT_THROUGHPUT ARGS...       (convert_throughput.py, --device cuda only, no 1-worker run, 512MB shards)
 #   CONVERT_PROFILE --src DIR ARGS...  (convert_profile.py, --device cuda, 512MB shards)
 #   has STEP                         (whether $STEPS names STEP, as a whole word: "moetests" is not "tests")
+#   carried_wheels                   (installs the wheels the call carries in .whl into /tmp/site and puts it on
+#                                     PYTHONPATH: the H200 image has no xxhash; exits when they do not install)
+#   CONVERSION_GPU_TESTS             (a command for step: the conversion and verify GPU tests, --device cuda
+#                                     bit-identical to the CPU over every shard)
+#   CPU_QUANTIZER_TESTS              (a command for step: the C quantizer's and porter.mxfp8's CPU tests)
 #   sparse_runs                      (sparse_checkpoint.py on 16 cores, 20 s with the CPU path, then --device cuda)
 #   pack TAG                         (everything in $OUT into one archive $OUT/TAG_<steps>.tgz: the device
 #                                     returns at most 8 files per call)
@@ -24,6 +29,13 @@ import convert_throughput as ct; ct.build_checkpoint(Path(sys.argv[1]), int(sys.
 CONVERT_THROUGHPUT=(python benchmarks/convert_throughput.py --devices cuda --no-single --max-shard-size 512MB)
 CONVERT_PROFILE=(python benchmarks/convert_profile.py --device cuda --max-shard-size 512MB)
 has() { [[ " $STEPS " == *" $1 "* ]]; }
+carried_wheels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "could not install the carried wheels"; exit 1; }
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+}
+CONVERSION_GPU_TESTS=(python -m pytest -q -m gpu tests/test_convert.py tests/test_verify_gpu.py -p no:cacheprovider)
+CPU_QUANTIZER_TESTS=(python -m pytest -q tests/test_mxfp8_native.py tests/test_mxfp8.py -p no:cacheprovider)
 sparse_runs() {
   for d in cpu cuda; do
     step sparse_16c_$d 150 taskset -c 0-15 python benchmarks/sparse_checkpoint.py --seconds 20 --device $d \

@@ -23,20 +23,18 @@
 set -u
 OUT=${OUT:-/tmp/r15}
 STEPS=${STEPS:-conv2}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "could not install the carried wheels"; exit 1; }
 source "$(dirname "$0")/gpu_steps.sh"
-export PYTHONPATH=$PWD:/tmp/site
+carried_wheels
 BOTH=(--variants "sha256:DIGEST=sha256" --copies copy-safetensors,copy-files)
 if has lanes; then
   grep -o -m1 "avx512f" /proc/cpuinfo >> "$OUT/gpu.txt"; lscpu | grep -i "model name" >> "$OUT/gpu.txt"
   step lanes2 120 taskset -c 0,1 python benchmarks/quantize_native_lanes.py --threads 2 --out "$OUT/lanes2.json"
   step lanes16 120 taskset -c 0-15 python benchmarks/quantize_native_lanes.py --threads 16 --out "$OUT/lanes16.json"
-  step cputests 200 python -m pytest -q tests/test_mxfp8_native.py tests/test_mxfp8.py -p no:cacheprovider
+  step cputests 200 "${CPU_QUANTIZER_TESTS[@]}"
   cat "$OUT/lanes2.log" "$OUT/lanes16.log"; tail -n 2 "$OUT/cputests.log"
 fi
 if has gputests; then
-  step gputests 300 python -m pytest -q -m gpu tests/test_convert.py tests/test_verify_gpu.py -p no:cacheprovider
+  step gputests 300 "${CONVERSION_GPU_TESTS[@]}"
   tail -n 3 "$OUT/gputests.log"
 fi
 if has conv16; then
@@ -67,7 +65,7 @@ fi
 if has tests; then
   step finaltests 400 python -m pytest -q tests/test_mxfp8_native.py tests/test_mxfp8.py tests/test_tensor_digest.py \
     -p no:cacheprovider
-  step finalgputests 300 python -m pytest -q -m gpu tests/test_convert.py tests/test_verify_gpu.py -p no:cacheprovider
+  step finalgputests 300 "${CONVERSION_GPU_TESTS[@]}"
   tail -n 2 "$OUT/finaltests.log" "$OUT/finalgputests.log"
 fi
 if has final; then

@@ -25,10 +25,8 @@
 set -u
 OUT=${OUT:-/tmp/r16}
 STEPS=${STEPS:-conv2}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "could not install the carried wheels"; exit 1; }
 source "$(dirname "$0")/gpu_steps.sh"
-export PYTHONPATH=$PWD:/tmp/site
+carried_wheels
 nproc >> "$OUT/gpu.txt"; df -h "$PWD" >> "$OUT/gpu.txt"; cat /proc/sys/vm/dirty_ratio /proc/sys/vm/dirty_background_ratio >> "$OUT/gpu.txt"
 if has diskw; then
   step diskw 200 python benchmarks/disk_write_rate.py --dir "$PWD/benchmarks" --gb 24 --threads 8 --out "$OUT/diskw.json"
@@ -75,7 +73,7 @@ if has warmup; then
   rm -rf "$PWD/benchmarks/r16src3w"
 fi
 if has gputests; then
-  step gputests 300 python -m pytest -q -m gpu tests/test_convert.py tests/test_verify_gpu.py -p no:cacheprovider
+  step gputests 300 "${CONVERSION_GPU_TESTS[@]}"
   tail -n 3 "$OUT/gputests.log"
 fi
 if has estcuda; then
@@ -88,7 +86,7 @@ fi
 if has lanes; then
   grep -o -m1 "avx512f" /proc/cpuinfo >> "$OUT/gpu.txt"
   step lanes2 120 taskset -c 0,1 python benchmarks/quantize_native_lanes.py --threads 2 --out "$OUT/lanes2.json"
-  step cputests 200 python -m pytest -q tests/test_mxfp8_native.py tests/test_mxfp8.py -p no:cacheprovider
+  step cputests 200 "${CPU_QUANTIZER_TESTS[@]}"
   cat "$OUT/lanes2.log"; tail -n 2 "$OUT/cputests.log"
 fi
 if has conv16; then

@@ -40,7 +40,7 @@ log = logging.getLogger("porter")
 SOURCE = Path(__file__).with_name("mxfp8_cpu.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off")
 FALLBACK_FLAGS = tuple(f for f in FLAGS if f != "-march=native")  # a compiler without -march=native
-_DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # the dtypes it takes -> the C function's dtype code
 _state = {"fn": None, "tried": False, "why": ""}
 _lock = threading.Lock()
 
@@ -152,7 +152,7 @@ def reason() -> str:
 
 
 def supports(w: torch.Tensor, keep_scale=None) -> bool:
-    return (keep_scale is None and w.device.type == "cpu" and w.dtype in _DTYPES and w.numel() > 0
+    return (keep_scale is None and w.device.type == "cpu" and w.dtype in DTYPES and w.numel() > 0
             and w.is_contiguous() and w.shape[-1] % BLOCK == 0 and function() is not None)
 
 
@@ -163,7 +163,7 @@ def quantize_blocks(w: torch.Tensor, rounding: str, with_error: bool):
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
     byte = torch.empty((*w.shape[:-1], w.shape[-1] // BLOCK), dtype=torch.uint8)
     stats = torch.empty(nb, 3) if with_error else None  # [NB, 3] fp32
-    bad = function()(w.data_ptr(), _DTYPES[w.dtype], nb, int(rounding == "floor"), q.data_ptr(),
+    bad = function()(w.data_ptr(), DTYPES[w.dtype], nb, int(rounding == "floor"), q.data_ptr(),
                      byte.data_ptr(), stats.data_ptr() if with_error else None)
     if bad:
         return None

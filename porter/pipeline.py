@@ -44,6 +44,21 @@ COPY_CHUNK_BYTES = 64 << 20  # verbatim tensors are copied in ranges of this siz
 QUANT_CHUNK_ELEMS = 1 << 20  # CPU quantizes this many elements per call up to 2 workers (it bounds each
 # call's arrays; porter.mxfp8 tiles them for the cache itself)
 MANY_WORKERS_QUANT_ELEMS = 1 << 22  # ... and this many, in one tile, past 2 workers (quant_sizes)
+# Working memory of one CPU quantize call per element, besides its results (q and scale bytes, counted as the
+# unit's output). mxfp8's torch path: 16 bounds its reference path (fp32 copy, decoded copy, int32 codes,
+# |error|), which its tiled path falls back to for rare inputs; the tiled path itself needs ~1 byte/element of
+# per-block arrays plus 10 of reused tile buffers (fp32 copy, fp32 squares, int16 decode). The C quantizer:
+# its [blocks, 3] fp32 statistics (0.375) and the float64 / int64 per-block arrays that sum them into the
+# error totals (~2), plus what the allocator keeps of those in the worker's arena after they are freed.
+# Measured with glibc's mallinfo2 on the 2-core box, 8.1 GB real-dims checkpoint, 4M-element calls: 4.2
+# bytes/element with results at 17 workers (threads share arenas), 7.1 at 3 workers (one arena each, as on a
+# 16-core machine); 9 + 1.03 of results covers both with room for the run-to-run spread.
+TORCH_WORK_BYTES_PER_ELEM = 16
+NATIVE_WORK_BYTES_PER_ELEM = 9
+# --dry-run's estimate adds this to its parts: with every part counted at its size, a 1-worker conversion's
+# measured peak (VmHWM) came within 1% of their sum, and the same conversion's peak moves by ~20 MB between
+# runs (2-core box, real-dims checkpoints).
+ESTIMATE_MARGIN_BYTES = 32 << 20
 SLAB_MAX_BYTES = 256 << 20  # CPU reads up to this size go into the worker's reused buffer
 # Output shards written at once. ext4 (and most Linux filesystems) serialize buffered writes into one file on
 # its inode lock, so workers that all pwrite into one shard copy into the page cache one at a time (2-core
@@ -211,21 +226,32 @@ def quant_sizes(workers: int) -> tuple[int, Optional[int]]:
     return MANY_WORKERS_QUANT_ELEMS, MANY_WORKERS_QUANT_ELEMS // mxfp8.BLOCK
 
 
-def unit_costs(t: OutTensor, device: torch.device, workers: int = 1) -> tuple[int, int]:
+def unit_costs(t: OutTensor, device: torch.device, workers: int = 1, meta: Optional[dict] = None) -> tuple[int, int]:
     """(working set, output bytes) of one unit of t (one expert, or the whole tensor), in bytes."""
     src = _src_bytes(t)
     read = src if device.type == "cpu" and src > SLAB_MAX_BYTES else 0  # reads live in the worker's slab
     # (memory_estimate counts the slabs), except CPU reads too large for one
     if not t.quantize:
         return read, src  # the value: the read itself, or a copy a builder makes of it
-    if device.type == "cpu":  # chunk temporaries + the chunk's q. 16 bytes/element bounds mxfp8's reference path
-        # (fp32 copy, decoded copy, int32 codes, |error|), which its tiled CPU path falls back to for rare inputs;
-        # the tiled path itself needs ~1 byte/element of per-block arrays plus 10 bytes/element of reused tile
-        # buffers (fp32 copy, fp32 squares, int16 decode)
+    if device.type == "cpu":  # chunk temporaries + the chunk's q and scale bytes
         chunk = min(src // t.dtype.itemsize, quant_sizes(workers)[0])
-        return read + 4 * 4 * chunk, chunk + chunk // mxfp8.BLOCK
+        native = meta is not None and native_quantizes(t, meta)  # no meta: the torch path's bound
+        per_elem = NATIVE_WORK_BYTES_PER_ELEM if native else TORCH_WORK_BYTES_PER_ELEM
+        return read + per_elem * chunk, chunk + chunk // mxfp8.BLOCK
     return src, 0  # GPU: reads and results live in the worker's pinned slabs (memory_estimate counts them);
     # src covers pageable copies a builder may make (uninterleaving, dequantizing a pre-quantized source)
+
+
+def native_quantizes(t: OutTensor, meta: dict) -> bool:
+    """Whether the CPU path quantizes t with the compiled C quantizer (porter.mxfp8_native; built, or loaded
+    from porter's cache, here): t's dtype is one it takes and no source is stored as e4m3 (a pre-quantized
+    source may keep its scale bytes, which the torch path does)."""
+    from porter import mxfp8_native
+    if t.dtype not in mxfp8_native.DTYPES or t.shape[-1] % mxfp8.BLOCK:
+        return False
+    if any(meta.get(s) is None or meta[s][0] == torch.float8_e4m3fn for s in t.sources):  # stored_meta leaves
+        return False  # out pre-quantized weights
+    return mxfp8_native.function() is not None
 
 
 def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], device: torch.device,
@@ -234,7 +260,7 @@ def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], dev
     for t in tensors:
         if skip(t):
             continue
-        work, out = unit_costs(t, device, workers)
+        work, out = unit_costs(t, device, workers, meta)
         src = verbatim_source(t, meta)
         if t.per_expert:
             for e in range(t.shape[0]):
@@ -243,7 +269,8 @@ def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], dev
             total = _src_bytes(t)
             for begin in range(0, max(total, 1), COPY_CHUNK_BYTES):  # a 0-byte tensor still gets its unit
                 n = min(COPY_CHUNK_BYTES, total - begin)
-                units.append(Unit(len(units), t, "copy", begin=begin, length=n, src_bytes=n, cost=n))
+                units.append(Unit(len(units), t, "copy", begin=begin, length=n, src_bytes=n, cost=0))  # its
+                # bytes live in the worker's read slab (memory_estimate counts the slabs)
         else:
             units.append(Unit(len(units), t, "whole", src_bytes=_src_bytes(t), cost=work + out))
     return units
@@ -326,12 +353,12 @@ def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.devic
     the stacked expert tensors being filled (one per shard in flight, plus one where a shard moves from one
     tensor to the next: an array's pages become resident as its experts land, so the 2 per shard that can be
     open at once are not all full; sparse full-structure run, 2 workers: estimate / VmHWM 1.67 when counting
-    2 per shard), plus the hash read-back buffers."""
+    2 per shard), plus the hash read-back buffers, plus ESTIMATE_MARGIN_BYTES."""
     mem = memory_status()
     base = mem.get("RssAnon", 0) + mem.get("RssFile", 0) + (CUDA_CONTEXT_BYTES if device.type == "cuda" else 0)
     copied = [verbatim_source(t, meta) is not None for t in tensors]
-    costs = [(0, min(COPY_CHUNK_BYTES, _src_bytes(t))) if c else unit_costs(t, device, workers)
-             for t, c in zip(tensors, copied)]  # a copied range is both read and output buffer
+    costs = [(0, 0) if c else unit_costs(t, device, workers, meta)
+             for t, c in zip(tensors, copied)]  # a copied range is read into the slab and written from it
     unit = max((w + o for w, o in costs), default=0)
     scales = sum(sorted(scale_array_bytes(t) for t in tensors)[-(shards_in_flight(workers) + 1):])
     readback = workers * safetensors_io.DIGEST_CHUNK_BYTES  # each worker may read a chunk back to hash it
@@ -343,7 +370,8 @@ def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.devic
         base += workers * max((r for r in reads if r <= SLAB_MAX_BYTES), default=0)
     inflight = max(unit, min(workers * unit, budget_for(max_memory, base, scales + readback)))
     return {"base": base, "unit": unit, "workers": workers, "inflight": inflight, "scales": scales,
-            "readback": readback, "total": base + inflight + scales + readback, "max_memory": max_memory}
+            "readback": readback, "total": base + inflight + scales + readback + ESTIMATE_MARGIN_BYTES,
+            "max_memory": max_memory}
 
 
 def scale_array_bytes(t: OutTensor) -> int:

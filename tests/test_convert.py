@@ -654,6 +654,32 @@ def test_max_memory_caps_the_workers_or_refuses_in_one_line(tiny_vendor, tmp_pat
     assert not (tmp_path / "tiny").exists()
 
 
+def test_unit_costs_count_the_quantizer_that_runs_and_copies_once(tiny_vendor, monkeypatch):
+    """A CPU unit's working set is its quantize call's: 9 bytes/element beside the results with the compiled
+    C quantizer, 16 with the torch path (PORTER_CPU_QUANTIZE=torch, or a source the C loop does not take);
+    a copied range costs nothing beyond the worker's read slab it lives in."""
+    from porter import mxfp8_native, pipeline
+    from porter.conversion import make_plan
+    from porter.source import open_source
+    plan = make_plan(open_source(tiny_vendor), max_shard_size="300KB")
+    meta, cpu = plan.source.stored_meta, torch.device("cpu")
+    t = next(x for x in plan.tensors if x.quantize and x.per_expert)
+    elems = t.shape[1] * t.shape[2]
+    for workers in (1, 3):
+        chunk = min(elems, pipeline.quant_sizes(workers)[0])
+        out = chunk + chunk // 32
+        assert mxfp8_native.function() is not None, mxfp8_native.reason()
+        assert pipeline.unit_costs(t, cpu, workers, meta) == (9 * chunk, out)
+        assert pipeline.unit_costs(t, cpu, workers, {}) == (16 * chunk, out)  # sources unknown: torch's bound
+        monkeypatch.setenv("PORTER_CPU_QUANTIZE", "torch")
+        assert pipeline.unit_costs(t, cpu, workers, meta) == (16 * chunk, out)
+        monkeypatch.delenv("PORTER_CPU_QUANTIZE")
+    units = pipeline.make_units(plan.tensors, meta, lambda _: False, cpu, 3)
+    copies = [u for u in units if u.kind == "copy"]
+    assert copies and all(u.cost == 0 for u in copies)
+    assert all(u.cost > 0 for u in units if u.kind == "expert" and u.t.quantize)
+
+
 @pytest.mark.parametrize("width", [1, 2, 4])
 def test_units_interleave_over_a_few_shards_in_plan_order(width):
     """Every unit once; each shard's units in plan order; never more than `width` shards started and unfinished."""

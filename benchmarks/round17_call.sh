@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# H200 call (round 17): --dry-run's memory estimate after it counts the C quantizer's own working memory
+# (pipeline.NATIVE_WORK_BYTES_PER_ELEM) and copied ranges once (they live in the worker's read slab), against
+# the measured peak on 16 cores; the same runs give the ratios to the copies again. STEPS picks (logs to $OUT):
+#   est16     16 cores, 1.92 and 8.1 GB warm, CPU + cuda, one repeat, against the safetensors copy
+#   cold16    16 cores, 3.16 GB from disk (page cache dropped before each run), CPU + cuda, two repeats, against
+#             the safetensors copy, shutil.copyfile and shutil.copyfile + fsync of every output
+#   sparseshm the release structure (sparse_checkpoint.py, 16 cores), checkpoint and output in /dev/shm, 8 s each,
+#             CPU then cuda
+#   conv2     2 cores (taskset -c 0,1), 1.92 GB warm, CPU + cuda, five repeats, against the safetensors copy
+#             and shutil.copyfile
+#   gputests  the GPU tests of conversion and verify (--device cuda bit-identical to the CPU over every shard)
+# The H200 image has no xxhash: the call carries its wheel in .whl (see benchmarks/results/convert_round15.md).
+#   OUT=/tmp/out STEPS="est16 cold16 sparseshm conv2 gputests" bash benchmarks/round17_call.sh
+set -u
+OUT=${OUT:-/tmp/r17}
+STEPS=${STEPS:-est16}
+source "$(dirname "$0")/gpu_steps.sh"
+carried_wheels
+nproc >> "$OUT/gpu.txt"
+if has est16; then
+  step est16 300 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --copies copy-safetensors --sizes 2,8 \
+    --out "$OUT/est16.json"
+  grep -h "warm convert\|warm copy\|GB (" "$OUT/est16.log" | cut -c1-250
+fi
+if has cold16; then
+  step cold16 300 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --cache cold --repeats 2 \
+    --copies copy-safetensors,copy-files,copy-files+fsync --sizes 4 --out "$OUT/cold16.json"
+  grep -h "cold convert\|cold copy\|GB (" "$OUT/cold16.log" | cut -c1-250
+fi
+if has sparseshm; then
+  for d in cpu cuda; do
+    step sparseshm_16c_$d 150 taskset -c 0-15 python benchmarks/sparse_checkpoint.py --seconds 8 --device $d \
+      --tmp /dev/shm --out "$OUT/sparseshm_16c_$d.json"
+  done
+  tail -n 1 "$OUT"/sparseshm_16c_*.log
+fi
+if has conv2; then
+  step conv2 400 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --copies copy-safetensors,copy-files \
+    --sizes 2 --repeats 5 --out "$OUT/conv2.json"
+  grep -h "warm convert\|warm copy\|GB (" "$OUT/conv2.log" | cut -c1-200
+fi
+if has gputests; then
+  step gputests 300 "${CONVERSION_GPU_TESTS[@]}"
+  tail -n 3 "$OUT/gputests.log"
+fi
+pack r17

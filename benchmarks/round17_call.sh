@@ -5,13 +5,16 @@
 #   est16     16 cores, 1.92 and 8.1 GB warm, CPU + cuda, one repeat, against the safetensors copy
 #   cold16    16 cores, 3.16 GB from disk (page cache dropped before each run), CPU + cuda, two repeats, against
 #             the safetensors copy, shutil.copyfile and shutil.copyfile + fsync of every output
+#   cold8     16 cores, 8.1 GB from disk (page cache dropped before each run), CPU + cuda, two repeats, the same
+#             copies: whether the GPU path's fixed start (CUDA context, pinned slabs) is what puts 3.16 GB past 1.2x
 #   sparseshm the release structure (sparse_checkpoint.py, 16 cores), checkpoint and output in /dev/shm, 8 s each,
 #             CPU then cuda
 #   conv2     2 cores (taskset -c 0,1), 1.92 GB warm, CPU + cuda, five repeats, against the safetensors copy
 #             and shutil.copyfile
 #   gputests  the GPU tests of conversion and verify (--device cuda bit-identical to the CPU over every shard)
 # The H200 image has no xxhash: the call carries its wheel in .whl (see benchmarks/results/convert_round15.md).
-#   OUT=/tmp/out STEPS="est16 cold16 sparseshm conv2 gputests" bash benchmarks/round17_call.sh
+#   OUT=/tmp/out STEPS="est16 cold16 sparseshm conv2 gputests" bash benchmarks/round17_call.sh   (call 1)
+#   OUT=/tmp/out STEPS="cold8" bash benchmarks/round17_call.sh                                     (call 2)
 set -u
 OUT=${OUT:-/tmp/r17}
 STEPS=${STEPS:-est16}
@@ -27,6 +30,11 @@ if has cold16; then
   step cold16 300 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --cache cold --repeats 2 \
     --copies copy-safetensors,copy-files,copy-files+fsync --sizes 4 --out "$OUT/cold16.json"
   grep -h "cold convert\|cold copy\|GB (" "$OUT/cold16.log" | cut -c1-250
+fi
+if has cold8; then
+  step cold8 400 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --cache cold --repeats 2 \
+    --copies copy-safetensors,copy-files,copy-files+fsync --sizes 8 --out "$OUT/cold8.json"
+  grep -h "cold convert\|cold copy\|GB (" "$OUT/cold8.log" | cut -c1-250
 fi
 if has sparseshm; then
   for d in cpu cuda; do

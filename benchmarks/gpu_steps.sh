@@ -11,6 +11,9 @@
 #                                     bit-identical to the CPU over every shard)
 #   CPU_QUANTIZER_TESTS              (a command for step: the C quantizer's and porter.mxfp8's CPU tests)
 #   sparse_runs                      (sparse_checkpoint.py on 16 cores, 20 s with the CPU path, then --device cuda)
+#   sparseshm_runs                   (the same, 8 s each, with the checkpoint and its output in /dev/shm)
+#   conv2_runs                       (2 cores, 1.92 GB warm, CPU + cuda, five repeats, against the safetensors
+#                                     copy and shutil.copyfile)
 #   pack TAG                         (everything in $OUT into one archive $OUT/TAG_<steps>.tgz: the device
 #                                     returns at most 8 files per call)
 mkdir -p "$OUT"
@@ -44,3 +47,16 @@ sparse_runs() {
   tail -n 4 "$OUT"/sparse_16c_*.log
 }
 pack() { tar czf "/tmp/$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/$1.tgz" "$OUT/$1_${STEPS// /_}.tgz"; }
+sparseshm_runs() {
+  df -h /dev/shm >> "$OUT/gpu.txt"
+  for d in cpu cuda; do
+    step sparseshm_16c_$d 150 taskset -c 0-15 python benchmarks/sparse_checkpoint.py --seconds 8 --device $d \
+      --tmp /dev/shm --out "$OUT/sparseshm_16c_$d.json"
+  done
+  tail -n 1 "$OUT"/sparseshm_16c_*.log
+}
+conv2_runs() {
+  step conv2 400 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --copies copy-safetensors,copy-files \
+    --sizes 2 --repeats 5 --out "$OUT/conv2.json"
+  grep -h "warm convert\|warm copy\|GB (" "$OUT/conv2.log" | cut -c1-200
+}

@@ -47,17 +47,10 @@ if has coldprof; then
   rm -rf "$PWD/benchmarks/r16src3"
 fi
 if has sparseshm; then
-  df -h /dev/shm | tee -a "$OUT/gpu.txt"
-  for d in cpu cuda; do
-    step sparseshm_16c_$d 150 taskset -c 0-15 python benchmarks/sparse_checkpoint.py --seconds 8 --device $d \
-      --tmp /dev/shm --out "$OUT/sparseshm_16c_$d.json"
-  done
-  tail -n 2 "$OUT"/sparseshm_16c_*.log
+  sparseshm_runs
 fi
 if has conv2; then
-  step conv2 400 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --copies copy-safetensors,copy-files \
-    --sizes 2 --repeats 5 --out "$OUT/conv2.json"
-  grep -h "warm convert\|warm copy\|GB (" "$OUT/conv2.log" | cut -c1-160
+  conv2_runs
 fi
 if has warmup; then
   step warmup2 300 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --variants "nowarm:PORTER_CUDA_WARMUP=0" \

@@ -37,16 +37,10 @@ if has cold8; then
   grep -h "cold convert\|cold copy\|GB (" "$OUT/cold8.log" | cut -c1-250
 fi
 if has sparseshm; then
-  for d in cpu cuda; do
-    step sparseshm_16c_$d 150 taskset -c 0-15 python benchmarks/sparse_checkpoint.py --seconds 8 --device $d \
-      --tmp /dev/shm --out "$OUT/sparseshm_16c_$d.json"
-  done
-  tail -n 1 "$OUT"/sparseshm_16c_*.log
+  sparseshm_runs
 fi
 if has conv2; then
-  step conv2 400 taskset -c 0,1 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --copies copy-safetensors,copy-files \
-    --sizes 2 --repeats 5 --out "$OUT/conv2.json"
-  grep -h "warm convert\|warm copy\|GB (" "$OUT/conv2.log" | cut -c1-200
+  conv2_runs
 fi
 if has gputests; then
   step gputests 300 "${CONVERSION_GPU_TESTS[@]}"

@@ -7,6 +7,8 @@
 #             the safetensors copy, shutil.copyfile and shutil.copyfile + fsync of every output
 #   cold8     16 cores, 8.1 GB from disk (page cache dropped before each run), CPU + cuda, two repeats, the same
 #             copies: whether the GPU path's fixed start (CUDA context, pinned slabs) is what puts 3.16 GB past 1.2x
+#   shm8      16 cores, 8.1 GB with the checkpoint and the output in /dev/shm (a whole conversion, no disk under
+#             its writes), CPU + cuda, two repeats, against the safetensors copy
 #   sparseshm the release structure (sparse_checkpoint.py, 16 cores), checkpoint and output in /dev/shm, 8 s each,
 #             CPU then cuda
 #   conv2     2 cores (taskset -c 0,1), 1.92 GB warm, CPU + cuda, five repeats, against the safetensors copy
@@ -15,6 +17,7 @@
 # The H200 image has no xxhash: the call carries its wheel in .whl (see benchmarks/results/convert_round15.md).
 #   OUT=/tmp/out STEPS="est16 cold16 sparseshm conv2 gputests" bash benchmarks/round17_call.sh   (call 1)
 #   OUT=/tmp/out STEPS="cold8" bash benchmarks/round17_call.sh                                     (call 2)
+#   OUT=/tmp/out STEPS="shm8" bash benchmarks/round17_call.sh                                      (call 3)
 set -u
 OUT=${OUT:-/tmp/r17}
 STEPS=${STEPS:-est16}
@@ -35,6 +38,12 @@ if has cold8; then
   step cold8 400 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --cache cold --repeats 2 \
     --copies copy-safetensors,copy-files,copy-files+fsync --sizes 8 --out "$OUT/cold8.json"
   grep -h "cold convert\|cold copy\|GB (" "$OUT/cold8.log" | cut -c1-250
+fi
+if has shm8; then
+  df -h /dev/shm >> "$OUT/gpu.txt"
+  step shm8 300 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --copies copy-safetensors --sizes 8 \
+    --repeats 2 --tmp /dev/shm --out "$OUT/shm8.json"
+  grep -h "warm convert\|warm copy\|GB (" "$OUT/shm8.log" | cut -c1-250
 fi
 if has sparseshm; then
   sparseshm_runs

@@ -9,6 +9,9 @@
 #             copies: whether the GPU path's fixed start (CUDA context, pinned slabs) is what puts 3.16 GB past 1.2x
 #   shm8      16 cores, 8.1 GB with the checkpoint and the output in /dev/shm (a whole conversion, no disk under
 #             its writes), CPU + cuda, two repeats, against the safetensors copy
+#   startab   --device cuda with the parts that are ready before the CUDA context quantized on the CPU (the
+#             default) against PORTER_CUDA_CPU_START=0 (they wait for it): 16 cores, 1.92 and 8.1 GB, checkpoint
+#             and output in /dev/shm, two repeats; then 3.16 GB from disk, two repeats
 #   sparseshm the release structure (sparse_checkpoint.py, 16 cores), checkpoint and output in /dev/shm, 8 s each,
 #             CPU then cuda
 #   conv2     2 cores (taskset -c 0,1), 1.92 GB warm, CPU + cuda, five repeats, against the safetensors copy
@@ -18,6 +21,7 @@
 #   OUT=/tmp/out STEPS="est16 cold16 sparseshm conv2 gputests" bash benchmarks/round17_call.sh   (call 1)
 #   OUT=/tmp/out STEPS="cold8" bash benchmarks/round17_call.sh                                     (call 2)
 #   OUT=/tmp/out STEPS="shm8" bash benchmarks/round17_call.sh                                      (call 3)
+#   OUT=/tmp/out STEPS="gputests startab conv2" bash benchmarks/round17_call.sh                    (call 4)
 set -u
 OUT=${OUT:-/tmp/r17}
 STEPS=${STEPS:-est16}
@@ -44,6 +48,14 @@ if has shm8; then
   step shm8 300 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --devices cpu,cuda --copies copy-safetensors --sizes 8 \
     --repeats 2 --tmp /dev/shm --out "$OUT/shm8.json"
   grep -h "warm convert\|warm copy\|GB (" "$OUT/shm8.log" | cut -c1-250
+fi
+if has startab; then
+  step startab 300 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --variants "wait:PORTER_CUDA_CPU_START=0" \
+    --copies copy-safetensors --sizes 2,8 --repeats 2 --tmp /dev/shm --out "$OUT/startab.json"
+  grep -h "warm convert\|warm copy\|GB (" "$OUT/startab.log" | cut -c1-230
+  step startab_cold 300 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --variants "wait:PORTER_CUDA_CPU_START=0" \
+    --cache cold --copies copy-safetensors,copy-files+fsync --sizes 4 --repeats 2 --out "$OUT/startab_cold.json"
+  grep -h "cold convert\|cold copy\|GB (" "$OUT/startab_cold.log" | cut -c1-230
 fi
 if has sparseshm; then
   sparseshm_runs

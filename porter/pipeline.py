@@ -29,11 +29,10 @@ from typing import Callable, Optional
 
 import torch
 
-from porter import mxfp8
+from porter import mxfp8, mxfp8_native, safetensors_io
 from porter.digest import CHUNK_HASHES, DEFAULT_DIGEST
 from porter.errors import PorterError
 from porter.layout import OutTensor, scale_name
-from porter import safetensors_io
 from porter.safetensors_io import (Entry, TensorReader, chunk_spans, dtype_name, header_bytes, pwrite_all,
                                    read_chunk_digest, shard_digest, tensor_bytes, tensor_digest)
 
@@ -238,15 +237,17 @@ def unit_costs(t: OutTensor, device: torch.device, workers: int = 1, meta: Optio
         native = meta is not None and native_quantizes(t, meta)  # no meta: the torch path's bound
         per_elem = NATIVE_WORK_BYTES_PER_ELEM if native else TORCH_WORK_BYTES_PER_ELEM
         return read + per_elem * chunk, chunk + chunk // mxfp8.BLOCK
-    return src, 0  # GPU: reads and results live in the worker's pinned slabs (memory_estimate counts them);
-    # src covers pageable copies a builder may make (uninterleaving, dequantizing a pre-quantized source)
+    chunk = min(src // t.dtype.itemsize, quant_sizes(workers)[0])
+    return max(src, (NATIVE_WORK_BYTES_PER_ELEM + 1) * chunk + chunk // mxfp8.BLOCK), 0  # GPU: reads and results
+    # live in the worker's pinned slabs (memory_estimate counts them); src covers pageable copies a builder may
+    # make (uninterleaving, dequantizing a pre-quantized source), or a part quantized on the CPU while the
+    # CUDA context starts (Pipeline._quantize), whichever is larger
 
 
 def native_quantizes(t: OutTensor, meta: dict) -> bool:
     """Whether the CPU path quantizes t with the compiled C quantizer (porter.mxfp8_native; built, or loaded
     from porter's cache, here): t's dtype is one it takes and no source is stored as e4m3 (a pre-quantized
     source may keep its scale bytes, which the torch path does)."""
-    from porter import mxfp8_native
     if t.dtype not in mxfp8_native.DTYPES or t.shape[-1] % mxfp8.BLOCK:
         return False
     if any(meta.get(s) is None or meta[s][0] == torch.float8_e4m3fn for s in t.sources):  # stored_meta leaves
@@ -318,6 +319,13 @@ def slab_prefault() -> bool:
     """Whether the GPU path prefaults its slabs and makes the CUDA context early (Pipeline._new_slab);
     PORTER_SLAB_PREFAULT=0 turns both off."""
     return _env_switch("PORTER_SLAB_PREFAULT", "1", lambda v: v == "0") != "0"
+
+
+def cpu_while_cuda_starts() -> bool:
+    """Whether --device cuda quantizes the parts that are ready before its CUDA context on the CPU (the C
+    quantizer: the same bytes) instead of waiting for the context; PORTER_CUDA_CPU_START=0 makes them wait
+    (the GPU tests, so that every part goes through the GPU, and benchmarks' A/B)."""
+    return _env_switch("PORTER_CUDA_CPU_START", "1", lambda v: v == "0") != "0"
 
 
 def interleave_shards(units: list, shard_of: Callable[[Unit], str], width: int) -> list:
@@ -652,6 +660,9 @@ class Pipeline:
         self.prefault_slabs = slab_prefault()
         self.flusher: Optional[Writeback] = None
         self.cuda_init: Optional[threading.Thread] = None  # see _init_cuda_async
+        self.cuda_ready = threading.Event()  # set once the CUDA init thread is done (or when there is none)
+        self.cpu_start = device.type == "cuda" and cpu_while_cuda_starts()
+        self.parts_on_cpu = 0  # --device cuda parts quantized on the CPU while the context started
         self.fused_lock = threading.Lock()  # see _fused
         self.fused_quantizer, self.fused_resolved = None, False
 
@@ -746,6 +757,8 @@ class Pipeline:
                 self._fused()
             except Exception:  # noqa: BLE001 — the workers' own CUDA calls raise it where it is handled
                 pass
+            finally:
+                self.cuda_ready.set()
         self.cuda_init = threading.Thread(target=init, name="porter-cuda-init", daemon=True)
         self.cuda_init.start()
 
@@ -847,13 +860,15 @@ class Pipeline:
         self.slab_bytes = pinned_slab_bytes([u.length if u.kind == "copy" else _src_bytes(u.t) for u in units],
                                             [u.t for u in units if u.t.quantize]) if self.pin else {}
         threads = torch.get_num_threads()
-        if self.device.type == "cpu":
-            torch.set_num_threads(max(1, available_cores() // self.workers))
+        torch.set_num_threads(max(1, available_cores() // self.workers))  # the CPU quantizer's torch ops (on
+        # the GPU path: the parts quantized while its context starts) run on each worker's own share
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="porter-convert")
         if self.writeback == "thread":
             self.flusher = Writeback()
         if self.device.type == "cuda" and self.prefault_slabs:
             self._init_cuda_async()
+        else:
+            self.cuda_ready.set()
         try:
             futures = []
             for u in units:
@@ -884,6 +899,9 @@ class Pipeline:
         left = [f for f, s in self.shards.items() if s.fd is not None]
         if left:
             raise RuntimeError(f"internal: shard(s) {left} not complete after every unit ran")
+        if self.parts_on_cpu:
+            log.info("%d part(s) quantized on the CPU while the CUDA context started (the same bytes)",
+                     self.parts_on_cpu)
 
     def _run_unit(self, u: Unit) -> None:
         cost = [u.cost]
@@ -981,10 +999,15 @@ class Pipeline:
         """Yields (first row, q, scale, error sums) per chunk of rows of w, in row order, results on the CPU.
         keep: scale bytes to re-quantize with ([..., K/32]: an MXFP8 source's own), None for the rounding rule.
         CPU: chunks of quant_sizes(workers) elements (each is written out before the next is made).
-        CUDA: the whole of w at once (_quantize_cuda)."""
+        CUDA: the whole of w at once (_quantize_cuda); a part that is ready before the CUDA context (made on
+        the init thread, ~0.3-0.5 s on the H200 machine) goes the CPU way instead of waiting for it, where the
+        C quantizer takes it: the same bytes, and for a few seconds the machine's cores are not idle."""
         if self.device.type == "cuda":
-            yield (0, *self._quantize_cuda(w, name, keep))
-            return
+            if not (self.cpu_start and not self.cuda_ready.is_set() and mxfp8_native.supports(w, keep)):
+                yield (0, *self._quantize_cuda(w, name, keep))
+                return
+            with self.lock:
+                self.parts_on_cpu += 1
         chunk, tile = self.quant_sizes
         rows = max(1, chunk // max(1, w.shape[-1])) if w.ndim == 2 else 0
         if w.ndim != 2 or rows >= w.shape[0]:

@@ -414,16 +414,51 @@ def test_fused_gpu_path_names_a_nan_weight(tiny_vendor, tmp_path, monkeypatch):
     assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
 
 
+def test_gpu_path_quantizes_on_the_cpu_only_until_the_cuda_context_is_ready(monkeypatch):
+    """--device cuda: a part that arrives before the CUDA init thread is done is quantized by the CPU path's
+    C quantizer (the CPU path's row chunks and numbers) instead of waiting; once the context is ready, with
+    PORTER_CUDA_CPU_START=0, or for a part the C quantizer does not take (kept scale bytes), it goes to the
+    GPU."""
+    from porter import pipeline as pp
+    p = pp.Pipeline.__new__(pp.Pipeline)
+    p.device, p.rounding, p.lock, p.parts_on_cpu = torch.device("cuda"), "rceil", threading.RLock(), 0
+    p.quant_sizes, p.cuda_ready = (1 << 14, None), threading.Event()
+    to_gpu = []
+    monkeypatch.setattr(pp.Pipeline, "_quantize_cuda", lambda self, w, name, keep=None: to_gpu.append(name) or (
+        "q", "s", {}))
+    w = torch.randn(96, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # 3 chunks of 32 rows
+    for cpu_start in (True, False):
+        monkeypatch.setenv("PORTER_CUDA_CPU_START", "1" if cpu_start else "0")
+        p.cpu_start = pp.cpu_while_cuda_starts()
+        got = list(p._quantize(w, "w"))
+        if not cpu_start:
+            assert got == [(0, "q", "s", {})] and to_gpu == ["w"]
+            continue
+        assert [r for r, *_ in got] == [0, 32, 64] and p.parts_on_cpu == 1 and not to_gpu
+        for r, q, s, err in got:
+            q_ref, s_ref, err_ref = mxfp8.quantize_with_error(w[r:r + 32], "rceil", "w")
+            assert q.view(torch.uint8).equal(q_ref.view(torch.uint8)) and s.equal(s_ref) and err == err_ref
+        keep = torch.full((96, 16), 127, dtype=torch.uint8)
+        assert list(p._quantize(w, "kept", keep)) == [(0, "q", "s", {})] and to_gpu == ["kept"]
+        p.cuda_ready.set()
+        assert list(p._quantize(w, "ready")) == [(0, "q", "s", {})] and to_gpu == ["kept", "ready"]
+        p.cuda_ready.clear()
+        to_gpu.clear()
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("cpu_start", ["0", "1"])
 @pytest.mark.parametrize("quantizer", ["torch", "fused"])
 @pytest.mark.parametrize("quantize", ["experts", "all"])
-def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, monkeypatch, quantize, quantizer):
+def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, monkeypatch, quantize, quantizer, cpu_start):
     """--device cuda (pinned async copies, one stream per worker; mxfp8's torch ops or the fused Triton
     quantizer) writes the very bytes of --device cpu: every shard file, hence every tensor, on a checkpoint
-    with wide experts (CPU quantizes them in row chunks, the GPU whole) and with every linear quantized."""
+    with wide experts (CPU quantizes them in row chunks, the GPU whole) and with every linear quantized.
+    cpu_start 0: every part on the GPU; 1 (the default): parts ready before the CUDA context on the CPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     monkeypatch.setenv("PORTER_CUDA_QUANTIZE", quantizer)
+    monkeypatch.setenv("PORTER_CUDA_CPU_START", cpu_start)
     if quantizer == "fused":  # every part through it, not only those after its background load
         import porter.pipeline as pp
 

@@ -12,6 +12,9 @@
 #   startab   --device cuda with the parts that are ready before the CUDA context quantized on the CPU (the
 #             default) against PORTER_CUDA_CPU_START=0 (they wait for it): 16 cores, 1.92 and 8.1 GB, checkpoint
 #             and output in /dev/shm, two repeats; then 3.16 GB from disk, two repeats
+#   estgpu    after unit_costs counts a builder's copy only where the builder makes one (builder_copies) and the
+#             CPU-start part's memory: --device cuda, 16 cores, 1.92 and 8.1 GB in /dev/shm, then the release
+#             structure in /dev/shm (8 s): --dry-run's estimate against the peak
 #   sparseshm the release structure (sparse_checkpoint.py, 16 cores), checkpoint and output in /dev/shm, 8 s each,
 #             CPU then cuda
 #   conv2     2 cores (taskset -c 0,1), 1.92 GB warm, CPU + cuda, five repeats, against the safetensors copy
@@ -22,6 +25,7 @@
 #   OUT=/tmp/out STEPS="cold8" bash benchmarks/round17_call.sh                                     (call 2)
 #   OUT=/tmp/out STEPS="shm8" bash benchmarks/round17_call.sh                                      (call 3)
 #   OUT=/tmp/out STEPS="gputests startab conv2" bash benchmarks/round17_call.sh                    (call 4)
+#   OUT=/tmp/out STEPS="estgpu" bash benchmarks/round17_call.sh                                    (call 5)
 set -u
 OUT=${OUT:-/tmp/r17}
 STEPS=${STEPS:-est16}
@@ -56,6 +60,14 @@ if has startab; then
   step startab_cold 300 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --variants "wait:PORTER_CUDA_CPU_START=0" \
     --cache cold --copies copy-safetensors,copy-files+fsync --sizes 4 --repeats 2 --out "$OUT/startab_cold.json"
   grep -h "cold convert\|cold copy\|GB (" "$OUT/startab_cold.log" | cut -c1-230
+fi
+if has estgpu; then
+  step estgpu 240 taskset -c 0-15 "${CONVERT_THROUGHPUT[@]}" --copies "" --sizes 2,8 --tmp /dev/shm \
+    --out "$OUT/estgpu.json"
+  grep -h "warm convert\|GB (" "$OUT/estgpu.log" | cut -c1-250
+  step estgpu_sparse 150 taskset -c 0-15 python benchmarks/sparse_checkpoint.py --seconds 8 --device cuda \
+    --tmp /dev/shm --out "$OUT/estgpu_sparse.json"
+  tail -n 1 "$OUT/estgpu_sparse.log"
 fi
 if has sparseshm; then
   sparseshm_runs

@@ -226,22 +226,41 @@ def quant_sizes(workers: int) -> tuple[int, Optional[int]]:
 
 
 def unit_costs(t: OutTensor, device: torch.device, workers: int = 1, meta: Optional[dict] = None) -> tuple[int, int]:
-    """(working set, output bytes) of one unit of t (one expert, or the whole tensor), in bytes."""
+    """(working set, output bytes) of one unit of t (one expert, or the whole tensor), in bytes. meta: the
+    source's stored_meta (None: assume the torch quantizer and a builder that copies what it reads)."""
     src = _src_bytes(t)
     read = src if device.type == "cpu" and src > SLAB_MAX_BYTES else 0  # reads live in the worker's slab
     # (memory_estimate counts the slabs), except CPU reads too large for one
     if not t.quantize:
         return read, src  # the value: the read itself, or a copy a builder makes of it
-    if device.type == "cpu":  # chunk temporaries + the chunk's q and scale bytes
-        chunk = min(src // t.dtype.itemsize, quant_sizes(workers)[0])
-        native = meta is not None and native_quantizes(t, meta)  # no meta: the torch path's bound
-        per_elem = NATIVE_WORK_BYTES_PER_ELEM if native else TORCH_WORK_BYTES_PER_ELEM
-        return read + per_elem * chunk, chunk + chunk // mxfp8.BLOCK
+    copied = src if meta is None or builder_copies(t, meta) else 0  # e.g. uninterleaving a fused gate_up
     chunk = min(src // t.dtype.itemsize, quant_sizes(workers)[0])
-    return max(src, (NATIVE_WORK_BYTES_PER_ELEM + 1) * chunk + chunk // mxfp8.BLOCK), 0  # GPU: reads and results
-    # live in the worker's pinned slabs (memory_estimate counts them); src covers pageable copies a builder may
-    # make (uninterleaving, dequantizing a pre-quantized source), or a part quantized on the CPU while the
-    # CUDA context starts (Pipeline._quantize), whichever is larger
+    native = meta is not None and native_quantizes(t, meta)
+    work = (NATIVE_WORK_BYTES_PER_ELEM if native else TORCH_WORK_BYTES_PER_ELEM) * chunk  # CPU quantize call
+    out = chunk + chunk // mxfp8.BLOCK  # its q and scale bytes
+    if device.type == "cpu":
+        return read + copied + work, out
+    # GPU: reads and results live in the worker's pinned slabs (memory_estimate counts them); a part quantized
+    # on the CPU while the CUDA context starts (Pipeline._quantize) takes the CPU call's memory
+    return copied + work + out, 0
+
+
+def builder_copies(t: OutTensor, meta: dict) -> bool:
+    """Whether building one unit of t makes a new tensor from what it reads (uninterleaving a fused gate_up,
+    dequantizing, concatenating) rather than handing the reads on as they are. Found like verbatim_source:
+    the builder is called with a reader that returns shape-only (meta) tensors; only parts that are those
+    tensors themselves copy nothing. Any failure counts as a copy."""
+    probes = []
+
+    def read(name, index=None):
+        dtype, shape = meta[name]
+        probes.append(torch.empty(tuple(shape) if index is None else tuple(shape)[1:], dtype=dtype, device="meta"))
+        return probes[-1]
+    try:
+        parts = t.expert_rows(read, 0) if t.per_expert else [t.build(read)]
+    except Exception:  # noqa: BLE001 — a builder that cannot run on shapes alone: assume it copies
+        return True
+    return not all(any(p is q for q in probes) for p in parts)
 
 
 def native_quantizes(t: OutTensor, meta: dict) -> bool:

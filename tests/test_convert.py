@@ -414,6 +414,28 @@ def test_fused_gpu_path_names_a_nan_weight(tiny_vendor, tmp_path, monkeypatch):
     assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
 
 
+@pytest.mark.parametrize("gate_up", ["uninterleaved", "interleaved"])
+def test_builder_copies_is_found_from_the_builders_themselves(tiny_vendor, tiny_transformers, gate_up):
+    """builder_copies: the vendor layout's w1 / w3 reads and an uninterleaved fused gate_up slice are handed on
+    as read (no copy); uninterleaving a fused gate_up makes a new tensor, which the estimate then counts on
+    top of the slab (src bytes of the unit)."""
+    from porter import pipeline
+    from porter.conversion import make_plan
+    from porter.source import open_source
+    for src in (tiny_vendor, tiny_transformers):
+        plan = make_plan(open_source(src), max_shard_size="300KB", gate_up=gate_up)
+        meta = plan.source.stored_meta
+        w13 = next(t for t in plan.tensors if t.name.endswith("w13_weight"))
+        w2 = next(t for t in plan.tensors if t.name.endswith("w2_weight"))
+        fused = src == tiny_transformers
+        assert pipeline.builder_copies(w13, meta) == (fused and gate_up == "interleaved")
+        assert not pipeline.builder_copies(w2, meta)
+        src_bytes = w13.shape[1] * w13.shape[2] * w13.dtype.itemsize
+        work, _ = pipeline.unit_costs(w13, torch.device("cpu"), 1, meta)
+        chunk = min(w13.shape[1] * w13.shape[2], pipeline.quant_sizes(1)[0])
+        assert work == 9 * chunk + (src_bytes if pipeline.builder_copies(w13, meta) else 0)
+
+
 def test_gpu_path_quantizes_on_the_cpu_only_until_the_cuda_context_is_ready(monkeypatch):
     """--device cuda: a part that arrives before the CUDA init thread is done is quantized by the CPU path's
     C quantizer (the CPU path's row chunks and numbers) instead of waiting; once the context is ready, with
@@ -692,7 +714,8 @@ def test_max_memory_caps_the_workers_or_refuses_in_one_line(tiny_vendor, tmp_pat
 def test_unit_costs_count_the_quantizer_that_runs_and_copies_once(tiny_vendor, monkeypatch):
     """A CPU unit's working set is its quantize call's: 9 bytes/element beside the results with the compiled
     C quantizer, 16 with the torch path (PORTER_CPU_QUANTIZE=torch, or a source the C loop does not take);
-    a copied range costs nothing beyond the worker's read slab it lives in."""
+    on the GPU path the same call's memory with its results (a part quantized on the CPU while the CUDA
+    context starts); a copied range costs nothing beyond the worker's read slab it lives in."""
     from porter import mxfp8_native, pipeline
     from porter.conversion import make_plan
     from porter.source import open_source
@@ -705,10 +728,14 @@ def test_unit_costs_count_the_quantizer_that_runs_and_copies_once(tiny_vendor, m
         out = chunk + chunk // 32
         assert mxfp8_native.function() is not None, mxfp8_native.reason()
         assert pipeline.unit_costs(t, cpu, workers, meta) == (9 * chunk, out)
-        assert pipeline.unit_costs(t, cpu, workers, {}) == (16 * chunk, out)  # sources unknown: torch's bound
+        assert pipeline.unit_costs(t, cpu, workers, {}) == (16 * chunk + 2 * elems, out)  # sources unknown:
+        # torch's bound and a builder copy of the bf16 expert
         monkeypatch.setenv("PORTER_CPU_QUANTIZE", "torch")
         assert pipeline.unit_costs(t, cpu, workers, meta) == (16 * chunk, out)
         monkeypatch.delenv("PORTER_CPU_QUANTIZE")
+    gpu = torch.device("cuda")  # unit_costs only reads device.type
+    chunk = min(elems, pipeline.quant_sizes(17)[0])
+    assert pipeline.unit_costs(t, gpu, 17, meta) == (10 * chunk + chunk // 32, 0)  # a part on the CPU at start
     units = pipeline.make_units(plan.tensors, meta, lambda _: False, cpu, 3)
     copies = [u for u in units if u.kind == "copy"]
     assert copies and all(u.cost == 0 for u in copies)

@@ -185,20 +185,15 @@ def places_of(shards: list) -> dict:
 
 
 def verbatim_source(t: OutTensor, meta: dict) -> Optional[str]:
-    """The source tensor that `t` is a byte-for-byte copy of, or None. Proven by calling the converter's
-    builder with a probe reader: only an identity builder hands the probe back unchanged. Such tensors
-    (embeddings, lm_head: 2.5 GB each at MiniMax-M3 size) are copied in ranges, never held whole."""
+    """The source tensor that `t` is a byte-for-byte copy of, or None: one source of t's dtype and shape whose
+    builder hands the read on unchanged (builder_copies). Such tensors (embeddings, lm_head: 2.5 GB each at
+    MiniMax-M3 size) are copied in ranges, never held whole."""
     if t.per_expert or t.quantize or len(t.sources) != 1:
         return None
     src = t.sources[0]
     if meta.get(src) is None or (meta[src][0], tuple(meta[src][1])) != (t.dtype, tuple(t.shape)):
         return None
-    probe = object()
-    try:
-        got = t.build(lambda name, index=None: probe if (name == src and index is None) else None)
-    except Exception:  # noqa: BLE001 — any builder that does more than return read(src) is not a copy
-        return None
-    return src if got is probe else None
+    return None if builder_copies(t, meta) else src
 
 
 @dataclass
@@ -246,10 +241,11 @@ def unit_costs(t: OutTensor, device: torch.device, workers: int = 1, meta: Optio
 
 
 def builder_copies(t: OutTensor, meta: dict) -> bool:
-    """Whether building one unit of t makes a new tensor from what it reads (uninterleaving a fused gate_up,
-    dequantizing, concatenating) rather than handing the reads on as they are. Found like verbatim_source:
-    the builder is called with a reader that returns shape-only (meta) tensors; only parts that are those
-    tensors themselves copy nothing. Any failure counts as a copy."""
+    """Whether building one unit of t (expert 0, or the whole tensor) makes a new tensor from what it reads
+    (uninterleaving a fused gate_up, dequantizing, concatenating) rather than handing the reads on as they
+    are. Proven by calling the converter's builder with a reader that returns shape-only (meta) tensors: only
+    parts that are those tensors themselves (a whole tensor: at t's shape) copy nothing. Any failure counts as
+    a copy."""
     probes = []
 
     def read(name, index=None):
@@ -260,18 +256,18 @@ def builder_copies(t: OutTensor, meta: dict) -> bool:
         parts = t.expert_rows(read, 0) if t.per_expert else [t.build(read)]
     except Exception:  # noqa: BLE001 — a builder that cannot run on shapes alone: assume it copies
         return True
+    if not t.per_expert and tuple(parts[0].shape) != tuple(t.shape):
+        return True
     return not all(any(p is q for q in probes) for p in parts)
 
 
 def native_quantizes(t: OutTensor, meta: dict) -> bool:
     """Whether the CPU path quantizes t with the compiled C quantizer (porter.mxfp8_native; built, or loaded
-    from porter's cache, here): t's dtype is one it takes and no source is stored as e4m3 (a pre-quantized
-    source may keep its scale bytes, which the torch path does)."""
+    from porter's cache, here): t's dtype is one it takes and every source is stored as it is read
+    (stored_meta leaves out pre-quantized weights, whose kept scale bytes only the torch path takes)."""
     if t.dtype not in mxfp8_native.DTYPES or t.shape[-1] % mxfp8.BLOCK:
         return False
-    if any(meta.get(s) is None or meta[s][0] == torch.float8_e4m3fn for s in t.sources):  # stored_meta leaves
-        return False  # out pre-quantized weights
-    return mxfp8_native.function() is not None
+    return all(s in meta for s in t.sources) and mxfp8_native.function() is not None
 
 
 def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], device: torch.device,

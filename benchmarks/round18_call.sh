@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# H200 calls (round 18): the one-token layer as one persistent launch (one_token_persistent_kernel,
+# PERSIST_ONE_TOKEN) against the two launches. STEPS picks what one call runs (logs to $OUT):
+#   pab       benchmarks/moe_knob_ab.py at T = 1: PERSIST_ONE_TOKEN False / True over tiles (the persistent kernel
+#             takes warps and stages from GEMM1's fields), interleaved rounds, per-kernel times
+#   persm     PERSIST_PROGRAMS_PER_SM 1..4 at T = 1 (the persistent kernel on)
+#   race1     benchmarks/fused_out_race.py at one token: every output tile of 2000 calls per weight layout and PDL
+#             setting against the unfused two launches
+#   moetests  tests/test_triton_moe.py on the GPU
+#   layer     the MoE layer table at T = 1, 2, 4, 16, 64 with its bf16 twin
+#   OUT=/tmp/out STEPS="pab race1" bash benchmarks/round18_call.sh
+set -u
+OUT=${OUT:-/tmp/r18}
+STEPS=${STEPS:-pab}
+source "$(dirname "$0")/gpu_steps.sh"
+carried_wheels
+S=False,False,0
+T1="16,32,256,4,3,64,256,4,3"
+if has pab; then
+  step persist_ab 300 python benchmarks/moe_knob_ab.py --knob PERSIST_ONE_TOKEN --values False,True --tokens 1 --rounds 5 \
+    --kernels --configs "$T1;16,32,256,4,4,64,256,4,4;16,32,256,8,3,64,256,8,3;16,32,256,4,3,32,256,4,3;16,64,256,4,3,64,256,4,3" \
+    --out "$OUT/persist_ab.json"
+  grep -E "^T=|kernels|bandwidth" "$OUT/persist_ab.log" | cut -c1-220 | head -40
+fi
+if has persm; then
+  step persist_per_sm 200 python benchmarks/moe_knob_ab.py --knob PERSIST_PROGRAMS_PER_SM --values 1,2,3,4 --tokens 1 --rounds 5 \
+    --configs "$T1;16,32,256,4,3,32,256,4,3" --out "$OUT/persist_per_sm.json"
+  grep -E "^T=|bandwidth" "$OUT/persist_per_sm.log" | cut -c1-220 | head -20
+fi
+if has race1; then
+  step race1 300 python benchmarks/fused_out_race.py --tokens 1 --calls 2000 --layouts rebased,stored
+  grep -E "^(rebased|stored)|call " "$OUT/race1.log" | cut -c1-220 | head -30
+fi
+if has moetests; then
+  step moe_tests 420 python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_moe.py
+  grep -E "passed|failed|^FAILED|^E  " "$OUT/moe_tests.log" | head -16
+fi
+if has layer; then
+  step layer 240 python benchmarks/moe_layer.py --out "$OUT" --tag _round18 --tokens 1,2,4,16,64
+  grep -E "^T=|GPU|bandwidth" "$OUT/layer.log" | cut -c1-200 | head -30
+fi

@@ -8,6 +8,8 @@
 #             setting against the unfused two launches
 #   moetests  tests/test_triton_moe.py on the GPU
 #   layer     the MoE layer table at T = 1, 2, 4, 16, 64 with its bf16 twin
+#   regs      benchmarks/kernel_regs.py: registers and shared memory of the two launches and the persistent kernel
+#   pgrid     PERSIST_ONE_TOKEN False / True at 132, 192, 264 programs, items by claims and statically by program id
 #   OUT=/tmp/out STEPS="pab race1" bash benchmarks/round18_call.sh
 set -u
 OUT=${OUT:-/tmp/r18}
@@ -38,4 +40,18 @@ fi
 if has layer; then
   step layer 240 python benchmarks/moe_layer.py --out "$OUT" --tag _round18 --tokens 1,2,4,16,64
   grep -E "^T=|GPU|bandwidth" "$OUT/layer.log" | cut -c1-200 | head -30
+fi
+if has regs; then
+  step kernel_regs 120 python benchmarks/kernel_regs.py --configs "$T1;16,16,256,4,3,64,256,4,3"
+  grep -E "regs" "$OUT/kernel_regs.log" | cut -c1-200 | head -20
+fi
+if has pgrid; then  # the persistent kernel over program counts, claims / static, against the two launches
+  for progs in 132 192 264; do
+    for static in 0 1; do
+      PORTER_MOE_PERSIST_PROGRAMS=$progs PORTER_MOE_PERSIST_STATIC=$static step pgrid_${progs}_s$static 120 \
+        python benchmarks/moe_knob_ab.py --knob PERSIST_ONE_TOKEN --values False,True --tokens 1 --rounds 5 \
+        --configs "$T1;16,16,256,4,3,64,256,4,3" --out "$OUT/pgrid_${progs}_s$static.json"
+      grep -E "^T=" "$OUT/pgrid_${progs}_s$static.log" | cut -c1-150
+    done
+  done
 fi

@@ -379,6 +379,9 @@ NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per route
 # program for every item, for tests).
 PERSIST_ONE_TOKEN = None
 PERSIST_PROGRAMS_PER_SM = 2
+PERSIST_PROGRAMS = None  # an explicit program count instead (A/B; PORTER_MOE_PERSIST_PROGRAMS)
+PERSIST_STATIC = None  # items by program id instead of claims (A/B, PORTER_MOE_PERSIST_STATIC=1; needs every
+# program resident)
 USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORTER_MOE_PDL env, default on
 
 
@@ -412,6 +415,9 @@ def _persist_sync(device) -> torch.Tensor:
 def _persist_programs(device, items: int) -> int:
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 1
+    programs = PERSIST_PROGRAMS or int(os.environ.get("PORTER_MOE_PERSIST_PROGRAMS", 0))
+    if programs:
+        return min(items, programs)
     per_sm = int(os.environ.get("PORTER_MOE_PERSIST_PER_SM", PERSIST_PROGRAMS_PER_SM))
     return max(1, min(items, per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
 
@@ -540,7 +546,8 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
             h, inter, e, float(routed_scaling_factor), n1, n2,
             xq.stride(1), w13.stride(0), w13.stride(1), *ss13, w2.stride(0), w2.stride(1), *ss2,
             TOPK=k, WMODE1=wmode1, WMODE2=wmode2, PRESCALED=quant_x > 0, BM=cfg.bm,
-            BN1=cfg.bn1, BK1=cfg.bk1, BN2=cfg.bn2, BK2=cfg.bk2, FENCE=not interp, USE_PDL=bool(pdl),
+            BN1=cfg.bn1, BK1=cfg.bk1, BN2=cfg.bn2, BK2=cfg.bk2, FENCE=not interp, STATIC=_switch(PERSIST_STATIC, "PORTER_MOE_PERSIST_STATIC") if PERSIST_STATIC is not None or
+            "PORTER_MOE_PERSIST_STATIC" in os.environ else False, USE_PDL=bool(pdl),
             num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
         return y
     K.gemm1_swiglu_kernel[(nblk * n1,)](

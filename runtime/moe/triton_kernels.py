@@ -487,7 +487,7 @@ def one_token_persistent_kernel(
         stride_w2e, stride_w2n, stride_s2e, stride_s2n,
         TOPK: tl.constexpr, WMODE1: tl.constexpr, WMODE2: tl.constexpr, PRESCALED: tl.constexpr,
         BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
-        FENCE: tl.constexpr = True, USE_PDL: tl.constexpr = False):
+        FENCE: tl.constexpr = True, STATIC: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """The whole one-token layer in one launch of a few programs per SM, each taking items in
     claim order until none is left: first every GEMM1 tile (routed slot-major, N tile fastest, as
     gemm1_swiglu_kernel's grid), then every GEMM2 tile (the same order, fused output as in
@@ -504,7 +504,8 @@ def one_token_persistent_kernel(
     sync_ptr: persistent zeroed int32 [1 + 2*TOPK]: the claim counter, then per slot the ready and the
     done counters. The last GEMM2 item of a slot re-zeroes its two counters, and the program whose
     failed claim is the last one (every program makes exactly one) re-zeroes the claim counter, so
-    the next call (stream-ordered) finds them zero. FENCE is off only in the Triton interpreter (no
+    the next call (stream-ordered) finds them zero. STATIC: program p runs items p, p + G, ... in that
+    order instead (no claims); deadlock-free only when all G programs are resident at once. FENCE is off only in the Triton interpreter (no
     inline PTX; it runs programs one after another)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -513,9 +514,15 @@ def one_token_persistent_kernel(
     ticket_ptr = sync_ptr
     ready_ptr = sync_ptr + 1
     done_ptr = sync_ptr + 1 + TOPK
-    item = _claim(ticket_ptr)
+    if STATIC:  # program p runs items p, p + G, ...: no claim atomics, but every program must be resident
+        item = tl.program_id(0)
+    else:
+        item = _claim(ticket_ptr)
     while item < items:
-        nxt = _claim(ticket_ptr)
+        if STATIC:
+            nxt = item + tl.num_programs(0)
+        else:
+            nxt = _claim(ticket_ptr)
         if item < n1_items:
             m = item // NUM_N1
             e, rows, tok, tmask, active = _block_rows(topk_ids_ptr, topk_ids_ptr, m, TOPK, BM, True)
@@ -547,5 +554,6 @@ def one_token_persistent_kernel(
                     tl.store(ready_ptr + m, 0)  # every GEMM2 item of slot m has passed its wait
                     tl.store(done_ptr + m, 0)
         item = nxt
-    if item == items + tl.num_programs(0) - 1:  # the last claim of the call: no program claims again
-        tl.store(ticket_ptr, 0)
+    if not STATIC:
+        if item == items + tl.num_programs(0) - 1:  # the last claim of the call: no program claims again
+            tl.store(ticket_ptr, 0)

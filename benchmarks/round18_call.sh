@@ -10,6 +10,7 @@
 #   layer     the MoE layer table at T = 1, 2, 4, 16, 64 with its bf16 twin
 #   regs      benchmarks/kernel_regs.py: registers and shared memory of the two launches and the persistent kernel
 #   pgrid     PERSIST_ONE_TOKEN False / True at 132, 192, 264 programs, items by claims and statically by program id
+#   pregs     the persistent kernel with 128 / 96 / 80 registers per thread at most, 2-4 programs per SM
 #   OUT=/tmp/out STEPS="pab race1" bash benchmarks/round18_call.sh
 set -u
 OUT=${OUT:-/tmp/r18}
@@ -55,3 +56,16 @@ if has pgrid; then  # the persistent kernel over program counts, claims / static
     done
   done
 fi
+if has pregs; then  # the persistent kernel with a register cap (more programs resident per SM), claims
+  for cap in 128 96 80; do
+    PORTER_MOE_PERSIST_MAXNREG=$cap step pregs_$cap 150 python benchmarks/moe_knob_ab.py --knob PERSIST_PROGRAMS_PER_SM \
+      --values 2,3,4 --tokens 1 --rounds 5 --configs "$T1" --out "$OUT/pregs_$cap.json"
+    grep -E "^T=" "$OUT/pregs_$cap.log" | cut -c1-150 | tail -3
+  done
+  PORTER_MOE_PERSIST_MAXNREG=96 step pregs_96_ab 120 python benchmarks/moe_knob_ab.py --knob PERSIST_ONE_TOKEN --values False,True \
+    --tokens 1 --rounds 5 --kernels --configs "$T1" --out "$OUT/pregs_96_ab.json"
+  grep -E "^T=|kernels" "$OUT/pregs_96_ab.log" | cut -c1-150 | tail -4
+  PORTER_MOE_PERSIST_MAXNREG=96 step pregs_96_regs 120 python benchmarks/kernel_regs.py --configs "$T1"
+  grep persistent "$OUT/pregs_96_regs.log" | cut -c1-80
+fi
+pack round18

@@ -379,6 +379,7 @@ NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per route
 # program for every item, for tests).
 PERSIST_ONE_TOKEN = None
 PERSIST_PROGRAMS_PER_SM = 2
+PERSIST_MAXNREG = None  # a register cap per thread for the persistent kernel (A/B; PORTER_MOE_PERSIST_MAXNREG)
 PERSIST_PROGRAMS = None  # an explicit program count instead (A/B; PORTER_MOE_PERSIST_PROGRAMS)
 PERSIST_STATIC = None  # items by program id instead of claims (A/B, PORTER_MOE_PERSIST_STATIC=1; needs every
 # program resident)
@@ -410,6 +411,11 @@ def _persist_sync(device) -> torch.Tensor:
         buf = torch.zeros(1 + 2 * NOSORT_MAX_SLOTS, dtype=torch.int32, device=device)
         _out_scratch[key] = buf
     return buf
+
+
+def _persist_maxnreg() -> dict:
+    cap = PERSIST_MAXNREG or int(os.environ.get("PORTER_MOE_PERSIST_MAXNREG", 0))
+    return {"maxnreg": cap} if cap else {}
 
 
 def _persist_programs(device, items: int) -> int:
@@ -548,7 +554,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
             TOPK=k, WMODE1=wmode1, WMODE2=wmode2, PRESCALED=quant_x > 0, BM=cfg.bm,
             BN1=cfg.bn1, BK1=cfg.bk1, BN2=cfg.bn2, BK2=cfg.bk2, FENCE=not interp, STATIC=_switch(PERSIST_STATIC, "PORTER_MOE_PERSIST_STATIC") if PERSIST_STATIC is not None or
             "PORTER_MOE_PERSIST_STATIC" in os.environ else False, USE_PDL=bool(pdl),
-            num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
+            num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl, **_persist_maxnreg())
         return y
     K.gemm1_swiglu_kernel[(nblk * n1,)](
         xq, t * h, xscale, w13, s13, p.shift13, p.epi13, p.alpha, p.beta, p.limit,

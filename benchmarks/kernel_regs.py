@@ -1,6 +1,6 @@
 """Registers, spills and shared memory per compiled MoE kernel (what the driver reports after loading) for the
 MoeConfig field lists given, one token at MiniMax-M3 dims with 8 experts (occupancy: 65536 registers and 227 KB
-of shared memory per SM on the H200), with the one-token layer as two launches and as one persistent launch:
+of shared memory per SM on the H200):
   python3 benchmarks/kernel_regs.py --configs "16,32,256,4,3,64,256,4,3;..." """
 from __future__ import annotations
 
@@ -28,10 +28,9 @@ def main():
     x, _, w = decode_problem(1, dev)
     ids = torch.randperm(e, device=dev)[:TOPK][None]  # [1, TOPK] distinct experts of the e
     for c in [tb.MoeConfig(*ast.literal_eval(f"({c},)")) for c in args.configs.split(";") if c]:
-        for persistent in (False, True):
-            tb.fused_moe(p, x, ids, w, RSF, c, persistent=persistent)
+        tb.fused_moe(p, x, ids, w, RSF, c)
     torch.cuda.synchronize()
-    for fn in (K.prep_kernel, K.gemm1_swiglu_kernel, K.gemm2_reduce_kernel, K.one_token_persistent_kernel):
+    for fn in (K.prep_kernel, K.gemm1_swiglu_kernel, K.gemm2_reduce_kernel):
         for cache in fn.device_caches.values():
             for key, k in cache[0].items():
                 print(f"{fn.__name__}: regs {k.n_regs} spills {k.n_spills} warps {k.metadata.num_warps} "

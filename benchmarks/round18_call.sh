@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # H200 calls (round 18): the one-token layer as one persistent launch (one_token_persistent_kernel,
-# PERSIST_ONE_TOKEN) against the two launches. STEPS picks what one call runs (logs to $OUT):
+# PERSIST_ONE_TOKEN) against the two launches. Needs commit 9ce7bc8: the kernel and its switches were taken out
+# again after these measurements (slower than the two launches in every setting; docs/moe-backends.md).
+# STEPS picks what one call runs (logs to $OUT):
 #   pab       benchmarks/moe_knob_ab.py at T = 1: PERSIST_ONE_TOKEN False / True over tiles (the persistent kernel
 #             takes warps and stages from GEMM1's fields), interleaved rounds, per-kernel times
 #   persm     PERSIST_PROGRAMS_PER_SM 1..4 at T = 1 (the persistent kernel on)

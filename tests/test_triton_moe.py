@@ -339,44 +339,6 @@ def test_fused_output_many_calls_at_real_dims(t):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("rebase", [True, False])
-def test_one_token_persistent_kernel_matches_two_launches(rebase, monkeypatch):
-    """The one-token layer in one persistent launch (GEMM2 tiles waiting on their slot's ready counter)
-    against the two launches, at MiniMax-M3's layer dims (8 experts): 100 calls per setting (PDL on / off;
-    1, 2 and 4 programs per SM; one program for every item, which also runs the counters' reset path
-    alone), each within 1e-3 of the two launches (fp32 add order only moves bf16 rounding; a GEMM2 tile
-    that read act before it was ready, or a lost contribution, is ~1e-2 or more). The claim, ready and
-    done counters and the fused output's scratch are zero after the calls."""
-    monkeypatch.setattr(tb, "REBASE_AT_LOAD", rebase)
-    e, h, i, k = 8, 6144, 3072, 4
-    quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"))
-    routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
-    p = tb.TritonMoE(quant, routing).prepared
-    assert p.rebased == rebase
-    x = torch.randn(1, h, device="cuda").to(torch.bfloat16)
-    ids = torch.randperm(e, device="cuda")[:k][None]
-    w = torch.rand(1, k, device="cuda") + 0.1
-    ref = TorchMoE(quant, routing).forward_topk(x, ids, w)
-    base = tb.fused_moe(p, x, ids, w, 2.5, persistent=False).float()
-    assert rel(base, ref) <= REL_TOL
-    sync = tb._persist_sync(x.device)
-    try:
-        for pdl in (True, False):
-            tb.USE_PDL = pdl
-            for per_sm in (0, 1, 2, 4):  # 0: a single program
-                monkeypatch.setattr(tb, "PERSIST_PROGRAMS_PER_SM", per_sm)
-                errs = torch.stack([(tb.fused_moe(p, x, ids, w, 2.5, persistent=True).float() - base).norm()
-                                    / base.norm() for _ in range(100)])  # no sync per call
-                worst = float(errs.max())
-                assert worst < 1e-3, f"pdl={pdl} per_sm={per_sm}: {int((errs > 1e-3).sum())} calls off, worst {worst:.2e}"
-                assert sync.eq(0).all(), f"pdl={pdl} per_sm={per_sm}: counters left {sync.tolist()}"
-                assert_fused_out_scratch_zero(x.device, h)
-    finally:
-        tb.USE_PDL = None
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
 @pytest.mark.parametrize("t", [1, 7, 200])
 def test_in_kernel_alignment_equals_torch_alignment(t):
     e, k = 24, 4
@@ -710,7 +672,6 @@ def test_pdl_and_fused_output_gates_on_cpu():
     assert not tb._pdl_enabled(torch.device("cpu"))
     assert not tb.fp8_prefill_enabled(torch.device("cpu"))
     assert tb.FUSED_OUT_MAX_TOKENS >= 256 and tb.NOSORT_MAX_SLOTS >= 4
-    assert tb._persist_programs(torch.device("cpu"), 768) == 1
 
 
 def test_fp8_prefill_copy_is_skipped_when_it_does_not_fit(monkeypatch):

@@ -374,15 +374,6 @@ def prepare(w13, w13_scale, w2, w2_scale, alpha, beta, limit) -> PreparedMoE:
 _out_scratch: dict = {}
 FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scratch of T x H
 NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per routed slot (BM 16)
-# The one-token layer as one persistent launch (one_token_persistent_kernel) instead of GEMM1 + GEMM2;
-# None: PORTER_MOE_PERSIST env. PERSIST_PROGRAMS_PER_SM programs per SM (PORTER_MOE_PERSIST_PER_SM; 0: one
-# program for every item, for tests).
-PERSIST_ONE_TOKEN = None
-PERSIST_PROGRAMS_PER_SM = 2
-PERSIST_MAXNREG = None  # a register cap per thread for the persistent kernel (A/B; PORTER_MOE_PERSIST_MAXNREG)
-PERSIST_PROGRAMS = None  # an explicit program count instead (A/B; PORTER_MOE_PERSIST_PROGRAMS)
-PERSIST_STATIC = None  # items by program id instead of claims (A/B, PORTER_MOE_PERSIST_STATIC=1; needs every
-# program resident)
 USE_PDL = None  # programmatic dependent launch of the GEMMs (SM90+); None: PORTER_MOE_PDL env, default on
 
 
@@ -399,33 +390,6 @@ def _fused_out_scratch(device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]
                torch.zeros(FUSED_OUT_MAX_TOKENS * ((hidden + 15) // 16), dtype=torch.int32, device=device))
         _out_scratch[key] = buf
     return buf
-
-
-def _persist_sync(device) -> torch.Tensor:
-    """Persistent zeroed int32 [1 + 2 * NOSORT_MAX_SLOTS] of the one-token persistent kernel: claim counter,
-    per-slot ready and done counters (kept zeroed by the kernel itself; allocated once per device so
-    captured CUDA graphs stay valid)."""
-    key = ("persist", str(device))
-    buf = _out_scratch.get(key)
-    if buf is None:
-        buf = torch.zeros(1 + 2 * NOSORT_MAX_SLOTS, dtype=torch.int32, device=device)
-        _out_scratch[key] = buf
-    return buf
-
-
-def _persist_maxnreg() -> dict:
-    cap = PERSIST_MAXNREG or int(os.environ.get("PORTER_MOE_PERSIST_MAXNREG", 0))
-    return {"maxnreg": cap} if cap else {}
-
-
-def _persist_programs(device, items: int) -> int:
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return 1
-    programs = PERSIST_PROGRAMS or int(os.environ.get("PORTER_MOE_PERSIST_PROGRAMS", 0))
-    if programs:
-        return min(items, programs)
-    per_sm = int(os.environ.get("PORTER_MOE_PERSIST_PER_SM", PERSIST_PROGRAMS_PER_SM))
-    return max(1, min(items, per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
 
 
 def _switch(flag: Optional[bool], env: str) -> bool:
@@ -448,7 +412,7 @@ def fp8_prefill_enabled(device) -> bool:
 
 def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               routed_scaling_factor: float, cfg: MoeConfig | None = None, nosort: bool | None = None,
-              fused_out: bool | None = None, persistent: bool | None = None) -> torch.Tensor:
+              fused_out: bool | None = None) -> torch.Tensor:
     """hidden [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in hidden's dtype.
 
     Paths (launches): NOSORT for T*k <= NOSORT_MAX_SLOTS: [prescale], GEMM1, GEMM2 writing the
@@ -457,8 +421,8 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     zeroing), GEMM1, [FP8: act quantize], GEMM2 (atomics), cast. nosort / fused_out override the
     choice (tests, A/B); fused_out is honoured on the NOSORT path only (see below); cfg.fp8 runs
     the sorted path. (Both GEMMs of the one-token layer in one launch, GEMM2 tiles waiting on counters
-    for their GEMM1 tiles, measured slower on the H200 - T=1 79.5-83.4 vs 70-71 us - and was removed;
-    docs/moe-backends.md.)"""
+    for their GEMM1 tiles, measured slower on the H200 - T=1 79.5-83.4 vs 70-71 us; as a persistent kernel
+    71.6-72.4 vs 65.5-66.2 us - and was removed both times; docs/moe-backends.md.)"""
     from runtime.moe import triton_kernels as K
     t, h = hidden.shape
     k = topk_ids.shape[1]
@@ -541,21 +505,6 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     act_dtype = torch.float16 if p.fp16_2 and not fp8 else torch.bfloat16
     act = torch.empty((maxp, inter), dtype=act_dtype, device=dev)
     n1 = inter // cfg.bn1
-    n2 = h // cfg.bn2
-    persistent = (fused_out and t == 1 and not fp8 and
-                  _switch(PERSIST_ONE_TOKEN if persistent is None else persistent, "PORTER_MOE_PERSIST"))
-    if persistent:
-        interp = os.environ.get("TRITON_INTERPRET") == "1"
-        K.one_token_persistent_kernel[(_persist_programs(dev, k * (n1 + n2)),)](
-            xq, xscale, w13, s13, p.shift13, p.epi13, p.alpha, p.beta, p.limit,
-            act, w2, s2, p.shift2, p.epi2, topk_ids, topk_w, out, y, out_counts, _persist_sync(dev),
-            h, inter, e, float(routed_scaling_factor), n1, n2,
-            xq.stride(1), w13.stride(0), w13.stride(1), *ss13, w2.stride(0), w2.stride(1), *ss2,
-            TOPK=k, WMODE1=wmode1, WMODE2=wmode2, PRESCALED=quant_x > 0, BM=cfg.bm,
-            BN1=cfg.bn1, BK1=cfg.bk1, BN2=cfg.bn2, BK2=cfg.bk2, FENCE=not interp, STATIC=_switch(PERSIST_STATIC, "PORTER_MOE_PERSIST_STATIC") if PERSIST_STATIC is not None or
-            "PORTER_MOE_PERSIST_STATIC" in os.environ else False, USE_PDL=bool(pdl),
-            num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl, **_persist_maxnreg())
-        return y
     K.gemm1_swiglu_kernel[(nblk * n1,)](
         xq, t * h, xscale, w13, s13, p.shift13, p.epi13, p.alpha, p.beta, p.limit,
         sorted_ids, expert_ids, act, n, h, inter, e, n1,
@@ -572,6 +521,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         act = aq
     else:
         act, ascale = act[None], xscale
+    n2 = h // cfg.bn2
     K.gemm2_reduce_kernel[(nblk * n2,)](
         act, maxp * inter, ascale, w2, s2, p.shift2, p.epi2, topk_w, out, sorted_ids, expert_ids,
         n, inter, h, e, float(routed_scaling_factor), n2,

@@ -404,11 +404,9 @@ def _gemm2_tile(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, 
                 pid_n, e, rows, tok, tmask, K, HID, rsf, NUM_N,
                 stride_we, stride_wn, stride_se, stride_sn,
                 TOPK: tl.constexpr, WMODE: tl.constexpr, TERMS: tl.constexpr, SWAP: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, y_ptr, count_ptr, FUSED_OUT: tl.constexpr,
-                FENCE: tl.constexpr = True):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, y_ptr, count_ptr, FUSED_OUT: tl.constexpr):
     """One program's tile of gemm2_reduce_kernel: GEMM2, routing weight and the top-k reduce by atomics
-    (FUSED_OUT: plus the last arriver's output write, see gemm2_reduce_kernel; FENCE off only in the
-    Triton interpreter, which has no inline PTX)."""
+    (FUSED_OUT: plus the last arriver's output write, see gemm2_reduce_kernel)."""
     e64 = e.to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     a_ptrs, w_ptrs, s_ptrs = _operand_ptrs(act_ptr, rows.to(tl.int64), K, w_ptr, s_ptr, e64, offs_n,
@@ -425,15 +423,13 @@ def _gemm2_tile(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, 
     o_ptrs = out_ptr + trow[:, None] * HID + offs_n[None, :]
     tl.atomic_add(o_ptrs, acc, mask=tmask[:, None], sem="relaxed")
     if FUSED_OUT:
-        if FENCE:
-            _fence_gpu()
+        _fence_gpu()
         tl.debug_barrier()
         c_ptrs = count_ptr + trow * NUM_N + pid_n
         arrived = tl.atomic_add(c_ptrs, 1, mask=tmask, sem="acq_rel")
         last = tmask & (arrived == TOPK - 1)
         tl.debug_barrier()  # the acquiring threads' view is shared before any thread reads rows
-        if FENCE:
-            _fence_gpu()
+        _fence_gpu()
         if tl.max(last.to(tl.int32), axis=0) > 0:
             v = tl.load(o_ptrs, mask=last[:, None], other=0.0, cache_modifier=".cg")
             y_ptrs = y_ptr + trow[:, None] * HID + offs_n[None, :]
@@ -469,91 +465,3 @@ def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, e
     _gemm2_tile(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, topk_w_ptr, out_ptr,
                 pid_n, e, rows, tok, tmask, K, HID, rsf, NUM_N, stride_we, stride_wn, stride_se, stride_sn,
                 TOPK, WMODE, TERMS, SWAP, BM, BN, BK, y_ptr, count_ptr, FUSED_OUT)
-
-
-@triton.jit
-def _claim(ticket_ptr):
-    """The next item index of the persistent one-token kernel (relaxed: only its uniqueness and the
-    claim order matter, not any data it publishes)."""
-    return tl.atomic_add(ticket_ptr, 1, sem="relaxed")
-
-
-@triton.jit
-def one_token_persistent_kernel(
-        x_ptr, xscale_ptr, w13_ptr, s13_ptr, shift13_ptr, epi13_ptr, alpha_ptr, beta_ptr, limit_ptr,
-        act_ptr, w2_ptr, s2_ptr, shift2_ptr, epi2_ptr, topk_ids_ptr, topk_w_ptr, out_ptr, y_ptr, count_ptr,
-        sync_ptr, H, INTER, E, rsf, NUM_N1, NUM_N2,
-        stride_xm, stride_w13e, stride_w13n, stride_s13e, stride_s13n,
-        stride_w2e, stride_w2n, stride_s2e, stride_s2n,
-        TOPK: tl.constexpr, WMODE1: tl.constexpr, WMODE2: tl.constexpr, PRESCALED: tl.constexpr,
-        BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
-        FENCE: tl.constexpr = True, STATIC: tl.constexpr = False, USE_PDL: tl.constexpr = False):
-    """The whole one-token layer in one launch of a few programs per SM, each taking items in
-    claim order until none is left: first every GEMM1 tile (routed slot-major, N tile fastest, as
-    gemm1_swiglu_kernel's grid), then every GEMM2 tile (the same order, fused output as in
-    gemm2_reduce_kernel). A GEMM1 item publishes its act columns by bumping its slot's ready counter
-    (release, after a gpu fence by every thread and a CTA barrier); a GEMM2 item of slot m waits until
-    that counter reaches NUM_N1 (acquire). The order makes the waits short: slot 0's GEMM1 tiles are
-    claimed first, so while the last slots' GEMM1 tiles stream, programs already run the first
-    slots' GEMM2 tiles and no kernel boundary (ramp-down, launch, ramp-up) sits between the GEMMs.
-
-    Deadlock-free for any grid: a program claims its next item while it runs the current one, and an
-    item only waits on items with smaller claims; the smallest unfinished item is always being run by
-    its program, and everything it waits on is finished.
-
-    sync_ptr: persistent zeroed int32 [1 + 2*TOPK]: the claim counter, then per slot the ready and the
-    done counters. The last GEMM2 item of a slot re-zeroes its two counters, and the program whose
-    failed claim is the last one (every program makes exactly one) re-zeroes the claim counter, so
-    the next call (stream-ordered) finds them zero. STATIC: program p runs items p, p + G, ... in that
-    order instead (no claims); deadlock-free only when all G programs are resident at once. FENCE is off only in the Triton interpreter (no
-    inline PTX; it runs programs one after another)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    n1_items = TOPK * NUM_N1
-    items = n1_items + TOPK * NUM_N2
-    ticket_ptr = sync_ptr
-    ready_ptr = sync_ptr + 1
-    done_ptr = sync_ptr + 1 + TOPK
-    if STATIC:  # program p runs items p, p + G, ...: no claim atomics, but every program must be resident
-        item = tl.program_id(0)
-    else:
-        item = _claim(ticket_ptr)
-    while item < items:
-        if STATIC:
-            nxt = item + tl.num_programs(0)
-        else:
-            nxt = _claim(ticket_ptr)
-        if item < n1_items:
-            m = item // NUM_N1
-            e, rows, tok, tmask, active = _block_rows(topk_ids_ptr, topk_ids_ptr, m, TOPK, BM, True)
-            if active & (e < E):
-                _gemm1_tile(x_ptr, 0, xscale_ptr, stride_xm, w13_ptr, s13_ptr, shift13_ptr, epi13_ptr,
-                            alpha_ptr, beta_ptr, limit_ptr, act_ptr, item % NUM_N1, e, rows, tok, tmask, H,
-                            INTER, stride_w13e, stride_w13n, stride_s13e, stride_s13n,
-                            TOPK, WMODE1, PRESCALED, 1, False, BM, BN1, BK1)
-                if FENCE:
-                    _fence_gpu()
-                tl.debug_barrier()  # every thread's act stores are fenced before the release
-                tl.atomic_add(ready_ptr + m, 1, sem="release")
-        else:
-            j = item - n1_items
-            m = j // NUM_N2
-            e, rows, tok, tmask, active = _block_rows(topk_ids_ptr, topk_ids_ptr, m, TOPK, BM, True)
-            if active & (e < E):
-                ready = tl.atomic_add(ready_ptr + m, 0, sem="acquire")
-                while ready < NUM_N1:
-                    ready = tl.atomic_add(ready_ptr + m, 0, sem="acquire")
-                tl.debug_barrier()
-                if FENCE:
-                    _fence_gpu()
-                _gemm2_tile(act_ptr, 0, xscale_ptr, w2_ptr, s2_ptr, shift2_ptr, epi2_ptr, topk_w_ptr, out_ptr,
-                            j % NUM_N2, e, rows, tok, tmask, INTER, H, rsf, NUM_N2,
-                            stride_w2e, stride_w2n, stride_s2e, stride_s2n,
-                            TOPK, WMODE2, 1, False, BM, BN2, BK2, y_ptr, count_ptr, True, FENCE)
-                if tl.atomic_add(done_ptr + m, 1, sem="relaxed") == NUM_N2 - 1:
-                    tl.store(ready_ptr + m, 0)  # every GEMM2 item of slot m has passed its wait
-                    tl.store(done_ptr + m, 0)
-        item = nxt
-    if not STATIC:
-        if item == items + tl.num_programs(0) - 1:  # the last claim of the call: no program claims again
-            tl.store(ticket_ptr, 0)

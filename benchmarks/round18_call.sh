@@ -9,7 +9,7 @@
 #   race1     benchmarks/fused_out_race.py at one token: every output tile of 2000 calls per weight layout and PDL
 #             setting against the unfused two launches
 #   moetests  tests/test_triton_moe.py on the GPU
-#   layer     the MoE layer table at T = 1, 2, 4, 16, 64 with its bf16 twin
+#   layer     the MoE layer table (every T of moe_layer.py) with its bf16 twin and torch._grouped_mm
 #   regs      benchmarks/kernel_regs.py: registers and shared memory of the two launches and the persistent kernel
 #   pgrid     PERSIST_ONE_TOKEN False / True at 132, 192, 264 programs, items by claims and statically by program id
 #   pregs     the persistent kernel with 128 / 96 / 80 registers per thread at most, 2-4 programs per SM
@@ -41,7 +41,7 @@ if has moetests; then
   grep -E "passed|failed|^FAILED|^E  " "$OUT/moe_tests.log" | head -16
 fi
 if has layer; then
-  step layer 240 python benchmarks/moe_layer.py --out "$OUT" --tag _round18 --tokens 1,2,4,16,64
+  step layer 400 python benchmarks/moe_layer.py --out "$OUT" --tag _round18
   grep -E "^T=|GPU|bandwidth" "$OUT/layer.log" | cut -c1-200 | head -30
 fi
 if has regs; then

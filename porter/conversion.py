@@ -210,7 +210,7 @@ def describe_plan(plan: Plan, out: Path, estimate: dict) -> dict:
              "%.3f GB, capped by --max-memory %.2f GB) + %.3f scale arrays + %.3f hash read-back buffers + %.3f margin",
              estimate["total"] / 1e9, estimate["base"] / 1e9, estimate["inflight"] / 1e9, estimate["workers"],
              estimate["unit"] / 1e9, estimate["max_memory"] / 1e9, estimate["scales"] / 1e9,
-             estimate["readback"] / 1e9, pipeline.ESTIMATE_MARGIN_BYTES / 1e9)
+             estimate["readback"] / 1e9, estimate["margin"] / 1e9)
     return {"dry_run": True, "shards": [(f, sum(e.nbytes for e in es)) for f, es in plan.shards],
             "quantized": [t.name for t in q], "output_bytes": plan.output_bytes,
             "peak_bytes_estimate": estimate["total"], "memory_estimate": estimate,

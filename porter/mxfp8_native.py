@@ -40,7 +40,7 @@ log = logging.getLogger("porter")
 SOURCE = Path(__file__).with_name("mxfp8_cpu.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off")
 FALLBACK_FLAGS = tuple(f for f in FLAGS if f != "-march=native")  # a compiler without -march=native
-DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # the dtypes it takes -> the C function's dtype code
+_DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # the dtypes it takes -> the C function's dtype code
 _state = {"fn": None, "tried": False, "why": ""}
 _lock = threading.Lock()
 
@@ -151,9 +151,15 @@ def reason() -> str:
     return "disabled by PORTER_CPU_QUANTIZE=torch" if not enabled() else _state["why"]
 
 
+def takes(dtype: torch.dtype, last_dim: int) -> bool:
+    """Whether the C quantizer (built, or loaded from porter's cache, here) quantizes tensors of this dtype and
+    last dimension: the rule behind supports, also for a plan's tensors before any is read."""
+    return dtype in _DTYPES and last_dim % BLOCK == 0 and function() is not None
+
+
 def supports(w: torch.Tensor, keep_scale=None) -> bool:
-    return (keep_scale is None and w.device.type == "cpu" and w.dtype in DTYPES and w.numel() > 0
-            and w.is_contiguous() and w.shape[-1] % BLOCK == 0 and function() is not None)
+    return (keep_scale is None and w.device.type == "cpu" and w.numel() > 0 and w.is_contiguous()
+            and takes(w.dtype, w.shape[-1]))
 
 
 def quantize_blocks(w: torch.Tensor, rounding: str, with_error: bool):
@@ -163,7 +169,7 @@ def quantize_blocks(w: torch.Tensor, rounding: str, with_error: bool):
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
     byte = torch.empty((*w.shape[:-1], w.shape[-1] // BLOCK), dtype=torch.uint8)
     stats = torch.empty(nb, 3) if with_error else None  # [NB, 3] fp32
-    bad = function()(w.data_ptr(), DTYPES[w.dtype], nb, int(rounding == "floor"), q.data_ptr(),
+    bad = function()(w.data_ptr(), _DTYPES[w.dtype], nb, int(rounding == "floor"), q.data_ptr(),
                      byte.data_ptr(), stats.data_ptr() if with_error else None)
     if bad:
         return None

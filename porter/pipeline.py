@@ -220,17 +220,17 @@ def quant_sizes(workers: int) -> tuple[int, Optional[int]]:
     return MANY_WORKERS_QUANT_ELEMS, MANY_WORKERS_QUANT_ELEMS // mxfp8.BLOCK
 
 
-def unit_costs(t: OutTensor, device: torch.device, workers: int = 1, meta: Optional[dict] = None) -> tuple[int, int]:
+def unit_costs(t: OutTensor, device: torch.device, workers: int, meta: dict) -> tuple[int, int]:
     """(working set, output bytes) of one unit of t (one expert, or the whole tensor), in bytes. meta: the
-    source's stored_meta (None: assume the torch quantizer and a builder that copies what it reads)."""
+    source's stored_meta (a source it lacks counts as a builder copy and the torch quantizer)."""
     src = _src_bytes(t)
     read = src if device.type == "cpu" and src > SLAB_MAX_BYTES else 0  # reads live in the worker's slab
     # (memory_estimate counts the slabs), except CPU reads too large for one
     if not t.quantize:
         return read, src  # the value: the read itself, or a copy a builder makes of it
-    copied = src if meta is None or builder_copies(t, meta) else 0  # e.g. uninterleaving a fused gate_up
+    copied = src if builder_copies(t, meta) else 0  # e.g. uninterleaving a fused gate_up
     chunk = min(src // t.dtype.itemsize, quant_sizes(workers)[0])
-    native = meta is not None and native_quantizes(t, meta)
+    native = native_quantizes(t, meta)
     work = (NATIVE_WORK_BYTES_PER_ELEM if native else TORCH_WORK_BYTES_PER_ELEM) * chunk  # CPU quantize call
     out = chunk + chunk // mxfp8.BLOCK  # its q and scale bytes
     if device.type == "cpu":
@@ -262,12 +262,10 @@ def builder_copies(t: OutTensor, meta: dict) -> bool:
 
 
 def native_quantizes(t: OutTensor, meta: dict) -> bool:
-    """Whether the CPU path quantizes t with the compiled C quantizer (porter.mxfp8_native; built, or loaded
-    from porter's cache, here): t's dtype is one it takes and every source is stored as it is read
-    (stored_meta leaves out pre-quantized weights, whose kept scale bytes only the torch path takes)."""
-    if t.dtype not in mxfp8_native.DTYPES or t.shape[-1] % mxfp8.BLOCK:
-        return False
-    return all(s in meta for s in t.sources) and mxfp8_native.function() is not None
+    """Whether the CPU path quantizes t with the compiled C quantizer (porter.mxfp8_native.takes): t's dtype
+    and shape are ones it takes and every source is stored as it is read (stored_meta leaves out pre-quantized
+    weights, whose kept scale bytes only the torch path takes)."""
+    return all(s in meta for s in t.sources) and mxfp8_native.takes(t.dtype, t.shape[-1])
 
 
 def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], device: torch.device,
@@ -393,8 +391,8 @@ def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.devic
         base += workers * max((r for r in reads if r <= SLAB_MAX_BYTES), default=0)
     inflight = max(unit, min(workers * unit, budget_for(max_memory, base, scales + readback)))
     return {"base": base, "unit": unit, "workers": workers, "inflight": inflight, "scales": scales,
-            "readback": readback, "total": base + inflight + scales + readback + ESTIMATE_MARGIN_BYTES,
-            "max_memory": max_memory}
+            "readback": readback, "margin": ESTIMATE_MARGIN_BYTES,
+            "total": base + inflight + scales + readback + ESTIMATE_MARGIN_BYTES, "max_memory": max_memory}
 
 
 def scale_array_bytes(t: OutTensor) -> int:

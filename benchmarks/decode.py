@@ -13,26 +13,24 @@ converts it with porter.convert, loads it on the GPU and times, per layer kind:
   * prefill of a 4096-token prompt (eager, per layer).
 
 and projects the full model (3 dense + 57 MoE layers + lm_head at vocab 200064) in tokens/s next to the
-published figures. Writes JSON + markdown to --out.
+published figures. Writes decode_<gpu>.json and .md to --out.
 
-    python benchmarks/decode.py --workdir /tmp/m3-decode --out benchmarks/results
+    python benchmarks/decode.py --layers 2 --experts 8 [--workdir /tmp/m3-decode] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import DEFAULT_OUT, copy_bandwidth, environment, environment_line, write_results  # noqa: E402
+from common import mean_ms as timed  # noqa: E402
 import porter  # noqa: E402
 import runtime  # noqa: E402
 import runtime.models.minimax_m3 as m3  # noqa: E402
@@ -84,42 +82,6 @@ def cache_bytes(cfg, layer, batch: int, kv: int) -> int:
         return batch * kv * per_tok
     sel = min(kv + 1, cfg.index_topk_blocks * cfg.index_block_size)
     return batch * (sel * per_tok + kv * cfg.index_head_dim * 2)
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    t = timed(lambda: y.copy_(x), iters=20, graph=False)
-    return 2 * x.numel() / (t / 1e3)  # bytes/s (read + write)
-
-
-def timed(fn, iters: int = 50, graph: bool = True) -> float:
-    """ms per call; graph=True captures fn once and replays it."""
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    else:
-        run = fn
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def filled_cache(model, batch: int, kv: int, extra: int = 128):
@@ -274,7 +236,7 @@ def project(rows: list, head_ms: float) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="/tmp/m3-decode")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="folder for decode_<gpu>.json and .md")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--scopes", default="experts,all", help="porter convert --quantize scopes to measure")
@@ -291,16 +253,11 @@ def main():
         build_tiny_checkpoint(src, layout="vendor", seed=0, text_overrides=overrides)
         log.info("built real-dims checkpoint in %.0f s", time.time() - t)
     bw = copy_bandwidth()
-    gpu = torch.cuda.get_device_name()
-    doc = {"gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
-           "copy_bandwidth_TBps": bw / 1e12, "layers": args.layers, "experts": args.experts, "scopes": {}}
-    try:
-        import triton
-        doc["triton"] = triton.__version__
-    except ImportError:
-        pass
-    lines = [f"# Decode at real dims — {gpu}", "",
-             f"torch {torch.__version__}, triton {doc.get('triton')}; measured copy bandwidth "
+    env = environment()
+    gpu = env["gpu"]
+    doc = {**env, "copy_bandwidth_TBps": bw / 1e12, "layers": args.layers, "experts": args.experts, "scopes": {}}
+    lines = [f"# Decode at real dims — {gpu}", "", environment_line(env) + ".", "",
+             "Measured copy bandwidth "
              f"{bw / 1e12:.2f} TB/s (floor = bytes / that). Synthetic checkpoint: {args.layers} layers "
              f"(layer 0 dense attention + dense MLP, the rest sparse attention + MoE), {args.experts} experts "
              "top-4, real layer dims. ms = CUDA-graph replay of one layer's decode step; eager = the same "
@@ -382,12 +339,7 @@ def main():
         doc["scopes"][scope] = res
         del model
         torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "decode_" + gpu.replace(" ", "_")
-    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, "decode_" + gpu.replace(" ", "_"), doc, lines)
 
 
 if __name__ == "__main__":

@@ -1,36 +1,32 @@
-"""One MiniMax-M3 routed-MoE layer on one GPU: the Triton MXFP8 backend against its own bf16-weight
-twin (same kernels, weights dequantized to bf16 once), torch._grouped_mm on bf16 weights (what a user
-without porter runs) and the torch reference backend.
+"""One MiniMax-M3 routed-MoE layer on one GPU, Triton MXFP8 backend, against its bytes and FP8 floors.
 
-Per token count T: time of the shipped path (CUDA-graph replay median; eager median too), the weight +
-scale bytes the layer touches (distinct routed experts x expert bytes), TB/s, the ratio to the bytes
-floor (touched bytes / bf16 streaming read bandwidth measured in this run), the FP8 compute floor
-(2 * T * top_k * 3 * H * I FLOPs at the H200 datasheet's dense fp8 rate), speed-ups over the bf16
-twin, torch._grouped_mm and torch; for T >= 256 both prefill paths (W8A16 and FP8) with their errors.
-Writes moe_layer[<tag>]_<gpu>.json and .md into --out (default benchmarks/results/). Each time is
-given twice: replayed from an idle GPU (graph launch latency included) and queued behind GPU work
-(GPU time only, as inside a decode step; graph_time_queued_us).
+Compared with its own bf16-weight twin (same kernels, weights dequantized to bf16 once), torch._grouped_mm
+on bf16 weights (what a user without porter runs) and the torch reference backend.
 
-  python3 benchmarks/moe_layer.py [--out DIR] [--tag _round5] [--tokens 1,4,...] [--sweep] [--profile 1,4096]
+Per token count T: CUDA-graph replay median of the shipped path, timed from an idle GPU (graph launch
+latency included) and queued behind GPU work (GPU time only, as inside a decode step); the weight + scale
+bytes the layer touches (distinct routed experts x expert bytes); the bytes floor (touched bytes / bf16
+streaming read bandwidth measured in this run); the FP8 compute floor (2 * T * top_k * 3 * H * I FLOPs at
+the H200 datasheet's dense fp8 rate); speed-ups over the bf16 twin, torch._grouped_mm and torch; for
+T >= 256 both prefill paths (W8A16 and FP8) with their errors. Writes moe_layer_<gpu>.json and .md.
 
---sweep also times alternative tile configs per T and reports the best (tuning aid).
+  python benchmarks/moe_layer.py [--out DIR] [--tokens 1,4,...] [--profile 1,4096]
 """
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import platform
-import statistics
 import sys
 import time
 from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from common import (DEFAULT_OUT, environment, environment_line, event_time_us, graph_time_queued_us,  # noqa: E402
+                    graph_time_us, write_results as write_files)
 from porter import mxfp8  # noqa: E402
 from runtime.moe import triton_backend as tb  # noqa: E402
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params  # noqa: E402
@@ -79,20 +75,6 @@ def read_kernel():
 EXPERT_BYTES = (2 * I * H + H * I) * (mxfp8.BLOCK + 1) // mxfp8.BLOCK  # w13 + w2 e4m3 bytes + one scale byte per 32
 
 
-def random_quant(dev, experts: int, sigma: float = 0.02) -> MoeQuantInfo:
-    """`experts` random Gaussian MXFP8 experts at MiniMax-M3's H and I (porter.mxfp8, rceil) with MiniMax-M3's
-    SwiGLU-OAI parameters; prepare_quant makes the backend's PreparedMoE of them."""
-    q13, s13 = mxfp8.quantize(torch.randn(experts, 2 * I, H, device=dev) * sigma)  # [E, 2I, H]
-    q2, s2 = mxfp8.quantize(torch.randn(experts, H, I, device=dev) * sigma)  # [E, H, I]
-    return MoeQuantInfo(q13, s13, q2, s2, **make_swiglu_params(experts, ALPHA, BETA, LIMIT, dev))
-
-
-def prepare_quant(q: MoeQuantInfo) -> "tb.PreparedMoE":
-    """triton_backend.prepare of q's tensors (the layout REBASE_AT_LOAD picks)."""
-    return tb.prepare(q.w13_weight, q.w13_weight_scale, q.w2_weight, q.w2_weight_scale,
-                      q.gemm1_alpha, q.gemm1_beta, q.gemm1_clamp_limit)
-
-
 def build_layer(dev):
     """(TritonMoE on build_weights' experts, its TorchMoE reference, the bf16-weight twin's PreparedMoE,
     (b13, b2) bf16 weights) with MiniMax-M3's SwiGLU-OAI parameters and a random router."""
@@ -135,65 +117,13 @@ def stream_bandwidth(dev) -> dict:
     return res
 
 
-BUSY_CYCLES = 200_000  # ~100 us of GPU spin queued ahead of each timed replay (see graph_time_queued_us)
-
-
-def capture_graph(calls: list):
-    """A CUDA graph of the callables run back to back: 3 warm-up runs on a side stream, capture, 5 replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            for c in calls:
-                c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    for _ in range(5):
-        g.replay()
-    return g
-
-
-def graph_time_us(fn, reps=60, calls=None, busy_cycles=0) -> float:
-    """Median of per-replay event timings of a CUDA graph of fn (launch gaps between the kernels
-    of one call are included; CPU launch cost is not). calls: a list of callables captured back to
-    back in one graph instead of fn (e.g. one layer per set of routed experts, so no layer finds its
-    weights in L2); the median is divided by their number. busy_cycles: GPU spin queued ahead of
-    each timed replay (see graph_time_queued_us)."""
-    calls = calls or [fn]
-    g = capture_graph(calls)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if busy_cycles:
-            torch.cuda._sleep(busy_cycles)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return statistics.median(times)
-
-
-def graph_time_queued_us(fn, reps=60, calls=None) -> float:
-    """graph_time_us with each timed replay queued behind a ~100 us GPU spin (torch.cuda._sleep), so
-    the CPU's graph launch finishes while the GPU is still busy and the timing holds GPU time only:
-    how the layer runs inside a decode step, where the CPU runs ahead of the GPU. graph_time_us alone
-    starts timing on an idle GPU and so adds the graph launch latency (several us) to every layer."""
-    return graph_time_us(fn, reps, calls, BUSY_CYCLES)
-
-
 TIMING_ROUNDS = 2
 
 
 def timed_rounds(fn, twin, rounds=TIMING_ROUNDS) -> tuple:
     """(idle, twin idle, queued, twin queued, the rounds): the layer and its bf16 twin timed the same way, in
-    interleaved rounds, each figure the best round's median. One idle timing of the MXFP8 layer taken right
-    after its path choice (after the torch reference) read 80-100 us above its queued time at T=16 in rounds
-    10-12 while its twin's read 3-15 above (benchmarks/moe_idle_probe.py, interleaved: both 8-30 above), so
-    neither side's figure comes from a single timing that follows other work."""
+    interleaved rounds, each figure the best round's median. A single idle timing right after other GPU work
+    (the path choice, the torch reference) can read tens of us high, so no figure comes from one."""
     runs = []
     for _ in range(rounds):
         runs.append({"us": graph_time_us(fn), "us_bf16": graph_time_us(twin),
@@ -202,60 +132,9 @@ def timed_rounds(fn, twin, rounds=TIMING_ROUNDS) -> tuple:
     return best["us"], best["us_bf16"], best["us_queued"], best["us_bf16_queued"], runs
 
 
-def kernel_times(fn, calls=10) -> dict:
-    """Mean device time per call (us) of the MoE kernels by name prefix (torch.profiler), plus
-    'other': elementwise kernels and memsets, 'all': every kernel (the sort of the sorted path too)."""
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    res = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0)) / calls
-        for key in ("gemm1", "gemm2", "prep", "quant_rows"):
-            if ev.key.startswith(key):
-                res[key] = us
-        if "elementwise" in ev.key or "Memset" in ev.key:
-            res["other"] = res.get("other", 0) + us
-        res["all"] = res.get("all", 0) + us
-    return res
-
-
 def eager_time_us(fn, reps=30) -> float:
     import triton
     return triton.testing.do_bench(fn, warmup=20, rep=max(50, reps), return_mode="median") * 1e3
-
-
-def torch_time_us(fn, reps) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
-def sweep_candidates(t: int) -> list[tb.MoeConfig]:
-    """Alternatives to default_config: decode tile shapes (N split finer, deeper pipelines, BK) and
-    FP8 prefill tiles."""
-    C = tb.MoeConfig
-    if t <= 4:
-        return [C(16, 16, 256, 4, 3, 64, 256, 4, 3), C(16, 32, 512, 4, 3, 64, 512, 4, 3),
-                C(16, 32, 128, 4, 6, 64, 128, 4, 6), C(16, 32, 256, 2, 3, 32, 256, 2, 3),
-                C(16, 16, 512, 4, 4, 64, 512, 4, 4)]
-    if t < 256:
-        return []
-    return [C(128, 64, 128, 8, 3, 128, 128, 8, 3, fp8=2), C(64, 128, 128, 8, 4, 256, 128, 8, 4, fp8=2),
-            C(64, 64, 128, 4, 4, 128, 128, 4, 4, fp8=2)]
 
 
 def grouped_mm_moe(x, ids, w, b13t, b2t, limit):
@@ -283,7 +162,7 @@ def time_any(fn) -> float:
     except Exception as ex:  # reported: a capture failure means the eager number is used
         print(f"  graph capture failed ({type(ex).__name__}: {str(ex)[:120]}); eager timing", flush=True)
         torch.cuda.synchronize()
-        return torch_time_us(fn, 20)
+        return event_time_us(fn, 20)
 
 
 def scaled_mm_us(m: int, k: int, n: int, dev) -> float:
@@ -303,24 +182,17 @@ def fp8_matmul_rate(dev) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--tokens", default="1,4,16,64,256,1024,4096")
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--torch-reps", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="folder for moe_layer_<gpu>.json and .md")
+    ap.add_argument("--tokens", default="1,4,16,64,256,1024,4096", help="token counts T, comma list")
+    ap.add_argument("--torch-reps", type=int, default=3, help="timed calls of the (slow) torch reference")
     ap.add_argument("--profile", default="", help="comma list of T: per-kernel CUDA times (torch.profiler)")
-    ap.add_argument("--tag", default="", help="suffix of the result file names (moe_layer<tag>_<gpu>.json/.md)")
-    ap.add_argument("--fp8-tile-from", default="", help="bench_ab json: the FP8 tile of its fastest fp8x2 row "
-                    "at its largest T replaces default_config's")
     args = ap.parse_args()
-    import triton
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
-    meta = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-            "triton": triton.__version__, "python": platform.python_version(),
+    meta = {**environment(), "sms": props.multi_processor_count,
             "shape": {"E": E, "H": H, "I": I, "top_k": TOPK}, "goals": GOALS}
-    print(f"GPU {props.name} ({props.multi_processor_count} SMs) torch {torch.__version__} "
-          f"triton {triton.__version__}", flush=True)
+    print(environment_line(meta), flush=True)
     bw = stream_bandwidth(dev)
     meta["stream_bandwidth_Bps"] = bw
     print("bandwidth (TB/s): " + ", ".join(f"{k} {v / 1e12:.3f}" for k, v in bw.items()), flush=True)
@@ -340,16 +212,6 @@ def main():
         print(f"fp8 rate not measured: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
     b13t, b2t = b13.transpose(1, 2), b2.transpose(1, 2)  # [E, H, 2I], [E, I, H] views (K-major weights)
     limit_t = torch.tensor(LIMIT, device=dev)
-    fp8_tile = None
-    if args.fp8_tile_from and os.path.exists(args.fp8_tile_from):
-        ab = [r for r in json.load(open(args.fp8_tile_from)) if str(r.get("name", "")).startswith("fp8x2")]
-        if ab:
-            big = max(r["T"] for r in ab)
-            best = min((r for r in ab if r["T"] == big), key=lambda r: r["us"])
-            fp8_tile = tb.MoeConfig(**best["cfg"])
-            meta["fp8_tile"] = {"from": args.fp8_tile_from, "T": big, "name": best["name"], "us": best["us"],
-                                "config": best["cfg"]}
-            print(f"FP8 tile from {args.fp8_tile_from}: {best['name']} {best['us']:.1f} us at T={big}", flush=True)
     rows = []
     for t in [int(v) for v in args.tokens.split(",") if v]:
         x, ids, w = decode_problem(t, dev)
@@ -360,7 +222,7 @@ def main():
         w8 = tb.default_config(t, False)
         paths = {"w8a16": w8}
         if t >= 256:
-            tile = fp8_tile or replace(tb.default_config(4096, True), fp8=2)
+            tile = replace(tb.default_config(4096, True), fp8=2)
             paths.update({"fp8x2": replace(tile, fp8=2), "fp8x1": replace(tile, fp8=1)})
         per_path = {}
         for name, c in paths.items():
@@ -380,7 +242,7 @@ def main():
         us, us_bf16, us_q, us_bf16_q, rounds = timed_rounds(fn, twin)
         us_gmm = time_any(lambda: grouped_mm_moe(x, ids, w, b13t, b2t, limit_t))
         err_gmm = relerr(grouped_mm_moe(x, ids, w, b13t, b2t, limit_t))
-        us_torch = torch_time_us(lambda: ref_moe.forward_topk(x, ids, w), args.torch_reps)
+        us_torch = event_time_us(lambda: ref_moe.forward_topk(x, ids, w), args.torch_reps)
         floor_us = touched / bw["used"] * 1e6
         fp8_floor_us = 2 * t * TOPK * 3 * H * I / FP8_DENSE_FLOPS * 1e6
         row = {"T": t, "distinct_experts": distinct, "touched_bytes": touched, "path": shipped, "us": us,
@@ -393,20 +255,6 @@ def main():
                "speedup_vs_bf16": us_bf16 / us, "us_grouped_mm": us_gmm, "speedup_vs_grouped_mm": us_gmm / us,
                "grouped_mm_rel_err": err_gmm, "us_torch": us_torch, "speedup_vs_torch": us_torch / us,
                "rel_err_vs_torch": err, "paths": per_path, "config": cfg.__dict__}
-        if args.sweep:
-            best = (us, cfg)
-            for cand in sweep_candidates(t):
-                try:
-                    f = lambda cand=cand: moe.forward_topk(x, ids, w, cand)
-                    c_us = graph_time_us(f, reps=30)
-                    c_err = relerr(f())
-                except Exception as ex:  # a config that fails to compile is reported, not fatal
-                    print(f"  T={t} {cand} FAILED {type(ex).__name__}: {str(ex)[:200]}", flush=True)
-                    continue
-                print(f"  sweep T={t} {tb.fit_config(cand, H, I)} {c_us:.1f} us rel_err {c_err:.2e}", flush=True)
-                if c_us < best[0]:
-                    best = (c_us, cand)
-            row["sweep_best_us"], row["sweep_best_config"] = best[0], best[1].__dict__
         rows.append(row)
         alt = "  ".join(f"{n} {v['us']:.1f} us err {v['rel_err_vs_torch']:.1e}" for n, v in per_path.items())
         print(f"T={t:5d} experts={distinct:3d} [{shipped}] {us:9.1f} us (eager {us_eager:9.1f}) {row['TBps']:.2f} TB/s "
@@ -416,7 +264,7 @@ def main():
               f"(x{row['speedup_vs_grouped_mm']:.2f}, err {err_gmm:.1e}) torch {us_torch:10.1f} us "
               f"(x{row['speedup_vs_torch']:.1f}) rel_err {err:.2e} | {alt}", flush=True)
     if rows:
-        write_results(args.out, meta, rows, args.tag)
+        write_results(args.out, meta, rows)
 
 
 def profile_kernels(moe, bf16, t, dev):
@@ -438,14 +286,10 @@ def profile_kernels(moe, bf16, t, dev):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=40))
 
 
-def write_results(out_dir, meta, rows, suffix=""):
-    os.makedirs(out_dir, exist_ok=True)
-    tag = suffix + "_" + meta["gpu"].replace(" ", "_")
-    with open(os.path.join(out_dir, f"moe_layer{tag}.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+def write_results(out_dir, meta, rows):
     bw = meta["stream_bandwidth_Bps"]["used"] / 1e12
     lines = [f"# MoE layer benchmark: MiniMax-M3 dims (E={E}, H={H}, I={I}, top-{TOPK}), MXFP8 Triton backend",
-             "", f"GPU {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}. "
+             "", environment_line(meta) + ". "
              f"bf16 streaming read bandwidth (floor rate) {bw:.3f} TB/s. Times: CUDA-graph replay median "
              "(`µs`: timed from an idle GPU, so it includes the graph launch latency; `µs queued`: the replay "
              "queued behind GPU work, GPU time only, as the layer runs inside a decode step). The layer and its "
@@ -474,9 +318,7 @@ def write_results(out_dir, meta, rows, suffix=""):
                 twin = v.get("us_bf16_twin")
                 twin_us, twin_x = ("", "") if twin is None else (f"{twin:.1f}", f"{twin / v['us']:.2f}")
                 lines.append(f"| {r['T']} | {name} | {v['us']:.1f} | {v['rel_err_vs_torch']:.1e} | {twin_us} | {twin_x} |")
-    with open(os.path.join(out_dir, f"moe_layer{tag}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_files(out_dir, "moe_layer_" + meta["gpu"].replace(" ", "_"), {"meta": meta, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

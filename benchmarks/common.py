@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "benchmarks" / "tmp-results"  # git-ignored (/benchmarks/tmp*/); curated figures: docs/performance.md
+# git-ignored (/benchmarks/tmp*/); the curated figures live in docs/performance.md
+DEFAULT_OUT = ROOT / "benchmarks" / "tmp-results"
 for p in (ROOT, ROOT / "examples"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
@@ -30,11 +31,12 @@ def commit() -> str:
 
 
 def environment() -> dict:
-    """Hardware and versions a result needs beside it: CPU, cores, memory, GPU, torch, triton, commit, command."""
+    """What a result needs beside it: CPU, cores, memory, GPU, torch, triton, commit, command."""
     import torch
     cpu = platform.processor() or platform.machine()
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     env = {"cpu": cpu, "cores": len(os.sched_getaffinity(0)),
@@ -100,12 +102,12 @@ def graph_time_us(fn, reps: int = 60, calls: list | None = None, busy_cycles: in
 
 def graph_time_queued_us(fn, reps: int = 60, calls: list | None = None) -> float:
     """graph_time_us with each replay queued behind ~100 us of GPU spin, so the CPU's graph launch is done
-    before the GPU reaches it: GPU time only, as a layer runs inside a decode step where the CPU runs ahead."""
+    before the GPU reaches it: GPU time only, as inside a decode step, where the CPU runs ahead."""
     return graph_time_us(fn, reps, calls, BUSY_CYCLES)
 
 
 def event_time_us(fn, reps: int) -> float:
-    """Median of per-call event timings of fn launched eagerly (one warm-up call)."""
+    """Median of per-call event timings of fn launched eagerly (after one warm-up call)."""
     import torch
     fn()
     torch.cuda.synchronize()

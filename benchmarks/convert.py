@@ -138,8 +138,8 @@ def convert_run(src: Path, out: Path, workers: str = "all", device: str = "cpu",
                 max_shard_size: str = "512MB") -> dict:
     """One `porter convert` (porter's default digest) in a fresh process, after its dry run."""
     from porter.digest import DEFAULT_DIGEST  # here: a copy's child process imports this module too
-    return child(CONVERT.replace("ROOT_PATH", repr(str(ROOT))), src, out, workers, device, cache, max_shard_size,
-                 DEFAULT_DIGEST)
+    code = CONVERT.replace("ROOT_PATH", repr(str(ROOT)))
+    return child(code, src, out, workers, device, cache, max_shard_size, DEFAULT_DIGEST)
 
 
 class _PooledRandn:

@@ -186,8 +186,10 @@ class OutputLock:
         self.out = Path(out)
         self.path = self.out / LOCK_NAME
         self.fd: Optional[int] = None
+        self.made_folder = False
 
     def acquire(self) -> "OutputLock":
+        self.made_folder = not self.out.exists()
         self.out.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
@@ -222,6 +224,11 @@ class OutputLock:
         finally:
             os.close(self.fd)
             self.fd = None
+        if self.made_folder:  # a run refused before writing anything leaves no empty folder behind
+            try:
+                self.out.rmdir()
+            except OSError:  # not empty: what the run wrote stays (for --resume)
+                pass
 
     def __enter__(self) -> "OutputLock":
         return self.acquire()

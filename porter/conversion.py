@@ -251,6 +251,10 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
         if not force:
             hint = (f" (an interrupted conversion of this source is there: {len(journal.get('shards', {}))} of "
                     f"{len(plan.shards)} shards done; add --resume)" if journal.get("fingerprint") == fp else "")
+            foreign = output_guard.foreign_files(out, JOURNAL, COPY_FILES)
+            if foreign:  # --force would refuse too: say so now
+                raise ConvertError(f"{out}: output folder is not empty ({out / foreign[0]} was not written by "
+                                   "porter); choose an empty or new --output folder")
             raise ConvertError(f"{out}: output folder is not empty{hint}; use --force to overwrite")
         output_guard.clear_for_force(out, JOURNAL, COPY_FILES)  # only what porter wrote, else refused
     out.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,10 @@ def check_output_option(output) -> Path:
     """--output as a Path; empty or blank is a usage error (Path("") is the current directory)."""
     if output is None or not str(output).strip():
         raise OutputFolderError("--output is empty: give the folder to write the artifact into")
-    return Path(output)
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise OutputFolderError(f"--output {out} is a file, not a folder; give a folder to write the artifact into")
+    return out
 
 
 def check_apart_from_source(out: Path, source_dir: Path) -> None:
@@ -190,9 +193,15 @@ class OutputLock:
 
     def acquire(self) -> "OutputLock":
         self.made_folder = not self.out.exists()
-        self.out.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError as e:  # not writable, a file in the way, .porter.lock a symlink (O_NOFOLLOW)
+                if e.errno in DISK_FULL:
+                    raise
+                raise OutputFolderError(f"{self.path}: cannot create porter's lock file there ({e.strerror}); "
+                                        "give a writable --output folder") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -220,7 +229,10 @@ class OutputLock:
         if self.fd is None:
             return
         try:
-            self.path.unlink(missing_ok=True)  # while still held: no one locks a file about to vanish
+            if os.fstat(self.fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino:
+                self.path.unlink()  # while still held: no one locks a file about to vanish; and only ours
+        except FileNotFoundError:
+            pass
         finally:
             os.close(self.fd)
             self.fd = None

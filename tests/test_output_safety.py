@@ -134,6 +134,19 @@ def test_empty_output_is_a_usage_error(tiny_vendor, tmp_path, monkeypatch, outpu
         porter.convert(tiny_vendor, output, progress=False)
 
 
+def test_output_that_is_a_file_or_unwritable_is_one_line(tiny_vendor, tmp_path):
+    (tmp_path / "file").write_text("x")
+    assert convert_cli(tiny_vendor, tmp_path / "file").exit_code == 2  # click's own check
+    with pytest.raises(output_guard.OutputFolderError, match="is a file, not a folder"):
+        porter.convert(tiny_vendor, tmp_path / "file", progress=False)
+    assert (tmp_path / "file").read_text() == "x"
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / output_guard.LOCK_NAME).symlink_to(tmp_path / "file")  # never followed, never written through
+    one_error_line(convert_cli(tiny_vendor, out), out / output_guard.LOCK_NAME, "cannot create porter's lock file")
+    assert (tmp_path / "file").read_text() == "x"
+
+
 # ---------------------------------------------------------------------------------------------------
 # disk space
 

@@ -189,10 +189,10 @@ class OutputLock:
         self.out = Path(out)
         self.path = self.out / LOCK_NAME
         self.fd: Optional[int] = None
-        self.made_folder = False
+        self.made: list = []  # the folders acquire created, innermost first
 
     def acquire(self) -> "OutputLock":
-        self.made_folder = not self.out.exists()
+        self.made = [p for p in (self.out.absolute(), *self.out.absolute().parents) if not p.exists()]
         while True:
             try:
                 self.out.mkdir(parents=True, exist_ok=True)
@@ -236,11 +236,11 @@ class OutputLock:
         finally:
             os.close(self.fd)
             self.fd = None
-        if self.made_folder:  # a run refused before writing anything leaves no empty folder behind
+        for folder in self.made:  # a run refused before writing anything leaves no empty folders behind
             try:
-                self.out.rmdir()
+                folder.rmdir()
             except OSError:  # not empty: what the run wrote stays (for --resume)
-                pass
+                break
 
     def __enter__(self) -> "OutputLock":
         return self.acquire()

@@ -158,11 +158,11 @@ def test_free_space_is_checked_before_writing(tiny_vendor, tmp_path, monkeypatch
     plan = porter.convert(tiny_vendor, tmp_path / "x", dry_run=True, max_shard_size=SHARD_CAP, progress=False)
     free = plan["output_bytes"] // 2
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10 * free, 9 * free, free))
-    out = tmp_path / "out"
+    out = tmp_path / "new" / "out"
     line = one_error_line(convert_cli(tiny_vendor, out), out, f"only {free / 1e9:.3f} GB ({free} bytes) is free")
     needed = int(line.split("needs ")[1].split("(")[1].split(" bytes")[0])
     assert plan["output_bytes"] < needed < plan["output_bytes"] + (2 << 20)  # shards + headers + JSON room
-    assert not out.exists()  # refused before anything was written (the folder it made is gone too)
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written (the folders it made are gone)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10 * needed, 9 * needed, needed))
     assert convert_cli(tiny_vendor, out).exit_code == 0  # exactly enough is enough
 

@@ -253,8 +253,8 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
                     f"{len(plan.shards)} shards done; add --resume)" if journal.get("fingerprint") == fp else "")
             foreign = output_guard.foreign_files(out, JOURNAL, COPY_FILES)
             if foreign:  # --force would refuse too: say so now
-                raise ConvertError(f"{out}: output folder is not empty ({out / foreign[0]} was not written by "
-                                   "porter); choose an empty or new --output folder")
+                raise ConvertError(f"{out}: output folder is not empty ({out / foreign[0]} was not written "
+                                   "by porter); choose an empty or new --output folder")
             raise ConvertError(f"{out}: output folder is not empty{hint}; use --force to overwrite")
         output_guard.clear_for_force(out, JOURNAL, COPY_FILES)  # only what porter wrote, else refused
     out.mkdir(parents=True, exist_ok=True)
@@ -269,10 +269,12 @@ def _planned_files(plan: Plan) -> list:
 
 
 def _planned_bytes(plan: Plan) -> int:
-    """Disk space the output needs: every shard with its header, the copied files, and room for the JSON files
-    (porter.json holds a record of ~300 bytes per tensor)."""
-    shards = sum(len(header_bytes(es, pipeline.SHARD_METADATA)) + sum(e.nbytes for e in es) for _, es in plan.shards)
-    copied = sum((plan.source.path / n).stat().st_size for n in COPY_FILES if (plan.source.path / n).is_file())
+    """Disk space the output needs: every shard with its header, the copied files, and room for the JSON
+    files (porter.json holds a record of ~300 bytes per tensor)."""
+    shards = sum(len(header_bytes(es, pipeline.SHARD_METADATA)) + sum(e.nbytes for e in es)
+                 for _, es in plan.shards)
+    copied = sum((plan.source.path / n).stat().st_size for n in COPY_FILES
+                 if (plan.source.path / n).is_file())
     return shards + copied + (1 << 20) + 1024 * len(plan.tensors)
 
 

@@ -46,7 +46,8 @@ def check_output_option(output) -> Path:
         raise OutputFolderError("--output is empty: give the folder to write the artifact into")
     out = Path(output)
     if out.exists() and not out.is_dir():
-        raise OutputFolderError(f"--output {out} is a file, not a folder; give a folder to write the artifact into")
+        raise OutputFolderError(f"--output {out} is a file, not a folder; give a folder to write the "
+                                "artifact into")
     return out
 
 
@@ -115,9 +116,9 @@ def clear_for_force(out: Path, journal_name: str, copy_files: Iterable[str]) -> 
     else is there."""
     foreign = foreign_files(out, journal_name, copy_files)
     if foreign:
-        raise OutputFolderError(
-            f"{out / foreign[0]}: not written by porter ({len(foreign)} such entr{'y' if len(foreign) == 1 else 'ies'}"
-            f" in {out}); --force only replaces an earlier porter output: choose an empty or new --output folder")
+        entries = "1 such entry" if len(foreign) == 1 else f"{len(foreign)} such entries"
+        raise OutputFolderError(f"{out / foreign[0]}: not written by porter ({entries} in {out}); --force "
+                                "only replaces an earlier porter output: choose an empty or new --output folder")
     for p in out.iterdir():
         if p.name != LOCK_NAME:
             p.unlink()
@@ -200,8 +201,8 @@ class OutputLock:
             except OSError as e:  # not writable, a file in the way, .porter.lock a symlink (O_NOFOLLOW)
                 if e.errno in DISK_FULL:
                     raise
-                raise OutputFolderError(f"{self.path}: cannot create porter's lock file there ({e.strerror}); "
-                                        "give a writable --output folder") from None
+                raise OutputFolderError(f"{self.path}: cannot create porter's lock file there "
+                                        f"({e.strerror}); give a writable --output folder") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

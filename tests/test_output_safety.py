@@ -87,7 +87,8 @@ def test_output_overlapping_the_source_is_refused(src, tmp_path, where, flags):
     if where == "symlink":
         (tmp_path / "link").symlink_to(src)
         before = hashes(tmp_path)
-    out = {"same": src, "inside": src / "converted", "contains": tmp_path, "symlink": tmp_path / "link"}[where]
+    out = {"same": src, "inside": src / "converted", "contains": tmp_path,
+           "symlink": tmp_path / "link"}[where]
     line = one_error_line(convert_cli(src, out, *flags), out, "give an output folder apart from the source")
     assert {"same": "is the source", "inside": "is inside", "contains": "contains",
             "symlink": "is the source"}[where] in line
@@ -99,7 +100,8 @@ def test_force_refuses_a_checkpoint_folder_as_output(src, tmp_path):
     """Another HF checkpoint (not the source) given as --output with --force: nothing in it is porter's."""
     other = Path(shutil.copytree(src, tmp_path / "other_checkpoint"))
     before = hashes(tmp_path)
-    line = one_error_line(convert_cli(src, other, "--force"), "not written by porter", "--force only replaces")
+    res = convert_cli(src, other, "--force")
+    line = one_error_line(res, "not written by porter", "--force only replaces")
     assert str(other / "config.json") in line  # the first foreign file, by name
     assert hashes(tmp_path) == before
 
@@ -118,7 +120,7 @@ def test_force_refuses_foreign_files_beside_a_porter_output(src, clean, tmp_path
 
 def test_force_replaces_an_earlier_porter_output(tiny_vendor, clean, tmp_path):
     out = Path(shutil.copytree(clean, tmp_path / "out"))
-    res = convert_cli(tiny_vendor, out, "--force", "--max-shard-size", "200KB")  # a different plan: other names
+    res = convert_cli(tiny_vendor, out, "--force", "--max-shard-size", "200KB")  # another plan, other names
     assert res.exit_code == 0, res.output
     assert not (out / output_guard.LOCK_NAME).exists()
     shards = json.loads((out / INDEX).read_text())["weight_map"].values()
@@ -143,7 +145,7 @@ def test_output_that_is_a_file_or_unwritable_is_one_line(tiny_vendor, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / output_guard.LOCK_NAME).symlink_to(tmp_path / "file")  # never followed, never written through
-    one_error_line(convert_cli(tiny_vendor, out), out / output_guard.LOCK_NAME, "cannot create porter's lock file")
+    one_error_line(convert_cli(tiny_vendor, out), out / output_guard.LOCK_NAME, "cannot create porter's lock")
     assert (tmp_path / "file").read_text() == "x"
 
 
@@ -159,10 +161,11 @@ def test_free_space_is_checked_before_writing(tiny_vendor, tmp_path, monkeypatch
     free = plan["output_bytes"] // 2
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10 * free, 9 * free, free))
     out = tmp_path / "new" / "out"
-    line = one_error_line(convert_cli(tiny_vendor, out), out, f"only {free / 1e9:.3f} GB ({free} bytes) is free")
+    res = convert_cli(tiny_vendor, out)
+    line = one_error_line(res, out, f"only {free / 1e9:.3f} GB ({free} bytes) is free")
     needed = int(line.split("needs ")[1].split("(")[1].split(" bytes")[0])
     assert plan["output_bytes"] < needed < plan["output_bytes"] + (2 << 20)  # shards + headers + JSON room
-    assert list(tmp_path.iterdir()) == []  # refused before anything was written (the folders it made are gone)
+    assert list(tmp_path.iterdir()) == []  # refused before any write; the folders it made are gone too
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10 * needed, 9 * needed, needed))
     assert convert_cli(tiny_vendor, out).exit_code == 0  # exactly enough is enough
 
@@ -194,7 +197,7 @@ def test_full_disk_mid_run_is_resumable(tiny_vendor, clean, tmp_path, monkeypatc
 
 
 def test_force_removes_an_interrupted_porter_run(tiny_vendor, clean, tmp_path, monkeypatch):
-    """The journal names the files the interrupted run planned (its .partial shards too): --force may remove them."""
+    """The journal names the files the interrupted run planned (.partial shards too): --force removes them."""
     out = tmp_path / "out"
     with monkeypatch.context() as mp:
         mp.setattr(os, "pwrite", FullDisk(5))
@@ -233,7 +236,8 @@ porter.convert(sys.argv[2], sys.argv[1], max_shard_size="300KB", progress=False,
 
 
 def start(script: str, *args) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script).format(root=str(ROOT)), *map(str, args)],
+    code = textwrap.dedent(script).format(root=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", code, *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline().strip()  # blocks until the child holds the lock (or dies)
     assert line in ("locked", "inside"), proc.stderr.read()

@@ -117,8 +117,9 @@ def clear_for_force(out: Path, journal_name: str, copy_files: Iterable[str]) -> 
     foreign = foreign_files(out, journal_name, copy_files)
     if foreign:
         entries = "1 such entry" if len(foreign) == 1 else f"{len(foreign)} such entries"
-        raise OutputFolderError(f"{out / foreign[0]}: not written by porter ({entries} in {out}); --force "
-                                "only replaces an earlier porter output: choose an empty or new --output folder")
+        raise OutputFolderError(f"{out / foreign[0]}: not written by porter ({entries} in {out}); "
+                                "--force only replaces an earlier porter output: choose an empty or new "
+                                "--output folder")
     for p in out.iterdir():
         if p.name != LOCK_NAME:
             p.unlink()

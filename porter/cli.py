@@ -84,7 +84,8 @@ def main(ctx, verbose, quiet):
 @click.option("--scale-rounding", type=click.Choice(["rceil", "floor"]), default="rceil", show_default=True,
               help="rceil: smallest power of two that fits (never clips). floor: OCP reference rule, lossier.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Shard size cap, e.g. 5GB, 500MB.")
-@click.option("--force", is_flag=True, help="Overwrite a non-empty output folder.")
+@click.option("--force", is_flag=True, help="Replace an earlier porter output in the output folder (only "
+                                           "files porter wrote; anything else is refused: docs/convert.md).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion into the same folder.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (reads, quantized tensors, shards, memory); write nothing.")
 @click.option("--workers", type=int, default=None, help="Worker threads for read/quantize/hash/write "

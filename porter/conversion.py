@@ -23,12 +23,13 @@ import torch
 from tqdm import tqdm
 
 from converters import minimax_m3 as arch
-from porter import manifest, mxfp8, pipeline
+from porter import manifest, mxfp8, output_guard, pipeline
 from porter.errors import PorterError
 from porter.layout import OutTensor, scale_name
 from porter.pipeline import fault_point
 from porter.digest import CHUNK_HASHES, DEFAULT_DIGEST
-from porter.safetensors_io import Entry, MalformedSafetensors, atomic_write_text, digest_rule, file_digests
+from porter.safetensors_io import (Entry, MalformedSafetensors, atomic_write_text, digest_rule, file_digests,
+                                   header_bytes)
 from porter.source import INDEX_NAME, Source, open_source
 from porter.version import __version__
 
@@ -133,21 +134,27 @@ def convert(source, output, *, revision: Optional[str] = None, quantize: Optiona
     max_memory=None: half the available RAM; device: auto (the GPU when there is one), cpu or cuda;
     digest: the chunk hash of the shard digests, xxh3-128 or sha256 (docs/artifact-format.md)."""
     t0 = time.time()
+    out = output_guard.check_output_option(output)  # "" would be the current directory
     quantize = quantize or arch.DEFAULT_SCOPE.get(layout, "experts")
     workers = _check_workers(workers)
     max_memory = pipeline.default_max_memory() if max_memory is None else parse_size(max_memory, "--max-memory")
     src = open_source(source, revision, headers_only=dry_run)
     plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size, layout, digest)
     dev = pipeline.resolve_device(device)  # an unknown device, or cuda without a GPU: PorterError (exit 2)
-    out = Path(output)
+    output_guard.check_apart_from_source(out, src.path)
     workers, estimate = _workers_within(plan, workers, dev, max_memory)
     if dry_run:
         return describe_plan(plan, out, estimate)
-    done = _prepare_output(out, plan, force, resume, workers)
-    if done is None:
-        return {"output": str(out), "already_complete": True, "shards": len(plan.shards), "seconds": time.time() - t0}
-    stats = _produce(plan, out, done, progress, workers, max_memory, dev)
-    fsync_secs = _finish(plan, out, stats)
+    # one writer per output folder; a full disk is a one-line error that leaves the output resumable
+    with output_guard.OutputLock(out), output_guard.disk_full_is_bad_input(out):
+        reusable = output_guard.porter_written(out, JOURNAL, COPY_FILES) if (force or resume) else ()
+        output_guard.check_free_space(out, _planned_bytes(plan), reusable)
+        done = _prepare_output(out, plan, force, resume, workers)
+        if done is None:
+            return {"output": str(out), "already_complete": True, "shards": len(plan.shards),
+                    "seconds": time.time() - t0}
+        stats = _produce(plan, out, done, progress, workers, max_memory, dev)
+        fsync_secs = _finish(plan, out, stats)
     secs = time.time() - t0
     summary = {"output": str(out), "shards": len(plan.shards), "tensors": len(stats), "fsync_seconds": fsync_secs,
                "quantized": sum(1 for t in plan.tensors if t.quantize), "output_bytes": plan.output_bytes,
@@ -222,7 +229,7 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
     finds this very conversion already complete (nothing to do)."""
     fp = fingerprint(plan)
     journal = _read_journal(out)
-    if out.exists() and any(out.iterdir()):
+    if output_guard.has_content(out):
         if resume and _complete_fingerprint(out) == fp:
             (out / JOURNAL).unlink(missing_ok=True)  # a crash after the index, before this cleanup
             log.info("resume: %s is already complete (same source, options and porter version); nothing to do. "
@@ -230,12 +237,13 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
             return None
         if resume and journal.get("fingerprint") == fp:
             return _verified_done(out, journal, workers, plan.digest)
-        if resume and not journal and all(p.is_file() and p.name == JOURNAL + ".tmp" for p in out.iterdir()):
+        if resume and not journal and all(p.is_file() and p.name == JOURNAL + ".tmp" for p in out.iterdir()
+                                          if p.name != output_guard.LOCK_NAME):
             # killed before the first journal write: nothing finished, start over in place
             log.info("resume: %s holds no finished shard yet; starting from the beginning", out)
             _clear_output(out)
             out.mkdir(parents=True, exist_ok=True)
-            _write_journal(out, {"fingerprint": fp, "shards": {}})
+            _write_journal(out, {"fingerprint": fp, "shards": {}, "files": _planned_files(plan)})
             return {}
         if resume:
             raise ConvertError(f"{out}: --resume, but what is there comes from a different source or options; "
@@ -243,11 +251,31 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
         if not force:
             hint = (f" (an interrupted conversion of this source is there: {len(journal.get('shards', {}))} of "
                     f"{len(plan.shards)} shards done; add --resume)" if journal.get("fingerprint") == fp else "")
+            foreign = output_guard.foreign_files(out, JOURNAL, COPY_FILES)
+            if foreign:  # --force would refuse too: say so now
+                raise ConvertError(f"{out}: output folder is not empty ({out / foreign[0]} was not written "
+                                   "by porter); choose an empty or new --output folder")
             raise ConvertError(f"{out}: output folder is not empty{hint}; use --force to overwrite")
-        _clear_output(out)
+        output_guard.clear_for_force(out, JOURNAL, COPY_FILES)  # only what porter wrote, else refused
     out.mkdir(parents=True, exist_ok=True)
-    _write_journal(out, {"fingerprint": fp, "shards": {}})
+    _write_journal(out, {"fingerprint": fp, "shards": {}, "files": _planned_files(plan)})
     return {}
+
+
+def _planned_files(plan: Plan) -> list:
+    """Every file this conversion may write (the journal keeps the list: what --force may remove later)."""
+    copied = [n for n in COPY_FILES if (plan.source.path / n).exists()]
+    return [f for f, _ in plan.shards] + copied + ["config.json", manifest.MANIFEST, INDEX_NAME]
+
+
+def _planned_bytes(plan: Plan) -> int:
+    """Disk space the output needs: every shard with its header, the copied files, and room for the JSON
+    files (porter.json holds a record of ~300 bytes per tensor)."""
+    shards = sum(len(header_bytes(es, pipeline.SHARD_METADATA)) + sum(e.nbytes for e in es)
+                 for _, es in plan.shards)
+    copied = sum((plan.source.path / n).stat().st_size for n in COPY_FILES
+                 if (plan.source.path / n).is_file())
+    return shards + copied + (1 << 20) + 1024 * len(plan.tensors)
 
 
 def _complete_fingerprint(out: Path) -> Optional[str]:

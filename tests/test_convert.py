@@ -166,10 +166,16 @@ def test_non_empty_output_refused_then_force(tiny_vendor, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("x")
     res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out)])
-    assert res.exit_code == 2 and "not empty" in res.output and "--force" in res.output
+    assert res.exit_code == 2 and "not empty" in res.output and str(out / "keep.txt") in res.output
     res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--force", "-q"])
+    assert res.exit_code == 2 and "not written by porter" in res.output, res.output  # --force removes only
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and (out / "keep.txt").read_text() == "x"
+    (out / "keep.txt").unlink()
+    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "-q"])
     assert res.exit_code == 0, res.output
-    assert (out / "model.safetensors.index.json").exists() and (out / "keep.txt").exists()
+    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--force", "-q"])
+    assert res.exit_code == 0, res.output  # porter's own earlier output: replaced
+    assert (out / "model.safetensors.index.json").exists()
 
 
 def test_crash_then_resume_skips_finished_shards(tiny_vendor, tmp_path, monkeypatch, converted):

@@ -1,0 +1,251 @@
+"""Safety of `porter convert`'s output folder (docs/convert.md, "Safety of the output folder").
+
+- The output may not be the source, lie inside it or contain it (symlinks resolved).
+- `--force` removes only files porter wrote: those named by an earlier run's journal or porter.json (and
+  porter's own fixed file names next to them); any other file makes it refuse, naming that file.
+- Free space is checked against the planned output size before the first shard byte is written; a disk
+  that fills up anyway (ENOSPC) is a one-line error that leaves the output resumable.
+- One writer per output folder: an exclusive flock on `.porter.lock` inside it, for the whole run.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Optional
+
+from porter.errors import PorterError
+
+log = logging.getLogger("porter")
+
+LOCK_NAME = ".porter.lock"
+MANIFEST = "porter.json"  # porter.manifest.MANIFEST (not imported: this module stays import-light)
+MANIFEST_FORMAT = "porter-mxfp8"
+INDEX = "model.safetensors.index.json"
+FIXED_FILES = ("config.json", MANIFEST, INDEX)  # every conversion writes these (each via a .tmp file)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class OutputFolderError(PorterError):
+    """The output folder cannot be written safely (the message names the path and what to do)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# where the output may be
+
+
+def check_output_option(output) -> Path:
+    """--output as a Path; empty or blank is a usage error (Path("") is the current directory)."""
+    if output is None or not str(output).strip():
+        raise OutputFolderError("--output is empty: give the folder to write the artifact into")
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise OutputFolderError(f"--output {out} is a file, not a folder; give a folder to write the "
+                                "artifact into")
+    return out
+
+
+def check_apart_from_source(out: Path, source_dir: Path) -> None:
+    """Refuses an output that is the source folder, lies inside it or contains it (after resolving
+    symlinks): writing there would overwrite, or --force remove, the checkpoint being read."""
+    o, s = Path(out).resolve(), Path(source_dir).resolve()
+    if o == s:
+        what = "is the source checkpoint folder"
+    elif s in o.parents:
+        what = f"is inside the source checkpoint folder {s}"
+    elif o in s.parents:
+        what = f"contains the source checkpoint folder {s}"
+    else:
+        return
+    raise OutputFolderError(f"--output {out} {what}; give an output folder apart from the source")
+
+
+# ---------------------------------------------------------------------------------------------------
+# what porter wrote
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def porter_written(out: Path, journal_name: str, copy_files: Iterable[str]) -> set:
+    """Names of the files in `out` that an earlier porter run into it wrote, as its journal (an interrupted
+    run: the files it planned) or its porter.json and index (a complete one) say. Empty when neither is
+    there: then nothing in the folder is porter's."""
+    journal = _read_json(out / journal_name)
+    manifest = _read_json(out / MANIFEST)
+    index = _read_json(out / INDEX)
+    owned = set()
+    if journal.get("fingerprint"):
+        owned |= {journal_name, *journal.get("files", []), *journal.get("shards", {})}
+    if manifest.get("format") == MANIFEST_FORMAT:
+        owned |= {*FIXED_FILES, *copy_files, *manifest.get("shards", {})}
+        weight_map = index.get("weight_map")
+        if isinstance(weight_map, dict):
+            owned |= set(weight_map.values())
+    owned = {n for n in owned if isinstance(n, str) and "/" not in n}
+    owned |= {n + suffix for n in owned for suffix in (".partial", ".tmp")}
+    owned.add(journal_name + ".tmp")  # a run killed before its first journal write leaves only this
+    return owned
+
+
+def foreign_files(out: Path, journal_name: str, copy_files: Iterable[str]) -> list:
+    """Entries of `out` porter did not write (sorted): folders, symlinks, files no earlier run names."""
+    owned = porter_written(out, journal_name, copy_files) | {LOCK_NAME}
+    return sorted(p.name for p in out.iterdir()
+                  if p.is_symlink() or not p.is_file() or p.name not in owned)
+
+
+def has_content(out: Path) -> bool:
+    """Whether `out` holds anything besides porter's lock file."""
+    return out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir())
+
+
+def clear_for_force(out: Path, journal_name: str, copy_files: Iterable[str]) -> None:
+    """--force: remove what earlier porter runs wrote into `out`; refuse (removing nothing) when anything
+    else is there."""
+    foreign = foreign_files(out, journal_name, copy_files)
+    if foreign:
+        entries = "1 such entry" if len(foreign) == 1 else f"{len(foreign)} such entries"
+        raise OutputFolderError(f"{out / foreign[0]}: not written by porter ({entries} in {out}); "
+                                "--force only replaces an earlier porter output: choose an empty or new "
+                                "--output folder")
+    for p in out.iterdir():
+        if p.name != LOCK_NAME:
+            p.unlink()
+
+
+# ---------------------------------------------------------------------------------------------------
+# free space
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _allocated_bytes(out: Path, names: set) -> int:
+    total = 0
+    for name in names:
+        try:
+            total += os.stat(out / name, follow_symlinks=False).st_blocks * 512
+        except OSError:
+            pass
+    return total
+
+
+def check_free_space(out: Path, needed: int, reusable: Iterable[str] = ()) -> None:
+    """Refuses to start when the output's file system lacks `needed` bytes (the planned output), counting
+    the disk space of `reusable` files in `out` (an earlier run's, which --force removes and --resume
+    rewrites or keeps) as free."""
+    free = shutil.disk_usage(_nearest_existing(out)).free
+    have = free + (_allocated_bytes(out, set(reusable)) if out.is_dir() else 0)
+    if have < needed:
+        raise OutputFolderError(f"{out}: the output needs {needed / 1e9:.3f} GB ({needed} bytes) but only "
+                                f"{have / 1e9:.3f} GB ({have} bytes) is free there; free space or choose "
+                                "another --output")
+
+
+@contextmanager
+def disk_full_is_bad_input(out: Path):
+    """A full disk (ENOSPC, or a quota) while writing: one line, exit 2. The shards finished so far are in
+    the journal and no index is written, so `--resume` continues once there is room."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        where = f" writing {e.filename}" if e.filename else ""
+        raise OutputFolderError(f"{out}: no space left on the device{where}; free space, then rerun with "
+                                "--resume to continue") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# one writer per output folder
+
+
+def _holder(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    text = os.read(fd, 256).decode(errors="replace").split()
+    return f"pid {text[0]} on {text[1]}" if len(text) >= 2 else "pid unknown"
+
+
+class OutputLock:
+    """An exclusive flock on `out/.porter.lock`, which holds the holder's "pid host". The kernel drops a
+    flock when its process dies, so a lock file left by a killed run is taken over (and said so). The file
+    is removed on release; a run that opened it just before is caught by the inode check in acquire."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.path = self.out / LOCK_NAME
+        self.fd: Optional[int] = None
+        self.made: list = []  # the folders acquire created, innermost first
+
+    def acquire(self) -> "OutputLock":
+        self.made = [p for p in (self.out.absolute(), *self.out.absolute().parents) if not p.exists()]
+        while True:
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError as e:  # not writable, a file in the way, .porter.lock a symlink (O_NOFOLLOW)
+                if e.errno in DISK_FULL:
+                    raise
+                raise OutputFolderError(f"{self.path}: cannot create porter's lock file there "
+                                        f"({e.strerror}); give a writable --output folder") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(fd)
+                os.close(fd)
+                raise OutputFolderError(f"{self.out}: another porter run ({holder}) is writing this output "
+                                        "folder; wait for it to end or stop it, then rerun") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the holder removed the file as we opened it: lock the new one
+        stale = _holder(fd)
+        if stale != "pid unknown":
+            log.warning("%s: taking over the lock of a porter run that ended without releasing it (%s)",
+                        self.out, stale)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            if os.fstat(self.fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino:
+                self.path.unlink()  # while still held: no one locks a file about to vanish; and only ours
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self.fd)
+            self.fd = None
+        for folder in self.made:  # a run refused before writing anything leaves no empty folders behind
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: what the run wrote stays (for --resume)
+                break
+
+    def __enter__(self) -> "OutputLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -18,7 +18,7 @@ log = logging.getLogger("porter.runtime")
 
 BACKENDS = ("auto", "torch", "triton", "flashinfer-trtllm")
 TRTLLM_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
-HOPPER = (9, 0)
+TRITON_MIN = (8, 0)  # bf16 MMA; the FP8 prefill path inside the backend needs SM89+ and checks itself
 
 
 class BackendUnavailable(PorterError, RuntimeError):
@@ -51,12 +51,11 @@ def resolve_backend(name: str, device: torch.device, quantized: bool = True) -> 
         sm = f"SM{cap[0]}{cap[1]}"
         if cap in TRTLLM_CAPABILITIES and _importable("flashinfer"):
             choice, why = "flashinfer-trtllm", f"{sm} with flashinfer installed"
-        elif cap == HOPPER and _importable("triton"):
-            choice, why = "triton", f"{sm} (Hopper) with triton installed"
+        elif cap >= TRITON_MIN and _importable("triton"):  # Ampere, Ada, Hopper, Blackwell without flashinfer
+            need = "; install flashinfer-python for the TRT-LLM kernels" if cap in TRTLLM_CAPABILITIES else ""
+            choice, why = "triton", f"{sm} with triton installed{need}"
         else:
-            hint = " (backend='triton' also runs on SM80+)" if cap >= (8, 0) and _importable("triton") else ""
-            need = " (install flashinfer-python for the TRT-LLM kernels)" if cap in TRTLLM_CAPABILITIES else ""
-            choice, why = "torch", f"{sm}: no tuned backend for this GPU{need}{hint}"
+            choice, why = "torch", f"{sm}: porter's kernels need SM80+ and triton"
     _backend_class(choice).check_supported(device)
     log.info("MoE backend: %s (auto: %s)", choice, why)
     return choice

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gemv_stream_ab import rotating_ms  # noqa: E402
-from runtime import attention as A  # noqa: E402
-from runtime import fused  # noqa: E402
+from runtime.kernels import attention as A  # noqa: E402
+from runtime.kernels import fused  # noqa: E402
 
 NQ, NKV, D, NI, DI, BLOCK, TOPK = 64, 4, 128, 4, 128, 128, 16
 CASES = [("sparse", 1, 8192), ("sparse", 8, 8192), ("dense", 1, 1024), ("dense", 1, 8192), ("dense", 32, 1024)]

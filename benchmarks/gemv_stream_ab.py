@@ -1,5 +1,5 @@
 """A/B of the decode linears' 16-bit GEMV at MiniMax-M3's shapes: cuBLAS (torch.nn.functional.linear),
-runtime.gemv's MMA kernel and runtime.gemv.gemv_stream (register-streaming, no MMA), rows 1/2/4.
+runtime.kernels.gemv's MMA kernel and runtime.kernels.gemv.gemv_stream (register-streaming, no MMA), rows 1/2/4.
 
 Each timed graph cycles through enough copies of the weight (>= 400 MB) that no call finds its weight
 in L2 (50 MB on the H200), as a decode step that streams 60 layers never does. Prints µs, TB/s of weight
@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import gemv_sweep  # noqa: E402
 from benchmarks.decode import copy_bandwidth  # noqa: E402
 from benchmarks.gemv_sweep import graph_ms  # noqa: E402
-from runtime import gemv  # noqa: E402
+from runtime.kernels import gemv  # noqa: E402
 
 SHAPES = {name: (n, k) for name, (n, k, _) in gemv_sweep.SHAPES.items()}  # (N, K) of each decode linear
 STREAM_CONFIGS = [(8, 512, 4), (4, 1024, 4), (16, 256, 4), (8, 1024, 8), (16, 512, 8), (4, 512, 2), (2, 1024, 2)]

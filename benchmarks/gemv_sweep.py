@@ -1,4 +1,4 @@
-"""Tile sweep of runtime.gemv at MiniMax-M3's decode shapes, against torch's matmul.
+"""Tile sweep of runtime.kernels.gemv at MiniMax-M3's decode shapes, against torch's matmul.
 
 For each linear a decode step runs (stacked q/k/v/index projection, o_proj, shared expert [gate; up] with
 the SwiGLU epilogue and down, dense MLP [gate; up] and down, the fp32 router), rows 1/8/32, weights bf16
@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime import gemv  # noqa: E402
+from runtime.kernels import gemv  # noqa: E402
 
 H, I_EXPERT, I_DENSE, NQ, NKV, D, NI, DI = 6144, 3072, 12288, 64, 4, 128, 4, 128
 # name: (weight rows, K, swiglu)
@@ -110,8 +110,8 @@ def main():
                 print(f"BEST {name} {kind} rows={rows}: {cfg} {ms * 1e3:.1f} us ({line['best_TBps']:.2f} TB/s); "
                       f"default {default} {dms * 1e3:.1f} us ({line['default_TBps']:.2f} TB/s); torch bf16 "
                       f"{ref * 1e3:.1f} us ({line['torch_bf16_TBps']:.2f} TB/s)", flush=True)
-    # the router: fp32 weights [E, H] -> fp32 logits (runtime.fused.router_logits: one program per expert)
-    from runtime import fused
+    # the router: fp32 weights [E, H] -> fp32 logits (runtime.kernels.fused.router_logits: one program per expert)
+    from runtime.kernels import fused
     for e in (8, 128):
         rw = torch.randn(e, H, device=dev)
         x = torch.randn(1, H, device=dev, dtype=torch.bfloat16)

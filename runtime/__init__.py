@@ -30,7 +30,7 @@ log = logging.getLogger("porter.runtime")
 
 
 def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str = "auto", lazy: bool = False,
-         device_map=None, max_memory: Optional[dict] = None):
+         device_map=None, max_memory: Optional[dict] = None, moe_fp8_prefill: bool = True):
     """Load a porter artifact dir (porter.json) or an original MiniMax-M3 HF checkpoint dir (or an already
     opened store from runtime.loader.open_store, which the caller keeps, e.g. to read weights or close()).
 
@@ -40,18 +40,20 @@ def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str =
     device_map: "auto" (whole layers over the visible GPUs by byte size; budgets from max_memory
     {device: bytes | "70GiB"} or each GPU's free memory) or {"layers.N": device, ...}; overrides `device`.
     A model that does not fit is refused before any weight is read (PlacementError, one line).
+    moe_fp8_prefill: the Triton MoE backend runs prefills of 512+ tokens with e4m3 activations (SM89+;
+    faster, slightly larger error: docs/moe-backends.md); False keeps them on the W8A16 path.
     """
     opened = not (hasattr(path, "names") and hasattr(path, "get"))  # else: an opened store the caller keeps
     store = open_store(path) if opened else path
     try:
-        return _load(store, device, dtype, backend, lazy, device_map, max_memory)
+        return _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill)
     except BaseException:
         if opened:  # a refused load (PlacementError, BackendUnavailable, ...) leaves no shard handle open
             store.close()
         raise
 
 
-def _load(store, device, dtype, backend, lazy, device_map, max_memory):
+def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill):
     placement = None
     if device_map is not None:
         if lazy:
@@ -67,7 +69,7 @@ def _load(store, device, dtype, backend, lazy, device_map, max_memory):
     quantized = any(n.endswith("experts.w13_weight_scale") for n in store.names())
     name = resolve_backend(backend, device, quantized=quantized)
     log.info("loading %s on %s (%s, MoE backend %s, lazy=%s)", store.path, device, dtype, name, lazy)
-    model = build_model(store, device, dtype, lambda quant, routing: make_moe(name, quant, routing), lazy,
-                        placement)
+    make_backend = lambda quant, routing: make_moe(name, quant, routing, fp8_prefill=moe_fp8_prefill)
+    model = build_model(store, device, dtype, make_backend, lazy, placement)
     model.placement = placement
     return model

@@ -10,7 +10,7 @@ import torch
 
 import runtime
 import runtime_fixtures as fx
-from runtime.attention import decode_attention, decode_attention_reference
+from runtime.kernels.attention import decode_attention, decode_attention_reference
 from runtime.models.minimax_m3 import gqa_attention, keep_mask
 
 EXACT = 1e-5

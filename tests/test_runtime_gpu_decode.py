@@ -11,8 +11,8 @@ import porter
 import runtime
 import runtime_fixtures as fx
 from porter import mxfp8
-from runtime import gemv
-from runtime.attention import decode_attention, decode_attention_reference
+from runtime.kernels import gemv
+from runtime.kernels.attention import decode_attention, decode_attention_reference
 from runtime.models.minimax_m3 import DecodeGraph, rms_norm_reference
 from runtime.placement import store_sizes
 
@@ -101,7 +101,7 @@ def _real_dims_attention(B, s_max, seed, dtype=torch.bfloat16):
 def _block_scores(B, s_max, pos, seed):
     """The decode indexer's block scores [B, 4, s_max/128] over random index keys (2 local blocks and 1
     init block kept: +inf ties; blocks past a row's position: -inf)."""
-    from runtime import fused
+    from runtime.kernels import fused
     g = torch.Generator(device="cuda").manual_seed(seed)
     iq = torch.randn(B, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16)
     keys = torch.randn(B, s_max, 128, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -113,8 +113,8 @@ def test_in_kernel_topk_attention_equals_topk_kernel(pos, monkeypatch):
     """decode_attention_topk with the top-k picked inside the split-K kernel against the index_topk kernel
     + the same attention over its blocks, and the fp32 SDPA reference, at real dims and KV 8k: the same
     blocks and the same output bits; repeated calls and CUDA-graph replays give the same bits."""
-    from runtime import attention as A
-    from runtime import fused
+    from runtime.kernels import attention as A
+    from runtime.kernels import fused
     B, s_max, topk, block, scale = len(pos), 8192, 16, 128, 128 ** -0.5
     pos_t = torch.tensor(pos, device="cuda")
     q, k, v = _real_dims_attention(B, s_max, seed=5)
@@ -153,7 +153,7 @@ def test_in_kernel_topk_attention_equals_topk_kernel(pos, monkeypatch):
 def test_in_kernel_topk_attention_fp32(monkeypatch):
     """fp32 (IEEE dots): the in-kernel top-k attention and the dense attention within 1e-5 of the fp32 SDPA
     reference, two rows at different positions (one sees 1 of the 32 blocks)."""
-    from runtime import attention as A
+    from runtime.kernels import attention as A
     monkeypatch.setattr(A, "TOPK_IN_KERNEL", True)
     pos = torch.tensor([4000, 77], device="cuda")
     q, k, v = _real_dims_attention(2, 4096, seed=7, dtype=torch.float32)
@@ -166,7 +166,7 @@ def test_in_kernel_topk_attention_fp32(monkeypatch):
 
 @pytest.mark.parametrize("n,k", [(8192 + 3 * 512 + 128, 6144), (6144, 8192)])  # stacked q/k/v/index; o_proj
 def test_gemv_at_real_dims(n, k):
-    """runtime.gemv (bf16 and MXFP8 weights) against the torch matmul of the same values."""
+    """runtime.kernels.gemv (bf16 and MXFP8 weights) against the torch matmul of the same values."""
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
     q, s = mxfp8.quantize(w)
@@ -185,7 +185,7 @@ def test_gemv_at_real_dims(n, k):
 
 @pytest.mark.parametrize("n,k", [(8192 + 3 * 512 + 128, 6144), (6144, 8192), (6144, 3072), (37, 1000)])
 def test_gemv_stream_at_real_dims(n, k):
-    """runtime.gemv.gemv_stream (bf16 and fp16, 1-4 rows, ragged N and K) against an fp32 matmul of the same
+    """runtime.kernels.gemv.gemv_stream (bf16 and fp16, 1-4 rows, ragged N and K) against an fp32 matmul of the same
     values; only one bf16/fp16 row takes it in a model (gemv.streams)."""
     g = torch.Generator(device="cuda").manual_seed(3)
     w = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
@@ -203,7 +203,7 @@ def test_gemv_stream_at_real_dims(n, k):
 
 def test_gemv_epilogues_equal_the_unfused_ops():
     """SwiGLU epilogue == GEMV then fused.swiglu (bf16 rounding); residual adds bit-equal to adding after."""
-    from runtime import fused
+    from runtime.kernels import fused
     g = torch.Generator(device="cuda").manual_seed(1)
     H, inter = 6144, 3072
     w13 = (torch.randn(2 * inter, H, device="cuda", generator=g) / H ** 0.5).bfloat16()  # [gate; up]
@@ -226,7 +226,7 @@ def test_gemv_epilogues_equal_the_unfused_ops():
 def test_add_kernels_equal_torch_adds_and_norm(dtype):
     """add_rms_norm == (h + a, rms_norm(h + a)) and add_chain == (x0 + x1) + x2, bit for bit (1, 8 and 32
     rows at H 6144)."""
-    from runtime import fused
+    from runtime.kernels import fused
     g = torch.Generator(device="cuda").manual_seed(2)
     w = torch.randn(6144, device="cuda", generator=g, dtype=dtype) * 0.1
     for rows in (1, 8, 32):
@@ -243,7 +243,7 @@ def test_add_kernels_equal_torch_adds_and_norm(dtype):
 
 def test_router_kernels_equal_route():
     """router_logits == x.float() @ W^T (fp32) and router_select == select_experts (same ids, best first)."""
-    from runtime import fused
+    from runtime.kernels import fused
     from runtime.moe.contract import select_experts
     g = torch.Generator(device="cuda").manual_seed(2)
     for T, E, k in ((1, 128, 4), (32, 128, 4), (5, 8, 2)):
@@ -262,7 +262,7 @@ def test_router_kernels_equal_route():
 @pytest.mark.parametrize("sparse", [False, True])
 def test_decode_qkv_equals_norm_rope_and_cache_writes(sparse):
     """fused.decode_qkv == norm_rope on each head + LayerCache.put, at real dims (bit-equal in bf16)."""
-    from runtime import fused
+    from runtime.kernels import fused
     from runtime.models.minimax_m3 import Rope, norm_rope
     g = torch.Generator(device="cuda").manual_seed(3)
     B, nq, nkv, d, ni, di, S, r = 3, 64, 4, 128, 4, 128, 1024, 64
@@ -302,7 +302,7 @@ def test_decode_qkv_equals_norm_rope_and_cache_writes(sparse):
 def test_index_kernels_equal_the_torch_indexer():
     """fused.index_scores + index_topk == Indexer.select's torch scoring at real dims (same blocks per query)."""
     from types import SimpleNamespace
-    from runtime import fused
+    from runtime.kernels import fused
     from runtime.models.minimax_m3 import Indexer, Step
     g = torch.Generator(device="cuda").manual_seed(4)
     B, ni, di, S, block, topk = 3, 4, 128, 8192, 128, 16

@@ -20,7 +20,7 @@ Layer-at-a-time use (what `porter verify` needs):
 the un-normed residual stream (transformers replaces its last entry by the final-normed state).
 
 Decoding (T = 1 over a cache) has static shapes: attention reads the cache through
-runtime.attention.decode_attention (dense layers: slots <= position, no mask tensor; sparse layers: only
+runtime.kernels.attention.decode_attention (dense layers: slots <= position, no mask tensor; sparse layers: only
 the blocks the indexer picked), so the step can be captured in a CUDA graph (`generate(...,
 cuda_graph=True)`, class DecodeGraph).
 """
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from converters.minimax_m3 import TextConfig
 from porter import mxfp8
 from porter.layout import scale_name
-from runtime import fused, gemv
-from runtime.attention import decode_attention, decode_attention_topk
+from runtime.kernels import fused, gemv
+from runtime.kernels.attention import decode_attention, decode_attention_topk
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params, swiglu_oai
 
 Getter = Callable[[str], Optional[torch.Tensor]]  # canonical name -> tensor on the device, or None
@@ -96,9 +96,9 @@ def _capturing() -> bool:
 
 class Linear:
     """y = x W^T with W stored as is (bf16/fp32) or MXFP8 (e4m3 + uint8 scales). On CUDA with few rows
-    (decode) MXFP8 runs one GEMV kernel (runtime.gemv) that streams the 1-byte weights once, dequantized
+    (decode) MXFP8 runs one GEMV kernel (runtime.kernels.gemv) that streams the 1-byte weights once, dequantized
     in registers (16-bit weights too where gemv.runs says it pays); elsewhere the weight is cast or
-    dequantized per call, then multiplied; a 16-bit weight against one row runs runtime.gemv.gemv_stream
+    dequantized per call, then multiplied; a 16-bit weight against one row runs runtime.kernels.gemv.gemv_stream
     (faster than cuBLAS there). add: tensors [..., N] added to the output in order, in its
     dtype (residual adds; fused into the GEMV's epilogue when it runs)."""
 
@@ -334,7 +334,7 @@ class Indexer:
     def scores_decode(self, iq: torch.Tensor, pos: torch.Tensor, step: Step, cache: LayerCache):
         """select() at decode up to the block scores, after fused.decode_qkv wrote the new index key:
         iq [B, ni, di] (normed, RoPE'd) -> [B, ni, nblk] fp32, or None (every visible block fits the
-        budget). The attention picks the top-k (runtime.attention.decode_attention_topk), then kept()."""
+        budget). The attention picks the top-k (runtime.kernels.attention.decode_attention_topk), then kept()."""
         nblk = -(-step.kv_len // self.cfg.index_block_size)
         if not _capturing():
             self._dropped = None

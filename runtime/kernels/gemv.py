@@ -4,7 +4,7 @@ weight, no MMA; what one-row 16-bit linears run by default, see BF16).
 
 y [M, N] = x [M, K] @ W^T, W [N, K] bf16/fp16/fp32 as stored, or MXFP8 (float8_e4m3fn + one uint8 UE8M0
 byte per 32 along K, the rule of porter/mxfp8.py; dequantized per tile in registers, see
-runtime/gemv_triton.py). At decode a layer is bound by its weight bytes: MXFP8 weights must be read as
+runtime/kernels/gemv_triton.py). At decode a layer is bound by its weight bytes: MXFP8 weights must be read as
 stored (1 byte + 1/32 scale byte per weight) rather than dequantized to bf16 per call, and the epilogues
 fold in what the unfused layer does next with the output, bit for bit in its rounding:
   * `swiglu=(alpha, beta, limit)`: W = [gate; up] rows, y = SwiGLU-OAI(gate, up) (shared expert, dense MLP);
@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from runtime.fused import next_pow2, pdl, use_triton
+from runtime.kernels.fused import next_pow2, pdl, use_triton
 
 MAX_ROWS = 64  # the kernel pads rows to BM <= 64; beyond that a GEMM is no longer bound by weight bytes
 SMEM_BYTES = 216 * 1024  # per program: (stages - 1) pipeline buffers (+ the e4m3 path's MMA operand copies)
@@ -87,7 +87,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = 
          cfg: Optional[tuple] = None) -> torch.Tensor:
     """x [..., K], weight [Nw, K] (+ scale [Nw, K/32] uint8 for e4m3) -> [..., N] (N = Nw, or Nw/2 with
     swiglu) in x's dtype. add: up to two [..., N] tensors added in order."""
-    from runtime.gemv_triton import gemv_kernel
+    from runtime.kernels.gemv_triton import gemv_kernel
     K = x.shape[-1]
     nw = weight.shape[0]
     n = nw // 2 if swiglu is not None else nw
@@ -140,7 +140,7 @@ def gemv_stream(x: torch.Tensor, weight: torch.Tensor, cfg: Optional[tuple] = No
     in x's dtype, by gemv_stream_kernel (no MMA; cfg = (BN, BK, warps)). With PDL the kernel reads the weight
     before waiting for the previous kernel: the weight must not be written by the kernel launched just before
     (model weights never are)."""
-    from runtime.gemv_triton import gemv_stream_kernel
+    from runtime.kernels.gemv_triton import gemv_stream_kernel
     K, N = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]

@@ -28,8 +28,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from runtime import fused
-from runtime.fused import next_pow2, pdl, use_triton
+from runtime.kernels import fused
+from runtime.kernels.fused import next_pow2, pdl, use_triton
 
 TOPK_IN_KERNEL = os.environ.get("PORTER_ATTENTION_TOPK", "1") != "0"  # see the module docstring
 RANK_BLOCKS = 256  # the kernel ranks up to this many block scores per program (NBP^2 compares)
@@ -112,7 +112,7 @@ def num_splits(n_keys: int, programs: int, block_n: int, target: int = 264) -> i
 
 def _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, scale, scores=None, topk=0):
     """-> (out [B, nq, d], top [B, nkv, topk] or None). scores: the kernel picks the topk blocks."""
-    from runtime.attention_triton import combine_kernel, decode_kernel
+    from runtime.kernels.attention_triton import combine_kernel, decode_kernel
     B, nq, d = q.shape
     pos = pos.contiguous()  # the kernels read pos[b] at pos_ptr + b
     nkv = k_cache.shape[1]

@@ -12,7 +12,7 @@ import torch
 from runtime.moe.contract import BackendUnavailable, MoeQuantInfo, MoeRouting, route
 from runtime.moe.triton.config import MoeConfig
 from runtime.moe.triton.launch import fused_moe
-from runtime.moe.triton.prepare import prepare
+from runtime.moe.triton.prepare import prepare as prepare_weights
 
 
 class TritonMoE:
@@ -47,9 +47,9 @@ class TritonMoE:
                                      "UE8M0 scales); these weights are unquantized: use backend='torch'")
         self.check_supported(quant.w13_weight.device)
         self.routing, self.fp8_prefill = routing, fp8_prefill
-        self.prepared = prepare(quant.w13_weight, quant.w13_weight_scale, quant.w2_weight,
-                                quant.w2_weight_scale, quant.gemm1_alpha, quant.gemm1_beta,
-                                quant.gemm1_clamp_limit, rebase=rebase)
+        self.prepared = prepare_weights(quant.w13_weight, quant.w13_weight_scale, quant.w2_weight,
+                                        quant.w2_weight_scale, quant.gemm1_alpha, quant.gemm1_beta,
+                                        quant.gemm1_clamp_limit, rebase=rebase)
         # Rebased at load, the backend holds its own copy of the experts: it keeps no reference to the
         # MXFP8 tensors (quant None), so a caller that drops its own has each layer's experts resident once.
         self.quant = None if self.prepared.rebased else quant

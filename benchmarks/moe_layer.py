@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from porter import mxfp8  # noqa: E402
-from runtime.moe import triton_backend as tb  # noqa: E402
+from runtime.moe.triton import TritonMoE  # noqa: E402
+from runtime.moe.triton import config as tc, launch as tl, prepare as tp  # noqa: E402
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params  # noqa: E402
 from runtime.moe.torch_backend import TorchMoE  # noqa: E402
 
@@ -87,9 +88,9 @@ def random_quant(dev, experts: int, sigma: float = 0.02) -> MoeQuantInfo:
     return MoeQuantInfo(q13, s13, q2, s2, **make_swiglu_params(experts, ALPHA, BETA, LIMIT, dev))
 
 
-def prepare_quant(q: MoeQuantInfo) -> "tb.PreparedMoE":
-    """triton_backend.prepare of q's tensors (the layout REBASE_AT_LOAD picks)."""
-    return tb.prepare(q.w13_weight, q.w13_weight_scale, q.w2_weight, q.w2_weight_scale,
+def prepare_quant(q: MoeQuantInfo) -> "tp.PreparedMoE":
+    """runtime.moe.triton.prepare of q's tensors (the default layout: rebased where it holds)."""
+    return tp.prepare(q.w13_weight, q.w13_weight_scale, q.w2_weight, q.w2_weight_scale,
                       q.gemm1_alpha, q.gemm1_beta, q.gemm1_clamp_limit)
 
 
@@ -100,8 +101,8 @@ def build_layer(dev):
     sw = make_swiglu_params(E, ALPHA, BETA, LIMIT, dev)
     quant = MoeQuantInfo(q13, s13, q2, s2, **sw)
     routing = MoeRouting(torch.randn(E, H, device=dev) * 0.02, torch.zeros(E, device=dev), TOPK, RSF)
-    bf16 = tb.prepare(b13, None, b2, None, sw["gemm1_alpha"], sw["gemm1_beta"], sw["gemm1_clamp_limit"])
-    return tb.TritonMoE(quant, routing), TorchMoE(quant, routing), bf16, (b13, b2)
+    bf16 = tp.prepare(b13, None, b2, None, sw["gemm1_alpha"], sw["gemm1_beta"], sw["gemm1_clamp_limit"])
+    return TritonMoE(quant, routing), TorchMoE(quant, routing), bf16, (b13, b2)
 
 
 def decode_problem(t, dev):
@@ -244,10 +245,10 @@ def torch_time_us(fn, reps) -> float:
     return statistics.median(times)
 
 
-def sweep_candidates(t: int) -> list[tb.MoeConfig]:
+def sweep_candidates(t: int) -> list[tc.MoeConfig]:
     """Alternatives to default_config: decode tile shapes (N split finer, deeper pipelines, BK) and
     FP8 prefill tiles."""
-    C = tb.MoeConfig
+    C = tc.MoeConfig
     if t <= 4:
         return [C(16, 16, 256, 4, 3, 64, 256, 4, 3), C(16, 32, 512, 4, 3, 64, 512, 4, 3),
                 C(16, 32, 128, 4, 6, 64, 128, 4, 6), C(16, 32, 256, 2, 3, 32, 256, 2, 3),
@@ -346,7 +347,7 @@ def main():
         if ab:
             big = max(r["T"] for r in ab)
             best = min((r for r in ab if r["T"] == big), key=lambda r: r["us"])
-            fp8_tile = tb.MoeConfig(**best["cfg"])
+            fp8_tile = tc.MoeConfig(**best["cfg"])
             meta["fp8_tile"] = {"from": args.fp8_tile_from, "T": big, "name": best["name"], "us": best["us"],
                                 "config": best["cfg"]}
             print(f"FP8 tile from {args.fp8_tile_from}: {best['name']} {best['us']:.1f} us at T={big}", flush=True)
@@ -357,10 +358,10 @@ def main():
         touched = distinct * expert_bytes
         ref = ref_moe.forward_topk(x, ids, w).float()
         relerr = lambda out: float((out.float() - ref).norm() / ref.norm())
-        w8 = tb.default_config(t, False)
+        w8 = tc.default_config(t, False)
         paths = {"w8a16": w8}
         if t >= 256:
-            tile = fp8_tile or replace(tb.default_config(4096, True), fp8=2)
+            tile = fp8_tile or replace(tc.default_config(4096, True), fp8=2)
             paths.update({"fp8x2": replace(tile, fp8=2), "fp8x1": replace(tile, fp8=1)})
         per_path = {}
         for name, c in paths.items():
@@ -375,7 +376,7 @@ def main():
         cfg = paths[shipped]
         us_first, err = per_path[shipped]["us"], per_path[shipped]["rel_err_vs_torch"]
         fn = lambda: moe.forward_topk(x, ids, w, cfg)
-        twin = lambda: tb.fused_moe(bf16, x, ids, w, RSF, w8)
+        twin = lambda: tl.fused_moe(bf16, x, ids, w, RSF, w8)
         us_eager = eager_time_us(fn)
         us, us_bf16, us_q, us_bf16_q, rounds = timed_rounds(fn, twin)
         us_gmm = time_any(lambda: grouped_mm_moe(x, ids, w, b13t, b2t, limit_t))
@@ -403,7 +404,7 @@ def main():
                 except Exception as ex:  # a config that fails to compile is reported, not fatal
                     print(f"  T={t} {cand} FAILED {type(ex).__name__}: {str(ex)[:200]}", flush=True)
                     continue
-                print(f"  sweep T={t} {tb.fit_config(cand, H, I)} {c_us:.1f} us rel_err {c_err:.2e}", flush=True)
+                print(f"  sweep T={t} {tc.fit_config(cand, H, I)} {c_us:.1f} us rel_err {c_err:.2e}", flush=True)
                 if c_us < best[0]:
                     best = (c_us, cand)
             row["sweep_best_us"], row["sweep_best_config"] = best[0], best[1].__dict__
@@ -425,8 +426,8 @@ def profile_kernels(moe, bf16, t, dev):
     x = torch.randn(t, H, device=dev).to(torch.bfloat16)
     ids = torch.rand(t, E, device=dev).topk(TOPK, dim=-1).indices
     w = torch.full((t, TOPK), 1.0 / TOPK, device=dev)
-    for name, fn in (("mxfp8", lambda: moe.forward_topk(x, ids, w, tb.default_config(t, True))),
-                     ("bf16", lambda: tb.fused_moe(bf16, x, ids, w, RSF, tb.default_config(t, False)))):
+    for name, fn in (("mxfp8", lambda: moe.forward_topk(x, ids, w, tc.default_config(t, True))),
+                     ("bf16", lambda: tl.fused_moe(bf16, x, ids, w, RSF, tc.default_config(t, False)))):
         for _ in range(3):
             fn()
         torch.cuda.synchronize()

@@ -11,7 +11,7 @@ import torch
 import runtime
 import runtime_fixtures as fx
 from runtime.kernels.attention import decode_attention, decode_attention_reference
-from runtime.models.minimax_m3 import gqa_attention, keep_mask
+from runtime.models.layers import gqa_attention, keep_mask
 
 EXACT = 1e-5
 LENGTHS = (3, 13, fx.LONG)  # below the sparse threshold, just above it, 5x above it
@@ -117,7 +117,7 @@ def test_decode_attention_reads_only_its_keys(sparse):
 
 
 def test_cuda_graph_decoding_needs_one_cuda_device(model):
-    from runtime.models.minimax_m3 import DecodeGraph
+    from runtime.graph import DecodeGraph
     with pytest.raises(ValueError, match="one CUDA device"):
         DecodeGraph(model, model.new_cache(1, 8))
     with pytest.raises(ValueError, match="one CUDA device"):

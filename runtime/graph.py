@@ -18,7 +18,8 @@ class DecodeGraph:
     def __init__(self, model, cache: KVCache):
         devices = {model.embed_tokens.device, model.head_device, *model.layer_devices}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
-            raise ValueError(f"CUDA-graph decoding needs the whole model on one CUDA device; it is on {devices}")
+            raise ValueError(f"CUDA-graph decoding needs the whole model on one CUDA device; "
+                             f"it is on {devices}")
         self.model, self.cache, self.graph = model, cache, None
         B = cache.next_pos.shape[0]
         self.tok = torch.zeros(B, 1, dtype=torch.long, device=cache.next_pos.device)

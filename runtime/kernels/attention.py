@@ -81,7 +81,8 @@ def top_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 def decode_attention_topk(q, k_cache, v_cache, pos, kv_len: int, scores: torch.Tensor, topk: int, block: int,
-                          scale: float = 1.0, rank_blocks: int = RANK_BLOCKS) -> tuple[torch.Tensor, torch.Tensor]:
+                          scale: float = 1.0, rank_blocks: int = RANK_BLOCKS
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """decode_attention over the topk best blocks of the indexer's block scores [B, n, nblk] fp32 (n = nkv:
     index head h serves kv head h; n = 1: one serves all; nblk = ceil(kv_len / block) > topk) ->
     (out [B, nq, d], the blocks kept [B, n, topk] as top_blocks picks them). rank_blocks: the split-K kernel

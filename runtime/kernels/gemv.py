@@ -59,8 +59,7 @@ def fit(bm: int, rows: int, bk: int, stages: int, x_bytes: int, w_bytes: int, mx
     narrower K step (many rows or fp32 activations)."""
     def need(bk_, st):
         pipeline = (st - 1) * (bk_ * (bm * x_bytes + rows * w_bytes) + (rows * bk_ // 32 if mx else 0))
-        # e4m3: the x tile and the dequantized weight tile are staged once more as MMA operands (H200,
-        # Triton 3.6: 64 rows, BK 512, 3 stages asked for 263168 = 2 x 82432 + 512 x (64 x 2 + 32 x 2) bytes)
+        # e4m3: Triton stages the x tile and the dequantized weight tile once more as MMA operands
         operands = bk_ * (bm * x_bytes + rows * (4 if x_bytes == 4 else 2)) if mx else 0
         return pipeline + operands
     while need(bk, stages) > SMEM_BYTES and stages > 2:
@@ -101,8 +100,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = 
     ieee = torch.float32 in (x.dtype, weight.dtype)
     bk = min(bk, max(32 if mx else 16, next_pow2(K)), 128 if ieee else bk)  # fp32: a reference path, not tuned
     bm = max(16, next_pow2(M))
-    # fp32 MMA: a 16-bit weight tile is staged in shared memory already widened to fp32 (H200: 256 KB asked
-    # for 32 rows x 512 K, 3 stages); an e4m3 tile is staged as bytes and dequantized in registers
+    # fp32 MMA: a 16-bit weight tile is staged in shared memory already widened to fp32; an e4m3 tile is
+    # staged as bytes and dequantized in registers
     w_bytes = 4 if ieee and not mx else weight.element_size()
     bk, stages = fit(bm, bn * per, bk, stages, 4 if ieee else x2.element_size(), w_bytes, mx)
     alpha, beta, limit = (float(v) for v in swiglu) if swiglu is not None else (0.0, 0.0, 0.0)
@@ -119,9 +118,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = 
 
 
 STREAM_ROWS = 4  # gemv_stream: x rows it takes (its [rows, BN, BK] fp32 partial products live in registers)
-# gemv_stream's (BN, BK, warps): the H200 A/B's best over the decode linears at one row (within 1 µs of each
-# linear's own best; benchmarks/gemv_stream_ab.py passes its candidates as cfg)
-STREAM_CONFIG = (4, 1024, 4)
+STREAM_CONFIG = (4, 1024, 4)  # gemv_stream's (BN, BK, warps): the best single config over the decode linears
+
 
 def gemv_stream(x: torch.Tensor, weight: torch.Tensor, cfg: Optional[tuple] = None) -> torch.Tensor:
     """x [..., K] (at most STREAM_ROWS rows), weight [N, K] bf16/fp16 of x's dtype -> x @ weight^T [..., N]

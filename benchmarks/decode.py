@@ -58,31 +58,31 @@ def linear_bytes(lin) -> int:
 
 
 def attention_bytes(layer) -> int:
-    a = layer.attn
-    b = sum(linear_bytes(x) for x in (a.wq, a.wk, a.wv, a.wo)) + nbytes(a.q_norm, a.k_norm, layer.ln_in, layer.ln_post)
+    a = layer.self_attn
+    b = sum(linear_bytes(x) for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)) + nbytes(a.q_norm, a.k_norm, layer.input_layernorm, layer.post_attention_layernorm)
     if a.indexer is not None:
-        b += linear_bytes(a.indexer.wq) + linear_bytes(a.indexer.wk) + nbytes(a.indexer.q_norm, a.indexer.k_norm)
+        b += linear_bytes(a.indexer.q_proj) + linear_bytes(a.indexer.k_proj) + nbytes(a.indexer.q_norm, a.indexer.k_norm)
     return b
 
 
 def mlp_bytes(layer, experts_touched: int) -> int:
     m = layer.mlp
     if not isinstance(m, MoE):
-        return linear_bytes(m.gate) + linear_bytes(m.up) + linear_bytes(m.down)
+        return linear_bytes(m.gate_proj) + linear_bytes(m.up_proj) + linear_bytes(m.down_proj)
     if m.quant is not None:
         q = m.quant
         per_expert = nbytes(q.w13_weight[0], q.w13_weight_scale[0], q.w2_weight[0], q.w2_weight_scale[0])
     else:  # the Triton backend's own layout (rebased at load: e4m3 + one fp32 scale per row)
         p = m.experts.prepared
         per_expert = nbytes(p.w13[0], p.w13_scale[0], p.w2[0], p.w2_scale[0])
-    shared = linear_bytes(m.shared.gate) + linear_bytes(m.shared.up) + linear_bytes(m.shared.down)
+    shared = linear_bytes(m.shared_experts.gate_proj) + linear_bytes(m.shared_experts.up_proj) + linear_bytes(m.shared_experts.down_proj)
     return experts_touched * per_expert + shared + nbytes(m.routing.router_weight, m.routing.e_score_correction_bias)
 
 
 def cache_bytes(cfg, layer, batch: int, kv: int) -> int:
     """K/V (and index keys) the decode attention reads: dense all kv slots, sparse top-k blocks."""
     per_tok = cfg.num_key_value_heads * cfg.head_dim * 2 * 2  # K and V, bf16
-    if layer.attn.indexer is None:
+    if layer.self_attn.indexer is None:
         return batch * kv * per_tok
     sel = min(kv + 1, cfg.index_topk_blocks * cfg.index_block_size)
     return batch * (sel * per_tok + kv * cfg.index_head_dim * 2)
@@ -139,7 +139,7 @@ def filled_cache(model, batch: int, kv: int, extra: int = 128):
 def experts_touched(layer, h: torch.Tensor) -> int:
     if not isinstance(layer.mlp, MoE):
         return 0
-    x = rms_norm(h, layer.ln_post, layer.eps).reshape(-1, h.shape[-1])  # approximation: pre-attention h
+    x = rms_norm(h, layer.post_attention_layernorm, layer.eps).reshape(-1, h.shape[-1])  # approximation: pre-attention h
     ids, _ = route(x, layer.mlp.routing)
     return int(torch.unique(ids).numel())
 

@@ -28,7 +28,7 @@ def _prompts():
 
 
 def _excluded(model):
-    return [l.attn.indexer.last_excluded for l in model.layers if l.attn.indexer is not None]
+    return [l.self_attn.indexer.last_excluded for l in model.layers if l.self_attn.indexer is not None]
 
 
 def test_padded_logits_equal_each_prompt_alone(model):

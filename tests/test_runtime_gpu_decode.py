@@ -330,7 +330,7 @@ def test_decode_is_deterministic_and_graph_replay_matches(artifacts):
     for scope, dtype, tol in (("experts", torch.bfloat16, 2e-2), ("all", torch.float32, 1e-5)):
         model = runtime.load(artifacts[scope], device="cuda", dtype=dtype, backend="triton" if scope == "experts"
                              else "torch")
-        assert model.layers[1].attn.qkv is not None and model.layers[0].mlp.gate_up is not None
+        assert model.layers[1].self_attn.qkv is not None and model.layers[0].mlp.gate_up is not None
         for lengths in ([5, 12, 30], [17]):  # batch 1 takes the MoE's one-token fused output
             ids, mask = _left_pad(lengths)
             n = 12
@@ -357,7 +357,7 @@ def test_device_map_two_gpus_equals_one(artifacts):
     n = store.config.num_hidden_layers
     want_devices = (torch.device("cuda", 0),) * 2 + (torch.device("cuda", 1),) * (n - 2)
     assert split.placement.layers == want_devices and split.placement.head == torch.device("cuda", 1)
-    assert split.layers[2].attn.wq.weight.device == torch.device("cuda", 1)
+    assert split.layers[2].self_attn.q_proj.weight.device == torch.device("cuda", 1)
     one = runtime.load(art, device="cuda:0", dtype=torch.float32, backend="torch")
     ids, mask = _left_pad([6, 25])
     a, b = one(ids.cuda(), attention_mask=mask), split(ids.cuda(), attention_mask=mask)

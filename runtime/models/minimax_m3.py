@@ -32,14 +32,14 @@ from runtime.cache import KVCache, LayerCache, Step
 from runtime.generate import generate
 from runtime.kernels import fused, gemv
 from runtime.kernels.attention import decode_attention, decode_attention_topk
-from runtime.models.layers import (Getter, Rope, add_in_order, capturing, fork, gqa_attention, join, keep_mask,
-                                   linear, norm_rope, on_device, rms_norm, stack_linears)
+from runtime.models.layers import (Getter, Rope, add_in_order, capturing, fork, gqa_attention, join,
+                                   keep_mask, linear, norm_rope, on_device, rms_norm, stack_linears)
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params, swiglu_oai
 
 
 class Indexer:
     def __init__(self, cfg: TextConfig, get: Getter, p: str):
-        self.wq, self.wk = linear(get, p + "index_q_proj"), linear(get, p + "index_k_proj")
+        self.q_proj, self.k_proj = linear(get, p + "index_q_proj"), linear(get, p + "index_k_proj")
         self.q_norm, self.k_norm = get(p + "index_q_norm.weight"), get(p + "index_k_norm.weight")
         self.cfg, self.ni, self.di = cfg, cfg.index_n_heads, cfg.index_head_dim
         self._dropped: Optional[torch.Tensor] = None  # 0-dim count behind last_excluded, left on the device
@@ -56,8 +56,8 @@ class Indexer:
         B, T, _ = x.shape
         eps = self.cfg.rms_norm_eps
         cos, sin = cos[..., : self.di], sin[..., : self.di]  # as transformers, should di < rotary_dim
-        iq = norm_rope(self.wq(x).view(B, T, self.ni, self.di), self.q_norm, eps, cos, sin)  # [B, T, ni, di]
-        ik = norm_rope(self.wk(x).view(B, T, 1, self.di), self.k_norm, eps, cos, sin)[:, :, 0]  # [B, T, di]
+        iq = norm_rope(self.q_proj(x).view(B, T, self.ni, self.di), self.q_norm, eps, cos, sin)  # [B,T,ni,di]
+        ik = norm_rope(self.k_proj(x).view(B, T, 1, self.di), self.k_norm, eps, cos, sin)[:, :, 0]  # [B,T,di]
         S = step.kv_len
         if cache is not None:
             cache.put("idx_k", ik, step)
@@ -124,12 +124,13 @@ class Indexer:
 class Attention:
     def __init__(self, cfg: TextConfig, get: Getter, p: str, rope: Rope, sparse: bool):
         self.cfg, self.rope = cfg, rope
-        self.wq, self.wk = linear(get, p + "q_proj"), linear(get, p + "k_proj")
-        self.wv, self.wo = linear(get, p + "v_proj"), linear(get, p + "o_proj")
+        self.q_proj, self.k_proj = linear(get, p + "q_proj"), linear(get, p + "k_proj")
+        self.v_proj, self.o_proj = linear(get, p + "v_proj"), linear(get, p + "o_proj")
         self.q_norm, self.k_norm = get(p + "q_norm.weight"), get(p + "k_norm.weight")
         self.indexer = Indexer(cfg, get, p) if sparse else None
-        idx = (self.indexer.wq, self.indexer.wk) if sparse else ()
-        self.qkv = stack_linears(self.wq, self.wk, self.wv, *idx)  # [q; k; v (; index q; index k)] rows
+        idx = (self.indexer.q_proj, self.indexer.k_proj) if sparse else ()
+        # [q; k; v (; index q; index k)] rows: one kernel at decode
+        self.qkv = stack_linears(self.q_proj, self.k_proj, self.v_proj, *idx)
 
     def decode(self, x: torch.Tensor, step: Step, cache: LayerCache) -> torch.Tensor:
         """The decode step of __call__ (T = 1 over a cache, CUDA) up to o_proj: x [B, 1, H] -> [B, 1, nq*d].
@@ -161,9 +162,9 @@ class Attention:
         cfg, (B, T, _) = self.cfg, x.shape
         nq, nkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
         cos, sin = step.rope(self.rope, x.dtype)  # [B, T, r]
-        q = norm_rope(self.wq(x).view(B, T, nq, d), self.q_norm, eps, cos, sin)  # qk-norm, then RoPE
-        k = norm_rope(self.wk(x).view(B, T, nkv, d), self.k_norm, eps, cos, sin)
-        v = self.wv(x).view(B, T, nkv, d)
+        q = norm_rope(self.q_proj(x).view(B, T, nq, d), self.q_norm, eps, cos, sin)  # qk-norm, then RoPE
+        k = norm_rope(self.k_proj(x).view(B, T, nkv, d), self.k_norm, eps, cos, sin)
+        v = self.v_proj(x).view(B, T, nkv, d)
         if cache is None and not step.fresh:  # padded batch without a cache: a scratch one
             cache = LayerCache.empty(cfg, self.indexer is not None, B, step.kv_len, x.dtype, x.device)
         if cache is not None:
@@ -174,7 +175,7 @@ class Attention:
             blocks = None if top is None else top[:, :, 0].expand(B, nkv, -1)  # index head h -> kv head h
             out = decode_attention(q[:, 0], cache.k, cache.v, step.pos[:, 0], step.kv_len, blocks,
                                    cfg.index_block_size, d ** -0.5)  # [B, nq, d]
-            return self.wo(out.reshape(B, 1, nq * d))
+            return self.o_proj(out.reshape(B, 1, nq * d))
         S = step.kv_len
         if cache is None:  # fresh, no cache: the new keys are slots 0..T-1
             keys, vals = k.transpose(1, 2), v.transpose(1, 2)  # [B, nkv, T, d]
@@ -189,7 +190,7 @@ class Attention:
             if top is not None:
                 mask = mask & keep_mask(top, S, cfg.index_block_size)  # [B, ni, T, S]
             out = gqa_attention(q, keys, vals, mask, d ** -0.5)  # [B, nq, T, d]
-        return self.wo(out.transpose(1, 2).reshape(B, T, nq * d))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, nq * d))
 
 
 
@@ -197,12 +198,12 @@ class MLP:
     """SwiGLU-OAI MLP (dense layers and the shared expert), alpha/beta/limit from the resolved config."""
 
     def __init__(self, cfg: TextConfig, get: Getter, p: str):
-        self.gate, self.up = linear(get, p + "gate_proj"), linear(get, p + "up_proj")
-        self.down = linear(get, p + "down_proj")
-        self.gate_up = stack_linears(self.gate, self.up)  # [gate; up] rows: one GEMV + SwiGLU at decode
+        self.gate_proj, self.up_proj = linear(get, p + "gate_proj"), linear(get, p + "up_proj")
+        self.down_proj = linear(get, p + "down_proj")
+        self.gate_up = stack_linears(self.gate_proj, self.up_proj)  # [gate; up] rows: one GEMV + SwiGLU
         # 0-dim tensors on the weights' device: a Python float would be copied to the GPU on every call,
         # which a CUDA graph cannot capture
-        dev = self.down.weight.device
+        dev = self.down_proj.weight.device
         self.params = (cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit)  # floats for the fused kernel
         self.alpha, self.beta, self.limit = (torch.tensor(float(v), device=dev) for v in self.params)
 
@@ -215,12 +216,12 @@ class MLP:
             inter = both.shape[-1] // 2
             act = fused.swiglu(both[..., :inter], both[..., inter:], *self.params)
         else:
-            gate, up = self.gate(x), self.up(x)
+            gate, up = self.gate_proj(x), self.up_proj(x)
             if fused.use_triton(gate):
                 act = fused.swiglu(gate, up, *self.params)
             else:
                 act = swiglu_oai(gate, up, self.alpha, self.beta, self.limit)
-        return self.down(act, add)
+        return self.down_proj(act, add)
 
 
 
@@ -243,7 +244,7 @@ class MoE:
         # load (TRT-LLM's shuffled tensors, the Triton backend's rebase) keeps none, and the experts are
         # resident once.
         self.quant = getattr(self.experts, "quant", None)
-        self.shared = MLP(cfg, get, p + "shared_experts.") if cfg.n_shared_experts else None
+        self.shared_experts = MLP(cfg, get, p + "shared_experts.") if cfg.n_shared_experts else None
 
     def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:
         """x [..., H] -> routed + shared [..., H], then + each of add in order."""
@@ -252,8 +253,8 @@ class MoE:
         side = self._side_stream(flat)
         if side is None:
             y = self.routed(flat)
-            if self.shared is not None:
-                return self.shared(flat, (y, *add)).view_as(x)  # y + shared expert (unscaled), then add
+            if self.shared_experts is not None:
+                return self.shared_experts(flat, (y, *add)).view_as(x)  # y + shared expert (unscaled), then add
             for a in add:
                 y = y + a
             return y.view_as(x)
@@ -261,7 +262,7 @@ class MoE:
         # experts run on this one, filling each other's launch gaps and tails (both are bound by weight bytes).
         # Forked and joined inside the call, so every tensor the side stream touches outlives its use.
         with torch.cuda.stream(side):
-            s = self.shared(flat)  # [B*T, H]
+            s = self.shared_experts(flat)  # [B*T, H]
         y = self.routed(flat)
         join(side)
         return add_in_order(s, (y, *add)).view_as(x)  # (shared + routed) + each add: the unfused order
@@ -277,17 +278,21 @@ class MoE:
 
     def _side_stream(self, flat: torch.Tensor) -> Optional[torch.cuda.Stream]:
         """The stream the shared expert overlaps on at decode (CUDA, decode-size rows), else None."""
-        if not (self.shared is not None and gemv.applies(flat, self.routing.router_weight)):
+        if not (self.shared_experts is not None and gemv.applies(flat, self.routing.router_weight)):
             return None
         return fork(flat.device)
 
 
 class DecoderLayer:
+    """Attributes named like the weights (input_layernorm, self_attn.q_proj, ...); `mlp` is the dense MLP
+    or, on MoE layers, the block_sparse_moe block."""
+
     def __init__(self, cfg: TextConfig, get: Getter, i: int, rope: Rope, device, make_backend: Callable):
         p = f"model.layers.{i}."
         self.index, self.eps, self.device = i, cfg.rms_norm_eps, torch.device(device)
-        self.ln_in, self.ln_post = get(p + "input_layernorm.weight"), get(p + "post_attention_layernorm.weight")
-        self.attn = Attention(cfg, get, p + "self_attn.", rope, cfg.is_sparse_attention(i))
+        self.input_layernorm = get(p + "input_layernorm.weight")
+        self.post_attention_layernorm = get(p + "post_attention_layernorm.weight")
+        self.self_attn = Attention(cfg, get, p + "self_attn.", rope, cfg.is_sparse_attention(i))
         if cfg.is_moe(i):
             self.mlp = MoE(cfg, get, p + "block_sparse_moe.", device, make_backend)
         else:
@@ -301,21 +306,22 @@ class DecoderLayer:
         step, h = step.on(self.device), h.to(self.device)
         with on_device(self.device):
             if self.fused_decode(h, step, cache):
-                a = self.attn.decode(rms_norm(h, self.ln_in, self.eps), step, cache)  # [B, 1, nq*d]
-                wo = self.attn.wo
-                if gemv.runs(a, wo.weight):  # the add in the GEMV's epilogue, then the norm
-                    h = wo(a, add=(h,))  # h + o_proj(a)
-                    x = rms_norm(h, self.ln_post, self.eps)
+                x = rms_norm(h, self.input_layernorm, self.eps)
+                a = self.self_attn.decode(x, step, cache)  # [B, 1, nq*d]
+                o_proj = self.self_attn.o_proj
+                if gemv.runs(a, o_proj.weight):  # the add in the GEMV's epilogue, then the norm
+                    h = o_proj(a, add=(h,))  # h + o_proj(a)
+                    x = rms_norm(h, self.post_attention_layernorm, self.eps)
                 else:  # one kernel adds the residual and norms the sum
-                    h, x = fused.add_rms_norm(wo(a), h, self.ln_post, self.eps)
+                    h, x = fused.add_rms_norm(o_proj(a), h, self.post_attention_layernorm, self.eps)
                 return self.mlp(x, add=(h,))  # h + mlp(x)
-            h = h + self.attn(rms_norm(h, self.ln_in, self.eps), step, cache)
-            return h + self.mlp(rms_norm(h, self.ln_post, self.eps))
+            h = h + self.self_attn(rms_norm(h, self.input_layernorm, self.eps), step, cache)
+            return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 
     def fused_decode(self, h: torch.Tensor, step: Step, cache: Optional[LayerCache]) -> bool:
-        """Whether this step runs the fused decode kernels (CUDA, a decode step over a cache, stacked q/k/v)."""
-        return (step.decode and cache is not None and self.attn.qkv is not None
-                and fused.use_triton(h) and gemv.applies(h, self.attn.qkv.weight))
+        """Whether this step runs the fused decode kernels (CUDA, decode over a cache, stacked q/k/v)."""
+        return (step.decode and cache is not None and self.self_attn.qkv is not None
+                and fused.use_triton(h) and gemv.applies(h, self.self_attn.qkv.weight))
 
 
 class MiniMaxM3:

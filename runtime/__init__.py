@@ -10,8 +10,10 @@
     logits = model(padded_ids, attention_mask=mask)             # left-padded prompts of different lengths
     tokens = model.generate(ids, 64, cuda_graph=True)            # decode steps replayed from a CUDA graph
 
-See runtime/models/minimax_m3.py (layer-at-a-time API), runtime/loader.py (memory model, streaming) and
-runtime/placement.py (device_map).
+Modules: loader.py (stores, memory model, streaming) · placement.py (device_map) · models/minimax_m3.py
+(the forward pass, layer-at-a-time API; building blocks in models/layers.py) · cache.py (positions, KV and
+indexer caches) · generate.py (greedy loop) · graph.py (DecodeGraph) · kernels/ (attention, fused decode
+ops, GEMVs + their Triton kernels) · moe/ (contract, backends, selection).
 """
 from __future__ import annotations
 

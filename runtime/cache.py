@@ -36,8 +36,8 @@ class Step:
             self._memo[key] = make()
         return self._memo[key]
 
-    def rope(self, rope: "Rope", dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [B, T, r] of these positions."""
+    def rope(self, rope: Callable, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, T, r] of these positions (rope: a runtime.models.layers.Rope)."""
         return self.memo(("rope", id(rope), dtype), lambda: rope(self.pos, dtype))
 
     def on(self, device: torch.device) -> "Step":

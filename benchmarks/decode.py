@@ -33,8 +33,10 @@ from common import DEFAULT_OUT, copy_bandwidth, environment, environment_line, w
 from common import mean_ms as timed  # noqa: E402
 import porter  # noqa: E402
 import runtime  # noqa: E402
-import runtime.models.minimax_m3 as m3  # noqa: E402
-from runtime.models.minimax_m3 import MoE, DecodeGraph, Step  # noqa: E402
+from runtime.cache import Step  # noqa: E402
+from runtime.graph import DecodeGraph  # noqa: E402
+from runtime.models.layers import rms_norm  # noqa: E402
+from runtime.models.minimax_m3 import MoE  # noqa: E402
 from runtime.moe.contract import route  # noqa: E402
 from tiny_checkpoint import build_tiny_checkpoint, real_dims_overrides  # noqa: E402
 
@@ -54,31 +56,31 @@ def linear_bytes(lin) -> int:
 
 
 def attention_bytes(layer) -> int:
-    a = layer.attn
-    b = sum(linear_bytes(x) for x in (a.wq, a.wk, a.wv, a.wo)) + nbytes(a.q_norm, a.k_norm, layer.ln_in, layer.ln_post)
+    a = layer.self_attn
+    b = sum(linear_bytes(x) for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)) + nbytes(a.q_norm, a.k_norm, layer.input_layernorm, layer.post_attention_layernorm)
     if a.indexer is not None:
-        b += linear_bytes(a.indexer.wq) + linear_bytes(a.indexer.wk) + nbytes(a.indexer.q_norm, a.indexer.k_norm)
+        b += linear_bytes(a.indexer.q_proj) + linear_bytes(a.indexer.k_proj) + nbytes(a.indexer.q_norm, a.indexer.k_norm)
     return b
 
 
 def mlp_bytes(layer, experts_touched: int) -> int:
     m = layer.mlp
     if not isinstance(m, MoE):
-        return linear_bytes(m.gate) + linear_bytes(m.up) + linear_bytes(m.down)
+        return linear_bytes(m.gate_proj) + linear_bytes(m.up_proj) + linear_bytes(m.down_proj)
     if m.quant is not None:
         q = m.quant
         per_expert = nbytes(q.w13_weight[0], q.w13_weight_scale[0], q.w2_weight[0], q.w2_weight_scale[0])
     else:  # the Triton backend's own layout (rebased at load: e4m3 + one fp32 scale per row)
         p = m.experts.prepared
         per_expert = nbytes(p.w13[0], p.w13_scale[0], p.w2[0], p.w2_scale[0])
-    shared = linear_bytes(m.shared.gate) + linear_bytes(m.shared.up) + linear_bytes(m.shared.down)
+    shared = linear_bytes(m.shared_experts.gate_proj) + linear_bytes(m.shared_experts.up_proj) + linear_bytes(m.shared_experts.down_proj)
     return experts_touched * per_expert + shared + nbytes(m.routing.router_weight, m.routing.e_score_correction_bias)
 
 
 def cache_bytes(cfg, layer, batch: int, kv: int) -> int:
     """K/V (and index keys) the decode attention reads: dense all kv slots, sparse top-k blocks."""
     per_tok = cfg.num_key_value_heads * cfg.head_dim * 2 * 2  # K and V, bf16
-    if layer.attn.indexer is None:
+    if layer.self_attn.indexer is None:
         return batch * kv * per_tok
     sel = min(kv + 1, cfg.index_topk_blocks * cfg.index_block_size)
     return batch * (sel * per_tok + kv * cfg.index_head_dim * 2)
@@ -97,29 +99,15 @@ def filled_cache(model, batch: int, kv: int, extra: int = 128):
 
 
 def experts_touched(layer, h: torch.Tensor) -> int:
-    from runtime.models.minimax_m3 import rms_norm
     if not isinstance(layer.mlp, MoE):
         return 0
-    x = rms_norm(h, layer.ln_post, layer.eps).reshape(-1, h.shape[-1])  # approximation: pre-attention h
+    x = rms_norm(h, layer.post_attention_layernorm, layer.eps).reshape(-1, h.shape[-1])  # approximation: pre-attention h
     ids, _ = route(x, layer.mlp.routing)
     return int(torch.unique(ids).numel())
 
 
-def with_flag_off(flag: str, step_fn) -> tuple[float, float]:
-    """Time step_fn with runtime.models.minimax_m3.<flag> off (CUDA-graph replay) and its output's relative
-    difference to the output with the flag on; the flag is restored after."""
-    on = step_fn()
-    setattr(m3, flag, False)
-    try:
-        ms = timed(step_fn)
-        off = step_fn().float()
-    finally:
-        setattr(m3, flag, True)
-    return ms, float((on.float() - off).norm() / off.norm())
-
-
 @torch.inference_mode()
-def decode_case(model, batch: int, kv: int, bw: float, compare: bool = False) -> dict:
+def decode_case(model, batch: int, kv: int, bw: float) -> dict:
     cfg = model.cfg
     cache = filled_cache(model, batch, kv)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -140,11 +128,6 @@ def decode_case(model, batch: int, kv: int, bw: float, compare: bool = False) ->
         floor = b / bw * 1e3
         row = {"layer": i, "kind": "moe" if isinstance(layer.mlp, MoE) else "dense", "ms": ms,
                "eager_ms": eager, "bytes": b, "experts_touched": touched, "floor_ms": floor, "x_floor": ms / floor}
-        step_fn = lambda: layer(h, step, lc)  # noqa: E731
-        if isinstance(layer.mlp, MoE) and m3.MOE_OVERLAP:  # shared expert on the main stream (A/B)
-            row["serial_moe_ms"], row["overlap_vs_serial_rel"] = with_flag_off("MOE_OVERLAP", step_fn)
-        if compare:  # the op-by-op decode step (PORTER_FUSED_DECODE=0) on the same inputs: time and output
-            row["op_by_op_ms"], row["fused_vs_op_by_op_rel"] = with_flag_off("FUSED_DECODE", step_fn)
         rows.append(row)
     tok = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
     try:
@@ -261,11 +244,7 @@ def main():
              f"{bw / 1e12:.2f} TB/s (floor = bytes / that). Synthetic checkpoint: {args.layers} layers "
              f"(layer 0 dense attention + dense MLP, the rest sparse attention + MoE), {args.experts} experts "
              "top-4, real layer dims. ms = CUDA-graph replay of one layer's decode step; eager = the same "
-             "step launched op by op; op-by-op ms = CUDA-graph replay of the unfused decode step (PORTER_FUSED_DECODE=0: "
-             "one kernel per projection, norm, cache write and indexer op; the router kernels and the shared "
-             "expert's gate/up GEMV + SwiGLU stay fused in both), batch 1 only; serial MoE ms = the step with the "
-             "shared expert on the main stream after the routed experts (PORTER_MOE_OVERLAP=0) instead of "
-             "overlapped on a second stream.", ""]
+             "step launched kernel by kernel.", ""]
     scopes = args.scopes.split(",")
     for scope in scopes:
         art = work / f"mxfp8-{scope}"
@@ -275,27 +254,23 @@ def main():
             log.info("converted (--quantize %s) in %.0f s", scope, time.time() - t)
         model = runtime.load(art, device="cuda", backend="auto")
         res = {"decode": [], "prefill": None}
-        lines += [f"## --quantize {scope}", "", "| batch | KV | layer | kind | ms | eager ms | op-by-op ms | serial MoE ms "
-                  "| MB read | floor ms | x floor |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"## --quantize {scope}", "", "| batch | KV | layer | kind | ms | eager ms "
+                  "| MB read | floor ms | x floor |", "|---|---|---|---|---|---|---|---|---|"]
         cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
         if scope != scopes[0]:
             cases = [c for c in cases if c[0] == 1]  # the other scopes: batch 1 only
         for batch, kv in cases:
-            case = decode_case(model, batch, kv, bw, compare=batch == 1 and m3.FUSED_DECODE)
+            case = decode_case(model, batch, kv, bw)
             head = lm_head_ms(batch, model.cfg.hidden_size)
             case["lm_head_ms"] = head
             case["projection"] = project(case["layers"], head)
             res["decode"].append(case)
             for r in case["layers"]:
-                op = f"{r['op_by_op_ms']:.3f}" if "op_by_op_ms" in r else ""
-                serial = f"{r['serial_moe_ms']:.3f}" if "serial_moe_ms" in r else ""
                 lines.append(f"| {batch} | {kv} | {r['layer']} | {r['kind']} | {r['ms']:.3f} | {r['eager_ms']:.3f} | "
-                             f"{op} | {serial} | {r['bytes'] / 1e6:.1f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} |")
+                             f"{r['bytes'] / 1e6:.1f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} |")
                 log.info("quantize=%s B=%d KV=%d layer %d (%s): %.3f ms (eager %.3f), %.1f MB, floor %.3f ms, "
-                         "%.2fx floor; op-by-op %s ms, fused vs op-by-op rel %s; serial MoE %s ms, overlap vs serial rel %s",
-                         scope, batch, kv, r["layer"], r["kind"], r["ms"], r["eager_ms"], r["bytes"] / 1e6,
-                         r["floor_ms"], r["x_floor"], r.get("op_by_op_ms"), r.get("fused_vs_op_by_op_rel"),
-                         r.get("serial_moe_ms"), r.get("overlap_vs_serial_rel"))
+                         "%.2fx floor", scope, batch, kv, r["layer"], r["kind"], r["ms"], r["eager_ms"],
+                         r["bytes"] / 1e6, r["floor_ms"], r["x_floor"])
             p = case["projection"]
             log.info("quantize=%s B=%d KV=%d: whole %d-layer step (DecodeGraph) %.3f ms; projected 60 layers + "
                      "lm_head %.2f ms -> %.1f tok/s per sequence (%.1f tok/s total)", scope, batch, kv,

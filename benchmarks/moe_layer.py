@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (DEFAULT_OUT, environment, environment_line, event_time_us, graph_time_queued_us,  # noqa: E402
                     graph_time_us, write_results as write_files)
 from porter import mxfp8  # noqa: E402
-from runtime.moe import triton_backend as tb  # noqa: E402
+from runtime.moe.triton import TritonMoE  # noqa: E402
+from runtime.moe.triton import config as tc, launch as tl, prepare as tp  # noqa: E402
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params  # noqa: E402
 from runtime.moe.torch_backend import TorchMoE  # noqa: E402
 
@@ -82,8 +83,8 @@ def build_layer(dev):
     sw = make_swiglu_params(E, ALPHA, BETA, LIMIT, dev)
     quant = MoeQuantInfo(q13, s13, q2, s2, **sw)
     routing = MoeRouting(torch.randn(E, H, device=dev) * 0.02, torch.zeros(E, device=dev), TOPK, RSF)
-    bf16 = tb.prepare(b13, None, b2, None, sw["gemm1_alpha"], sw["gemm1_beta"], sw["gemm1_clamp_limit"])
-    return tb.TritonMoE(quant, routing), TorchMoE(quant, routing), bf16, (b13, b2)
+    bf16 = tp.prepare(b13, None, b2, None, sw["gemm1_alpha"], sw["gemm1_beta"], sw["gemm1_clamp_limit"])
+    return TritonMoE(quant, routing), TorchMoE(quant, routing), bf16, (b13, b2)
 
 
 def decode_problem(t, dev):
@@ -219,10 +220,10 @@ def main():
         touched = distinct * expert_bytes
         ref = ref_moe.forward_topk(x, ids, w).float()
         relerr = lambda out: float((out.float() - ref).norm() / ref.norm())
-        w8 = tb.default_config(t, False)
+        w8 = tc.default_config(t, False)
         paths = {"w8a16": w8}
         if t >= 256:
-            tile = replace(tb.default_config(4096, True), fp8=2)
+            tile = replace(tc.default_config(4096, True), fp8=2)
             paths.update({"fp8x2": replace(tile, fp8=2), "fp8x1": replace(tile, fp8=1)})
         per_path = {}
         for name, c in paths.items():
@@ -237,7 +238,7 @@ def main():
         cfg = paths[shipped]
         us_first, err = per_path[shipped]["us"], per_path[shipped]["rel_err_vs_torch"]
         fn = lambda: moe.forward_topk(x, ids, w, cfg)
-        twin = lambda: tb.fused_moe(bf16, x, ids, w, RSF, w8)
+        twin = lambda: tl.fused_moe(bf16, x, ids, w, RSF, w8)
         us_eager = eager_time_us(fn)
         us, us_bf16, us_q, us_bf16_q, rounds = timed_rounds(fn, twin)
         us_gmm = time_any(lambda: grouped_mm_moe(x, ids, w, b13t, b2t, limit_t))
@@ -273,8 +274,8 @@ def profile_kernels(moe, bf16, t, dev):
     x = torch.randn(t, H, device=dev).to(torch.bfloat16)
     ids = torch.rand(t, E, device=dev).topk(TOPK, dim=-1).indices
     w = torch.full((t, TOPK), 1.0 / TOPK, device=dev)
-    for name, fn in (("mxfp8", lambda: moe.forward_topk(x, ids, w, tb.default_config(t, True))),
-                     ("bf16", lambda: tb.fused_moe(bf16, x, ids, w, RSF, tb.default_config(t, False)))):
+    for name, fn in (("mxfp8", lambda: moe.forward_topk(x, ids, w, tc.default_config(t, True))),
+                     ("bf16", lambda: tl.fused_moe(bf16, x, ids, w, RSF, tc.default_config(t, False)))):
         for _ in range(3):
             fn()
         torch.cuda.synchronize()

@@ -10,8 +10,10 @@
     logits = model(padded_ids, attention_mask=mask)             # left-padded prompts of different lengths
     tokens = model.generate(ids, 64, cuda_graph=True)            # decode steps replayed from a CUDA graph
 
-See runtime/models/minimax_m3.py (layer-at-a-time API), runtime/loader.py (memory model, streaming) and
-runtime/placement.py (device_map).
+Modules: loader.py (stores, memory model, streaming) · placement.py (device_map) · models/minimax_m3.py
+(the forward pass, layer-at-a-time API; building blocks in models/layers.py) · cache.py (positions, KV and
+indexer caches) · generate.py (greedy loop) · graph.py (DecodeGraph) · kernels/ (attention, fused decode
+ops, GEMVs + their Triton kernels) · moe/ (contract, backends, selection).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ log = logging.getLogger("porter.runtime")
 
 
 def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str = "auto", lazy: bool = False,
-         device_map=None, max_memory: Optional[dict] = None):
+         device_map=None, max_memory: Optional[dict] = None, moe_fp8_prefill: bool = True):
     """Load a porter artifact dir (porter.json) or an original MiniMax-M3 HF checkpoint dir (or an already
     opened store from runtime.loader.open_store, which the caller keeps, e.g. to read weights or close()).
 
@@ -40,18 +42,20 @@ def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str =
     device_map: "auto" (whole layers over the visible GPUs by byte size; budgets from max_memory
     {device: bytes | "70GiB"} or each GPU's free memory) or {"layers.N": device, ...}; overrides `device`.
     A model that does not fit is refused before any weight is read (PlacementError, one line).
+    moe_fp8_prefill: the Triton MoE backend runs prefills of 512+ tokens with e4m3 activations (SM89+;
+    faster, slightly larger error: docs/moe-backends.md); False keeps them on the W8A16 path.
     """
     opened = not (hasattr(path, "names") and hasattr(path, "get"))  # else: an opened store the caller keeps
     store = open_store(path) if opened else path
     try:
-        return _load(store, device, dtype, backend, lazy, device_map, max_memory)
+        return _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill)
     except BaseException:
         if opened:  # a refused load (PlacementError, BackendUnavailable, ...) leaves no shard handle open
             store.close()
         raise
 
 
-def _load(store, device, dtype, backend, lazy, device_map, max_memory):
+def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill):
     placement = None
     if device_map is not None:
         if lazy:
@@ -67,7 +71,7 @@ def _load(store, device, dtype, backend, lazy, device_map, max_memory):
     quantized = any(n.endswith("experts.w13_weight_scale") for n in store.names())
     name = resolve_backend(backend, device, quantized=quantized)
     log.info("loading %s on %s (%s, MoE backend %s, lazy=%s)", store.path, device, dtype, name, lazy)
-    model = build_model(store, device, dtype, lambda quant, routing: make_moe(name, quant, routing), lazy,
-                        placement)
+    make_backend = lambda quant, routing: make_moe(name, quant, routing, fp8_prefill=moe_fp8_prefill)
+    model = build_model(store, device, dtype, make_backend, lazy, placement)
     model.placement = placement
     return model

@@ -24,7 +24,8 @@ from safetensors import safe_open
 
 from converters import minimax_m3 as arch
 from porter import manifest
-from runtime.models.minimax_m3 import DecoderLayer, MiniMaxM3, Rope
+from runtime.models.layers import Rope
+from runtime.models.minimax_m3 import DecoderLayer, MiniMaxM3
 from porter.errors import PorterError
 
 log = logging.getLogger("porter.runtime")

@@ -6,16 +6,17 @@ from __future__ import annotations
 import torch
 
 from porter import mxfp8
-from runtime import fused
+from runtime.kernels import fused
+from runtime.models import layers
 from runtime.models import minimax_m3 as m3
 
 
 def test_stack_linears_keeps_one_copy(monkeypatch):
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(n, 64, generator=g).bfloat16() for n in (48, 16, 16)]
-    parts = [m3.Linear(w.clone()) for w in ws]
+    parts = [layers.Linear(w.clone()) for w in ws]
     monkeypatch.setattr(fused, "use_triton", lambda t: True)  # stacking happens for weights a kernel reads
-    stacked = m3.stack_linears(*parts)
+    stacked = layers.stack_linears(*parts)
     assert stacked.weight.shape == (80, 64) and stacked.scale is None
     base = stacked.weight.untyped_storage().data_ptr()
     row = 0
@@ -30,14 +31,14 @@ def test_stack_linears_stacks_mxfp8_scales_and_refuses_mixes(monkeypatch):
     g = torch.Generator().manual_seed(1)
     qs = [mxfp8.quantize(torch.randn(n, 64, generator=g)) for n in (32, 8)]
     monkeypatch.setattr(fused, "use_triton", lambda t: True)
-    parts = [m3.Linear(q, s) for q, s in qs]
-    stacked = m3.stack_linears(*parts)
+    parts = [layers.Linear(q, s) for q, s in qs]
+    stacked = layers.stack_linears(*parts)
     assert stacked.scale.shape == (40, 2) and torch.equal(stacked.scale[32:], qs[1][1])
     assert torch.equal(parts[1].weight.view(torch.uint8), qs[1][0].view(torch.uint8))
-    mixed = [m3.Linear(torch.zeros(8, 64, dtype=torch.bfloat16)), m3.Linear(*mxfp8.quantize(torch.ones(8, 64)))]
-    assert m3.stack_linears(*mixed) is None  # bf16 + MXFP8 cannot share one kernel
+    mixed = [layers.Linear(torch.zeros(8, 64, dtype=torch.bfloat16)), layers.Linear(*mxfp8.quantize(torch.ones(8, 64)))]
+    assert layers.stack_linears(*mixed) is None  # bf16 + MXFP8 cannot share one kernel
     monkeypatch.setattr(fused, "use_triton", lambda t: False)
-    assert m3.stack_linears(m3.Linear(torch.zeros(8, 64)), m3.Linear(torch.zeros(8, 64))) is None  # CPU: as loaded
+    assert layers.stack_linears(layers.Linear(torch.zeros(8, 64)), layers.Linear(torch.zeros(8, 64))) is None  # CPU: as loaded
 
 
 def test_linear_and_mlp_adds_equal_adding_after(tiny_vendor):
@@ -45,7 +46,7 @@ def test_linear_and_mlp_adds_equal_adding_after(tiny_vendor):
     bit for bit in bf16 (the CPU reference path; on CUDA the same adds run in the GEMV epilogue)."""
     import runtime
     g = torch.Generator().manual_seed(2)
-    lin = m3.Linear(torch.randn(32, 64, generator=g).bfloat16())
+    lin = layers.Linear(torch.randn(32, 64, generator=g).bfloat16())
     x = torch.randn(3, 64, generator=g).bfloat16()
     a, b = torch.randn(3, 32, generator=g).bfloat16(), torch.randn(3, 32, generator=g).bfloat16()
     assert torch.equal(lin(x, add=(a, b)), (lin(x) + a) + b)

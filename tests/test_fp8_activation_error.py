@@ -3,7 +3,7 @@ I 3072): why the Triton backend's FP8 prefill quantizes activations to two e4m3 
 
 The expert runs in fp32 on MXFP8 weights (porter.mxfp8), with the activations entering GEMM1 (the hidden
 rows) and GEMM2 (the SwiGLU-OAI output) either kept or rounded to e4m3:
-- as the kernel does it (runtime.moe.triton_kernels._quant_row): one power-of-two scale per token with the
+- as the kernel does it (runtime.moe.triton.kernels._quant_row): one power-of-two scale per token with the
   row's amax in [2^7, 2^8), hi = rne(x * 2^-m), and for two terms lo = rne(x * 2^-m - hi);
 - with the finest scale MX allows, one per 32 along K (porter.mxfp8.fake_quantize).
 e4m3 keeps 4 significant bits whatever the scale, so one term in *either* GEMM alone already takes the expert

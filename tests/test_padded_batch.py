@@ -10,8 +10,8 @@ import torch
 
 import runtime
 import runtime_fixtures as fx
-from runtime.attention import decode_attention, decode_attention_reference
-from runtime.models.minimax_m3 import gqa_attention, keep_mask
+from runtime.kernels.attention import decode_attention, decode_attention_reference
+from runtime.models.layers import gqa_attention, keep_mask
 
 EXACT = 1e-5
 LENGTHS = (3, 13, fx.LONG)  # below the sparse threshold, just above it, 5x above it
@@ -28,7 +28,7 @@ def _prompts():
 
 
 def _excluded(model):
-    return [l.attn.indexer.last_excluded for l in model.layers if l.attn.indexer is not None]
+    return [l.self_attn.indexer.last_excluded for l in model.layers if l.self_attn.indexer is not None]
 
 
 def test_padded_logits_equal_each_prompt_alone(model):
@@ -117,7 +117,7 @@ def test_decode_attention_reads_only_its_keys(sparse):
 
 
 def test_cuda_graph_decoding_needs_one_cuda_device(model):
-    from runtime.models.minimax_m3 import DecodeGraph
+    from runtime.graph import DecodeGraph
     with pytest.raises(ValueError, match="one CUDA device"):
         DecodeGraph(model, model.new_cache(1, 8))
     with pytest.raises(ValueError, match="one CUDA device"):

@@ -1,4 +1,4 @@
-"""runtime.attention's block pick from the indexer's block scores (top_blocks, the torch reference of the
+"""runtime.kernels.attention's block pick from the indexer's block scores (top_blocks, the torch reference of the
 split-K kernel's in-kernel ranking) and decode_attention_topk's reference path, on CPU. The Triton
 kernels are checked against these on the GPU (tests/test_runtime_gpu_decode.py)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import runtime_fixtures as fx
-from runtime.attention import decode_attention_reference, decode_attention_topk, top_blocks
+from runtime.kernels.attention import decode_attention_reference, decode_attention_topk, top_blocks
 
 INF = float("inf")
 

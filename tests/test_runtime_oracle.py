@@ -39,7 +39,7 @@ def _artifact(src, quantize, tmp):
 
 def _check_sparse_selected(model):
     """On the long prompt every sparse layer must really have dropped visible blocks."""
-    excluded = [layer.attn.indexer.last_excluded for layer in model.layers if layer.attn.indexer is not None]
+    excluded = [layer.self_attn.indexer.last_excluded for layer in model.layers if layer.self_attn.indexer is not None]
     assert excluded and all(e > 0 for e in excluded), excluded
 
 
@@ -61,7 +61,7 @@ def test_unquantized_matches_transformers(layout, n, request, tmp_path_factory):
         if n > fx.THRESHOLD:
             _check_sparse_selected(model)
         else:
-            assert all(l.attn.indexer is None or l.attn.indexer.last_excluded == 0 for l in model.layers)
+            assert all(l.self_attn.indexer is None or l.self_attn.indexer.last_excluded == 0 for l in model.layers)
 
 
 @pytest.mark.parametrize("scope", ["experts", "all"])
@@ -79,7 +79,7 @@ def test_mxfp8_matches_fake_quantized_transformers(layout, scope, request, tmp_p
     moe = next(l.mlp for l in model.layers if hasattr(l.mlp, "quant"))
     assert moe.quant.w13_weight.dtype == torch.float8_e4m3fn and moe.quant.w13_weight_scale.dtype == torch.uint8
     if scope == "all":
-        assert model.layers[0].attn.wq.weight.dtype == torch.float8_e4m3fn  # dequantized on the fly
+        assert model.layers[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn  # dequantized on the fly
     got = model(ids)
     err, quant_effect = fx.rel(got, want), fx.rel(want, plain)
     print(f"{layout} mxfp8-{scope}: rel {err:.2e} (quantization itself moves logits by {quant_effect:.2e})")

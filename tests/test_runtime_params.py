@@ -48,8 +48,8 @@ def _direct_moe(moe, x):
             gu = w13[e] @ x[t]
             act = _direct_swiglu(gu[:i], gu[i:], cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit)
             out[t] += w[t, slot] * (w2[e] @ act)
-    sh = moe.shared
-    shared = sh.down.weight.float() @ _direct_swiglu(sh.gate.weight.float() @ x.t(), sh.up.weight.float() @ x.t(),
+    sh = moe.shared_experts
+    shared = sh.down_proj.weight.float() @ _direct_swiglu(sh.gate_proj.weight.float() @ x.t(), sh.up_proj.weight.float() @ x.t(),
                                                       cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit)
     return cfg.routed_scaling_factor * out + shared.t()
 
@@ -106,7 +106,7 @@ def test_custom_params_change_the_math_and_match_direct_computation(ckpts, which
     assert fx.rel(same_weights(x), got) > 1e-2
     # dense MLP (layer 0) uses the same alpha/beta/limit
     mlp = model.layers[0].mlp
-    direct = mlp.down.weight.float() @ _direct_swiglu(mlp.gate.weight.float() @ x.t(), mlp.up.weight.float() @ x.t(),
+    direct = mlp.down_proj.weight.float() @ _direct_swiglu(mlp.gate_proj.weight.float() @ x.t(), mlp.up_proj.weight.float() @ x.t(),
                                                       CUSTOM["swiglu_alpha"], CUSTOM["swiglu_beta"],
                                                       CUSTOM["swiglu_limit"])
     assert fx.rel(mlp(x), direct.t()) < 1e-5
@@ -128,7 +128,7 @@ def test_generate_with_cache_equals_full_recomputation(ckpts):
         assert fx.rel(logits[:, -1], full[:, -1]) < 1e-5, step
         assert torch.equal(full[:, -1].argmax(-1), out[:, 5 + step]), step
         logits = model(out[:, 5 + step: 6 + step], cache)  # one token through the KV + indexer key cache
-        excluded += sum(l.attn.indexer.last_excluded for l in model.layers if l.attn.indexer is not None)
+        excluded += sum(l.self_attn.indexer.last_excluded for l in model.layers if l.self_attn.indexer is not None)
     assert excluded > 0  # decoding steps past the threshold really ran sparse
     assert cache.length == 5 + n_new
 

@@ -1,41 +1,36 @@
-"""MoE backends behind one contract (runtime.moe.contract.MoeQuantInfo / MoeRouting).
+"""MoE backends behind one contract (runtime.moe.contract.MoeQuantInfo / MoeRouting), and their selection.
 
 Every backend class has: `name`, `__init__(quant, routing)` (all layout work happens here, at load),
 `__call__(hidden [T, H]) -> routed output [T, H]` (routed_scaling_factor applied exactly once), and
 `forward_topk(hidden, topk_ids, topk_weights)` for externally computed routing, plus a classmethod
-`check_supported(device) -> None` that raises BackendUnavailable with a one-line reason.
+`check_supported(device) -> None` that raises BackendUnavailable with a one-line reason. The backends
+import only the contract; this module sits above them and picks one.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
 
-from runtime.moe.contract import MoeQuantInfo, MoeRouting
-from porter.errors import PorterError
+from runtime.moe.contract import TRTLLM_CAPABILITIES, BackendUnavailable, MoeQuantInfo, MoeRouting
+from runtime.moe.flashinfer_trtllm import TrtllmMoE
+from runtime.moe.torch_backend import TorchMoE
+from runtime.moe.triton import TritonMoE
+
+__all__ = ["BACKENDS", "BackendUnavailable", "TRTLLM_CAPABILITIES", "make_moe", "resolve_backend"]
 
 log = logging.getLogger("porter.runtime")
 
 BACKENDS = ("auto", "torch", "triton", "flashinfer-trtllm")
-TRTLLM_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 TRITON_MIN = (8, 0)  # bf16 MMA; the FP8 prefill path inside the backend needs SM89+ and checks itself
-
-
-class BackendUnavailable(PorterError, RuntimeError):
-    """The requested MoE backend cannot run here (the message names the device/package and what to do)."""
+_CLASSES = {cls.name: cls for cls in (TorchMoE, TritonMoE, TrtllmMoE)}
 
 
 def _backend_class(name: str):
-    if name == "torch":
-        from runtime.moe.torch_backend import TorchMoE
-        return TorchMoE
-    if name == "triton":
-        from runtime.moe.triton_backend import TritonMoE
-        return TritonMoE
-    if name == "flashinfer-trtllm":
-        from runtime.moe.flashinfer_trtllm import TrtllmMoE
-        return TrtllmMoE
-    raise BackendUnavailable(f"unknown MoE backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name not in _CLASSES:
+        raise BackendUnavailable(f"unknown MoE backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return _CLASSES[name]
 
 
 def resolve_backend(name: str, device: torch.device, quantized: bool = True) -> str:
@@ -62,9 +57,11 @@ def resolve_backend(name: str, device: torch.device, quantized: bool = True) -> 
 
 
 def _importable(module: str) -> bool:
-    import importlib.util
     return importlib.util.find_spec(module) is not None
 
 
-def make_moe(name: str, quant: MoeQuantInfo, routing: MoeRouting):
+def make_moe(name: str, quant: MoeQuantInfo, routing: MoeRouting, fp8_prefill: bool = True):
+    """The backend `name` for one layer. fp8_prefill: the Triton backend's FP8 prefill path (TritonMoE)."""
+    if name == "triton":
+        return TritonMoE(quant, routing, fp8_prefill=fp8_prefill)
     return _backend_class(name)(quant, routing)

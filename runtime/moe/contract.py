@@ -1,4 +1,4 @@
-"""The MoE contract: the only things a backend ever sees (weights, scales, SwiGLU-OAI and routing).
+"""The MoE contract: the only things a backend ever sees (weights, scales, SwiGLU-OAI and routing), and\nthe error a backend raises when it cannot run here.
 
 Canonical tensors (what `porter convert` writes; docs/moe-backends.md, docs/artifact-format.md):
   w13_weight        [E, 2I, H] float8_e4m3fn, uninterleaved [gate; up] rows
@@ -14,6 +14,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from porter.errors import PorterError
+
+TRTLLM_CAPABILITIES = ((10, 0), (10, 3), (10, 7))  # the SM versions flashinfer's TRT-LLM MoE kernels ship for
+
+
+class BackendUnavailable(PorterError, RuntimeError):
+    """The requested MoE backend cannot run here (the message names the device/package and what to do)."""
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,7 @@ import importlib.util
 import torch
 
 from porter import mxfp8
-from runtime.moe import TRTLLM_CAPABILITIES, BackendUnavailable
-from runtime.moe.contract import MoeQuantInfo, MoeRouting
+from runtime.moe.contract import TRTLLM_CAPABILITIES, BackendUnavailable, MoeQuantInfo, MoeRouting
 
 EPILOGUE_TILE_M = 128  # MXFP8 uses 128 (flashinfer/fused_moe/prepare.py, vLLM, sglang); DeepSeekFp8 64
 SF_ROW_TILE = 128  # 128x4 swizzle: 128 rows x 4 scale columns per 512-byte tile

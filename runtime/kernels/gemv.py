@@ -1,39 +1,30 @@
 """Decode-size linears (a few rows against a big weight) as Triton kernels that stream the weight once:
 `gemv` (MMA; MXFP8 or 16/32-bit weights, fused epilogues) and `gemv_stream` (one to four rows of a 16-bit
-weight, no MMA; what one-row 16-bit linears run by default, see BF16).
+weight, no MMA; what one-row 16-bit linears run).
 
 y [M, N] = x [M, K] @ W^T, W [N, K] bf16/fp16/fp32 as stored, or MXFP8 (float8_e4m3fn + one uint8 UE8M0
 byte per 32 along K, the rule of porter/mxfp8.py; dequantized per tile in registers, see
-runtime/gemv_triton.py). At decode a layer is bound by its weight bytes: MXFP8 weights must be read as
+runtime/kernels/gemv_triton.py). At decode a layer is bound by its weight bytes: MXFP8 weights must be read as
 stored (1 byte + 1/32 scale byte per weight) rather than dequantized to bf16 per call, and the epilogues
 fold in what the unfused layer does next with the output, bit for bit in its rounding:
   * `swiglu=(alpha, beta, limit)`: W = [gate; up] rows, y = SwiGLU-OAI(gate, up) (shared expert, dense MLP);
   * `add=(a1,)` / `add=(a1, a2)`: y = (y + a1) + a2 in the output dtype (residual adds).
-Tile configs (BN output columns per program, BK, warps, stages) come from the H200 sweep
-(benchmarks/gemv_sweep.py, benchmarks/results/gemv_sweep_NVIDIA_H200.log): the largest tiles that fit
-in shared memory streamed best (32 output rows x 512 K per step, 4 warps, 4 stages: bf16 3.1-3.3 TB/s,
-MXFP8 1.8-2.2 TB/s of 1-byte weights); gemv's cfg=(BN, BK, WARPS, STAGES) overrides them (the sweep).
-cuBLAS streams a plain bf16 GEMV at 3.4-3.7 TB/s on the same shapes, so 16-bit weights run `gemv_stream`
-(one row) or cuBLAS by default, not `gemv` (`runs`, `streams`, policy BF16).
+Tile configs: the largest tiles that fit in shared memory streamed best on the H200 (config; measurements:
+docs/runtime-decode.md); gemv's cfg=(BN, BK, WARPS, STAGES) overrides them (benchmarks). 16-bit weights
+run `gemv_stream` at one row and cuBLAS at more rows, not `gemv`: cuBLAS streams a plain bf16 GEMV faster
+(`runs`, `streams`).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
 
-from runtime.fused import next_pow2, pdl, use_triton
+from runtime.kernels.fused import next_pow2, pdl, use_triton
 
 MAX_ROWS = 64  # the kernel pads rows to BM <= 64; beyond that a GEMM is no longer bound by weight bytes
 SMEM_BYTES = 216 * 1024  # per program: (stages - 1) pipeline buffers (+ the e4m3 path's MMA operand copies)
-# Which kernel 16/32-bit-weight linears run at decode sizes: "stream" (one row: gemv_stream, more rows:
-# cuBLAS; the adds then in one kernel), "none" (cuBLAS), or "all" (this kernel). MXFP8 weights always run
-# this kernel. On the H200 cuBLAS beat this kernel at rows 1-32, also where it saved the residual adds'
-# kernels (dense layer 1.24-1.33x its bytes floor against 1.27-1.39x: benchmarks/results/decode_round5_*),
-# and gemv_stream beat cuBLAS at one row by 2-20% per linear
-# (benchmarks/results/gemv_stream_ab_NVIDIA_H200.log) but lost at 2 and 4 rows.
-BF16 = os.environ.get("PORTER_GEMV_BF16", "stream")
+
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -44,18 +35,15 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a linear of x against weight runs gemv (MXFP8: whenever it applies; else per BF16)."""
-    if not applies(x, weight):
-        return False
-    if weight.dtype != torch.float8_e4m3fn and weight.dtype != x.dtype:
-        return False  # Linear's own path rounds the weight to x's dtype first; gemv would multiply unrounded
-    return weight.dtype == torch.float8_e4m3fn or BF16 == "all"
+    """Whether a linear of x against weight runs gemv: MXFP8 weights, whenever gemv applies. 16-bit weights
+    stream faster through gemv_stream (one row) or cuBLAS."""
+    return weight.dtype == torch.float8_e4m3fn and applies(x, weight)
 
 
 def streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a 16-bit linear of x runs gemv_stream: one row (batch-1 decode), a bf16/fp16 weight of x's
-    dtype, policy BF16 "stream"."""
-    return (BF16 == "stream" and applies(x, weight) and x.dtype in (torch.bfloat16, torch.float16)
+    dtype (at more rows cuBLAS is faster)."""
+    return (applies(x, weight) and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.stride(-1) == 1 and x.numel() == x.shape[-1])
 
 
@@ -71,8 +59,7 @@ def fit(bm: int, rows: int, bk: int, stages: int, x_bytes: int, w_bytes: int, mx
     narrower K step (many rows or fp32 activations)."""
     def need(bk_, st):
         pipeline = (st - 1) * (bk_ * (bm * x_bytes + rows * w_bytes) + (rows * bk_ // 32 if mx else 0))
-        # e4m3: the x tile and the dequantized weight tile are staged once more as MMA operands (H200,
-        # Triton 3.6: 64 rows, BK 512, 3 stages asked for 263168 = 2 x 82432 + 512 x (64 x 2 + 32 x 2) bytes)
+        # e4m3: Triton stages the x tile and the dequantized weight tile once more as MMA operands
         operands = bk_ * (bm * x_bytes + rows * (4 if x_bytes == 4 else 2)) if mx else 0
         return pipeline + operands
     while need(bk, stages) > SMEM_BYTES and stages > 2:
@@ -87,7 +74,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = 
          cfg: Optional[tuple] = None) -> torch.Tensor:
     """x [..., K], weight [Nw, K] (+ scale [Nw, K/32] uint8 for e4m3) -> [..., N] (N = Nw, or Nw/2 with
     swiglu) in x's dtype. add: up to two [..., N] tensors added in order."""
-    from runtime.gemv_triton import gemv_kernel
+    from runtime.kernels.gemv_triton import gemv_kernel
     K = x.shape[-1]
     nw = weight.shape[0]
     n = nw // 2 if swiglu is not None else nw
@@ -113,8 +100,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = 
     ieee = torch.float32 in (x.dtype, weight.dtype)
     bk = min(bk, max(32 if mx else 16, next_pow2(K)), 128 if ieee else bk)  # fp32: a reference path, not tuned
     bm = max(16, next_pow2(M))
-    # fp32 MMA: a 16-bit weight tile is staged in shared memory already widened to fp32 (H200: 256 KB asked
-    # for 32 rows x 512 K, 3 stages); an e4m3 tile is staged as bytes and dequantized in registers
+    # fp32 MMA: a 16-bit weight tile is staged in shared memory already widened to fp32; an e4m3 tile is
+    # staged as bytes and dequantized in registers
     w_bytes = 4 if ieee and not mx else weight.element_size()
     bk, stages = fit(bm, bn * per, bk, stages, 4 if ieee else x2.element_size(), w_bytes, mx)
     alpha, beta, limit = (float(v) for v in swiglu) if swiglu is not None else (0.0, 0.0, 0.0)
@@ -131,16 +118,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = 
 
 
 STREAM_ROWS = 4  # gemv_stream: x rows it takes (its [rows, BN, BK] fp32 partial products live in registers)
-# gemv_stream's (BN, BK, warps): the H200 A/B's best over the decode linears at one row (within 1 µs of each
-# linear's own best; benchmarks/gemv_stream_ab.py passes its candidates as cfg)
-STREAM_CONFIG = (4, 1024, 4)
+STREAM_CONFIG = (4, 1024, 4)  # gemv_stream's (BN, BK, warps): the best single config over the decode linears
+
 
 def gemv_stream(x: torch.Tensor, weight: torch.Tensor, cfg: Optional[tuple] = None) -> torch.Tensor:
     """x [..., K] (at most STREAM_ROWS rows), weight [N, K] bf16/fp16 of x's dtype -> x @ weight^T [..., N]
     in x's dtype, by gemv_stream_kernel (no MMA; cfg = (BN, BK, warps)). With PDL the kernel reads the weight
     before waiting for the previous kernel: the weight must not be written by the kernel launched just before
     (model weights never are)."""
-    from runtime.gemv_triton import gemv_stream_kernel
+    from runtime.kernels.gemv_triton import gemv_stream_kernel
     K, N = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]

@@ -1,4 +1,4 @@
-"""Triton kernel of runtime/gemv.py: y = x W^T for few rows, the weight streamed once, epilogues fused.
+"""Triton kernel of runtime/kernels/gemv.py: y = x W^T for few rows, the weight streamed once, epilogues fused.
 
 One program owns BN output columns (ROWS weight rows: BN, or BN gate + BN up rows with SWIGLU) over
 the whole K: no split-K, so no partial-sum hand-off and one fixed summation order (CUDA-graph replay
@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime.fused_triton import swiglu_oai
+from runtime.kernels.fused_triton import swiglu_oai
 
 
 @triton.jit

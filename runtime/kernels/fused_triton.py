@@ -1,4 +1,4 @@
-"""Triton kernels of runtime/fused.py: one launch for what the reference does in 5-10 small torch ops
+"""Triton kernels of runtime/kernels/fused.py: one launch for what the reference does in 5-10 small torch ops
 (at decode a layer is bound by launches, not bytes, once the weights stream at full speed)."""
 from __future__ import annotations
 

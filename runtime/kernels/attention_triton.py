@@ -1,4 +1,4 @@
-"""Triton split-K decode attention over the position-indexed KV cache (see runtime/attention.py).
+"""Triton split-K decode attention over the position-indexed KV cache (see runtime/kernels/attention.py).
 
 Program (row b, kv head h, slice sp) streams its slice of the key list in BLOCK_N-key tiles: the G query
 heads that share kv head h are the rows of one tl.dot (padded to GP >= 16), scores and the online

@@ -3,7 +3,7 @@ residual adds in order, per-head norm + RoPE, SwiGLU-OAI, and the small steps of
 a cache): the per-head norms + RoPE + cache writes of the fused q/k/v(/index) projection, the indexer's
 block scores + top-k, the router's fp32 logits and top-k selection.
 
-On CUDA each runs as one Triton kernel (runtime/fused_triton.py); elsewhere `use_triton` is False and
+On CUDA each runs as one Triton kernel (runtime/kernels/fused_triton.py); elsewhere `use_triton` is False and
 runtime/models/minimax_m3.py runs its torch reference. Same math: fp32 inside, the normed value rounded
 to the compute dtype before RoPE as the reference does; the fused RoPE and SwiGLU round once at the end
 where the reference rounds after every op (differences of an ulp of the compute dtype; none in fp32).
@@ -25,15 +25,13 @@ def _have_triton() -> bool:
 
 def use_triton(x: torch.Tensor) -> bool:
     """Whether x's op runs a Triton kernel (CUDA tensor, triton installed; checked once per process):
-    the one test of the fused steps, runtime.attention's decode kernel and runtime.gemv."""
+    the one test of the fused steps, runtime.kernels.attention's decode kernel and runtime.kernels.gemv."""
     return x.is_cuda and _have_triton()
 
 
-PDL = os.environ.get("PORTER_DECODE_PDL", "1") != "0"  # see pdl()
-
-
 @functools.lru_cache(maxsize=None)
-def _pdl_ok(device: torch.device) -> bool:
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: SM90+, and not under Triton's interpreter."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
@@ -42,9 +40,9 @@ def _pdl_ok(device: torch.device) -> bool:
 def pdl(device: torch.device) -> dict:
     """Launch options of the decode kernels: programmatic dependent launch on SM90+ (the kernel is
     launched while its predecessor drains and waits in-kernel for its writes, which hides most of the
-    launch gap between the ~15 small kernels of a decode step); PORTER_DECODE_PDL=0 (or PDL = False)
-    turns it off. With it the kernel's USE_PDL constexpr is set too (its in-kernel wait; default False)."""
-    return {"launch_pdl": True, "USE_PDL": True} if PDL and _pdl_ok(device) else {}
+    launch gap between the ~15 small kernels of a decode step). With it the kernel's USE_PDL constexpr is
+    set too (its in-kernel wait; default False)."""
+    return {"launch_pdl": True, "USE_PDL": True} if pdl_supported(device) else {}
 
 
 def next_pow2(n: int) -> int:
@@ -65,7 +63,7 @@ def add_rms_norm(a: torch.Tensor, h: torch.Tensor, w: torch.Tensor, eps: float) 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, add: Optional[torch.Tensor] = None):
     """rms_norm_kernel over x's rows (ADD: of x + add, which it also returns) -> (x + add or None, normed)."""
-    from runtime.fused_triton import rms_norm_kernel
+    from runtime.kernels.fused_triton import rms_norm_kernel
     n = x.shape[-1]
     xc = x.contiguous()
     y = torch.empty_like(xc)
@@ -77,7 +75,7 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, add: Optional[torch.
 
 def add_chain(x0: torch.Tensor, x1: torch.Tensor, x2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(x0 + x1) [+ x2] of same-shape, same-dtype tensors, rounded after each add as torch's adds are."""
-    from runtime.fused_triton import add_chain_kernel
+    from runtime.kernels.fused_triton import add_chain_kernel
     if any(x.shape != x0.shape or x.dtype != x0.dtype for x in (x1, x2) if x is not None):
         raise ValueError("add_chain: the tensors must share shape and dtype (no broadcasting or promotion)")
     xs = [x.contiguous() for x in (x0, x1)]
@@ -91,7 +89,7 @@ def add_chain(x0: torch.Tensor, x1: torch.Tensor, x2: Optional[torch.Tensor] = N
 
 def norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, n, d], w [d], cos/sin [B, T, r] in x's dtype -> RoPE(rms_norm(x)) [B, T, n, d]."""
-    from runtime.fused_triton import norm_rope_kernel
+    from runtime.kernels.fused_triton import norm_rope_kernel
     B, T, n, d = x.shape
     r = cos.shape[-1]
     xc = x.contiguous()
@@ -103,7 +101,7 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, s
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, beta: float, limit: float) -> torch.Tensor:
     """gate/up [M, I] (row strides may differ from I: e.g. halves of one [M, 2I] GEMM) -> [M, I]."""
-    from runtime.fused_triton import swiglu_kernel
+    from runtime.kernels.fused_triton import swiglu_kernel
     inter = gate.shape[-1]
     g2, u2 = gate.reshape(-1, inter), up.reshape(-1, inter)
     if g2.stride(-1) != 1 or u2.stride(-1) != 1:
@@ -123,7 +121,7 @@ def decode_qkv(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: tor
     cos/sin [B, 1, r], norms (q, k[, index q, index k]) weights, heads (nq, nkv, d[, ni, di]) -> q [B, nq, d]
     and index q [B, ni, di] (or None); k, v (and the index key) are written into the caches at slot pos[b]
     (k/v_cache [B, nkv, S, d], idx_cache [B, S, di])."""
-    from runtime.fused_triton import decode_qkv_kernel
+    from runtime.kernels.fused_triton import decode_qkv_kernel
     B = qkv.shape[0]
     pos = pos.contiguous()  # the kernel reads pos[b] at pos_ptr + b (Step.of's expand() has stride 0)
     nq, nkv, d = heads[:3]
@@ -150,7 +148,7 @@ def index_scores(iq: torch.Tensor, idx_cache: torch.Tensor, pos: torch.Tensor, k
     """Decode indexer: iq [B, ni, di] against the cached index keys [B, S_max, di] over slots < kv_len ->
     block scores [B, ni, nblk] fp32: the max of iq . index key over each block's visible slots, -inf where
     none is visible, +inf for the blocks every query keeps (index_topk of them = Indexer.select's pick)."""
-    from runtime.fused_triton import index_scores_kernel
+    from runtime.kernels.fused_triton import index_scores_kernel
     B, ni, di = iq.shape
     pos = pos.contiguous()  # read at pos_ptr + b
     nblk = -(-kv_len // block)
@@ -165,7 +163,7 @@ def index_scores(iq: torch.Tensor, idx_cache: torch.Tensor, pos: torch.Tensor, k
 def index_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """Block scores [B, n, nblk] fp32 -> the topk best blocks [B, n, topk] int64, best first (equal scores:
     lower block first; a pick whose score is -inf is nblk = none)."""
-    from runtime.fused_triton import index_topk_kernel
+    from runtime.kernels.fused_triton import index_topk_kernel
     B, n, nblk = scores.shape
     top = torch.empty((B, n, topk), dtype=torch.int64, device=scores.device)
     nbp = next_pow2(nblk)  # one warp up to 512 blocks (64k keys): its reductions need no shared memory
@@ -178,7 +176,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, H] (T <= 64), router weight [E, H] fp32 contiguous -> fp32 logits [T, E] = x.float() @ weight.t().
     With PDL the kernel reads the weight before waiting for the previous kernel, so the weight must not be
     written by the kernel launched just before (a load-time tensor; a copy made here would be)."""
-    from runtime.fused_triton import router_logits_kernel
+    from runtime.kernels.fused_triton import router_logits_kernel
     T, K = x.shape
     E = weight.shape[0]
     xc = x if x.stride(-1) == 1 else x.contiguous()
@@ -195,7 +193,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def router_select(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 router logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32), as
     runtime.moe.contract.select_experts."""
-    from runtime.fused_triton import router_select_kernel
+    from runtime.kernels.fused_triton import router_select_kernel
     T, E = logits.shape
     ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
     w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)

@@ -1,16 +1,16 @@
 """Triton kernels of the Hopper (SM90, runs on SM80+) MXFP8 fused MoE.
 
 Weights: w13 [E, 2I, H] / w2 [E, H, I] float8_e4m3fn, K contiguous, either rebased at load to one fp32
-power-of-two scale per row (triton_backend.prepare, the default where row_scale_ok holds: WMODE 7 / 5)
+power-of-two scale per row (runtime/moe/triton/prepare.py, the default where row_scale_ok holds: WMODE 7 / 5)
 or as stored with one UE8M0 byte per 32 along K (WMODE 1..4). Two ways to multiply them
-(triton_backend.default_config picks per T):
+(config.default_config picks per T; the modes are named in config.WMode / config.Quant):
   * W8A16 (decode and small prefill): the weight tile is converted in registers to fp16 (rebased:
     e4m3 -> fp16 only, the row scale applied to the accumulator; as stored: e4m3 * 2^(s-127)), as the
     RHS of an fp16 MMA (fp32 accumulate); activations in fp16.
   * FP8 (prefill): activations are quantized per token to e4m3 with a power-of-two scale (one or
     two e4m3 terms, see _quant_row); the weights rebased to one power-of-two scale per row (WMODE 5:
     the load-time tensors, or a copy made at first use when the weights are kept as stored) or per
-    (row, 128 K) (WMODE 4; triton_backend.rebase_fp8: a power-of-two shift of the stored e4m3
+    (row, 128 K) (WMODE 4; prepare.rebase_fp8: a power-of-two shift of the stored e4m3
     values) feed the fp8 MMA. WMODE 5 chains the MMAs over the whole K
     and applies the row scale in the epilogue; WMODE 4 multiplies each 128-wide K step's fp32
     partial by its block scale before it joins the accumulator, which also bounds how long the fp8
@@ -18,7 +18,7 @@ or as stored with one UE8M0 byte per 32 along K (WMODE 1..4). Two ways to multip
     vs torch 4.2e-3 with WMODE 4, 5.7e-3 with WMODE 5, which is 1.3x faster at T=4096; the token
     scale is applied in the epilogue either way). One fp8 MMA per 32-wide MXFP8 group with its scale
     applied to each partial measured 1.4x slower than the W8A16 path at T=4096, hence the rebase.
-Launches per forward (see triton_backend.fused_moe):
+Launches per forward (see launch.fused_moe):
   * T*k <= 16 (NOSORT): prescale (T programs), GEMM1 (+ SwiGLU-OAI), GEMM2 (+ routing weight,
     top-k reduce by atomics; for one token into a persistent zeroed fp32 scratch with the bf16
     output written by the last arriver per (token, N tile): no alignment, no zeroing, no cast
@@ -26,9 +26,9 @@ Launches per forward (see triton_backend.fused_moe):
   * larger T: prep (align + prescale/quantize + zero the fp32 output), GEMM1, [FP8: act quantize],
     GEMM2 (atomics), cast.
   On SM90 the GEMMs are launched with programmatic dependent launch (griddepcontrol.wait first
-  thing in the kernel), which hides most of the launch gap between kernels (T=1: 79 -> 69 us).
-No split-K: one program owns each output tile for the whole K (split-K measured slower on the
-H200 once the dequant was hoisted, benchmarks/results/bench_ab.log), so no partial-sum hand-off.
+  thing in the kernel), which hides most of the launch gap between kernels.
+No split-K: one program owns each output tile for the whole K (split-K does not pay once the dequant is
+hoisted; docs/moe-backends.md), so no partial-sum hand-off.
 
 fp16 range guards of the W8A16 path (fp16 is exact for every e4m3 * 2^(s-127) only for bytes s in
 [112, 134]):
@@ -130,8 +130,8 @@ def prep_kernel(hidden_ptr, xq_ptr, xlo_ptr, xscale_ptr, out_ptr, topk_ids_ptr, 
     """With DO_ALIGN: program 0 aligns the tokens and programs 1..T handle tokens 0..T-1; without it
     programs 0..T-1 do. Per token: its MMA operand row with its power-of-two scale (QUANT > 0, see
     _quant_row) and its fp32 output row zeroed for GEMM2's atomics (ZERO_OUT; the fused-output path
-    keeps a persistent zeroed scratch instead). Launched without PDL: with it the one-token layer
-    measured slower on the H200 (69.1 -> 71.8 us, benchmarks/results/moe_round6_prep_pdl_ab.log)."""
+    keeps a persistent zeroed scratch instead). Launched without PDL: it made the one-token layer slower
+    (docs/moe-backends.md)."""
     pid = tl.program_id(0)
     if DO_ALIGN:
         if pid == 0:

@@ -14,29 +14,23 @@ Two key sets:
 `decode_attention` runs a split-K flash-decoding Triton kernel on CUDA (each program streams a slice of
 the key list once, online softmax in fp32, then the slices are merged with their log-sum-exp), and an
 SDPA reference elsewhere (same key set, additive mask, no boolean-mask path). `decode_attention_topk`
-takes the indexer's block scores instead of the blocks and keeps the top-k: by default (up to
-RANK_BLOCKS blocks) the split-K kernel picks them itself, every program ranking the scores, then the
-merge kernel runs (two launches after the indexer's scores); bit-equal to PORTER_ATTENTION_TOPK=0, where
-the index_topk kernel picks them first (three launches), and faster on the H200 (indexer scores +
-attention at real dims, KV 8k: 11.1 vs 12.4 µs at batch 1, 26.9 vs 28.0 at batch 8; docs/runtime-decode.md).
+takes the indexer's block scores instead of the blocks and keeps the top-k: up to RANK_BLOCKS blocks the
+split-K kernel picks them itself, every program ranking the scores (two launches after the indexer's
+scores; faster, docs/runtime-decode.md); past that the index_topk kernel picks them first (three launches,
+bit-equal).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from runtime import fused
-from runtime.fused import next_pow2, pdl, use_triton
+from runtime.kernels import fused
+from runtime.kernels.fused import next_pow2, pdl, use_triton
 
-TOPK_IN_KERNEL = os.environ.get("PORTER_ATTENTION_TOPK", "1") != "0"  # see the module docstring
 RANK_BLOCKS = 256  # the kernel ranks up to this many block scores per program (NBP^2 compares)
-# Keys per tile of the split-K kernel. 128 measured no faster on the H200 at real dims: within 3% dense
-# and with the top-k kernel, 10% slower with the in-kernel top-k at KV 8k batch 1
-# (benchmarks/results/attention_ab_round6_final.log)
-BLOCK_N = 64
+BLOCK_N = 64  # keys per tile of the split-K kernel (128 was no faster on the H200: docs/runtime-decode.md)
 
 
 def key_slots(pos: torch.Tensor, kv_len: int, blocks: Optional[torch.Tensor], block: int, nkv: int):
@@ -87,15 +81,17 @@ def top_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 def decode_attention_topk(q, k_cache, v_cache, pos, kv_len: int, scores: torch.Tensor, topk: int, block: int,
-                          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                          scale: float = 1.0, rank_blocks: int = RANK_BLOCKS
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """decode_attention over the topk best blocks of the indexer's block scores [B, n, nblk] fp32 (n = nkv:
     index head h serves kv head h; n = 1: one serves all; nblk = ceil(kv_len / block) > topk) ->
-    (out [B, nq, d], the blocks kept [B, n, topk] as top_blocks picks them)."""
+    (out [B, nq, d], the blocks kept [B, n, topk] as top_blocks picks them). rank_blocks: the split-K kernel
+    ranks up to this many blocks itself (0: always the index_topk kernel first; tests compare both)."""
     B, n, nblk = scores.shape
     nkv = k_cache.shape[1]
     if n not in (1, nkv):  # the kernel would read index heads past n
         raise ValueError(f"decode_attention_topk: {n} index heads for {nkv} kv heads (needs 1 or {nkv})")
-    if use_triton(q) and TOPK_IN_KERNEL and topk < nblk <= RANK_BLOCKS:
+    if use_triton(q) and topk < nblk <= min(rank_blocks, RANK_BLOCKS):
         out, top = _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, None, block, scale, scores=scores,
                                             topk=topk)
         return out, top[:, :n]
@@ -112,7 +108,7 @@ def num_splits(n_keys: int, programs: int, block_n: int, target: int = 264) -> i
 
 def _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, scale, scores=None, topk=0):
     """-> (out [B, nq, d], top [B, nkv, topk] or None). scores: the kernel picks the topk blocks."""
-    from runtime.attention_triton import combine_kernel, decode_kernel
+    from runtime.kernels.attention_triton import combine_kernel, decode_kernel
     B, nq, d = q.shape
     pos = pos.contiguous()  # the kernels read pos[b] at pos_ptr + b
     nkv = k_cache.shape[1]

@@ -1,0 +1,166 @@
+"""Building blocks of the runtime's models: linears (stored as is or MXFP8), Gemma RMSNorm, partial NeoX
+RoPE, masked GQA attention and the side stream the shared expert overlaps on. Each op runs its Triton kernel
+on CUDA (runtime.kernels) and a torch reference elsewhere."""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from porter import mxfp8
+from porter.layout import scale_name
+from runtime.kernels import fused, gemv
+
+Getter = Callable[[str], Optional[torch.Tensor]]  # canonical name -> tensor on the device, or None
+_SIDE_STREAMS: dict = {}  # device index -> the shared expert's stream (one decoding thread per device)
+
+
+def fork(device: torch.device) -> torch.cuda.Stream:
+    """The device's second stream, ordered after everything launched so far on the current one."""
+    if device.index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    side = _SIDE_STREAMS[device.index]
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
+
+
+def join(side: torch.cuda.Stream) -> None:
+    """Order what comes next on the current stream after everything launched on side."""
+    torch.cuda.current_stream(side.device).wait_stream(side)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma RMSNorm: fp32, scales by (1 + w), cast back to x's dtype (one kernel on CUDA)."""
+    if fused.use_triton(x):
+        return fused.rms_norm(x, w, eps)
+    return rms_norm_reference(x, w, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm in torch ops on any device (what the kernel is checked against)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + w.float())).to(x.dtype)
+
+
+def on_device(device: torch.device):
+    """Make `device` current while a layer runs: Triton launches on the current device's stream, so a
+    layer on cuda:1 launched with cuda:0 current would race its own inputs (device_map)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()  # already current (one GPU: exactly the path measured), or CPU
+
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class Linear:
+    """y = x W^T with W stored as is (bf16/fp32) or MXFP8 (e4m3 + uint8 scales). On CUDA with few rows
+    (decode) MXFP8 runs one GEMV kernel (runtime.kernels.gemv) that streams the 1-byte weights once, dequantized
+    in registers (16-bit weights too where gemv.runs says it pays); elsewhere the weight is cast or
+    dequantized per call, then multiplied; a 16-bit weight against one row runs runtime.kernels.gemv.gemv_stream
+    (faster than cuBLAS there). add: tensors [..., N] added to the output in order, in its
+    dtype (residual adds; fused into the GEMV's epilogue when it runs)."""
+
+    def __init__(self, weight: torch.Tensor, scale: Optional[torch.Tensor] = None):
+        self.weight, self.scale = weight, scale
+
+    def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:
+        if len(add) <= 2 and gemv.runs(x, self.weight):  # the epilogue takes two adds
+            return gemv.gemv(x, self.weight, self.scale, add=add)
+        if gemv.streams(x, self.weight):
+            y = gemv.gemv_stream(x, self.weight)
+        else:
+            if self.scale is not None:
+                w = mxfp8.dequantize(self.weight, self.scale, x.dtype)
+            else:
+                w = self.weight.to(x.dtype)
+            y = F.linear(x, w)
+        return add_in_order(y, add)
+
+
+def add_in_order(y: torch.Tensor, add: tuple) -> torch.Tensor:
+    """((y + add[0]) + add[1]) ..., rounded after each add; on CUDA up to two same-shape, same-dtype adds in one
+    kernel (fused.add_chain, the same rounding)."""
+    if add and len(add) <= 2 and fused.use_triton(y) and all(a.shape == y.shape and a.dtype == y.dtype
+                                                             for a in add):
+        return fused.add_chain(y, *add)
+    for a in add:
+        y = y + a
+    return y
+
+
+def linear(get: Getter, name: str) -> Linear:
+    return Linear(get(name + ".weight"), get(scale_name(name + ".weight")))
+
+
+def stack_linears(*parts: Linear) -> Optional[Linear]:
+    """One Linear whose weight rows are the parts' rows stacked (linears of the same input: at decode one
+    kernel streams them all). Each part keeps a view of its rows, so no weight is stored twice. None when
+    they cannot share a kernel (weights not on CUDA, mixed dtypes, devices or quantization)."""
+    ws = [p.weight for p in parts]
+    if not all(fused.use_triton(w) for w in ws) or len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 \
+            or len({p.scale is None for p in parts}) != 1:
+        return None
+    w = torch.cat(ws)  # [sum N, K]
+    s = None if parts[0].scale is None else torch.cat([p.scale for p in parts])  # [sum N, K/32]
+    row = 0
+    for p in parts:
+        n = p.weight.shape[0]
+        p.weight, p.scale = w[row: row + n], None if s is None else s[row: row + n]
+        row += n
+    return Linear(w, s)
+
+
+class Rope:
+    def __init__(self, rotary_dim: int, theta: float, device):
+        # same formula as transformers (compute_default_rope_parameters)
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        self.inv_freq = self.inv_freq.to(device)
+
+    def __call__(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self.inv_freq if self.inv_freq.device == positions.device else self.inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * inv  # [B, T, r/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, r]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, n, d], cos/sin [B, T, r]; rotates channels [0, r), NeoX rotate_half; the rest pass through."""
+    r = cos.shape[-1]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, T, 1, r]
+    rot, rest = x[..., :r], x[..., r:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    rot = rot * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return torch.cat([rot, rest], dim=-1)
+
+
+def norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Per-head qk-norm, then RoPE: x [B, T, n, d] -> [B, T, n, d] (one kernel on CUDA)."""
+    if fused.use_triton(x):
+        return fused.norm_rope(x, w, eps, cos, sin)
+    return apply_rope(rms_norm(x, w, eps), cos, sin)
+
+
+def keep_mask(top_i: torch.Tensor, S: int, block: int) -> torch.Tensor:
+    """top blocks [B, ni, T, topk] (nblk = none) -> bool [B, ni, T, S] keys of the selected blocks."""
+    nblk = -(-S // block)
+    sel = torch.zeros(*top_i.shape[:-1], nblk + 1, dtype=torch.bool, device=top_i.device)
+    sel = sel.scatter_(-1, top_i, True)[..., :nblk]  # [B, ni, T, nblk]
+    return sel[..., torch.arange(S, device=top_i.device) // block]
+
+
+def gqa_attention(q, k, v, mask, scale) -> torch.Tensor:
+    """q [B, nq, T, d], k/v [B, nkv, S, d], mask bool [B, nkv|1, T, S] -> [B, nq, T, d] (no K/V repeat)."""
+    B, nq, T, d = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    g = nq // nkv  # query head h uses KV head h // g
+    qg = q.reshape(B, nkv, g * T, d)
+    m = mask.expand(B, nkv, T, S)[:, :, None].expand(B, nkv, g, T, S).reshape(B, nkv, g * T, S)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)  # [B, nkv, g*T, d]
+    return out.reshape(B, nq, T, d)
+

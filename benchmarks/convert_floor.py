@@ -10,8 +10,8 @@ its dry run), each measured in a fresh set of files, threads taking 16 MiB piece
 - copy: read the source and write the output's bytes (pieces in proportion), page cache only and + fsync:
   the floor `porter convert` is held to ("x plain copy" uses it); also with each piece's writeback started
   right after it (sync_file_range: porter's inline writeback, with --inline) or by one background thread
-  (porter.pipeline.Writeback: porter's default), the latter also with the pieces taken round-robin over
-  --in-flight shards at a time (porter.pipeline.interleave_shards, as a conversion takes its units; default
+  (porter.engine.writer.Writeback: porter's default), the latter also with the pieces taken round-robin over
+  --in-flight shards at a time (porter.engine.units.interleave_shards, as a conversion takes its units; default
   porter's shards_in_flight for --threads workers), so several inodes are written at once;
 - --gpu: what the GPU path's device side moves on its own, one thread and N threads with a stream each: host
   -> device copies of an expert part ([3072, 6144] bf16, 37.7 MB) from page-locked memory, device -> host
@@ -87,7 +87,7 @@ def gpu_floor(threads: int, parts: int = 8, tmp: str = str(ROOT / "benchmarks"))
     import itertools
     import torch
     from porter import mxfp8
-    from porter.pipeline import prefault
+    from porter.engine.sysio import prefault
     dev = torch.device("cuda")
     torch.empty(1, device=dev)
     shape = (3072, 6144)
@@ -174,13 +174,15 @@ def main():
     ap.add_argument("--gpu", action="store_true", help="also the GPU path's device-side floor")
     ap.add_argument("--many-files", action="store_true", help="also pwrite into one file per thread")
     ap.add_argument("--in-flight", type=int, default=None, help="shards written at once in the interleaved copy "
-                    "(default: porter.pipeline.shards_in_flight(--threads))")
+                    "(default: porter.engine.units.shards_in_flight(--threads))")
     ap.add_argument("--inline", action="store_true", help="also the copy with writeback started inline")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import numpy as np
     import porter
-    from porter.pipeline import Writeback, interleave_shards, shards_in_flight, start_writeback
+    from porter.engine.sysio import start_writeback
+    from porter.engine.units import interleave_shards, shards_in_flight
+    from porter.engine.writer import Writeback
     from porter.safetensors_io import pread_into, pwrite_all
     src = Path(args.src)
     files = sorted(src.glob("*.safetensors"))

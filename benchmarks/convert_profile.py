@@ -2,7 +2,7 @@
 
 Wraps the pipeline's stage functions with per-thread CPU clocks (time.thread_time, so waiting is not
 counted): porter.mxfp8.quantize_with_error (the CPU quantizer; on the GPU path its host side: launches and
-the finiteness check's wait), GPU quantize (Pipeline._quantize_cuda: host-side time of copies, kernels
+the finiteness check's wait), GPU quantize (porter.engine.cuda.CudaQuantizer.quantize: host-side time of copies, kernels
 launched and waited for), source reads (TensorReader.read/read_bytes),
 pwrite, digests (TensorDigest.add: every chunk hash of the output) and the part of them that reads written
 bytes back (read_chunk_digest), early writeback (sync_file_range), slab allocation, prefault and
@@ -13,16 +13,13 @@ seconds inside it (time.perf_counter): wall minus CPU is waiting there (a lock, 
 --sample also samples the workers' Python stacks every 2 ms; the sampler needs the GIL to take a sample, so
 the samples lean toward moments when the workers do not hold it (in round 7 they showed 30-59% "idle in the
 pool" where the unit trace showed all 16 workers inside a unit 75-77% of the run: trust the trace). On
---device cuda the CUDA context is created and the fused quantizer's kernel loaded
-(porter.pipeline.fused_quantizer) before the clock starts (their seconds printed apart: one-time costs of a
-conversion). Prints them with the process's user and
+--device cuda the CUDA context is created before the clock starts (its seconds printed apart: a one-time
+cost of a conversion). Prints them with the process's user and
 system time, wall time split at the pipeline's marks (planning, until the first unit starts, the units,
 the finish with its fsync) and the final fsync. Checkpoint: the synthetic real-dims one of convert_throughput.py.
 
     python benchmarks/convert_profile.py [--gb 2] [--experts 8] [--workers N] [--device cpu] [--out FILE]
                                          [--src DIR] [--sample] [--max-shard-size 5GB]
-PORTER_WRITEBACK / PORTER_SHARDS_IN_FLIGHT / PORTER_SLAB_PREFAULT in the environment pick porter.pipeline's
-modes.
 """
 from __future__ import annotations
 
@@ -46,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def instrument(device: str = "cpu") -> tuple[collections.Counter, collections.Counter]:
     """(core-seconds, thread-seconds of wall clock) per stage: their difference is time a thread spent
     waiting inside the stage (a lock, a full disk queue, the GPU, the GIL)."""
-    from porter import mxfp8, pipeline, safetensors_io
+    from porter import mxfp8, safetensors_io
+    from porter.engine import budget, cuda, digests, slabs, writer
     spent, waited, lock = collections.Counter(), collections.Counter(), threading.Lock()
 
     def wrap(owner, name, key):
@@ -62,17 +60,17 @@ def instrument(device: str = "cpu") -> tuple[collections.Counter, collections.Co
                     waited[key] += time.perf_counter() - w
         setattr(owner, name, timed)
     wrap(mxfp8, "quantize_with_error", "quantize_with_error (CPU; GPU: launches)")
-    wrap(pipeline.Pipeline, "_quantize_cuda", "quantize on the GPU (host side)")
+    wrap(cuda.CudaQuantizer, "quantize", "quantize on the GPU (host side)")
     wrap(safetensors_io.TensorReader, "read", "source reads (pread)")
     wrap(safetensors_io.TensorReader, "read_bytes", "source reads (pread)")
-    wrap(pipeline, "pwrite_all", "pwrite")
-    wrap(pipeline.Pipeline, "_new_slab", "new slabs (GPU path: + prefault, or + register)")
-    wrap(pipeline.Pipeline, "_register", "cudaHostRegister")
-    wrap(pipeline, "prefault", "prefault (madvise + memset)")
-    wrap(pipeline.Budget, "acquire", "budget wait (submitting thread)")
-    wrap(pipeline.TensorDigest, "add", "digests (all chunk hashes)")
-    wrap(pipeline, "read_chunk_digest", "  of which read back + hash")
-    wrap(pipeline, "start_writeback", "sync_file_range")
+    wrap(writer, "pwrite_all", "pwrite")
+    wrap(slabs.Slabs, "_new", "new slabs (GPU path: + prefault)")
+    wrap(slabs.Slabs, "_register", "cudaHostRegister")
+    wrap(slabs, "prefault", "prefault (madvise + memset)")
+    wrap(budget.Budget, "acquire", "budget wait (submitting thread)")
+    wrap(digests.TensorDigest, "add", "digests (all chunk hashes)")
+    wrap(digests, "read_chunk_digest", "  of which read back + hash")
+    wrap(writer, "start_writeback", "sync_file_range")
     wrap(mxfp8, "_check_finite", "  of which the finiteness check (GPU: waits for the part's copy + first kernels)")
     import torch
     wrap(torch.cuda.Stream, "synchronize", "GPU wait at the end of a part (stream.synchronize)")
@@ -88,13 +86,7 @@ def instrument(device: str = "cpu") -> tuple[collections.Counter, collections.Co
         setattr(owner, name, lambda *a, **k: timed(*a, **k) if in_worker() else real(*a, **k))
     wrap_in_workers(torch.Tensor, "to", "  GPU section: Tensor.to (part -> GPU, stats -> host)")
     wrap_in_workers(torch.Tensor, "copy_", "  GPU section: Tensor.copy_ (results -> pinned host)")
-    wrap(pipeline.Pipeline, "_register_pending", "  GPU section: _register_pending")
-    wrap(pipeline.Pipeline, "_fused", "  GPU section: _fused")
-    try:
-        from porter import mxfp8_triton
-        wrap(mxfp8_triton, "quantize_with_error", "  GPU section: fused quantizer launches")
-    except ImportError:
-        pass
+    wrap(slabs.Slabs, "register_pending", "  GPU section: register_pending")
     return spent, waited
 
 
@@ -170,7 +162,7 @@ def timeline() -> dict:
     """Wall-clock marks of the pipeline (seconds from time.perf_counter): run start/end, first unit start,
     last unit end; and a trace: every unit's (start, end, kind, tensor, source bytes, thread), every journal
     write's (start, end) and every start of the submitting thread's wait on the memory budget."""
-    from porter import pipeline
+    from porter.engine import budget, run as pipeline, writer
     marks, lock = {"units": [], "journal": [], "budget": []}, threading.Lock()
     run, unit = pipeline.Pipeline.run, pipeline.Pipeline._run_unit
 
@@ -184,8 +176,8 @@ def timeline() -> dict:
             finally:
                 marks[key].append((t, time.perf_counter()))
         setattr(owner, name, timed)
-    record_intervals(pipeline.Pipeline, "_closed", "journal")
-    record_intervals(pipeline.Budget, "acquire", "budget")
+    record_intervals(writer.ShardWriter, "_closed", "journal")
+    record_intervals(budget.Budget, "acquire", "budget")
 
     def timed_run(self, units):
         marks["run_start"] = time.perf_counter()
@@ -235,16 +227,12 @@ def main():
             ct.evict(src)
         else:
             ct.warm(src)
-        cuda_init = quantizer_init = quantizer = None
+        cuda_init = None
         if args.device == "cuda":  # the CUDA context is made before the clock starts (its cost printed apart)
             import torch
             c0 = time.perf_counter()
             torch.zeros(1, device="cuda")
             cuda_init = time.perf_counter() - c0
-            from porter import pipeline  # and the fused quantizer's kernel loaded: a one-time cost as well
-            c0 = time.perf_counter()
-            quantizer = pipeline.fused_quantizer(torch.device("cuda"), "rceil")
-            quantizer_init = time.perf_counter() - c0
         (spent, waited), marks = instrument(args.device), timeline()
         if args.switch_interval is not None:
             sys.setswitchinterval(args.switch_interval)
@@ -264,7 +252,6 @@ def main():
               "user_seconds": r1.ru_utime - r0.ru_utime, "system_seconds": r1.ru_stime - r0.ru_stime,
               "core_seconds": dict(spent.most_common()),
               "thread_wall_seconds": dict(waited.most_common()), "cuda_context_seconds": cuda_init,
-              "fused_quantizer_load_seconds": quantizer_init, "fused_quantizer": quantizer is not None,
               "stack_samples": dict(stacks.most_common(25)),
               "env": {k: v for k, v in os.environ.items() if k.startswith("PORTER_")},
               "switch_interval": sys.getswitchinterval(),
@@ -279,8 +266,7 @@ def main():
           f"fsync {done['fsync_seconds']:.2f} s), user {result['user_seconds']:.2f} s, "
           f"system {result['system_seconds']:.2f} s")
     if cuda_init is not None:
-        print(f"  CUDA context (before the clock): {cuda_init:.2f} s; fused quantizer "
-              f"{'loaded' if quantizer else 'not used'} (before the clock): {quantizer_init:.2f} s")
+        print(f"  CUDA context (before the clock): {cuda_init:.2f} s")
     print("  wall: " + ", ".join(f"{k} {v:.2f} s" for k, v in result["wall"].items()))
     tr = result["trace"]
     print(f"  units: {tr['mean_running']:.1f} of {tr['workers']} running on average over {tr['span_s']:.2f} s; "

@@ -1,4 +1,4 @@
-"""Host memory a conversion's GPU path adds to the process: what porter.pipeline.CUDA_CONTEXT_BYTES stands for.
+"""Host memory a conversion's GPU path adds to the process: what porter.engine.budget.CUDA_CONTEXT_BYTES stands for.
 
 In a fresh process, after `import torch` and porter's conversion modules (what the dry run has loaded when it
 measures the process), reads RssAnon, RssFile and VmHWM from /proc/self/status; then makes the CUDA context,
@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def status() -> dict:
-    from porter.pipeline import memory_status
+    from porter.engine.sysio import memory_status
     return {k: v for k, v in memory_status().items() if k in ("RssAnon", "RssFile", "VmHWM")}
 
 
@@ -30,7 +30,7 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
-    from porter import conversion, mxfp8, pipeline  # noqa: F401 — loaded as a conversion has them
+    from porter import conversion, mxfp8  # noqa: F401 — loaded as a conversion has them
     before = status()
     dev = torch.device("cuda")
     torch.zeros(1, device=dev)
@@ -55,7 +55,7 @@ def main():
               "context_increase": {k: after_context[k] - before[k] for k in before},
               "total_increase": {k: after_work[k] - before[k] for k in before},
               "part_bytes_host": part.numel() * 2 + host.numel(),
-              "constant_in_porter": pipeline.CUDA_CONTEXT_BYTES, "gpu": torch.cuda.get_device_name(0),
+              "constant_in_porter": budget.CUDA_CONTEXT_BYTES, "gpu": torch.cuda.get_device_name(0),
               "torch": torch.__version__}
     inc = result["total_increase"]
     print(f"{result['gpu']}, torch {torch.__version__}: CUDA context + quantizer kernels on 4 streams add "
@@ -63,7 +63,7 @@ def main():
           f"{inc['VmHWM'] / 1e6:.0f} MB (context alone: anon {result['context_increase']['RssAnon'] / 1e6:.0f}, "
           f"file {result['context_increase']['RssFile'] / 1e6:.0f} MB); the host part and the 16 MiB registered "
           f"buffer are {result['part_bytes_host'] / 1e6:.0f} MB of that; porter assumes "
-          f"{pipeline.CUDA_CONTEXT_BYTES / 1e6:.0f} MB")
+          f"{budget.CUDA_CONTEXT_BYTES / 1e6:.0f} MB")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 

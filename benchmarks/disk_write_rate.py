@@ -2,7 +2,7 @@
 conversion whose output is larger than the dirty-page limit (the real checkpoint's ~430 GB of shards).
 
 N threads pwrite --gb of bytes into 512 MB files in a fresh folder (pieces of 16 MiB, each piece's writeback
-started by porter.pipeline.Writeback, the background thread a conversion uses), then fsync every file. Prints the rate per --window seconds as the writes land in the page cache (the first windows run at
+started by porter.engine.writer.Writeback, the background thread a conversion uses), then fsync every file. Prints the rate per --window seconds as the writes land in the page cache (the first windows run at
 memory speed until the kernel's dirty limit throttles the writers; after that the rate is the disk's), the
 rate over the second half, and the whole rate to durable. The files are deleted at the end.
 
@@ -41,7 +41,8 @@ def main():
                     "conversion the cap is stated for")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from porter.pipeline import Writeback, start_writeback
+    from porter.engine.sysio import start_writeback
+    from porter.engine.writer import Writeback
     files = max(1, int(args.gb * 1e9) // FILE_BYTES)
     data = memoryview(os.urandom(PIECE))  # incompressible, written again and again
     written = [0]

@@ -1,8 +1,8 @@
 """CPU MXFP8 quantization throughput per core: porter.mxfp8 now vs an earlier revision of the same file.
 
-The conversion pipeline quantizes a weight in chunks of porter.pipeline.QUANT_CHUNK_ELEMS elements with
+The conversion pipeline quantizes a weight in chunks of porter.engine.units.QUANT_CHUNK_ELEMS elements with
 `mxfp8.quantize_with_error` (bytes + exact error statistics) when it runs 2 workers or fewer (past 2 workers,
-porter.pipeline.quant_sizes: one 4M-element tile per call, which this benchmark does not time). This times
+porter.engine.units.quant_sizes: one 4M-element tile per call, which this benchmark does not time). This times
 exactly that on one bf16 weight at
 MiniMax-M3's real dims ([6144, 6144] by default, ~75 MB of bf16) with 1 and 2 torch threads and 2 workers, and plain
 `quantize` for reference. The baseline is porter/mxfp8.py as of `--baseline` (read with `git show` and
@@ -39,7 +39,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from porter import mxfp8  # noqa: E402
-from porter.pipeline import QUANT_CHUNK_ELEMS  # noqa: E402
+from porter.engine.units import QUANT_CHUNK_ELEMS  # noqa: E402
 
 
 def load_revision(rev: str):

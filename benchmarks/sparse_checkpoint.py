@@ -128,10 +128,11 @@ def build(out: Path) -> dict:
 RUN = """
 import json, os, sys, threading, time
 sys.path.insert(0, {root!r})
-import porter, porter.pipeline as pp
+import porter, porter.engine.run as pp
+from porter.engine.sysio import memory_status
 PEAK = {{"RssAnon": 0, "RssFile": 0, "VmHWM": 0}}
 def status():  # this process's RssAnon / RssFile / VmHWM, read as porter's --max-memory sizing reads them
-    s = pp.memory_status()
+    s = memory_status()
     return {{k: s.get(k, 0) for k in PEAK}}
 src, out, seconds, device, workers = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4], sys.argv[5]
 workers = None if workers == "all" else int(workers)

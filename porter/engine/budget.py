@@ -10,8 +10,8 @@ import torch
 from porter import mxfp8, safetensors_io
 from porter.cores import available_cores
 from porter.engine.sysio import memory_status
-from porter.engine.units import (COPY_CHUNK_BYTES, SLAB_MAX_BYTES, pinned_slab_bytes, shards_in_flight, src_bytes,
-                                 unit_costs, verbatim_source)
+from porter.engine.units import (COPY_CHUNK_BYTES, SLAB_MAX_BYTES, pinned_slab_bytes, shards_in_flight,
+                                 src_bytes, unit_costs, verbatim_source)
 from porter.errors import PorterError
 from porter.layout import OutTensor
 

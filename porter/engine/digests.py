@@ -50,7 +50,7 @@ class TensorDigest:
             self._finish(i)
 
     def _claim(self, offset: int, end: int) -> tuple[list, list]:
-        """Counts [offset, end) as written: the chunk parts this writer feeds in order, the chunks it finishes."""
+        """Counts [offset, end) as written: (chunk parts this writer feeds in order, chunks it finishes)."""
         feeds, finish = [], []
         with self.lock:
             for i in range(offset // self.chunk, (end - 1) // self.chunk + 1):

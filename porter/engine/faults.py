@@ -10,8 +10,8 @@ _lock = threading.Lock()
 
 
 def arm() -> None:
-    """Test-only: PORTER_FAULT="kill=EVENT:N,log=FILE" (either part alone) SIGKILLs at the N-th EVENT / appends
-    every event as EVENT:N to FILE; read when a conversion starts."""
+    """Test-only, read when a conversion starts: PORTER_FAULT="kill=EVENT:N,log=FILE" (either part alone)
+    SIGKILLs the process at the N-th EVENT / appends every event as EVENT:N to FILE."""
     parts = (p.partition("=") for p in os.environ.get("PORTER_FAULT", "").split(",") if p)
     spec = {k: v for k, _, v in parts}
     with _lock:

@@ -29,7 +29,8 @@ def quantize_on_cpu(w: torch.Tensor, rounding: str, name: str, keep: Optional[to
 
 def check_produced(t: OutTensor, value: torch.Tensor, shape: tuple) -> None:
     if value.dtype != t.dtype or tuple(value.shape) != shape:
-        raise RuntimeError(f"{t.name}: planned {t.dtype} {shape}, produced {value.dtype} {tuple(value.shape)}")
+        raise RuntimeError(f"{t.name}: planned {t.dtype} {shape}, "
+                           f"produced {value.dtype} {tuple(value.shape)}")
 
 
 def check_kept(t: OutTensor, keep: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,8 @@ from porter.engine.faults import fault_point
 from porter.engine.produce import (ProduceError, check_kept, check_produced, error_record, expert_label,
                                    quantize_on_cpu, sum_errs)
 from porter.engine.slabs import Slabs
-from porter.engine.units import Unit, interleave_shards, pinned_slab_bytes, quant_sizes, shards_in_flight, src_bytes
+from porter.engine.units import (Unit, interleave_shards, pinned_slab_bytes, quant_sizes, shards_in_flight,
+                                 src_bytes)
 from porter.engine.writer import ShardWriter
 from porter.layout import OutTensor, scale_name
 from porter.safetensors_io import TensorReader
@@ -54,10 +55,11 @@ class Pipeline:
 
     # -- running
     def run(self, units: list) -> None:
-        units = interleave_shards(units, lambda u: self.writer.shard_of(u.t.name), shards_in_flight(self.workers))
+        width = shards_in_flight(self.workers)
+        units = interleave_shards(units, lambda u: self.writer.shard_of(u.t.name), width)
         if self.slabs.pin:
-            self.slabs.sizes = pinned_slab_bytes([u.length if u.kind == "copy" else src_bytes(u.t) for u in units],
-                                                 [u.t for u in units if u.t.quantize])
+            reads = [u.length if u.kind == "copy" else src_bytes(u.t) for u in units]
+            self.slabs.sizes = pinned_slab_bytes(reads, [u.t for u in units if u.t.quantize])
         threads = torch.get_num_threads()
         torch.set_num_threads(max(1, available_cores() // self.workers))  # each worker's torch ops: its share
         self.writer.start()
@@ -126,9 +128,9 @@ class Pipeline:
         return self.reader.read(name, index)
 
     def read_scale(self, name: str, index: Optional[int] = None) -> torch.Tensor:
-        """uint8 [..., K/32] scale bytes that re-quantizing source tensor `name` (or its row `index`) keeps: an
-        MXFP8 source weight's own, any other tensor's by the rounding rule. A builder given this reader yields
-        its value's scale rows (builders only pick rows: porter.layout.OutTensor)."""
+        """uint8 [..., K/32] scale bytes that re-quantizing source tensor `name` (or its row `index`) keeps:
+        an MXFP8 source weight's own, any other tensor's by the rounding rule. A builder given this reader
+        yields its value's scale rows (builders only pick rows: porter.layout.OutTensor)."""
         pre = self.plan.source.prequantized
         if name in pre.scales:
             return pre.kept_scale(self.reader.read(pre.scales[name], index))
@@ -142,7 +144,8 @@ class Pipeline:
     # -- units
     def _copy(self, u: Unit) -> None:
         buf = self.slabs.take("src", u.length)  # at most COPY_CHUNK_BYTES
-        self.writer.deposit(u.t.name, u.begin, self.reader.read_bytes(u.t.sources[0], u.begin, u.length, into=buf))
+        data = self.reader.read_bytes(u.t.sources[0], u.begin, u.length, into=buf)
+        self.writer.deposit(u.t.name, u.begin, data)
 
     def _whole(self, u: Unit) -> None:
         t = u.t
@@ -165,7 +168,8 @@ class Pipeline:
         parts = t.expert_rows(self.read, e)
         keeps = t.expert_rows(self.read_scale, e) if self._keeps_scales(t) else [None] * len(parts)
         if len(keeps) != len(parts):
-            raise RuntimeError(f"{t.name}: expert {e} has {len(parts)} row parts but {len(keeps)} scale parts")
+            raise RuntimeError(f"{t.name}: expert {e} has {len(parts)} row parts "
+                               f"but {len(keeps)} scale parts")
         job, n, row, errs = self._job(t), t.shape[1], 0, []
         for part, keep in zip(parts, keeps):  # [rows, K], [rows, K/32] or None
             check_produced(t, part, (part.shape[0], t.shape[-1]))
@@ -180,7 +184,7 @@ class Pipeline:
 
     def _expert_part(self, t: OutTensor, e: int, job: _Job, row: int, part: torch.Tensor,
                      keep: Optional[torch.Tensor]) -> list:
-        """Writes rows [row, row + len(part)) of expert e (its scales into the job's array); their error sums."""
+        """Writes rows [row, row + len(part)) of expert e (scales into the job's array); their error sums."""
         n, k = t.shape[1], t.shape[-1]
         if not t.quantize:
             self.writer.deposit(t.name, (e * n + row) * t.dtype.itemsize * k, part.contiguous())
@@ -216,7 +220,8 @@ class Pipeline:
             self.jobs.pop(t.name, None)
         if t.quantize:
             self.writer.deposit(scale_name(t.name), 0, job.scale)
-            self.writer.record_error(t.name, error_record(t, t.dtype, sum_errs([x for es in job.errs for x in es])))
+            errs = sum_errs([x for es in job.errs for x in es])  # plan order
+            self.writer.record_error(t.name, error_record(t, t.dtype, errs))
 
     def _quantize(self, w: torch.Tensor, name: str, keep: Optional[torch.Tensor] = None):
         """Yields (first row, q, scale, error sums) per chunk of rows of w, in row order, results on the CPU.

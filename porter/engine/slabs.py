@@ -17,7 +17,7 @@ log = logging.getLogger("porter")
 class Slabs:
     def __init__(self, device: torch.device):
         self.device = device
-        self.pin = device.type == "cuda"  # every read staged (the async host->device copy needs pinned memory)
+        self.pin = device.type == "cuda"  # every read staged (async host->device copies need pinned memory)
         self.sizes: dict = {}  # which -> bytes, from the plan (pinned_slab_bytes); a slab grows only past it
         self.local = threading.local()
         self.registered: list = []
@@ -44,9 +44,9 @@ class Slabs:
         return slab[at:at + n]
 
     def _new(self, n: int) -> torch.Tensor:
-        """On the GPU path the pages are faulted in here, in parallel and outside the CUDA driver, and the slab
-        is registered with CUDA at exactly n bytes (torch's pinned allocator would round up to a power of two)
-        at the worker's next GPU call, by when the CUDA context is ready (register_pending)."""
+        """On the GPU path the pages are faulted in here, in parallel and outside the CUDA driver, and the
+        slab is registered with CUDA at exactly n bytes (torch's pinned allocator would round up to a power
+        of two) at the worker's next GPU call, by when the CUDA context is ready (register_pending)."""
         slab = torch.empty(n, dtype=torch.uint8)
         if self.device.type != "cuda" or not n:
             return slab
@@ -73,10 +73,11 @@ class Slabs:
             return
         # a failed call leaves CUDA's per-thread last error set, which torch's next launch check would raise
         torch.cuda.cudart().cudaGetLastError()
-        log.debug("cudaHostRegister of %d bytes failed (error %d); copying from pageable memory", slab.numel(), code)
+        log.debug("cudaHostRegister of %d bytes failed (error %d); copying from pageable memory",
+                  slab.numel(), code)
 
     def release(self) -> None:
-        """After the workers are done: unlock the registered slabs (once no copy can still be reading them)."""
+        """After the workers are done: unlock the registered slabs (once no copy can still read them)."""
         try:
             if self.registered:
                 torch.cuda.synchronize(self.device)  # raises after a sticky CUDA error: unregister anyway

@@ -80,7 +80,7 @@ def sync_files(paths: list, workers: int) -> float:
 
 
 def memory_status() -> dict:
-    """This process's RssAnon / RssFile / VmHWM / VmRSS and the machine's MemAvailable / MemTotal, in bytes."""
+    """This process's RssAnon / RssFile / VmHWM / VmRSS and the machine's MemAvailable / MemTotal (bytes)."""
     out = {}
     for path, keys in (("/proc/self/status", ("RssAnon", "RssFile", "VmHWM", "VmRSS")),
                        ("/proc/meminfo", ("MemAvailable", "MemTotal"))):

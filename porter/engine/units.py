@@ -89,7 +89,8 @@ def builder_copies(t: OutTensor, meta: dict) -> bool:
 
     def read(name, index=None):
         dtype, shape = meta[name]
-        probes.append(torch.empty(tuple(shape) if index is None else tuple(shape)[1:], dtype=dtype, device="meta"))
+        shape = tuple(shape) if index is None else tuple(shape)[1:]
+        probes.append(torch.empty(shape, dtype=dtype, device="meta"))
         return probes[-1]
     try:
         parts = t.expert_rows(read, 0) if t.per_expert else [t.build(read)]

@@ -35,7 +35,7 @@ class Writeback:
         self.thread.start()
 
     def open(self, fd: int) -> Optional[int]:
-        """A dup of fd for this thread, or None (the caller starts its writeback inline) when MAX_FDS are open."""
+        """A dup of fd for this thread, or None when MAX_FDS are open (the caller writes back inline)."""
         if len(self.fds) >= self.MAX_FDS:
             return None
         dup = os.dup(fd)
@@ -77,7 +77,8 @@ class ShardOut:
     """One output shard: `.partial` written with pwrite, renamed once every tensor's digest and every error
     record is in (`todo` counts those events)."""
 
-    def __init__(self, path: Path, entries: list, todo: int, on_closed: Callable, flusher: Optional[Writeback]):
+    def __init__(self, path: Path, entries: list, todo: int, on_closed: Callable,
+                 flusher: Optional[Writeback]):
         self.path, self.entries, self.on_closed = path, entries, on_closed
         self.partial = path.with_name(path.name + ".partial")
         header = header_bytes(entries, SHARD_METADATA)
@@ -199,8 +200,9 @@ class ShardWriter:
 
     def _tensor_hashed(self, shard: ShardOut, e: Entry, digest: str) -> None:
         with self.lock:
-            self.stats.setdefault(e.name, {}).update(shard=self.places[e.name].shard, dtype=dtype_name(e.dtype),
-                                                     shape=list(e.shape), digest=digest)
+            record = {"shard": self.places[e.name].shard, "dtype": dtype_name(e.dtype), "shape": list(e.shape),
+                      "digest": digest}
+            self.stats.setdefault(e.name, {}).update(record)
         shard.event()
 
     def _closed(self, shard: ShardOut) -> None:

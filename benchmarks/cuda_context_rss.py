@@ -31,6 +31,7 @@ def main():
     args = ap.parse_args()
     import torch
     from porter import conversion, mxfp8  # noqa: F401 — loaded as a conversion has them
+    from porter.engine import budget
     before = status()
     dev = torch.device("cuda")
     torch.zeros(1, device=dev)

@@ -200,8 +200,8 @@ class ShardWriter:
 
     def _tensor_hashed(self, shard: ShardOut, e: Entry, digest: str) -> None:
         with self.lock:
-            record = {"shard": self.places[e.name].shard, "dtype": dtype_name(e.dtype), "shape": list(e.shape),
-                      "digest": digest}
+            record = {"shard": self.places[e.name].shard, "dtype": dtype_name(e.dtype),
+                      "shape": list(e.shape), "digest": digest}
             self.stats.setdefault(e.name, {}).update(record)
         shard.event()
 

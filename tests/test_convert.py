@@ -366,8 +366,9 @@ def test_staging_slabs_do_not_change_a_byte(tiny_vendor, tiny_transformers, tmp_
 
 def test_gpu_quantize_path_contract_on_cpu(tiny_vendor, tmp_path, monkeypatch, converted):
     """The --device cuda code path (CudaQuantizer.quantize: stream, staged copies, stats gathered in one
-    tensor) run on the CPU with the stream stubbed: the same shard bytes as the CPU path and the same per-tensor error records (to 1e-9 relative: the GPU path
-    sums a whole tensor where the CPU path sums row chunks)."""
+    tensor) run on the CPU with the stream stubbed: the same shard bytes as the CPU path and the same
+    per-tensor error records (to 1e-9 relative: the GPU path sums a whole tensor where the CPU path sums row
+    chunks)."""
     cuda_quantize_path_on_cpu(monkeypatch)
     out = tmp_path / "gpu_path"
     porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=2, device="cpu")

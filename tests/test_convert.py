@@ -432,13 +432,23 @@ def test_gpu_path_quantizes_on_the_cpu_only_until_the_cuda_context_is_ready():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("context_first", [False, True])
 @pytest.mark.parametrize("quantize", ["experts", "all"])
-def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, quantize):
-    """--device cuda (pinned async copies, one stream per worker; parts ready before the CUDA context on the
-    CPU) writes the very bytes of --device cpu: every shard file, hence every tensor, on a checkpoint with
-    wide experts (CPU quantizes them in row chunks, the GPU whole) and with every linear quantized."""
+def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, monkeypatch, quantize, context_first):
+    """--device cuda (pinned async copies, one stream per worker) writes the very bytes of --device cpu: every
+    shard file, hence every tensor, on a checkpoint with wide experts (CPU quantizes them in row chunks, the
+    GPU whole) and with every linear quantized. context_first: the CUDA context is made before any unit
+    starts, so every part goes through the GPU; else (the default) parts ready before it go the CPU way."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    if context_first:
+        from porter.engine.cuda import CudaQuantizer
+        real_start = CudaQuantizer.start
+
+        def start_and_wait(self):
+            real_start(self)
+            self.ready.wait()
+        monkeypatch.setattr(CudaQuantizer, "start", start_and_wait)
     from tiny_checkpoint import synthetic_overrides
     src = build_tiny_checkpoint(tmp_path / "src", text_overrides=synthetic_overrides(3, hidden=1024,
                                                                                      intermediate=2048, experts=4))

@@ -1,7 +1,7 @@
 """`porter convert`: a MiniMax-M3 checkpoint -> MXFP8 porter artifact, tensor at a time.
 
 Order of work: resolve the source and its config, plan every output tensor (names, dtypes, shapes,
-shards) from the safetensors headers alone, then run the plan through porter.pipeline: every core (or
+shards) from the safetensors headers alone, then run the plan through porter.engine: every core (or
 the GPU) reads, quantizes, hashes and writes units of work (one expert, one tensor, one byte range) in a
 memory budget, straight into the shards' known byte ranges. Shards are `.partial` until complete; a
 journal lets `--resume` skip finished shards after a crash; `config.json`, `porter.json` and finally
@@ -23,13 +23,14 @@ import torch
 from tqdm import tqdm
 
 from converters import minimax_m3 as arch
-from porter import manifest, mxfp8, output_guard, pipeline
+from porter import engine, manifest, mxfp8, output_guard
+from porter.cores import available_cores
 from porter.errors import PorterError
 from porter.layout import OutTensor, scale_name
-from porter.pipeline import fault_point
+from porter.engine import fault_point
 from porter.digest import CHUNK_HASHES, DEFAULT_DIGEST
 from porter.safetensors_io import (Entry, MalformedSafetensors, atomic_write_text, digest_rule, file_digests,
-                                   header_bytes)
+                                   header_bytes, SHARD_METADATA)
 from porter.source import INDEX_NAME, Source, open_source
 from porter.version import __version__
 
@@ -135,12 +136,13 @@ def convert(source, output, *, revision: Optional[str] = None, quantize: Optiona
     digest: the chunk hash of the shard digests, xxh3-128 or sha256 (docs/artifact-format.md)."""
     t0 = time.time()
     out = output_guard.check_output_option(output)  # "" would be the current directory
+    engine.arm_faults()
     quantize = quantize or arch.DEFAULT_SCOPE.get(layout, "experts")
     workers = _check_workers(workers)
-    max_memory = pipeline.default_max_memory() if max_memory is None else parse_size(max_memory, "--max-memory")
+    max_memory = engine.default_max_memory() if max_memory is None else parse_size(max_memory, "--max-memory")
     src = open_source(source, revision, headers_only=dry_run)
     plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size, layout, digest)
-    dev = pipeline.resolve_device(device)  # an unknown device, or cuda without a GPU: PorterError (exit 2)
+    dev = engine.resolve_device(device)  # an unknown device, or cuda without a GPU: PorterError (exit 2)
     output_guard.check_apart_from_source(out, src.path)
     workers, estimate = _workers_within(plan, workers, dev, max_memory)
     if dry_run:
@@ -168,7 +170,7 @@ def convert(source, output, *, revision: Optional[str] = None, quantize: Optiona
 
 def _check_workers(workers) -> int:
     if workers is None:
-        return pipeline.default_workers()
+        return engine.default_workers()
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ConvertError(f"--workers {workers!r}: give a positive number of worker threads")
     return workers
@@ -179,7 +181,7 @@ def _workers_within(plan: Plan, workers: int, dev, max_memory: int) -> tuple[int
     beside this process, one unit in flight and the scale arrays, and their memory estimate. Fewer workers
     than asked is logged; not even one fitting is a ConvertError."""
     def estimate(w: int) -> dict:
-        return pipeline.memory_estimate(plan.tensors, plan.source.stored_meta, w, dev, max_memory)
+        return engine.memory_estimate(plan.tensors, plan.source.stored_meta, w, dev, max_memory)
 
     def need(e: dict) -> int:
         return e["base"] + e["readback"] + e["unit"] + e["scales"]
@@ -271,7 +273,7 @@ def _planned_files(plan: Plan) -> list:
 def _planned_bytes(plan: Plan) -> int:
     """Disk space the output needs: every shard with its header, the copied files, and room for the JSON
     files (porter.json holds a record of ~300 bytes per tensor)."""
-    shards = sum(len(header_bytes(es, pipeline.SHARD_METADATA)) + sum(e.nbytes for e in es)
+    shards = sum(len(header_bytes(es, SHARD_METADATA)) + sum(e.nbytes for e in es)
                  for _, es in plan.shards)
     copied = sum((plan.source.path / n).stat().st_size for n in COPY_FILES
                  if (plan.source.path / n).is_file())
@@ -336,7 +338,7 @@ def _verified_done(out: Path, journal: dict, workers: int, chunk_hash: str) -> d
 
 
 def _produce(plan: Plan, out: Path, done: dict, progress: bool, workers: int, max_memory: int, dev) -> dict:
-    """Make, hash and write every tensor (porter.pipeline); returns per-tensor manifest records."""
+    """Make, hash and write every tensor (porter.engine); returns per-tensor manifest records."""
     stats = {n: r for rec in done.values() for n, r in rec["tensors"].items()}
     journal = _read_journal(out)
 
@@ -345,14 +347,14 @@ def _produce(plan: Plan, out: Path, done: dict, progress: bool, workers: int, ma
         _write_journal(out, journal)
 
     skip = lambda t: all(plan.shard_of[e.name] in done for e in entries_for(t))  # noqa: E731
-    units = pipeline.make_units(plan.tensors, plan.source.stored_meta, skip, dev, workers)
+    units = engine.make_units(plan.tensors, plan.source.stored_meta, skip, dev, workers)
     bar = tqdm(total=sum(u.src_bytes for u in units), unit="B", unit_scale=True, desc="convert",
                disable=not progress)
     _reuse_freed_memory()
-    engine = pipeline.Pipeline(plan, out, done, stats, workers=workers, max_memory=max_memory, device=dev,
+    pipeline = engine.Pipeline(plan, out, done, stats, workers=workers, max_memory=max_memory, device=dev,
                                on_shard_done=shard_done, progress=bar)
     try:
-        engine.run(units)
+        pipeline.run(units)
     finally:
         bar.close()
     return stats
@@ -364,7 +366,7 @@ def _reuse_freed_memory() -> None:
     Raising the mmap/trim thresholds keeps freed blocks in the heap for reuse; the working set (one
     expert's temporaries per worker) is what stays resident. No-op where glibc's mallopt is unavailable."""
     import ctypes
-    mallopt = pipeline.libc_function("mallopt", ctypes.c_int, ctypes.c_int)
+    mallopt = engine.libc_function("mallopt", ctypes.c_int, ctypes.c_int)
     if mallopt is None:
         return
     mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: chunk temporaries (< 32 MiB) from the heap; whole
@@ -387,7 +389,7 @@ def _finish(plan: Plan, out: Path, stats: dict) -> float:
     else:
         cfg = dict(src.raw_config)
         cfg["quantization_config"] = manifest.quantization_config(plan)
-    secs = pipeline.sync_files([out / f for f, _ in plan.shards], pipeline.available_cores())
+    secs = engine.sync_files([out / f for f, _ in plan.shards], available_cores())
     log.debug("fsync of %d shard(s): %.2f s", len(plan.shards), secs)
     _write_final(out / "config.json", json.dumps(cfg, indent=2))
     shard_digests = {f: {k: rec[k] for k in ("header_sha256", "digest")}

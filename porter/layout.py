@@ -52,7 +52,7 @@ class OutTensor:
     A builder only picks rows: it reads, indexes along dim 0, slices, reorders and concatenates rows, and
     never touches the last dim or the values. The conversion relies on that: given a reader of source
     scale tensors ([..., K/32] uint8) the same builder yields the scale rows of its value, which is how
-    a pre-quantized MXFP8 source keeps its own scale bytes (porter.pipeline.Pipeline.read_scale).
+    a pre-quantized MXFP8 source keeps its own scale bytes (porter.engine.run.Pipeline.read_scale).
     Use the methods `build`, `build_expert` and `expert_rows` rather than the fields.
     """
     name: str

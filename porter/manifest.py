@@ -12,8 +12,7 @@ from pathlib import Path
 from porter import mxfp8
 from porter.errors import PorterError
 from porter.layout import ignored_layers
-from porter.pipeline import SHARD_METADATA
-from porter.safetensors_io import atomic_write_text, digest_rule, header_bytes
+from porter.safetensors_io import SHARD_METADATA, atomic_write_text, digest_rule, header_bytes
 from porter.version import __version__
 
 MANIFEST = "porter.json"

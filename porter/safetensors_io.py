@@ -55,6 +55,9 @@ class Entry:
         return nbytes(self.dtype, self.shape)
 
 
+SHARD_METADATA = {"format": "pt"}  # the __metadata__ of every shard porter writes
+
+
 def header_bytes(entries: list[Entry], metadata: dict | None = None) -> bytes:
     header, offset = {}, 0
     if metadata:

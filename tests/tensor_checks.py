@@ -23,9 +23,9 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def cuda_quantize_path_on_cpu(monkeypatch) -> None:
-    """Route every tensor through Pipeline._quantize_cuda (the --device cuda code: stream, staged copies, stats
+    """Route every tensor through CudaQuantizer.quantize (the --device cuda code: stream, staged copies, stats
     gathered in one tensor), whole, with torch.cuda's stream stubbed so it runs on the CPU."""
-    import porter.pipeline as pp
+    import porter.engine.run as pp
 
     class FakeStream:
         def __init__(self, device=None):
@@ -37,7 +37,7 @@ def cuda_quantize_path_on_cpu(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
 
     def whole_on_device(self, w, name, keep=None):  # Pipeline._quantize's CUDA branch
-        yield (0, *self._quantize_cuda(w, name, keep))
+        yield (0, *self.gpu.quantize(w, name, keep))
     monkeypatch.setattr(pp.Pipeline, "_quantize", whole_on_device)
 
 

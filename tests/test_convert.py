@@ -179,14 +179,14 @@ def test_non_empty_output_refused_then_force(tiny_vendor, tmp_path):
 
 
 def test_crash_then_resume_skips_finished_shards(tiny_vendor, tmp_path, monkeypatch, converted):
-    import porter.pipeline as pp
+    import porter.engine.run as pp
     out = tmp_path / "r"
     real = pp.Pipeline._copy
 
-    def dying(self, u, cost):
+    def dying(self, u):
         if u.index >= 60:
             raise RuntimeError("simulated crash")
-        return real(self, u, cost)
+        return real(self, u)
 
     monkeypatch.setattr(pp.Pipeline, "_copy", dying)
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -352,11 +352,11 @@ def test_hub_dry_run_reads_headers_only(tiny_vendor, tmp_path, monkeypatch):
 def test_staging_slabs_do_not_change_a_byte(tiny_vendor, tiny_transformers, tmp_path, monkeypatch, converted, layout):
     """The GPU path's per-worker staging slabs (reads land in a reused buffer, reset per unit), exercised on
     the CPU: the same bytes as reading into fresh tensors, with several workers reusing their slabs."""
-    import porter.pipeline as pp
+    import porter.engine.run as pp
     real_run = pp.Pipeline.run
 
     def staged_run(self, units):
-        self.pin = True  # read through the slabs (pinned only on CUDA)
+        self.slabs.pin = True  # read through the slabs (pinned only on CUDA)
         return real_run(self, units)
     monkeypatch.setattr(pp.Pipeline, "run", staged_run)
     src = tiny_vendor if layout == "vendor" else tiny_transformers
@@ -370,32 +370,12 @@ def test_staging_slabs_do_not_change_a_byte(tiny_vendor, tiny_transformers, tmp_
         assert (tmp_path / "staged" / f).read_bytes() == (want / f).read_bytes(), f
 
 
-class FusedStandIn:
-    """porter.mxfp8_triton's contract (stats [4] on the device, the last a count of NaN and Inf; no raise)
-    computed with porter.mxfp8 on the CPU, to run the pipeline's fused branch where Triton is absent."""
-    supports = staticmethod(lambda w, keep_scale=None: keep_scale is None)
-
-    @staticmethod
-    def quantize_with_error(w, rounding, name):
-        bad = int((~torch.isfinite(w)).sum())
-        if bad:
-            return (torch.zeros_like(w, dtype=torch.float8_e4m3fn),
-                    torch.zeros(*w.shape[:-1], w.shape[-1] // 32, dtype=torch.uint8),
-                    torch.tensor([0.0, 0.0, 0.0, bad], dtype=torch.float64))
-        q, s, e = mxfp8.quantize_with_error(w, rounding, name)
-        return q, s, torch.tensor([e["err_sq"], e["ref_sq"], e["max_abs_error"], 0.0], dtype=torch.float64)
-
-
-@pytest.mark.parametrize("quantizer", ["torch", "fused"])
-def test_gpu_quantize_path_contract_on_cpu(tiny_vendor, tmp_path, monkeypatch, converted, quantizer):
-    """The --device cuda code path (_quantize_cuda: stream, staged copies, stats gathered in one tensor) run
-    on the CPU with the stream stubbed, with mxfp8's torch ops and with the fused quantizer's contract: the
-    same shard bytes as the CPU path and the same per-tensor error records (to 1e-9 relative: the GPU path
-    sums a whole tensor where the CPU path sums row chunks)."""
+def test_gpu_quantize_path_contract_on_cpu(tiny_vendor, tmp_path, monkeypatch, converted):
+    """The --device cuda code path (CudaQuantizer.quantize: stream, staged copies, stats gathered in one
+    tensor) run on the CPU with the stream stubbed: the same shard bytes as the CPU path and the same
+    per-tensor error records (to 1e-9 relative: the GPU path sums a whole tensor where the CPU path sums row
+    chunks)."""
     cuda_quantize_path_on_cpu(monkeypatch)
-    if quantizer == "fused":
-        import porter.pipeline as pp
-        monkeypatch.setattr(pp, "fused_quantizer", lambda device, rounding: FusedStandIn)
     out = tmp_path / "gpu_path"
     porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=2, device="cpu")
     for f in sorted(p.name for p in converted.glob("*.safetensors")):
@@ -405,28 +385,13 @@ def test_gpu_quantize_path_contract_on_cpu(tiny_vendor, tmp_path, monkeypatch, c
     assert errs and all(abs(a - b) <= 1e-9 * max(a, 1e-30) for _, a, b in errs), errs[:3]
 
 
-def test_fused_gpu_path_names_a_nan_weight(tiny_vendor, tmp_path, monkeypatch):
-    """The fused quantizer only counts NaN and Inf (no sync inside a part): the pipeline refuses the part
-    afterwards, naming the expert's source tensor, and leaves no index behind."""
-    import porter.pipeline as pp
-    cuda_quantize_path_on_cpu(monkeypatch)
-    monkeypatch.setattr(pp, "fused_quantizer", lambda device, rounding: FusedStandIn)
-    name = "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight"
-    src = _corrupt(tiny_vendor, tmp_path / "nan", lambda d: _edit_source_shard(
-        d, name, lambda tensors: tensors[name].__setitem__((1, 2), float("inf"))))
-    with pytest.raises(mxfp8.MXFP8Error, match=f"^{name} .*NaN or Inf"):
-        porter.convert(src, tmp_path / "o", progress=False, workers=1, device="cpu")  # one worker: every
-        # part after the first resolves the quantizer goes through it
-    assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
-
-
 @pytest.mark.parametrize("gate_up", ["uninterleaved", "interleaved"])
 def test_builder_copies_is_found_from_the_builders_themselves(tiny_vendor, tiny_transformers, gate_up):
     """builder_copies: the vendor layout's w1 / w3 reads and an uninterleaved fused gate_up slice are handed on
     as read (no copy); uninterleaving a fused gate_up makes a new tensor, which the estimate then counts on
     top of the slab (src bytes of the unit)."""
-    from porter import pipeline
     from porter.conversion import make_plan
+    from porter.engine.units import builder_copies, quant_sizes, unit_costs
     from porter.source import open_source
     for src in (tiny_vendor, tiny_transformers):
         plan = make_plan(open_source(src), max_shard_size="300KB", gate_up=gate_up)
@@ -434,69 +399,62 @@ def test_builder_copies_is_found_from_the_builders_themselves(tiny_vendor, tiny_
         w13 = next(t for t in plan.tensors if t.name.endswith("w13_weight"))
         w2 = next(t for t in plan.tensors if t.name.endswith("w2_weight"))
         fused = src == tiny_transformers
-        assert pipeline.builder_copies(w13, meta) == (fused and gate_up == "interleaved")
-        assert not pipeline.builder_copies(w2, meta)
+        assert builder_copies(w13, meta) == (fused and gate_up == "interleaved")
+        assert not builder_copies(w2, meta)
         src_bytes = w13.shape[1] * w13.shape[2] * w13.dtype.itemsize
-        work, _ = pipeline.unit_costs(w13, torch.device("cpu"), 1, meta)
-        chunk = min(w13.shape[1] * w13.shape[2], pipeline.quant_sizes(1)[0])
-        assert work == 9 * chunk + (src_bytes if pipeline.builder_copies(w13, meta) else 0)
+        work, _ = unit_costs(w13, torch.device("cpu"), 1, meta)
+        chunk = min(w13.shape[1] * w13.shape[2], quant_sizes(1)[0])
+        assert work == 9 * chunk + (src_bytes if builder_copies(w13, meta) else 0)
 
 
-def test_gpu_path_quantizes_on_the_cpu_only_until_the_cuda_context_is_ready(monkeypatch):
+def test_gpu_path_quantizes_on_the_cpu_only_until_the_cuda_context_is_ready():
     """--device cuda: a part that arrives before the CUDA init thread is done is quantized by the CPU path's
-    C quantizer (the CPU path's row chunks and numbers) instead of waiting; once the context is ready, with
-    PORTER_CUDA_CPU_START=0, or for a part the C quantizer does not take (kept scale bytes), it goes to the
-    GPU."""
-    from porter import pipeline as pp
-    p = pp.Pipeline.__new__(pp.Pipeline)
-    p.device, p.rounding, p.lock, p.parts_on_cpu = torch.device("cuda"), "rceil", threading.RLock(), 0
-    p.quant_sizes, p.cuda_ready = (1 << 14, None), threading.Event()
-    to_gpu = []
-    monkeypatch.setattr(pp.Pipeline, "_quantize_cuda", lambda self, w, name, keep=None: to_gpu.append(name) or (
-        "q", "s", {}))
+    C quantizer (the CPU path's row chunks and numbers) instead of waiting; once the context is ready, or for
+    a part the C quantizer does not take (kept scale bytes), it goes to the GPU."""
+    from porter.engine import run
+
+    class GpuStandIn:
+        ready, parts_on_cpu, names = threading.Event(), 0, []
+
+        def count_cpu_part(self):
+            self.parts_on_cpu += 1
+
+        def quantize(self, w, name, keep=None):
+            self.names.append(name)
+            return "q", "s", {}
+    p = run.Pipeline.__new__(run.Pipeline)
+    p.device, p.rounding, p.quant_sizes, p.gpu = torch.device("cuda"), "rceil", (1 << 14, None), GpuStandIn()
     w = torch.randn(96, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # 3 chunks of 32 rows
-    for cpu_start in (True, False):
-        monkeypatch.setenv("PORTER_CUDA_CPU_START", "1" if cpu_start else "0")
-        p.cpu_start = pp.cpu_while_cuda_starts()
-        got = list(p._quantize(w, "w"))
-        if not cpu_start:
-            assert got == [(0, "q", "s", {})] and to_gpu == ["w"]
-            continue
-        assert [r for r, *_ in got] == [0, 32, 64] and p.parts_on_cpu == 1 and not to_gpu
-        for r, q, s, err in got:
-            q_ref, s_ref, err_ref = mxfp8.quantize_with_error(w[r:r + 32], "rceil", "w")
-            assert q.view(torch.uint8).equal(q_ref.view(torch.uint8)) and s.equal(s_ref) and err == err_ref
-        keep = torch.full((96, 16), 127, dtype=torch.uint8)
-        assert list(p._quantize(w, "kept", keep)) == [(0, "q", "s", {})] and to_gpu == ["kept"]
-        p.cuda_ready.set()
-        assert list(p._quantize(w, "ready")) == [(0, "q", "s", {})] and to_gpu == ["kept", "ready"]
-        p.cuda_ready.clear()
-        to_gpu.clear()
+    got = list(p._quantize(w, "w"))
+    assert [r for r, *_ in got] == [0, 32, 64] and p.gpu.parts_on_cpu == 1 and not p.gpu.names
+    for r, q, s, err in got:
+        q_ref, s_ref, err_ref = mxfp8.quantize_with_error(w[r:r + 32], "rceil", "w")
+        assert q.view(torch.uint8).equal(q_ref.view(torch.uint8)) and s.equal(s_ref) and err == err_ref
+    keep = torch.full((96, 16), 127, dtype=torch.uint8)
+    assert list(p._quantize(w, "kept", keep)) == [(0, "q", "s", {})] and p.gpu.names == ["kept"]
+    p.gpu.ready.set()
+    assert list(p._quantize(w, "ready")) == [(0, "q", "s", {})] and p.gpu.names == ["kept", "ready"]
+    assert p.gpu.parts_on_cpu == 1
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cpu_start", ["0", "1"])
-@pytest.mark.parametrize("quantizer", ["torch", "fused"])
+@pytest.mark.parametrize("context_first", [False, True])
 @pytest.mark.parametrize("quantize", ["experts", "all"])
-def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, monkeypatch, quantize, quantizer, cpu_start):
-    """--device cuda (pinned async copies, one stream per worker; mxfp8's torch ops or the fused Triton
-    quantizer) writes the very bytes of --device cpu: every shard file, hence every tensor, on a checkpoint
-    with wide experts (CPU quantizes them in row chunks, the GPU whole) and with every linear quantized.
-    cpu_start 0: every part on the GPU; 1 (the default): parts ready before the CUDA context on the CPU."""
+def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, monkeypatch, quantize, context_first):
+    """--device cuda (pinned async copies, one stream per worker) writes the very bytes of --device cpu: every
+    shard file, hence every tensor, on a checkpoint with wide experts (CPU quantizes them in row chunks, the
+    GPU whole) and with every linear quantized. context_first: the CUDA context is made before any unit
+    starts, so every part goes through the GPU; else (the default) parts ready before it go the CPU way."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    monkeypatch.setenv("PORTER_CUDA_QUANTIZE", quantizer)
-    monkeypatch.setenv("PORTER_CUDA_CPU_START", cpu_start)
-    if quantizer == "fused":  # every part through it, not only those after its background load
-        import porter.pipeline as pp
+    if context_first:
+        from porter.engine.cuda import CudaQuantizer
+        real_start = CudaQuantizer.start
 
-        real = pp.Pipeline._fused
-
-        def fused_waited_for(self, wait=False):
-            quantizer = real(self, wait=True)
-            assert quantizer is not None, "the fused quantizer did not load"
-            return quantizer
-        monkeypatch.setattr(pp.Pipeline, "_fused", fused_waited_for)
+        def start_and_wait(self):
+            real_start(self)
+            self.ready.wait()
+        monkeypatch.setattr(CudaQuantizer, "start", start_and_wait)
     from tiny_checkpoint import synthetic_overrides
     src = build_tiny_checkpoint(tmp_path / "src", text_overrides=synthetic_overrides(3, hidden=1024,
                                                                                      intermediate=2048, experts=4))
@@ -518,13 +476,11 @@ def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, monkeypatch, quantize
             assert rec["max_abs_error"] == b[name]["max_abs_error"]
 
 
-@pytest.mark.parametrize("writeback", ["thread", "inline", "off"])
-def test_writeback_modes_do_not_change_a_byte(tiny_vendor, tmp_path, monkeypatch, converted, writeback):
-    """Writeback started by a background thread (the default), by each worker after its write, or left to the
-    final fsync: the same files and records, with several workers filling one shard at once; in thread mode
-    every range written is handed to the flusher and every descriptor it was given is closed."""
-    import porter.pipeline as pp
-    monkeypatch.setenv("PORTER_WRITEBACK", writeback)
+def test_writeback_thread_sees_every_range(tiny_vendor, tmp_path, monkeypatch, converted):
+    """Writeback started by a background thread: the same files and records, with several workers filling
+    one shard at once; every range written is handed to the flusher and every descriptor it was given is
+    closed."""
+    import porter.engine.writer as pp
     flushed, closed, real_submit, real_close = [], [], pp.Writeback.submit, pp.Writeback.close
     monkeypatch.setattr(pp.Writeback, "submit", lambda self, fd, o, n: (flushed.append(n), real_submit(self, fd, o, n)))
     monkeypatch.setattr(pp.Writeback, "close", lambda self, fd: (closed.append(fd), real_close(self, fd)))
@@ -533,14 +489,13 @@ def test_writeback_modes_do_not_change_a_byte(tiny_vendor, tmp_path, monkeypatch
     assert_same_conversion(converted, out)
     shards = list(out.glob("*.safetensors"))
     data = sum(p.stat().st_size for p in shards) - sum(8 + int.from_bytes(p.read_bytes()[:8], "little") for p in shards)
-    assert (sum(flushed), len(closed)) == ((data, len(shards)) if writeback == "thread" else (0, 0))
+    assert (sum(flushed), len(closed)) == (data, len(shards))
 
 
 def test_writeback_thread_holds_at_most_max_fds(tiny_vendor, tmp_path, monkeypatch, converted):
     """With the flusher's descriptor cap at 1 (as if the disk made it lag many shards behind), shards opened
     past it start their writeback inline: same bytes, and never more than 1 dup open at once."""
-    import porter.pipeline as pp
-    monkeypatch.setenv("PORTER_WRITEBACK", "thread")
+    import porter.engine.writer as pp
     monkeypatch.setattr(pp.Writeback, "MAX_FDS", 1)
     held, inline, real_open, real_start = [], [], pp.Writeback.open, pp.start_writeback
     monkeypatch.setattr(pp.Writeback, "open", lambda self, fd: (r := real_open(self, fd), held.append(len(self.fds)))[0])
@@ -694,13 +649,13 @@ def test_max_memory_caps_the_workers_or_refuses_in_one_line(tiny_vendor, tmp_pat
     """--max-memory that holds one worker's buffers but not eight's converts with fewer workers (same
     bytes, said in a warning); one that holds not even one worker's is refused before anything is written."""
     import logging
-    from porter import pipeline
+    from porter import engine
     from porter.conversion import make_plan
     from porter.source import open_source
     plan = make_plan(open_source(tiny_vendor), max_shard_size="300KB")
     cpu = torch.device("cpu")
     need = {w: (lambda e: e["base"] + e["readback"] + e["unit"] + e["scales"])(
-        pipeline.memory_estimate(plan.tensors, plan.source.stored_meta, w, cpu, 1 << 40)) for w in (1, 3, 8)}
+        engine.memory_estimate(plan.tensors, plan.source.stored_meta, w, cpu, 1 << 40)) for w in (1, 3, 8)}
     assert need[1] < need[3] < need[8]
     cap = (need[3] + need[8]) // 2 + (8 << 20)  # room for about 3-7 workers (RSS moves a little between calls)
     with caplog.at_level(logging.WARNING, logger="porter"):
@@ -722,27 +677,28 @@ def test_unit_costs_count_the_quantizer_that_runs_and_copies_once(tiny_vendor, m
     C quantizer, 16 with the torch path (PORTER_CPU_QUANTIZE=torch, or a source the C loop does not take);
     on the GPU path the same call's memory with its results (a part quantized on the CPU while the CUDA
     context starts); a copied range costs nothing beyond the worker's read slab it lives in."""
-    from porter import mxfp8_native, pipeline
+    from porter import mxfp8_native
     from porter.conversion import make_plan
     from porter.source import open_source
     plan = make_plan(open_source(tiny_vendor), max_shard_size="300KB")
+    from porter.engine.units import make_units, quant_sizes, unit_costs
     meta, cpu = plan.source.stored_meta, torch.device("cpu")
     t = next(x for x in plan.tensors if x.quantize and x.per_expert)
     elems = t.shape[1] * t.shape[2]
     for workers in (1, 3):
-        chunk = min(elems, pipeline.quant_sizes(workers)[0])
+        chunk = min(elems, quant_sizes(workers)[0])
         out = chunk + chunk // 32
         assert mxfp8_native.function() is not None, mxfp8_native.reason()
-        assert pipeline.unit_costs(t, cpu, workers, meta) == (9 * chunk, out)
-        assert pipeline.unit_costs(t, cpu, workers, {}) == (16 * chunk + 2 * elems, out)  # sources unknown:
+        assert unit_costs(t, cpu, workers, meta) == (9 * chunk, out)
+        assert unit_costs(t, cpu, workers, {}) == (16 * chunk + 2 * elems, out)  # sources unknown:
         # torch's bound and a builder copy of the bf16 expert
         monkeypatch.setenv("PORTER_CPU_QUANTIZE", "torch")
-        assert pipeline.unit_costs(t, cpu, workers, meta) == (16 * chunk, out)
+        assert unit_costs(t, cpu, workers, meta) == (16 * chunk, out)
         monkeypatch.delenv("PORTER_CPU_QUANTIZE")
     gpu = torch.device("cuda")  # unit_costs only reads device.type
-    chunk = min(elems, pipeline.quant_sizes(17)[0])
-    assert pipeline.unit_costs(t, gpu, 17, meta) == (10 * chunk + chunk // 32, 0)  # a part on the CPU at start
-    units = pipeline.make_units(plan.tensors, meta, lambda _: False, cpu, 3)
+    chunk = min(elems, quant_sizes(17)[0])
+    assert unit_costs(t, gpu, 17, meta) == (10 * chunk + chunk // 32, 0)  # a part on the CPU at start
+    units = make_units(plan.tensors, meta, lambda _: False, cpu, 3)
     copies = [u for u in units if u.kind == "copy"]
     assert copies and all(u.cost == 0 for u in copies)
     assert all(u.cost > 0 for u in units if u.kind == "expert" and u.t.quantize)
@@ -751,7 +707,7 @@ def test_unit_costs_count_the_quantizer_that_runs_and_copies_once(tiny_vendor, m
 @pytest.mark.parametrize("width", [1, 2, 4])
 def test_units_interleave_over_a_few_shards_in_plan_order(width):
     """Every unit once; each shard's units in plan order; never more than `width` shards started and unfinished."""
-    from porter.pipeline import interleave_shards
+    from porter.engine.units import interleave_shards
     sizes = {"a": 3, "b": 1, "c": 5, "d": 2, "e": 4}
     units = [(f, i) for f, n in sizes.items() for i in range(n)]
     order = interleave_shards(units, lambda u: u[0], width)

@@ -125,7 +125,7 @@ def test_malformed_shard_is_named(tiny_vendor, tmp_path, fault):
 
 def test_truncated_while_converting_is_named(tiny_vendor, tmp_path, monkeypatch):
     """A shard that shrinks after the plan was made (a copy still in progress) is named by the reader."""
-    import porter.pipeline as pp
+    import porter.engine.run as pp
     src = tmp_path / "src"
     shutil.copytree(tiny_vendor, src)
     shard = sorted(src.glob("model-*.safetensors"))[-1]
@@ -190,7 +190,7 @@ def test_sigkill_anywhere_then_resume_is_byte_identical(tiny_vendor, tmp_path):
     """SIGKILL at points spread over the whole run (units, shard renames, journal writes, each final file
     between its temp write and its rename, and after), then --resume: the same bytes as a clean run."""
     clean, log = tmp_path / "clean", tmp_path / "events.log"
-    res = run_convert(tiny_vendor, clean, env={"PORTER_FAULT_LOG": str(log)})
+    res = run_convert(tiny_vendor, clean, env={"PORTER_FAULT": f"log={log}"})
     assert res.returncode == 0, res.stderr
     events = log.read_text().split()
     final = [e for e in events if e.startswith(("tmp:", "wrote:"))]
@@ -203,7 +203,7 @@ def test_sigkill_anywhere_then_resume_is_byte_identical(tiny_vendor, tmp_path):
     want = artifact_bytes(clean)
     for i, point in enumerate(points):
         out = tmp_path / f"k{i}"
-        res = run_convert(tiny_vendor, out, env={"PORTER_FAULT_KILL": point})
+        res = run_convert(tiny_vendor, out, env={"PORTER_FAULT": f"kill={point}"})
         assert res.returncode == -9, (point, res.returncode, res.stderr[-500:])
         complete = (out / INDEX).exists()
         assert complete == (point == "wrote:model.safetensors.index.json:1"), point  # the index is last
@@ -354,7 +354,7 @@ def test_resume_rewrites_a_torn_finished_shard(tiny_vendor, tmp_path):
     clean = tmp_path / "clean"
     assert run_convert(tiny_vendor, clean).returncode == 0
     out = tmp_path / "out"
-    res = run_convert(tiny_vendor, out, env={"PORTER_FAULT_KILL": "journal:3"})  # 2 shards journaled
+    res = run_convert(tiny_vendor, out, env={"PORTER_FAULT": "kill=journal:3"})  # 2 shards journaled
     assert res.returncode == -9
     journal = json.loads((out / ".porter-journal.json").read_text())
     assert len(journal["shards"]) == 2

@@ -1,10 +1,10 @@
-"""The journal write of a finished shard (a file write with fsync) runs outside the pipeline's lock: another
+"""The journal write of a finished shard (a file write with fsync) runs outside the shard writer's lock: another
 thread can take that lock while it runs, so workers do not stall behind each shard's fsync."""
 import threading
 
 import porter
 import porter.conversion as conversion
-import porter.pipeline as pp
+import porter.engine.run as pp
 
 
 def test_journal_is_written_outside_the_pipeline_lock(tiny_vendor, tmp_path, monkeypatch):
@@ -19,10 +19,10 @@ def test_journal_is_written_outside_the_pipeline_lock(tiny_vendor, tmp_path, mon
         if engines and journal.get("shards"):  # a shard's record (the first write, before any, has none)
             got = []
 
-            def take():  # from another thread: can the pipeline's lock be had while the journal is written?
-                got.append(engines[-1].lock.acquire(timeout=2))
+            def take():  # from another thread: can the writer's lock be had while the journal is written?
+                got.append(engines[-1].writer.lock.acquire(timeout=2))
                 if got[0]:
-                    engines[-1].lock.release()
+                    engines[-1].writer.lock.release()
             probe = threading.Thread(target=take)
             probe.start()
             probe.join()

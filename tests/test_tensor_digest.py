@@ -1,4 +1,4 @@
-"""porter.pipeline.TensorDigest: the chunked digest of a tensor written out of order, by many threads, equals
+"""porter.engine.digests.TensorDigest: the chunked digest of a tensor written out of order, by many threads, equals
 the digest of its bytes (docs/artifact-format.md, "Digests"), and bytes that arrive in order are hashed as
 they come, not read back."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from porter import pipeline
+from porter.engine import digests
 from porter.digest import CHUNK_HASHES
 from porter.safetensors_io import chunk_spans, tensor_digest
 from tensor_checks import chunk_hash
@@ -43,14 +43,14 @@ def run_digest(tmp_path, data: bytes, parts: list, threads: int, monkeypatch, ha
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     os.ftruncate(fd, 100 + len(data))
     read_back = [0]
-    real = pipeline.read_chunk_digest
+    real = digests.read_chunk_digest
 
     def counting(fd_, offset, length, path_, h):
         read_back[0] += length
         return real(fd_, offset, length, path_, h)
-    monkeypatch.setattr(pipeline, "read_chunk_digest", counting)
+    monkeypatch.setattr(digests, "read_chunk_digest", counting)
     done = []
-    digest = pipeline.TensorDigest(fd, path, 100, len(data), CHUNK, done.append, hash_name)
+    digest = digests.TensorDigest(fd, path, 100, len(data), CHUNK, done.append, hash_name)
     view = memoryview(data)
 
     def worker(mine):
@@ -114,5 +114,5 @@ def test_whole_chunk_write_and_empty_tensor(tmp_path, monkeypatch, hash_name):
     got, read_back = run_digest(tmp_path, data, [(CHUNK, 2 * CHUNK), (0, CHUNK)], 1, monkeypatch, hash_name)
     assert (got, read_back) == (expected(data, hash_name), 0)
     done = []
-    pipeline.TensorDigest(-1, tmp_path / "x", 0, 0, CHUNK, done.append)
+    digests.TensorDigest(-1, tmp_path / "x", 0, 0, CHUNK, done.append)
     assert done == [tensor_digest([])]

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from porter import mxfp8
 from porter.layout import layer_of
-from porter.pipeline import available_cores
+from porter.cores import available_cores
 from porter.verification.mapping import ArtifactReader, Derivation, Mapping
 from porter.verification.verdict import ExactResult, TensorCheck
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from converters import minimax_m3 as arch
 from porter import manifest, mxfp8
 from porter.errors import PorterError
-from porter.pipeline import available_cores
+from porter.cores import available_cores
 from porter.digest import CHUNK_HASHES
 from porter.safetensors_io import DTYPE_NAMES, chunk_hash_of, dtype_name, file_digests
 from porter.verification.verdict import Failure, IntegrityResult, VerifyInputError

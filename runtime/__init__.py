@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from runtime.loader import LoadError, build_model, open_store
-from runtime.moe import BackendUnavailable, make_moe, resolve_backend
+from runtime.moe import BackendUnavailable, check_numerics, check_numerics_name, make_moe, resolve_backend
 from runtime.placement import PlacementError, resolve as resolve_placement
 
 __all__ = ["load", "LoadError", "BackendUnavailable", "PlacementError"]
@@ -30,7 +30,7 @@ log = logging.getLogger("porter.runtime")
 
 
 def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str = "auto", lazy: bool = False,
-         device_map=None, max_memory: Optional[dict] = None):
+         device_map=None, max_memory: Optional[dict] = None, moe_numerics: Optional[str] = None):
     """Load a porter artifact dir (porter.json) or an original MiniMax-M3 HF checkpoint dir (or an already
     opened store from runtime.loader.open_store, which the caller keeps, e.g. to read weights or close()).
 
@@ -40,18 +40,21 @@ def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str =
     device_map: "auto" (whole layers over the visible GPUs by byte size; budgets from max_memory
     {device: bytes | "70GiB"} or each GPU's free memory) or {"layers.N": device, ...}; overrides `device`.
     A model that does not fit is refused before any weight is read (PlacementError, one line).
+    moe_numerics: "w8a16" | "serving" for the torch MoE backend (default: its own, w8a16; "serving" quantizes
+    the MoE input and SwiGLU output to MXFP8 as the TRT-LLM kernel does, docs/moe-backends.md).
     """
+    check_numerics_name(moe_numerics)  # before anything is opened
     opened = not (hasattr(path, "names") and hasattr(path, "get"))  # else: an opened store the caller keeps
     store = open_store(path) if opened else path
     try:
-        return _load(store, device, dtype, backend, lazy, device_map, max_memory)
+        return _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_numerics)
     except BaseException:
         if opened:  # a refused load (PlacementError, BackendUnavailable, ...) leaves no shard handle open
             store.close()
         raise
 
 
-def _load(store, device, dtype, backend, lazy, device_map, max_memory):
+def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_numerics=None):
     placement = None
     if device_map is not None:
         if lazy:
@@ -66,8 +69,9 @@ def _load(store, device, dtype, backend, lazy, device_map, max_memory):
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     quantized = any(n.endswith("experts.w13_weight_scale") for n in store.names())
     name = resolve_backend(backend, device, quantized=quantized)
+    check_numerics(moe_numerics, name, quantized)
     log.info("loading %s on %s (%s, MoE backend %s, lazy=%s)", store.path, device, dtype, name, lazy)
-    model = build_model(store, device, dtype, lambda quant, routing: make_moe(name, quant, routing), lazy,
-                        placement)
+    model = build_model(store, device, dtype,
+                        lambda quant, routing: make_moe(name, quant, routing, moe_numerics), lazy, placement)
     model.placement = placement
     return model

@@ -4,6 +4,11 @@ Every backend class has: `name`, `__init__(quant, routing)` (all layout work hap
 `__call__(hidden [T, H]) -> routed output [T, H]` (routed_scaling_factor applied exactly once), and
 `forward_topk(hidden, topk_ids, topk_weights)` for externally computed routing, plus a classmethod
 `check_supported(device) -> None` that raises BackendUnavailable with a one-line reason.
+
+Numerics (`moe_numerics`, docs/moe-backends.md "Serving numerics"): the torch reference computes "w8a16"
+(weights dequantized, activations as given; the default) or "serving" (the layer input and the SwiGLU
+output quantized to MXFP8 as FlashInfer's TRT-LLM kernel does). flashinfer-trtllm always computes
+"serving"; triton its own (docs/moe-backends.md). None means the backend's own.
 """
 from __future__ import annotations
 
@@ -19,10 +24,33 @@ log = logging.getLogger("porter.runtime")
 BACKENDS = ("auto", "torch", "triton", "flashinfer-trtllm")
 TRTLLM_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 HOPPER = (9, 0)
+MOE_NUMERICS = ("w8a16", "serving")
 
 
 class BackendUnavailable(PorterError, RuntimeError):
     """The requested MoE backend cannot run here (the message names the device/package and what to do)."""
+
+
+class MoeNumericsError(PorterError, ValueError):
+    """An unknown moe_numerics value."""
+
+
+def check_numerics_name(numerics) -> None:
+    if numerics is not None and numerics not in MOE_NUMERICS:
+        raise MoeNumericsError(f"unknown moe_numerics {numerics!r}; use one of {', '.join(MOE_NUMERICS)} "
+                               f"(or leave it unset for the backend's own)")
+
+
+def check_numerics(numerics, backend: str, quantized: bool = True) -> None:
+    """Refuse a numerics choice the resolved backend does not compute (never a silent substitute)."""
+    check_numerics_name(numerics)
+    if numerics == "serving" and not quantized:
+        raise MoeNumericsError("moe_numerics='serving' needs MXFP8 experts (the serving kernel's weights); "
+                               "these are unquantized: convert with --quantize experts or use 'w8a16'")
+    if numerics is None or backend == "torch" or (backend, numerics) == ("flashinfer-trtllm", "serving"):
+        return
+    raise BackendUnavailable(f"moe_numerics={numerics!r} is not what the {backend} MoE backend computes; "
+                             f"use backend='torch' for it, or leave moe_numerics unset")
 
 
 def _backend_class(name: str):
@@ -67,5 +95,8 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def make_moe(name: str, quant: MoeQuantInfo, routing: MoeRouting):
+def make_moe(name: str, quant: MoeQuantInfo, routing: MoeRouting, numerics=None):
+    check_numerics(numerics, name)
+    if name == "torch" and numerics is not None:
+        return _backend_class(name)(quant, routing, numerics=numerics)
     return _backend_class(name)(quant, routing)

@@ -352,8 +352,9 @@ def quantize_activations(x: torch.Tensor, name: str = "activations") -> tuple[to
     """x [..., K] -> (q [..., K] float8_e4m3fn, scale [..., K/32] uint8, token-major and linear), as
     FlashInfer's mxfp8_quantize quantizes a MoE input (and the TRT-LLM FC1 epilogue its SwiGLU output).
 
-    The scale byte is quantize()'s rceil byte (for every bf16/fp16 x, and fp32 x with amax >= 448 * 2^-126,
-    the same as FlashInfer's round-up of fl(amax / 448)). Two differences from quantize(), both FlashInfer's:
+    The scale byte is FlashInfer's round-up of fl(amax / 448): quantize()'s rceil byte, except for the one
+    fp32 amax just above 448 * 2^-127, whose quotient rounds down to 2^-127 (byte 0, not 1; bf16 and fp16
+    never land there). Two more differences from quantize(), both FlashInfer's:
     a block with byte 0 (amax <= 448 * 2^-127, all-zero blocks included) gets zero elements (its inverse
     scale is 0, where quantize() scales by 2^127), and a block holding NaN/Inf is not refused but gets byte
     255 and NaN elements, so a NaN propagates through the layer as in the w8a16 path."""
@@ -364,6 +365,10 @@ def quantize_activations(x: torch.Tensor, name: str = "activations") -> tuple[to
     if any_bad:
         blocks = blocks.masked_fill(bad.unsqueeze(-1), 0)
     q, scale = quantize(blocks.reshape(x.shape), "rceil", name)
+    one = scale == 1
+    if bool(one.any()):  # amax / 448 <= 2^-126, an fp32 subnormal: FlashInfer rounds it to fp32 first,
+        amax = blocks.abs().amax(-1).float()  # and one that rounds to 2^-127 keeps byte 0
+        scale = scale.masked_fill(one & (amax / E4M3_MAX <= 2.0 ** -127), 0)
     codes = q.view(torch.uint8).reshape(blocks.shape)  # [..., K/32, 32]
     codes = codes.masked_fill((scale == 0).unsqueeze(-1), 0)
     if any_bad:

@@ -48,7 +48,8 @@ def test_backend_pairs():
     for numerics in ("w8a16", "serving"):
         check_numerics(numerics, "torch")
     for numerics, backend in (("serving", "triton"), ("w8a16", "triton"), ("w8a16", "flashinfer-trtllm")):
-        with pytest.raises(BackendUnavailable, match=f"moe_numerics='{numerics}'.*{backend}.*backend='torch'"):
+        expected = f"moe_numerics='{numerics}'.*{backend}.*backend='torch'"
+        with pytest.raises(BackendUnavailable, match=expected):
             check_numerics(numerics, backend)
     quant, routing = _small_layer()
     with pytest.raises(MoeNumericsError, match="'w8a8'"):

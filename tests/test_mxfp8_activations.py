@@ -89,9 +89,11 @@ def test_k_not_multiple_of_32_is_refused():
         mxfp8.quantize_activations(torch.zeros(2, 48), name="moe hidden_states")
 
 
-def _flashinfer_reference_bytes(amax: torch.Tensor) -> torch.Tensor:
-    """FlashInfer's test reference scale byte, transcribed (see the module docstring)."""
-    d = (amax / 448.0).view(torch.int32)
+def _flashinfer_reference_bytes(amax: torch.Tensor, by_reciprocal: bool = False) -> torch.Tensor:
+    """FlashInfer's test reference scale byte, transcribed (see the module docstring); by_reciprocal: the
+    quotient as its kernels form it, amax * fl(1/448) (cute-dsl `INV_FLOAT8_E4M3_MAX`, host
+    `1.f / 448.0f`)."""
+    d = (amax * torch.tensor(1 / 448.0) if by_reciprocal else amax / 448.0).view(torch.int32)
     exp, man = (d >> 23) & 0xFF, d & 0x7FFFFF
     up = (man != 0) & ((exp != 0) | (man > 0x400000))
     return torch.where(amax > 0, (exp + up.int()).clamp(max=254), 0)
@@ -108,7 +110,8 @@ def test_scale_byte_equals_flashinfer_rule_for_every_bf16_amax():
     """Exhaustive: every positive finite bf16 value as a block's amax (normal and subnormal)."""
     amax = torch.arange(1, 0x7F80, dtype=torch.int16).view(torch.bfloat16)  # [32639]
     _, s = mxfp8.quantize_activations(_amax_blocks(amax, torch.bfloat16))
-    assert torch.equal(s[:, 0].int(), _flashinfer_reference_bytes(amax.float()))
+    for by_reciprocal in (False, True):
+        assert torch.equal(s[:, 0].int(), _flashinfer_reference_bytes(amax.float(), by_reciprocal))
 
 
 def test_scale_byte_equals_flashinfer_rule_near_every_fp32_tie():
@@ -117,7 +120,8 @@ def test_scale_byte_equals_flashinfer_rule_near_every_fp32_tie():
     ties = torch.tensor([448.0 * 2.0 ** k for k in range(-134, 119)]).view(torch.int32)  # [253]
     amax = (ties[:, None] + torch.arange(-300, 301, dtype=torch.int32)).reshape(-1).view(torch.float32)
     _, s = mxfp8.quantize_activations(_amax_blocks(amax, torch.float32))
-    assert torch.equal(s[:, 0].int(), _flashinfer_reference_bytes(amax))
+    for by_reciprocal in (False, True):
+        assert torch.equal(s[:, 0].int(), _flashinfer_reference_bytes(amax, by_reciprocal))
 
 
 def test_same_bytes_as_the_weight_rule_on_ordinary_data():

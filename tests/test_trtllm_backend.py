@@ -595,3 +595,62 @@ def test_kernel_on_blackwell_matches_emulation(layer):
     assert rel(moe(x).float().cpu(), expected) <= REL_GPU_VS_EMULATION
     ids, weights = route(x.float(), routing_gpu)
     assert rel(moe.forward_topk(x, ids, weights).float().cpu(), expected) <= REL_GPU_VS_EMULATION
+
+
+def _gpu_activation_cases():
+    """bf16 [R, 256]: random magnitudes, amax exactly 448 * 2^k, and tiny blocks around the byte-0/1 edge."""
+    g = torch.Generator().manual_seed(4)
+    mags = 2.0 ** torch.randint(-40, 40, (64, 8, 1), generator=g).float()
+    rand = (torch.randn(64, 8, 32, generator=g) * mags).reshape(64, 256)
+    ties = torch.randn(80, 256, generator=g).clamp(-1, 1) * 2.0 ** torch.arange(-40, 40)[:, None].float()
+    ties[:, ::32] = 448.0 * 2.0 ** torch.arange(-40, 40)[:, None].float()
+    tiny = torch.randn(32, 256, generator=g) * 2.0 ** torch.randint(-134, -116, (32, 1), generator=g).float()
+    return torch.cat([rand, ties]).to(torch.bfloat16), tiny.to(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _blackwell(), reason="needs an SM100/103/107 GPU")
+@pytest.mark.parametrize("fi_backend", ["cuda", "cute-dsl"])
+def test_quantize_activations_equals_flashinfer_on_gpu(fi_backend):
+    """porter.mxfp8.quantize_activations == flashinfer.mxfp8_quantize (linear scales), bit for bit, where
+    the sources agree (docs/moe-backends.md, "Serving numerics"). On blocks with amax < 448 * 2^-126 the
+    CUDA backend, built with -use_fast_math, is expected (from its source) to flush the fp32-subnormal
+    quotient: byte 0 and zero elements where porter and cute-dsl give byte 1."""
+    ordinary, tiny = _gpu_activation_cases()
+    for x in (ordinary, tiny):
+        q_fi, s_fi = flashinfer.mxfp8_quantize(x.cuda(), is_sf_swizzled_layout=False, backend=fi_backend)
+        q, s = mxfp8.quantize_activations(x)
+        s_fi = s_fi.view(torch.uint8).reshape(s.shape).cpu()
+        codes_fi = q_fi.view(torch.uint8).cpu().reshape(*s.shape, 32)
+        codes = q.view(torch.uint8).reshape(*s.shape, 32)
+        if x is tiny and fi_backend == "cuda":
+            flushed = (s == 1) & (s_fi == 0)
+            assert torch.equal(s_fi[~flushed], s[~flushed]) and codes_fi[flushed].eq(0).all()
+            keep = ~flushed
+        else:
+            assert torch.equal(s_fi, s)
+            keep = torch.ones_like(s, dtype=torch.bool)
+        assert torch.equal(codes_fi[keep], codes[keep])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _blackwell(), reason="needs an SM100/103/107 GPU")
+def test_kernel_on_blackwell_matches_torch_serving_numerics(layer, monkeypatch):
+    """The real kernel vs TorchMoE(numerics="serving") on the same GPU tensors (routed path, fp32 weights):
+    only the bf16 output and fp32 summation order should differ (~1e-3). Rounding the SwiGLU output to bf16
+    before its quantization (FlashInfer's MoE reference) moves the layer by 1.4-1.5e-2 on CPU, so this also
+    tells which of the two the FC1 epilogue does."""
+    quant, routing, hidden = layer
+    fields = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale",
+              "gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
+    quant_gpu = MoeQuantInfo(*(getattr(quant, f).cuda() for f in fields))
+    routing_gpu = MoeRouting(routing.router_weight.cuda(), routing.e_score_correction_bias.cuda(), TOP_K, RSF)
+    x = hidden.cuda().to(torch.bfloat16)
+    ids, weights = route(x.float(), routing_gpu)
+    kernel = TrtllmMoE(quant_gpu, routing_gpu).forward_topk(x, ids, weights).float()
+    serving = TorchMoE(quant_gpu, routing_gpu, numerics="serving").forward_topk(x, ids, weights).float()
+    fake = mxfp8.fake_quantize_activations
+    monkeypatch.setattr(mxfp8, "fake_quantize_activations", lambda a, dtype=None, name="a": fake(
+        a.to(torch.bfloat16) if name == "moe intermediate" else a, dtype or a.dtype, name))
+    bf16_first = TorchMoE(quant_gpu, routing_gpu, numerics="serving").forward_topk(x, ids, weights).float()
+    assert rel(kernel, serving) <= 5e-3, (rel(kernel, serving), rel(kernel, bf16_first))

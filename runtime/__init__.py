@@ -6,6 +6,7 @@
     tokens = model.generate(input_ids, max_new_tokens=32)        # greedy, KV cache
     logits, states = model(input_ids, output_hidden_states=True) # residual stream after each layer
     model = runtime.load(path, lazy=True)                        # one decoder layer resident at a time
+    model = runtime.load(path, moe_numerics="serving")           # torch MoE with the TRT-LLM kernel's W8A8
     model = runtime.load(path, device_map="auto", max_memory={0: "70GiB", 1: "70GiB"})  # layers over GPUs
     logits = model(padded_ids, attention_mask=mask)             # left-padded prompts of different lengths
     tokens = model.generate(ids, 64, cuda_graph=True)            # decode steps replayed from a CUDA graph

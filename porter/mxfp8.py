@@ -9,7 +9,8 @@ Used by the converter, the runtime backends and the tests alike. Rules (docs/mxf
 - elements: round-to-nearest-even cast of w / 2^(byte-127) to float8_e4m3fn, saturated to +-448.
 - scales are stored as uint8 (safetensors U8), never float8_e8m0fnu.
 - activations (quantize_activations, the serving kernels' rule, docs/moe-backends.md): the same rceil
-  scale; a block whose scale byte is 0 gets zero elements; a block with NaN/Inf gets byte 255 (NaN).
+  scale (one fp32 amax aside); a block whose scale byte is 0 gets zero elements; a block with NaN/Inf gets
+  byte 255 (NaN).
 """
 from __future__ import annotations
 

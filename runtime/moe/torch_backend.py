@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from porter import mxfp8
+from runtime.moe import check_numerics
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, route, swiglu_oai
 
 
@@ -24,7 +25,6 @@ class TorchMoE:
         return None  # runs wherever torch runs
 
     def __init__(self, quant: MoeQuantInfo, routing: MoeRouting, numerics: str = "w8a16"):
-        from runtime.moe import check_numerics  # here: runtime.moe imports this module lazily
         quant.validate()
         check_numerics(numerics, self.name, quant.is_mxfp8)
         self.quant, self.routing, self.numerics = quant, routing, numerics or "w8a16"

@@ -17,3 +17,7 @@ class PorterError(Exception):
     """Bad input. The message is one line naming the file, tensor or field and what to do."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+class MoeNumericsError(PorterError, ValueError):
+    """An unknown or impossible moe_numerics choice."""

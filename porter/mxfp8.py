@@ -8,6 +8,9 @@ Used by the converter, the runtime backends and the tests alike. Rules (docs/mxf
   "floor" (OCP reference): e = floor(log2 amax) - 8; elements above 448 are clipped (lossier).
 - elements: round-to-nearest-even cast of w / 2^(byte-127) to float8_e4m3fn, saturated to +-448.
 - scales are stored as uint8 (safetensors U8), never float8_e8m0fnu.
+- activations (quantize_activations, the serving kernels' rule, docs/moe-backends.md): the same rceil
+  scale (one fp32 amax aside); a block whose scale byte is 0 gets zero elements; a block with NaN/Inf gets
+  byte 255 (NaN).
 """
 from __future__ import annotations
 
@@ -339,6 +342,49 @@ def fake_quantize(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor"
     """quantize then dequantize, in w's dtype (what a backend computes with)."""
     q, s = quantize(w, rounding, name)
     return dequantize(q, s, w.dtype)
+
+
+# ---- activations: what the serving kernels compute (docs/moe-backends.md, "Serving numerics") ----
+
+SCALE_NAN_BYTE = 255  # E8M0 NaN: marks a block of activations that held NaN or Inf
+_E4M3_NAN_CODE = 0x7F
+
+
+def quantize_activations(x: torch.Tensor, name: str = "activations") -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (q [..., K] float8_e4m3fn, scale [..., K/32] uint8, token-major and linear), as
+    FlashInfer's mxfp8_quantize quantizes a MoE input (and the TRT-LLM FC1 epilogue its SwiGLU output).
+
+    The scale byte is FlashInfer's round-up of fl(amax / 448): quantize()'s rceil byte, except for the one
+    fp32 amax just above 448 * 2^-127, whose quotient rounds down to 2^-127 (byte 0, not 1; bf16 and fp16
+    never land there). Two more differences from quantize(), both FlashInfer's:
+    a block with byte 0 (amax <= 448 * 2^-127, all-zero blocks included) gets zero elements (its inverse
+    scale is 0, where quantize() scales by 2^127), and a block holding NaN/Inf is not refused but gets byte
+    255 and NaN elements, so a NaN propagates through the layer as in the w8a16 path."""
+    _check_shape(x, name)
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)  # [..., K/32, 32]
+    bad = ~torch.isfinite(blocks).all(-1)  # [..., K/32]
+    any_bad = bool(bad.any())
+    if any_bad:
+        blocks = blocks.masked_fill(bad.unsqueeze(-1), 0)
+    q, scale = quantize(blocks.reshape(x.shape), "rceil", name)
+    one = scale == 1
+    if bool(one.any()):  # amax / 448 <= 2^-126, an fp32 subnormal: FlashInfer rounds it to fp32 first,
+        amax = blocks.abs().amax(-1).float()  # and one that rounds to 2^-127 keeps byte 0
+        scale = scale.masked_fill(one & (amax / E4M3_MAX <= 2.0 ** -127), 0)
+    codes = q.view(torch.uint8).reshape(blocks.shape)  # [..., K/32, 32]
+    codes = codes.masked_fill((scale == 0).unsqueeze(-1), 0)
+    if any_bad:
+        codes = codes.masked_fill(bad.unsqueeze(-1), _E4M3_NAN_CODE)
+        scale = scale.masked_fill(bad, SCALE_NAN_BYTE)
+    return codes.reshape(x.shape).view(torch.float8_e4m3fn), scale
+
+
+def fake_quantize_activations(x: torch.Tensor, dtype: Optional[torch.dtype] = None,
+                              name: str = "activations") -> torch.Tensor:
+    """quantize_activations then dequantize (computed in fp32), in dtype (default x.dtype): the values the
+    serving kernel's GEMM reads."""
+    q, scale = quantize_activations(x, name)
+    return dequantize(q, scale, x.dtype if dtype is None else dtype)
 
 
 def error_stats(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> dict:

@@ -6,6 +6,7 @@
     tokens = model.generate(input_ids, max_new_tokens=32)        # greedy, KV cache
     logits, states = model(input_ids, output_hidden_states=True) # residual stream after each layer
     model = runtime.load(path, lazy=True)                        # one decoder layer resident at a time
+    model = runtime.load(path, moe_numerics="serving")           # torch MoE with the TRT-LLM kernel's W8A8
     model = runtime.load(path, device_map="auto", max_memory={0: "70GiB", 1: "70GiB"})  # layers over GPUs
     logits = model(padded_ids, attention_mask=mask)             # left-padded prompts of different lengths
     tokens = model.generate(ids, 64, cuda_graph=True)            # decode steps replayed from a CUDA graph
@@ -23,7 +24,7 @@ from typing import Optional
 import torch
 
 from runtime.loader import LoadError, build_model, open_store
-from runtime.moe import BackendUnavailable, make_moe, resolve_backend
+from runtime.moe import BackendUnavailable, check_numerics, check_numerics_name, make_moe, resolve_backend
 from runtime.placement import PlacementError, resolve as resolve_placement
 
 __all__ = ["load", "LoadError", "BackendUnavailable", "PlacementError"]
@@ -32,7 +33,8 @@ log = logging.getLogger("porter.runtime")
 
 
 def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str = "auto", lazy: bool = False,
-         device_map=None, max_memory: Optional[dict] = None, moe_fp8_prefill: bool = True):
+         device_map=None, max_memory: Optional[dict] = None, moe_fp8_prefill: bool = True,
+         moe_numerics: Optional[str] = None):
     """Load a porter artifact dir (porter.json) or an original MiniMax-M3 HF checkpoint dir (or an already
     opened store from runtime.loader.open_store, which the caller keeps, e.g. to read weights or close()).
 
@@ -44,18 +46,21 @@ def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str =
     A model that does not fit is refused before any weight is read (PlacementError, one line).
     moe_fp8_prefill: the Triton MoE backend runs prefills of 512+ tokens with e4m3 activations (SM89+;
     faster, slightly larger error: docs/moe-backends.md); False keeps them on the W8A16 path.
+    moe_numerics: "w8a16" | "serving" for the torch MoE backend (default: its own, w8a16; "serving" quantizes
+    the MoE input and SwiGLU output to MXFP8 as the TRT-LLM kernel does, docs/moe-backends.md).
     """
+    check_numerics_name(moe_numerics)  # before anything is opened
     opened = not (hasattr(path, "names") and hasattr(path, "get"))  # else: an opened store the caller keeps
     store = open_store(path) if opened else path
     try:
-        return _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill)
+        return _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill, moe_numerics)
     except BaseException:
         if opened:  # a refused load (PlacementError, BackendUnavailable, ...) leaves no shard handle open
             store.close()
         raise
 
 
-def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill):
+def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill, moe_numerics):
     placement = None
     if device_map is not None:
         if lazy:
@@ -70,8 +75,9 @@ def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_p
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     quantized = any(n.endswith("experts.w13_weight_scale") for n in store.names())
     name = resolve_backend(backend, device, quantized=quantized)
+    check_numerics(moe_numerics, name, quantized)
     log.info("loading %s on %s (%s, MoE backend %s, lazy=%s)", store.path, device, dtype, name, lazy)
-    make_backend = lambda quant, routing: make_moe(name, quant, routing, fp8_prefill=moe_fp8_prefill)
+    make_backend = lambda quant, routing: make_moe(name, quant, routing, moe_numerics, fp8_prefill=moe_fp8_prefill)
     model = build_model(store, device, dtype, make_backend, lazy, placement)
     model.placement = placement
     return model

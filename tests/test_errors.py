@@ -15,7 +15,7 @@ from porter.mxfp8 import MXFP8Error
 from porter.source import SourceError
 from porter.verification import VerifyInputError
 from runtime.loader import LoadError
-from runtime.moe import BackendUnavailable
+from runtime.moe import BackendUnavailable, MoeNumericsError
 
 
 def invoke(*args):
@@ -23,7 +23,7 @@ def invoke(*args):
 
 
 @pytest.mark.parametrize("cls", [ConfigError, LayoutError, ConvertError, MXFP8Error, SourceError, ManifestError,
-                                 LoadError, VerifyInputError, BackendUnavailable])
+                                 LoadError, VerifyInputError, BackendUnavailable, MoeNumericsError])
 def test_user_facing_errors_are_porter_errors(cls):
     assert issubclass(cls, PorterError) and cls.exit_code == EXIT_BAD_INPUT == 2
 

@@ -41,6 +41,7 @@ REL_TIGHT = 1e-5  # same quantized activations, fp32 everywhere: only summation 
 # ~3 % of each element), applied twice (hidden states, then the SwiGLU output before GEMM2): measured
 # 4.5e-2 .. 4.7e-2 rel. Frobenius over seeds 0-5 (hidden alone 3.7-3.9e-2, intermediate alone 2.6-2.7e-2).
 REL_KERNEL = 6e-2
+REL_SERVING = 1e-6  # TorchMoE(numerics="serving") vs the emulation: fp32 summation order only (measured 0)
 REL_GPU_VS_EMULATION = 2e-2  # real kernel vs this emulation on identical inputs (unverified: no Blackwell)
 
 
@@ -154,6 +155,23 @@ def gated_act(x1, x2, alpha, beta, limit):
     return x2 * torch.sigmoid(alpha * x2) * (x1 + beta)
 
 
+def flashinfer_mxfp8_fake_quantize(x):
+    """The FC1 epilogue's re-quantization as FlashInfer's reference states it (flashinfer-ai/flashinfer
+    tests/utils_fp8.py mxfp8_quantize_reference, transcribed): byte = exponent field of fl(amax / 448), +1 if
+    a mantissa bit is set (fp32 subnormal: if above 2^-127), <= 254, 0 for a zero block; elements
+    x * 2^(127 - byte) cast to e4m3 (RNE), inverse scale 0 for byte 0. Applied to the fp32 activation
+    (run_moe_dequant rounds it to bf16 first; docs/moe-backends.md, "Serving numerics")."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)  # [n, I/32, 32]
+    d = blocks.abs().amax(-1) / 448.0
+    bits = d.view(torch.int32)
+    exp, man = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    byte = (exp + ((man != 0) & ((exp != 0) | (man > 0x400000))).int()).clamp(max=254)
+    byte = torch.where(d > 0, byte, 0)
+    inv = torch.ldexp(torch.ones_like(d), 127 - byte).masked_fill(byte == 0, 0)
+    q = (blocks * inv.unsqueeze(-1)).to(torch.float8_e4m3fn).float()
+    return (q * torch.ldexp(torch.ones_like(d), byte - 127).unsqueeze(-1)).reshape(x.shape)
+
+
 def emulate_kernel(kw, quantize_intermediate=True, out_dtype=torch.bfloat16):
     """The kernel's documented math on exactly the kwargs it would receive."""
     assert kw["fp8_quantization_type"] == fim.Fp8QuantizationType.MxFp8
@@ -181,7 +199,7 @@ def emulate_kernel(kw, quantize_intermediate=True, out_dtype=torch.bfloat16):
             continue
         act = gated_act(x[tok] @ up[e].t(), x[tok] @ gate[e].t(), alpha[e], beta[e], limit[e])  # [n, I]
         if quantize_intermediate:  # FC1 epilogue re-quantizes to MXFP8 for GEMM2
-            act = mxfp8.fake_quantize(act)
+            act = flashinfer_mxfp8_fake_quantize(act)
         out.index_add_(0, tok, (act @ down[e].t()) * weights[tok, slot].unsqueeze(1))
     return out.to(out_dtype)
 
@@ -380,6 +398,43 @@ def test_emulated_kernel_close_to_torch_backend(layer, backend):
     assert err > REL_TIGHT
 
 
+def test_torch_serving_numerics_equal_the_emulated_kernel():
+    """TorchMoE(numerics="serving") on the canonical tensors == the kernel emulation on the prepared ones
+    (routed path: the same fp32 routing weights). Measured bit-identical over seeds 0-2; the bound allows
+    only fp32 summation order."""
+    for seed in range(3):
+        quant, routing, hidden = make_layer(seed)
+        ids, weights = route(hidden, routing)
+        emulated = emulate_kernel(TrtllmMoE(quant, routing).routed_kernel_kwargs(hidden, ids, weights),
+                                  out_dtype=torch.float32)
+        serving = TorchMoE(quant, routing, numerics="serving").forward_topk(hidden, ids, weights)
+        assert rel(serving, emulated) <= REL_SERVING, (seed, rel(serving, emulated))
+        # the serving numerics are the kernel's, not the W8A16 reference's (measured 4.5e-2 .. 4.7e-2)
+        w8a16 = TorchMoE(quant, routing).forward_topk(hidden, ids, weights)
+        assert 3e-2 <= rel(serving, w8a16) <= REL_KERNEL
+
+
+def test_torch_serving_numerics_close_to_full_kernel_emulation(layer, backend):
+    """Logits path with the kernel's bf16 routing weights and bf16 output: only those roundings differ
+    (measured 2.6e-3)."""
+    quant, routing, hidden = layer
+    serving = TorchMoE(quant, routing, numerics="serving")(hidden)
+    assert rel(emulate_kernel(backend.kernel_kwargs(hidden)), serving) <= 2 ** -7
+
+
+def test_emulated_intermediate_quantizer_equals_porters(layer):
+    """The transcription above and porter.mxfp8.fake_quantize_activations agree bit for bit, on a layer's
+    SwiGLU outputs and on blocks with zero, tiny (byte 0 / 1) and saturating values."""
+    quant, routing, hidden = layer
+    dense = mxfp8.dequantize(quant.w13_weight[0], quant.w13_weight_scale[0])  # [2I, H]
+    gate_up = hidden @ dense.t()
+    from runtime.moe.contract import swiglu_oai
+    act = swiglu_oai(gate_up[:, :I], gate_up[:, I:], 1.702, 1.0, 7.0)  # [T, I] fp32
+    edge = torch.tensor([0.0, 448.0 * 2.0 ** -127, 448.0 * 2.0 ** -126, 448.0, -448.0 * 2 ** 20])
+    act[:5, :32] = edge[:, None] * torch.linspace(-1, 1, 32)
+    assert torch.equal(flashinfer_mxfp8_fake_quantize(act), mxfp8.fake_quantize_activations(act))
+
+
 def test_logits_and_routed_paths_agree(layer, backend):
     _, routing, hidden = layer
     ids, weights = route(hidden, routing)
@@ -540,3 +595,62 @@ def test_kernel_on_blackwell_matches_emulation(layer):
     assert rel(moe(x).float().cpu(), expected) <= REL_GPU_VS_EMULATION
     ids, weights = route(x.float(), routing_gpu)
     assert rel(moe.forward_topk(x, ids, weights).float().cpu(), expected) <= REL_GPU_VS_EMULATION
+
+
+def _gpu_activation_cases():
+    """bf16 [R, 256]: random magnitudes, amax exactly 448 * 2^k, and tiny blocks around the byte-0/1 edge."""
+    g = torch.Generator().manual_seed(4)
+    mags = 2.0 ** torch.randint(-40, 40, (64, 8, 1), generator=g).float()
+    rand = (torch.randn(64, 8, 32, generator=g) * mags).reshape(64, 256)
+    ties = torch.randn(80, 256, generator=g).clamp(-1, 1) * 2.0 ** torch.arange(-40, 40)[:, None].float()
+    ties[:, ::32] = 448.0 * 2.0 ** torch.arange(-40, 40)[:, None].float()
+    tiny = torch.randn(32, 256, generator=g) * 2.0 ** torch.randint(-134, -116, (32, 1), generator=g).float()
+    return torch.cat([rand, ties]).to(torch.bfloat16), tiny.to(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _blackwell(), reason="needs an SM100/103/107 GPU")
+@pytest.mark.parametrize("fi_backend", ["cuda", "cute-dsl"])
+def test_quantize_activations_equals_flashinfer_on_gpu(fi_backend):
+    """porter.mxfp8.quantize_activations == flashinfer.mxfp8_quantize (linear scales), bit for bit, where
+    the sources agree (docs/moe-backends.md, "Serving numerics"). On blocks with amax < 448 * 2^-126 the
+    CUDA backend, built with -use_fast_math, is expected (from its source) to flush the fp32-subnormal
+    quotient: byte 0 and zero elements where porter and cute-dsl give byte 1."""
+    ordinary, tiny = _gpu_activation_cases()
+    for x in (ordinary, tiny):
+        q_fi, s_fi = flashinfer.mxfp8_quantize(x.cuda(), is_sf_swizzled_layout=False, backend=fi_backend)
+        q, s = mxfp8.quantize_activations(x)
+        s_fi = s_fi.view(torch.uint8).reshape(s.shape).cpu()
+        codes_fi = q_fi.view(torch.uint8).cpu().reshape(*s.shape, 32)
+        codes = q.view(torch.uint8).reshape(*s.shape, 32)
+        if x is tiny and fi_backend == "cuda":
+            flushed = (s == 1) & (s_fi == 0)
+            assert torch.equal(s_fi[~flushed], s[~flushed]) and codes_fi[flushed].eq(0).all()
+            keep = ~flushed
+        else:
+            assert torch.equal(s_fi, s)
+            keep = torch.ones_like(s, dtype=torch.bool)
+        assert torch.equal(codes_fi[keep], codes[keep])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _blackwell(), reason="needs an SM100/103/107 GPU")
+def test_kernel_on_blackwell_matches_torch_serving_numerics(layer, monkeypatch):
+    """The real kernel vs TorchMoE(numerics="serving") on the same GPU tensors (routed path, fp32 weights):
+    only the bf16 output and fp32 summation order should differ (~1e-3). Rounding the SwiGLU output to bf16
+    before its quantization (FlashInfer's MoE reference) moves the layer by 1.4-1.5e-2 on CPU, so this also
+    tells which of the two the FC1 epilogue does."""
+    quant, routing, hidden = layer
+    fields = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale",
+              "gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
+    quant_gpu = MoeQuantInfo(*(getattr(quant, f).cuda() for f in fields))
+    routing_gpu = MoeRouting(routing.router_weight.cuda(), routing.e_score_correction_bias.cuda(), TOP_K, RSF)
+    x = hidden.cuda().to(torch.bfloat16)
+    ids, weights = route(x.float(), routing_gpu)
+    kernel = TrtllmMoE(quant_gpu, routing_gpu).forward_topk(x, ids, weights).float()
+    serving = TorchMoE(quant_gpu, routing_gpu, numerics="serving").forward_topk(x, ids, weights).float()
+    fake = mxfp8.fake_quantize_activations
+    monkeypatch.setattr(mxfp8, "fake_quantize_activations", lambda a, dtype=None, name="a": fake(
+        a.to(torch.bfloat16) if name == "moe intermediate" else a, dtype or a.dtype, name))
+    bf16_first = TorchMoE(quant_gpu, routing_gpu, numerics="serving").forward_topk(x, ids, weights).float()
+    assert rel(kernel, serving) <= 5e-3, (rel(kernel, serving), rel(kernel, bf16_first))

@@ -5,6 +5,11 @@ Every backend class has: `name`, `__init__(quant, routing)` (all layout work hap
 `forward_topk(hidden, topk_ids, topk_weights)` for externally computed routing, plus a classmethod
 `check_supported(device) -> None` that raises BackendUnavailable with a one-line reason. The backends
 import only the contract; this module sits above them and picks one.
+
+Numerics (`moe_numerics`, docs/moe-backends.md "Serving numerics"): the torch reference computes "w8a16"
+(weights dequantized, activations as given; the default) or "serving" (the layer input and the SwiGLU
+output quantized to MXFP8 as FlashInfer's TRT-LLM kernel does). flashinfer-trtllm always computes
+"serving"; triton its own (docs/moe-backends.md). None means the backend's own.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import logging
 
 import torch
 
+from porter.errors import MoeNumericsError
 from runtime.moe.contract import TRTLLM_CAPABILITIES, BackendUnavailable, MoeQuantInfo, MoeRouting
 from runtime.moe.flashinfer_trtllm import TrtllmMoE
 from runtime.moe.torch_backend import TorchMoE
@@ -25,6 +31,25 @@ log = logging.getLogger("porter.runtime")
 BACKENDS = ("auto", "torch", "triton", "flashinfer-trtllm")
 TRITON_MIN = (8, 0)  # bf16 MMA; the FP8 prefill path inside the backend needs SM89+ and checks itself
 _CLASSES = {cls.name: cls for cls in (TorchMoE, TritonMoE, TrtllmMoE)}
+MOE_NUMERICS = ("w8a16", "serving")
+
+
+def check_numerics_name(numerics) -> None:
+    if numerics is not None and numerics not in MOE_NUMERICS:
+        raise MoeNumericsError(f"unknown moe_numerics {numerics!r}; use one of {', '.join(MOE_NUMERICS)} "
+                               f"(or leave it unset for the backend's own)")
+
+
+def check_numerics(numerics, backend: str, quantized: bool = True) -> None:
+    """Refuse a numerics choice the resolved backend does not compute (never a silent substitute)."""
+    check_numerics_name(numerics)
+    if numerics == "serving" and not quantized:
+        raise MoeNumericsError("moe_numerics='serving' needs MXFP8 experts (the serving kernel's weights); "
+                               "these are unquantized: convert with --quantize experts or use 'w8a16'")
+    if numerics is None or backend == "torch" or (backend, numerics) == ("flashinfer-trtllm", "serving"):
+        return
+    raise BackendUnavailable(f"moe_numerics={numerics!r} is not what the {backend} MoE backend computes; "
+                             f"use backend='torch' for it, or leave moe_numerics unset")
 
 
 def _backend_class(name: str):
@@ -60,8 +85,12 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def make_moe(name: str, quant: MoeQuantInfo, routing: MoeRouting, fp8_prefill: bool = True):
-    """The backend `name` for one layer. fp8_prefill: the Triton backend's FP8 prefill path (TritonMoE)."""
+def make_moe(name: str, quant: MoeQuantInfo, routing: MoeRouting, numerics=None, fp8_prefill: bool = True):
+    """The backend `name` for one layer. numerics: see the module docstring; fp8_prefill: the Triton
+    backend's FP8 prefill path (TritonMoE)."""
+    check_numerics(numerics, name)
     if name == "triton":
         return TritonMoE(quant, routing, fp8_prefill=fp8_prefill)
+    if name == "torch" and numerics is not None:
+        return _backend_class(name)(quant, routing, numerics=numerics)
     return _backend_class(name)(quant, routing)

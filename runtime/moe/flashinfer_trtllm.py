@@ -124,15 +124,15 @@ def quantize_activations(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     hidden_states_scale, not swizzled).
 
     On CUDA: flashinfer.mxfp8_quantize(bf16, is_sf_swizzled_layout=False) (its GPU path takes fp16/bf16
-    only). Elsewhere (tests, CPU emulation): porter.mxfp8 with the same round-up ("rceil") scale rule
-    as the GPU kernel (docs/mxfp8.md)."""
+    only). Elsewhere (tests, CPU emulation): porter.mxfp8.quantize_activations, the same rule
+    (docs/moe-backends.md, "Serving numerics")."""
     if hidden.is_cuda:
         import flashinfer
 
         x_q, x_sf = flashinfer.mxfp8_quantize(hidden.to(torch.bfloat16).contiguous(),
                                               is_sf_swizzled_layout=False)
         return x_q, x_sf.view(torch.uint8).reshape(hidden.shape[0], hidden.shape[1] // mxfp8.BLOCK)
-    return mxfp8.quantize(hidden, name="moe hidden_states")
+    return mxfp8.quantize_activations(hidden, name="moe hidden_states")
 
 
 def pack_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

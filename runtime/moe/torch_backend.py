@@ -2,12 +2,18 @@
 
 Only the experts the tokens were routed to are dequantized. For few routed slots (decode: T*k <= E) the
 selected experts are gathered by index and run as one batched matmul, with no host synchronisation, so
-a decode step on this backend can be captured in a CUDA graph; otherwise one matmul per used expert."""
+a decode step on this backend can be captured in a CUDA graph; otherwise one matmul per used expert.
+
+numerics="serving" computes what FlashInfer's TRT-LLM MXFP8 kernel computes (docs/moe-backends.md,
+"Serving numerics"): the layer input and the SwiGLU output (after its clamps) are quantized to MXFP8 with
+porter.mxfp8.quantize_activations, GEMMs and the weighted sum run in fp32, the result is cast to the input
+dtype. It loops over experts (host synchronisation: not capturable in a CUDA graph)."""
 from __future__ import annotations
 
 import torch
 
 from porter import mxfp8
+from runtime.moe import check_numerics
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, route, swiglu_oai
 
 
@@ -18,9 +24,10 @@ class TorchMoE:
     def check_supported(cls, device: torch.device) -> None:
         return None  # runs wherever torch runs
 
-    def __init__(self, quant: MoeQuantInfo, routing: MoeRouting):
+    def __init__(self, quant: MoeQuantInfo, routing: MoeRouting, numerics: str = "w8a16"):
         quant.validate()
-        self.quant, self.routing = quant, routing
+        check_numerics(numerics, self.name, quant.is_mxfp8)
+        self.quant, self.routing, self.numerics = quant, routing, numerics or "w8a16"
 
     def _expert_weights(self, e, dtype: torch.dtype):
         """e: an expert id -> (w13 [2I, H], w2 [H, I]), or ids [n] -> ([n, 2I, H], [n, H, I]), in dtype."""
@@ -35,6 +42,8 @@ class TorchMoE:
     def forward_topk(self, hidden_states, topk_ids, topk_weights):
         """hidden [T, H], topk_ids [T, k], topk_weights [T, k] (renormalised) -> routed output [T, H],
         routed_scaling_factor applied here, once."""
+        if self.numerics == "serving":
+            return self._forward_serving(hidden_states, topk_ids, topk_weights)
         if topk_ids.numel() <= self.quant.num_experts:
             return self._forward_gathered(hidden_states, topk_ids, topk_weights)
         q = self.quant
@@ -54,6 +63,22 @@ class TorchMoE:
             # index_add_, not pathologically slow with several CPU threads)
             out[tok] += y.float() * topk_weights[tok, slot].float().unsqueeze(1)
         return (out * self.routing.routed_scaling_factor).to(dtype)
+
+    def _forward_serving(self, hidden_states, topk_ids, topk_weights):
+        """W8A8 as the TRT-LLM kernel: MXFP8 input, fp32 accumulation, MXFP8 SwiGLU output for GEMM2."""
+        q = self.quant
+        x = mxfp8.fake_quantize_activations(hidden_states, torch.float32, "moe hidden_states")  # [T, H]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        inter = q.intermediate_size
+        for e in torch.unique(topk_ids).tolist():
+            tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+            w13, w2 = self._expert_weights(e, torch.float32)
+            gate_up = x[tok] @ w13.t()  # [n, 2I]
+            act = swiglu_oai(gate_up[:, :inter], gate_up[:, inter:], q.gemm1_alpha[e], q.gemm1_beta[e],
+                             q.gemm1_clamp_limit[e])  # [n, I]
+            act = mxfp8.fake_quantize_activations(act, name="moe intermediate")  # the FC1 epilogue's
+            out[tok] += (act @ w2.t()) * topk_weights[tok, slot].float().unsqueeze(1)
+        return (out * self.routing.routed_scaling_factor).to(hidden_states.dtype)
 
     def _forward_gathered(self, hidden_states, topk_ids, topk_weights):
         """Each routed slot (token, j) with its own copy of expert topk_ids[t, j]: [n = T*k] batched."""

@@ -15,7 +15,8 @@ from porter.mxfp8 import MXFP8Error
 from porter.source import SourceError
 from porter.verification import VerifyInputError
 from runtime.loader import LoadError
-from runtime.moe import BackendUnavailable, MoeNumericsError
+from porter.errors import MoeNumericsError
+from runtime.moe import BackendUnavailable
 
 
 def invoke(*args):

@@ -11,7 +11,8 @@ import runtime
 import runtime_fixtures as fx
 from porter import convert, mxfp8
 from porter.errors import PorterError
-from runtime.moe import BackendUnavailable, MoeNumericsError, check_numerics
+from porter.errors import MoeNumericsError
+from runtime.moe import BackendUnavailable, check_numerics
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params
 from runtime.moe.torch_backend import TorchMoE
 

@@ -18,40 +18,20 @@ import logging
 
 import torch
 
-from porter.errors import MoeNumericsError
-from runtime.moe.contract import TRTLLM_CAPABILITIES, BackendUnavailable, MoeQuantInfo, MoeRouting
+from runtime.moe.contract import (MOE_NUMERICS, TRTLLM_CAPABILITIES, BackendUnavailable, MoeQuantInfo, MoeRouting,
+                                  check_numerics, check_numerics_name)
 from runtime.moe.flashinfer_trtllm import TrtllmMoE
 from runtime.moe.torch_backend import TorchMoE
 from runtime.moe.triton import TritonMoE
 
-__all__ = ["BACKENDS", "BackendUnavailable", "TRTLLM_CAPABILITIES", "make_moe", "resolve_backend"]
+__all__ = ["BACKENDS", "MOE_NUMERICS", "BackendUnavailable", "TRTLLM_CAPABILITIES", "check_numerics",
+           "check_numerics_name", "make_moe", "resolve_backend"]
 
 log = logging.getLogger("porter.runtime")
 
 BACKENDS = ("auto", "torch", "triton", "flashinfer-trtllm")
 TRITON_MIN = (8, 0)  # bf16 MMA; the FP8 prefill path inside the backend needs SM89+ and checks itself
 _CLASSES = {cls.name: cls for cls in (TorchMoE, TritonMoE, TrtllmMoE)}
-MOE_NUMERICS = ("w8a16", "serving")
-
-
-def check_numerics_name(numerics) -> None:
-    if numerics is not None and numerics not in MOE_NUMERICS:
-        raise MoeNumericsError(f"unknown moe_numerics {numerics!r}; use one of {', '.join(MOE_NUMERICS)} "
-                               f"(or leave it unset for the backend's own)")
-
-
-def check_numerics(numerics, backend: str, quantized: bool = True) -> None:
-    """Refuse a numerics choice the resolved backend does not compute (never a silent substitute)."""
-    check_numerics_name(numerics)
-    if numerics == "serving" and not quantized:
-        raise MoeNumericsError("moe_numerics='serving' needs MXFP8 experts (the serving kernel's weights); "
-                               "these are unquantized: convert with --quantize experts or use 'w8a16'")
-    if numerics is None or backend == "torch" or (backend, numerics) == ("flashinfer-trtllm", "serving"):
-        return
-    raise BackendUnavailable(f"moe_numerics={numerics!r} is not what the {backend} MoE backend computes; "
-                             f"use backend='torch' for it, or leave moe_numerics unset")
-
-
 def _backend_class(name: str):
     if name not in _CLASSES:
         raise BackendUnavailable(f"unknown MoE backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from porter.errors import PorterError
+from porter.errors import MoeNumericsError, PorterError
 
 TRTLLM_CAPABILITIES = ((10, 0), (10, 3), (10, 7))  # the SM versions flashinfer's TRT-LLM MoE kernels ship for
 
@@ -115,3 +115,24 @@ def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int):
     weights = scores.gather(1, topk_ids)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return topk_ids, weights
+
+
+MOE_NUMERICS = ("w8a16", "serving")
+
+
+def check_numerics_name(numerics) -> None:
+    if numerics is not None and numerics not in MOE_NUMERICS:
+        raise MoeNumericsError(f"unknown moe_numerics {numerics!r}; use one of {', '.join(MOE_NUMERICS)} "
+                               f"(or leave it unset for the backend's own)")
+
+
+def check_numerics(numerics, backend: str, quantized: bool = True) -> None:
+    """Refuse a numerics choice the resolved backend does not compute (never a silent substitute)."""
+    check_numerics_name(numerics)
+    if numerics == "serving" and not quantized:
+        raise MoeNumericsError("moe_numerics='serving' needs MXFP8 experts (the serving kernel's weights); "
+                               "these are unquantized: convert with --quantize experts or use 'w8a16'")
+    if numerics is None or backend == "torch" or (backend, numerics) == ("flashinfer-trtllm", "serving"):
+        return
+    raise BackendUnavailable(f"moe_numerics={numerics!r} is not what the {backend} MoE backend computes; "
+                             f"use backend='torch' for it, or leave moe_numerics unset")

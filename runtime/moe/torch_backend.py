@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from porter import mxfp8
-from runtime.moe import check_numerics
-from runtime.moe.contract import MoeQuantInfo, MoeRouting, route, swiglu_oai
+from runtime.moe.contract import MoeQuantInfo, MoeRouting, check_numerics, route, swiglu_oai
 
 
 class TorchMoE:

@@ -15,7 +15,7 @@ its dry run), each measured in a fresh set of files, threads taking 16 MiB piece
   porter's shards_in_flight for --threads workers), so several inodes are written at once;
 - --gpu: what the GPU path's device side moves on its own, one thread and N threads with a stream each: host
   -> device copies of an expert part ([3072, 6144] bf16, 37.7 MB) from page-locked memory, device -> host
-  copies of its results, porter.mxfp8.quantize_with_error on the device, and all three per part (the
+  copies of its results, porter.format.mxfp8.quantize_with_error on the device, and all three per part (the
   GPU path of a conversion without its disk I/O and hashing); "host" only pwrites a part's 18.9 MB of values
   into a file per thread (over the same bytes each time: page cache) and hashes them (porter's default chunk hash), a worker's host
   work per part, and "all+host" does both: if it takes much longer than the slower of "all" and "host", the
@@ -86,7 +86,7 @@ def gpu_floor(threads: int, parts: int = 8, tmp: str = str(ROOT / "benchmarks"))
     timed round follows an untimed one."""
     import itertools
     import torch
-    from porter import mxfp8
+    from porter.format import mxfp8
     from porter.pipeline import prefault
     dev = torch.device("cuda")
     torch.empty(1, device=dev)
@@ -104,8 +104,8 @@ def gpu_floor(threads: int, parts: int = 8, tmp: str = str(ROOT / "benchmarks"))
     slots = [make() for _ in range(threads)]
 
     import tempfile
-    from porter.digest import CHUNK_HASHES, DEFAULT_DIGEST
-    from porter.safetensors_io import pwrite_all
+    from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
+    from porter.format.safetensors_io import pwrite_all
     chunk_hash = CHUNK_HASHES[DEFAULT_DIGEST]
     spill = tempfile.TemporaryDirectory(dir=tmp)
     q_bytes = shape[0] * shape[1]
@@ -129,10 +129,10 @@ def gpu_floor(threads: int, parts: int = 8, tmp: str = str(ROOT / "benchmarks"))
                 chunk_hash(values).digest()
         return run_threads(n, [kind] * (parts * n), step)
 
-    from porter import mxfp8_triton
+    from porter.format import mxfp8_triton
 
     def gpu_step(kind, host, out, stream, on_dev):
-        fused = kind.endswith(" fused")  # porter.mxfp8_triton (PORTER_CUDA_QUANTIZE=fused) instead of torch ops
+        fused = kind.endswith(" fused")  # porter.format.mxfp8_triton (PORTER_CUDA_QUANTIZE=fused) instead of torch ops
         kind = kind.removesuffix(" fused")
         with torch.cuda.stream(stream):
             x = host.to(dev, non_blocking=True) if kind in ("h2d", "all", "all+host") else on_dev
@@ -181,7 +181,7 @@ def main():
     import numpy as np
     import porter
     from porter.pipeline import Writeback, interleave_shards, shards_in_flight, start_writeback
-    from porter.safetensors_io import pread_into, pwrite_all
+    from porter.format.safetensors_io import pread_into, pwrite_all
     src = Path(args.src)
     files = sorted(src.glob("*.safetensors"))
     src_sizes = [f.stat().st_size for f in files]

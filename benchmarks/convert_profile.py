@@ -1,7 +1,7 @@
 """Where a conversion's CPU time goes: core-seconds per stage of `porter convert`, from a warm page cache.
 
 Wraps the pipeline's stage functions with per-thread CPU clocks (time.thread_time, so waiting is not
-counted): porter.mxfp8.quantize_with_error (the CPU quantizer; on the GPU path its host side: launches and
+counted): porter.format.mxfp8.quantize_with_error (the CPU quantizer; on the GPU path its host side: launches and
 the finiteness check's wait), GPU quantize (Pipeline._quantize_cuda: host-side time of copies, kernels
 launched and waited for), source reads (TensorReader.read/read_bytes),
 pwrite, digests (TensorDigest.add: every chunk hash of the output) and the part of them that reads written
@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def instrument(device: str = "cpu") -> tuple[collections.Counter, collections.Counter]:
     """(core-seconds, thread-seconds of wall clock) per stage: their difference is time a thread spent
     waiting inside the stage (a lock, a full disk queue, the GPU, the GIL)."""
-    from porter import mxfp8, pipeline, safetensors_io
+    from porter import pipeline
+    from porter.format import mxfp8, safetensors_io
     spent, waited, lock = collections.Counter(), collections.Counter(), threading.Lock()
 
     def wrap(owner, name, key):
@@ -91,7 +92,7 @@ def instrument(device: str = "cpu") -> tuple[collections.Counter, collections.Co
     wrap(pipeline.Pipeline, "_register_pending", "  GPU section: _register_pending")
     wrap(pipeline.Pipeline, "_fused", "  GPU section: _fused")
     try:
-        from porter import mxfp8_triton
+        from porter.format import mxfp8_triton
         wrap(mxfp8_triton, "quantize_with_error", "  GPU section: fused quantizer launches")
     except ImportError:
         pass

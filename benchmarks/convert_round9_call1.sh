@@ -10,7 +10,7 @@ source "$(dirname "$0")/gpu_steps.sh"
 step tests_mxfp8 120 python -m pytest -q -p no:cacheprovider tests/test_mxfp8_native.py tests/test_mxfp8.py
 step tests_convert_gpu 200 python -m pytest -q -p no:cacheprovider tests/test_convert.py -m gpu
 step quantize_cpu 60 python -c 'import os, time, torch
-from porter import mxfp8
+from porter.format import mxfp8
 from concurrent.futures import ThreadPoolExecutor
 torch.set_num_threads(1)
 w = torch.randn(6144, 6144).bfloat16()

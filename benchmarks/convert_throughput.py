@@ -150,7 +150,7 @@ def convert_run(src: Path, out: Path, workers: str = "all", device: str = "cpu",
                 max_shard_size: str = "512MB", root: Path = ROOT, env=None, digest: str = None) -> dict:
     """One `porter convert` (of the porter tree at `root`) in a fresh process, after its dry run; digest:
     convert's --digest (None: porter's default)."""
-    from porter.digest import DEFAULT_DIGEST  # here: a copy's child process imports this module too
+    from porter.format.digest import DEFAULT_DIGEST  # here: a copy's child process imports this module too
     digest = digest or DEFAULT_DIGEST
     return child(CONVERT.replace("ROOT_PATH", repr(str(root))), src, out, workers, device, cache, max_shard_size,
                  digest, env=env)

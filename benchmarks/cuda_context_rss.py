@@ -2,7 +2,7 @@
 
 In a fresh process, after `import torch` and porter's conversion modules (what the dry run has loaded when it
 measures the process), reads RssAnon, RssFile and VmHWM from /proc/self/status; then makes the CUDA context,
-runs porter.mxfp8.quantize_with_error on the GPU on a [3072, 6144] bf16 part from 4 threads with a stream each
+runs porter.format.mxfp8.quantize_with_error on the GPU on a [3072, 6144] bf16 part from 4 threads with a stream each
 (the kernels and streams a conversion uses; the part's device memory is not host memory) and page-locks a
 small buffer with cudaHostRegister, and reads them again. Prints the increase of each.
 
@@ -30,7 +30,9 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
-    from porter import conversion, mxfp8, pipeline  # noqa: F401 — loaded as a conversion has them
+    from porter import pipeline  # noqa: F401 — loaded as a conversion has them
+    from porter.commands import convert  # noqa: F401
+    from porter.format import mxfp8  # noqa: F401
     before = status()
     dev = torch.device("cuda")
     torch.zeros(1, device=dev)

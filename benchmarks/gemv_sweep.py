@@ -65,7 +65,7 @@ def main():
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
-    from porter import mxfp8
+    from porter.format import mxfp8
     dev = "cuda"
     results = []
     for name in args.shapes.split(","):

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from porter import mxfp8  # noqa: E402
+from porter.format import mxfp8  # noqa: E402
 from runtime.moe import triton_backend as tb  # noqa: E402
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params  # noqa: E402
 from runtime.moe.torch_backend import TorchMoE  # noqa: E402
@@ -44,7 +44,7 @@ FP8_DENSE_FLOPS = 1979e12  # H200 SXM datasheet, dense fp8 tensor-core rate (the
 
 
 def build_weights(dev):
-    """Random MXFP8 experts through porter.mxfp8 (rceil), plus their exact bf16 dequantization."""
+    """Random MXFP8 experts through porter.format.mxfp8 (rceil), plus their exact bf16 dequantization."""
     q13 = torch.empty((E, 2 * I, H), dtype=torch.float8_e4m3fn, device=dev)  # [E, 2I, H]
     s13 = torch.empty((E, 2 * I, H // 32), dtype=torch.uint8, device=dev)
     q2 = torch.empty((E, H, I), dtype=torch.float8_e4m3fn, device=dev)  # [E, H, I]
@@ -80,7 +80,7 @@ EXPERT_BYTES = (2 * I * H + H * I) * (mxfp8.BLOCK + 1) // mxfp8.BLOCK  # w13 + w
 
 
 def random_quant(dev, experts: int, sigma: float = 0.02) -> MoeQuantInfo:
-    """`experts` random Gaussian MXFP8 experts at MiniMax-M3's H and I (porter.mxfp8, rceil) with MiniMax-M3's
+    """`experts` random Gaussian MXFP8 experts at MiniMax-M3's H and I (porter.format.mxfp8, rceil) with MiniMax-M3's
     SwiGLU-OAI parameters; prepare_quant makes the backend's PreparedMoE of them."""
     q13, s13 = mxfp8.quantize(torch.randn(experts, 2 * I, H, device=dev) * sigma)  # [E, 2I, H]
     q2, s2 = mxfp8.quantize(torch.randn(experts, H, I, device=dev) * sigma)  # [E, H, I]

@@ -1,6 +1,6 @@
-"""The compiled CPU quantizer (porter/mxfp8_cpu.c) at 8 and at 16 lanes, on this machine's CPU.
+"""The compiled CPU quantizer (porter/format/mxfp8_cpu.c) at 8 and at 16 lanes, on this machine's CPU.
 
-Builds the file twice with porter.mxfp8_native's flags plus -DPORTER_LANES=8 / 16 (and once as porter builds
+Builds the file twice with porter.format.mxfp8_native's flags plus -DPORTER_LANES=8 / 16 (and once as porter builds
 it, with no -D: 16 lanes where the compiler targets AVX-512F, else 8), loads each with ctypes and quantizes
 one bf16 expert matrix at MiniMax-M3's dims ([2I, H] = [6144, 6144] by default) with error statistics, on 1
 thread and on --threads threads (ctypes releases the GIL), builds interleaved over --repeats rounds; GB/s
@@ -25,7 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from porter import mxfp8_native  # noqa: E402
+from porter.format import mxfp8_native  # noqa: E402
 
 
 def build(tmp: Path, lanes):

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
-from porter.safetensors_io import Entry, header_bytes  # noqa: E402
+from porter.format.safetensors_io import Entry, header_bytes  # noqa: E402
 
 H, I, I_DENSE, V, E, LAYERS, DENSE = 6144, 3072, 12288, 200064, 128, 60, 3
 BF16, F32 = torch.bfloat16, torch.float32

@@ -4,7 +4,7 @@ Builds a synthetic vendor-layout checkpoint (layer 0 dense, then MoE layers of E
 and layers than the real model, same per-expert shapes), converts it, then times within one run:
 - floor: a plain read of every source tensor and every artifact tensor it re-derives from / compares to
   (safetensors get_tensor + a sum to touch every byte; page cache warm for both);
-- the re-derivation (porter.verification.exact.rederive) on each requested device.
+- the re-derivation (porter.commands.verify.exact.rederive) on each requested device.
 Reports seconds, source GB/s and the ratio to the floor, plus the estimate verify logs before starting.
 
     python benchmarks/verify_exact.py [--layers 2] [--experts 8] [--devices cpu,cuda] [--out FILE.json]
@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
 import porter  # noqa: E402
-from porter.verification.exact import rederive  # noqa: E402
-from porter.verification.mapping import ArtifactReader, Mapping, SourceShards  # noqa: E402
+from porter.commands.verify.exact import rederive  # noqa: E402
+from porter.commands.verify.mapping import ArtifactReader, Mapping, SourceShards  # noqa: E402
 from tiny_checkpoint import build_tiny_checkpoint, synthetic_overrides  # noqa: E402
 
 

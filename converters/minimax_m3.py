@@ -35,9 +35,9 @@ from typing import Optional
 
 import torch
 
-from porter import mxfp8
 from porter.errors import PorterError
-from porter.layout import HF_LAYOUT_PREFIX as HF_PREFIX, OutTensor, layer_of
+from porter.format import mxfp8
+from porter.format.layout import HF_LAYOUT_PREFIX as HF_PREFIX, OutTensor, layer_of
 
 ARCHITECTURE = "minimax_m3"
 MODEL_TYPES = ("minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3")

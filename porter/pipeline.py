@@ -29,12 +29,13 @@ from typing import Callable, Optional
 
 import torch
 
-from porter import mxfp8, mxfp8_native, safetensors_io
-from porter.digest import CHUNK_HASHES, DEFAULT_DIGEST
 from porter.errors import PorterError
-from porter.layout import OutTensor, scale_name
-from porter.safetensors_io import (Entry, TensorReader, chunk_spans, dtype_name, header_bytes, pwrite_all,
-                                   read_chunk_digest, shard_digest, tensor_bytes, tensor_digest)
+from porter.format import mxfp8, mxfp8_native, safetensors_io
+from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
+from porter.format.layout import OutTensor, scale_name
+from porter.format.safetensors_io import (Entry, TensorReader, chunk_spans, dtype_name, header_bytes,
+                                          pwrite_all, read_chunk_digest, shard_digest, tensor_bytes,
+                                          tensor_digest)
 
 log = logging.getLogger("porter")
 
@@ -307,7 +308,7 @@ def fused_quantizer(device: torch.device, rounding: str):
     if device.type != "cuda" or _env_switch("PORTER_CUDA_QUANTIZE", "torch", "fused".__eq__) != "fused":
         return None
     try:
-        from porter import mxfp8_triton
+        from porter.format import mxfp8_triton
         mxfp8_triton.warm_up(device, rounding)
     except Exception as exc:  # noqa: BLE001 — any failure here only means the slower torch ops
         log.info("quantizing with torch ops on the GPU (the Triton quantizer is unavailable: %s)",

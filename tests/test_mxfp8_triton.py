@@ -1,11 +1,11 @@
-"""porter.mxfp8_triton (the fused GPU quantizer of --device cuda) against porter.mxfp8 on the CPU: the same
+"""porter.format.mxfp8_triton (the fused GPU quantizer of --device cuda) against porter.format.mxfp8 on the CPU: the same
 value and scale bytes on every finite bf16 value (in blocks of neighbouring magnitudes and in mixed blocks,
 where most values land on e4m3 subnormals, zero and rounding ties), on fp16 and fp32 with zero, subnormal and
 huge blocks, for both scale roundings; the same error statistics up to summation order; NaN and Inf counted."""
 import pytest
 import torch
 
-from porter import mxfp8
+from porter.format import mxfp8
 
 pytestmark = pytest.mark.gpu
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 def fused():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from porter import mxfp8_triton
+    from porter.format import mxfp8_triton
     return mxfp8_triton
 
 

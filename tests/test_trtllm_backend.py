@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from porter import mxfp8
+from porter.format import mxfp8
 from runtime.moe import BackendUnavailable, resolve_backend
 from runtime.moe import flashinfer_trtllm as fi_moe
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params, route

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from converters.minimax_m3 import TextConfig
-from porter import mxfp8
-from porter.layout import scale_name
+from porter.format import mxfp8
+from porter.format.layout import scale_name
 from runtime import fused, gemv
 from runtime.attention import decode_attention, decode_attention_topk
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params, swiglu_oai

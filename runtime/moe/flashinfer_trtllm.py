@@ -30,7 +30,7 @@ import importlib.util
 
 import torch
 
-from porter import mxfp8
+from porter.format import mxfp8
 from runtime.moe import TRTLLM_CAPABILITIES, BackendUnavailable
 from runtime.moe.contract import MoeQuantInfo, MoeRouting
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from porter import mxfp8
+from porter.format import mxfp8
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, route, swiglu_oai
 
 

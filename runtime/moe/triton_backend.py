@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from porter import mxfp8
+from porter.format import mxfp8
 from runtime.fused import next_pow2
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, route
 

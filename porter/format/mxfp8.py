@@ -15,7 +15,9 @@ import threading
 from typing import Optional
 
 import torch
+
 from porter.errors import PorterError
+from porter.format import mxfp8_native
 
 BLOCK = 32
 E4M3_MAX = 448.0
@@ -167,17 +169,16 @@ def _error_totals(ref_sq: torch.Tensor, err_sq: torch.Tensor, d_max: Optional[to
 # _quantize_blocks + the general error path, for the reasons given at each step (tests/test_mxfp8.py checks
 # them against a direct implementation of the rule and exhaustively where a shortcut needs it).
 
-CPU_TILE_BLOCKS = 3072  # 98,304 elements: fp32 copy + squares + int16 decode ~1.1 MB (fastest on one core,
-# measured; many threads at once want larger tiles: every torch op re-takes the GIL, see porter.pipeline)
+CPU_TILE_BLOCKS = 3072  # 98,304 elements: fp32 copy + squares + int16 decode ~1.1 MB, held in one core's L2
+# (many threads at once want larger tiles: every torch op re-takes the GIL, see porter.pipeline)
 _SQUARE_EXACT = (torch.bfloat16, torch.float16)  # <= 11 significant bits: x*x is exact in fp32
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _tile_buffers = threading.local()  # one set per thread: conversion workers run quantization concurrently
 
 
 def _quantize_native(w: torch.Tensor, rounding: str, keep_scale, with_error: bool):
-    """The rule as compiled C (porter.mxfp8_native) where it takes w: same bytes, 2.7-3.8x the torch tiles'
-    rate per core; None otherwise, and for a w with NaN or Inf (the torch path then names it)."""
-    from porter import mxfp8_native  # here: it imports this module
+    """The rule as compiled C (porter.format.mxfp8_native) where it takes w: same bytes, a few times the torch
+    tiles' rate per core; None otherwise, and for a w with NaN or Inf (the torch path then names it)."""
     _check_rounding(rounding)
     if not mxfp8_native.supports(w, keep_scale):
         return None

@@ -1,10 +1,10 @@
-"""porter.mxfp8's quantize_with_error as one Triton kernel for `porter convert --device cuda`, opt-in with
+"""porter.format.mxfp8's quantize_with_error as one Triton kernel for `porter convert --device cuda`, opt-in with
 PORTER_CUDA_QUANTIZE=fused (porter.pipeline.fused_quantizer says why it is not the default).
 
 The torch path on the GPU runs ~75 small ops per tensor (and a device sync for the finiteness check). Here a
 tensor costs two launches: `_quantize_blocks_kernel` quantizes [BLOCKS, 32] tiles and writes each
 program's float64 partial error sums, `_reduce_partials_kernel` adds those up in a fixed order (deterministic:
-the same statistics on every run). The rule is porter.mxfp8's, step for step:
+the same statistics on every run). The rule is porter.format.mxfp8's, step for step:
 
 - block amax in fp32 (exact), the scale byte from its bits (mxfp8._scale_field: rceil or floor), an all-zero or
   subnormal amax gives byte 0;
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from porter import mxfp8
+from porter.format import mxfp8
 
 BLOCKS_PER_PROGRAM = 128  # [128, 32] tile: 4096 elements per program
 REDUCE_CHUNK = 1024

@@ -132,7 +132,7 @@ def gpu_floor(threads: int, parts: int = 8, tmp: str = str(ROOT / "benchmarks"))
     from porter.format import mxfp8_triton
 
     def gpu_step(kind, host, out, stream, on_dev):
-        fused = kind.endswith(" fused")  # porter.format.mxfp8_triton (PORTER_CUDA_QUANTIZE=fused) instead of torch ops
+        fused = kind.endswith(" fused")  # mxfp8_triton (PORTER_CUDA_QUANTIZE=fused) instead of torch ops
         kind = kind.removesuffix(" fused")
         with torch.cuda.stream(stream):
             x = host.to(dev, non_blocking=True) if kind in ("h2d", "all", "all+host") else on_dev

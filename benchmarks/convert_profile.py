@@ -1,8 +1,8 @@
 """Where a conversion's CPU time goes: core-seconds per stage of `porter convert`, from a warm page cache.
 
 Wraps the pipeline's stage functions with per-thread CPU clocks (time.thread_time, so waiting is not
-counted): porter.format.mxfp8.quantize_with_error (the CPU quantizer; on the GPU path its host side: launches and
-the finiteness check's wait), GPU quantize (Pipeline._quantize_cuda: host-side time of copies, kernels
+counted): porter.format.mxfp8.quantize_with_error (the CPU quantizer; on the GPU path its host side: launches
+and the finiteness check's wait), GPU quantize (Pipeline._quantize_cuda: host-side time of copies, kernels
 launched and waited for), source reads (TensorReader.read/read_bytes),
 pwrite, digests (TensorDigest.add: every chunk hash of the output) and the part of them that reads written
 bytes back (read_chunk_digest), early writeback (sync_file_range), slab allocation, prefault and

@@ -2,9 +2,9 @@
 
 In a fresh process, after `import torch` and porter's conversion modules (what the dry run has loaded when it
 measures the process), reads RssAnon, RssFile and VmHWM from /proc/self/status; then makes the CUDA context,
-runs porter.format.mxfp8.quantize_with_error on the GPU on a [3072, 6144] bf16 part from 4 threads with a stream each
-(the kernels and streams a conversion uses; the part's device memory is not host memory) and page-locks a
-small buffer with cudaHostRegister, and reads them again. Prints the increase of each.
+runs porter.format.mxfp8.quantize_with_error on the GPU on a [3072, 6144] bf16 part from 4 threads with a
+stream each (the kernels and streams a conversion uses; the part's device memory is not host memory) and
+page-locks a small buffer with cudaHostRegister, and reads them again. Prints the increase of each.
 
     python benchmarks/cuda_context_rss.py [--out FILE]
 """

@@ -80,8 +80,8 @@ EXPERT_BYTES = (2 * I * H + H * I) * (mxfp8.BLOCK + 1) // mxfp8.BLOCK  # w13 + w
 
 
 def random_quant(dev, experts: int, sigma: float = 0.02) -> MoeQuantInfo:
-    """`experts` random Gaussian MXFP8 experts at MiniMax-M3's H and I (porter.format.mxfp8, rceil) with MiniMax-M3's
-    SwiGLU-OAI parameters; prepare_quant makes the backend's PreparedMoE of them."""
+    """`experts` random Gaussian MXFP8 experts at MiniMax-M3's H and I (porter.format.mxfp8, rceil) with
+    MiniMax-M3's SwiGLU-OAI parameters; prepare_quant makes the backend's PreparedMoE of them."""
     q13, s13 = mxfp8.quantize(torch.randn(experts, 2 * I, H, device=dev) * sigma)  # [E, 2I, H]
     q2, s2 = mxfp8.quantize(torch.randn(experts, H, I, device=dev) * sigma)  # [E, H, I]
     return MoeQuantInfo(q13, s13, q2, s2, **make_swiglu_params(experts, ALPHA, BETA, LIMIT, dev))

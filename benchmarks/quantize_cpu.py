@@ -1,13 +1,13 @@
-"""CPU MXFP8 quantization throughput per core: porter.format.mxfp8 now vs an earlier revision of the same file.
+"""CPU MXFP8 quantization throughput per core: porter.format.mxfp8 now vs an earlier revision of it.
 
 The conversion pipeline quantizes a weight in chunks of porter.pipeline.QUANT_CHUNK_ELEMS elements with
 `mxfp8.quantize_with_error` (bytes + exact error statistics) when it runs 2 workers or fewer (past 2 workers,
 porter.pipeline.quant_sizes: one 4M-element tile per call, which this benchmark does not time). This times
 exactly that on one bf16 weight at
 MiniMax-M3's real dims ([6144, 6144] by default, ~75 MB of bf16) with 1 and 2 torch threads and 2 workers, and plain
-`quantize` for reference. The baseline is porter/format/mxfp8.py as of `--baseline` (read with `git show` and
-loaded as a throwaway module, nothing copied into the tree). Both must give the same bytes and the same
-error statistics on the benchmark matrix; the run fails otherwise.
+`quantize` for reference. The baseline is porter/mxfp8.py (its path before porter/format/) as of
+`--baseline` (read with `git show` and loaded as a throwaway module, nothing copied into the tree). Both must
+give the same bytes and the same error statistics on the benchmark matrix; the run fails otherwise.
 
 GB/s counts bf16 input bytes; "per core" divides by threads x workers (workers: that many Python threads
 calling in parallel, 1 torch thread each, the way porter convert's CPU workers run). Timings are the minimum
@@ -43,10 +43,10 @@ from porter.pipeline import QUANT_CHUNK_ELEMS  # noqa: E402
 
 
 def load_revision(rev: str):
-    src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:porter/format/mxfp8.py"], capture_output=True, text=True,
+    src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:porter/mxfp8.py"], capture_output=True, text=True,
                          check=True).stdout
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(f"mxfp8_{rev}", loader=None))
-    exec(compile(src, f"{rev}:porter/format/mxfp8.py", "exec"), module.__dict__)
+    exec(compile(src, f"{rev}:porter/mxfp8.py", "exec"), module.__dict__)
     return module
 
 
@@ -85,7 +85,7 @@ def cpu_model() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline", default="d5e822f", help="git revision of porter/format/mxfp8.py to compare against")
+    ap.add_argument("--baseline", default="d5e822f", help="git revision of porter/mxfp8.py to compare against")
     ap.add_argument("--shape", default="6144,6144", help="bf16 weight shape (N,K)")
     ap.add_argument("--threads", default="1,2", help="torch intra-op thread counts to run (one caller)")
     ap.add_argument("--workers", default="2", help="caller thread counts to run with 1 torch thread each, as "
@@ -134,7 +134,7 @@ def main() -> None:
     result = {
         "what": "CPU MXFP8 quantization throughput, GB/s of bf16 input (per core = / (threads x workers))",
         "shape": [n, k], "dtype": "bfloat16", "rounding": args.rounding, "chunk_elems": args.chunk_elems,
-        "calls_per_pass": len(parts), "repeats": args.repeats, "baseline": f"{args.baseline}:porter/format/mxfp8.py",
+        "calls_per_pass": len(parts), "repeats": args.repeats, "baseline": f"{args.baseline}:porter/mxfp8.py",
         "identical_bytes_and_stats": True,
         "host": {"cpu": cpu_model(), "cpus_visible": os.cpu_count(), "torch": torch.__version__,
                  "cpu_capability": torch.backends.cpu.get_cpu_capability(), "python": platform.python_version()},

@@ -1,11 +1,11 @@
 """The compiled CPU quantizer (porter/format/mxfp8_cpu.c) at 8 and at 16 lanes, on this machine's CPU.
 
-Builds the file twice with porter.format.mxfp8_native's flags plus -DPORTER_LANES=8 / 16 (and once as porter builds
-it, with no -D: 16 lanes where the compiler targets AVX-512F, else 8), loads each with ctypes and quantizes
-one bf16 expert matrix at MiniMax-M3's dims ([2I, H] = [6144, 6144] by default) with error statistics, on 1
-thread and on --threads threads (ctypes releases the GIL), builds interleaved over --repeats rounds; GB/s
-counts bf16 input bytes (best of the rounds). All builds must give the same codes and scale bytes and the
-same max |error|; the per-block sums differ only in fp32 summation order (bound 3.7e-6 relative, as
+Builds the file twice with porter.format.mxfp8_native's flags plus -DPORTER_LANES=8 / 16 (and once as porter
+builds it, with no -D: 16 lanes where the compiler targets AVX-512F, else 8), loads each with ctypes and
+quantizes one bf16 expert matrix at MiniMax-M3's dims ([2I, H] = [6144, 6144] by default) with error
+statistics, on 1 thread and on --threads threads (ctypes releases the GIL), builds interleaved over --repeats
+rounds; GB/s counts bf16 input bytes (best of the rounds). All builds must give the same codes and scale bytes
+and the same max |error|; the per-block sums differ only in fp32 summation order (bound 3.7e-6 relative, as
 tests/test_mxfp8_native.py states). The run fails otherwise.
 
     python benchmarks/quantize_native_lanes.py [--shape 6144,6144] [--threads 2] [--out FILE]

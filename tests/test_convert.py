@@ -365,8 +365,9 @@ def test_staging_slabs_do_not_change_a_byte(tiny_vendor, tiny_transformers, tmp_
 
 
 class FusedStandIn:
-    """porter.format.mxfp8_triton's contract (stats [4] on the device, the last a count of NaN and Inf; no raise)
-    computed with porter.format.mxfp8 on the CPU, to run the pipeline's fused branch where Triton is absent."""
+    """porter.format.mxfp8_triton's contract (stats [4] on the device, the last a count of NaN and Inf; no
+    raise) computed with porter.format.mxfp8 on the CPU, to run the pipeline's fused branch where Triton is
+    absent."""
     supports = staticmethod(lambda w, keep_scale=None: keep_scale is None)
 
     @staticmethod

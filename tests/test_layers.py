@@ -47,9 +47,9 @@ def layer(module: str) -> int:
         return CLI
     if module in BASE_MODULES:
         return BASE
-    for package, level in (("porter.commands", COMMANDS), ("porter.pipeline", ENGINE), ("porter.engine", ENGINE),
-                           ("runtime", ENGINE), ("converters", CONVERTERS), ("porter.source", SOURCE),
-                           ("porter.format", FORMAT)):
+    for package, level in (("porter.commands", COMMANDS), ("porter.pipeline", ENGINE),
+                           ("porter.engine", ENGINE), ("runtime", ENGINE), ("converters", CONVERTERS),
+                           ("porter.source", SOURCE), ("porter.format", FORMAT)):
         if under(module, package):
             return level
     raise KeyError(f"{module}: no layer; put it in a layer's folder or add it to tests/test_layers.py")
@@ -95,8 +95,9 @@ def own(name: str) -> bool:
 
 
 def test_every_module_has_a_layer():
-    assert len(MODULES) > 20 and {"porter.cli", "porter.format.layout", "porter.source.hub", "porter.commands.inspect",
-                                  "converters.minimax_m3", "runtime.loader"} <= set(MODULES)
+    named = {"porter.cli", "porter.format.layout", "porter.source.hub", "porter.commands.inspect",
+             "converters.minimax_m3", "runtime.loader"}
+    assert len(MODULES) > 20 and named <= set(MODULES)
     for m in MODULES:
         layer(m)
 
@@ -107,7 +108,8 @@ def test_layer_table_examples():
         == layer("porter.commands.verify.exact") > layer("runtime.loader") == layer("porter.pipeline")
     assert layer("runtime.models.minimax_m3") > layer("converters.minimax_m3") > layer("porter.source.hub") \
         == layer("porter.source") > layer("porter.format.layout") > layer("porter.errors")
-    assert layer("porter.format.manifest") == layer("porter.format.mxfp8") == layer("porter.format.prequantized")
+    assert layer("porter.format.manifest") == layer("porter.format.mxfp8") \
+        == layer("porter.format.prequantized") == FORMAT
     assert sibling_of("porter.commands.verify.plot", COMMANDS) == "porter.commands.verify"
     assert sibling_of("runtime.moe", ENGINE) == "runtime" != sibling_of("porter.pipeline", ENGINE)
     with pytest.raises(KeyError):
@@ -125,7 +127,8 @@ def test_imports_follow_the_layers(module):
         theirs = layer(target)
         where = f"{MODULES[module].relative_to(ROOT)}:{line}: "
         if theirs > mine:
-            bad.append(f"{where}{LAYER_NAMES[mine]} module {module} imports {LAYER_NAMES[theirs]} module {target}")
+            bad.append(f"{where}{LAYER_NAMES[mine]} module {module} imports "
+                       f"{LAYER_NAMES[theirs]} module {target}")
         elif theirs == mine and sibling_of(target, mine) not in (None, sibling_of(module, mine)):
             bad.append(f"{where}{module} imports its sibling {target}")
     assert not bad, "\n".join(bad)
@@ -138,7 +141,8 @@ def resolve(name: str) -> str:
 
 def import_graph(mods: dict) -> dict:
     """module -> the modules of porter's packages it imports (at any depth, inside functions too)."""
-    return {m: {resolve(n) for _, n in imports(m, path) if own(n) and resolve(n) != m} for m, path in mods.items()}
+    return {m: {resolve(n) for _, n in imports(m, path) if own(n) and resolve(n) != m}
+            for m, path in mods.items()}
 
 
 def loops(graph: dict) -> list[set]:
@@ -212,8 +216,9 @@ def test_the_cycle_check_finds_cycles(tmp_path):
     (tmp_path / "mxfp8.py").write_text("from porter.errors import PorterError\n\n"
                                        "def f():\n    from porter.format import mxfp8_native\n")
     (tmp_path / "mxfp8_native.py").write_text("from porter.format.mxfp8 import BLOCK\n")
-    files = {"porter.format.mxfp8": tmp_path / "mxfp8.py", "porter.format.mxfp8_native": tmp_path / "mxfp8_native.py"}
-    assert cycles(import_graph(files)) == [["porter.format.mxfp8", "porter.format.mxfp8_native", "porter.format.mxfp8"]]
+    quant, native = "porter.format.mxfp8", "porter.format.mxfp8_native"
+    files = {quant: tmp_path / "mxfp8.py", native: tmp_path / "mxfp8_native.py"}
+    assert cycles(import_graph(files)) == [[quant, native, quant]]
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -242,7 +247,8 @@ def test_the_check_catches_a_violation(tmp_path):
     f = tmp_path / "layout.py"
     f.write_text("import torch\n\ndef f():\n    from converters.minimax_m3 import TextConfig\n")
     found = [n for _, n in imports("porter.format.layout", f) if own(n)]
-    assert found == ["converters.minimax_m3"] and layer("converters.minimax_m3") > layer("porter.format.layout")
+    assert found == ["converters.minimax_m3"]
+    assert layer("converters.minimax_m3") > layer("porter.format.layout")
 
 
 def _main_guard(node) -> bool:
@@ -270,7 +276,8 @@ LAYOUT_NAMES = {"scale_name", "is_scale_name", "layer_of", "OutTensor", "ignored
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_artifact_naming_comes_from_porter_layout(module):
-    """Artifact naming has one home, porter/format/layout.py: nobody takes it from an architecture's converter."""
+    """Artifact naming has one home, porter/format/layout.py: nobody takes it from an architecture's
+    converter."""
     tree = ast.parse(MODULES[module].read_text())
     bad = [f"{module}:{n.lineno}: imports {sorted(LAYOUT_NAMES & {a.name for a in n.names})} from {n.module}"
            for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("converters")

@@ -1,8 +1,8 @@
 """porter.format.mxfp8 against a plain float64 re-derivation of the rules (docs/mxfp8.md).
 
 Tests that take `cpu_quantizer` run twice: on the torch CPU path and on the compiled C path
-(porter.format.mxfp8_native), which must give the same bytes. Every random draw uses an explicit seeded generator
-(`gen`), so each test sees the same data on every run."""
+(porter.format.mxfp8_native), which must give the same bytes. Every random draw uses an explicit seeded
+generator (`gen`), so each test sees the same data on every run."""
 import math
 
 import pytest
@@ -192,7 +192,7 @@ def test_pow2_exact_over_the_whole_range():
                        torch.pow(2.0, torch.arange(255).double() - 127))
 
 
-# ---- the CPU tiled path (porter.format.mxfp8._quantize_cpu_tiles) against a direct implementation of the rule ----
+# ---- the CPU tiled path (mxfp8._quantize_cpu_tiles) against a direct implementation of the rule ----
 
 def direct_quantize_with_error(w: torch.Tensor, rounding: str = "rceil", keep_scale=None):
     """The rule as docs/mxfp8.md states it, step by step, with no shortcut: fp32 blocks, frexp exponent,

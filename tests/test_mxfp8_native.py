@@ -1,6 +1,7 @@
-"""porter.format.mxfp8_native (the rule compiled from porter/format/mxfp8_cpu.c) against porter.format.mxfp8's torch CPU path:
-the same bytes for every bf16 value under every scale that can reach it, both roundings; how it is built,
-cached and given up on. tests/test_mxfp8.py runs the rule tests on both paths."""
+"""porter.format.mxfp8_native (the rule compiled from porter/format/mxfp8_cpu.c) against
+porter.format.mxfp8's torch CPU path: the same bytes for every bf16 value under every scale that can reach it,
+both roundings; how it is built, cached and given up on. tests/test_mxfp8.py runs the rule tests on both
+paths."""
 import math
 
 import pytest

@@ -1,7 +1,8 @@
-"""porter.format.mxfp8_triton (the fused GPU quantizer of --device cuda) against porter.format.mxfp8 on the CPU: the same
-value and scale bytes on every finite bf16 value (in blocks of neighbouring magnitudes and in mixed blocks,
-where most values land on e4m3 subnormals, zero and rounding ties), on fp16 and fp32 with zero, subnormal and
-huge blocks, for both scale roundings; the same error statistics up to summation order; NaN and Inf counted."""
+"""porter.format.mxfp8_triton (the fused GPU quantizer of --device cuda) against porter.format.mxfp8 on the
+CPU: the same value and scale bytes on every finite bf16 value (in blocks of neighbouring magnitudes and in
+mixed blocks, where most values land on e4m3 subnormals, zero and rounding ties), on fp16 and fp32 with zero,
+subnormal and huge blocks, for both scale roundings; the same error statistics up to summation order; NaN and
+Inf counted."""
 import pytest
 import torch
 

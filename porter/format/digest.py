@@ -1,6 +1,6 @@
 """The chunk hashes of porter's shard digests, by the name `porter convert --digest` and porter.json use
-(docs/artifact-format.md, "Digests"): the one table the CLI's choices, porter.format.safetensors_io's digest rule
-and verify's reading of it all come from."""
+(docs/artifact-format.md, "Digests"): the one table the CLI's choices, porter.format.safetensors_io's digest
+rule and verify's reading of it all come from."""
 import hashlib
 
 import xxhash

@@ -1,4 +1,4 @@
-"""porter.format.mxfp8's CPU quantizer as one C function (mxfp8_cpu.c beside this file), compiled on first use.
+"""porter.format.mxfp8's CPU quantizer as one C function (mxfp8_cpu.c beside this file), built on first use.
 
 Why: as torch ops the rule makes ~20 passes over every tile (the fp32 -> e4m3 cast alone is a scalar loop);
 the C loop reads each value once with the GIL released, so conversion workers scale with cores

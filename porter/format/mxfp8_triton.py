@@ -1,5 +1,5 @@
-"""porter.format.mxfp8's quantize_with_error as one Triton kernel for `porter convert --device cuda`, opt-in with
-PORTER_CUDA_QUANTIZE=fused (porter.pipeline.fused_quantizer says why it is not the default).
+"""porter.format.mxfp8's quantize_with_error as one Triton kernel for `porter convert --device cuda`,
+opt-in with PORTER_CUDA_QUANTIZE=fused (porter.pipeline.fused_quantizer says why it is not the default).
 
 The torch path on the GPU runs ~75 small ops per tensor (and a device sync for the finiteness check). Here a
 tensor costs two launches: `_quantize_blocks_kernel` quantizes [BLOCKS, 32] tiles and writes each

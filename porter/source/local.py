@@ -40,8 +40,8 @@ class Source:
     files: dict  # tensor name -> shard Path
     repo_id: Optional[str] = None
     commit: Optional[str] = None
-    # a pre-quantized source (porter.format.prequantized.Scheme): its quantized weights are listed in `meta` as
-    # bfloat16 and dequantized by read(); their scale tensors are not listed
+    # a pre-quantized source (porter.format.prequantized.Scheme): its quantized weights are listed in `meta`
+    # as bfloat16 and dequantized by read(); their scale tensors are not listed
     prequantized: Optional[object] = None
     # tensor name -> (shard Path, absolute data offset, stored dtype, shape) for every stored tensor (scales
     # included), from the headers open_local parsed; empty for headers fetched without the shards

@@ -6,8 +6,8 @@
 Steps (one module each; what each proves and what it does not: docs/verify.md):
 1. integrity.py — the files are what porter.json says (chunked digests, headers, index, scales, config).
 2. exact.py — every tensor re-derived from the source through verify's own mapping table (mapping.py)
-   and porter.format.mxfp8 with the recorded rule: bytes identical, carried tensors bit-identical; weight error
-   as a second opinion.
+   and porter.format.mxfp8 with the recorded rule: bytes identical, carried tensors bit-identical; weight
+   error as a second opinion.
 3. generation.py + numerics.py — the converted model generates; one teacher-forced pass of both models
    (same runtime) gives per-layer agreement, logits agreement and the continuation's scores.
 4. verdict.py — thresholds, failures, the report (report.py: table, JSON, plot).
@@ -56,7 +56,7 @@ class _Inputs:
     ref_config: object
     tok: object
     device: torch.device
-    source_quantization: tuple = (None, None)  # (porter.format.prequantized.Scheme or None, kept MXFP8 scales rule)
+    source_quantization: tuple = (None, None)  # (prequantized.Scheme or None, kept MXFP8 scales rule)
 
 
 def verify(artifact, prompts=None, reference=None, backend: str = "auto", device="cpu",

@@ -60,10 +60,11 @@ def _layout(p: Path) -> Optional[str]:
 
 
 def source_quantization(man: dict, raw: dict, ref_path: Path) -> tuple[Optional[prequantized.Scheme], Optional[str]]:
-    """(scheme, keep_scales): how to read the reference — its quantization (porter.format.prequantized, from its
-    config.json), which must be the one porter.json records the artifact was converted from
+    """(scheme, keep_scales): how to read the reference — its quantization (porter.format.prequantized, from
+    its config.json), which must be the one porter.json records the artifact was converted from
     (options.source_quantization, absent for a bf16 source); keep_scales: which MXFP8 scale bytes were
-    kept (the recorded scale_bytes "kept-rows" or "kept": porter.commands.verify.mapping.SourceShards), or None."""
+    kept (the recorded scale_bytes "kept-rows" or "kept": porter.commands.verify.mapping.SourceShards), or
+    None."""
     try:
         scheme = prequantized.detect(raw, ref_path / "config.json")
     except PorterError as e:

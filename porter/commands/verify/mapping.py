@@ -15,8 +15,8 @@ expert_slice_interleaved (source[E] rows gate0, up0, gate1, … -> [gate; up]) |
 the name: one expert's 2-D weight) | index_w1 / index_w3 (the gate / up rows of source[E]), + _interleaved.
 Stacked artifact tensors ([E, N, K]) are derived expert by expert by the expert_* ops.
 
-A pre-quantized source (MXFP8 or block FP8, porter.format.prequantized) is read the way the conversion read it:
-each quantized weight dequantized when read (its scale tensor is consumed, not mapped). Where the
+A pre-quantized source (MXFP8 or block FP8, porter.format.prequantized) is read the way the conversion read
+it: each quantized weight dequantized when read (its scale tensor is consumed, not mapped). Where the
 conversion kept an MXFP8 source's scale bytes (porter.json options.source_quantization.scale_bytes),
 Derivation.kept gives those bytes for the re-quantization: "kept-rows" — every op applied to the source
 scale rows as to the value rows (a scale row belongs to its value row), rows of an unquantized source by
@@ -90,8 +90,8 @@ STACKED = re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.(w13|w2)_w
 class SourceShards:
     """A checkpoint's safetensors shards, read by the tensors' own names (no renaming, no plan).
 
-    scheme (porter.format.prequantized.Scheme, None for a bf16 checkpoint): its quantized weights are listed in
-    `meta` as their dequantized dtype and dequantized by read(); their scale tensors are not listed.
+    scheme (porter.format.prequantized.Scheme, None for a bf16 checkpoint): its quantized weights are listed
+    in `meta` as their dequantized dtype and dequantized by read(); their scale tensors are not listed.
     keep_scales: the recorded scale_bytes rule, "kept-rows" or "kept" (None: no scale bytes were kept);
     kept_scale() gives an MXFP8 weight's scale bytes (the conversion re-quantized with them)."""
 

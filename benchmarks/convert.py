@@ -137,7 +137,7 @@ def copy_run(src: Path, out: Path, kind: str, cache: str = "warm") -> dict:
 def convert_run(src: Path, out: Path, workers: str = "all", device: str = "cpu", cache: str = "warm",
                 max_shard_size: str = "512MB") -> dict:
     """One `porter convert` (porter's default digest) in a fresh process, after its dry run."""
-    from porter.digest import DEFAULT_DIGEST  # here: a copy's child process imports this module too
+    from porter.format.digest import DEFAULT_DIGEST  # here: a copy's child process imports this module too
     code = CONVERT.replace("ROOT_PATH", repr(str(ROOT)))
     return child(code, src, out, workers, device, cache, max_shard_size, DEFAULT_DIGEST)
 

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (DEFAULT_OUT, environment, environment_line, event_time_us, graph_time_queued_us,  # noqa: E402
                     graph_time_us, write_results as write_files)
-from porter import mxfp8  # noqa: E402
+from porter.format import mxfp8  # noqa: E402
 from runtime.moe.triton import TritonMoE  # noqa: E402
 from runtime.moe.triton import config as tc, launch as tl, prepare as tp  # noqa: E402
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params  # noqa: E402
@@ -41,7 +41,7 @@ FP8_DENSE_FLOPS = 1979e12  # H200 SXM datasheet, dense fp8 tensor-core rate (the
 
 
 def build_weights(dev):
-    """Random MXFP8 experts through porter.mxfp8 (rceil), plus their exact bf16 dequantization."""
+    """Random MXFP8 experts through porter.format.mxfp8 (rceil), plus their exact bf16 dequantization."""
     q13 = torch.empty((E, 2 * I, H), dtype=torch.float8_e4m3fn, device=dev)  # [E, 2I, H]
     s13 = torch.empty((E, 2 * I, H // 32), dtype=torch.uint8, device=dev)
     q2 = torch.empty((E, H, I), dtype=torch.float8_e4m3fn, device=dev)  # [E, H, I]

@@ -22,7 +22,7 @@ Tensors outside the text model (vision tower, projectors, MTP) keep their source
 
 `--layout hf` (the vendor release's layout, which vLLM and sglang load; `to_hf_layout`): the same tensors
 under `language_model.` + canonical name, routed experts per expert as 2-D `experts.{e}.w1/w2/w3.weight`,
-scales named `X.weight_scale_inv` (porter.layout.scale_name); config.json with the vendor `architectures`
+scales named `X.weight_scale_inv` (porter.format.layout.scale_name); config.json with the vendor `architectures`
 and a top-level mxfp8 `quantization_config` (`hf_config_json`).
 """
 from __future__ import annotations
@@ -35,9 +35,9 @@ from typing import Optional
 
 import torch
 
-from porter import mxfp8
 from porter.errors import PorterError
-from porter.layout import HF_LAYOUT_PREFIX as HF_PREFIX, OutTensor, layer_of
+from porter.format import mxfp8
+from porter.format.layout import HF_LAYOUT_PREFIX as HF_PREFIX, OutTensor, layer_of
 
 ARCHITECTURE = "minimax_m3"
 MODEL_TYPES = ("minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3")

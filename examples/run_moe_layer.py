@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from converters import minimax_m3 as arch  # noqa: E402
-from porter.layout import scale_name  # noqa: E402
+from porter.format.layout import scale_name  # noqa: E402
 from runtime.loader import getter, open_store  # noqa: E402
 from runtime.models.minimax_m3 import MoE  # noqa: E402
 from runtime.moe import make_moe, resolve_backend  # noqa: E402

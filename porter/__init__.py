@@ -9,12 +9,12 @@ __all__ = ["__version__", "convert", "verify"]
 
 
 def convert(*args, **kwargs):
-    """`porter convert` as a function; see porter.conversion.convert for the arguments."""
-    from porter.conversion import convert as _convert
+    """`porter convert` as a function; see porter.commands.convert.convert for the arguments."""
+    from porter.commands.convert import convert as _convert
     return _convert(*args, **kwargs)
 
 
 def verify(*args, **kwargs):
-    """`porter verify` as a function; see porter.verification.verify for the arguments."""
-    from porter.verification import verify as _verify
+    """`porter verify` as a function; see porter.commands.verify.verify for the arguments."""
+    from porter.commands.verify import verify as _verify
     return _verify(*args, **kwargs)

@@ -12,8 +12,8 @@ import traceback
 
 import click
 
-from porter.digest import CHUNK_HASHES, DEFAULT_DIGEST
 from porter.errors import EXIT_INTERNAL, PorterError
+from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
 
 log = logging.getLogger("porter")
 
@@ -102,7 +102,7 @@ def main(ctx, verbose, quiet):
 def convert(ctx, source, output, revision, quantize, layout, gate_up, scale_rounding, max_shard_size, force, resume,
             dry_run, workers, max_memory, device, digest, quiet):
     """Convert SOURCE (a local dir or a Hugging Face repo id) to a porter MXFP8 artifact."""
-    from porter.conversion import convert as do_convert
+    from porter.commands.convert import convert as do_convert
     if quiet:
         ctx.obj["quiet"] = True
         _setup_logging(ctx.obj["verbose"], True)
@@ -122,13 +122,13 @@ def inspect_command(ctx, path, as_json):
     Reads headers and JSON only."""
     import json
 
-    from porter.inspect import inspect, render
+    from porter.commands.inspect import inspect, render
     report = _run(ctx, lambda: inspect(path))
     click.echo(json.dumps(report, indent=1) if as_json else render(report))
 
 
 def _threshold_help(name: str) -> str:
-    from porter.verification import SCOPE_DEFAULTS, Thresholds
+    from porter.commands.verify import SCOPE_DEFAULTS, Thresholds
     per = ", ".join(f"{getattr(Thresholds.build(None, sc), name):g} ({sc})" for sc in SCOPE_DEFAULTS)
     return f"Default by the artifact's quantize scope: {per}."
 
@@ -137,7 +137,7 @@ def _threshold_options(f):
     """One --max-*/--min-* flag per float field of Thresholds (in field order), its defaults in the help."""
     from dataclasses import fields
 
-    from porter.verification import Thresholds
+    from porter.commands.verify import Thresholds
     for t in reversed([t for t in fields(Thresholds) if t.type in (float, "float")]):
         f = click.option("--" + t.name.replace("_", "-"), type=float, default=None, help=_threshold_help(t.name))(f)
     return f
@@ -149,7 +149,7 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
     What it proves:
     1. integrity: the files are what porter.json says (chunked shard digests, headers, index, scale bytes, config);
     2. bytes: every tensor re-derived from the source (verify's own source->artifact mapping table, not the
-       converter's plan) with porter.mxfp8 and the recorded scale rule: e4m3 and scale bytes identical,
+       converter's plan) with porter.format.mxfp8 and the recorded scale rule: e4m3 and scale bytes identical,
        unquantized tensors bit-identical; mismatching 32-blocks named per tensor and expert;
     3. numerics with the same runtime: per-layer agreement of the residual stream, logits KL/top-1/top-5 on
        the prompts; the converted model's greedy continuation scored by one teacher-forced reference pass.
@@ -192,15 +192,15 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
 def verify(ctx, artifact, prompts, reference, backend, device, dtype, device_map, max_new_tokens, report, plot,
            stream, **threshold_flags):
     import torch
-    from porter import verification
+    from porter.commands import verify as verify_module
     from porter.errors import EXIT_NOT_FAITHFUL, EXIT_OK
     torch_dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    result = _run(ctx, lambda: verification.verify(  # through the module: tests replace it
+    result = _run(ctx, lambda: verify_module.verify(  # through the module: tests replace it
         artifact, prompts=list(prompts) or None, reference=reference, backend=backend, device=device,
         max_new_tokens=max_new_tokens, report=report, plot=plot, thresholds=threshold_flags,
         streaming="auto" if stream is None else stream, dtype=torch_dtype, progress=not ctx.obj.get("quiet"),
         device_map=None if device_map == "none" else device_map))
-    click.echo(_run(ctx, lambda: verification.format_table(result.report)))
+    click.echo(_run(ctx, lambda: verify_module.format_table(result.report)))
     ctx.exit(EXIT_OK if result.passed else EXIT_NOT_FAITHFUL)
 
 

@@ -23,10 +23,12 @@ import torch
 from safetensors import safe_open
 
 from converters import minimax_m3 as arch
-from porter import manifest
+from porter.format import manifest
 from runtime.models.layers import Rope
 from runtime.models.minimax_m3 import DecoderLayer, MiniMaxM3
 from porter.errors import PorterError
+from porter.format import manifest
+from runtime.models.minimax_m3 import DecoderLayer, MiniMaxM3, Rope
 
 log = logging.getLogger("porter.runtime")
 
@@ -104,7 +106,7 @@ class ArtifactStore:
         return self._header_bytes(name)
 
     def _header_bytes(self, name: str) -> int:
-        from porter.safetensors_io import parse_header
+        from porter.format.safetensors_io import parse_header
         f = self.files[name]
         if f not in self._headers:
             self._headers[f] = parse_header(f)[1]
@@ -152,7 +154,7 @@ class SourceStore:
 
     def nbytes(self, name: str) -> int:
         """Bytes of a canonical tensor as the runtime holds it (source dtype), from the plan (nothing read)."""
-        from porter.safetensors_io import nbytes
+        from porter.format.safetensors_io import nbytes
         t = self.plan[name]
         return nbytes(t.dtype, t.shape)
 

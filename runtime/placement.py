@@ -18,7 +18,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from porter.layout import layer_of
+from porter.format.layout import layer_of
 from runtime.loader import TOP_NAMES, LoadError
 
 GiB = 1 << 30

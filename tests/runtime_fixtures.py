@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from tiny_checkpoint import TINY_TEXT, build_tiny_checkpoint, transformers_config
-from porter import mxfp8
+from porter.format import mxfp8
 
 SHORT, LONG = 6, 40  # prompt lengths: below topk*block (8) and 5x above it
 THRESHOLD = TINY_TEXT["sparse_attention_config"]["sparse_topk_blocks"] * \
@@ -82,7 +82,7 @@ def hf_text_module(model):
 
 
 def fake_quantize_hf(model, scope: str = "experts"):
-    """Replace HF weights by their MXFP8 round trip (porter.mxfp8), the converter's scope:
+    """Replace HF weights by their MXFP8 round trip (porter.format.mxfp8), the converter's scope:
     experts -> routed experts only; all -> also attention/index projections, dense and shared MLPs."""
     text = hf_text_module(model)
     with torch.no_grad():

@@ -43,7 +43,7 @@ def cuda_quantize_path_on_cpu(monkeypatch) -> None:
 
 def chunk_hash(name: str):
     """A chunk hash by the name porter.json's digest rule gives it, from the hash libraries directly (not
-    through porter.safetensors_io's table)."""
+    through porter.format.safetensors_io's table)."""
     import hashlib
 
     import xxhash

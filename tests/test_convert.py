@@ -13,10 +13,10 @@ from safetensors import safe_open
 
 import porter
 from converters import minimax_m3 as arch
-from porter import mxfp8
 from porter.cli import main as cli
-from porter.layout import scale_name
-from porter.source import read_header
+from porter.format import mxfp8
+from porter.format.layout import scale_name
+from porter.source.local import read_header
 from tiny_checkpoint import build_tiny_checkpoint
 from tensor_checks import chunked_digest, cuda_quantize_path_on_cpu, load_all, shard_digests
 
@@ -390,7 +390,7 @@ def test_builder_copies_is_found_from_the_builders_themselves(tiny_vendor, tiny_
     """builder_copies: the vendor layout's w1 / w3 reads and an uninterleaved fused gate_up slice are handed on
     as read (no copy); uninterleaving a fused gate_up makes a new tensor, which the estimate then counts on
     top of the slab (src bytes of the unit)."""
-    from porter.conversion import make_plan
+    from porter.commands.convert import make_plan
     from porter.engine.units import builder_copies, quant_sizes, unit_costs
     from porter.source import open_source
     for src in (tiny_vendor, tiny_transformers):
@@ -543,8 +543,8 @@ def test_chunked_digests_at_any_chunk_size_and_worker_count(tiny_vendor, tmp_pat
     """Digest chunks that straddle writes, experts and tensors, completed by any worker in any order: the
     digests equal the rule written out independently (tensor_checks), with 1 or 3 workers alike, and
     `porter verify`'s integrity step follows the chunk size porter.json records."""
-    from porter import safetensors_io
-    from porter.verification.integrity import check_integrity
+    from porter.format import safetensors_io
+    from porter.commands.verify.integrity import check_integrity
     monkeypatch.setattr(safetensors_io, "DIGEST_CHUNK_BYTES", 5000)  # divides no write, no tensor
     docs = []
     for workers in (1, 3):
@@ -583,7 +583,7 @@ def test_sha256_digests_same_bytes_and_verified(tiny_vendor, converted, tmp_path
         assert (head, digest) == (rec["header_sha256"], rec["digest"]) and digest != ref["shards"][f]["digest"]
         assert head == ref["shards"][f]["header_sha256"]  # the header digest is sha256 under both rules
         assert {n: doc["tensors"][n]["digest"] for n in tensors} == tensors
-    from porter.verification.integrity import check_integrity
+    from porter.commands.verify.integrity import check_integrity
     assert check_integrity(out, doc).passed and check_integrity(converted, ref).passed
     # the other rule's name on these digests: every shard is named as changed
     swapped = check_integrity(out, doc | {"digest": ref["digest"]})
@@ -636,7 +636,7 @@ def test_verify_names_the_changed_tensor_and_the_changed_header(converted, tmp_p
     at = raw.index(b'"format":"pt"')  # a header byte outside every entry: only the header sha256 sees it
     raw[at + 10:at + 12] = b"PT"
     shard.write_bytes(bytes(raw))
-    from porter.verification.integrity import check_integrity
+    from porter.commands.verify.integrity import check_integrity
     res = check_integrity(art, man)
     msgs = [f.message for f in res.issues]
     assert not res.passed and len(msgs) == 2, msgs
@@ -650,7 +650,7 @@ def test_max_memory_caps_the_workers_or_refuses_in_one_line(tiny_vendor, tmp_pat
     bytes, said in a warning); one that holds not even one worker's is refused before anything is written."""
     import logging
     from porter import engine
-    from porter.conversion import make_plan
+    from porter.commands.convert import make_plan
     from porter.source import open_source
     plan = make_plan(open_source(tiny_vendor), max_shard_size="300KB")
     cpu = torch.device("cpu")
@@ -674,11 +674,11 @@ def test_max_memory_caps_the_workers_or_refuses_in_one_line(tiny_vendor, tmp_pat
 
 def test_unit_costs_count_the_quantizer_that_runs_and_copies_once(tiny_vendor, monkeypatch):
     """A CPU unit's working set is its quantize call's: 9 bytes/element beside the results with the compiled
-    C quantizer, 16 with the torch path (PORTER_CPU_QUANTIZE=torch, or a source the C loop does not take);
+    C quantizer, 16 with the torch path (no C quantizer, or a source the C loop does not take);
     on the GPU path the same call's memory with its results (a part quantized on the CPU while the CUDA
     context starts); a copied range costs nothing beyond the worker's read slab it lives in."""
-    from porter import mxfp8_native
-    from porter.conversion import make_plan
+    from porter.format import mxfp8_native
+    from porter.commands.convert import make_plan
     from porter.source import open_source
     plan = make_plan(open_source(tiny_vendor), max_shard_size="300KB")
     from porter.engine.units import make_units, quant_sizes, unit_costs
@@ -692,9 +692,9 @@ def test_unit_costs_count_the_quantizer_that_runs_and_copies_once(tiny_vendor, m
         assert unit_costs(t, cpu, workers, meta) == (9 * chunk, out)
         assert unit_costs(t, cpu, workers, {}) == (16 * chunk + 2 * elems, out)  # sources unknown:
         # torch's bound and a builder copy of the bf16 expert
-        monkeypatch.setenv("PORTER_CPU_QUANTIZE", "torch")
-        assert unit_costs(t, cpu, workers, meta) == (16 * chunk, out)
-        monkeypatch.delenv("PORTER_CPU_QUANTIZE")
+        with monkeypatch.context() as m:
+            m.setattr(mxfp8_native, "function", lambda: None)  # no C quantizer: the torch path's bound
+            assert unit_costs(t, cpu, workers, meta) == (16 * chunk, out)
     gpu = torch.device("cuda")  # unit_costs only reads device.type
     chunk = min(elems, quant_sizes(17)[0])
     assert unit_costs(t, gpu, 17, meta) == (10 * chunk + chunk // 32, 0)  # a part on the CPU at start
@@ -724,14 +724,13 @@ def test_units_interleave_over_a_few_shards_in_plan_order(width):
 
 
 def test_compiled_and_torch_cpu_quantizers_write_the_same_bytes(tiny_vendor, tmp_path, monkeypatch, converted):
-    """The default CPU conversion quantizes with the compiled C loop (porter.mxfp8_native); with
-    PORTER_CPU_QUANTIZE=torch the torch ops: every shard, the index and config byte-identical, the shard
+    """The default CPU conversion quantizes with the compiled C loop (porter.format.mxfp8_native); without
+    it the torch ops: every shard, the index and config byte-identical, the shard
     records equal, and each tensor's error record equal up to the order of the per-block fp32 sums (relative
     3.7e-6, docs/mxfp8.md; the maximum error identical)."""
-    from porter import mxfp8_native
-    monkeypatch.setenv("PORTER_CPU_QUANTIZE", "native")
+    from porter.format import mxfp8_native
     assert mxfp8_native.function() is not None, mxfp8_native.reason()
-    monkeypatch.setenv("PORTER_CPU_QUANTIZE", "torch")
+    monkeypatch.setattr(mxfp8_native, "function", lambda: None)
     out = tmp_path / "torch"
     porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=2, device="cpu")
     for p in converted.iterdir():

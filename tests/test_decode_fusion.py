@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from porter import mxfp8
+from porter.format import mxfp8
 from runtime.kernels import fused
 from runtime.models import layers
 from runtime.models import minimax_m3 as m3

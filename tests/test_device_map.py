@@ -9,7 +9,7 @@ import porter
 import runtime
 import runtime_fixtures as fx
 from porter.errors import PorterError
-from porter.safetensors_io import parse_header
+from porter.format.safetensors_io import parse_header
 from runtime.placement import GiB, PlacementError, Sizes, explicit, parse_bytes, plan, store_sizes
 
 C0, C1, C2 = (torch.device("cuda", i) for i in range(3))

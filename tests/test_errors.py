@@ -4,16 +4,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import porter.conversion
-import porter.verification
+import porter.commands.convert
+import porter.commands.verify
 from converters.minimax_m3 import ConfigError, LayoutError
 from porter.cli import main
-from porter.conversion import ConvertError
+from porter.commands.convert import ConvertError
+from porter.commands.verify import VerifyInputError
 from porter.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, PorterError
-from porter.manifest import ManifestError
-from porter.mxfp8 import MXFP8Error
+from porter.format.manifest import ManifestError
+from porter.format.mxfp8 import MXFP8Error
 from porter.source import SourceError
-from porter.verification import VerifyInputError
 from runtime.loader import LoadError
 from porter.errors import MoeNumericsError
 from runtime.moe import BackendUnavailable
@@ -52,7 +52,7 @@ def test_bare_valueerror_is_internal_not_bad_input(tmp_path, monkeypatch):
     """A ValueError from a bug must not pass for bad input (exit 2): it is an internal error, exit 3."""
     def boom(*a, **k):
         raise ValueError("a bug\nspanning lines")
-    monkeypatch.setattr(porter.conversion, "convert", boom)
+    monkeypatch.setattr(porter.commands.convert, "convert", boom)
     res = invoke("convert", tmp_path, "--output", tmp_path / "o")
     assert res.exit_code == EXIT_INTERNAL == 3
     assert res.output.strip().splitlines() == ["porter: internal error: ValueError: a bug spanning lines "
@@ -62,7 +62,7 @@ def test_bare_valueerror_is_internal_not_bad_input(tmp_path, monkeypatch):
 def test_internal_error_with_v_shows_traceback_and_keeps_exit_3(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise ZeroDivisionError("division by zero")
-    monkeypatch.setattr(porter.conversion, "convert", boom)
+    monkeypatch.setattr(porter.commands.convert, "convert", boom)
     res = invoke("-v", "convert", tmp_path, "--output", tmp_path / "o")
     assert res.exit_code == 3
     assert "Traceback (most recent call last)" in res.output and "in boom" in res.output
@@ -72,7 +72,7 @@ def test_internal_error_with_v_shows_traceback_and_keeps_exit_3(tmp_path, monkey
 def test_porter_error_with_v_shows_traceback_and_keeps_exit_2(tmp_path, monkeypatch):
     def bad(*a, **k):
         raise SourceError("x/config.json: field 'hidden_size' must be positive; fix the config")
-    monkeypatch.setattr(porter.conversion, "convert", bad)
+    monkeypatch.setattr(porter.commands.convert, "convert", bad)
     res = invoke("-v", "convert", tmp_path, "--output", tmp_path / "o")
     assert res.exit_code == 2 and "Traceback" in res.output
     assert res.output.rstrip().endswith("porter: error: x/config.json: field 'hidden_size' must be positive; "
@@ -82,7 +82,7 @@ def test_porter_error_with_v_shows_traceback_and_keeps_exit_2(tmp_path, monkeypa
 def test_verify_internal_error_exit_3(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise KeyError("layers.0")
-    monkeypatch.setattr(porter.verification, "verify", boom)
+    monkeypatch.setattr(porter.commands.verify, "verify", boom)
     res = invoke("verify", tmp_path)
     assert res.exit_code == 3 and "internal error: KeyError" in res.output
 
@@ -90,7 +90,7 @@ def test_verify_internal_error_exit_3(tmp_path, monkeypatch):
 def test_interrupt_exit_130(tmp_path, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(porter.conversion, "convert", interrupted)
+    monkeypatch.setattr(porter.commands.convert, "convert", interrupted)
     res = invoke("convert", tmp_path, "--output", tmp_path / "o")
     assert res.exit_code == 130 and "--resume" in res.output
 

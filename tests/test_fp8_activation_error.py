@@ -1,11 +1,11 @@
 """What e4m3 activations cost a MiniMax-M3 MoE expert, in fp32 on the CPU at the real dims (H 6144,
 I 3072): why the Triton backend's FP8 prefill quantizes activations to two e4m3 terms (FP8_TERMS = 2).
 
-The expert runs in fp32 on MXFP8 weights (porter.mxfp8), with the activations entering GEMM1 (the hidden
+The expert runs in fp32 on MXFP8 weights (porter.format.mxfp8), with the activations entering GEMM1 (the hidden
 rows) and GEMM2 (the SwiGLU-OAI output) either kept or rounded to e4m3:
 - as the kernel does it (runtime.moe.triton.kernels._quant_row): one power-of-two scale per token with the
   row's amax in [2^7, 2^8), hi = rne(x * 2^-m), and for two terms lo = rne(x * 2^-m - hi);
-- with the finest scale MX allows, one per 32 along K (porter.mxfp8.fake_quantize).
+- with the finest scale MX allows, one per 32 along K (porter.format.mxfp8.fake_quantize).
 e4m3 keeps 4 significant bits whatever the scale, so one term in *either* GEMM alone already takes the expert
 past the 2e-2 relative error bound the FP8 prefill path is held to (docs/moe-backends.md), per-32 scales
 included; two terms in both stay an order of magnitude inside it. Two terms double the FP8 MMA work, which
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from porter import mxfp8
+from porter.format import mxfp8
 from runtime.moe.contract import swiglu_oai
 
 H, I, T = 6144, 3072, 16

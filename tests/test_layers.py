@@ -1,12 +1,16 @@
 """The layering rule of docs/architecture.md, checked on the imports of every module (parsed, not run).
 
-    cli (porter.cli, the porter package's API)
-      > conversion | verification | inspect      (siblings: none imports another)
-      > runtime
-      > converters                               (one file per architecture)
-      > format (porter.mxfp8, safetensors_io, source, manifest, layout, errors, hub, plot, ...)
+    cli          porter.cli, porter (the package's API)
+      > commands porter/commands/: convert | verify | inspect      (siblings: none imports another)
+      > runtime | engine                                           (siblings: runtime/; porter.pipeline,
+                                                                    porter/engine/)
+      > converters                                                 (one file per architecture)
+      > source   porter/source/: open_source, local folders, the Hugging Face Hub
+      > format   porter/format/: MXFP8, safetensors, the artifact's names, manifest and digests
+      > base     porter.errors, porter.version (leaves)
 
-A module may import its own layer or any layer below, never one above. Imports inside functions count.
+A module may import its own layer or any layer below, never one above, nor a sibling's. Imports inside
+functions count. The import graph has no cycle (a cycle hides behind an import inside a function).
 Also: transformers (a test-only oracle) is never imported outside tests, flashinfer only by the TRT-LLM
 backend, and nothing unpickles.
 """
@@ -18,31 +22,37 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("porter", "converters", "runtime")
 
-CLI, ENTRY, RUNTIME, CONVERTERS, FORMAT = 4, 3, 2, 1, 0
-LAYER_NAMES = {CLI: "cli", ENTRY: "conversion|verification|inspect", RUNTIME: "runtime",
-               CONVERTERS: "converters", FORMAT: "format"}
-ENTRY_MODULES = {"porter.conversion", "porter.verification", "porter.inspect"}
+CLI, COMMANDS, ENGINE, CONVERTERS, SOURCE, FORMAT, BASE = 6, 5, 4, 3, 2, 1, 0
+LAYER_NAMES = {CLI: "cli", COMMANDS: "commands", ENGINE: "runtime|engine", CONVERTERS: "converters",
+               SOURCE: "source", FORMAT: "format", BASE: "base"}
+# packages whose members are siblings: a module of one never imports a module of another at the same layer
+SIBLINGS = {COMMANDS: ("porter.commands.convert", "porter.commands.verify", "porter.commands.inspect"),
+            ENGINE: ("runtime", "porter.pipeline", "porter.engine")}
+BASE_MODULES = {"porter.errors", "porter.version", "porter.cores"}  # import nothing of porter's
 FLASHINFER_MODULES = {"runtime.moe.flashinfer_trtllm"}
 
 
-def entry_of(module: str):
-    """The entry module a module belongs to (an entry module may be a package: porter.verification.*)."""
-    return next((m for m in ENTRY_MODULES if module == m or module.startswith(m + ".")), None)
+def under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def sibling_of(module: str, layer_: int):
+    """The sibling package a module belongs to at its layer (None: the layer has no siblings, or a shared
+    module such as the porter.commands package itself)."""
+    return next((p for p in SIBLINGS.get(layer_, ()) if under(module, p)), None)
 
 
 def layer(module: str) -> int:
     if module in ("porter", "porter.cli", "porter.__main__"):
         return CLI
-    if entry_of(module):
-        return ENTRY
-    top = module.split(".")[0]
-    if top == "runtime":
-        return RUNTIME
-    if top == "converters":
-        return CONVERTERS
-    if top == "porter":
-        return FORMAT
-    raise KeyError(module)
+    if module in BASE_MODULES:
+        return BASE
+    for package, level in (("porter.commands", COMMANDS), ("porter.pipeline", ENGINE),
+                           ("porter.engine", ENGINE), ("runtime", ENGINE), ("converters", CONVERTERS),
+                           ("porter.source", SOURCE), ("porter.format", FORMAT)):
+        if under(module, package):
+            return level
+    raise KeyError(f"{module}: no layer; put it in a layer's folder or add it to tests/test_layers.py")
 
 
 def modules() -> dict:
@@ -85,16 +95,25 @@ def own(name: str) -> bool:
 
 
 def test_every_module_has_a_layer():
-    assert len(MODULES) > 20 and {"porter.cli", "porter.layout", "converters.minimax_m3", "runtime.loader"} <= set(MODULES)
+    named = {"porter.cli", "porter.format.layout", "porter.source.hub", "porter.commands.inspect",
+             "converters.minimax_m3", "runtime.loader"}
+    assert len(MODULES) > 20 and named <= set(MODULES)
     for m in MODULES:
         layer(m)
 
 
 def test_layer_table_examples():
     """The rule's table itself, so a slip in `layer` cannot hollow out the check below."""
-    assert layer("porter.cli") > layer("porter.verification") == layer("porter.conversion") > layer("runtime.loader")
-    assert layer("runtime.models.minimax_m3") > layer("converters.minimax_m3") > layer("porter.layout")
-    assert layer("porter.source") == layer("porter.manifest") == layer("porter.mxfp8") == FORMAT
+    assert layer("porter.cli") > layer("porter.commands.verify") == layer("porter.commands.convert") \
+        == layer("porter.commands.verify.exact") > layer("runtime.loader") == layer("porter.pipeline")
+    assert layer("runtime.models.minimax_m3") > layer("converters.minimax_m3") > layer("porter.source.hub") \
+        == layer("porter.source") > layer("porter.format.layout") > layer("porter.errors")
+    assert layer("porter.format.manifest") == layer("porter.format.mxfp8") \
+        == layer("porter.format.prequantized") == FORMAT
+    assert sibling_of("porter.commands.verify.plot", COMMANDS) == "porter.commands.verify"
+    assert sibling_of("runtime.moe", ENGINE) == "runtime" != sibling_of("porter.pipeline", ENGINE)
+    with pytest.raises(KeyError):
+        layer("porter.somewhere_new")
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -104,14 +123,102 @@ def test_imports_follow_the_layers(module):
     for line, name in imports(module, MODULES[module]):
         if not own(name):
             continue
-        target = name if name in MODULES else name.rsplit(".", 1)[0]
+        target = resolve(name)
         theirs = layer(target)
+        where = f"{MODULES[module].relative_to(ROOT)}:{line}: "
         if theirs > mine:
-            bad.append(f"{MODULES[module].relative_to(ROOT)}:{line}: {LAYER_NAMES[mine]} module {module} imports "
+            bad.append(f"{where}{LAYER_NAMES[mine]} module {module} imports "
                        f"{LAYER_NAMES[theirs]} module {target}")
-        elif mine == ENTRY and theirs == ENTRY and entry_of(target) != entry_of(module):
-            bad.append(f"{MODULES[module].relative_to(ROOT)}:{line}: {module} imports its sibling {target}")
+        elif theirs == mine and sibling_of(target, mine) not in (None, sibling_of(module, mine)):
+            bad.append(f"{where}{module} imports its sibling {target}")
     assert not bad, "\n".join(bad)
+
+
+def resolve(name: str) -> str:
+    """The module an import names: itself, or the module holding the imported attribute."""
+    return name if name in MODULES else name.rsplit(".", 1)[0]
+
+
+def import_graph(mods: dict) -> dict:
+    """module -> the modules of porter's packages it imports (at any depth, inside functions too)."""
+    return {m: {resolve(n) for _, n in imports(m, path) if own(n) and resolve(n) != m}
+            for m, path in mods.items()}
+
+
+def loops(graph: dict) -> list[set]:
+    """Every strongly connected component of two or more modules (Tarjan): the modules of one import loop."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.add(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                found.append(scc)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def cycles(graph: dict) -> list[list[str]]:
+    """One cycle through each import loop."""
+    return [cycle_through(graph, scc) for scc in loops(graph)]
+
+
+def cycle_through(graph: dict, scc: set) -> list[str]:
+    """One cycle inside a strongly connected component: from its smallest module back to it (BFS)."""
+    start = min(scc)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & scc):
+                if w == start:
+                    return paths[v] + [start]
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(scc)
+
+
+def test_no_import_cycles():
+    """No two modules import each other, directly or around a longer loop (imports inside functions count:
+    an import moved into a function to break a cycle still names the cycle)."""
+    graph = import_graph(MODULES)
+    found = [f"{' -> '.join(cycle_through(graph, scc))}   (the loop's modules: {', '.join(sorted(scc))})"
+             for scc in loops(graph)]
+    assert not found, "import cycles:\n" + "\n".join(found)
+
+
+def test_the_cycle_check_finds_cycles(tmp_path):
+    """The check is not vacuous: a two-module cycle hidden in a function and a three-module loop are found,
+    a diamond is not."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b", "c"}, "b": {"d"}, "c": {"d"}, "d": set()}) == []
+    (tmp_path / "mxfp8.py").write_text("from porter.errors import PorterError\n\n"
+                                       "def f():\n    from porter.format import mxfp8_native\n")
+    (tmp_path / "mxfp8_native.py").write_text("from porter.format.mxfp8 import BLOCK\n")
+    quant, native = "porter.format.mxfp8", "porter.format.mxfp8_native"
+    files = {quant: tmp_path / "mxfp8.py", native: tmp_path / "mxfp8_native.py"}
+    assert cycles(import_graph(files)) == [[quant, native, quant]]
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -139,8 +246,9 @@ def test_the_check_catches_a_violation(tmp_path):
     """A format module importing a converter is reported (the check is not vacuous)."""
     f = tmp_path / "layout.py"
     f.write_text("import torch\n\ndef f():\n    from converters.minimax_m3 import TextConfig\n")
-    found = [n for _, n in imports("porter.layout", f) if own(n)]
-    assert found == ["converters.minimax_m3"] and layer("converters.minimax_m3") > layer("porter.layout")
+    found = [n for _, n in imports("porter.format.layout", f) if own(n)]
+    assert found == ["converters.minimax_m3"]
+    assert layer("converters.minimax_m3") > layer("porter.format.layout")
 
 
 def _main_guard(node) -> bool:
@@ -168,7 +276,8 @@ LAYOUT_NAMES = {"scale_name", "is_scale_name", "layer_of", "OutTensor", "ignored
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_artifact_naming_comes_from_porter_layout(module):
-    """Artifact naming has one home, porter/layout.py: nobody takes it from an architecture's converter."""
+    """Artifact naming has one home, porter/format/layout.py: nobody takes it from an architecture's
+    converter."""
     tree = ast.parse(MODULES[module].read_text())
     bad = [f"{module}:{n.lineno}: imports {sorted(LAYOUT_NAMES & {a.name for a in n.names})} from {n.module}"
            for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("converters")

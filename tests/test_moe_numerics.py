@@ -9,7 +9,8 @@ import torch
 
 import runtime
 import runtime_fixtures as fx
-from porter import convert, mxfp8
+from porter import convert
+from porter.format import mxfp8
 from porter.errors import PorterError
 from porter.errors import MoeNumericsError
 from runtime.moe import BackendUnavailable, check_numerics

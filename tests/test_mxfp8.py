@@ -1,24 +1,30 @@
-"""porter.mxfp8 against a plain float64 re-derivation of the rules (docs/mxfp8.md).
+"""porter.format.mxfp8 against a plain float64 re-derivation of the rules (docs/mxfp8.md).
 
 Tests that take `cpu_quantizer` run twice: on the torch CPU path and on the compiled C path
-(porter.mxfp8_native), which must give the same bytes. Every random draw uses an explicit seeded generator
-(`gen`), so each test sees the same data on every run."""
+(porter.format.mxfp8_native), which must give the same bytes. Every random draw uses an explicit seeded
+generator (`gen`), so each test sees the same data on every run."""
 import math
 
 import pytest
 import torch
 
-from porter import mxfp8, mxfp8_native
+from porter.format import mxfp8, mxfp8_native
 
 # every finite non-negative float8_e4m3fn value, indexed by its code (0x00 .. 0x7E = 448)
 GRID = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
 
 
+def use_torch_path(monkeypatch):
+    """The CPU quantizer without its compiled C function: the torch tiles run."""
+    monkeypatch.setattr(mxfp8_native, "function", lambda: None)
+
+
 @pytest.fixture(params=["torch", "native"])
 def cpu_quantizer(request, monkeypatch):
-    """PORTER_CPU_QUANTIZE for the test; "native" must really be the C path (the test machines have cc)."""
-    monkeypatch.setenv("PORTER_CPU_QUANTIZE", request.param)
-    if request.param == "native":
+    """The CPU path for the test; "native" must really be the C path (the test machines have cc)."""
+    if request.param == "torch":
+        use_torch_path(monkeypatch)
+    else:
         assert mxfp8_native.function() is not None, mxfp8_native.reason()
     return request.param
 
@@ -26,7 +32,7 @@ def cpu_quantizer(request, monkeypatch):
 @pytest.fixture
 def torch_quantizer(monkeypatch):
     """For tests of the torch CPU path's own internals (tiles, shortcuts, buffers)."""
-    monkeypatch.setenv("PORTER_CPU_QUANTIZE", "torch")
+    use_torch_path(monkeypatch)
 
 
 def gen(seed: int = 0) -> torch.Generator:
@@ -186,7 +192,7 @@ def test_pow2_exact_over_the_whole_range():
                        torch.pow(2.0, torch.arange(255).double() - 127))
 
 
-# ---- the CPU tiled path (porter.mxfp8._quantize_cpu_tiles) against a direct implementation of the rule ----
+# ---- the CPU tiled path (mxfp8._quantize_cpu_tiles) against a direct implementation of the rule ----
 
 def direct_quantize_with_error(w: torch.Tensor, rounding: str = "rceil", keep_scale=None):
     """The rule as docs/mxfp8.md states it, step by step, with no shortcut: fp32 blocks, frexp exponent,
@@ -242,7 +248,7 @@ def assert_same(got, want):
     (q, s, e), (q_ref, s_ref, e_ref) = got, want
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(s, s_ref)
-    native = mxfp8_native.enabled() and mxfp8_native.function() is not None
+    native = mxfp8_native.function() is not None
     for k in e_ref:
         if native and k != "max_abs_error" and e[k] != e_ref[k]:
             assert abs(e[k] - e_ref[k]) <= SUM_ORDER_REL * abs(e_ref[k]), (k, e[k], e_ref[k])

@@ -1,4 +1,4 @@
-"""porter.mxfp8.quantize_activations: the serving kernels' MXFP8 rule for activations, against closed
+"""porter.format.mxfp8.quantize_activations: the serving kernels' MXFP8 rule for activations, against closed
 forms written here (hand-computed blocks) and against FlashInfer's reference bit rule transcribed here
 (flashinfer-ai/flashinfer tests/utils_fp8.py `mxfp8_quantize_reference`: byte = exponent field of
 fl(amax / 448), +1 when a mantissa bit is set, fp32-subnormal case, <= 254, 0 for zero; inverse scale 0
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from porter import mxfp8
+from porter.format import mxfp8
 
 E4M3_CODE = {448.0: 0x7E, -448.0: 0xFE, 256.0: 0x78, 320.0: 0x7A, 224.0: 0x76, 0.25: 0x28, -0.75: 0xB4}
 

@@ -1,26 +1,24 @@
-"""porter.mxfp8_native (the rule compiled from porter/mxfp8_cpu.c) against porter.mxfp8's torch CPU path:
-the same bytes for every bf16 value under every scale that can reach it, both roundings; how it is built,
-cached and given up on. tests/test_mxfp8.py runs the rule tests on both paths."""
+"""porter.format.mxfp8_native (the rule compiled from porter/format/mxfp8_cpu.c) against
+porter.format.mxfp8's torch CPU path: the same bytes for every bf16 value under every scale that can reach it,
+both roundings; how it is built, cached and given up on. tests/test_mxfp8.py runs the rule tests on both
+paths."""
 import math
-import os
 
 import pytest
 import torch
 
-from porter import mxfp8, mxfp8_native
+from porter.format import mxfp8, mxfp8_native
 
 
 def torch_path(monkeypatch, fn, *args, **kwargs):
-    monkeypatch.setenv("PORTER_CPU_QUANTIZE", "torch")
-    try:
+    """fn(*args, **kwargs) with the C function taken away: porter.format.mxfp8's torch tiles run."""
+    with monkeypatch.context() as m:
+        m.setattr(mxfp8_native, "function", lambda: None)
         return fn(*args, **kwargs)
-    finally:
-        monkeypatch.setenv("PORTER_CPU_QUANTIZE", "native")
 
 
 @pytest.fixture
-def native(monkeypatch):
-    monkeypatch.setenv("PORTER_CPU_QUANTIZE", "native")
+def native():
     assert mxfp8_native.function() is not None, mxfp8_native.reason()
 
 
@@ -110,7 +108,6 @@ def test_nan_or_inf_falls_back_and_is_named(native):
 def fresh_state(monkeypatch, tmp_path, **env):
     monkeypatch.setattr(mxfp8_native, "_state", {"fn": None, "tried": False, "why": ""})
     monkeypatch.setenv("PORTER_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("PORTER_CPU_QUANTIZE", "native")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
 
@@ -146,7 +143,7 @@ def test_a_failing_build_means_the_torch_path(monkeypatch, tmp_path):
     assert not any(p.name.endswith(".so") for p in (tmp_path / "cache").iterdir())
 
 
-def test_disabled_by_environment(monkeypatch, tmp_path):
-    fresh_state(monkeypatch, tmp_path, PORTER_CPU_QUANTIZE="torch")
-    assert mxfp8_native.function() is None and "PORTER_CPU_QUANTIZE=torch" in mxfp8_native.reason()
-    assert not os.path.exists(tmp_path / "cache")
+def test_the_block_is_the_rules():
+    """The C source's block (mxfp8_native.BLOCK, also its K rule) is porter.format.mxfp8's."""
+    assert mxfp8_native.BLOCK == mxfp8.BLOCK == 32
+    assert "#define BLOCK 32\n" in mxfp8_native.SOURCE.read_text()

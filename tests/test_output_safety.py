@@ -19,7 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 import porter
-from porter import manifest, output_guard
+from porter.format import manifest
+from porter.engine import output_guard
 from porter.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,7 +214,7 @@ def test_force_removes_an_interrupted_porter_run(tiny_vendor, clean, tmp_path, m
 HOLD_LOCK = """
 import sys, time
 sys.path.insert(0, {root!r})
-from porter.output_guard import OutputLock
+from porter.engine.output_guard import OutputLock
 OutputLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(120)
@@ -287,7 +288,7 @@ def test_lock_holder_is_named_and_a_killed_holder_is_recovered(tiny_vendor, clea
 
 def test_lock_file_is_no_shard_and_verify_inspect_accept_it(clean, tmp_path):
     """A stale lock (its run was killed after the index) changes neither inspect nor the integrity check."""
-    from porter.verification.integrity import check_integrity
+    from porter.commands.verify.integrity import check_integrity
     out = Path(shutil.copytree(clean, tmp_path / "out"))
     (out / output_guard.LOCK_NAME).write_text("12345 somehost\n")
     res = CliRunner().invoke(cli, ["inspect", str(out), "--json"])

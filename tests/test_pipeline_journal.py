@@ -3,7 +3,7 @@ thread can take that lock while it runs, so workers do not stall behind each sha
 import threading
 
 import porter
-import porter.conversion as conversion
+import porter.commands.convert as conversion
 import porter.engine.run as pp
 
 

@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 
 import porter
 from converters import minimax_m3 as arch
-from porter import mxfp8
 from porter.cli import main as cli
-from porter.layout import scale_name
+from porter.format import mxfp8
+from porter.format.layout import scale_name
 from tensor_checks import cuda_quantize_path_on_cpu, load_all, same_bytes
 
 # the linears the vendor MXFP8 release quantizes (scope "all" + routed experts), vendor names

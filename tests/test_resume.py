@@ -1,7 +1,7 @@
 """`porter convert --resume` guards: what a resume may skip, what it must redo, and what it must refuse.
 
-An interrupted conversion is made for real: the quantizer (`porter.mxfp8.quantize_with_error`, which every
-conversion path calls through the module) raises on its last call, so every shard not waiting on that
+An interrupted conversion is made for real: the quantizer (`porter.format.mxfp8.quantize_with_error`, which
+every conversion path calls through the module) raises on its last call, so every shard not waiting on that
 call can finish and be recorded in the journal. Work is counted in quantized elements, which does not
 depend on how the conversion cuts tensors into calls.
 """
@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 import porter
-from porter import mxfp8
 from porter.cli import main as cli
+from porter.format import mxfp8
 from tensor_checks import shard_digests
 
 SHARD_CAP = "300KB"  # the tiny checkpoint makes several shards at this cap

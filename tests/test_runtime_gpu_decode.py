@@ -10,7 +10,7 @@ import torch
 import porter
 import runtime
 import runtime_fixtures as fx
-from porter import mxfp8
+from porter.format import mxfp8
 from runtime.kernels import gemv
 from runtime.kernels.attention import decode_attention, decode_attention_reference
 from runtime.graph import DecodeGraph

@@ -2,7 +2,7 @@
 
 Both source layouts (vendor names + legacy config keys; transformers' own fused save_pretrained), run from
 the original checkpoint and from the porter artifact (`--quantize none` exact to fp32 round-off; MXFP8
-against transformers with the same weights fake-quantized by porter.mxfp8), with prompts below the
+against transformers with the same weights fake-quantized by porter.format.mxfp8), with prompts below the
 sparse-attention threshold (topk*block = 8 keys) and 5x above it, where the indexer must drop blocks.
 """
 from __future__ import annotations

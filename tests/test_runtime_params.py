@@ -9,8 +9,8 @@ import torch
 
 import runtime
 import runtime_fixtures as fx
-from porter import mxfp8
 from porter import convert
+from porter.format import mxfp8
 from runtime.moe import BackendUnavailable
 
 CUSTOM = {"swiglu_alpha": 1.25, "swiglu_beta": 0.375, "swiglu_limit": 2.5}

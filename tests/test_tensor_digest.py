@@ -10,8 +10,8 @@ import threading
 import pytest
 
 from porter.engine import digests
-from porter.digest import CHUNK_HASHES
-from porter.safetensors_io import chunk_spans, tensor_digest
+from porter.format.digest import CHUNK_HASHES
+from porter.format.safetensors_io import chunk_spans, tensor_digest
 from tensor_checks import chunk_hash
 
 CHUNK = 1 << 12  # 4 KiB chunks: many chunks, pieces of every alignment

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from porter import mxfp8
+from porter.format import mxfp8
 from runtime.moe import BackendUnavailable, resolve_backend
 from runtime.kernels.fused import pdl_supported
 from runtime.moe.triton import TritonMoE
@@ -32,7 +32,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def make_quant(e, h, i, device, weight_scale=0.03, swiglu=None, row_gain=None):
-    """Random MXFP8 expert weights (quantized with porter.mxfp8) and per-expert SwiGLU params."""
+    """Random MXFP8 expert weights (quantized with porter.format.mxfp8) and per-expert SwiGLU params."""
     w13 = torch.randn(e, 2 * i, h, device=device) * weight_scale  # [E, 2I, H]
     w2 = torch.randn(e, h, i, device=device) * weight_scale  # [E, H, I]
     if row_gain is not None:  # [E, 2I, 1] per-row power-of-two gains (scale-byte spread)

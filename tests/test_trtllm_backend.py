@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from porter import mxfp8
+from porter.format import mxfp8
 from runtime.moe import BackendUnavailable, resolve_backend
 from runtime.moe import flashinfer_trtllm as fi_moe
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params, route
@@ -423,7 +423,7 @@ def test_torch_serving_numerics_close_to_full_kernel_emulation(layer, backend):
 
 
 def test_emulated_intermediate_quantizer_equals_porters(layer):
-    """The transcription above and porter.mxfp8.fake_quantize_activations agree bit for bit, on a layer's
+    """The transcription above and porter.format.mxfp8.fake_quantize_activations agree bit for bit, on a layer's
     SwiGLU outputs and on blocks with zero, tiny (byte 0 / 1) and saturating values."""
     quant, routing, hidden = layer
     dense = mxfp8.dequantize(quant.w13_weight[0], quant.w13_weight_scale[0])  # [2I, H]
@@ -612,7 +612,7 @@ def _gpu_activation_cases():
 @pytest.mark.skipif(not _blackwell(), reason="needs an SM100/103/107 GPU")
 @pytest.mark.parametrize("fi_backend", ["cuda", "cute-dsl"])
 def test_quantize_activations_equals_flashinfer_on_gpu(fi_backend):
-    """porter.mxfp8.quantize_activations == flashinfer.mxfp8_quantize (linear scales), bit for bit, where
+    """porter.format.mxfp8.quantize_activations == flashinfer.mxfp8_quantize (linear scales), bit for bit, where
     the sources agree (docs/moe-backends.md, "Serving numerics"). On blocks with amax < 448 * 2^-126 the
     CUDA backend, built with -use_fast_math, is expected (from its source) to flush the fp32-subnormal
     quotient: byte 0 and zero elements where porter and cute-dsl give byte 1."""

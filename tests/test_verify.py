@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 import porter
 from porter.cli import main
-from porter.verification import DEFAULT_PROMPT, Thresholds, verify
+from porter.commands.verify import DEFAULT_PROMPT, Thresholds, verify
 from verify_tamper import (copy_artifact, edit_config, flip_byte, nudge_e4m3, rewrite_tensor, shift_scales,
                            swap_gate_up, zero_scales)
 
@@ -249,7 +249,7 @@ def test_streaming_numbers_equal_full_run(artifact):
 
 
 def test_streaming_picked_automatically_when_it_would_not_fit(artifact, monkeypatch):
-    import porter.verification.generation as g
+    import porter.commands.verify.generation as g
     monkeypatch.setattr(g, "memory_available", lambda device: 1 << 20)  # 1 MB free
     res = verify(artifact)
     st = res.report.streaming
@@ -265,7 +265,7 @@ import json, sys
 import torch
 torch.set_num_threads(1)
 sys.path.insert(0, {root!r})
-from porter.verification import verify
+from porter.commands.verify import verify
 r = verify(sys.argv[1], streaming=sys.argv[2] == "stream", max_new_tokens=1, prompts=["Hello world, hello porter."])
 hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 d = r.report.to_dict()
@@ -296,7 +296,7 @@ def test_streaming_peak_memory_under_40_percent_of_full_load(tmp_path):
 
 
 def test_a_bug_inside_a_step_is_exit_3_never_not_faithful(artifact, monkeypatch):
-    import porter.verification as v
+    import porter.commands.verify as v
 
     def broken(*a, **k):
         raise RuntimeError("index out of range in a kernel")

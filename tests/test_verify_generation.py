@@ -10,8 +10,8 @@ import torch
 
 import porter
 import runtime
-from porter.verification import verify
-from porter.verification.numerics import kl_per_position
+from porter.commands.verify import verify
+from porter.commands.verify.numerics import kl_per_position
 
 PROMPTS = ["Hello world, hello porter.", "The sparse attention keeps the best blocks of keys for each query. " * 2]
 N = 6
@@ -68,7 +68,7 @@ def test_costs_printed_before_running(artifact, caplog):
 
 
 def test_no_generation_when_the_converted_model_does_not_fit(artifact, monkeypatch):
-    import porter.verification.generation as g
+    import porter.commands.verify.generation as g
     monkeypatch.setattr(g, "memory_available", lambda device: 1 << 20)
     rep = verify(artifact).report
     assert rep.max_new_tokens == 0 and rep.generation == [] and rep.streaming.enabled
@@ -78,7 +78,7 @@ def test_no_generation_when_the_converted_model_does_not_fit(artifact, monkeypat
 
 def test_prompts_generate_as_one_padded_batch(artifact):
     """Left-padded prompts of different lengths decode together and give what each gives alone."""
-    from porter.verification import generation as g
+    from porter.commands.verify import generation as g
     conv = runtime.load(artifact)
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(artifact / "tokenizer.json"))
@@ -96,7 +96,7 @@ def test_prompts_generate_as_one_padded_batch(artifact):
 def test_device_map_choice_spreads_generation_over_gpus_only_when_asked(monkeypatch):
     """--device-map auto with a bare cuda device and two GPUs budgets both GPUs' free bytes and loads with
     device_map="auto"; --device-map none, or an indexed device, keeps the model on that one device."""
-    import porter.verification.generation as g
+    import porter.commands.verify.generation as g
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     free = {0: 70 << 30, 1: 50 << 30}
     monkeypatch.setattr(g, "memory_available",

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import porter
-from porter.verification.exact import rederive
-from porter.verification.mapping import ArtifactReader, Mapping, SourceShards
+from porter.commands.verify.exact import rederive
+from porter.commands.verify.mapping import ArtifactReader, Mapping, SourceShards
 from verify_tamper import copy_artifact, rewrite_tensor, shift_scales
 
 pytestmark = [pytest.mark.gpu,
@@ -53,7 +53,7 @@ def test_verify_cli_on_cuda(tiny_vendor, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs")
 def test_generation_spreads_over_the_visible_gpus(tiny_vendor, tmp_path):
-    from porter.verification import verify
+    from porter.commands.verify import verify
     art = tmp_path / "art"
     porter.convert(tiny_vendor, art, progress=False)
     rep = verify(art, device="cuda", backend="torch", dtype=torch.float32, max_new_tokens=3,

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 import porter
 from converters import minimax_m3 as arch
 from porter.cli import main
-from porter.source import read_header
-from porter.verification import verify
+from porter.commands.verify import verify
+from porter.source.local import read_header
 from verify_tamper import copy_artifact, reseal_shard
 
 LAYER = 2
@@ -219,7 +219,7 @@ def test_table_reads_one_expert_of_a_fused_source(tiny_vendor, tmp_path, gate_up
     """The per-expert rules (an hf-layout artifact name) on a transformers checkpoint of the same weights
     read exactly the vendor checkpoint's w1 / w3 / w2 of that expert."""
     from tiny_checkpoint import build_tiny_checkpoint
-    from porter.verification.mapping import Mapping, SourceShards
+    from porter.commands.verify.mapping import Mapping, SourceShards
     fused = build_tiny_checkpoint(tmp_path / "hf", layout="transformers", seed=0, gate_up=gate_up)
     table, vendor = Mapping(SourceShards(fused), interleaved=gate_up == "interleaved"), SourceShards(tiny_vendor)
     for w in ("w1", "w3", "w2"):
@@ -232,7 +232,7 @@ def test_table_reads_one_expert_of_a_fused_source(tiny_vendor, tmp_path, gate_up
 def test_truncating_instead_of_rounding_caught_though_the_statistics_pass(tiny_vendor, tmp_path, monkeypatch):
     """A converter that truncates w/2^e toward zero instead of rounding to nearest even lands at a weight
     error the statistical threshold accepts; the bytes do not match the rule recorded in porter.json."""
-    from porter import mxfp8
+    from porter.format import mxfp8
     original = mxfp8.quantize_with_error
 
     def truncating(w, rounding="rceil", name="tensor", **kw):

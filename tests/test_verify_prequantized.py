@@ -20,9 +20,9 @@ from click.testing import CliRunner
 
 import porter
 from converters import minimax_m3 as arch
-from porter import mxfp8
 from porter.cli import main
-from porter.verification import verify
+from porter.commands.verify import verify
+from porter.format import mxfp8
 from tensor_checks import same_bytes
 from test_prequantized import (FP8_CONFIG, MXFP8_CONFIG, fp8_block128, load_all, mxfp8_scale_up,
                                requantized_checkpoint)

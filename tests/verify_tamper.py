@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch
 
-from porter.safetensors_io import ST_DTYPES
-from porter.source import read_header, tensor_span
+from porter.format.safetensors_io import ST_DTYPES
+from porter.source.local import read_header, tensor_span
 from tensor_checks import shard_digests
 
 

@@ -8,7 +8,7 @@ place: a worker writes its results with pwrite as soon as they exist, in any ord
 set plus its output bytes from the budget before it starts (budget.py), so memory stays flat with model
 size. Bytes, digests and error statistics do not depend on the worker count or on timing.
 
-Generic over `porter.layout.OutTensor` lists: nothing here knows an architecture. docs/convert.md, "How the
+Generic over `porter.format.layout.OutTensor` lists: nothing here knows an architecture. docs/convert.md, "How the
 engine works", gives the tuning constants' reasons and measurements.
 """
 from porter.engine.budget import default_max_memory, default_workers, memory_estimate, resolve_device

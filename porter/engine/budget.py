@@ -7,13 +7,13 @@ import threading
 
 import torch
 
-from porter import mxfp8, safetensors_io
+from porter.format import mxfp8, safetensors_io
 from porter.cores import available_cores
 from porter.engine.sysio import memory_status
 from porter.engine.units import (COPY_CHUNK_BYTES, SLAB_MAX_BYTES, pinned_slab_bytes, shards_in_flight,
                                  src_bytes, unit_costs, verbatim_source)
 from porter.errors import PorterError
-from porter.layout import OutTensor
+from porter.format.layout import OutTensor
 
 log = logging.getLogger("porter")
 

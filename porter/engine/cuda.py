@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from porter import mxfp8
+from porter.format import mxfp8
 from porter.engine.slabs import Slabs
 
 

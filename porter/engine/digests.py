@@ -5,8 +5,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from porter.digest import CHUNK_HASHES, DEFAULT_DIGEST
-from porter.safetensors_io import chunk_spans, read_chunk_digest, tensor_digest
+from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
+from porter.format.safetensors_io import chunk_spans, read_chunk_digest, tensor_digest
 
 
 class TensorDigest:

@@ -5,10 +5,10 @@ from typing import Optional
 
 import torch
 
-from porter import mxfp8
+from porter.format import mxfp8
 from porter.errors import PorterError
-from porter.layout import OutTensor, scale_name
-from porter.safetensors_io import dtype_name
+from porter.format.layout import OutTensor, scale_name
+from porter.format.safetensors_io import dtype_name
 
 
 class ProduceError(PorterError):

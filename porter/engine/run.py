@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from porter import mxfp8, mxfp8_native
+from porter.format import mxfp8, mxfp8_native
 from porter.cores import available_cores
 from porter.engine.budget import Budget, memory_estimate
 from porter.engine.cuda import CudaQuantizer
@@ -22,8 +22,8 @@ from porter.engine.slabs import Slabs
 from porter.engine.units import (Unit, interleave_shards, pinned_slab_bytes, quant_sizes, shards_in_flight,
                                  src_bytes)
 from porter.engine.writer import ShardWriter
-from porter.layout import OutTensor, scale_name
-from porter.safetensors_io import TensorReader
+from porter.format.layout import OutTensor, scale_name
+from porter.format.safetensors_io import TensorReader
 
 log = logging.getLogger("porter")
 
@@ -119,7 +119,7 @@ class Pipeline:
 
     # -- reads
     def read(self, name: str, index: Optional[int] = None) -> torch.Tensor:
-        pre = self.plan.source.prequantized  # a quantized source weight: dequantized (porter.prequantized)
+        pre = self.plan.source.prequantized  # a quantized source weight: dequantized (porter.format.prequantized)
         if pre is not None and name in pre.scales:
             return pre.dequantize(self.reader.read(name, index), self.reader.read(pre.scales[name], index))
         n = self.reader.nbytes(name, index)
@@ -130,7 +130,7 @@ class Pipeline:
     def read_scale(self, name: str, index: Optional[int] = None) -> torch.Tensor:
         """uint8 [..., K/32] scale bytes that re-quantizing source tensor `name` (or its row `index`) keeps:
         an MXFP8 source weight's own, any other tensor's by the rounding rule. A builder given this reader
-        yields its value's scale rows (builders only pick rows: porter.layout.OutTensor)."""
+        yields its value's scale rows (builders only pick rows: porter.format.layout.OutTensor)."""
         pre = self.plan.source.prequantized
         if name in pre.scales:
             return pre.kept_scale(self.reader.read(pre.scales[name], index))

@@ -7,12 +7,12 @@ from typing import Callable, Optional
 
 import torch
 
-from porter import mxfp8, mxfp8_native
-from porter.layout import OutTensor
-from porter.safetensors_io import SHARD_METADATA, header_bytes
+from porter.format import mxfp8, mxfp8_native
+from porter.format.layout import OutTensor
+from porter.format.safetensors_io import SHARD_METADATA, header_bytes
 
 COPY_CHUNK_BYTES = 64 << 20  # verbatim tensors are copied in ranges of this size
-QUANT_CHUNK_ELEMS = 1 << 20  # elements per CPU quantize call up to 2 workers (porter.mxfp8 tiles them itself)
+QUANT_CHUNK_ELEMS = 1 << 20  # elements per CPU quantize call up to 2 workers (porter.format.mxfp8 tiles them itself)
 MANY_WORKERS_QUANT_ELEMS = 1 << 22  # ... and per call, in one tile, past 2 workers (quant_sizes)
 # Working memory of one CPU quantize call per element, besides its results: 16 bounds the torch path's
 # reference fallback, 9 the C quantizer's statistics plus what the allocator keeps (docs/convert.md).

@@ -12,12 +12,12 @@ from typing import Callable, Optional
 
 import torch
 
-from porter import safetensors_io
+from porter.format import safetensors_io
 from porter.engine.digests import TensorDigest
 from porter.engine.faults import fault_point
 from porter.engine.sysio import start_writeback
 from porter.engine.units import places_of
-from porter.safetensors_io import (SHARD_METADATA, Entry, dtype_name, header_bytes, pwrite_all, shard_digest,
+from porter.format.safetensors_io import (SHARD_METADATA, Entry, dtype_name, header_bytes, pwrite_all, shard_digest,
                                    tensor_bytes)
 
 

@@ -9,8 +9,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from porter import mxfp8
-from porter.layout import scale_name
+from porter.format import mxfp8
+from porter.format.layout import scale_name
 from runtime.kernels import fused, gemv
 
 Getter = Callable[[str], Optional[torch.Tensor]]  # canonical name -> tensor on the device, or None

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from converters.minimax_m3 import TextConfig
-from porter.layout import scale_name
+from porter.format.layout import scale_name
 from runtime.cache import KVCache, LayerCache, Step
 from runtime.generate import generate
 from runtime.kernels import fused, gemv

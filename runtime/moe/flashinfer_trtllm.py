@@ -30,7 +30,7 @@ import importlib.util
 
 import torch
 
-from porter import mxfp8
+from porter.format import mxfp8
 from runtime.moe.contract import TRTLLM_CAPABILITIES, BackendUnavailable, MoeQuantInfo, MoeRouting
 
 EPILOGUE_TILE_M = 128  # MXFP8 uses 128 (flashinfer/fused_moe/prepare.py, vLLM, sglang); DeepSeekFp8 64
@@ -124,7 +124,7 @@ def quantize_activations(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     hidden_states_scale, not swizzled).
 
     On CUDA: flashinfer.mxfp8_quantize(bf16, is_sf_swizzled_layout=False) (its GPU path takes fp16/bf16
-    only). Elsewhere (tests, CPU emulation): porter.mxfp8.quantize_activations, the same rule
+    only). Elsewhere (tests, CPU emulation): porter.format.mxfp8.quantize_activations, the same rule
     (docs/moe-backends.md, "Serving numerics")."""
     if hidden.is_cuda:
         import flashinfer

@@ -1,4 +1,4 @@
-"""Reference MoE backend: dequantize with porter.mxfp8, matmuls per expert. Any device.
+"""Reference MoE backend: dequantize with porter.format.mxfp8, matmuls per expert. Any device.
 
 Only the experts the tokens were routed to are dequantized. For few routed slots (decode: T*k <= E) the
 selected experts are gathered by index and run as one batched matmul, with no host synchronisation, so
@@ -6,13 +6,13 @@ a decode step on this backend can be captured in a CUDA graph; otherwise one mat
 
 numerics="serving" computes what FlashInfer's TRT-LLM MXFP8 kernel computes (docs/moe-backends.md,
 "Serving numerics"): the layer input and the SwiGLU output (after its clamps) are quantized to MXFP8 with
-porter.mxfp8.quantize_activations, GEMMs and the weighted sum run in fp32, the result is cast to the input
+porter.format.mxfp8.quantize_activations, GEMMs and the weighted sum run in fp32, the result is cast to the input
 dtype. It loops over experts (host synchronisation: not capturable in a CUDA graph)."""
 from __future__ import annotations
 
 import torch
 
-from porter import mxfp8
+from porter.format import mxfp8
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, check_numerics, route, swiglu_oai
 
 

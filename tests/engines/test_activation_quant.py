@@ -1,4 +1,4 @@
-"""porter.mxfp8.quantize_activations against the engines' own torch MXFP8 activation quantizers, bit for bit
+"""porter.format.mxfp8.quantize_activations against the engines' own torch MXFP8 activation quantizers, bit for bit
 (CPU): vLLM 0.33.0 `_mxfp8_e4m3_quantize_torch` (vllm/model_executor/layers/quantization/utils/mxfp8_utils.py,
 the fallback of vLLM's `mxfp8_e4m3_quantize` where FlashInfer's kernel is not available) and sglang 0.5.23
 `_mxfp8_e4m3_quantize_torch` (sglang/kernels/ops/quantization/mxfp8_amd_gfx95.py, its reference quantizer).
@@ -16,7 +16,7 @@ from sglang.kernels.ops.quantization.mxfp8_amd_gfx95 import _mxfp8_e4m3_quantize
 from vllm.model_executor.layers.quantization.utils.mxfp8_utils import (
     _mxfp8_e4m3_quantize_torch as vllm_quantize)
 
-from porter import mxfp8
+from porter.format import mxfp8
 
 ENGINES = {"vllm": vllm_quantize, "sglang": sglang_quantize}
 K = 256  # 8 blocks per row

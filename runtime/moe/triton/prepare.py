@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from porter import mxfp8
+from porter.format import mxfp8
 from runtime.moe.triton.config import FP8_BLOCK_K, WMode
 
 log = logging.getLogger("porter.runtime")

@@ -1,23 +1,22 @@
-/* porter.mxfp8's CPU quantization rule in C, for porter.mxfp8_native (compiled on first use with the
- * system C compiler, loaded with ctypes, called with the GIL released).
+/* porter.format.mxfp8's CPU quantization rule in C, for porter.format.mxfp8_native (compiled on first use
+ * with the system C compiler, loaded with ctypes, called with the GIL released).
  *
- * The rule, step for step as porter/mxfp8.py states it:
+ * The rule, step for step as porter/format/mxfp8.py states it:
  *   - block amax over 32 values in fp32 (exact);
  *   - scale byte from amax's bits: rceil k = (bits + 0x1FFFFF) >> 23, floor k = bits >> 23, byte = max(k-8, 0);
  *   - x = w * 2^(127 - byte) in fp32 (exact power-of-two scaling), floor's x clipped to +-448 for the cast;
  *   - round to nearest even onto the e4m3 grid: 3 mantissa bits from 2^-6 up, steps of 2^-9 below;
  *   - per block, in fp32: ||w||^2, ||x - q||^2 and max |x - q| (x unclipped), written out for
- *     porter.mxfp8._error_totals to sum in float64.
+ *     porter.format.mxfp8._error_totals to sum in float64.
  * Written with GCC/Clang vector extensions, LANES lanes of 32 bits: 16 (one AVX-512 register) where the
- * target has AVX-512F, else 8 (one AVX2 register; the compiler splits them where the target is narrower;
- * 16 lanes split into two AVX2 registers ran 3x slower). -DPORTER_LANES=8|16 overrides the choice (the
- * benchmark benchmarks/quantize_native_lanes.py times both). Branch-free within a block; the one branch per block picks the slower
- * rounding only where some value can land among e4m3's subnormals. Blocks go LANES at a time (quantize_group):
- * their amax, amin and three statistics each come out of one transposed reduction over the LANES blocks instead
- * of one tree per block (the same pairs, so the same bits; on one AVX2 core 2.22 vs 1.62 GB/s of bf16); the
- * last nb % LANES blocks go through it too, padded with all-zero blocks. Built without -ffast-math and with
- * -ffp-contract=off: every float operation stays one IEEE operation (no fused multiply-add in the sums),
- * subnormals included.
+ * target has AVX-512F, else 8 (one AVX2 register: 16 lanes split over two narrower registers lose more than
+ * they gain; docs/mxfp8.md). -DPORTER_LANES=8|16 overrides the choice. Branch-free within a block; the one
+ * branch per block picks the slower rounding only where some value can land among e4m3's subnormals.
+ * Blocks go LANES at a time (quantize_group): their amax, amin and three statistics each come out of one
+ * transposed reduction over the LANES blocks instead of one tree per block (the same pairs, so the same
+ * bits, with fewer shuffles); the last nb % LANES blocks go through it too, padded with all-zero blocks.
+ * Built without -ffast-math and with -ffp-contract=off: every float operation stays one IEEE operation
+ * (no fused multiply-add in the sums), subnormals included.
  *
  * porter_mxfp8_quantize returns the number of blocks holding a NaN or an infinity: nothing is to be trusted
  * then, and the caller re-runs the tensor through the torch path, which names it.

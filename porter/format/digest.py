@@ -1,12 +1,12 @@
 """The chunk hashes of porter's shard digests, by the name `porter convert --digest` and porter.json use
-(docs/artifact-format.md, "Digests"): the one table the CLI's choices, porter.safetensors_io's digest rule
-and verify's reading of it all come from."""
+(docs/artifact-format.md, "Digests"): the one table the CLI's choices, porter.format.safetensors_io's digest
+rule and verify's reading of it all come from."""
 import hashlib
 
 import xxhash
 
 # name -> the chunk hash. The tensor and shard roots are sha256 for both: they hash a few digests, not data.
-# xxh3-128 is the default: ~6x sha256's rate on one core (9.1 vs 1.4 GB/s on a 2-core EPYC), the checksum
+# xxh3-128 is the default: a fraction of sha256's CPU cost (docs/artifact-format.md), the checksum
 # rsync uses for files since 3.2; sha256 is for a manifest that is signed or published apart from the shards
 # (a collision can be built for xxh3, not for sha256).
 CHUNK_HASHES = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}

@@ -1,7 +1,7 @@
 """Step 1 of `porter verify`, no model run: the artifact is what porter.json says it is.
 
 Every shard's digest against porter.json, chunks hashed on every core (a mismatch names the changed
-tensor, or the header; porter.safetensors_io.digest_rule);
+tensor, or the header; porter.format.safetensors_io.digest_rule);
 every shard header entry (dtype, shape) against porter.json and the index; scale tensors sane (uint8
 [..., K/32], no byte 255 = E8M0 NaN, no byte 0 on a block with non-zero values); config.json resolved
 field by field against porter.json's resolved_config; the reference's resolved config against it too.
@@ -19,12 +19,12 @@ import torch
 from tqdm import tqdm
 
 from converters import minimax_m3 as arch
-from porter import manifest, mxfp8
-from porter.errors import PorterError
+from porter.commands.verify.verdict import Failure, IntegrityResult, VerifyInputError
 from porter.cores import available_cores
-from porter.digest import CHUNK_HASHES
-from porter.safetensors_io import DTYPE_NAMES, chunk_hash_of, dtype_name, file_digests
-from porter.verification.verdict import Failure, IntegrityResult, VerifyInputError
+from porter.errors import PorterError
+from porter.format import manifest, mxfp8
+from porter.format.digest import CHUNK_HASHES
+from porter.format.safetensors_io import DTYPE_NAMES, chunk_hash_of, dtype_name, file_digests
 
 INDEX = "model.safetensors.index.json"
 _HEADER_DTYPES = {dtype_name(dt): name for dt, name in DTYPE_NAMES.items()}  # porter.json -> header spelling

@@ -3,7 +3,7 @@
 Reading: `parse_header` checks a header against its file (every malformed file is named), `TensorReader`
 reads tensors with pread from any thread (no mmap: file pages never count as the process's RSS).
 Writing: the output header is known up front from the plan, so every tensor's byte range in its shard
-is known and tensors can be written out of order with pwrite (porter.conversion). Shards are written as
+is known and tensors can be written out of order with pwrite (porter.commands.convert). Shards are written as
 `<name>.partial` and renamed only when complete, so a crash never leaves a file that looks finished.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
-from porter.digest import CHUNK_HASH_DOC, CHUNK_HASHES, DEFAULT_DIGEST
 from porter.errors import PorterError
+from porter.format.digest import CHUNK_HASH_DOC, CHUNK_HASHES, DEFAULT_DIGEST
 
 DTYPE_NAMES = {  # torch dtype -> safetensors header dtype
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

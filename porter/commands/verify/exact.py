@@ -1,8 +1,8 @@
 """Step 2 of `porter verify`: re-derive every artifact tensor from the source and compare bytes.
 
 MXFP8 is deterministic, so each quantized tensor is re-quantized from its source (found through verify's
-own mapping table, mapping.py) with porter.mxfp8 and the rule recorded in porter.json, and its e4m3 bytes
-and scale bytes must be identical; mismatches are counted per 32-element block (a block differs when any
+own mapping table, mapping.py) with porter.format.mxfp8 and the rule recorded in porter.json, and its e4m3
+bytes and scale bytes must be identical; mismatches are counted per 32-element block (a block differs when any
 of its 32 value bytes or its scale byte differs), per tensor and per expert. Tensors that were not
 quantized must be bit-identical to their source (same dtype, same bytes). A pre-quantized source is
 compared as the conversion read it (mapping.py): dequantized values, and an MXFP8 source's own scale
@@ -26,11 +26,11 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from porter import mxfp8
-from porter.layout import layer_of
+from porter.format import mxfp8
+from porter.format.layout import layer_of
 from porter.cores import available_cores
-from porter.verification.mapping import ArtifactReader, Derivation, Mapping
-from porter.verification.verdict import ExactResult, TensorCheck
+from porter.commands.verify.mapping import ArtifactReader, Derivation, Mapping
+from porter.commands.verify.verdict import ExactResult, TensorCheck
 
 log = logging.getLogger("porter")
 

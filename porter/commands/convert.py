@@ -23,13 +23,15 @@ import torch
 from tqdm import tqdm
 
 from converters import minimax_m3 as arch
-from porter import engine, manifest, mxfp8, output_guard
+from porter import engine
+from porter.format import manifest, mxfp8
+from porter.engine import output_guard
 from porter.cores import available_cores
 from porter.errors import PorterError
-from porter.layout import OutTensor, scale_name
+from porter.format.layout import OutTensor, scale_name
 from porter.engine import fault_point
-from porter.digest import CHUNK_HASHES, DEFAULT_DIGEST
-from porter.safetensors_io import (Entry, MalformedSafetensors, atomic_write_text, digest_rule, file_digests,
+from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
+from porter.format.safetensors_io import (Entry, MalformedSafetensors, atomic_write_text, digest_rule, file_digests,
                                    header_bytes, SHARD_METADATA)
 from porter.source import INDEX_NAME, Source, open_source
 from porter.version import __version__
@@ -67,7 +69,7 @@ class Plan:
     shards: list  # [(file name, [Entry, ...])]
     options: dict
     shard_of: dict = field(default_factory=dict)  # entry name -> file name
-    digest: str = DEFAULT_DIGEST  # the chunk hash of the digest rule (porter.digest.CHUNK_HASHES)
+    digest: str = DEFAULT_DIGEST  # the chunk hash of the digest rule (porter.format.digest.CHUNK_HASHES)
 
     @property
     def output_bytes(self) -> int:
@@ -362,7 +364,7 @@ def _produce(plan: Plan, out: Path, done: dict, progress: bool, workers: int, ma
 
 def _reuse_freed_memory() -> None:
     """glibc hands every multi-MB temporary its own mmap and unmaps it on free, so each quantized part
-    page-faults its memory in again (measured: a third of the conversion's CPU time was kernel time).
+    page-faults its memory in again, spending the conversion's CPU time in the kernel.
     Raising the mmap/trim thresholds keeps freed blocks in the heap for reuse; the working set (one
     expert's temporaries per worker) is what stays resident. No-op where glibc's mallopt is unavailable."""
     import ctypes
@@ -372,8 +374,8 @@ def _reuse_freed_memory() -> None:
     mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: chunk temporaries (< 32 MiB) from the heap; whole
     # expert reads (38 MB and up) mapped and unmapped, so they cannot fragment the heap
     mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD: keep up to 128 MiB of freed heap per arena for reuse
-    mallopt(-8, 2)  # M_ARENA_MAX: workers share 2 arenas (one each would keep its own freed memory:
-    # measured +2 GB of RSS at 16 workers on an 8 GB checkpoint vs 2 GB)
+    mallopt(-8, 2)  # M_ARENA_MAX: workers share 2 arenas (one arena each would keep its own freed memory,
+    # GBs of RSS with many workers)
 
 
 def _finish(plan: Plan, out: Path, stats: dict) -> float:

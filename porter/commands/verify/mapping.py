@@ -15,8 +15,8 @@ expert_slice_interleaved (source[E] rows gate0, up0, gate1, … -> [gate; up]) |
 the name: one expert's 2-D weight) | index_w1 / index_w3 (the gate / up rows of source[E]), + _interleaved.
 Stacked artifact tensors ([E, N, K]) are derived expert by expert by the expert_* ops.
 
-A pre-quantized source (MXFP8 or block FP8, porter.prequantized) is read the way the conversion read it:
-each quantized weight dequantized when read (its scale tensor is consumed, not mapped). Where the
+A pre-quantized source (MXFP8 or block FP8, porter.format.prequantized) is read the way the conversion read
+it: each quantized weight dequantized when read (its scale tensor is consumed, not mapped). Where the
 conversion kept an MXFP8 source's scale bytes (porter.json options.source_quantization.scale_bytes),
 Derivation.kept gives those bytes for the re-quantization: "kept-rows" — every op applied to the source
 scale rows as to the value rows (a scale row belongs to its value row), rows of an unquantized source by
@@ -33,10 +33,10 @@ from typing import Callable, Optional
 import torch
 from safetensors import safe_open
 
-from porter import mxfp8
-from porter.layout import HF_LAYOUT_PREFIX
-from porter.safetensors_io import ST_DTYPES, nbytes
-from porter.source import read_header, weight_files
+from porter.format import mxfp8
+from porter.format.layout import HF_LAYOUT_PREFIX
+from porter.format.safetensors_io import ST_DTYPES, nbytes
+from porter.source.local import read_header, weight_files
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,8 @@ STACKED = re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.(w13|w2)_w
 class SourceShards:
     """A checkpoint's safetensors shards, read by the tensors' own names (no renaming, no plan).
 
-    scheme (porter.prequantized.Scheme, None for a bf16 checkpoint): its quantized weights are listed in
-    `meta` as their dequantized dtype and dequantized by read(); their scale tensors are not listed.
+    scheme (porter.format.prequantized.Scheme, None for a bf16 checkpoint): its quantized weights are listed
+    in `meta` as their dequantized dtype and dequantized by read(); their scale tensors are not listed.
     keep_scales: the recorded scale_bytes rule, "kept-rows" or "kept" (None: no scale bytes were kept);
     kept_scale() gives an MXFP8 weight's scale bytes (the conversion re-quantized with them)."""
 
@@ -264,7 +264,7 @@ class ArtifactReader:
     HF_PREFIX = HF_LAYOUT_PREFIX
 
     def __init__(self, art: Path, man: dict):
-        from porter.verification.verdict import VerifyInputError
+        from porter.commands.verify.verdict import VerifyInputError
         self.layout = man.get("options", {}).get("layout", "porter")
         if self.layout not in self.LAYOUTS:
             raise VerifyInputError(f"{art}: artifact layout {self.layout!r} (porter.json options.layout) cannot be "

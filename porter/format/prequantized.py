@@ -19,9 +19,9 @@ from typing import Optional
 
 import torch
 
-from porter import mxfp8
 from porter.errors import PorterError
-from porter.safetensors_io import dtype_name
+from porter.format import mxfp8
+from porter.format.safetensors_io import dtype_name
 
 SCALE_SUFFIX = ".weight_scale_inv"
 DEQUANTIZED_DTYPE = torch.bfloat16

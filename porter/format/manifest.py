@@ -9,15 +9,15 @@ import json
 import time
 from pathlib import Path
 
-from porter import mxfp8
 from porter.errors import PorterError
-from porter.layout import ignored_layers
-from porter.safetensors_io import SHARD_METADATA, atomic_write_text, digest_rule, header_bytes
+from porter.format import mxfp8
+from porter.format.layout import ignored_layers
+from porter.format.safetensors_io import SHARD_METADATA, atomic_write_text, digest_rule, header_bytes
 from porter.version import __version__
 
 MANIFEST = "porter.json"
 FORMAT = "porter-mxfp8"
-FORMAT_VERSION = 2  # 2: chunked digests (porter.safetensors_io.digest_rule); 1 had whole-file sha256s
+FORMAT_VERSION = 2  # 2: chunked digests (porter.format.safetensors_io.digest_rule); 1 had whole-file sha256s
 
 
 class ManifestError(PorterError, ValueError):
@@ -48,7 +48,7 @@ def quantization_config(plan) -> dict:
 
 def write(out: Path, plan, stats: dict, shard_digests: dict, before_rename=None) -> None:
     """porter.json, atomically (temp file + rename; `before_rename` runs in between).
-    shard_digests: {file: {"header_sha256", "digest"}} (porter.safetensors_io.digest_rule).
+    shard_digests: {file: {"header_sha256", "digest"}} (porter.format.safetensors_io.digest_rule).
     plan: the conversion plan — `source`, `config` (resolved, with `to_dict()` and `provenance`),
     `architecture_facts` ({"architecture": name, ...more top-level records}), `options`, `shards`, `digest`."""
     src, cfg = plan.source, plan.config

@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from porter.verification.numerics import kl_per_position
-from porter.verification.verdict import GenerationRow, VerifyInputError
+from porter.commands.verify.numerics import kl_per_position
+from porter.commands.verify.verdict import GenerationRow, VerifyInputError
 
 log = logging.getLogger("porter")
 

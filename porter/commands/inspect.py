@@ -14,12 +14,13 @@ from collections import Counter
 from pathlib import Path
 
 from converters import minimax_m3 as arch
-from porter import manifest as manifest_mod
-from porter import prequantized
 from porter.errors import PorterError
-from porter.layout import HF_LAYOUT_PREFIX
-from porter.safetensors_io import ST_DTYPES, nbytes
-from porter.source import INDEX_NAME, read_header, weight_files
+from porter.format import manifest as manifest_mod
+from porter.format import prequantized
+from porter.format.layout import HF_LAYOUT_PREFIX
+from porter.format.safetensors_io import ST_DTYPES, nbytes
+from porter.source import INDEX_NAME
+from porter.source.local import read_header, weight_files
 
 WORST = 10
 _SCALE = re.compile(r"(\.weight|_weight)_scale(_inv)?$")

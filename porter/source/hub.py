@@ -9,7 +9,7 @@ import json
 import logging
 from pathlib import Path
 
-from porter.source import INDEX_NAME, PICKLE_SUFFIXES, SourceError
+from porter.source.local import INDEX_NAME, PICKLE_SUFFIXES, SourceError, read_header
 
 log = logging.getLogger("porter")
 
@@ -99,7 +99,6 @@ def headers_only(repo_id: str, revision=None) -> tuple[Path, str, dict]:
     commit = meta_dir.name
     local = sorted(meta_dir.glob("*.safetensors"))
     if local:  # already fully cached
-        from porter.source import read_header
         return meta_dir, commit, {f.name: read_header(f) for f in local}
     try:
         info = get_safetensors_metadata(repo_id, revision=commit)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from porter.verification.verdict import LogitStats
+from porter.commands.verify.verdict import LogitStats
 
 
 class Acc:

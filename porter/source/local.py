@@ -1,6 +1,6 @@
-"""Read a source checkpoint: local dir or Hugging Face repo id, safetensors only, lazily.
+"""Read a local checkpoint folder: safetensors only, lazily.
 
-Format layer (docs/architecture.md): this module knows safetensors and Hugging Face checkpoint folders,
+Source layer (docs/architecture.md): this module knows safetensors and Hugging Face checkpoint folders,
 not any architecture. It hands its caller the raw config.json and every tensor's dtype and shape from the
 shard headers; resolving that config is the architecture's job (converters/<arch>.py).
 Never unpickles: a checkpoint that has only `*.bin` / `*.pt` weights is refused.
@@ -16,15 +16,14 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
-from porter import prequantized
-from porter.safetensors_io import ST_DTYPES, nbytes, parse_header
 from porter.errors import PorterError
+from porter.format import prequantized
+from porter.format.safetensors_io import ST_DTYPES, nbytes, parse_header
 
 log = logging.getLogger("porter")
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 INDEX_NAME = "model.safetensors.index.json"
-
 
 
 class SourceError(PorterError, ValueError):
@@ -41,8 +40,8 @@ class Source:
     files: dict  # tensor name -> shard Path
     repo_id: Optional[str] = None
     commit: Optional[str] = None
-    # a pre-quantized source (porter.prequantized.Scheme): its quantized weights are listed in `meta` as
-    # bfloat16 and dequantized by read(); their scale tensors are not listed
+    # a pre-quantized source (porter.format.prequantized.Scheme): its quantized weights are listed in `meta`
+    # as bfloat16 and dequantized by read(); their scale tensors are not listed
     prequantized: Optional[object] = None
     # tensor name -> (shard Path, absolute data offset, stored dtype, shape) for every stored tensor (scales
     # included), from the headers open_local parsed; empty for headers fetched without the shards
@@ -92,7 +91,7 @@ class Source:
 def read_header(path: Path) -> dict:
     """The JSON header of a safetensors file (no tensor data read), validated against the file size: a
     truncated file, broken JSON, offsets that disagree with the file or an unknown dtype is an error naming
-    the file (porter.safetensors_io.parse_header)."""
+    the file (porter.format.safetensors_io.parse_header)."""
     return parse_header(path)[1]
 
 
@@ -174,19 +173,3 @@ def open_local(path: Path, repo_id: Optional[str] = None, commit: Optional[str] 
         meta = scheme.adopt(meta, str(path))
         log.info("source is pre-quantized: %s; dequantized tensor by tensor", scheme.describe())
     return Source(path, raw, meta, files, repo_id=repo_id, commit=commit, prequantized=scheme, spans=spans)
-
-
-def open_source(source: str | Path, revision: Optional[str] = None, headers_only: bool = False) -> Source:
-    """A local dir, or a Hugging Face repo id resolved through the hub cache (porter.hub).
-    headers_only: for a repo id, fetch only metadata and shard headers (enough to plan a --dry-run)."""
-    p = Path(source).expanduser()
-    if p.exists():
-        return open_local(p)
-    if str(source).startswith((".", "/", "~")) or str(source).count("/") != 1:
-        raise SourceError(f"{source}: no such directory, and not a Hugging Face repo id (owner/name)")
-    from porter import hub
-    if headers_only:
-        path, commit, headers = hub.headers_only(str(source), revision)
-        return open_local(path, repo_id=str(source), commit=commit, headers=headers)
-    path, commit = hub.download(str(source), revision)
-    return open_local(path, repo_id=str(source), commit=commit)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from porter.verification.verdict import Report
+from porter.commands.verify.verdict import Report
 
 log = logging.getLogger("porter")
 
@@ -88,6 +88,6 @@ def write_outputs(rep: Report, report_path, plot_path) -> None:
         rep.write_json(report_path)
         log.info("verify: JSON report written to %s", report_path)
     if plot_path is not None and rep.layers:
-        from porter.plot import write_plot
+        from porter.commands.verify.plot import write_plot
         write_plot(rep.to_dict(), plot_path)
         log.info("verify: per-layer plot written to %s", plot_path)

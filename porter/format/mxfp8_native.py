@@ -1,17 +1,16 @@
-"""porter.mxfp8's CPU quantizer as one C function (porter/mxfp8_cpu.c), compiled on first use.
+"""porter.format.mxfp8's CPU quantizer as one C function (mxfp8_cpu.c beside this file), built on first use.
 
-Why: on the CPU, quantize_with_error as torch ops costs ~20 passes over every tile (the fp32 -> e4m3 cast
-alone is a scalar loop), 0.46 GB/s of bf16 per core; the C loop reads each value once and runs with the GIL
-released, so conversion workers scale with cores: 2.7-3.8x the torch path's rate on one core, 5.5 against
-0.27 GB/s over 16 threads (benchmarks/results/convert_round9.md).
+Why: as torch ops the rule makes ~20 passes over every tile (the fp32 -> e4m3 cast alone is a scalar loop);
+the C loop reads each value once with the GIL released, so conversion workers scale with cores
+(rates: docs/mxfp8.md).
 
 How: the system C compiler (`$CC`, else `cc`) builds the file once per machine into porter's cache
-(`$PORTER_CACHE_DIR`, else `$XDG_CACHE_HOME/porter`, else `~/.cache/porter`), keyed by the source, the
-compiler and the CPU's flags (it is built with -march=native); ctypes loads it. Only porter's own source is
-ever compiled. No compiler, a failed build or PORTER_CPU_QUANTIZE=torch: the torch path runs instead, with
-the same bytes (tests/test_mxfp8_native.py checks every bf16 value under many scales, both roundings) and the
-same statistics up to the order of each block's 32-term fp32 sums (the C loop's order is fixed, torch's
-follows its SIMD width).
+(`$PORTER_CACHE_DIR`, else `$XDG_CACHE_HOME/porter`, else `~/.cache/porter`; read when the quantizer is first
+needed), keyed by the source, the compiler and the CPU's flags (it is built with -march=native); ctypes loads
+it. Only porter's own source is ever compiled. No compiler or a failed build: porter.format.mxfp8's torch
+path runs instead, with the same bytes (tests/test_mxfp8_native.py checks every bf16 value under many scales,
+both roundings) and the same statistics up to the order of each block's 32-term fp32 sums (the C loop's order
+is fixed, torch's follows its SIMD width).
 
 Inputs it takes: contiguous CPU bf16 or fp32 with K % 32 == 0 and no kept scale bytes. A tensor holding a
 NaN or an infinity comes back as None, for the torch path to refuse with its message.
@@ -33,11 +32,10 @@ from typing import Optional
 
 import torch
 
-from porter.mxfp8 import BLOCK
-
 log = logging.getLogger("porter")
 
 SOURCE = Path(__file__).with_name("mxfp8_cpu.c")
+BLOCK = 32  # elements per scale byte: the C source's BLOCK (the MX block of porter.format.mxfp8)
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off")
 FALLBACK_FLAGS = tuple(f for f in FLAGS if f != "-march=native")  # a compiler without -march=native
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # the dtypes it takes -> the C function's dtype code
@@ -45,11 +43,8 @@ _state = {"fn": None, "tried": False, "why": ""}
 _lock = threading.Lock()
 
 
-def enabled() -> bool:
-    return os.environ.get("PORTER_CPU_QUANTIZE", "native") != "torch"
-
-
 def _cache_dir() -> Path:
+    """porter's cache folder: $PORTER_CACHE_DIR (a user setting), else the XDG cache."""
     if os.environ.get("PORTER_CACHE_DIR"):
         return Path(os.environ["PORTER_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -132,8 +127,6 @@ def _load():
 
 def function():
     """The C function, or None (why: reason())."""
-    if not enabled():
-        return None
     if not _state["tried"]:
         with _lock:
             if not _state["tried"]:
@@ -148,7 +141,7 @@ def function():
 
 
 def reason() -> str:
-    return "disabled by PORTER_CPU_QUANTIZE=torch" if not enabled() else _state["why"]
+    return _state["why"]
 
 
 def takes(dtype: torch.dtype, last_dim: int) -> bool:

@@ -6,10 +6,10 @@ from typing import Optional
 
 import torch
 
-from porter import manifest as manifest_mod
-from porter import prequantized
+from porter.commands.verify.verdict import VerifyInputError
 from porter.errors import PorterError
-from porter.verification.verdict import VerifyInputError
+from porter.format import manifest as manifest_mod
+from porter.format import prequantized
 
 DEFAULT_PROMPT = ("The quick brown fox jumps over the lazy dog. MiniMax-M3 is a mixture of experts language "
                   "model: each token is routed to a few experts, and a shared expert sees every token.")
@@ -60,10 +60,11 @@ def _layout(p: Path) -> Optional[str]:
 
 
 def source_quantization(man: dict, raw: dict, ref_path: Path) -> tuple[Optional[prequantized.Scheme], Optional[str]]:
-    """(scheme, keep_scales): how to read the reference — its quantization (porter.prequantized, from its
-    config.json), which must be the one porter.json records the artifact was converted from
+    """(scheme, keep_scales): how to read the reference — its quantization (porter.format.prequantized, from
+    its config.json), which must be the one porter.json records the artifact was converted from
     (options.source_quantization, absent for a bf16 source); keep_scales: which MXFP8 scale bytes were
-    kept (the recorded scale_bytes "kept-rows" or "kept": porter.verification.mapping.SourceShards), or None."""
+    kept (the recorded scale_bytes "kept-rows" or "kept": porter.commands.verify.mapping.SourceShards), or
+    None."""
     try:
         scheme = prequantized.detect(raw, ref_path / "config.json")
     except PorterError as e:
@@ -85,7 +86,7 @@ def source_quantization(man: dict, raw: dict, ref_path: Path) -> tuple[Optional[
 
 
 def _from_hub(repo_id: str, commit: Optional[str]) -> Path:
-    from porter import hub
+    from porter.source import hub
     try:
         return hub.download(repo_id, commit)[0]
     except PorterError as e:
@@ -113,6 +114,6 @@ def encode_prompts(tok, prompts: list[str]) -> list[torch.Tensor]:
 
 def check_plot_path(plot) -> None:
     if plot is not None and str(plot).lower().endswith(".png"):
-        from porter.plot import png_available
+        from porter.commands.verify.plot import png_available
         if not png_available():
             raise VerifyInputError(f"{plot}: PNG needs matplotlib (not installed); use an .svg path")

@@ -25,7 +25,7 @@ from porter.errors import PorterError
 log = logging.getLogger("porter")
 
 LOCK_NAME = ".porter.lock"
-MANIFEST = "porter.json"  # porter.manifest.MANIFEST (not imported: this module stays import-light)
+MANIFEST = "porter.json"  # porter.format.manifest.MANIFEST (not imported: this module stays import-light)
 MANIFEST_FORMAT = "porter-mxfp8"
 INDEX = "model.safetensors.index.json"
 FIXED_FILES = ("config.json", MANIFEST, INDEX)  # every conversion writes these (each via a .tmp file)

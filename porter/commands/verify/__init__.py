@@ -6,8 +6,8 @@
 Steps (one module each; what each proves and what it does not: docs/verify.md):
 1. integrity.py — the files are what porter.json says (chunked digests, headers, index, scales, config).
 2. exact.py — every tensor re-derived from the source through verify's own mapping table (mapping.py)
-   and porter.mxfp8 with the recorded rule: bytes identical, carried tensors bit-identical; weight error
-   as a second opinion.
+   and porter.format.mxfp8 with the recorded rule: bytes identical, carried tensors bit-identical; weight
+   error as a second opinion.
 3. generation.py + numerics.py — the converted model generates; one teacher-forced pass of both models
    (same runtime) gives per-layer agreement, logits agreement and the continuation's scores.
 4. verdict.py — thresholds, failures, the report (report.py: table, JSON, plot).
@@ -27,18 +27,19 @@ from typing import Optional
 import torch
 
 from converters import minimax_m3 as arch
+from porter.commands.verify import generation as gen
+from porter.commands.verify.exact import rederive
+from porter.commands.verify.inputs import (DEFAULT_PROMPT, check_plot_path, encode_prompts, open_artifact,
+                                           reference_path, source_quantization, tokenizer)
+from porter.commands.verify.integrity import check_integrity
+from porter.commands.verify.mapping import ArtifactReader, Mapping, ReferenceStore, SourceShards
+from porter.commands.verify.numerics import compare_models
+from porter.commands.verify.report import format_table, write_outputs
+from porter.commands.verify.verdict import (SCOPE_DEFAULTS, Failure, LayerRow, Report, StreamingInfo,
+                                            Thresholds, VerifyInputError, VerifyResult, conclude, judge_exact,
+                                            judge_numerics)
 from porter.errors import PorterError
-from porter.safetensors_io import dtype_name
-from porter.verification import generation as gen
-from porter.verification.exact import rederive
-from porter.verification.inputs import (DEFAULT_PROMPT, check_plot_path, encode_prompts, open_artifact,
-                                        reference_path, source_quantization, tokenizer)
-from porter.verification.integrity import check_integrity
-from porter.verification.mapping import ArtifactReader, Mapping, ReferenceStore, SourceShards
-from porter.verification.numerics import compare_models
-from porter.verification.report import format_table, write_outputs
-from porter.verification.verdict import (SCOPE_DEFAULTS, Failure, LayerRow, Report, StreamingInfo, Thresholds,
-                                         VerifyInputError, VerifyResult, conclude, judge_exact, judge_numerics)
+from porter.format.safetensors_io import dtype_name
 
 __all__ = ["verify", "Thresholds", "VerifyResult", "VerifyInputError", "Report", "Failure", "DEFAULT_PROMPT",
            "SCOPE_DEFAULTS", "format_table"]
@@ -55,7 +56,7 @@ class _Inputs:
     ref_config: object
     tok: object
     device: torch.device
-    source_quantization: tuple = (None, None)  # (porter.prequantized.Scheme or None, kept MXFP8 scales rule)
+    source_quantization: tuple = (None, None)  # (prequantized.Scheme or None, kept MXFP8 scales rule)
 
 
 def verify(artifact, prompts=None, reference=None, backend: str = "auto", device="cpu",

@@ -1,0 +1,1 @@
+"""What the CLI runs: convert, verify and inspect (siblings: none imports another)."""

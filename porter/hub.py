@@ -9,7 +9,8 @@ import json
 import logging
 from pathlib import Path
 
-from porter.source import INDEX_NAME, PICKLE_SUFFIXES, SourceError
+from porter.errors import SourceError
+from porter.source import INDEX_NAME, PICKLE_SUFFIXES
 
 log = logging.getLogger("porter")
 

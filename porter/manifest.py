@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from porter import mxfp8
-from porter.errors import PorterError
+from porter.errors import ManifestError
 from porter.layout import ignored_layers
 from porter.pipeline import SHARD_METADATA
 from porter.safetensors_io import atomic_write_text, digest_rule, header_bytes
@@ -19,10 +19,6 @@ from porter.version import __version__
 MANIFEST = "porter.json"
 FORMAT = "porter-mxfp8"
 FORMAT_VERSION = 2  # 2: chunked digests (porter.safetensors_io.digest_rule); 1 had whole-file sha256s
-
-
-class ManifestError(PorterError, ValueError):
-    """porter.json is missing, not JSON, or not a porter artifact manifest (the message names the file)."""
 
 
 def quantization_config(plan) -> dict:

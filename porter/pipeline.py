@@ -31,7 +31,7 @@ import torch
 
 from porter import mxfp8, mxfp8_native, safetensors_io
 from porter.digest import CHUNK_HASHES, DEFAULT_DIGEST
-from porter.errors import PorterError
+from porter.errors import PorterError, ProduceError
 from porter.layout import OutTensor, scale_name
 from porter.safetensors_io import (Entry, TensorReader, chunk_spans, dtype_name, header_bytes, pwrite_all,
                                    read_chunk_digest, shard_digest, tensor_bytes, tensor_digest)
@@ -80,10 +80,6 @@ WRITEBACK = "thread"
 # 600 MiB, --dry-run's estimate was 1.31-1.56x the measured peak over the 63 GPU conversions recorded in rounds
 # 15-16 (benchmarks/results/convert_round1[56]_*.json); 200 MiB less puts those runs at 1.14-1.49x.
 CUDA_CONTEXT_BYTES = 400 << 20
-
-
-class ProduceError(PorterError):
-    """A source tensor does not hold what the plan expects (the message names it)."""
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -18,17 +18,13 @@ from safetensors import safe_open
 
 from porter import prequantized
 from porter.safetensors_io import ST_DTYPES, nbytes, parse_header
-from porter.errors import PorterError
+from porter.errors import SourceError
 
 log = logging.getLogger("porter")
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 INDEX_NAME = "model.safetensors.index.json"
 
-
-
-class SourceError(PorterError, ValueError):
-    """The source cannot be used (the message names the file and what to do)."""
 
 
 @dataclass

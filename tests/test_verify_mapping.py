@@ -14,12 +14,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import converters
 import porter
-from converters import minimax_m3 as arch
 from porter.cli import main
 from porter.source import read_header
 from porter.verification import verify
 from verify_tamper import copy_artifact, reseal_shard
+
+arch = converters.get("minimax_m3_vl")  # the MiniMax-M3 converter
 
 LAYER = 2
 W13 = f"model.layers.{LAYER}.block_sparse_moe.experts.w13_weight"

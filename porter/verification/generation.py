@@ -16,8 +16,9 @@ from typing import Optional
 
 import torch
 
+from porter.errors import VerifyInputError
 from porter.verification.numerics import kl_per_position
-from porter.verification.verdict import GenerationRow, VerifyInputError
+from porter.verification.verdict import GenerationRow
 
 log = logging.getLogger("porter")
 

@@ -8,8 +8,7 @@ import torch
 
 from porter import manifest as manifest_mod
 from porter import prequantized
-from porter.errors import PorterError
-from porter.verification.verdict import VerifyInputError
+from porter.errors import PorterError, VerifyInputError
 
 DEFAULT_PROMPT = ("The quick brown fox jumps over the lazy dog. MiniMax-M3 is a mixture of experts language "
                   "model: each token is routed to a few experts, and a shared expert sees every token.")

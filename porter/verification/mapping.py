@@ -264,7 +264,7 @@ class ArtifactReader:
     HF_PREFIX = HF_LAYOUT_PREFIX
 
     def __init__(self, art: Path, man: dict):
-        from porter.verification.verdict import VerifyInputError
+        from porter.errors import VerifyInputError
         self.layout = man.get("options", {}).get("layout", "porter")
         if self.layout not in self.LAYOUTS:
             raise VerifyInputError(f"{art}: artifact layout {self.layout!r} (porter.json options.layout) cannot be "

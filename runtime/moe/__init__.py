@@ -12,17 +12,13 @@ import logging
 import torch
 
 from runtime.moe.contract import MoeQuantInfo, MoeRouting
-from porter.errors import PorterError
+from porter.errors import BackendUnavailable
 
 log = logging.getLogger("porter.runtime")
 
 BACKENDS = ("auto", "torch", "triton", "flashinfer-trtllm")
 TRTLLM_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 HOPPER = (9, 0)
-
-
-class BackendUnavailable(PorterError, RuntimeError):
-    """The requested MoE backend cannot run here (the message names the device/package and what to do)."""
 
 
 def _backend_class(name: str):

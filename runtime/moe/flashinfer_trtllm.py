@@ -31,7 +31,8 @@ import importlib.util
 import torch
 
 from porter import mxfp8
-from runtime.moe import TRTLLM_CAPABILITIES, BackendUnavailable
+from porter.errors import BackendUnavailable
+from runtime.moe import TRTLLM_CAPABILITIES
 from runtime.moe.contract import MoeQuantInfo, MoeRouting
 
 EPILOGUE_TILE_M = 128  # MXFP8 uses 128 (flashinfer/fused_moe/prepare.py, vLLM, sglang); DeepSeekFp8 64

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from porter import mxfp8
+from porter.errors import BackendUnavailable
 from runtime.fused import next_pow2
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, route
 
@@ -555,7 +556,6 @@ class TritonMoE:
 
     @classmethod
     def check_supported(cls, device: torch.device) -> None:
-        from runtime.moe import BackendUnavailable  # lazy: runtime.moe imports this module
         device = torch.device(device)
         if device.type != "cuda":
             raise BackendUnavailable(f"triton MoE backend needs a CUDA device with capability >= 8.0 "
@@ -575,7 +575,6 @@ class TritonMoE:
     def __init__(self, quant: MoeQuantInfo, routing: MoeRouting):
         quant.validate()
         if not quant.is_mxfp8:
-            from runtime.moe import BackendUnavailable  # lazy: runtime.moe imports this module
             raise BackendUnavailable("triton MoE backend runs MXFP8 weights only (float8_e4m3fn + uint8 "
                                      "UE8M0 scales); these weights are unquantized: use backend='torch'")
         self.check_supported(quant.w13_weight.device)

@@ -6,7 +6,7 @@ layout (layer 0 with embed/head/norm in shard 1, layers 1-2 in shard 2, layer l 
 vendor config.json and an index. Every shard is a real safetensors header followed by a hole: ~850 GB
 logical, no disk used, and reading it costs no disk I/O (the data is zeros). The tensor list and shard
 layout are the BF16 release's (MiniMaxAI/MiniMax-M3 on the Hugging Face Hub: 59 shards, 23,416 tensors,
-795.5 GiB; its model.safetensors.index.json), the names those of converters/minimax_m3.py's vendor layout.
+795.5 GiB; its model.safetensors.index.json), the names those of the MiniMax-M3 converter's vendor layout.
 
 Then, in child processes:
 1. `porter convert --dry-run`: wall time and the memory estimate;

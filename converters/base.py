@@ -91,7 +91,8 @@ class Converter(Protocol):
 
 def protocol_members(proto: type = Converter) -> dict:
     """{name: "function" | "constant"} for every member of a protocol class."""
-    functions = {n: "function" for n, v in vars(proto).items() if inspect.isfunction(v) and not n.startswith("_")}
+    functions = {n: "function" for n, v in vars(proto).items()
+                 if inspect.isfunction(v) and not n.startswith("_")}
     constants = {n: "constant" for n in proto.__annotations__}
     return {**constants, **functions}
 

@@ -25,7 +25,7 @@ from tqdm import tqdm
 import converters
 from converters.base import ResolvedConfig
 from porter import manifest, mxfp8, pipeline
-from porter.errors import ConvertError, MalformedSafetensors, PorterError
+from porter.errors import ConvertError, MalformedSafetensors
 from porter.layout import OutTensor, scale_name
 from porter.pipeline import fault_point
 from porter.digest import CHUNK_HASHES, DEFAULT_DIGEST

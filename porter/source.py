@@ -2,7 +2,7 @@
 
 Format layer (docs/architecture.md): this module knows safetensors and Hugging Face checkpoint folders,
 not any architecture. It hands its caller the raw config.json and every tensor's dtype and shape from the
-shard headers; resolving that config is the architecture's job (converters/<arch>.py).
+shard headers; resolving that config is the architecture's job (its converter: converters.for_config).
 Never unpickles: a checkpoint that has only `*.bin` / `*.pt` weights is refused.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
     cli (porter.cli, the porter package's API)
       > conversion | verification | inspect      (siblings: none imports another)
       > runtime
-      > converters                               (one file per architecture)
+      > converters                               (the registry, one package per architecture)
       > format (porter.mxfp8, safetensors_io, source, manifest, layout, errors, hub, plot, ...)
 
 A module may import its own layer or any layer below, never one above. Imports inside functions count.

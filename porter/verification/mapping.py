@@ -1,8 +1,8 @@
 """Where each artifact tensor comes from, written independently of the converter's plan.
 
-`porter convert` plans its output in converters/minimax_m3.py; if verify asked that plan where a tensor
-came from, a layout bug (gate/up reversed, experts permuted, w2 transposed) would be on both sides of
-every comparison. So verify keeps its own small declarative table per source layout, reads source
+`porter convert` plans its output in the converter (converters/minimax_m3/plan.py); if verify asked that
+plan where a tensor came from, a layout bug (gate/up reversed, experts permuted, w2 transposed) would be
+on both sides of every comparison. So verify keeps its own small declarative table per source layout, reads source
 tensors by their own names straight from the safetensors shards, and derives every artifact tensor
 (expert by expert) from them. A rule is (artifact-name regex, source-name templates, op); the first rule
 whose regex matches and whose source tensors all exist is used. Templates: {m} the model root

@@ -1,0 +1,58 @@
+"""Architecture converters, and the registry that picks one from config.json's `model_type`.
+
+A converter is a module under converters/ providing the `converters.base.Converter` protocol (config
+resolution, the output plan, tensor names, the hf layout). `MODEL_TYPES` maps each model_type porter
+reads to its converter module's name, imported on first use (as mlx-lm's MODEL_REMAPPING or llama.cpp's
+TEXT_MODEL_MAP). Callers never import a converter module directly:
+
+    conv = converters.for_config(raw_config)
+    cfg = conv.resolve_config(raw_config)
+
+Adding an architecture: docs/architecture.md.
+"""
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+
+from converters.base import Converter, conformance_problems
+from porter.errors import ConfigError
+
+# config.json model_type -> converter module under converters/.
+# MiniMax-M3: the vendor VL wrapper (text model in `text_config`), transformers' text-only layout, and
+# the vendor text_config's own model_type, which a bare text config carries at the top level.
+MODEL_TYPES = {
+    "minimax_m3_vl": "minimax_m3",
+    "minimax_m3_vl_text": "minimax_m3",
+    "minimax_m3": "minimax_m3",
+}
+
+
+def supported() -> tuple[str, ...]:
+    """Every model_type porter converts, sorted."""
+    return tuple(sorted(MODEL_TYPES))
+
+
+def get(model_type, where: str = "config.json") -> Converter:
+    """The converter of `model_type`; ConfigError (naming it and the supported ones) if there is none."""
+    module = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+    if module is None:
+        raise ConfigError(f"{where}: model_type {model_type!r} is not an architecture porter converts "
+                          f"(supported: {', '.join(supported())})")
+    return _load(module)
+
+
+def for_config(raw, where: str = "config.json") -> Converter:
+    """The converter for a raw config.json dict, by its top-level `model_type`."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must hold a JSON object")
+    return get(raw.get("model_type"), where)
+
+
+@lru_cache(maxsize=None)
+def _load(module: str) -> Converter:
+    converter = importlib.import_module(f"converters.{module}")
+    problems = conformance_problems(converter)
+    if problems:  # a porter bug, not bad input: the module under converters/ is incomplete
+        raise TypeError(f"converters.{module} does not provide the Converter protocol: {'; '.join(problems)}")
+    return converter

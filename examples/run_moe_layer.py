@@ -17,7 +17,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from converters import minimax_m3 as arch  # noqa: E402
 from porter.format.layout import scale_name  # noqa: E402
 from runtime.loader import getter, open_store  # noqa: E402
 from runtime.models.minimax_m3 import MoE  # noqa: E402
@@ -45,7 +44,7 @@ def main(argv=None) -> int:
     if layer not in moe_layers:
         ap.error(f"layer {layer} is not a MoE layer; MoE layers: {moe_layers[0]}..{moe_layers[-1]}")
     p = f"model.layers.{layer}.block_sparse_moe."
-    quantized = scale_name(arch.experts_w13_name(layer)) in store.names()
+    quantized = scale_name(store.converter.experts_w13_name(layer)) in store.names()
     name = resolve_backend(args.backend, device, quantized=quantized)
 
     get = getter(store, store.names(), device)

@@ -155,8 +155,8 @@ def to_transformers_names(w: dict, text: dict, interleaved: bool = False) -> dic
         experts = range(text["num_local_experts"])
         gate_up = torch.stack([torch.cat([w[m + f"{x}.w1.weight"], w[m + f"{x}.w3.weight"]]) for x in experts])
         if interleaved:
-            from converters.minimax_m3 import interleave_gate_up
-            gate_up = interleave_gate_up(gate_up)
+            import converters
+            gate_up = converters.get("minimax_m3_vl_text").interleave_gate_up(gate_up)
         out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up.contiguous()  # [E, 2I, H]
         out[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack([w[m + f"{x}.w2.weight"] for x in experts])
     return out

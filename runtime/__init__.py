@@ -23,9 +23,10 @@ from typing import Optional
 
 import torch
 
-from runtime.loader import LoadError, build_model, open_store
-from runtime.moe import BackendUnavailable, check_numerics, check_numerics_name, make_moe, resolve_backend
-from runtime.placement import PlacementError, resolve as resolve_placement
+from porter.errors import BackendUnavailable, LoadError, PlacementError
+from runtime.loader import build_model, open_store
+from runtime.moe import check_numerics, check_numerics_name, make_moe, resolve_backend
+from runtime.placement import resolve as resolve_placement
 
 __all__ = ["load", "LoadError", "BackendUnavailable", "PlacementError"]
 

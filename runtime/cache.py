@@ -10,8 +10,6 @@ from typing import Callable, Optional
 
 import torch
 
-from converters.minimax_m3 import TextConfig
-
 
 @dataclass
 class Step:
@@ -73,7 +71,7 @@ class LayerCache:
     idx_k: Optional[torch.Tensor] = None  # [B, S_max, di] (sparse layers: the indexer's key cache)
 
     @classmethod
-    def empty(cls, cfg: TextConfig, sparse: bool, batch: int, slots: int, dtype, device) -> "LayerCache":
+    def empty(cls, cfg, sparse: bool, batch: int, slots: int, dtype, device) -> "LayerCache":
         """Zeroed k/v [B, nkv, slots, d]; sparse (an indexer layer): also the index keys [B, slots, di]."""
         kv = (batch, cfg.num_key_value_heads, slots, cfg.head_dim)
         idx = torch.zeros(batch, slots, cfg.index_head_dim, dtype=dtype, device=device) if sparse else None

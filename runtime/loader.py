@@ -1,7 +1,8 @@
 """Weight stores (porter artifact or original HF checkpoint) and model assembly, eager or layer-streaming.
 
-Both stores hand out tensors under the canonical names of converters/minimax_m3.py, memory-mapped from the
-safetensors shards (safe_open): nothing is read until touched. On CPU the model keeps those mmapped tensors
+Both stores hand out tensors under the canonical names of their converter (converters/, picked by
+config.json's model_type), memory-mapped from the safetensors shards (safe_open): nothing is read until
+touched. On CPU the model keeps those mmapped tensors
 as they are; on CUDA each tensor is copied to the device once. No dtype conversion happens at load (Linear
 casts or MXFP8-dequantizes per call), so exactly one copy of every weight exists.
 
@@ -22,28 +23,22 @@ from typing import Callable, Optional
 import torch
 from safetensors import safe_open
 
-from converters import minimax_m3 as arch
+import converters
+from porter.errors import LoadError
 from porter.format import manifest
 from runtime.models.layers import Rope
 from runtime.models.minimax_m3 import DecoderLayer, MiniMaxM3
-from porter.errors import PorterError
-from porter.format import manifest
-from runtime.models.minimax_m3 import DecoderLayer, MiniMaxM3, Rope
 
 log = logging.getLogger("porter.runtime")
 
 TOP_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 
-class LoadError(PorterError, ValueError):
-    """The path is not a loadable porter artifact / MiniMax-M3 checkpoint (the message says why)."""
-
-
 class ArtifactStore:
     """A porter artifact: porter.json manifest + config.json + shards with a model.safetensors.index.json.
 
-    What callers use (the same on SourceStore): `path`, `config`, `is_artifact`, `names()`, `get(name)`,
-    `experts(name)`, `carried_names()`, `get_carried(name)`, `total_bytes()`, `close()`."""
+    What callers use (the same on SourceStore): `path`, `converter`, `config`, `is_artifact`, `names()`,
+    `get(name)`, `experts(name)`, `carried_names()`, `get_carried(name)`, `total_bytes()`, `close()`."""
 
     is_artifact = True
 
@@ -53,7 +48,9 @@ class ArtifactStore:
             self.manifest = manifest.read(path)
         except ValueError as e:
             raise LoadError(str(e)) from None
-        self.config = arch.resolve_config(_json(path / "config.json"))
+        raw = _json(path / "config.json")
+        self.converter = converters.for_config(raw, str(path / "config.json"))
+        self.config = self.converter.resolve_config(raw)
         index = path / "model.safetensors.index.json"
         if not index.exists():  # porter writes the index last: without it the conversion did not finish
             raise LoadError(f"{index}: missing — the conversion did not finish; rerun "
@@ -62,9 +59,9 @@ class ArtifactStore:
         self._handles: dict = {}
         self._headers: dict = {}  # shard -> parsed safetensors header (nbytes)
         # hf layout (vendor names, per-expert tensors): canonical name -> hf name, or per expert the hf
-        # row parts that stack to [E, N, K] when the model touches them (arch.hf_canonical_map)
+        # row parts that stack to [E, N, K] when the model touches them (the converter's hf_canonical_map)
         hf = (self.manifest.get("options") or {}).get("layout") == "hf"
-        self._hf = arch.hf_canonical_map(self.files) if hf else None
+        self._hf = self.converter.hf_canonical_map(self.files) if hf else None
 
     def names(self) -> set:
         return set(self.files) if self._hf is None else set(self._hf)
@@ -115,7 +112,7 @@ class ArtifactStore:
 
     def carried_names(self) -> set:
         """Tensors outside the text model (vision tower, projectors, MTP), under their source names."""
-        return {n for n in self.files if arch.canonical_name(n) is None}
+        return {n for n in self.files if self.converter.canonical_name(n) is None}
 
     def get_carried(self, name: str) -> torch.Tensor:
         return self._get(name)
@@ -136,8 +133,9 @@ class SourceStore:
         from porter import source
         self.source = source.open_source(path)
         self.path = self.source.path
-        self.config = arch.resolve_config(self.source.raw_config)
-        plan = arch.plan_tensors(self.config, self.source.meta, quantize="none")
+        self.converter = converters.for_config(self.source.raw_config, str(self.path / "config.json"))
+        self.config = self.converter.resolve_config(self.source.raw_config)
+        plan = self.converter.plan_tensors(self.config, self.source.meta, quantize="none")
         self.plan = {t.name: t for t in plan if not t.carried}
         self._carried = {t.name for t in plan if t.carried}
 

@@ -18,17 +18,14 @@ from typing import Mapping, Optional
 
 import torch
 
+from porter.errors import PlacementError
 from porter.format.layout import layer_of
-from runtime.loader import TOP_NAMES, LoadError
+from runtime.loader import TOP_NAMES
 
 GiB = 1 << 30
 RESERVE_FRACTION, RESERVE_MIN = 0.05, 2 * GiB  # kept free per GPU by "auto" without max_memory
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-class PlacementError(LoadError):
-    """The model does not fit the given devices, or the device_map is malformed (one line says why)."""
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,17 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
+import converters
 import porter
-from converters import minimax_m3 as arch
+from porter.format import mxfp8
 from porter.cli import main as cli
 from porter.format import mxfp8
 from porter.format.layout import scale_name
 from porter.source.local import read_header
 from tiny_checkpoint import build_tiny_checkpoint
 from tensor_checks import chunked_digest, cuda_quantize_path_on_cpu, load_all, shard_digests
+
+arch = converters.get("minimax_m3_vl")  # the MiniMax-M3 converter
 
 
 @pytest.fixture(scope="module")

@@ -6,17 +6,11 @@ from click.testing import CliRunner
 
 import porter.commands.convert
 import porter.commands.verify
-from converters.minimax_m3 import ConfigError, LayoutError
 from porter.cli import main
-from porter.commands.convert import ConvertError
-from porter.commands.verify import VerifyInputError
-from porter.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, PorterError
-from porter.format.manifest import ManifestError
-from porter.format.mxfp8 import MXFP8Error
-from porter.source import SourceError
-from runtime.loader import LoadError
-from porter.errors import MoeNumericsError
-from runtime.moe import BackendUnavailable
+from porter.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, BackendUnavailable, ConfigError, ConvertError,
+                           InspectError, LayoutError, LoadError, MalformedSafetensors, ManifestError, MXFP8Error,
+                           PlacementError, PorterError, PrequantizedError, ProduceError, SourceError,
+                           VerifyInputError, MoeNumericsError)
 
 
 def invoke(*args):
@@ -24,7 +18,8 @@ def invoke(*args):
 
 
 @pytest.mark.parametrize("cls", [ConfigError, LayoutError, ConvertError, MXFP8Error, SourceError, ManifestError,
-                                 LoadError, VerifyInputError, BackendUnavailable, MoeNumericsError])
+                                 LoadError, VerifyInputError, BackendUnavailable, InspectError, PrequantizedError,
+                                 ProduceError, MalformedSafetensors, PlacementError, MoeNumericsError])
 def test_user_facing_errors_are_porter_errors(cls):
     assert issubclass(cls, PorterError) and cls.exit_code == EXIT_BAD_INPUT == 2
 
@@ -107,3 +102,24 @@ def test_convert_device_errors_are_bad_input(tiny_vendor, tmp_path, monkeypatch)
     assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
     with pytest.raises(PorterError, match="auto, cpu or cuda"):
         porter.convert(tiny_vendor, tmp_path / "o2", device="tpu", progress=False)
+
+
+def test_every_user_facing_error_class_is_defined_in_porter_errors():
+    """One taxonomy: no module but porter/errors.py defines a PorterError subclass (each module imports
+    the ones it raises from there)."""
+    import ast
+    import inspect
+    from pathlib import Path
+    import porter.errors as errors
+    taxonomy = {n for n, c in vars(errors).items() if inspect.isclass(c) and issubclass(c, PorterError)}
+    assert {"ConfigError", "LayoutError", "ConvertError", "LoadError", "PlacementError"} <= taxonomy
+    root = Path(__file__).resolve().parents[1]
+    bad = []
+    for path in (p for d in ("porter", "converters", "runtime") for p in (root / d).rglob("*.py")):
+        if path.name == "errors.py" and path.parent.name == "porter":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(getattr(b, "id", getattr(b, "attr", None)) in taxonomy
+                                                      for b in node.bases):
+                bad.append(f"{path.relative_to(root)}:{node.lineno}: class {node.name} belongs in porter/errors.py")
+    assert not bad, "\n".join(bad)

@@ -9,11 +9,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import converters
 import porter
 import runtime
-from converters import minimax_m3 as arch
+from converters.minimax_m3.hf_layout import _check_format_groups
 from porter.cli import main as cli
+from porter.errors import LayoutError
 from tensor_checks import load_all, same_bytes
+
+arch = converters.get("minimax_m3_vl")  # the MiniMax-M3 converter
 
 E, I, H = 8, 64, 64  # tiny checkpoint: experts, expert width, hidden
 TEXT_LINEAR = re.compile(r"^language_model\.(lm_head|model\.layers\.\d+\.(self_attn\.\w+_proj|mlp\.\w+_proj|"
@@ -142,8 +146,8 @@ def test_group_check_names_qkv_index(tiny_vendor):
     for t in out:
         if t.name == "model.layers.2.self_attn.index_k_proj.weight":
             t.quantize = False
-    with pytest.raises(arch.LayoutError, match=r"q/k/v/index_q/index_k projections of layer 2.*qkv_proj"):
-        arch._check_format_groups(cfg, out, "custom")
+    with pytest.raises(LayoutError, match=r"q/k/v/index_q/index_k projections of layer 2.*qkv_proj"):
+        _check_format_groups(cfg, out, "custom")
 
 
 def test_transformers_source_refused_for_hf(tiny_transformers, tmp_path):
@@ -157,5 +161,5 @@ def test_hf_canonical_map_refuses_missing_expert():
              for w in ("w1", "w2", "w3")]
     assert arch.hf_canonical_map(names)[arch.experts_w13_name(1)] == [
         [names[0], names[2]], [names[3], names[5]]]
-    with pytest.raises(arch.LayoutError, match="experts.0.w3"):
+    with pytest.raises(LayoutError, match="experts.0.w3"):
         arch.hf_canonical_map([n for n in names if not n.endswith("0.w3.weight")])

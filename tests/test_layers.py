@@ -2,12 +2,11 @@
 
     cli          porter.cli, porter (the package's API)
       > commands porter/commands/: convert | verify | inspect      (siblings: none imports another)
-      > runtime | engine                                           (siblings: runtime/; porter.pipeline,
-                                                                    porter/engine/)
-      > converters                                                 (one file per architecture)
+      > runtime | engine                                           (siblings: runtime/, porter/engine/)
+      > converters                                                 (the registry; one package per architecture)
       > source   porter/source/: open_source, local folders, the Hugging Face Hub
       > format   porter/format/: MXFP8, safetensors, the artifact's names, manifest and digests
-      > base     porter.errors, porter.version (leaves)
+      > base     porter.errors, porter.version, porter.cores, porter.devices (leaves)
 
 A module may import its own layer or any layer below, never one above, nor a sibling's. Imports inside
 functions count. The import graph has no cycle (a cycle hides behind an import inside a function).
@@ -27,8 +26,8 @@ LAYER_NAMES = {CLI: "cli", COMMANDS: "commands", ENGINE: "runtime|engine", CONVE
                SOURCE: "source", FORMAT: "format", BASE: "base"}
 # packages whose members are siblings: a module of one never imports a module of another at the same layer
 SIBLINGS = {COMMANDS: ("porter.commands.convert", "porter.commands.verify", "porter.commands.inspect"),
-            ENGINE: ("runtime", "porter.pipeline", "porter.engine")}
-BASE_MODULES = {"porter.errors", "porter.version", "porter.cores"}  # import nothing of porter's
+            ENGINE: ("runtime", "porter.engine")}
+BASE_MODULES = {"porter.errors", "porter.version", "porter.cores", "porter.devices"}  # import nothing of porter's
 FLASHINFER_MODULES = {"runtime.moe.flashinfer_trtllm"}
 
 
@@ -47,8 +46,7 @@ def layer(module: str) -> int:
         return CLI
     if module in BASE_MODULES:
         return BASE
-    for package, level in (("porter.commands", COMMANDS), ("porter.pipeline", ENGINE),
-                           ("porter.engine", ENGINE), ("runtime", ENGINE), ("converters", CONVERTERS),
+    for package, level in (("porter.commands", COMMANDS), ("porter.engine", ENGINE), ("runtime", ENGINE), ("converters", CONVERTERS),
                            ("porter.source", SOURCE), ("porter.format", FORMAT)):
         if under(module, package):
             return level
@@ -105,13 +103,13 @@ def test_every_module_has_a_layer():
 def test_layer_table_examples():
     """The rule's table itself, so a slip in `layer` cannot hollow out the check below."""
     assert layer("porter.cli") > layer("porter.commands.verify") == layer("porter.commands.convert") \
-        == layer("porter.commands.verify.exact") > layer("runtime.loader") == layer("porter.pipeline")
+        == layer("porter.commands.verify.exact") > layer("runtime.loader") == layer("porter.engine.run")
     assert layer("runtime.models.minimax_m3") > layer("converters.minimax_m3") > layer("porter.source.hub") \
         == layer("porter.source") > layer("porter.format.layout") > layer("porter.errors")
     assert layer("porter.format.manifest") == layer("porter.format.mxfp8") \
         == layer("porter.format.prequantized") == FORMAT
     assert sibling_of("porter.commands.verify.plot", COMMANDS) == "porter.commands.verify"
-    assert sibling_of("runtime.moe", ENGINE) == "runtime" != sibling_of("porter.pipeline", ENGINE)
+    assert sibling_of("runtime.moe", ENGINE) == "runtime" != sibling_of("porter.engine.run", ENGINE)
     with pytest.raises(KeyError):
         layer("porter.somewhere_new")
 

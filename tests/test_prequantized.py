@@ -11,12 +11,15 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
+import converters
 import porter
-from converters import minimax_m3 as arch
+from porter.format import mxfp8
 from porter.cli import main as cli
 from porter.format import mxfp8
 from porter.format.layout import scale_name
 from tensor_checks import cuda_quantize_path_on_cpu, load_all, same_bytes
+
+arch = converters.get("minimax_m3_vl")  # the MiniMax-M3 converter
 
 # the linears the vendor MXFP8 release quantizes (scope "all" + routed experts), vendor names
 VENDOR_QUANTIZED = re.compile(r"^language_model\.model\.layers\.\d+\.(self_attn\.(q|k|v|o|index_q|index_k)_proj|"

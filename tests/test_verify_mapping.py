@@ -1,6 +1,6 @@
 """verify's source -> artifact mapping is its own: layout bugs planted in the converter's plan are caught.
 
-Each test wraps `converters.minimax_m3.plan_tensors` so one layer's experts are built wrong, converts the
+Each test wraps the MiniMax-M3 converter's `plan_tensors` so one layer's experts are built wrong, converts the
 tiny checkpoint with the bug (porter.json is then consistent with the wrong bytes: integrity passes), and
 keeps the bug in place while verifying, so anything that asks the converter's plan (the runtime's
 SourceStore included) sees the same wrong layout. Only verify's independent table can catch it: exit 1,
@@ -14,12 +14,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import converters
 import porter
-from converters import minimax_m3 as arch
 from porter.cli import main
 from porter.commands.verify import verify
 from porter.source.local import read_header
 from verify_tamper import copy_artifact, reseal_shard
+
+arch = converters.get("minimax_m3_vl")  # the MiniMax-M3 converter
 
 LAYER = 2
 W13 = f"model.layers.{LAYER}.block_sparse_moe.experts.w13_weight"

@@ -18,8 +18,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import converters
 import porter
-from converters import minimax_m3 as arch
+from porter.format import mxfp8
 from porter.cli import main
 from porter.commands.verify import verify
 from porter.format import mxfp8
@@ -27,6 +28,8 @@ from tensor_checks import same_bytes
 from test_prequantized import (FP8_CONFIG, MXFP8_CONFIG, fp8_block128, load_all, mxfp8_scale_up,
                                requantized_checkpoint)
 from verify_tamper import rewrite_tensor
+
+arch = converters.get("minimax_m3_vl")  # the MiniMax-M3 converter
 
 LAYER = 2
 W13 = f"model.layers.{LAYER}.block_sparse_moe.experts.w13_weight"

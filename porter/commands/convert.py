@@ -22,17 +22,17 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from converters import minimax_m3 as arch
+import converters
+from converters.base import ResolvedConfig
 from porter import engine
-from porter.format import manifest, mxfp8
-from porter.engine import output_guard
 from porter.cores import available_cores
-from porter.errors import PorterError
-from porter.format.layout import OutTensor, scale_name
-from porter.engine import fault_point
+from porter.engine import fault_point, output_guard
+from porter.errors import ConvertError, MalformedSafetensors
+from porter.format import manifest, mxfp8
 from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
-from porter.format.safetensors_io import (Entry, MalformedSafetensors, atomic_write_text, digest_rule, file_digests,
-                                   header_bytes, SHARD_METADATA)
+from porter.format.layout import OutTensor, scale_name
+from porter.format.safetensors_io import (SHARD_METADATA, Entry, atomic_write_text, digest_rule, file_digests,
+                                          header_bytes)
 from porter.source import INDEX_NAME, Source, open_source
 from porter.version import __version__
 
@@ -42,10 +42,6 @@ COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
               "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
               "preprocessor_config.json", "processor_config.json")
 JOURNAL = ".porter-journal.json"
-
-
-class ConvertError(PorterError):
-    """Bad options or output folder for a conversion (the message says what to do)."""
 
 
 def parse_size(text, option: str = "--max-shard-size") -> int:
@@ -63,8 +59,8 @@ def parse_size(text, option: str = "--max-shard-size") -> int:
 @dataclass
 class Plan:
     source: Source
-    config: arch.TextConfig  # resolved from source.raw_config by the converter
-    architecture_facts: dict  # the converter's records for porter.json (arch.manifest_facts)
+    config: ResolvedConfig  # resolved from source.raw_config by the converter
+    architecture_facts: dict  # the converter's records for porter.json (its manifest_facts)
     tensors: list  # OutTensor in write order
     shards: list  # [(file name, [Entry, ...])]
     options: dict
@@ -90,10 +86,11 @@ def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding
         raise ConvertError(f"--scale-rounding must be one of {mxfp8.ROUNDING_MODES}")
     if digest not in CHUNK_HASHES:
         raise ConvertError(f"--digest {digest!r}: give one of {', '.join(CHUNK_HASHES)}")
-    config = arch.resolve_config(source.raw_config)
+    converter = converters.for_config(source.raw_config, str(source.path / "config.json"))
+    config = converter.resolve_config(source.raw_config)
     if layout == "hf":
-        arch.check_hf_source(source.raw_config, str(source.path / "config.json"))
-    tensors = arch.plan_tensors(config, source.meta, quantize, gate_up, layout)
+        converter.check_hf_source(source.raw_config, str(source.path / "config.json"))
+    tensors = converter.plan_tensors(config, source.meta, quantize, gate_up, layout)
     cap = parse_size(max_shard_size)
     groups, current, size = [], [], 0
     for e in (e for t in tensors for e in entries_for(t)):
@@ -110,7 +107,7 @@ def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding
                "layout": layout}
     if source.prequantized is not None:  # how its values were read and re-quantized: verify's rule too
         options["source_quantization"] = source.prequantized.record()
-    plan = Plan(source, config, arch.manifest_facts(config), tensors, shards, options, digest=digest)
+    plan = Plan(source, config, converter.manifest_facts(config), tensors, shards, options, digest=digest)
     plan.shard_of = {e.name: f for f, es in shards for e in es}
     return plan
 
@@ -133,16 +130,17 @@ def convert(source, output, *, revision: Optional[str] = None, quantize: Optiona
             dry_run: bool = False, progress: bool = True, layout: str = "porter", workers: Optional[int] = None,
             max_memory=None, device: str = "auto", digest: str = DEFAULT_DIGEST) -> dict:
     """Convert; returns a summary dict. Mirrors `porter convert` (see `porter convert --help`).
-    quantize=None: the layout's default scope (arch.DEFAULT_SCOPE). workers=None: the available cores + 1;
-    max_memory=None: half the available RAM; device: auto (the GPU when there is one), cpu or cuda;
-    digest: the chunk hash of the shard digests, xxh3-128 or sha256 (docs/artifact-format.md)."""
+    quantize=None: the layout's default scope (the converter's DEFAULT_SCOPE). workers=None: the available
+    cores + 1; max_memory=None: half the available RAM; device: auto (the GPU when there is one), cpu or
+    cuda; digest: the chunk hash of the shard digests, xxh3-128 or sha256 (docs/artifact-format.md)."""
     t0 = time.time()
     out = output_guard.check_output_option(output)  # "" would be the current directory
     engine.arm_faults()
-    quantize = quantize or arch.DEFAULT_SCOPE.get(layout, "experts")
     workers = _check_workers(workers)
     max_memory = engine.default_max_memory() if max_memory is None else parse_size(max_memory, "--max-memory")
     src = open_source(source, revision, headers_only=dry_run)
+    converter = converters.for_config(src.raw_config, str(src.path / "config.json"))
+    quantize = quantize or converter.DEFAULT_SCOPE.get(layout, "experts")
     plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size, layout, digest)
     dev = engine.resolve_device(device)  # an unknown device, or cuda without a GPU: PorterError (exit 2)
     output_guard.check_apart_from_source(out, src.path)
@@ -386,7 +384,8 @@ def _finish(plan: Plan, out: Path, stats: dict) -> float:
         if (src.path / name).exists():
             shutil.copyfile(src.path / name, out / name)
     if plan.options["layout"] == "hf":  # vendor config, top-level quantization_config the engines read
-        cfg = arch.hf_config_json(src.raw_config, arch.hf_quantization_config(
+        converter = converters.for_config(src.raw_config)
+        cfg = converter.hf_config_json(src.raw_config, converter.hf_quantization_config(
             plan.tensors, plan.options["quantize"], plan.options["scale_rounding"]))
     else:
         cfg = dict(src.raw_config)

@@ -13,10 +13,10 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from converters import minimax_m3 as arch
-from porter.errors import PorterError
+import converters
 from porter.format import manifest as manifest_mod
 from porter.format import prequantized
+from porter.errors import InspectError, PorterError
 from porter.format.layout import HF_LAYOUT_PREFIX
 from porter.format.safetensors_io import ST_DTYPES, nbytes
 from porter.source import INDEX_NAME
@@ -25,10 +25,6 @@ from porter.source.local import read_header, weight_files
 WORST = 10
 _SCALE = re.compile(r"(\.weight|_weight)_scale(_inv)?$")
 _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})(/|$)")
-
-
-class InspectError(PorterError, ValueError):
-    """The folder cannot be inspected (the message names the file)."""
 
 
 def inspect(path) -> dict:
@@ -44,7 +40,7 @@ def inspect(path) -> dict:
         raise InspectError(f"{path / 'config.json'}: invalid JSON ({e})") from None
     man = manifest_mod.read(path) if manifest_mod.is_artifact(path) else None
     tensors = _tensor_meta(path)
-    cfg = arch.resolve_config(raw)
+    cfg = converters.for_config(raw, str(path / "config.json")).resolve_config(raw)
     qc = prequantized.quantization_config_of(raw)
     quantized, unquantized = _modules(tensors)
     ignored = list((qc or {}).get("ignored_layers") or [])

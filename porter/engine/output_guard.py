@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Optional
 
-from porter.errors import PorterError
+from porter.errors import OutputFolderError
 
 log = logging.getLogger("porter")
 
@@ -31,9 +31,6 @@ INDEX = "model.safetensors.index.json"
 FIXED_FILES = ("config.json", MANIFEST, INDEX)  # every conversion writes these (each via a .tmp file)
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
-
-class OutputFolderError(PorterError):
-    """The output folder cannot be written safely (the message names the path and what to do)."""
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,13 +6,9 @@ from typing import Optional
 import torch
 
 from porter.format import mxfp8
-from porter.errors import PorterError
 from porter.format.layout import OutTensor, scale_name
 from porter.format.safetensors_io import dtype_name
 
-
-class ProduceError(PorterError):
-    """A source tensor does not hold what the plan expects (the message names it)."""
 
 
 def quantize_on_cpu(w: torch.Tensor, rounding: str, name: str, keep: Optional[torch.Tensor], sizes: tuple):

@@ -16,7 +16,8 @@ from porter.cores import available_cores
 from porter.engine.budget import Budget, memory_estimate
 from porter.engine.cuda import CudaQuantizer
 from porter.engine.faults import fault_point
-from porter.engine.produce import (ProduceError, check_kept, check_produced, error_record, expert_label,
+from porter.errors import ProduceError
+from porter.engine.produce import (check_kept, check_produced, error_record, expert_label,
                                    quantize_on_cpu, sum_errs)
 from porter.engine.slabs import Slabs
 from porter.engine.units import (Unit, interleave_shards, pinned_slab_bytes, quant_sizes, shards_in_flight,

@@ -1,7 +1,7 @@
 """Artifact naming and the output-tensor plan record, shared by every architecture.
 
 This is the format layer (docs/architecture.md): it knows how a porter artifact names things, not what
-any model is. A converter (converters/<arch>.py) plans `OutTensor`s; the conversion writes them; the
+any model is. A converter (converters/<arch>/) plans `OutTensor`s; the conversion writes them; the
 runtime and verify find a weight's scale with `scale_name`. Format: docs/artifact-format.md.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ ReadFn = Callable[..., torch.Tensor]
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-HF_LAYOUT_PREFIX = "language_model."  # text-model names of the hf layout (converters/<arch>.py, hf_name)
+HF_LAYOUT_PREFIX = "language_model."  # text-model names of the hf layout (a converter's hf_name)
 
 
 def scale_name(weight_name: str) -> str:

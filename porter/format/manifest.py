@@ -9,7 +9,7 @@ import json
 import time
 from pathlib import Path
 
-from porter.errors import PorterError
+from porter.errors import ManifestError
 from porter.format import mxfp8
 from porter.format.layout import ignored_layers
 from porter.format.safetensors_io import SHARD_METADATA, atomic_write_text, digest_rule, header_bytes
@@ -18,10 +18,6 @@ from porter.version import __version__
 MANIFEST = "porter.json"
 FORMAT = "porter-mxfp8"
 FORMAT_VERSION = 2  # 2: chunked digests (porter.format.safetensors_io.digest_rule); 1 had whole-file sha256s
-
-
-class ManifestError(PorterError, ValueError):
-    """porter.json is missing, not JSON, or not a porter artifact manifest (the message names the file)."""
 
 
 def quantization_config(plan) -> dict:

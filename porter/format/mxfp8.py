@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from porter.errors import PorterError
+from porter.errors import MXFP8Error
 from porter.format import mxfp8_native
 
 BLOCK = 32
@@ -27,10 +27,6 @@ E4M3_MAX = 448.0
 SCALE_BIAS = 127
 SCALE_MAX_BYTE = 254  # 255 is NaN in E8M0
 ROUNDING_MODES = ("rceil", "floor")
-
-
-class MXFP8Error(PorterError, ValueError):
-    """Bad input for MXFP8 quantization (names the tensor)."""
 
 
 def scale_exponents(amax: torch.Tensor, rounding: str = "rceil") -> torch.Tensor:

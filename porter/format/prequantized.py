@@ -19,17 +19,13 @@ from typing import Optional
 
 import torch
 
-from porter.errors import PorterError
 from porter.format import mxfp8
+from porter.errors import PrequantizedError
 from porter.format.safetensors_io import dtype_name
 
 SCALE_SUFFIX = ".weight_scale_inv"
 DEQUANTIZED_DTYPE = torch.bfloat16
 KEPT_ROWS = "kept-rows"  # options.source_quantization.scale_bytes of an MXFP8 source (Scheme.record)
-
-
-class PrequantizedError(PorterError, ValueError):
-    """A quantized source the converter cannot read (the message names the field or tensor)."""
 
 
 @dataclass

@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
-from porter.errors import PorterError
 from porter.format.digest import CHUNK_HASH_DOC, CHUNK_HASHES, DEFAULT_DIGEST
+from porter.errors import MalformedSafetensors
 
 DTYPE_NAMES = {  # torch dtype -> safetensors header dtype
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -74,10 +74,6 @@ def header_bytes(entries: list[Entry], metadata: dict | None = None) -> bytes:
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().cpu()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-
-
-class MalformedSafetensors(PorterError):
-    """A safetensors file that cannot be read as one (the message names the file and what to do)."""
 
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit

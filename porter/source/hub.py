@@ -9,7 +9,8 @@ import json
 import logging
 from pathlib import Path
 
-from porter.source.local import INDEX_NAME, PICKLE_SUFFIXES, SourceError, read_header
+from porter.errors import SourceError
+from porter.source.local import INDEX_NAME, PICKLE_SUFFIXES, read_header
 
 log = logging.getLogger("porter")
 

@@ -2,7 +2,7 @@
 
 Source layer (docs/architecture.md): this module knows safetensors and Hugging Face checkpoint folders,
 not any architecture. It hands its caller the raw config.json and every tensor's dtype and shape from the
-shard headers; resolving that config is the architecture's job (converters/<arch>.py).
+shard headers; resolving that config is the architecture's job (its converter: converters.for_config).
 Never unpickles: a checkpoint that has only `*.bin` / `*.pt` weights is refused.
 """
 from __future__ import annotations
@@ -16,18 +16,15 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
-from porter.errors import PorterError
 from porter.format import prequantized
 from porter.format.safetensors_io import ST_DTYPES, nbytes, parse_header
+from porter.errors import SourceError
 
 log = logging.getLogger("porter")
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 INDEX_NAME = "model.safetensors.index.json"
 
-
-class SourceError(PorterError, ValueError):
-    """The source cannot be used (the message names the file and what to do)."""
 
 
 @dataclass

@@ -3,7 +3,7 @@
 weight, no MMA; what one-row 16-bit linears run).
 
 y [M, N] = x [M, K] @ W^T, W [N, K] bf16/fp16/fp32 as stored, or MXFP8 (float8_e4m3fn + one uint8 UE8M0
-byte per 32 along K, the rule of porter/mxfp8.py; dequantized per tile in registers, see
+byte per 32 along K, the rule of porter/format/mxfp8.py; dequantized per tile in registers, see
 runtime/kernels/gemv_triton.py). At decode a layer is bound by its weight bytes: MXFP8 weights must be read as
 stored (1 byte + 1/32 scale byte per weight) rather than dequantized to bf16 per call, and the epilogues
 fold in what the unfused layer does next with the output, bit for bit in its rounding:

@@ -15,13 +15,10 @@ from typing import Optional
 
 import torch
 
-from porter.errors import MoeNumericsError, PorterError
+from porter.errors import BackendUnavailable, MoeNumericsError
 
 TRTLLM_CAPABILITIES = ((10, 0), (10, 3), (10, 7))  # the SM versions flashinfer's TRT-LLM MoE kernels ship for
 
-
-class BackendUnavailable(PorterError, RuntimeError):
-    """The requested MoE backend cannot run here (the message names the device/package and what to do)."""
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,12 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from converters import minimax_m3 as arch
+import converters
 from porter.cli import main as cli
 from porter.source import open_local
 from tiny_checkpoint import build_tiny_checkpoint
+
+arch = converters.get("minimax_m3_vl")  # the MiniMax-M3 converter
 
 HERE = Path(__file__).resolve().parent
 ENGINES = {"vllm": ("vllm_harness.py", "0.33.0", 29555), "sglang": ("sglang_harness.py", "0.5.23", 29633)}

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from converters import minimax_m3 as arch
+import converters
 from porter.commands.verify import generation as gen
 from porter.commands.verify.exact import rederive
 from porter.commands.verify.inputs import (DEFAULT_PROMPT, check_plot_path, encode_prompts, open_artifact,
@@ -98,7 +98,7 @@ def _open(artifact, prompts, reference, backend, device, thresholds, plot) -> tu
     check_plot_path(plot)
     try:
         raw = json.loads((ref_path / "config.json").read_text())
-        ref_config = arch.resolve_config(raw)
+        ref_config = converters.for_config(raw).resolve_config(raw)
     except (PorterError, json.JSONDecodeError) as e:
         raise VerifyInputError(f"reference {ref_path / 'config.json'}: {e}") from None
     source_q = source_quantization(man, raw, ref_path)  # a pre-quantized reference is read as converted

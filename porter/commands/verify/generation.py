@@ -16,8 +16,9 @@ from typing import Optional
 
 import torch
 
+from porter.errors import VerifyInputError
 from porter.commands.verify.numerics import kl_per_position
-from porter.commands.verify.verdict import GenerationRow, VerifyInputError
+from porter.commands.verify.verdict import GenerationRow
 
 log = logging.getLogger("porter")
 

@@ -6,10 +6,9 @@ from typing import Optional
 
 import torch
 
-from porter.commands.verify.verdict import VerifyInputError
-from porter.errors import PorterError
 from porter.format import manifest as manifest_mod
 from porter.format import prequantized
+from porter.errors import PorterError, VerifyInputError
 
 DEFAULT_PROMPT = ("The quick brown fox jumps over the lazy dog. MiniMax-M3 is a mixture of experts language "
                   "model: each token is routed to a few experts, and a shared expert sees every token.")

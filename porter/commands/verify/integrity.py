@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from converters import minimax_m3 as arch
-from porter.commands.verify.verdict import Failure, IntegrityResult, VerifyInputError
-from porter.cores import available_cores
-from porter.errors import PorterError
+import converters
 from porter.format import manifest, mxfp8
+from porter.errors import PorterError, VerifyInputError
+from porter.cores import available_cores
 from porter.format.digest import CHUNK_HASHES
 from porter.format.safetensors_io import DTYPE_NAMES, chunk_hash_of, dtype_name, file_digests
+from porter.commands.verify.verdict import Failure, IntegrityResult
 
 INDEX = "model.safetensors.index.json"
 _HEADER_DTYPES = {dtype_name(dt): name for dt, name in DTYPE_NAMES.items()}  # porter.json -> header spelling
@@ -228,7 +228,7 @@ def _check_config(art: Path, man: dict, ref_config) -> list[Failure]:
     want = man.get("resolved_config", {})
     try:
         raw = json.loads((art / "config.json").read_text())
-        have = json.loads(json.dumps(arch.resolve_config(raw).to_dict()))
+        have = json.loads(json.dumps(converters.for_config(raw).resolve_config(raw).to_dict()))
     except FileNotFoundError:
         return [Failure("integrity", "config.json is missing from the artifact")]
     except (json.JSONDecodeError, PorterError) as e:

@@ -1,8 +1,8 @@
 """Where each artifact tensor comes from, written independently of the converter's plan.
 
-`porter convert` plans its output in converters/minimax_m3.py; if verify asked that plan where a tensor
-came from, a layout bug (gate/up reversed, experts permuted, w2 transposed) would be on both sides of
-every comparison. So verify keeps its own small declarative table per source layout, reads source
+`porter convert` plans its output in the converter (converters/minimax_m3/plan.py); if verify asked that
+plan where a tensor came from, a layout bug (gate/up reversed, experts permuted, w2 transposed) would be
+on both sides of every comparison. So verify keeps its own small declarative table per source layout, reads source
 tensors by their own names straight from the safetensors shards, and derives every artifact tensor
 (expert by expert) from them. A rule is (artifact-name regex, source-name templates, op); the first rule
 whose regex matches and whose source tensors all exist is used. Templates: {m} the model root
@@ -264,7 +264,7 @@ class ArtifactReader:
     HF_PREFIX = HF_LAYOUT_PREFIX
 
     def __init__(self, art: Path, man: dict):
-        from porter.commands.verify.verdict import VerifyInputError
+        from porter.errors import VerifyInputError
         self.layout = man.get("options", {}).get("layout", "porter")
         if self.layout not in self.LAYOUTS:
             raise VerifyInputError(f"{art}: artifact layout {self.layout!r} (porter.json options.layout) cannot be "

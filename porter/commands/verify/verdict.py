@@ -10,11 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
-from porter.errors import PorterError
-
-
-class VerifyInputError(PorterError, ValueError):
-    """Bad input to verify (missing dir, not an artifact, reference not found): CLI exit 2."""
+from porter.errors import VerifyInputError
 
 
 @dataclass

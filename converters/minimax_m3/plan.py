@@ -1,0 +1,248 @@
+"""MiniMax-M3 output plan: every tensor the artifact holds, in write order, from the source headers alone
+(canonical names, which linears are quantized, experts stacked or split, gate/up row order), with the
+checks that the checkpoint holds what the config describes.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from converters.minimax_m3.config import TextConfig
+from converters.minimax_m3.hf_layout import LAYOUTS, to_hf_layout
+from converters.minimax_m3.names import (PER_EXPERT, canonical_name, expert_name, experts_w2_name,
+                                         experts_w13_name)
+from porter.errors import LayoutError, PorterError
+from porter.format.layout import OutTensor, layer_of
+
+_FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(gate_up_proj|down_proj)$")
+_FUSED_GATE_UP = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe\.shared_experts))\.gate_up_proj\.weight$")
+
+# Linears quantized by `--quantize all` (the vendor MXFP8 release's scope, docs/serving-engines.md).
+_ALL_SCOPE = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o|index_q|index_k)_proj"
+                        r"|mlp\.(gate|up|down)_proj|block_sparse_moe\.shared_experts\.(gate|up|down)_proj)\.weight$")
+
+
+def uninterleave_gate_up(w: torch.Tensor) -> torch.Tensor:
+    """[..., 2I, H] rows gate0, up0, gate1, up1, ... (GPT-OSS) -> [gate; up]."""
+    return torch.cat([w[..., 0::2, :], w[..., 1::2, :]], dim=-2)
+
+
+def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
+    """[..., 2I, H] [gate; up] -> rows gate0, up0, gate1, up1, ... (inverse of uninterleave_gate_up)."""
+    i = w.shape[-2] // 2
+    return torch.stack([w[..., :i, :], w[..., i:, :]], dim=-2).reshape(w.shape)
+
+
+def plan_tensors(cfg: TextConfig, src_meta: dict, quantize: str = "experts",
+                 gate_up: str = "auto", layout: str = "porter") -> list[OutTensor]:
+    """Every output tensor, in write order, from the source tensor metadata {name: (dtype, shape)}.
+
+    quantize: "experts" (routed experts), "all" (+ every other linear but embeddings, lm_head, router,
+    norms), "none". gate_up: "auto" (config's gate_up_interleaved), "interleaved" or "uninterleaved" —
+    only meaningful for a fused source gate_up_proj. layout: "porter" (canonical names, stacked experts)
+    or "hf" (the vendor release's names and per-expert tensors, which vLLM and sglang load; see
+    `to_hf_layout`).
+    """
+    if quantize not in ("experts", "all", "none"):
+        raise PorterError(f"--quantize must be experts, all or none, not {quantize!r}")
+    if layout not in LAYOUTS:
+        raise PorterError(f"--layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    interleaved = cfg.gate_up_interleaved if gate_up == "auto" else gate_up == "interleaved"
+    canon = {}  # canonical -> source name
+    carried = []  # non-text tensors, kept as they are
+    for src in src_meta:
+        c = canonical_name(src)
+        if c is None:
+            carried.append(src)
+        elif c in canon:
+            raise LayoutError(f"tensors {canon[c]!r} and {src!r} both map to {c!r}; the checkpoint mixes layouts")
+        else:
+            canon[c] = src
+    experts, fused = {}, {}
+    plain = []
+    for c, src in canon.items():
+        if m := PER_EXPERT.match(c):
+            experts.setdefault(int(m.group(1)), {})[(int(m.group(2)), m.group(3))] = src
+        elif m := _FUSED_EXPERTS.match(c):
+            fused.setdefault(int(m.group(1)), {})[m.group(2)] = src
+        else:
+            plain.append(c)
+    _check_layers(cfg, canon, experts, fused)
+    out: list[OutTensor] = []
+    by_layer: dict = {}
+    for c in plain:
+        by_layer.setdefault(layer_of(c), []).append(c)
+    for c in sorted(by_layer.pop(None, []), key=_top_order):
+        out.append(_plain(c, canon[c], src_meta, quantize))
+    for layer in range(cfg.num_hidden_layers):
+        for c in sorted(by_layer.pop(layer, [])):
+            out.extend(_plain_or_split(c, canon[c], src_meta, quantize))
+        if layer in experts:
+            make = _stack_experts if layout == "porter" else _split_vendor_experts
+            out.extend(make(cfg, layer, experts[layer], src_meta, quantize))
+        elif layer in fused:
+            make = _fused_experts if layout == "porter" else _split_fused_experts
+            out.extend(make(cfg, layer, fused[layer], src_meta, quantize, interleaved))
+    if by_layer:
+        extra = sorted(by_layer)
+        raise LayoutError(f"tensors for layer(s) {extra} exceed num_hidden_layers={cfg.num_hidden_layers} "
+                          f"(e.g. {canon[sorted(c for cs in by_layer.values() for c in cs)[0]]!r})")
+    for src in sorted(carried):
+        dtype, shape = src_meta[src]
+        out.append(OutTensor(src, tuple(shape), dtype, [src], _read_one(src), carried=True))
+    _check_out(cfg, out)
+    return out if layout == "porter" else to_hf_layout(cfg, out, quantize)
+
+
+def _top_order(name):
+    return {"model.embed_tokens.weight": 0, "model.norm.weight": 1, "lm_head.weight": 2}.get(name, 3), name
+
+
+def _read_one(src):
+    return lambda read: read(src)
+
+
+def _plain(c, src, src_meta, quantize):
+    dtype, shape = src_meta[src]
+    q = quantize == "all" and bool(_ALL_SCOPE.match(c))
+    return OutTensor(c, tuple(shape), dtype, [src], _read_one(src), quantize=q)
+
+
+def _plain_or_split(c, src, src_meta, quantize):
+    m = _FUSED_GATE_UP.match(c)
+    if not m:
+        return [_plain(c, src, src_meta, quantize)]
+    dtype, shape = src_meta[src]  # fused [2I, H] gate-first -> separate gate_proj / up_proj
+    half = shape[0] // 2
+    outs = []
+    for part, sl in (("gate_proj", slice(0, half)), ("up_proj", slice(half, 2 * half))):
+        name = f"{m.group(1)}.{part}.weight"
+        outs.append(OutTensor(name, (half, shape[1]), dtype, [src], lambda read, s=sl: read(src)[s],
+                              quantize=quantize == "all"))
+    return outs
+
+
+def _stack_experts(cfg, layer, found, src_meta, quantize):
+    _check_vendor_experts(cfg, layer, found, src_meta)
+    e_count, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    dtype = src_meta[found[(0, "w1")]][0]
+    q = quantize != "none"
+    w13_src = [found[(e, w)] for e in range(e_count) for w in ("w1", "w3")]
+    w2_src = [found[(e, "w2")] for e in range(e_count)]
+    # w1 = gate, w3 = up -> [gate; up]. Experts are built one at a time, as row parts (no concat copy).
+    w13 = OutTensor(experts_w13_name(layer), (e_count, 2 * i, h), dtype, w13_src,
+                    read_expert_rows=lambda read, e: [read(found[(e, "w1")]), read(found[(e, "w3")])],
+                    quantize=q)
+    w2 = OutTensor(experts_w2_name(layer), (e_count, h, i), dtype, w2_src,
+                   read_expert_rows=lambda read, e: [read(found[(e, "w2")])], quantize=q)
+    return [w13, w2]
+
+
+def _check_vendor_experts(cfg, layer, found, src_meta):
+    e_count = cfg.num_local_experts
+    missing = [f"experts.{e}.{w}" for e in range(e_count) for w in ("w1", "w2", "w3") if (e, w) not in found]
+    extra = [f"experts.{e}.{w}" for (e, w) in found if e >= e_count]
+    if missing or extra:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
+        raise LayoutError(f"layer {layer}: expert tensors {what} (config num_local_experts={e_count})")
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    for (e, w), src in found.items():
+        want = (h, i) if w == "w2" else (i, h)
+        if tuple(src_meta[src][1]) != want:
+            raise LayoutError(f"{src}: shape {tuple(src_meta[src][1])}, expected {want} from the config")
+
+
+def _check_fused_experts(cfg, layer, found, src_meta) -> dict:
+    e_count, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    want = {"gate_up_proj": (e_count, 2 * i, h), "down_proj": (e_count, h, i)}
+    for part, shape in want.items():
+        if part not in found:
+            raise LayoutError(f"layer {layer}: missing mlp.experts.{part}")
+        if tuple(src_meta[found[part]][1]) != shape:
+            raise LayoutError(f"{found[part]}: shape {tuple(src_meta[found[part]][1])}, expected {shape} "
+                              "from the config")
+    return want
+
+
+def _fused_experts(cfg, layer, found, src_meta, quantize, interleaved):
+    want = _check_fused_experts(cfg, layer, found, src_meta)
+    gu, dn = found["gate_up_proj"], found["down_proj"]
+    fix = uninterleave_gate_up if interleaved else (lambda w: w)
+    q = quantize != "none"
+    # read(name, e) reads only expert e's slice of the fused tensor
+    w13 = OutTensor(experts_w13_name(layer), want["gate_up_proj"], src_meta[gu][0], [gu],
+                    read_expert_rows=lambda read, e: [fix(read(gu, e))], quantize=q)
+    w2 = OutTensor(experts_w2_name(layer), want["down_proj"], src_meta[dn][0], [dn],
+                   read_expert_rows=lambda read, e: [read(dn, e)], quantize=q)
+    return [w13, w2]
+
+
+def _split_vendor_experts(cfg, layer, found, src_meta, quantize):
+    """hf layout: each expert's w1 (gate), w3 (up), w2 (down) as its own 2-D tensor, never stacked."""
+    _check_vendor_experts(cfg, layer, found, src_meta)
+    out = []
+    for e in range(cfg.num_local_experts):
+        for w in ("w1", "w2", "w3"):
+            src = found[(e, w)]
+            dtype, shape = src_meta[src]
+            out.append(OutTensor(expert_name(layer, e, w), tuple(shape), dtype, [src], _read_one(src),
+                                 quantize=quantize != "none"))
+    return out
+
+
+def _split_fused_experts(cfg, layer, found, src_meta, quantize, interleaved):
+    raise LayoutError(f"{found.get('gate_up_proj') or found.get('down_proj')}: --layout hf writes the vendor "
+                      "release's layout (VL config with text_config, vision tower), which a transformers-layout "
+                      "source cannot provide; convert the vendor checkpoint, or use --layout porter")
+
+
+def _check_layers(cfg, canon, experts, fused):
+    """Fail before any work if the checkpoint does not hold what the config describes."""
+    need = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        need.append("lm_head.weight")
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        need += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        need += [p + f"self_attn.{x}.weight" for x in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+        if cfg.is_sparse_attention(layer):
+            need += [p + f"self_attn.{x}.weight" for x in ("index_q_proj", "index_k_proj", "index_q_norm",
+                                                           "index_k_norm")]
+        if cfg.is_moe(layer):
+            need += [p + "block_sparse_moe.gate.weight", p + "block_sparse_moe.e_score_correction_bias"]
+            if layer not in experts and layer not in fused:
+                raise LayoutError(f"layer {layer} is MoE in the config but the checkpoint has no expert tensors "
+                                  f"(model.layers.{layer}.block_sparse_moe.experts.*)")
+            if cfg.n_shared_experts:
+                need += _gate_up_down(canon, p + "block_sparse_moe.shared_experts.")
+        else:
+            if layer in experts or layer in fused:
+                raise LayoutError(f"layer {layer} is dense in the config but the checkpoint has expert tensors")
+            need += _gate_up_down(canon, p + "mlp.")
+    missing = [n for n in need if n not in canon]
+    if missing:
+        raise LayoutError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[0]!r}; "
+                          "check that config.json belongs to these weights")
+
+
+def _gate_up_down(canon, prefix):
+    if prefix + "gate_up_proj.weight" in canon:
+        return [prefix + "gate_up_proj.weight", prefix + "down_proj.weight"]
+    return [prefix + x + ".weight" for x in ("gate_proj", "up_proj", "down_proj")]
+
+
+def _check_out(cfg, out):
+    h = cfg.hidden_size
+    shapes = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "lm_head.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    for t in out:
+        want = shapes.get(t.name)
+        if want and tuple(t.shape) != want:
+            raise LayoutError(f"{t.sources[0]}: shape {tuple(t.shape)}, expected {want} from the config")
+        if t.quantize and t.shape[-1] % 32:
+            raise LayoutError(f"{t.sources[0]}: K={t.shape[-1]} is not a multiple of 32, cannot be MXFP8; "
+                              "use --quantize none or experts")

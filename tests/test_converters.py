@@ -1,0 +1,177 @@
+"""The converter registry (converters/__init__.py) and the Converter protocol (converters/base.py):
+model_type -> converter, unknown architectures refused with a ConfigError naming the supported ones, the
+MiniMax-M3 converter providing every protocol member, and callers using nothing outside the protocol."""
+import ast
+import inspect
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import converters
+import converters.minimax_m3
+from converters.base import Converter, ResolvedConfig, conformance_problems, protocol_members
+from porter.cli import main as cli
+from porter.errors import ConfigError
+from tiny_checkpoint import transformers_config, vendor_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SUPPORTED = "minimax_m3, minimax_m3_vl, minimax_m3_vl_text"
+
+
+@pytest.mark.parametrize("model_type", ["minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3"])
+def test_registry_maps_each_model_type_to_minimax_m3(model_type):
+    assert converters.get(model_type) is converters.minimax_m3
+    assert converters.for_config({"model_type": model_type}) is converters.minimax_m3
+
+
+def test_for_config_resolves_both_source_layouts():
+    vendor, flat = vendor_config(), transformers_config(vendor_config()["text_config"])
+    assert (vendor["model_type"], flat["model_type"]) == ("minimax_m3_vl", "minimax_m3_vl_text")
+    resolved = [converters.for_config(raw).resolve_config(raw) for raw in (vendor, flat)]
+    layers = vendor["text_config"]["num_hidden_layers"]
+    assert resolved[0].num_hidden_layers == resolved[1].num_hidden_layers == layers
+    legacy = "legacy:text_config.sparse_attention_config.sparse_attention_freq"
+    assert resolved[0].provenance["layer_types"] == legacy
+    assert resolved[1].provenance["layer_types"] == "config:layer_types"
+    assert resolved[0].layer_types == resolved[1].layer_types
+
+
+def test_supported_lists_every_model_type_once():
+    assert converters.supported() == ("minimax_m3", "minimax_m3_vl", "minimax_m3_vl_text")
+    assert set(converters.minimax_m3.MODEL_TYPES) == set(converters.supported())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "minimax_m2", "", None, ["minimax_m3_vl"]])
+def test_unknown_model_type_is_a_config_error_naming_it_and_the_supported_ones(model_type):
+    want = f"config.json: model_type {model_type!r} is not an architecture porter converts " \
+           f"(supported: {SUPPORTED})"
+    with pytest.raises(ConfigError) as e:
+        converters.get(model_type)
+    assert str(e.value) == want
+    with pytest.raises(ConfigError) as e:
+        converters.for_config({"model_type": model_type, "text_config": {}}, "ckpt/config.json")
+    assert str(e.value) == want.replace("config.json", "ckpt/config.json", 1)
+
+
+def test_missing_model_type_and_non_object_config():
+    with pytest.raises(ConfigError, match=r"^x/config.json: model_type None is not an architecture"):
+        converters.for_config({"hidden_size": 8}, "x/config.json")
+    with pytest.raises(ConfigError, match=r"^x/config.json must hold a JSON object$"):
+        converters.for_config([1, 2], "x/config.json")
+
+
+def test_convert_refuses_an_unknown_architecture_with_exit_2(tiny_vendor, tmp_path):
+    src = tmp_path / "llama"
+    src.mkdir()
+    for f in tiny_vendor.iterdir():
+        (src / f.name).symlink_to(f)
+    (src / "config.json").unlink()
+    (src / "config.json").write_text(json.dumps({**vendor_config(), "model_type": "llama"}))
+    res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip().splitlines() == [
+        f"porter: error: {src / 'config.json'}: model_type 'llama' is not an architecture porter converts "
+        f"(supported: {SUPPORTED})"]
+    assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
+
+
+def test_protocol_members():
+    members = protocol_members()
+    assert {n for n, k in members.items() if k == "constant"} == {
+        "ARCHITECTURE", "MODEL_TYPES", "LAYOUTS", "DEFAULT_SCOPE", "HF_ARCHITECTURES"}
+    assert {n for n, k in members.items() if k == "function"} == {
+        "resolve_config", "manifest_facts", "plan_tensors", "canonical_name", "experts_w13_name",
+        "experts_w2_name", "interleave_gate_up", "uninterleave_gate_up", "check_hf_source", "hf_config_json",
+        "hf_quantization_config", "hf_ignored_layers", "hf_name", "hf_canonical_map"}
+
+
+def test_minimax_m3_satisfies_the_protocol():
+    m3 = converters.minimax_m3
+    assert conformance_problems(m3) == []
+    for name, kind in protocol_members().items():
+        value = getattr(m3, name)
+        assert callable(value) if kind == "function" else not callable(value), name
+        if kind == "function":  # same parameters, same defaults as the protocol states
+            want = list(inspect.signature(getattr(Converter, name)).parameters.values())[1:]
+            have = list(inspect.signature(value).parameters.values())
+            assert [(p.name, p.default) for p in have] == [(p.name, p.default) for p in want], name
+    assert m3.ARCHITECTURE == "minimax_m3" and m3.LAYOUTS == ("porter", "hf")
+    assert m3.DEFAULT_SCOPE == {"porter": "experts", "hf": "all"}
+
+
+def test_resolved_config_provides_what_callers_read():
+    cfg = converters.minimax_m3.resolve_config(vendor_config())
+    for name in ResolvedConfig.__annotations__:
+        assert hasattr(cfg, name), name
+    for name in ("to_dict", "is_moe", "is_sparse_attention"):
+        assert callable(getattr(cfg, name)), name
+    assert isinstance(cfg.to_dict(), dict) and "provenance" not in cfg.to_dict()
+
+
+def test_conformance_problems_names_what_is_wrong():
+    broken = types.SimpleNamespace(**{n: getattr(converters.minimax_m3, n) for n in protocol_members()})
+    del broken.hf_name
+    broken.LAYOUTS = ["porter"]
+    broken.canonical_name = "not a function"
+    broken.plan_tensors = lambda cfg, meta: []
+    assert conformance_problems(broken) == [
+        "LAYOUTS is a list, not a tuple",
+        "plan_tensors('cfg', 'meta') does not take the protocol's parameters "
+        "('cfg', 'src_meta', 'quantize', 'gate_up', 'layout')",
+        "canonical_name is not callable",
+        "hf_name is missing"]
+
+
+def test_registry_refuses_an_incomplete_converter_module(monkeypatch):
+    """A converter module without the protocol is a porter bug (TypeError), found on first use."""
+    fake = types.ModuleType("converters.fake_arch")
+    fake.resolve_config = lambda raw: None
+    monkeypatch.setitem(sys.modules, "converters.fake_arch", fake)
+    monkeypatch.setitem(converters.MODEL_TYPES, "fake_vl", "fake_arch")
+    with pytest.raises(TypeError, match=r"converters\.fake_arch does not provide the Converter protocol: "
+                                        r"ARCHITECTURE is missing;"):
+        converters.get("fake_vl")
+
+
+def _converter_attributes(tree) -> list[tuple[int, str]]:
+    """(line, attribute) for every attribute taken from a converter: `converter.X`, `<...>.converter.X`,
+    `converters.for_config(...).X` / `converters.get(...).X`, and the tests' `arch.X`."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        v = node.value
+        if (isinstance(v, ast.Name) and v.id in ("converter", "arch")) or \
+                (isinstance(v, ast.Attribute) and v.attr == "converter") or \
+                (isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute)
+                 and v.func.attr in ("for_config", "get")
+                 and isinstance(v.func.value, ast.Name) and v.func.value.id == "converters"):
+            found.append((node.lineno, node.attr))
+    return found
+
+
+def test_callers_use_only_protocol_members_and_never_import_a_converter_module():
+    members = set(protocol_members())
+    files = [p for d in ("porter", "runtime", "examples", "tests") for p in (ROOT / d).rglob("*.py")
+             if p.name != "test_converters.py"]
+    used, bad = set(), []
+    for path in files:
+        tree = ast.parse(path.read_text(), str(path))
+        rel = path.relative_to(ROOT)
+        for line, attr in _converter_attributes(tree):
+            used.add(attr)
+            if attr not in members:
+                bad.append(f"{rel}:{line}: uses converter attribute {attr!r}, not a Converter member")
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            # runtime/models/<arch>.py takes its own config class; tests may test a converter's internals
+            if any(n.startswith("converters.minimax_m3") for n in names) and rel.parts[0] != "tests" \
+                    and rel.parts[:2] != ("runtime", "models"):
+                bad.append(f"{rel}:{node.lineno}: imports a converter module; use converters.for_config")
+    assert not bad, "\n".join(bad)
+    assert {"resolve_config", "plan_tensors", "hf_canonical_map", "check_hf_source", "manifest_facts"} <= used

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from converters import minimax_m3 as arch
-from porter import manifest, mxfp8, pipeline
+from porter import manifest, model_card, mxfp8, pipeline
 from porter.errors import PorterError
 from porter.layout import OutTensor, scale_name
 from porter.pipeline import fault_point
@@ -127,16 +127,18 @@ def fingerprint(plan: Plan) -> str:
 def convert(source, output, *, revision: Optional[str] = None, quantize: Optional[str] = None, gate_up: str = "auto",
             scale_rounding: str = "rceil", max_shard_size="5GB", force: bool = False, resume: bool = False,
             dry_run: bool = False, progress: bool = True, layout: str = "porter", workers: Optional[int] = None,
-            max_memory=None, device: str = "auto", digest: str = DEFAULT_DIGEST) -> dict:
+            max_memory=None, device: str = "auto", digest: str = DEFAULT_DIGEST, token: Optional[str] = None,
+            cache_dir=None) -> dict:
     """Convert; returns a summary dict. Mirrors `porter convert` (see `porter convert --help`).
     quantize=None: the layout's default scope (arch.DEFAULT_SCOPE). workers=None: the available cores + 1;
     max_memory=None: half the available RAM; device: auto (the GPU when there is one), cpu or cuda;
-    digest: the chunk hash of the shard digests, xxh3-128 or sha256 (docs/artifact-format.md)."""
+    digest: the chunk hash of the shard digests, xxh3-128 or sha256 (docs/artifact-format.md).
+    token / cache_dir: Hugging Face token and cache folder for a repo id (None: HF_TOKEN / HF_HOME)."""
     t0 = time.time()
     quantize = quantize or arch.DEFAULT_SCOPE.get(layout, "experts")
     workers = _check_workers(workers)
     max_memory = pipeline.default_max_memory() if max_memory is None else parse_size(max_memory, "--max-memory")
-    src = open_source(source, revision, headers_only=dry_run)
+    src = open_source(source, revision, headers_only=dry_run, token=token, cache_dir=cache_dir)
     plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size, layout, digest)
     dev = pipeline.resolve_device(device)  # an unknown device, or cuda without a GPU: PorterError (exit 2)
     out = Path(output)
@@ -266,7 +268,7 @@ def _porter_file(name: str) -> bool:
     """A file kind a conversion writes (shards, their .partial, temp files, the final files, copied files)."""
     base = name.removesuffix(".tmp").removesuffix(".partial")
     return base.startswith("model-") or base in (INDEX_NAME, "porter.json", "config.json", JOURNAL) or \
-        base in COPY_FILES
+        base in COPY_FILES or model_card.is_card_file(base)
 
 
 def _clear_output(out: Path) -> None:
@@ -347,12 +349,14 @@ def _reuse_freed_memory() -> None:
 
 
 def _finish(plan: Plan, out: Path, stats: dict) -> float:
-    """Copies the tokenizer files, syncs the shards, writes config.json, porter.json and the index (last).
+    """Copies the tokenizer files, the model card (with porter's section) and license, syncs the shards,
+    writes config.json, porter.json and the index (last).
     Returns the seconds the shards' fsync took (what durability adds once the last byte is written)."""
     src = plan.source
     for name in COPY_FILES:
         if (src.path / name).exists():
             shutil.copyfile(src.path / name, out / name)
+    model_card.write(src.path, out, plan.options, src.repo_id, src.commit)
     if plan.options["layout"] == "hf":  # vendor config, top-level quantization_config the engines read
         cfg = arch.hf_config_json(src.raw_config, arch.hf_quantization_config(
             plan.tensors, plan.options["quantize"], plan.options["scale_rounding"]))

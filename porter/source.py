@@ -176,9 +176,11 @@ def open_local(path: Path, repo_id: Optional[str] = None, commit: Optional[str] 
     return Source(path, raw, meta, files, repo_id=repo_id, commit=commit, prequantized=scheme, spans=spans)
 
 
-def open_source(source: str | Path, revision: Optional[str] = None, headers_only: bool = False) -> Source:
+def open_source(source: str | Path, revision: Optional[str] = None, headers_only: bool = False,
+                token: Optional[str] = None, cache_dir=None) -> Source:
     """A local dir, or a Hugging Face repo id resolved through the hub cache (porter.hub).
-    headers_only: for a repo id, fetch only metadata and shard headers (enough to plan a --dry-run)."""
+    headers_only: for a repo id, fetch only metadata and shard headers (enough to plan a --dry-run).
+    token / cache_dir: for a repo id (None: huggingface_hub's HF_TOKEN / HF_HOME defaults)."""
     p = Path(source).expanduser()
     if p.exists():
         return open_local(p)
@@ -186,7 +188,7 @@ def open_source(source: str | Path, revision: Optional[str] = None, headers_only
         raise SourceError(f"{source}: no such directory, and not a Hugging Face repo id (owner/name)")
     from porter import hub
     if headers_only:
-        path, commit, headers = hub.headers_only(str(source), revision)
+        path, commit, headers = hub.headers_only(str(source), revision, token, cache_dir)
         return open_local(path, repo_id=str(source), commit=commit, headers=headers)
-    path, commit = hub.download(str(source), revision)
+    path, commit = hub.download(str(source), revision, token, cache_dir)
     return open_local(path, repo_id=str(source), commit=commit)

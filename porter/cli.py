@@ -74,7 +74,8 @@ def main(ctx, verbose, quiet):
 def _hub_options(f):
     """--token and --cache-dir, for every command that reads the Hugging Face Hub."""
     f = click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-                     help="Hugging Face cache folder for repo ids [default: HF_HUB_CACHE, else HF_HOME/hub].")(f)
+                     help="Hugging Face cache folder for repo ids "
+                          "[default: HF_HUB_CACHE, else HF_HOME/hub].")(f)
     return click.option("--token", default=None, metavar="TOKEN",
                         help="Hugging Face token for gated or private repos [default: HF_TOKEN, else the "
                              "stored login]. On a shared machine prefer HF_TOKEN: arguments show in `ps`.")(f)

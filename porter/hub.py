@@ -30,14 +30,15 @@ def _snapshot(repo_id: str, revision, allow_patterns, token=None, cache_dir=None
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns, token=token,
                                       cache_dir=cache_dir))
     except LocalEntryNotFoundError:
-        raise SourceError(f"{repo_id}: not in the Hugging Face cache ({cache_dir or _cache_dir()}) and the hub cannot be "
-                          "reached (offline?); download it where there is network or pass a local dir") from None
+        raise SourceError(f"{repo_id}: not in the Hugging Face cache ({cache_dir or _cache_dir()}) and the "
+                          "hub cannot be reached (offline?); download it where there is network or pass a "
+                          "local dir") from None
     except GatedRepoError:
-        raise SourceError(f"{repo_id}: gated repo; accept its terms on huggingface.co and pass --token (or set "
-                          "HF_TOKEN)") from None
+        raise SourceError(f"{repo_id}: gated repo; accept its terms on huggingface.co and pass --token "
+                          "(or set HF_TOKEN)") from None
     except RepositoryNotFoundError:  # also what a mirror answers for an unknown revision (docs/hub.md)
-        raise SourceError(f"{repo_id}: no such repo{_at(revision)} on the Hugging Face Hub (or it is private: "
-                          "pass --token or set HF_TOKEN)") from None
+        raise SourceError(f"{repo_id}: no such repo{_at(revision)} on the Hugging Face Hub (or it is "
+                          "private: pass --token or set HF_TOKEN)") from None
     except RevisionNotFoundError:
         raise SourceError(f"{repo_id}: revision {revision!r} not found") from None
     except HfHubHTTPError as e:
@@ -69,10 +70,10 @@ def _http_error_line(repo_id: str, e) -> str:
         return (f"{repo_id}: the Hugging Face Hub refused the credentials (HTTP 401); pass a valid --token "
                 "(or set HF_TOKEN, or run `hf auth login`)")
     if status == 403:
-        return (f"{repo_id}: access denied (HTTP 403); your token lacks access to this repo — request it on "
-                "huggingface.co")
-    return (f"{repo_id}: download failed (HTTP {status}: {_first_line(e)}); retry — finished files stay in the "
-            "cache and are not fetched again")
+        return (f"{repo_id}: access denied (HTTP 403); your token lacks access to this repo — request it "
+                "on huggingface.co")
+    return (f"{repo_id}: download failed (HTTP {status}: {_first_line(e)}); retry — finished files stay "
+            "in the cache and are not fetched again")
 
 
 def _cache_dir() -> str:

@@ -39,17 +39,19 @@ def license_files(src: Path) -> list[Path]:
 def section(options: dict, repo_id, commit, source_path) -> str:
     """The appended Markdown section. options: porter.json's options (quantize, layout, scale_rounding)."""
     if repo_id:
-        origin = f"[`{repo_id}`](https://huggingface.co/{repo_id})" + (f" at commit `{commit}`" if commit else "")
+        origin = f"[`{repo_id}`](https://huggingface.co/{repo_id})"
+        origin += f" at commit `{commit}`" if commit else ""
     else:
         origin = f"the local checkpoint `{Path(source_path).name}`"
     scope = options.get("quantize", "experts")
     quantized = SCOPES.get(scope, scope)
     if scope != "none":
-        quantized += (f" are MXFP8 (e4m3 values, one power-of-two E8M0 scale per 32 weights, "
-                      f"{options.get('scale_rounding', 'rceil')} scale rule); every other tensor is unchanged")
+        rule = options.get("scale_rounding", "rceil")
+        quantized += (f" are MXFP8 (e4m3 values, one power-of-two E8M0 scale per 32 weights, {rule} scale "
+                      "rule); every other tensor is unchanged")
     if options.get("source_quantization"):
-        quantized += f". The source was pre-quantized ({options['source_quantization'].get('method')}) and was " \
-                     "dequantized first"
+        method = options["source_quantization"].get("method")
+        quantized += f". The source was pre-quantized ({method}) and was dequantized first"
     return "\n".join([
         SECTION_TITLE, "",
         f"This folder was converted from {origin} by porter {__version__}.", "",

@@ -203,9 +203,9 @@ class Gate:
             return b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
         if any(f"/{r}/" in req.path for r in self.gated):
             msg = b"Access to this model is restricted. You must accept its terms to access it."
-            return (b"HTTP/1.1 403 Forbidden\r\nX-Error-Code: GatedRepo\r\nX-Error-Message: " + msg +
-                    b"\r\nContent-Type: text/plain\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(msg)
-                    + msg)
+            return (b"HTTP/1.1 403 Forbidden\r\nX-Error-Code: GatedRepo\r\nX-Error-Message: " + msg
+                    + b"\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+                    + b"Content-Length: %d\r\n\r\n" % len(msg) + msg)
         return None
 
     def _responses(self, upstream: socket.socket, client: socket.socket, conn: dict) -> None:
@@ -250,7 +250,8 @@ def _read_head(sock: socket.socket, buf: bytes) -> tuple[Optional[bytes], bytes]
 def _parse(head: bytes) -> Request:
     lines = head.decode("latin-1").split("\r\n")
     method, path, _ = lines[0].split(" ", 2)
-    headers = dict((k.strip().lower(), v.strip()) for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln))
+    pairs = (ln.split(":", 1) for ln in lines[1:] if ":" in ln)
+    headers = {k.strip().lower(): v.strip() for k, v in pairs}
     return Request(method, path, headers)
 
 
@@ -288,7 +289,8 @@ class HubServer:
         config.write_text(
             f'[basic]\nhost = "127.0.0.1"\nport = {port}\nmirrors-path = [{json.dumps(str(self.mirrors))}]\n'
             f'repos-path = {json.dumps(str(self.scratch / "repos"))}\nmirror-scheme = "http"\n'
-            f'mirror-netloc = "127.0.0.1:{self.gate.port}"\nmirror-lfs-netloc = "127.0.0.1:{self.gate.port}"\n'
+            f'mirror-netloc = "127.0.0.1:{self.gate.port}"\n'
+            f'mirror-lfs-netloc = "127.0.0.1:{self.gate.port}"\n'
             '\n[accessibility]\noffline = true\n')
         self.log = self.scratch / "olah.log"
         with open(self.log, "wb") as log:
@@ -358,13 +360,14 @@ def hub(hub_server, tmp_path, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    for name, value in {"ENDPOINT": hub_server.url, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
-                        "HUGGINGFACE_CO_URL_TEMPLATE": hub_server.url + "/{repo_id}/resolve/{revision}/{filename}",
-                        "HF_TOKEN_PATH": str(home / "token"), "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
-                        "HF_HUB_OFFLINE": False, "HF_HUB_DISABLE_XET": True}.items():
+    constants = {"ENDPOINT": hub_server.url, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
+                 "HUGGINGFACE_CO_URL_TEMPLATE": hub_server.url + "/{repo_id}/resolve/{revision}/{filename}",
+                 "HF_TOKEN_PATH": str(home / "token"), "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
+                 "HF_HUB_OFFLINE": False, "HF_HUB_DISABLE_XET": True}
+    for name, value in constants.items():
         monkeypatch.setattr(c, name, value)
     from huggingface_hub import hf_api
-    monkeypatch.setattr(hf_api.api, "endpoint", hub_server.url)  # the module-level HfApi of the free functions
+    monkeypatch.setattr(hf_api.api, "endpoint", hub_server.url)  # the HfApi behind the free functions
     hub_server.gate.reset()
     hub_server.cache = home / "hub"
     yield hub_server

@@ -69,7 +69,8 @@ def verify(artifact, prompts=None, reference=None, backend: str = "auto", device
     thresholds: Thresholds or {name: value}. streaming: "auto" | True | False (layer streaming of the
     teacher-forced pass). device_map: "auto" spreads the converted model over every visible GPU when
     device is a bare "cuda" and there are several; None keeps it on `device`. token / cache_dir: Hugging Face
-    token and cache folder when the reference is a repo id (None: HF_TOKEN / HF_HOME). Raises PorterError subclasses for bad input; returns the result otherwise.
+    token and cache folder when the reference is a repo id (None: HF_TOKEN / HF_HOME).
+    Raises PorterError subclasses for bad input; returns the result otherwise.
     """
     t0 = time.time()
     inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, plot, token, cache_dir)

@@ -186,12 +186,12 @@ class Gate:
                 body, buf = buf[:body_len], buf[body_len:]
                 with self.lock:
                     self.requests.append(req)
+                    if self.cut and req.method == "GET" and self.cut[0] in req.path and not self.down:
+                        conn["budget"], conn["down"], self.cut = self.cut[1], self.cut[2], None
                 refusal = self._refusal(req)
                 if refusal is not None:
                     client.sendall(refusal)
                     break
-                if self.cut and req.method == "GET" and self.cut[0] in req.path:
-                    conn["budget"], conn["down"], self.cut = self.cut[1], self.cut[2], None
                 upstream.sendall(head + body)
         except OSError:
             pass

@@ -43,7 +43,7 @@ def _snapshot(repo_id: str, revision, allow_patterns, token=None, cache_dir=None
         raise SourceError(f"{repo_id}: revision {revision!r} not found") from None
     except HfHubHTTPError as e:
         raise SourceError(_http_error_line(repo_id, e)) from None
-    except (OSError, _httpx_error()) as e:  # network errors: OSError subclasses, or httpx's own
+    except (OSError, *_http_library_errors()) as e:  # network errors
         raise SourceError(f"{repo_id}: download failed ({type(e).__name__}: {_first_line(e)}); retry — finished "
                           "files stay in the cache and are not fetched again") from None
 
@@ -52,12 +52,12 @@ def _at(revision) -> str:
     return f" at revision {revision!r}" if revision else ""
 
 
-def _httpx_error() -> type:
-    try:
-        import httpx
-        return httpx.HTTPError
-    except ImportError:  # huggingface_hub before 1.0 used requests, whose errors are OSErrors
-        return OSError
+def _http_library_errors() -> tuple:
+    """The error base of huggingface_hub's HTTP library (httpx, or its fork httpx2): a connection dropped
+    mid-download raises its RemoteProtocolError, no OSError. With requests (huggingface_hub < 1.0) these
+    are OSErrors."""
+    from huggingface_hub.errors import HfHubHTTPError
+    return tuple(c for c in HfHubHTTPError.__mro__[1:] if c.__name__ == "HTTPError")
 
 
 def _first_line(e: BaseException) -> str:

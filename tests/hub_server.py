@@ -122,7 +122,7 @@ class Gate:
         self.lock = threading.Lock()
         self.cut: Optional[tuple[str, int]] = None
         self.cuts_done = 0
-        self.down = False
+        self.down = None
         self.gated: set[str] = set()
         threading.Thread(target=self._accept, daemon=True, name="hub-gate").start()
 
@@ -133,16 +133,17 @@ class Gate:
     def reset(self) -> None:
         with self.lock:
             self.requests.clear()
-            self.cut, self.cuts_done, self.down = None, 0, False
+            self.cut, self.cuts_done, self.down = None, 0, None
             self.gated.clear()
 
-    def cut_after(self, path_part: str, nbytes: int, down: bool = True) -> None:
-        """Cut the next GET whose path contains path_part after nbytes of its body; then, if down, answer
-        503 to everything until reopen()."""
+    def cut_after(self, path_part: str, nbytes: int, down="503") -> None:
+        """Cut the next GET whose path contains path_part after nbytes of its body; then until reopen(),
+        down="503" answers every request with 503, down="drop" closes every connection unanswered (a killed
+        server), down=None stays up."""
         self.cut = (path_part, nbytes, down)
 
     def reopen(self) -> None:
-        self.down = False
+        self.down = None
 
     def gate(self, repo_id: str) -> None:
         self.gated.add(repo_id)
@@ -199,6 +200,8 @@ class Gate:
             _close(client, upstream)
 
     def _refusal(self, req: Request) -> Optional[bytes]:
+        if self.down == "drop":
+            return b""
         if self.down:
             return b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
         if any(f"/{r}/" in req.path for r in self.gated):

@@ -164,7 +164,7 @@ def test_download_cut_mid_file_is_retried_with_a_range_request(hub, tmp_path, mo
     monkeypatch.setattr(c, "DOWNLOAD_CHUNK_SIZE", 16384)
     repo = hub.repos[REPO]
     size = (repo.folder / SHARD).stat().st_size
-    hub.gate.cut_after(SHARD, size // 2, down=False)
+    hub.gate.cut_after(SHARD, size // 2, down=None)
     res = porter("convert", REPO, "--output", tmp_path / "out")
     assert res.exit_code == 0, res.output
     assert hub.gate.cuts_done == 1
@@ -174,12 +174,14 @@ def test_download_cut_mid_file_is_retried_with_a_range_request(hub, tmp_path, mo
     assert_same_files(snapshot(hub.cache, REPO, repo.main), repo.folder, [SHARD])
 
 
-def test_hub_down_mid_download_then_rerun_completes(hub, tmp_path):
-    """The hub goes down halfway through a shard (then answers 503): one line, exit 2. The rerun fetches
+@pytest.mark.parametrize("down", ["503", "drop"])
+def test_hub_down_mid_download_then_rerun_completes(hub, tmp_path, down):
+    """The hub goes down halfway through a shard (then answers 503, or drops every connection as a killed
+    server does, which huggingface_hub retries 5 times a second apart): one line, exit 2. The rerun fetches
     only what is missing and the cache ends with the repo's exact bytes."""
     repo = hub.repos[REPO]
     size = (repo.folder / SHARD).stat().st_size
-    hub.gate.cut_after(SHARD, size // 3)
+    hub.gate.cut_after(SHARD, size // 3, down=down)
     out = tmp_path / "out"
     line = one_line_error(porter("convert", REPO, "--output", out))
     assert REPO in line and "download failed" in line and "retry" in line
@@ -213,3 +215,14 @@ def test_cli_subprocess_uses_the_environment(hub, tmp_path):
     doc = json.loads((tmp_path / "out" / "porter.json").read_text())
     assert doc["source"]["commit"] == hub.repos[REPO].main
     assert snapshot(Path(env["HF_HOME"]) / "hub", REPO, hub.repos[REPO].main).is_dir()
+
+
+def test_hub_unreachable(hub, tmp_path, monkeypatch):
+    """Nothing listens at HF_ENDPOINT and nothing is cached: one line saying so."""
+    import huggingface_hub.constants as c
+    from hub_server import free_port
+    url = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setattr(c, "ENDPOINT", url)
+    monkeypatch.setattr(c, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+    line = one_line_error(porter("convert", REPO, "--output", tmp_path / "out"))
+    assert REPO in line and "cannot be reached" in line

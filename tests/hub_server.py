@@ -109,10 +109,9 @@ class Request:
 
 
 class Gate:
-    """TCP forwarder in front of olah. Logs each request (method, path, headers); `cut_after(path_part,
-    n)` closes the connection after n body bytes of the next response to a matching GET, and then answers
-    every request with 503 until `reopen()` (the hub going down mid-download); `gate(repo_id)` answers a
-    repo's requests as the hub does for a gated repo."""
+    """TCP forwarder in front of olah. Logs each request (method, path, headers); `cut_after` closes a
+    download mid-body and can keep the hub down until `reopen()`; `gate(repo_id)` answers a repo's
+    requests as the hub does for a gated repo."""
 
     def __init__(self, upstream_port: int):
         self.upstream = ("127.0.0.1", upstream_port)
@@ -120,9 +119,9 @@ class Gate:
         self.port = self.sock.getsockname()[1]
         self.requests: list[Request] = []
         self.lock = threading.Lock()
-        self.cut: Optional[tuple[str, int]] = None
+        self.cut: Optional[tuple] = None  # (path part, body bytes, down mode) of the next cut
         self.cuts_done = 0
-        self.down = None
+        self.down: Optional[str] = None  # "503", "drop" or None (up)
         self.gated: set[str] = set()
         threading.Thread(target=self._accept, daemon=True, name="hub-gate").start()
 
@@ -344,10 +343,14 @@ def hub_server(tmp_path_factory, tiny_vendor, tiny_transformers):
     repos["MiniMaxAI/Tiny-M3-Pickle"] = add_pickle_repo(mirrors, tiny_vendor / "config.json")
     (root / "scratch").mkdir()
     server = HubServer(mirrors, root / "scratch", repos)
-    try:
-        server.start()
-    except RuntimeError as e:
-        pytest.fail(f"the local hub server (olah) is required: {e}", pytrace=False)
+    for attempt in range(3):  # the free port can be taken by another process before olah binds it
+        try:
+            server.start()
+            break
+        except RuntimeError as e:
+            server.stop()
+            if "address already in use" not in str(e) or attempt == 2:
+                pytest.fail(f"the local hub server (olah) is required: {e}", pytrace=False)
     yield server
     server.stop()
 

@@ -362,14 +362,16 @@ def hub(hub_server, tmp_path, monkeypatch):
     import huggingface_hub.constants as c
     home = tmp_path / "hf_home"
     env = {"HF_ENDPOINT": hub_server.url, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
-           "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"}
+           "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1",
+           "HF_HUB_ETAG_TIMEOUT": "60", "HF_HUB_DOWNLOAD_TIMEOUT": "60"}  # 10 s defaults: a loaded CI box
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     constants = {"ENDPOINT": hub_server.url, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
                  "HUGGINGFACE_CO_URL_TEMPLATE": hub_server.url + "/{repo_id}/resolve/{revision}/{filename}",
                  "HF_TOKEN_PATH": str(home / "token"), "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
-                 "HF_HUB_OFFLINE": False, "HF_HUB_DISABLE_XET": True}
+                 "HF_HUB_OFFLINE": False, "HF_HUB_DISABLE_XET": True, "HF_HUB_ETAG_TIMEOUT": 60,
+                 "HF_HUB_DOWNLOAD_TIMEOUT": 60}
     for name, value in constants.items():
         monkeypatch.setattr(c, name, value)
     from huggingface_hub import hf_api

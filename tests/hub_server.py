@@ -192,7 +192,7 @@ class Gate:
                 if refusal is not None:
                     client.sendall(refusal)
                     break
-                upstream.sendall(head + body)
+                upstream.sendall(_one_request_per_connection(head) + body)
         except OSError:
             pass
         finally:
@@ -247,6 +247,15 @@ def _read_head(sock: socket.socket, buf: bytes) -> tuple[Optional[bytes], bytes]
         buf += chunk
     end = buf.index(b"\r\n\r\n") + 4
     return buf[:end], buf[end:]
+
+
+def _one_request_per_connection(head: bytes) -> bytes:
+    """The request head with `Connection: close`: the server answers with it too, so the client never
+    reuses a connection, which would race the server's keep-alive timeout (uvicorn closes idle connections
+    after 5 s; a request sent as it does fails, on a real hub too, but not deterministically)."""
+    lines = head.split(b"\r\n")
+    kept = [ln for ln in lines[1:] if ln and not ln.lower().startswith(b"connection:")]
+    return b"\r\n".join([lines[0], *kept, b"Connection: close", b"", b""])
 
 
 def _parse(head: bytes) -> Request:

@@ -24,6 +24,9 @@ def _setup_logging(verbose: int, quiet: bool) -> None:
     level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO)
     logging.basicConfig(level=level, format="%(levelname)s %(message)s" if verbose else "%(message)s",
                         stream=sys.stderr, force=True)
+    if quiet:  # huggingface_hub's download bars as well as porter's
+        from huggingface_hub.utils import disable_progress_bars
+        disable_progress_bars()
 
 
 def _one_line(e: BaseException) -> str:
@@ -68,6 +71,16 @@ def main(ctx, verbose, quiet):
     _setup_logging(verbose, quiet)
 
 
+def _hub_options(f):
+    """--token and --cache-dir, for every command that reads the Hugging Face Hub."""
+    f = click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+                     help="Hugging Face cache folder for repo ids "
+                          "[default: HF_HUB_CACHE, else HF_HOME/hub].")(f)
+    return click.option("--token", default=None, metavar="TOKEN",
+                        help="Hugging Face token for gated or private repos [default: HF_TOKEN, else the "
+                             "stored login]. On a shared machine prefer HF_TOKEN: arguments show in `ps`.")(f)
+
+
 @main.command()
 @click.argument("source")
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Output folder.")
@@ -98,9 +111,10 @@ def main(ctx, verbose, quiet):
               help="Chunk hash of the shard digests in porter.json: xxh3-128 (fast checksum, like rsync's) or "
                    "sha256 (for a manifest that is signed or published apart from the shards).")
 @click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bar.")
+@_hub_options
 @click.pass_context
 def convert(ctx, source, output, revision, quantize, layout, gate_up, scale_rounding, max_shard_size, force, resume,
-            dry_run, workers, max_memory, device, digest, quiet):
+            dry_run, workers, max_memory, device, digest, quiet, token, cache_dir):
     """Convert SOURCE (a local dir or a Hugging Face repo id) to a porter MXFP8 artifact."""
     from porter.commands.convert import convert as do_convert
     if quiet:
@@ -109,7 +123,8 @@ def convert(ctx, source, output, revision, quantize, layout, gate_up, scale_roun
     _run(ctx, lambda: do_convert(source, output, revision=revision, quantize=quantize, gate_up=gate_up,
                                  scale_rounding=scale_rounding, max_shard_size=max_shard_size, force=force,
                                  resume=resume, dry_run=dry_run, progress=not ctx.obj["quiet"], layout=layout,
-                                 workers=workers, max_memory=max_memory, device=device, digest=digest))
+                                 workers=workers, max_memory=max_memory, device=device, digest=digest,
+                                 token=token, cache_dir=cache_dir))
 
 
 @main.command("inspect")
@@ -188,9 +203,10 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
 @_threshold_options
 @click.option("--min-matching-tokens", type=int, default=None,
               help="Generated tokens the reference's argmax must agree on. Default 0 (reported only).")
+@_hub_options
 @click.pass_context
 def verify(ctx, artifact, prompts, reference, backend, device, dtype, device_map, max_new_tokens, report, plot,
-           stream, **threshold_flags):
+           stream, token, cache_dir, **threshold_flags):
     import torch
     from porter.commands import verify as verify_module
     from porter.errors import EXIT_NOT_FAITHFUL, EXIT_OK
@@ -199,7 +215,7 @@ def verify(ctx, artifact, prompts, reference, backend, device, dtype, device_map
         artifact, prompts=list(prompts) or None, reference=reference, backend=backend, device=device,
         max_new_tokens=max_new_tokens, report=report, plot=plot, thresholds=threshold_flags,
         streaming="auto" if stream is None else stream, dtype=torch_dtype, progress=not ctx.obj.get("quiet"),
-        device_map=None if device_map == "none" else device_map))
+        device_map=None if device_map == "none" else device_map, token=token, cache_dir=cache_dir))
     click.echo(_run(ctx, lambda: verify_module.format_table(result.report)))
     ctx.exit(EXIT_OK if result.passed else EXIT_NOT_FAITHFUL)
 

@@ -49,3 +49,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+from hub_server import hub, hub_server  # noqa: E402,F401  (a real hub on localhost: tests/hub_server.py)

@@ -236,7 +236,7 @@ def _hub_errors():
         "401": (lambda: HfHubHTTPError("401 Unauthorized\nInvalid credentials", response=_http_response(401)),
                 "HTTP 401"),
         "500": (lambda: HfHubHTTPError("500 Server Error\nboom", response=_http_response(500)), "HTTP 500"),
-        "network": (lambda: ConnectionResetError("connection reset by peer"), "partial downloads stay"),
+        "network": (lambda: ConnectionResetError("connection reset by peer"), "finished files stay"),
     }
 
 

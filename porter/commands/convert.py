@@ -28,7 +28,7 @@ from porter import engine
 from porter.cores import available_cores
 from porter.engine import fault_point, output_guard
 from porter.errors import ConvertError, MalformedSafetensors
-from porter.format import manifest, mxfp8
+from porter.format import manifest, model_card, mxfp8
 from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
 from porter.format.layout import OutTensor, scale_name
 from porter.format.safetensors_io import (SHARD_METADATA, Entry, atomic_write_text, digest_rule, file_digests,
@@ -128,17 +128,19 @@ def fingerprint(plan: Plan) -> str:
 def convert(source, output, *, revision: Optional[str] = None, quantize: Optional[str] = None, gate_up: str = "auto",
             scale_rounding: str = "rceil", max_shard_size="5GB", force: bool = False, resume: bool = False,
             dry_run: bool = False, progress: bool = True, layout: str = "porter", workers: Optional[int] = None,
-            max_memory=None, device: str = "auto", digest: str = DEFAULT_DIGEST) -> dict:
+            max_memory=None, device: str = "auto", digest: str = DEFAULT_DIGEST, token: Optional[str] = None,
+            cache_dir=None) -> dict:
     """Convert; returns a summary dict. Mirrors `porter convert` (see `porter convert --help`).
     quantize=None: the layout's default scope (the converter's DEFAULT_SCOPE). workers=None: the available
     cores + 1; max_memory=None: half the available RAM; device: auto (the GPU when there is one), cpu or
-    cuda; digest: the chunk hash of the shard digests, xxh3-128 or sha256 (docs/artifact-format.md)."""
+    cuda; digest: the chunk hash of the shard digests, xxh3-128 or sha256 (docs/artifact-format.md).
+    token / cache_dir: Hugging Face token and cache folder for a repo id (None: HF_TOKEN / HF_HOME)."""
     t0 = time.time()
     out = output_guard.check_output_option(output)  # "" would be the current directory
     engine.arm_faults()
     workers = _check_workers(workers)
     max_memory = engine.default_max_memory() if max_memory is None else parse_size(max_memory, "--max-memory")
-    src = open_source(source, revision, headers_only=dry_run)
+    src = open_source(source, revision, headers_only=dry_run, token=token, cache_dir=cache_dir)
     converter = converters.for_config(src.raw_config, str(src.path / "config.json"))
     quantize = quantize or converter.DEFAULT_SCOPE.get(layout, "experts")
     plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size, layout, digest)
@@ -243,7 +245,7 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
                                           if p.name != output_guard.LOCK_NAME):
             # killed before the first journal write: nothing finished, start over in place
             log.info("resume: %s holds no finished shard yet; starting from the beginning", out)
-            _clear_output(out)
+            (out / (JOURNAL + ".tmp")).unlink(missing_ok=True)
             out.mkdir(parents=True, exist_ok=True)
             _write_journal(out, {"fingerprint": fp, "shards": {}, "files": _planned_files(plan)})
             return {}
@@ -253,12 +255,12 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
         if not force:
             hint = (f" (an interrupted conversion of this source is there: {len(journal.get('shards', {}))} of "
                     f"{len(plan.shards)} shards done; add --resume)" if journal.get("fingerprint") == fp else "")
-            foreign = output_guard.foreign_files(out, JOURNAL, COPY_FILES)
+            foreign = output_guard.foreign_files(out, JOURNAL, _carried_names(out))
             if foreign:  # --force would refuse too: say so now
                 raise ConvertError(f"{out}: output folder is not empty ({out / foreign[0]} was not written "
                                    "by porter); choose an empty or new --output folder")
             raise ConvertError(f"{out}: output folder is not empty{hint}; use --force to overwrite")
-        output_guard.clear_for_force(out, JOURNAL, COPY_FILES)  # only what porter wrote, else refused
+        output_guard.clear_for_force(out, JOURNAL, _carried_names(out))  # only what porter wrote, else refused
     out.mkdir(parents=True, exist_ok=True)
     _write_journal(out, {"fingerprint": fp, "shards": {}, "files": _planned_files(plan)})
     return {}
@@ -267,7 +269,13 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
 def _planned_files(plan: Plan) -> list:
     """Every file this conversion may write (the journal keeps the list: what --force may remove later)."""
     copied = [n for n in COPY_FILES if (plan.source.path / n).exists()]
-    return [f for f, _ in plan.shards] + copied + ["config.json", manifest.MANIFEST, INDEX_NAME]
+    card = [model_card.CARD] + [p.name for p in model_card.license_files(plan.source.path)]
+    return [f for f, _ in plan.shards] + copied + card + ["config.json", manifest.MANIFEST, INDEX_NAME]
+
+
+def _carried_names(out: Path) -> tuple:
+    """Names a complete porter output may hold beside its shards: the copied files, model card and licenses."""
+    return (*COPY_FILES, *(p.name for p in out.iterdir() if model_card.is_card_file(p.name)))
 
 
 def _planned_bytes(plan: Plan) -> int:
@@ -290,20 +298,6 @@ def _complete_fingerprint(out: Path) -> Optional[str]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return fp if all((out / f).is_file() for f in shards) else None
-
-
-def _porter_file(name: str) -> bool:
-    """A file kind a conversion writes (shards, their .partial, temp files, the final files, copied files)."""
-    base = name.removesuffix(".tmp").removesuffix(".partial")
-    return base.startswith("model-") or base in (INDEX_NAME, "porter.json", "config.json", JOURNAL) or \
-        base in COPY_FILES
-
-
-def _clear_output(out: Path) -> None:
-    """--force: remove what a previous conversion left (only porter's own file kinds)."""
-    for p in out.iterdir():
-        if p.is_file() and _porter_file(p.name):
-            p.unlink()
 
 
 def _read_journal(out: Path) -> dict:
@@ -377,12 +371,14 @@ def _reuse_freed_memory() -> None:
 
 
 def _finish(plan: Plan, out: Path, stats: dict) -> float:
-    """Copies the tokenizer files, syncs the shards, writes config.json, porter.json and the index (last).
+    """Copies the tokenizer files, the model card (with porter's section) and license, syncs the shards,
+    writes config.json, porter.json and the index (last).
     Returns the seconds the shards' fsync took (what durability adds once the last byte is written)."""
     src = plan.source
     for name in COPY_FILES:
         if (src.path / name).exists():
             shutil.copyfile(src.path / name, out / name)
+    model_card.write(src.path, out, plan.options, src.repo_id, src.commit)
     if plan.options["layout"] == "hf":  # vendor config, top-level quantization_config the engines read
         converter = converters.for_config(src.raw_config)
         cfg = converter.hf_config_json(src.raw_config, converter.hf_quantization_config(

@@ -62,17 +62,19 @@ class _Inputs:
 def verify(artifact, prompts=None, reference=None, backend: str = "auto", device="cpu",
            max_new_tokens: Optional[int] = None, report=None, plot=None, thresholds=None, streaming="auto",
            dtype: Optional[torch.dtype] = None, progress: bool = False,
-           device_map: Optional[str] = "auto") -> VerifyResult:
+           device_map: Optional[str] = "auto", token: Optional[str] = None, cache_dir=None) -> VerifyResult:
     """Verify a porter artifact against its reference checkpoint; mirrors `porter verify`.
 
     prompts: list of strings (default: DEFAULT_PROMPT). reference: dir or repo id (default: porter.json's
     source). max_new_tokens: greedy tokens of the converted model (None: 16 when it fits the device, else 0).
     thresholds: Thresholds or {name: value}. streaming: "auto" | True | False (layer streaming of the
     teacher-forced pass). device_map: "auto" spreads the converted model over every visible GPU when
-    device is a bare "cuda" and there are several; None keeps it on `device`. Raises PorterError subclasses for bad input; returns the result otherwise.
+    device is a bare "cuda" and there are several; None keeps it on `device`. token / cache_dir: Hugging Face
+    token and cache folder when the reference is a repo id (None: HF_TOKEN / HF_HOME).
+    Raises PorterError subclasses for bad input; returns the result otherwise.
     """
     t0 = time.time()
-    inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, plot)
+    inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, plot, token, cache_dir)
     rep.max_new_tokens = max_new_tokens
     rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
@@ -90,11 +92,12 @@ def verify(artifact, prompts=None, reference=None, backend: str = "auto", device
     return _finish(rep, failures + judge_numerics(rep, rep.thresholds), report, plot, t0)
 
 
-def _open(artifact, prompts, reference, backend, device, thresholds, plot) -> tuple[_Inputs, Report]:
+def _open(artifact, prompts, reference, backend, device, thresholds, plot, token=None,
+          cache_dir=None) -> tuple[_Inputs, Report]:
     art, man = open_artifact(artifact)
     scope = man.get("options", {}).get("quantize", "experts")
     th = thresholds if isinstance(thresholds, Thresholds) else Thresholds.build(thresholds, scope)
-    ref_path = reference_path(man, reference)
+    ref_path = reference_path(man, reference, token, cache_dir)
     check_plot_path(plot)
     try:
         raw = json.loads((ref_path / "config.json").read_text())

@@ -28,15 +28,16 @@ def open_artifact(path) -> tuple[Path, dict]:
         raise VerifyInputError(str(e)) from None
 
 
-def reference_path(man: dict, reference) -> Path:
-    """--reference (dir or repo id), else the source recorded in porter.json (path, then repo id + commit)."""
+def reference_path(man: dict, reference, token: Optional[str] = None, cache_dir=None) -> Path:
+    """--reference (dir or repo id), else the source recorded in porter.json (path, then repo id + commit).
+    token / cache_dir: for a repo id (--token, --cache-dir)."""
     if reference is None:
         src = man.get("source", {})
         p = Path(src["path"]) if src.get("path") else None
         if p is not None and (p / "config.json").exists():
             return p
         if src.get("repo_id"):
-            return _from_hub(src["repo_id"], src.get("commit"))
+            return _from_hub(src["repo_id"], src.get("commit"), token, cache_dir)
         raise VerifyInputError(f"reference checkpoint {p} (from porter.json) not found; pass --reference DIR|REPO_ID")
     p = Path(str(reference)).expanduser()
     if p.exists():
@@ -47,7 +48,7 @@ def reference_path(man: dict, reference) -> Path:
             raise VerifyInputError(f"{p}: --reference has no config.json; not a MiniMax-M3 checkpoint dir")
         return p
     if str(reference).count("/") == 1 and not str(reference).startswith((".", "/", "~")):
-        return _from_hub(str(reference), None)
+        return _from_hub(str(reference), None, token, cache_dir)
     raise VerifyInputError(f"{reference}: --reference not found (no such directory, not a repo id)")
 
 
@@ -84,10 +85,10 @@ def source_quantization(man: dict, raw: dict, ref_path: Path) -> tuple[Optional[
     return scheme, None if rec is None or rec["scale_bytes"] == "rederived" else rec["scale_bytes"]
 
 
-def _from_hub(repo_id: str, commit: Optional[str]) -> Path:
+def _from_hub(repo_id: str, commit: Optional[str], token=None, cache_dir=None) -> Path:
     from porter.source import hub
     try:
-        return hub.download(repo_id, commit)[0]
+        return hub.download(repo_id, commit, token, cache_dir)[0]
     except PorterError as e:
         raise VerifyInputError(f"reference: {e}") from None
 

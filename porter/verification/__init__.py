@@ -31,7 +31,7 @@ from porter.errors import PorterError
 from porter.safetensors_io import dtype_name
 from porter.verification import generation as gen
 from porter.verification.exact import rederive
-from porter.verification.inputs import (DEFAULT_PROMPT, check_plot_path, encode_prompts, open_artifact,
+from porter.verification.inputs import (DEFAULT_PROMPT, check_output_paths, encode_prompts, open_artifact,
                                         reference_path, source_quantization, tokenizer)
 from porter.verification.integrity import check_integrity
 from porter.verification.mapping import ArtifactReader, Mapping, ReferenceStore, SourceShards
@@ -66,12 +66,15 @@ def verify(artifact, prompts=None, reference=None, backend: str = "auto", device
 
     prompts: list of strings (default: DEFAULT_PROMPT). reference: dir or repo id (default: porter.json's
     source). max_new_tokens: greedy tokens of the converted model (None: 16 when it fits the device, else 0).
-    thresholds: Thresholds or {name: value}. streaming: "auto" | True | False (layer streaming of the
+    report / plot: file paths (their folders must exist). thresholds: Thresholds or {name: value} (finite,
+    in range: verdict.THRESHOLD_RANGES). streaming: "auto" | True | False (layer streaming of the
     teacher-forced pass). device_map: "auto" spreads the converted model over every visible GPU when
-    device is a bare "cuda" and there are several; None keeps it on `device`. Raises PorterError subclasses for bad input; returns the result otherwise.
+    device is a bare "cuda" and there are several; None keeps it on `device`. Raises PorterError
+    subclasses for bad input; returns the result otherwise.
     """
     t0 = time.time()
-    inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, plot)
+    check_output_paths(report, plot)  # before any work: a path that cannot be written is bad input
+    inp, rep = _open(artifact, prompts, reference, backend, device, thresholds)
     rep.max_new_tokens = max_new_tokens
     rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
@@ -89,12 +92,11 @@ def verify(artifact, prompts=None, reference=None, backend: str = "auto", device
     return _finish(rep, failures + judge_numerics(rep, rep.thresholds), report, plot, t0)
 
 
-def _open(artifact, prompts, reference, backend, device, thresholds, plot) -> tuple[_Inputs, Report]:
+def _open(artifact, prompts, reference, backend, device, thresholds) -> tuple[_Inputs, Report]:
     art, man = open_artifact(artifact)
     scope = man.get("options", {}).get("quantize", "experts")
-    th = thresholds if isinstance(thresholds, Thresholds) else Thresholds.build(thresholds, scope)
+    th = Thresholds.build(vars(thresholds) if isinstance(thresholds, Thresholds) else thresholds, scope)
     ref_path = reference_path(man, reference)
-    check_plot_path(plot)
     try:
         raw = json.loads((ref_path / "config.json").read_text())
         ref_config = arch.resolve_config(raw)

@@ -141,7 +141,8 @@ class FiniteFloat(click.ParamType):
         except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number", param, ctx)
         if not math.isfinite(x) or x < self.lo or (self.hi is not None and x > self.hi):
-            want = f"a finite number >= {self.lo:g}" if self.hi is None else f"a number in [{self.lo:g}, {self.hi:g}]"
+            want = (f"a finite number >= {self.lo:g}" if self.hi is None
+                    else f"a number in [{self.lo:g}, {self.hi:g}]")
             self.fail(f"{value!r} is not {want}", param, ctx)
         return x
 
@@ -163,8 +164,8 @@ def _threshold_options(f):
     from porter.verification import Thresholds
     from porter.verification.verdict import THRESHOLD_RANGES
     for t in reversed([t for t in fields(Thresholds) if t.type in (float, "float")]):
-        f = click.option("--" + t.name.replace("_", "-"), type=FiniteFloat(*THRESHOLD_RANGES[t.name]), default=None,
-                         help=_threshold_help(t.name))(f)
+        f = click.option("--" + t.name.replace("_", "-"), type=FiniteFloat(*THRESHOLD_RANGES[t.name]),
+                         default=None, help=_threshold_help(t.name))(f)
     return f
 
 
@@ -182,6 +183,9 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
     \b
     What it does not prove: that porter's runtime computes MiniMax-M3 correctly (both models run through
     it; that is checked by the oracle tests against transformers), nor that the source checkpoint is right.
+
+    The table and the JSON report mark which figures decide the verdict (with their threshold) and which
+    are information only: docs/verify.md, "Reading the report".
 
     Exit 0 faithful, 1 not faithful (the tensor, expert or layer is named), 2 bad input, 3 internal error.
     """
@@ -226,7 +230,8 @@ def verify(ctx, artifact, prompts, reference, backend, device, dtype, device_map
     to_stdout = report == "-"  # stdout is then the JSON report alone
     result = _run(ctx, lambda: verification.verify(  # through the module: tests replace it
         artifact, prompts=list(prompts) or None, reference=reference, backend=backend, device=device,
-        max_new_tokens=max_new_tokens, report=None if to_stdout else report, plot=plot, thresholds=threshold_flags,
+        max_new_tokens=max_new_tokens, report=None if to_stdout else report, plot=plot,
+        thresholds=threshold_flags,
         streaming="auto" if stream is None else stream, dtype=torch_dtype, progress=not ctx.obj.get("quiet"),
         device_map=None if device_map == "none" else device_map))
     click.echo(_run(ctx, lambda: verification.format_table(result.report)), err=to_stdout)

@@ -24,7 +24,8 @@ def threshold_lines(th: dict) -> tuple[list, list]:
     """(left panel, right panel) threshold lines: (value, label naming the series it bounds, color)."""
     left = [(th["max_layer_error"], f"layer output error <= {th['max_layer_error']:g} (--max-layer-error)",
              "#ff7f0e"),
-            (th["max_weight_error"], f"weight error <= {th['max_weight_error']:g} (--max-weight-error)", "#2ca02c")]
+            (th["max_weight_error"], f"weight error <= {th['max_weight_error']:g} (--max-weight-error)",
+             "#2ca02c")]
     right = [(1.0 - th["min_cosine"], f"1 - cosine <= {1.0 - th['min_cosine']:.3g} "
               f"(cosine >= {th['min_cosine']:g}, --min-cosine)", COSINE[1])]
     return left, right
@@ -87,8 +88,8 @@ def _panel(x0, y0, w, h, layers, series, thresholds, title, fail):
                    f'stroke-dasharray="6,4"><title>{escape(label)}</title></line>')
         # above its line (below it at the panel's top edge), and clear of the label before it
         last = max(y - 3 if y - 3 > y0 + LABEL_GAP else y + LABEL_GAP, last + LABEL_GAP)
-        out.append(f'<text class="threshold" x="{x0 + w - 4}" y="{last:.1f}" text-anchor="end" font-size="10" '
-                   f'fill="{color}">{escape(label)}</text>')
+        out.append(f'<text class="threshold" x="{x0 + w - 4}" y="{last:.1f}" text-anchor="end" '
+                   f'font-size="10" fill="{color}">{escape(label)}</text>')
     for vals, label, color in series:
         pts = " ".join(f"{px(i):.1f},{py(v):.1f}" for i, v in enumerate(vals) if v is not None and math.isfinite(v))
         out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"/>')

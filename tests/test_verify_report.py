@@ -56,12 +56,14 @@ def test_table_marks_deciding_columns_and_their_thresholds(passed):
     table = passed[0].stderr
     header, rules = [ln for ln in table.splitlines() if ln.startswith(("layer  type", "decides:"))]
     # the rule sits under its column: cosine >= 0.9, rel.err info, layer.err <= 0.08, weight.err <= 0.06
-    for col, rule in (("cosine", ">=0.9"), ("rel.err", "info"), ("layer.err", "<=0.08"), ("weight.err", "<=0.06")):
+    columns = (("cosine", ">=0.9"), ("rel.err", "info"), ("layer.err", "<=0.08"), ("weight.err", "<=0.06"))
+    for col, rule in columns:
         end = header.index(col) + len(col)
         assert rules[end - len(rule):end] == rule, (col, rules)
-    assert "  decides: cosine (--min-cosine), layer.err (--max-layer-error), weight.err (--max-weight-error);" \
-        in table
-    assert re.search(r"\n  weight error \(second opinion\) max 0\.02\d+ \[<= 0.06, --max-weight-error\]\n", table)
+    assert "  decides: cosine (--min-cosine), layer.err (--max-layer-error), weight.err " \
+        "(--max-weight-error);" in table
+    assert re.search(r"\n  weight error \(second opinion\) max 0\.02\d+ \[<= 0.06, --max-weight-error\]\n",
+                     table)
     assert "bit-identical [decides: any differing byte fails]" in table
     logits = next(ln for ln in table.splitlines() if ln.startswith("  KL(ref||conv)"))
     assert re.fullmatch(r"  KL\(ref\|\|conv\) [\d.e-]+ \[<= 0.1\]  top-1 [\d.]+% \[>= 50%\]  "
@@ -76,7 +78,8 @@ def test_json_figures_say_what_decides_and_what_top5_measures(passed):
     assert figs["layers[].cosine"] == {
         "measures": figs["layers[].cosine"]["measures"], "decides": True, "threshold": "min_cosine",
         "option": "--min-cosine", "limit": 0.9, "fails_when": "below 0.9"}
-    assert figs["layers[].layer_error"]["limit"] == 0.08 and figs["layers[].layer_error"]["fails_when"] == "above 0.08"
+    layer = figs["layers[].layer_error"]
+    assert layer["limit"] == 0.08 and layer["fails_when"] == "above 0.08"
     assert figs["logits.kl"]["decides"] and figs["logits.kl"]["option"] == "--max-kl"
     for info in ("layers[].rel_error", "logits.max_abs_diff", "embeddings", "generation[].kl"):
         assert figs[info]["decides"] is False and "threshold" not in figs[info], info
@@ -137,7 +140,8 @@ def test_output_path_in_a_missing_folder_refused_first(artifact, tmp_path, monke
     path = tmp_path / "no-such-folder" / ("r.json" if option == "--report" else "r.svg")
     res = cli(artifact, option, path)
     assert res.exit_code == 2 and res.output.splitlines() == [
-        f"porter: error: {option} {path}: folder {path.parent} does not exist; create it or give another path"]
+        f"porter: error: {option} {path}: folder {path.parent} does not exist; create it or give "
+        "another path"]
     res = cli(tmp_path / "no-artifact", option, path)  # checked before the artifact is even opened
     assert res.exit_code == 2 and f"folder {path.parent} does not exist" in res.output
     with pytest.raises(VerifyInputError, match="does not exist"):
@@ -147,19 +151,22 @@ def test_output_path_in_a_missing_folder_refused_first(artifact, tmp_path, monke
 @pytest.mark.parametrize("flag,value,want", [
     ("--min-top1", "nan", "a number in [0, 1]"), ("--min-top5", "1.5", "a number in [0, 1]"),
     ("--max-kl", "inf", "a finite number >= 0"), ("--max-kl", "-inf", "a finite number >= 0"),
-    ("--max-layer-error", "NaN", "a finite number >= 0"), ("--max-weight-error", "-0.1", "a finite number >= 0"),
+    ("--max-layer-error", "NaN", "a finite number >= 0"),
+    ("--max-weight-error", "-0.1", "a finite number >= 0"),
     ("--min-cosine", "1.01", "a number in [-1, 1]"), ("--min-top1", "abc", "is not a number")])
 def test_bad_threshold_values_exit_2(artifact, monkeypatch, flag, value, want):
     _never_runs(monkeypatch)
     res = cli(artifact, flag, value)
     assert res.exit_code == 2, res.output
     err = [ln for ln in res.output.splitlines() if ln.startswith("Error:")]
-    assert len(err) == 1 and err[0].startswith(f"Error: Invalid value for '{flag}': ") and want in err[0], res.output
+    assert len(err) == 1 and err[0].startswith(f"Error: Invalid value for '{flag}': "), res.output
+    assert want in err[0], err
 
 
 def test_every_float_option_of_verify_is_finite_and_ranged():
     floats = [p for p in verify_command.params if p.type.name == "float"]
-    assert sorted(p.name for p in floats) == sorted(f.name for f in fields(Thresholds) if f.type in (float, "float"))
+    want = sorted(f.name for f in fields(Thresholds) if f.type in (float, "float"))
+    assert sorted(p.name for p in floats) == want
     assert all(isinstance(p.type, FiniteFloat) for p in floats)
     t = {p.name: p.type for p in floats}
     assert t["min_top1"].convert("1", None, None) == 1.0 and t["max_kl"].convert("0", None, None) == 0.0
@@ -186,8 +193,8 @@ def test_reference_of_other_weights_hinted_and_lists_cut(artifact, tmp_path):
     bad = [t for t in tensors if t["mismatched"]]
     assert len(bad) > len(tensors) / 2
     verdict = next(ln for ln in res.output.splitlines() if ln.startswith("verdict: FAIL"))
-    assert verdict.startswith(f"verdict: FAIL — {len(bad)} of {len(tensors)} re-derived tensors differ: the "
-                              "reference (vendor layout) may be a different checkpoint than the one converted; "
+    assert verdict.startswith(f"verdict: FAIL — {len(bad)} of {len(tensors)} re-derived tensors differ: "
+                              f"the reference {other} may be a different checkpoint than the one converted; "
                               "pass that one with --reference DIR|REPO_ID; first failure: layer 0: ")
     assert verdict.endswith(f" (and {len(rep['failures']) - 1} more failure(s))")
     assert rep["summary"] == verdict.removeprefix("verdict: FAIL — ")
@@ -195,7 +202,8 @@ def test_reference_of_other_weights_hinted_and_lists_cut(artifact, tmp_path):
     assert len(listed) == 20 and f"  ... and {len(bad) - 20} more differing tensor(s)" in res.output
     # a stacked expert tensor: 8 experts differ, 4 named, the rest counted
     f = next(f for f in rep["failures"] if f["tensor"] and f["tensor"].endswith("w13_weight"))
-    assert re.search(r" in 8 expert\(s\) \((expert \d: \d+, ){4}\.\.\. and 4 more\)", f["message"]), f["message"]
+    cut = r" in 8 expert\(s\) \((expert \d: \d+, ){4}\.\.\. and 4 more\)"
+    assert re.search(cut, f["message"]), f["message"]
 
 
 def test_integrity_issue_list_says_how_many_more(artifact, tmp_path):

@@ -118,10 +118,11 @@ def check_output_paths(report, plot) -> None:
             continue
         p = Path(path)
         if str(path) == "-":
-            raise VerifyInputError(f"{option} -: this writes a file; `porter verify --report -` prints the JSON "
-                                   "report (from Python: result.report.to_dict())")
+            raise VerifyInputError(f"{option} -: this writes a file; `porter verify --report -` prints the "
+                                   "JSON report (from Python: result.report.to_dict())")
         if not p.parent.is_dir():
-            raise VerifyInputError(f"{option} {p}: folder {p.parent} does not exist; create it or give another path")
+            raise VerifyInputError(f"{option} {p}: folder {p.parent} does not exist; create it or give "
+                                   "another path")
         if p.is_dir():
             raise VerifyInputError(f"{option} {p}: is a folder; give a file path")
     check_plot_path(plot)

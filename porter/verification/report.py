@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import logging
 
-from porter.verification.verdict import Report, cut_list, more_line, option_name, threshold_rule
+from porter.verification.verdict import Report, experts_text, more_line, option_name, threshold_rule
 
 SHOWN = 20  # lines of a cut list (integrity issues, differing tensors) before "... and N more"
+LAYER_LEGEND = [
+    "  decides: cosine (--min-cosine), layer.err (--max-layer-error), weight.err (--max-weight-error);",
+    "  info: rel.err. cosine, rel.err: residual stream after the layer, end to end (grows with depth);",
+    "  layer.err: the layer alone on the reference's input; weight.err: worst quantized tensor of the layer"]
 
 log = logging.getLogger("porter")
 
@@ -31,7 +35,8 @@ def _integrity_lines(rep: Report) -> list[str]:
     if integ.passed:
         return [f"integrity: ok ({integ.shards} shard digests, {integ.tensors} tensors, headers, index, scales, config)"]
     return ([f"integrity: FAILED ({len(integ.issues)} issue(s); any issue fails)"]
-            + [f"  - {i.message}" for i in integ.issues[:SHOWN]] + more_line(len(integ.issues), SHOWN, "issue(s)"))
+            + [f"  - {i.message}" for i in integ.issues[:SHOWN]]
+            + more_line(len(integ.issues), SHOWN, "issue(s)"))
 
 
 def _exact_lines(rep: Report) -> list[str]:
@@ -48,7 +53,8 @@ def _exact_lines(rep: Report) -> list[str]:
     if not bad and not ex.unmapped_sources:
         return [head + f"identical — {len(q)} quantized tensor(s) re-derived, {len(ex.tensors) - len(q)} carried "
                 "bit-identical [decides: any differing byte fails]", second]
-    lines = [head + f"{len(bad)} of {len(ex.tensors)} tensor(s) differ [decides: any differing byte fails]", second]
+    lines = [head + f"{len(bad)} of {len(ex.tensors)} tensor(s) differ [decides: any differing byte fails]",
+             second]
     lines += [f"  - {t.tensor}: {t.problem or _mismatch(t)}" for t in bad[:SHOWN]]
     lines += more_line(len(bad), SHOWN, "differing tensor(s) (all in the JSON report: exact.tensors)")
     lines += [f"  - source tensor {n}: not in the artifact" for n in ex.unmapped_sources[:SHOWN]]
@@ -58,10 +64,7 @@ def _exact_lines(rep: Report) -> list[str]:
 
 def _mismatch(t) -> str:
     unit = "32-blocks" if t.quantized else "elements"
-    by_expert = sorted(t.mismatched_by_expert.items(), key=lambda kv: -kv[1])
-    experts = (f" in {len(by_expert)} expert(s) (" + cut_list([f"expert {e}: {n}" for e, n in by_expert], 4, ", ")
-               + ")") if by_expert else ""
-    return f"{t.mismatched} of {t.blocks} {unit} differ{experts}, first at {t.first_mismatch}"
+    return f"{t.mismatched} of {t.blocks} {unit} differ{experts_text(t)}, first at {t.first_mismatch}"
 
 
 def _layer_lines(rep: Report) -> list[str]:
@@ -80,17 +83,16 @@ def _layer_lines(rep: Report) -> list[str]:
             mark += "  <- first failing layer"
         lines.append(f"{r.layer:>5}  {r.kind:<12} {r.cosine:>10.6f} {r.rel_error:>9.4f} "
                      f"{r.layer_error:>10.4f} {r.weight_error:>10.4f}  {mark}")
-    lines += ["  decides: cosine (--min-cosine), layer.err (--max-layer-error), weight.err (--max-weight-error);",
-              "  info: rel.err. cosine, rel.err: residual stream after the layer, end to end (grows with depth);",
-              "  layer.err: the layer alone on the reference's input; weight.err: worst quantized tensor of the layer"]
+    lines += LAYER_LEGEND
     lg = rep.logits
-    lines += [f"logits ({lg.positions} prompt positions; [<= / >=]: decides, with --max-kl, --min-top1, --min-top5):",
+    lines += [f"logits ({lg.positions} prompt positions; [<= / >=]: decides, with --max-kl, --min-top1, "
+              "--min-top5):",
               f"  KL(ref||conv) {lg.kl:.3g} [{threshold_rule(th, 'max_kl')}]"
               f"  top-1 {lg.top1:.1%} [{threshold_rule(th, 'min_top1', True)}]"
               f"  top-5 overlap {lg.top5:.1%} [{threshold_rule(th, 'min_top5', True)}]"
               f"  max|diff| {lg.max_abs_diff:.3g} [info]",
-              "  top-1: share of positions with the same argmax token; top-5 overlap: |top-5(ref) & top-5(conv)| / 5"
-              " (a fraction)"]
+              "  top-1: share of positions with the same argmax token; top-5 overlap: "
+              "|top-5(ref) & top-5(conv)| / 5 (a fraction)"]
     return lines
 
 
@@ -98,9 +100,10 @@ def _generation_lines(rep: Report, g) -> list[str]:
     d, need = g.first_divergence, rep.thresholds.min_matching_tokens
     mean_kl = sum(g.kl) / len(g.kl) if g.kl else 0.0
     rule = f">= {need} matching, --min-matching-tokens" if need else "info; --min-matching-tokens N decides"
+    agree = ("reference agrees on every token" if d is None
+             else f"reference's choice differs first at token {d}")
     return [f"generation ({len(g.converted_tokens)} tokens by the converted model, reference teacher-forced):",
-            "  " + ("reference agrees on every token" if d is None else f"reference's choice differs first at token {d}")
-            + f" [{rule}]; mean KL {mean_kl:.3g} [info]",
+            f"  {agree} [{rule}]; mean KL {mean_kl:.3g} [info]",
             f"  converted: {g.converted_text!r}",
             f"  reference argmax: {g.reference_text!r}"]
 

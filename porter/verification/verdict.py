@@ -43,9 +43,9 @@ class Thresholds:
 
 # The values a threshold may take: fractions in [0, 1], cosine in [-1, 1], errors and counts >= 0. NaN
 # compares false with everything, so a NaN threshold would pass every check: it is refused like inf.
-THRESHOLD_RANGES = {"max_weight_error": (0.0, None), "max_layer_error": (0.0, None), "min_cosine": (-1.0, 1.0),
-                    "max_kl": (0.0, None), "min_top1": (0.0, 1.0), "min_top5": (0.0, 1.0),
-                    "min_matching_tokens": (0, None)}
+THRESHOLD_RANGES = {"max_weight_error": (0.0, None), "max_layer_error": (0.0, None),
+                    "min_cosine": (-1.0, 1.0), "max_kl": (0.0, None), "min_top1": (0.0, 1.0),
+                    "min_top5": (0.0, 1.0), "min_matching_tokens": (0, None)}
 
 
 def threshold_range_text(name: str) -> str:
@@ -128,7 +128,8 @@ FIGURES = (
 
 
 def figure_table(th: "Thresholds") -> dict:
-    """FIGURES as the JSON report's `figures`: {key: {measures, decides, threshold, option, limit, fails_when}}."""
+    """FIGURES as the JSON report's `figures`:
+    {key: {measures, decides, threshold, option, limit, fails_when}}."""
     out = {}
     for f in FIGURES:
         d = {"measures": f.measures, "decides": f.rule is not None}
@@ -345,15 +346,20 @@ def judge_exact(ex: ExactResult, th: Thresholds) -> list[Failure]:
     return out
 
 
+def experts_text(t: TensorCheck) -> str:
+    """' in 8 expert(s) (expert 3: 256, ..., ... and 4 more)': the experts with the most differing blocks."""
+    if not t.mismatched_by_expert:
+        return ""
+    worst = sorted(t.mismatched_by_expert.items(), key=lambda kv: -kv[1])
+    return f" in {len(worst)} expert(s) (" + cut_list([f"expert {e}: {n}" for e, n in worst], 4, ", ") + ")"
+
+
 def _mismatch_failure(t: TensorCheck) -> Failure:
     unit = "32-block(s)" if t.quantized else "element(s)"
     what = f"{t.mismatched} of {t.blocks} {unit} differ from the re-derivation"
     if t.quantized:
         what += f" ({t.scale_mismatched} with a different scale byte)"
-    if t.mismatched_by_expert:
-        worst = sorted(t.mismatched_by_expert.items(), key=lambda kv: -kv[1])
-        what += (f" in {len(t.mismatched_by_expert)} expert(s) ("
-                 + cut_list([f"expert {e}: {n}" for e, n in worst], 4, ", ") + ")")
+    what += experts_text(t)
     first = min(t.mismatched_by_expert) if t.mismatched_by_expert else None
     return Failure("exact", f"tensor {t.tensor} (shard {t.shard}): {what}; first at {t.first_mismatch}",
                    layer=t.layer, tensor=t.tensor, shard=t.shard, expert=first, value=t.mismatched)
@@ -409,16 +415,16 @@ def conclude(rep: Report, failures: list[Failure]) -> None:
         rep.summary = "faithful: bytes re-derived exactly, every numeric check within its threshold"
         return
     f = lead[0]
-    rep.summary = (f"layer {f.layer}: " if f.layer is not None and not f.message.startswith("layer") else "") \
-        + f.message
+    named = f.layer is not None and not f.message.startswith("layer")
+    rep.summary = (f"layer {f.layer}: " if named else "") + f.message
     if len(failures) > 1:
         rep.summary += f" (and {len(failures) - 1} more failure(s))"
-    hint = other_checkpoint_hint(rep.exact)
+    hint = other_checkpoint_hint(rep.exact, rep.reference)
     if hint:
         rep.summary = f"{hint}; first failure: {rep.summary}"
 
 
-def other_checkpoint_hint(ex: Optional[ExactResult]) -> Optional[str]:
+def other_checkpoint_hint(ex: Optional[ExactResult], reference: str) -> Optional[str]:
     """A faulty conversion or a tampered artifact changes a few tensors; more than half of them differing
     from their re-derivation points at the reference instead (another checkpoint of the same shapes)."""
     if ex is None or not ex.tensors:
@@ -426,5 +432,5 @@ def other_checkpoint_hint(ex: Optional[ExactResult]) -> Optional[str]:
     bad = sum(not t.exact for t in ex.tensors)
     if 2 * bad <= len(ex.tensors):
         return None
-    return (f"{bad} of {len(ex.tensors)} re-derived tensors differ: the reference ({ex.layout} layout) may be a "
+    return (f"{bad} of {len(ex.tensors)} re-derived tensors differ: the reference {reference} may be a "
             "different checkpoint than the one converted; pass that one with --reference DIR|REPO_ID")

@@ -72,7 +72,7 @@ def option_name(threshold: str) -> str:
 def threshold_rule(th: "Thresholds", name: str, percent: bool = False) -> str:
     """'<= 0.08' / '>= 50%': what passes for threshold `name` (max_* fail above, min_* below)."""
     v = getattr(th, name)
-    return ("<= " if name.startswith("max_") else ">= ") + (f"{v:.0%}" if percent else f"{v:g}")
+    return ("<= " if name.startswith("max_") else ">= ") + (f"{v * 100:g}%" if percent else f"{v:g}")
 
 
 # "experts" = the dataclass defaults; "all" also quantizes attention, whose error moves the router input

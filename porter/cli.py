@@ -142,10 +142,35 @@ def inspect_command(ctx, path, as_json):
     click.echo(json.dumps(report, indent=1) if as_json else render(report))
 
 
+class FiniteFloat(click.ParamType):
+    """A finite float in [lo, hi] (hi None: no upper bound). click.FloatRange lets nan and inf through,
+    and a nan threshold compares false with everything: every check would pass."""
+    name = "float"
+
+    def __init__(self, lo: float, hi=None):
+        self.lo, self.hi = lo, hi
+
+    def convert(self, value, param, ctx):
+        import math
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(x) or x < self.lo or (self.hi is not None and x > self.hi):
+            want = (f"a finite number >= {self.lo:g}" if self.hi is None
+                    else f"a number in [{self.lo:g}, {self.hi:g}]")
+            self.fail(f"{value!r} is not {want}", param, ctx)
+        return x
+
+    def __repr__(self) -> str:
+        return f"FiniteFloat({self.lo}, {self.hi})"
+
+
 def _threshold_help(name: str) -> str:
     from porter.commands.verify import SCOPE_DEFAULTS, Thresholds
+    from porter.commands.verify.verdict import threshold_range_text
     per = ", ".join(f"{getattr(Thresholds.build(None, sc), name):g} ({sc})" for sc in SCOPE_DEFAULTS)
-    return f"Default by the artifact's quantize scope: {per}."
+    return f"Default by the artifact's quantize scope: {per}; {threshold_range_text(name)}."
 
 
 def _threshold_options(f):
@@ -153,8 +178,10 @@ def _threshold_options(f):
     from dataclasses import fields
 
     from porter.commands.verify import Thresholds
+    from porter.commands.verify.verdict import THRESHOLD_RANGES
     for t in reversed([t for t in fields(Thresholds) if t.type in (float, "float")]):
-        f = click.option("--" + t.name.replace("_", "-"), type=float, default=None, help=_threshold_help(t.name))(f)
+        f = click.option("--" + t.name.replace("_", "-"), type=FiniteFloat(*THRESHOLD_RANGES[t.name]),
+                         default=None, help=_threshold_help(t.name))(f)
     return f
 
 
@@ -172,6 +199,9 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
     \b
     What it does not prove: that porter's runtime computes MiniMax-M3 correctly (both models run through
     it; that is checked by the oracle tests against transformers), nor that the source checkpoint is right.
+
+    The table and the JSON report mark which figures decide the verdict (with their threshold) and which
+    are information only: docs/verify.md, "Reading the report".
 
     Exit 0 faithful, 1 not faithful (the tensor, expert or layer is named), 2 bad input, 3 internal error.
     """
@@ -194,29 +224,36 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
               help="Greedy tokens of the converted model, scored by the reference teacher-forced. "
                    "Default: 16 when the converted model fits the device, else 0 (say N to generate anyway, "
                    "layer-streamed).")
-@click.option("--report", type=click.Path(dir_okay=False), default=None, help="Write the JSON report here.")
+@click.option("--report", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="Write the JSON report here; '-': to stdout (the table then goes to stderr).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write the per-layer picture here (.svg; .png needs matplotlib).")
 @click.option("--stream/--no-stream", "stream", default=None,
               help="Force layer streaming of the teacher-forced pass on/off (default: on when both models "
                    "would not fit in memory).")
 @_threshold_options
-@click.option("--min-matching-tokens", type=int, default=None,
+@click.option("--min-matching-tokens", type=click.IntRange(0), default=None,
               help="Generated tokens the reference's argmax must agree on. Default 0 (reported only).")
 @_hub_options
 @click.pass_context
 def verify(ctx, artifact, prompts, reference, backend, device, dtype, device_map, max_new_tokens, report, plot,
            stream, token, cache_dir, **threshold_flags):
+    import json
+
     import torch
     from porter.commands import verify as verify_module
     from porter.errors import EXIT_NOT_FAITHFUL, EXIT_OK
     torch_dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    to_stdout = report == "-"  # stdout is then the JSON report alone
     result = _run(ctx, lambda: verify_module.verify(  # through the module: tests replace it
         artifact, prompts=list(prompts) or None, reference=reference, backend=backend, device=device,
-        max_new_tokens=max_new_tokens, report=report, plot=plot, thresholds=threshold_flags,
+        max_new_tokens=max_new_tokens, report=None if to_stdout else report, plot=plot,
+        thresholds=threshold_flags,
         streaming="auto" if stream is None else stream, dtype=torch_dtype, progress=not ctx.obj.get("quiet"),
         device_map=None if device_map == "none" else device_map, token=token, cache_dir=cache_dir))
-    click.echo(_run(ctx, lambda: verify_module.format_table(result.report)))
+    click.echo(_run(ctx, lambda: verify_module.format_table(result.report)), err=to_stdout)
+    if to_stdout:
+        click.echo(json.dumps(result.report.to_dict(), indent=1))
     ctx.exit(EXIT_OK if result.passed else EXIT_NOT_FAITHFUL)
 
 

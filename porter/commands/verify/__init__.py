@@ -27,19 +27,18 @@ from typing import Optional
 import torch
 
 import converters
+from porter.errors import PorterError
+from porter.format.safetensors_io import dtype_name
 from porter.commands.verify import generation as gen
 from porter.commands.verify.exact import rederive
-from porter.commands.verify.inputs import (DEFAULT_PROMPT, check_plot_path, encode_prompts, open_artifact,
-                                           reference_path, source_quantization, tokenizer)
+from porter.commands.verify.inputs import (DEFAULT_PROMPT, check_output_paths, encode_prompts, open_artifact,
+                                        reference_path, source_quantization, tokenizer)
 from porter.commands.verify.integrity import check_integrity
 from porter.commands.verify.mapping import ArtifactReader, Mapping, ReferenceStore, SourceShards
 from porter.commands.verify.numerics import compare_models
 from porter.commands.verify.report import format_table, write_outputs
-from porter.commands.verify.verdict import (SCOPE_DEFAULTS, Failure, LayerRow, Report, StreamingInfo,
-                                            Thresholds, VerifyInputError, VerifyResult, conclude, judge_exact,
-                                            judge_numerics)
-from porter.errors import PorterError
-from porter.format.safetensors_io import dtype_name
+from porter.commands.verify.verdict import (SCOPE_DEFAULTS, Failure, LayerRow, Report, StreamingInfo, Thresholds,
+                                         VerifyInputError, VerifyResult, conclude, judge_exact, judge_numerics)
 
 __all__ = ["verify", "Thresholds", "VerifyResult", "VerifyInputError", "Report", "Failure", "DEFAULT_PROMPT",
            "SCOPE_DEFAULTS", "format_table"]
@@ -67,14 +66,16 @@ def verify(artifact, prompts=None, reference=None, backend: str = "auto", device
 
     prompts: list of strings (default: DEFAULT_PROMPT). reference: dir or repo id (default: porter.json's
     source). max_new_tokens: greedy tokens of the converted model (None: 16 when it fits the device, else 0).
-    thresholds: Thresholds or {name: value}. streaming: "auto" | True | False (layer streaming of the
+    report / plot: file paths (their folders must exist). thresholds: Thresholds or {name: value} (finite,
+    in range: verdict.THRESHOLD_RANGES). streaming: "auto" | True | False (layer streaming of the
     teacher-forced pass). device_map: "auto" spreads the converted model over every visible GPU when
     device is a bare "cuda" and there are several; None keeps it on `device`. token / cache_dir: Hugging Face
     token and cache folder when the reference is a repo id (None: HF_TOKEN / HF_HOME).
     Raises PorterError subclasses for bad input; returns the result otherwise.
     """
     t0 = time.time()
-    inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, plot, token, cache_dir)
+    check_output_paths(report, plot)  # before any work: a path that cannot be written is bad input
+    inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, token, cache_dir)
     rep.max_new_tokens = max_new_tokens
     rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
@@ -92,13 +93,12 @@ def verify(artifact, prompts=None, reference=None, backend: str = "auto", device
     return _finish(rep, failures + judge_numerics(rep, rep.thresholds), report, plot, t0)
 
 
-def _open(artifact, prompts, reference, backend, device, thresholds, plot, token=None,
+def _open(artifact, prompts, reference, backend, device, thresholds, token=None,
           cache_dir=None) -> tuple[_Inputs, Report]:
     art, man = open_artifact(artifact)
     scope = man.get("options", {}).get("quantize", "experts")
-    th = thresholds if isinstance(thresholds, Thresholds) else Thresholds.build(thresholds, scope)
+    th = Thresholds.build(vars(thresholds) if isinstance(thresholds, Thresholds) else thresholds, scope)
     ref_path = reference_path(man, reference, token, cache_dir)
-    check_plot_path(plot)
     try:
         raw = json.loads((ref_path / "config.json").read_text())
         ref_config = converters.for_config(raw).resolve_config(raw)

@@ -112,6 +112,23 @@ def encode_prompts(tok, prompts: list[str]) -> list[torch.Tensor]:
     return ids
 
 
+def check_output_paths(report, plot) -> None:
+    """Refuse --report / --plot paths that cannot be written before any work is done."""
+    for path, option in ((report, "--report"), (plot, "--plot")):
+        if path is None:
+            continue
+        p = Path(path)
+        if str(path) == "-":
+            raise VerifyInputError(f"{option} -: this writes a file; `porter verify --report -` prints the "
+                                   "JSON report (from Python: result.report.to_dict())")
+        if not p.parent.is_dir():
+            raise VerifyInputError(f"{option} {p}: folder {p.parent} does not exist; create it or give "
+                                   "another path")
+        if p.is_dir():
+            raise VerifyInputError(f"{option} {p}: is a folder; give a file path")
+    check_plot_path(plot)
+
+
 def check_plot_path(plot) -> None:
     if plot is not None and str(plot).lower().endswith(".png"):
         from porter.commands.verify.plot import png_available

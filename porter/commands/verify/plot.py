@@ -1,9 +1,10 @@
 """The per-layer agreement picture of `porter verify`: hand-written SVG (no dependency), or PNG when the
 path ends in .png and matplotlib is importable.
 
-Left panel: error per decoder layer on a log scale — end-to-end residual rel. error, the layer's own
-output error, the weight error — with the layer/weight thresholds dashed. Right panel: residual-stream
-cosine as 1 - cosine (log scale) with the cosine threshold. The first failing layer is marked red.
+Left panel: error per decoder layer on a log scale — end-to-end residual rel. error (information only),
+the layer's own output error, the weight error — with the layer/weight thresholds dashed. Right panel:
+residual-stream cosine as 1 - cosine (log scale) with the cosine threshold. Each dashed line is labelled
+with the series it bounds and its value. The first failing layer is marked red.
 """
 from __future__ import annotations
 
@@ -11,10 +12,23 @@ import math
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-SERIES = (("rel_error", "residual rel. error (end to end)", "#1f77b4"),
+SERIES = (("rel_error", "residual rel. error (end to end; info)", "#1f77b4"),
           ("layer_error", "layer output error (layer alone)", "#ff7f0e"),
           ("weight_error", "weight error (max tensor/expert)", "#2ca02c"))
+COSINE = ("1 - cosine (residual stream)", "#9467bd")
 FLOOR = 1e-7
+LABEL_GAP = 12  # px between two threshold labels, so lines close together keep readable labels
+
+
+def threshold_lines(th: dict) -> tuple[list, list]:
+    """(left panel, right panel) threshold lines: (value, label naming the series it bounds, color)."""
+    left = [(th["max_layer_error"], f"layer output error <= {th['max_layer_error']:g} (--max-layer-error)",
+             "#ff7f0e"),
+            (th["max_weight_error"], f"weight error <= {th['max_weight_error']:g} (--max-weight-error)",
+             "#2ca02c")]
+    right = [(1.0 - th["min_cosine"], f"1 - cosine <= {1.0 - th['min_cosine']:.3g} "
+              f"(cosine >= {th['min_cosine']:g}, --min-cosine)", COSINE[1])]
+    return left, right
 
 
 def png_available() -> bool:
@@ -67,10 +81,15 @@ def _panel(x0, y0, w, h, layers, series, thresholds, title, fail):
         i = layers.index(fail)
         out.append(f'<rect x="{px(i) - w / n / 2:.1f}" y="{y0}" width="{w / n:.1f}" height="{h}" '
                    f'fill="#d62728" fill-opacity="0.15"/>')
-    for t, label, color in thresholds:
+    last = -math.inf
+    for t, label, color in sorted(thresholds, key=lambda x: -x[0]):  # top line first
         y = py(t)
         out.append(f'<line x1="{x0}" y1="{y:.1f}" x2="{x0 + w}" y2="{y:.1f}" stroke="{color}" '
                    f'stroke-dasharray="6,4"><title>{escape(label)}</title></line>')
+        # above its line (below it at the panel's top edge), and clear of the label before it
+        last = max(y - 3 if y - 3 > y0 + LABEL_GAP else y + LABEL_GAP, last + LABEL_GAP)
+        out.append(f'<text class="threshold" x="{x0 + w - 4}" y="{last:.1f}" text-anchor="end" '
+                   f'font-size="10" fill="{color}">{escape(label)}</text>')
     for vals, label, color in series:
         pts = " ".join(f"{px(i):.1f},{py(v):.1f}" for i, v in enumerate(vals) if v is not None and math.isfinite(v))
         out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"/>')
@@ -94,17 +113,17 @@ def svg(rep: dict) -> str:
              f'porter verify: {escape(Path(rep["artifact"]).name)} — {"PASS" if rep["passed"] else "FAIL"}'
              + (f" (first failing layer {fail})" if fail is not None else "") + f"; {bytes_line(rep)}</text>"]
     series = [([r[k] for r in rows], label, color) for k, label, color in SERIES]
-    thr = [(th["max_layer_error"], "max layer error", "#ff7f0e"), (th["max_weight_error"], "max weight error", "#2ca02c")]
-    parts += _panel(60, 60, 520, 280, layers, series, thr, "error per layer (log)", fail)
-    cos = [([1.0 - r["cosine"] for r in rows], "1 - cosine (residual stream)", "#9467bd")]
-    parts += _panel(660, 60, 290, 280, layers, cos, [(1.0 - th["min_cosine"], "cosine threshold", "#9467bd")],
-                    "1 - cosine per layer (log)", fail)
+    left, right = threshold_lines(th)
+    parts += _panel(60, 60, 520, 280, layers, series, left, "error per layer (log)", fail)
+    cos = [([1.0 - r["cosine"] for r in rows], *COSINE)]
+    parts += _panel(660, 60, 290, 280, layers, cos, right, "1 - cosine per layer (log)", fail)
     y = 392
-    for i, (_, label, color) in enumerate(SERIES + (("", "1 - cosine", "#9467bd"),)):
+    for i, (_, label, color) in enumerate(SERIES + (("",) + COSINE,)):
         x = 60 + i * 230
         parts.append(f'<line x1="{x}" y1="{y}" x2="{x + 20}" y2="{y}" stroke="{color}" stroke-width="3"/>')
         parts.append(f'<text x="{x + 26}" y="{y + 4}" font-size="11">{escape(label)}</text>')
-    parts.append(f'<text x="60" y="{y + 20}" font-size="10" fill="#555">dashed: thresholds; '
+    parts.append(f'<text x="60" y="{y + 20}" font-size="10" fill="#555">dashed: thresholds that decide the '
+                 f'verdict (labelled with the series they bound); info: no threshold; '
                  f'red band: first failing layer</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
@@ -120,10 +139,11 @@ def _write_png(rep: dict, path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
     for k, label, color in SERIES:
         a.semilogy(layers, [max(r[k], FLOOR) for r in rows], "o-", label=label, color=color)
-    a.axhline(th["max_layer_error"], ls="--", color="#ff7f0e")
-    a.axhline(th["max_weight_error"], ls="--", color="#2ca02c")
-    b.semilogy(layers, [max(1 - r["cosine"], FLOOR) for r in rows], "o-", color="#9467bd", label="1 - cosine")
-    b.axhline(1 - th["min_cosine"], ls="--", color="#9467bd")
+    b.semilogy(layers, [max(1 - r["cosine"], FLOOR) for r in rows], "o-", color=COSINE[1], label=COSINE[0])
+    left, right = threshold_lines(th)
+    for ax, lines in ((a, left), (b, right)):
+        for value, label, color in lines:
+            ax.axhline(max(value, FLOOR), ls="--", color=color, label=label)
     if rep.get("failing_layer") is not None:
         for ax in (a, b):
             ax.axvspan(rep["failing_layer"] - 0.5, rep["failing_layer"] + 0.5, color="#d62728", alpha=0.15)

@@ -1,9 +1,18 @@
-"""Terminal table of a `porter verify` report, and the optional JSON / plot outputs."""
+"""Terminal table of a `porter verify` report, and the optional JSON / plot outputs.
+
+Every figure says whether it decides the verdict (its threshold and flag beside it) or is information
+only; the JSON report's `figures` says the same per key (verdict.FIGURES)."""
 from __future__ import annotations
 
 import logging
 
-from porter.commands.verify.verdict import Report
+from porter.commands.verify.verdict import Report, experts_text, more_line, option_name, threshold_rule
+
+SHOWN = 20  # lines of a cut list (integrity issues, differing tensors) before "... and N more"
+LAYER_LEGEND = [
+    "  decides: cosine (--min-cosine), layer.err (--max-layer-error), weight.err (--max-weight-error);",
+    "  info: rel.err. cosine, rel.err: residual stream after the layer, end to end (grows with depth);",
+    "  layer.err: the layer alone on the reference's input; weight.err: worst quantized tensor of the layer"]
 
 log = logging.getLogger("porter")
 
@@ -14,7 +23,7 @@ def format_table(rep: Report) -> str:
     if rep.layers:
         lines += _layer_lines(rep)
     for g in rep.generation:
-        lines += _generation_lines(g)
+        lines += _generation_lines(rep, g)
     lines.append(f"verdict: {'PASS' if rep.passed else 'FAIL'} — {rep.summary}")
     return "\n".join(lines)
 
@@ -25,7 +34,9 @@ def _integrity_lines(rep: Report) -> list[str]:
         return []
     if integ.passed:
         return [f"integrity: ok ({integ.shards} shard digests, {integ.tensors} tensors, headers, index, scales, config)"]
-    return [f"integrity: FAILED ({len(integ.issues)} issue(s))"] + [f"  - {i.message}" for i in integ.issues[:20]]
+    return ([f"integrity: FAILED ({len(integ.issues)} issue(s); any issue fails)"]
+            + [f"  - {i.message}" for i in integ.issues[:SHOWN]]
+            + more_line(len(integ.issues), SHOWN, "issue(s)"))
 
 
 def _exact_lines(rep: Report) -> list[str]:
@@ -36,30 +47,35 @@ def _exact_lines(rep: Report) -> list[str]:
     bad = [t for t in ex.tensors if not t.exact]
     head = (f"exact bytes ({ex.layout} layout, {ex.rounding or 'no'} scales, {ex.device}, "
             f"{ex.bytes_read / 1e9:.3f} GB read in {ex.seconds:.1f} s): ")
+    worst = max((t.weight_error for t in q), default=0.0)
+    second = (f"  weight error (second opinion) max {worst:.4g} "
+              f"[{threshold_rule(rep.thresholds, 'max_weight_error')}, {option_name('max_weight_error')}]")
     if not bad and not ex.unmapped_sources:
-        worst = max((t.weight_error for t in q), default=0.0)
         return [head + f"identical — {len(q)} quantized tensor(s) re-derived, {len(ex.tensors) - len(q)} carried "
-                f"bit-identical; weight error (second opinion) max {worst:.4g}"]
-    lines = [head + f"{len(bad)} tensor(s) differ"]
-    lines += [f"  - {t.tensor}: {t.problem or _mismatch(t)}" for t in bad[:20]]
-    lines += [f"  - source tensor {n}: not in the artifact" for n in ex.unmapped_sources[:20]]
+                "bit-identical [decides: any differing byte fails]", second]
+    lines = [head + f"{len(bad)} of {len(ex.tensors)} tensor(s) differ [decides: any differing byte fails]",
+             second]
+    lines += [f"  - {t.tensor}: {t.problem or _mismatch(t)}" for t in bad[:SHOWN]]
+    lines += more_line(len(bad), SHOWN, "differing tensor(s) (all in the JSON report: exact.tensors)")
+    lines += [f"  - source tensor {n}: not in the artifact" for n in ex.unmapped_sources[:SHOWN]]
+    lines += more_line(len(ex.unmapped_sources), SHOWN, "source tensor(s) not in the artifact")
     return lines
 
 
 def _mismatch(t) -> str:
     unit = "32-blocks" if t.quantized else "elements"
-    experts = f" in {len(t.mismatched_by_expert)} expert(s)" if t.mismatched_by_expert else ""
-    return f"{t.mismatched} of {t.blocks} {unit} differ{experts}, first at {t.first_mismatch}"
+    return f"{t.mismatched} of {t.blocks} {unit} differ{experts_text(t)}, first at {t.first_mismatch}"
 
 
 def _layer_lines(rep: Report) -> list[str]:
     st, th = rep.streaming, rep.thresholds
+    rule = lambda name: threshold_rule(th, name).replace(" ", "")
     lines = [f"numerics: backend {rep.backend}, {rep.device} {rep.dtype}, "
              f"{'layer-streaming' if st and st.enabled else 'full load'}, "
              f"{sum(rep.prompt_tokens)} prompt token(s) in {len(rep.prompt_tokens)} prompt(s)",
              f"{'layer':>5}  {'type':<12} {'cosine':>10} {'rel.err':>9} {'layer.err':>10} {'weight.err':>10}  status",
-             f"{'':>5}  {'':<12} {'>=' + str(th.min_cosine):>10} {'':>9} "
-             f"{'<=' + str(th.max_layer_error):>10} {'<=' + str(th.max_weight_error):>10}"]
+             f"{'decides:':<19} {rule('min_cosine'):>10} {'info':>9} "
+             f"{rule('max_layer_error'):>10} {rule('max_weight_error'):>10}"]
     bad = {f.layer for f in rep.failures if f.layer is not None}
     for r in rep.layers:
         mark = "FAIL" if r.layer in bad else "ok"
@@ -67,18 +83,27 @@ def _layer_lines(rep: Report) -> list[str]:
             mark += "  <- first failing layer"
         lines.append(f"{r.layer:>5}  {r.kind:<12} {r.cosine:>10.6f} {r.rel_error:>9.4f} "
                      f"{r.layer_error:>10.4f} {r.weight_error:>10.4f}  {mark}")
+    lines += LAYER_LEGEND
     lg = rep.logits
-    lines.append(f"logits ({lg.positions} prompt positions): KL(ref||conv) {lg.kl:.3g}  top-1 {lg.top1:.1%}  "
-                 f"top-5 {lg.top5:.1%}  max|diff| {lg.max_abs_diff:.3g}")
+    lines += [f"logits ({lg.positions} prompt positions; [<= / >=]: decides, with --max-kl, --min-top1, "
+              "--min-top5):",
+              f"  KL(ref||conv) {lg.kl:.3g} [{threshold_rule(th, 'max_kl')}]"
+              f"  top-1 {lg.top1:.1%} [{threshold_rule(th, 'min_top1', True)}]"
+              f"  top-5 overlap {lg.top5:.1%} [{threshold_rule(th, 'min_top5', True)}]"
+              f"  max|diff| {lg.max_abs_diff:.3g} [info]",
+              "  top-1: share of positions with the same argmax token; top-5 overlap: "
+              "|top-5(ref) & top-5(conv)| / 5 (a fraction)"]
     return lines
 
 
-def _generation_lines(g) -> list[str]:
-    d = g.first_divergence
+def _generation_lines(rep: Report, g) -> list[str]:
+    d, need = g.first_divergence, rep.thresholds.min_matching_tokens
     mean_kl = sum(g.kl) / len(g.kl) if g.kl else 0.0
-    return [f"generation ({len(g.converted_tokens)} tokens by the converted model, reference teacher-forced): "
-            + ("reference agrees on every token" if d is None else f"reference's choice differs first at token {d}")
-            + f"; mean KL {mean_kl:.3g}",
+    rule = f">= {need} matching, --min-matching-tokens" if need else "info; --min-matching-tokens N decides"
+    agree = ("reference agrees on every token" if d is None
+             else f"reference's choice differs first at token {d}")
+    return [f"generation ({len(g.converted_tokens)} tokens by the converted model, reference teacher-forced):",
+            f"  {agree} [{rule}]; mean KL {mean_kl:.3g} [info]",
             f"  converted: {g.converted_text!r}",
             f"  reference argmax: {g.reference_text!r}"]
 

@@ -33,8 +33,42 @@ class Thresholds:
                 continue
             if k not in known:
                 raise VerifyInputError(f"unknown threshold {k!r}; known: {', '.join(sorted(known))}")
-            setattr(t, k, type(getattr(t, k))(v))
+            setattr(t, k, type(getattr(t, k))(check_threshold(k, v)))
         return t
+
+
+# The values a threshold may take: fractions in [0, 1], cosine in [-1, 1], errors and counts >= 0. NaN
+# compares false with everything, so a NaN threshold would pass every check: it is refused like inf.
+THRESHOLD_RANGES = {"max_weight_error": (0.0, None), "max_layer_error": (0.0, None),
+                    "min_cosine": (-1.0, 1.0), "max_kl": (0.0, None), "min_top1": (0.0, 1.0),
+                    "min_top5": (0.0, 1.0), "min_matching_tokens": (0, None)}
+
+
+def threshold_range_text(name: str) -> str:
+    lo, hi = THRESHOLD_RANGES[name]
+    return f"a finite number >= {lo:g}" if hi is None else f"a number in [{lo:g}, {hi:g}]"
+
+
+def check_threshold(name: str, value) -> float:
+    """`value` as a number when it is finite and in THRESHOLD_RANGES[name], else VerifyInputError."""
+    lo, hi = THRESHOLD_RANGES[name]
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        x = math.nan
+    if not math.isfinite(x) or x < lo or (hi is not None and x > hi):
+        raise VerifyInputError(f"threshold {name} = {value!r}: want {threshold_range_text(name)}")
+    return value
+
+
+def option_name(threshold: str) -> str:
+    return "--" + threshold.replace("_", "-")
+
+
+def threshold_rule(th: "Thresholds", name: str, percent: bool = False) -> str:
+    """'<= 0.08' / '>= 50%': what passes for threshold `name` (max_* fail above, min_* below)."""
+    v = getattr(th, name)
+    return ("<= " if name.startswith("max_") else ">= ") + (f"{v * 100:g}%" if percent else f"{v:g}")
 
 
 # "experts" = the dataclass defaults; "all" also quantizes attention, whose error moves the router input
@@ -45,6 +79,69 @@ SCOPE_DEFAULTS = {
     "none": {"max_weight_error": 0.0, "max_layer_error": 1e-6, "min_cosine": 0.999999, "max_kl": 1e-6,
              "min_top1": 1.0, "min_top5": 1.0},
 }
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure of the report: where it is in the JSON, what it measures, and what decides on it."""
+    key: str  # path in the JSON report ([] = every element of a list)
+    measures: str
+    threshold: Optional[str] = None  # the Thresholds field it is compared against
+    rule: Optional[str] = None  # how it decides without a threshold; neither: information only
+
+
+FIGURES = (
+    Figure("integrity.issues", "the files against porter.json: shard digests, headers, index, scale bytes, "
+           "config", rule="any issue fails (and stops verify)"),
+    Figure("exact.tensors[].mismatched", "32-blocks (quantized tensors) or elements (carried tensors) that "
+           "differ from the re-derivation from the reference", rule="any differing block or element fails"),
+    Figure("exact.tensors[].problem", "why a tensor could not be compared (no source, shape, dtype)",
+           rule="any problem fails"),
+    Figure("exact.unmapped_sources", "reference tensors no artifact tensor was derived from",
+           rule="any unmapped source tensor fails"),
+    Figure("exact.tensors[].weight_error", "relative weight error ||deq(Q) - W|| / ||W|| of the tensor "
+           "(its worst expert)", "max_weight_error"),
+    Figure("layers[].weight_error", "the largest weight_error of the layer's quantized tensors",
+           "max_weight_error"),
+    Figure("layers[].cosine", "cosine of the residual stream after the layer, each model fed its own "
+           "previous output (end to end)", "min_cosine"),
+    Figure("layers[].rel_error", "relative error of the residual stream after the layer, end to end (it "
+           "grows with depth; layer_error names the layer)"),
+    Figure("layers[].layer_error", "the layer alone, both models fed the reference input: "
+           "||d_conv - d_ref|| / ||d_ref|| of the layer's update", "max_layer_error"),
+    Figure("embeddings", "cosine and relative error of the embedding output"),
+    Figure("logits.kl", "KL(ref || conv) of the final logits, mean per prompt position (nats)", "max_kl"),
+    Figure("logits.top1", "top-1 agreement: the fraction of prompt positions where both models' argmax token "
+           "is the same", "min_top1"),
+    Figure("logits.top5", "top-5 overlap: the overlap of the two models' top-5 token sets as a fraction "
+           "(|top5(ref) & top5(conv)| / 5), mean over prompt positions", "min_top5"),
+    Figure("logits.max_abs_diff", "the largest |logit difference| over prompt positions and vocabulary"),
+    Figure("generation[].first_divergence", "the first generated token where the reference's argmax differs "
+           "from the converted model's greedy token (null: none)", "min_matching_tokens"),
+    Figure("generation[].kl", "KL(ref || conv) per generated token"),
+    Figure("generation[].top1", "1.0 where both argmaxes agree, per generated token"),
+)
+
+
+def figure_table(th: "Thresholds") -> dict:
+    """FIGURES as the JSON report's `figures`:
+    {key: {measures, decides, threshold, option, limit, fails_when}}."""
+    out = {}
+    for f in FIGURES:
+        d = {"measures": f.measures, "decides": f.rule is not None}
+        if f.rule:
+            d["fails_when"] = f.rule
+        elif f.threshold:
+            limit = getattr(th, f.threshold)
+            # min_matching_tokens 0 asks for no matching token: the figure is then reported only
+            d["decides"] = not (f.threshold == "min_matching_tokens" and limit == 0)
+            d |= {"threshold": f.threshold, "option": option_name(f.threshold), "limit": limit,
+                  "fails_when": ("above " if f.threshold.startswith("max_") else "below ") + f"{limit:g}"}
+        if not d["decides"]:
+            d["fails_when"] = "never: information only" + (
+                f" (decides with {option_name(f.threshold)} N > 0)" if f.threshold else "")
+        out[f.key] = d
+    return out
 
 
 @dataclass
@@ -186,7 +283,7 @@ class Report:
         return "pass" if self.passed else "fail"
 
     def to_dict(self) -> dict:
-        return _jsonable(asdict(self) | {"verdict": self.verdict})
+        return _jsonable(asdict(self) | {"verdict": self.verdict, "figures": figure_table(self.thresholds)})
 
     def write_json(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))
@@ -245,16 +342,20 @@ def judge_exact(ex: ExactResult, th: Thresholds) -> list[Failure]:
     return out
 
 
+def experts_text(t: TensorCheck) -> str:
+    """' in 8 expert(s) (expert 3: 256, ..., ... and 4 more)': the experts with the most differing blocks."""
+    if not t.mismatched_by_expert:
+        return ""
+    worst = sorted(t.mismatched_by_expert.items(), key=lambda kv: -kv[1])
+    return f" in {len(worst)} expert(s) (" + cut_list([f"expert {e}: {n}" for e, n in worst], 4, ", ") + ")"
+
+
 def _mismatch_failure(t: TensorCheck) -> Failure:
     unit = "32-block(s)" if t.quantized else "element(s)"
     what = f"{t.mismatched} of {t.blocks} {unit} differ from the re-derivation"
     if t.quantized:
         what += f" ({t.scale_mismatched} with a different scale byte)"
-    if t.mismatched_by_expert:
-        worst = sorted(t.mismatched_by_expert.items(), key=lambda kv: -kv[1])[:4]
-        what += (f" in {len(t.mismatched_by_expert)} expert(s) ("
-                 + ", ".join(f"expert {e}: {n}" for e, n in worst) + ("…" if len(t.mismatched_by_expert) > 4 else "")
-                 + ")")
+    what += experts_text(t)
     first = min(t.mismatched_by_expert) if t.mismatched_by_expert else None
     return Failure("exact", f"tensor {t.tensor} (shard {t.shard}): {what}; first at {t.first_mismatch}",
                    layer=t.layer, tensor=t.tensor, shard=t.shard, expert=first, value=t.mismatched)
@@ -287,16 +388,45 @@ def judge_numerics(rep: Report, th: Thresholds) -> list[Failure]:
     return out
 
 
+def cut_list(items: list, keep: int, sep: str) -> str:
+    """The first `keep` items joined, and how many were left out ("... and 37 more")."""
+    more = len(items) - keep
+    return sep.join(map(str, items[:keep])) + (f"{sep}... and {more} more" if more > 0 else "")
+
+
+def more_line(total: int, shown: int, what: str, indent: str = "  ") -> list[str]:
+    """[] when nothing was cut, else one line saying how many of `what` were left out."""
+    return [f"{indent}... and {total - shown} more {what}"] if total > shown else []
+
+
 def conclude(rep: Report, failures: list[Failure]) -> None:
-    """Set passed / failing_layer / summary: the first failure of the earliest failing layer leads."""
+    """Set passed / failing_layer / summary: the first failure of the earliest failing layer leads; when most
+    re-derived tensors differ, the summary first says the reference is likely another checkpoint."""
     rep.failures = failures
     rep.passed = not failures
     layers = [f.layer for f in failures if f.layer is not None]
     rep.failing_layer = min(layers) if layers else None
     lead = [f for f in failures if f.layer == rep.failing_layer] or failures
-    if lead:
-        f = lead[0]
-        rep.summary = (f"layer {f.layer}: " if f.layer is not None and not f.message.startswith("layer") else "") \
-            + f.message
-    else:
+    if not lead:
         rep.summary = "faithful: bytes re-derived exactly, every numeric check within its threshold"
+        return
+    f = lead[0]
+    named = f.layer is not None and not f.message.startswith("layer")
+    rep.summary = (f"layer {f.layer}: " if named else "") + f.message
+    if len(failures) > 1:
+        rep.summary += f" (and {len(failures) - 1} more failure(s))"
+    hint = other_checkpoint_hint(rep.exact, rep.reference)
+    if hint:
+        rep.summary = f"{hint}; first failure: {rep.summary}"
+
+
+def other_checkpoint_hint(ex: Optional[ExactResult], reference: str) -> Optional[str]:
+    """A faulty conversion or a tampered artifact changes a few tensors; more than half of them differing
+    from their re-derivation points at the reference instead (another checkpoint of the same shapes)."""
+    if ex is None or not ex.tensors:
+        return None
+    bad = sum(not t.exact for t in ex.tensors)
+    if 2 * bad <= len(ex.tensors):
+        return None
+    return (f"{bad} of {len(ex.tensors)} re-derived tensors differ: the reference {reference} may be a "
+            "different checkpoint than the one converted; pass that one with --reference DIR|REPO_ID")

@@ -17,3 +17,11 @@ class PorterError(Exception):
     """Bad input. The message is one line naming the file, tensor or field and what to do."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+class DeviceError(PorterError, ValueError):
+    """A device or dtype argument that this machine cannot honour (no CUDA, no such GPU, not a dtype)."""
+
+
+class TextError(PorterError, ValueError):
+    """A tokenizer / chat template / generation_config file or a text argument that cannot be used."""

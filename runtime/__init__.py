@@ -20,16 +20,18 @@ from typing import Optional
 
 import torch
 
+from porter.devices import resolve_device, resolve_dtype
 from runtime.loader import LoadError, build_model, open_store
 from runtime.moe import BackendUnavailable, make_moe, resolve_backend
 from runtime.placement import PlacementError, resolve as resolve_placement
+from runtime.text import load_generation_config, load_tokenizer
 
 __all__ = ["load", "LoadError", "BackendUnavailable", "PlacementError"]
 
 log = logging.getLogger("porter.runtime")
 
 
-def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str = "auto", lazy: bool = False,
+def load(path, device="cpu", dtype=None, backend: str = "auto", lazy: bool = False,
          device_map=None, max_memory: Optional[dict] = None):
     """Load a porter artifact dir (porter.json) or an original MiniMax-M3 HF checkpoint dir (or an already
     opened store from runtime.loader.open_store, which the caller keeps, e.g. to read weights or close()).
@@ -41,6 +43,8 @@ def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str =
     {device: bytes | "70GiB"} or each GPU's free memory) or {"layers.N": device, ...}; overrides `device`.
     A model that does not fit is refused before any weight is read (PlacementError, one line).
     """
+    resolve_device(device)  # a device or dtype this machine cannot honour fails before any file is read
+    resolve_dtype(dtype, torch.device("cpu"))
     opened = not (hasattr(path, "names") and hasattr(path, "get"))  # else: an opened store the caller keeps
     store = open_store(path) if opened else path
     try:
@@ -59,15 +63,16 @@ def _load(store, device, dtype, backend, lazy, device_map, max_memory):
         placement = resolve_placement(device_map, store, max_memory)
         device = placement.embed
         log.info("device_map: %s", placement.describe())
-    device = torch.device(device)
+    device = resolve_device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = resolve_dtype(dtype, device)
     quantized = any(n.endswith("experts.w13_weight_scale") for n in store.names())
     name = resolve_backend(backend, device, quantized=quantized)
     log.info("loading %s on %s (%s, MoE backend %s, lazy=%s)", store.path, device, dtype, name, lazy)
     model = build_model(store, device, dtype, lambda quant, routing: make_moe(name, quant, routing), lazy,
                         placement)
     model.placement = placement
+    model.tokenizer = load_tokenizer(store.path)
+    model.generation_config = load_generation_config(store.path, model.tokenizer)
     return model

@@ -598,7 +598,9 @@ class MiniMaxM3:
     norm and lm_head on the last) and the residual stream moves between them."""
 
     def __init__(self, cfg: TextConfig, top: dict, layers, device, dtype, layer_devices=None):
+        from runtime.text import GenerationConfig
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.tokenizer, self.generation_config = None, GenerationConfig()  # set by runtime.load
         self.embed_tokens, self.norm = top["model.embed_tokens.weight"], top["model.norm.weight"]  # [V, H], [H]
         self.lm_head = top.get("lm_head.weight", self.embed_tokens)  # [V, H] (tied if absent)
         self.layers = layers  # list of DecoderLayer, or runtime.loader.LazyLayers
@@ -669,29 +671,26 @@ class MiniMaxM3:
         logits = self.final(h)
         return (logits, states) if output_hidden_states else logits
 
-    @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
-                 attention_mask: Optional[torch.Tensor] = None, cuda_graph: bool = False) -> torch.Tensor:
-        """Greedy decoding with the KV cache (incl. the indexer key cache) -> [B, T + n]. attention_mask:
-        left-padded prompts. cuda_graph: replay one captured decode step (CUDA, single device)."""
-        out = input_ids.to(self.embed_tokens.device)
-        B, T = out.shape
-        cache = self.new_cache(B, T + max_new_tokens)
-        logits = self(out, cache, attention_mask=attention_mask)
-        if attention_mask is None:
-            last = logits[:, -1]
-        else:  # the last real token of each row
-            cols = torch.arange(T, device=logits.device) * attention_mask.to(logits.device).long()
-            last = logits[torch.arange(B, device=logits.device), cols.argmax(1)]
-        graph = DecodeGraph(self, cache) if cuda_graph and max_new_tokens > 1 else None
-        for _ in range(max_new_tokens):
-            nxt = last.argmax(-1, keepdim=True).to(out.device)  # [B, 1]
-            out = torch.cat([out, nxt], dim=1)
-            if eos_token_id is not None and bool((nxt == eos_token_id).all()):
-                break
-            if out.shape[1] < T + max_new_tokens:
-                last = graph(nxt) if graph is not None else self(nxt, cache)[:, -1]
-        return out
+    def generate(self, prompt, max_new_tokens=None, **options):
+        """Continue prompts: text (a string or a list of them; chat=True applies the chat template) -> the
+        completion text; ids (a LongTensor [B, T], a list of ints, or a list of lists) -> prompt + new ids.
+
+        Defaults come from generation_config.json (EOS, max_new_tokens, sampling); options:
+        eos_token_id, attention_mask, do_sample, temperature, top_p, top_k, seed, stop (strings),
+        stream (callable(row, text) as text is generated), chat, cuda_graph (None: on CUDA whenever the
+        step can be captured). See runtime/generation.py."""
+        from runtime.generation import generate
+        return generate(self, prompt, max_new_tokens, **options)
+
+    def why_no_graph(self):
+        """None if a decode step can be captured, else the reason."""
+        devices = {self.embed_tokens.device, self.head_device, *self.layer_devices}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            return f"CUDA-graph decoding needs the whole model on one CUDA device; it is on {devices}"
+        return None
+
+    def decode_graph(self, cache):
+        return DecodeGraph(self, cache)
 
 
 class DecodeGraph:

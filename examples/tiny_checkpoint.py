@@ -179,6 +179,12 @@ def train_tokenizer(vocab_size: int):
     return tok
 
 
+# A chat template in the usual shape (role headers, an end-of-turn token, a generation prompt) over the tiny
+# tokenizer's special tokens, so chat prompting runs end to end.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 def build_tiny_checkpoint(out_dir, layout: str = "vendor", seed: int = 0, text_overrides: dict | None = None,
                           gate_up: str = "uninterleaved", max_shard_tensors: int = 40) -> Path:
     out = Path(out_dir)
@@ -186,7 +192,8 @@ def build_tiny_checkpoint(out_dir, layout: str = "vendor", seed: int = 0, text_o
     tok = train_tokenizer(TINY_TEXT["vocab_size"])
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "tokenizer_class": "PreTrainedTokenizerFast",
+         "chat_template": CHAT_TEMPLATE}))
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     cfg = vendor_config(text_overrides, bos, eos)
     text = cfg["text_config"]

@@ -12,6 +12,7 @@ import traceback
 
 import click
 
+from porter.devices import DEVICE_HELP, resolve_device
 from porter.errors import EXIT_INTERNAL, PorterError
 from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
 
@@ -20,13 +21,62 @@ log = logging.getLogger("porter")
 EXIT_INTERRUPTED = 130
 
 
+class _AboveBars(logging.StreamHandler):
+    """Log lines go above any progress bar (tqdm.write), never glued onto its end."""
+
+    def emit(self, record):
+        from tqdm import tqdm
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 — logging must never raise
+            self.handleError(record)
+
+
 def _setup_logging(verbose: int, quiet: bool) -> None:
     level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO)
-    logging.basicConfig(level=level, format="%(levelname)s %(message)s" if verbose else "%(message)s",
-                        stream=sys.stderr, force=True)
+    handler = _AboveBars(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s" if verbose else "%(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     if quiet:  # huggingface_hub's download bars as well as porter's
         from huggingface_hub.utils import disable_progress_bars
         disable_progress_bars()
+
+
+def _close_bars() -> None:
+    """Progress bars still open when a command fails are closed before its message is printed."""
+    from tqdm import tqdm
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+def _echo_error(text: str) -> None:
+    _close_bars()
+    click.echo(text, err=True)
+
+
+def _verbosity(ctx, param, value):
+    """-v / -q given after a subcommand's name count the same as before it."""
+    root = ctx.find_root()
+    root.obj = root.obj or {"verbose": 0, "quiet": False}
+    if param.name == "verbose" and value:
+        root.obj["verbose"] += value
+    elif param.name == "quiet" and value:
+        root.obj["quiet"] = True
+    else:
+        return
+    _setup_logging(root.obj["verbose"], root.obj["quiet"])
+
+
+def _common(f):
+    """Options every subcommand takes, in either position."""
+    f = click.option("-q", "--quiet", is_flag=True, expose_value=False, callback=_verbosity,
+                     help="Only warnings and errors; no progress bars.")(f)
+    return click.option("-v", "--verbose", count=True, expose_value=False, callback=_verbosity,
+                        help="More logging; show tracebacks on errors.")(f)
+
+
+def _device_option(what: str):
+    return click.option("--device", default="auto", show_default=True, help=f"{what}: {DEVICE_HELP}.")
 
 
 def _one_line(e: BaseException) -> str:
@@ -43,18 +93,18 @@ def _run(ctx, fn):
     except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
         raise
     except KeyboardInterrupt:
-        click.echo("porter: interrupted (finished shards are kept; rerun with --resume)", err=True)
+        _echo_error("porter: interrupted (finished shards are kept; rerun with --resume)")
         sys.exit(EXIT_INTERRUPTED)
     except PorterError as e:
         if verbose:
             traceback.print_exc()
-        click.echo(f"porter: error: {_one_line(e)}", err=True)
+        _echo_error(f"porter: error: {_one_line(e)}")
         sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 — anything that is not a PorterError is a bug in porter
         if verbose:
             traceback.print_exc()
-        click.echo(f"porter: internal error: {type(e).__name__}: {_one_line(e)} "
-                   "(please report; -v shows the traceback)", err=True)
+        _echo_error(f"porter: internal error: {type(e).__name__}: {_one_line(e)} "
+                    "(please report; -v shows the traceback)")
         sys.exit(EXIT_INTERNAL)
 
 
@@ -104,22 +154,18 @@ def _hub_options(f):
 @click.option("--workers", type=int, default=None, help="Worker threads for read/quantize/hash/write "
                                                          "[default: the cores available + 1].")
 @click.option("--max-memory", default=None, help="Memory budget, e.g. 16GB [default: half the available RAM].")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="Where to quantize: auto uses a CUDA GPU when there is one (and says so). Output is "
-                   "byte-identical either way.")
+@_device_option("Where to quantize (the output is byte-identical either way)")
 @click.option("--digest", type=click.Choice(list(CHUNK_HASHES)), default=DEFAULT_DIGEST, show_default=True,
               help="Chunk hash of the shard digests in porter.json: xxh3-128 (fast checksum, like rsync's) or "
                    "sha256 (for a manifest that is signed or published apart from the shards).")
-@click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bar.")
 @_hub_options
+@_common
 @click.pass_context
 def convert(ctx, source, output, revision, quantize, layout, gate_up, scale_rounding, max_shard_size, force, resume,
-            dry_run, workers, max_memory, device, digest, quiet, token, cache_dir):
+            dry_run, workers, max_memory, device, digest, token, cache_dir):
     """Convert SOURCE (a local dir or a Hugging Face repo id) to a porter MXFP8 artifact."""
     from porter.commands.convert import convert as do_convert
-    if quiet:
-        ctx.obj["quiet"] = True
-        _setup_logging(ctx.obj["verbose"], True)
+    _run(ctx, lambda: resolve_device(device))
     _run(ctx, lambda: do_convert(source, output, revision=revision, quantize=quantize, gate_up=gate_up,
                                  scale_rounding=scale_rounding, max_shard_size=max_shard_size, force=force,
                                  resume=resume, dry_run=dry_run, progress=not ctx.obj["quiet"], layout=layout,
@@ -130,6 +176,7 @@ def convert(ctx, source, output, revision, quantize, layout, gate_up, scale_roun
 @main.command("inspect")
 @click.argument("path", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_common
 @click.pass_context
 def inspect_command(ctx, path, as_json):
     """What PATH (a porter artifact or a checkpoint folder) holds: source and commit, resolved config with
@@ -213,8 +260,7 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
 @click.option("--reference", default=None, help="Original checkpoint (dir or repo id). Default: porter.json's source.")
 @click.option("--backend", default="auto", show_default=True,
               type=click.Choice(["auto", "torch", "triton", "flashinfer-trtllm"]), help="MoE backend of the artifact.")
-@click.option("--device", default="cpu", show_default=True,
-              help="cpu, cuda, cuda:1, ... (the byte re-derivation runs there too; on cpu it uses every core).")
+@_device_option("Where both models run (the byte re-derivation runs there too; on cpu it uses every core)")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA).")
 @click.option("--device-map", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
@@ -235,6 +281,7 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
 @click.option("--min-matching-tokens", type=click.IntRange(0), default=None,
               help="Generated tokens the reference's argmax must agree on. Default 0 (reported only).")
 @_hub_options
+@_common
 @click.pass_context
 def verify(ctx, artifact, prompts, reference, backend, device, dtype, device_map, max_new_tokens, report, plot,
            stream, token, cache_dir, **threshold_flags):
@@ -245,6 +292,7 @@ def verify(ctx, artifact, prompts, reference, backend, device, dtype, device_map
     from porter.errors import EXIT_NOT_FAITHFUL, EXIT_OK
     torch_dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     to_stdout = report == "-"  # stdout is then the JSON report alone
+    device = str(_run(ctx, lambda: resolve_device(device)))
     result = _run(ctx, lambda: verify_module.verify(  # through the module: tests replace it
         artifact, prompts=list(prompts) or None, reference=reference, backend=backend, device=device,
         max_new_tokens=max_new_tokens, report=None if to_stdout else report, plot=plot,
@@ -255,6 +303,33 @@ def verify(ctx, artifact, prompts, reference, backend, device, dtype, device_map
     if to_stdout:
         click.echo(json.dumps(result.report.to_dict(), indent=1))
     ctx.exit(EXIT_OK if result.passed else EXIT_NOT_FAITHFUL)
+
+
+@main.command("generate")
+@click.argument("path", type=click.Path())
+@click.option("--prompt", required=True, help="The prompt text.")
+@click.option("--chat", is_flag=True, help="Apply the checkpoint's chat template to the prompt (a user turn).")
+@click.option("--max-new-tokens", type=click.IntRange(0), default=None,
+              help="Tokens to generate at most [default: generation_config.json's, else 128].")
+@click.option("--temperature", type=click.FloatRange(0), default=None,
+              help="Sample at this temperature (0 or unset: greedy).")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None, help="Nucleus sampling mass.")
+@click.option("--top-k", type=click.IntRange(0), default=None, help="Sample among the k most likely tokens.")
+@click.option("--seed", type=int, default=None, help="Seed of the sampler (reproducible output).")
+@click.option("--stop", multiple=True, help="Stop before this text (repeatable).")
+@_device_option("Where the model runs")
+@click.option("--backend", default="auto", show_default=True,
+              type=click.Choice(["auto", "torch", "triton", "flashinfer-trtllm"]), help="MoE backend.")
+@_common
+@click.pass_context
+def generate_command(ctx, path, prompt, chat, max_new_tokens, temperature, top_p, top_k, seed, stop, device,
+                     backend):
+    """Continue PROMPT with the model in PATH (a porter artifact or a checkpoint folder), printing the text
+    as it is generated and the speed at the end."""
+    from porter.commands.generate import generate
+    _run(ctx, lambda: generate(path, prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
+                               top_p=top_p, top_k=top_k, seed=seed, stop=stop, device=resolve_device(device),
+                               backend=backend))
 
 
 if __name__ == "__main__":

@@ -86,3 +86,11 @@ class MoeNumericsError(PorterError, ValueError):
 
 class OutputFolderError(PorterError):
     """The output folder cannot be written safely (the message names the path and what to do)."""
+
+
+class DeviceError(PorterError, ValueError):
+    """A device or dtype argument that this machine cannot honour (no CUDA, no such GPU, not a dtype)."""
+
+
+class TextError(PorterError, ValueError):
+    """A tokenizer / chat template / generation_config file or a text argument that cannot be used."""

@@ -27,13 +27,15 @@ from porter.errors import BackendUnavailable, LoadError, PlacementError
 from runtime.loader import build_model, open_store
 from runtime.moe import check_numerics, check_numerics_name, make_moe, resolve_backend
 from runtime.placement import resolve as resolve_placement
+from runtime.text import load_generation_config, load_tokenizer
+from porter.devices import resolve_device, resolve_dtype
 
 __all__ = ["load", "LoadError", "BackendUnavailable", "PlacementError"]
 
 log = logging.getLogger("porter.runtime")
 
 
-def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str = "auto", lazy: bool = False,
+def load(path, device="cpu", dtype=None, backend: str = "auto", lazy: bool = False,
          device_map=None, max_memory: Optional[dict] = None, moe_fp8_prefill: bool = True,
          moe_numerics: Optional[str] = None):
     """Load a porter artifact dir (porter.json) or an original MiniMax-M3 HF checkpoint dir (or an already
@@ -51,6 +53,8 @@ def load(path, device="cpu", dtype: Optional[torch.dtype] = None, backend: str =
     the MoE input and SwiGLU output to MXFP8 as the TRT-LLM kernel does, docs/moe-backends.md).
     """
     check_numerics_name(moe_numerics)  # before anything is opened
+    resolve_device(device)  # a device or dtype this machine cannot honour fails before any file is read
+    resolve_dtype(dtype, torch.device("cpu"))
     opened = not (hasattr(path, "names") and hasattr(path, "get"))  # else: an opened store the caller keeps
     store = open_store(path) if opened else path
     try:
@@ -69,11 +73,10 @@ def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_p
         placement = resolve_placement(device_map, store, max_memory)
         device = placement.embed
         log.info("device_map: %s", placement.describe())
-    device = torch.device(device)
+    device = resolve_device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = resolve_dtype(dtype, device)
     quantized = any(n.endswith("experts.w13_weight_scale") for n in store.names())
     name = resolve_backend(backend, device, quantized=quantized)
     check_numerics(moe_numerics, name, quantized)
@@ -81,4 +84,6 @@ def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_p
     make_backend = lambda quant, routing: make_moe(name, quant, routing, moe_numerics, fp8_prefill=moe_fp8_prefill)
     model = build_model(store, device, dtype, make_backend, lazy, placement)
     model.placement = placement
+    model.tokenizer = load_tokenizer(store.path)
+    model.generation_config = load_generation_config(store.path, model.tokenizer)
     return model

@@ -1,38 +1,182 @@
-"""Greedy generation over the KV cache (what `MiniMaxM3.generate` runs)."""
+"""model.generate: prompts (text or ids) -> continuations, with the KV cache and a captured decode step.
+
+Text in, text out (the completion); ids in, ids out (prompt + completion). Finished rows (EOS or a stop
+string) are padded with the pad id (else their EOS) while the others go on.
+"""
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from runtime.graph import DecodeGraph
+from runtime.sampling import RowText, choose, generator_for
+from runtime.text import GenerationConfig, TextError, Tokenizer
+
+log = logging.getLogger("porter.runtime")
 
 
-def last_logits(logits: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """logits [B, T, V] -> [B, V] at each row's last real token (left padding: the last column)."""
-    if attention_mask is None:
+def _is_ids(x) -> bool:
+    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _prompt_kind(prompt) -> str:
+    if isinstance(prompt, str):
+        return "text"
+    if isinstance(prompt, torch.Tensor):
+        return "tensor"
+    if isinstance(prompt, (list, tuple)) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return "texts"
+        if _is_ids(prompt):
+            return "ids"
+        if all(_is_ids(p) and p for p in prompt):
+            return "id_rows"
+        if all(isinstance(p, dict) for p in prompt):
+            return "messages"
+    raise TextError("prompt must be a string, a list of strings, a list of chat messages, token ids "
+                    f"(a list of ints or of lists of ints) or a LongTensor [B, T]; found {type(prompt).__name__}")
+
+
+def _left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)  # [B, T]
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, T - len(r):] = torch.tensor(list(r), dtype=torch.long)
+        mask[i, T - len(r):] = 1
+    return ids, (None if bool(mask.all()) else mask)
+
+
+def encode(tokenizer: Optional[Tokenizer], kind: str, prompt, chat: bool, pad_id: int):
+    """-> ids [B, T], attention mask [B, T] or None."""
+    if kind in ("text", "texts", "messages"):
+        if tokenizer is None:
+            raise TextError("text prompts need the checkpoint's tokenizer.json (none was found); pass token ids")
+        if kind == "messages":  # one conversation: always through the chat template
+            rows = [tokenizer.encode(tokenizer.apply_chat_template(list(prompt)), add_special_tokens=False)]
+        elif chat:  # the template writes the special tokens itself
+            texts = [prompt] if kind == "text" else list(prompt)
+            rows = [tokenizer.encode(tokenizer.apply_chat_template(t), add_special_tokens=False) for t in texts]
+        else:
+            rows = [tokenizer.encode(t) for t in ([prompt] if kind == "text" else prompt)]
+        if not all(rows):
+            raise TextError("a prompt tokenizes to nothing")
+        return _left_pad(rows, pad_id)
+    if chat:
+        raise TextError("chat=True needs text prompts, not token ids")
+    if kind == "ids":
+        return torch.tensor([list(prompt)], dtype=torch.long), None
+    if kind == "id_rows":
+        return _left_pad(prompt, pad_id)
+    if prompt.dim() == 1:
+        prompt = prompt[None]
+    if prompt.dim() != 2 or prompt.dtype not in (torch.long, torch.int, torch.int32) or prompt.shape[1] == 0:
+        raise TextError(f"input_ids must be an integer tensor [B, T] with T >= 1, found {prompt.dtype} "
+                        f"{tuple(prompt.shape)}")
+    return prompt.long(), None
+
+
+def _last_logits(logits: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """[B, T, V] -> the logits at each row's last real token [B, V]."""
+    if mask is None:
         return logits[:, -1]
-    B, T = attention_mask.shape
-    cols = torch.arange(T, device=logits.device) * attention_mask.to(logits.device).long()
+    B, T = mask.shape
+    cols = torch.arange(T, device=logits.device) * mask.to(logits.device).long()  # [B, T]
     return logits[torch.arange(B, device=logits.device), cols.argmax(1)]
 
 
+class Decoder:
+    """The decode step of one generate call: a captured graph (CUDA) or the eager forward."""
+
+    def __init__(self, model, cache, cuda_graph: Optional[bool]):
+        self.model, self.cache, self.graph = model, cache, None
+        wanted = model.device.type == "cuda" if cuda_graph is None else cuda_graph
+        if wanted:
+            why = model.why_no_graph()
+            if why is None:
+                self.graph = model.decode_graph(cache)
+            elif cuda_graph:
+                raise ValueError(f"cuda_graph=True: {why}")
+            else:
+                log.info("decoding eagerly: %s", why)
+
+    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
+        """tok [B, 1] -> logits [B, V]."""
+        return self.graph(tok) if self.graph is not None else self.model(tok, self.cache)[:, -1]
+
+
+def generate(model, prompt, max_new_tokens: Optional[int] = None, *, eos_token_id=None,
+             attention_mask: Optional[torch.Tensor] = None, do_sample: Optional[bool] = None,
+             temperature: Optional[float] = None, top_p: Optional[float] = None, top_k: Optional[int] = None,
+             seed: Optional[int] = None, stop: Sequence[str] = (), stream: Optional[Callable[[int, str], None]] = None,
+             chat: bool = False, cuda_graph: Optional[bool] = None):
+    """See MiniMaxM3.generate."""
+    kind = _prompt_kind(prompt)
+    cfg = model.generation_config.with_overrides(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                                                 do_sample=do_sample, temperature=temperature, top_p=top_p,
+                                                 top_k=top_k)
+    if isinstance(stop, str):
+        stop = [stop]
+    pad_id = _pad_id(cfg, model.tokenizer)
+    ids, mask = encode(model.tokenizer, kind, prompt, chat, pad_id)
+    if attention_mask is not None:
+        mask = attention_mask
+    texts = RowText(model.tokenizer, ids.shape[0], stop, stream)
+    out = _decode(model, ids, mask, cfg, pad_id, seed, texts, cuda_graph)  # [B, T + n]
+    return _result(kind, out, ids.shape[1], cfg, texts, mask)
+
+
+def _pad_id(cfg: GenerationConfig, tokenizer: Optional[Tokenizer]) -> int:
+    for pad in (cfg.pad_token_id, tokenizer.pad_token_id if tokenizer is not None else None):
+        if pad is not None:
+            return pad
+    return cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
+
+
 @torch.inference_mode()
-def generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
-             attention_mask: Optional[torch.Tensor] = None, cuda_graph: bool = False) -> torch.Tensor:
-    """Greedy decoding with the KV cache (incl. the indexer key cache) -> [B, T + n]. attention_mask:
-    left-padded prompts. cuda_graph: replay one captured decode step (CUDA, single device). Stops early
-    when every row's new token is eos_token_id."""
-    out = input_ids.to(model.embed_tokens.device)
+def _decode(model, ids, mask, cfg: GenerationConfig, pad_id: int, seed, texts: RowText, cuda_graph):
+    dev = model.embed_tokens.device
+    out, n = ids.to(dev), cfg.max_new_tokens
+    if n == 0:
+        return out
     B, T = out.shape
-    cache = model.new_cache(B, T + max_new_tokens)
-    last = last_logits(model(out, cache, attention_mask=attention_mask), attention_mask)
-    graph = DecodeGraph(model, cache) if cuda_graph and max_new_tokens > 1 else None
-    for _ in range(max_new_tokens):
-        nxt = last.argmax(-1, keepdim=True).to(out.device)  # [B, 1]
-        out = torch.cat([out, nxt], dim=1)
-        if eos_token_id is not None and bool((nxt == eos_token_id).all()):
+    cache = model.new_cache(B, T + n)
+    last = _last_logits(model(out, cache, attention_mask=mask), mask)
+    decoder = Decoder(model, cache, cuda_graph) if n > 1 else None
+    gen = None if cfg.greedy else generator_for(seed, last.device)
+    eos = torch.tensor(cfg.eos_token_ids or [-1], device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    new = []
+    for i in range(n):
+        nxt = torch.where(done, pad_id, choose(last, cfg, gen).to(dev))  # [B]
+        new.append(nxt)
+        ended = torch.isin(nxt, eos) & ~done
+        if texts.active:  # rows that just ended on EOS add nothing to their text
+            hit = texts.add(nxt.tolist(), (~done & ~ended).tolist())
+            ended |= torch.tensor(hit, device=dev)
+        done = done | ended
+        if bool(done.all()) or i == n - 1:
             break
-        if out.shape[1] < T + max_new_tokens:
-            last = graph(nxt) if graph is not None else model(nxt, cache)[:, -1]
-    return out
+        last = decoder(nxt[:, None])
+    return torch.cat([out, torch.stack(new, 1)], 1)
+
+
+def _result(kind: str, out: torch.Tensor, T: int, cfg: GenerationConfig, texts: RowText, mask):
+    rows = out.tolist()
+    finals = None
+    if kind in ("text", "texts", "messages") or texts.active:  # the text also ends the stream
+        ends = set(cfg.eos_token_ids)
+        finals = [texts.text(i, _until(r[T:], ends)) for i, r in enumerate(rows)]
+    if kind == "tensor":
+        return out
+    if kind in ("ids", "id_rows"):
+        lens = mask.sum(1).tolist() if mask is not None else [T] * len(rows)
+        rows = [r[T - n:] for r, n in zip(rows, lens)]
+        return rows[0] if kind == "ids" else rows
+    return finals if kind == "texts" else finals[0]
+
+
+def _until(new: list, ends: set) -> list:
+    """The generated ids before the first EOS."""
+    return next((new[:j] for j, t in enumerate(new) if t in ends), new)

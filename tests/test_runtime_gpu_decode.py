@@ -53,8 +53,26 @@ def test_cuda_graph_decode_equals_eager(artifacts, backend):
         assert err <= 1e-3, (step, err)  # same kernels; only atomics' summation order may differ
     assert caches[1].length == caches[0].length and torch.equal(caches[1].next_pos, caches[0].next_pos)
     out_graph = model.generate(ids.cuda(), 16, attention_mask=mask, cuda_graph=True)
-    out_eager = model.generate(ids.cuda(), 16, attention_mask=mask)
+    out_eager = model.generate(ids.cuda(), 16, attention_mask=mask, cuda_graph=False)
+    assert torch.equal(model.generate(ids.cuda(), 16, attention_mask=mask), out_graph)  # the default
     assert torch.equal(out_graph, out_eager)
+
+
+def test_cuda_graph_segments_hand_off_the_residual(artifacts):
+    """The hand-off between per-device graphs, exercised on one GPU by cutting after layers 0 and 2: the
+    same logits as one graph, step after step (same kernels in the same order)."""
+    model = runtime.load(artifacts["experts"], device="cuda", backend="triton")
+    ids, mask = _left_pad([5, 12, 30])
+    n = 12
+    caches = [model.new_cache(3, ids.shape[1] + n) for _ in range(2)]
+    la = model(ids.cuda(), caches[0], attention_mask=mask)[:, -1]
+    lb = model(ids.cuda(), caches[1], attention_mask=mask)[:, -1]
+    whole, cut = DecodeGraph(model, caches[0]), DecodeGraph(model, caches[1], split_after=(0, 2))
+    assert len(whole.segments) == 1 and [(s.first, s.last) for s in cut.segments] == [(0, 2), (2, 4), (4, 6)]
+    for step in range(n):
+        tok = la.argmax(-1, keepdim=True)
+        la, lb = whole(tok).clone(), cut(tok).clone()
+        assert fx.rel(lb, la) <= 1e-3, (step, fx.rel(lb, la))
 
 
 def test_cuda_decode_matches_cpu_step_by_step(artifacts):
@@ -362,7 +380,10 @@ def test_device_map_two_gpus_equals_one(artifacts):
     ids, mask = _left_pad([6, 25])
     a, b = one(ids.cuda(), attention_mask=mask), split(ids.cuda(), attention_mask=mask)
     assert fx.rel(b.cpu(), a.cpu()) <= 1e-5
-    assert torch.equal(one.generate(ids.cuda(), 12, attention_mask=mask).cpu(),
-                       split.generate(ids.cuda(), 12, attention_mask=mask).cpu())
+    want = one.generate(ids.cuda(), 12, attention_mask=mask, cuda_graph=False).cpu()
+    assert torch.equal(one.generate(ids.cuda(), 12, attention_mask=mask).cpu(), want)
+    assert split.why_no_graph() is None  # one graph per device, the residual handed between them
+    assert torch.equal(split.generate(ids.cuda(), 12, attention_mask=mask).cpu(), want)
+    assert torch.equal(split.generate(ids.cuda(), 12, attention_mask=mask, cuda_graph=False).cpu(), want)
     with pytest.raises(runtime.PlacementError, match="does not fit"):
         runtime.load(art, device_map="auto", max_memory={0: first, 1: sizes.layers[-1]})

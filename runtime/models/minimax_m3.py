@@ -30,6 +30,8 @@ from converters.minimax_m3 import TextConfig
 from porter.format.layout import scale_name
 from runtime.cache import KVCache, LayerCache, Step
 from runtime.generate import generate
+from runtime.graph import DecodeGraph, why_not
+from runtime.text import GenerationConfig
 from runtime.kernels import fused, gemv
 from runtime.kernels.attention import decode_attention, decode_attention_topk
 from runtime.models.layers import (Getter, Rope, add_in_order, capturing, fork, gqa_attention, join,
@@ -332,6 +334,7 @@ class MiniMaxM3:
 
     def __init__(self, cfg: TextConfig, top: dict, layers, device, dtype, layer_devices=None):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.tokenizer, self.generation_config = None, GenerationConfig()  # set by runtime.load
         self.embed_tokens, self.norm = top["model.embed_tokens.weight"], top["model.norm.weight"]  # [V, H], [H]
         self.lm_head = top.get("lm_head.weight", self.embed_tokens)  # [V, H] (tied if absent)
         self.layers = layers  # list of DecoderLayer, or runtime.loader.LazyLayers
@@ -403,8 +406,19 @@ class MiniMaxM3:
         return (logits, states) if output_hidden_states else logits
 
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
-                 attention_mask: Optional[torch.Tensor] = None, cuda_graph: bool = False) -> torch.Tensor:
-        """Greedy decoding with the KV cache -> [B, T + n] (runtime.generate.generate). attention_mask:
-        left-padded prompts. cuda_graph: replay one captured decode step (CUDA, single device)."""
-        return generate(self, input_ids, max_new_tokens, eos_token_id, attention_mask, cuda_graph)
+    def generate(self, prompt, max_new_tokens=None, **options):
+        """Continue prompts: text (a string or a list of them; chat=True applies the chat template) -> the
+        completion text; ids (a LongTensor [B, T], a list of ints, or a list of lists) -> prompt + new ids.
+
+        Defaults come from generation_config.json (EOS, max_new_tokens, sampling); options:
+        eos_token_id, attention_mask, do_sample, temperature, top_p, top_k, seed, stop (strings),
+        stream (callable(row, text) as text is generated), chat, cuda_graph (None: on CUDA whenever the
+        step can be captured). See runtime/generate.py."""
+        return generate(self, prompt, max_new_tokens, **options)
+
+    def why_no_graph(self):
+        """None if a decode step can be captured, else the reason."""
+        return why_not(self)
+
+    def decode_graph(self, cache):
+        return DecodeGraph(self, cache)

@@ -146,6 +146,36 @@ def decode_case(model, batch: int, kv: int, bw: float) -> dict:
     return {"batch": batch, "kv": kv, "layers": rows, "model_step_ms": step_ms}
 
 
+def generate_ms(model, ids: torch.Tensor, new: int, reps: int = 3) -> float:
+    """Median wall time of model.generate(ids, new) as a user calls it (defaults: the captured decode step
+    on CUDA), EOS off so every row runs to `new` tokens."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, new, eos_token_id=[])
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def whole_token_case(model, batch: int, kv: int, bw: float, layer_rows: list, new: int = 32) -> dict:
+    """Per whole token through the public generate(): (generate(1 + new) - generate(1)) / new, i.e. every
+    layer, the final norm, lm_head at the checkpoint's vocab and the token choice, next to the bytes floor
+    of that step (the layers' weights and cache reads at this KV, plus lm_head)."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    ids = torch.randint(0, 1000, (batch, kv), device="cuda", generator=g)
+    model.generate(ids, 3, eos_token_id=[])  # warm-up: kernels compiled, the decode graph captured once
+    first = generate_ms(model, ids, 1)
+    full = generate_ms(model, ids, 1 + new)
+    per_token = (full - first) / new
+    head = nbytes(model.lm_head) + model.cfg.hidden_size * 2  # lm_head + one embedding row
+    b = sum(r["bytes"] for r in layer_rows) + head
+    floor = b / bw * 1e3
+    return {"batch": batch, "kv": kv, "new_tokens": new, "ms_per_token": per_token, "bytes": b,
+            "floor_ms": floor, "x_floor": per_token / floor, "tokens_per_s": 1e3 / per_token * batch}
+
+
 @torch.inference_mode()
 def kernel_profile(model, layer_index: int, kv: int = 1024, replays: int = 10) -> dict:
     """Kernels of one decode step of a layer as the CUDA graph replays it (batch 1): each kernel's mean
@@ -232,7 +262,8 @@ def main():
     src = work / "src"
     if not (src / "model.safetensors.index.json").exists():
         t = time.time()
-        overrides = real_dims_overrides(args.layers, args.experts) | {"max_position_embeddings": 65536}
+        overrides = real_dims_overrides(args.layers, args.experts) | {"max_position_embeddings": 65536,
+                                                                       "vocab_size": FULL_VOCAB}
         build_tiny_checkpoint(src, layout="vendor", seed=0, text_overrides=overrides)
         log.info("built real-dims checkpoint in %.0f s", time.time() - t)
     bw = copy_bandwidth()
@@ -259,11 +290,17 @@ def main():
         cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
         if scope != scopes[0]:
             cases = [c for c in cases if c[0] == 1]  # the other scopes: batch 1 only
+        whole = []
         for batch, kv in cases:
             case = decode_case(model, batch, kv, bw)
             head = lm_head_ms(batch, model.cfg.hidden_size)
             case["lm_head_ms"] = head
             case["projection"] = project(case["layers"], head)
+            case["whole_token"] = w = whole_token_case(model, batch, kv, bw, case["layers"])
+            whole.append(w)
+            log.info("quantize=%s B=%d KV=%d: generate() %.3f ms per whole token (%d layers + lm_head at vocab "
+                     "%d), floor %.3f ms, %.2fx floor, %.0f tokens/s", scope, batch, kv, w["ms_per_token"],
+                     args.layers, model.cfg.vocab_size, w["floor_ms"], w["x_floor"], w["tokens_per_s"])
             res["decode"].append(case)
             for r in case["layers"]:
                 lines.append(f"| {batch} | {kv} | {r['layer']} | {r['kind']} | {r['ms']:.3f} | {r['eager_ms']:.3f} | "
@@ -275,6 +312,13 @@ def main():
             log.info("quantize=%s B=%d KV=%d: whole %d-layer step (DecodeGraph) %.3f ms; projected 60 layers + "
                      "lm_head %.2f ms -> %.1f tok/s per sequence (%.1f tok/s total)", scope, batch, kv,
                      args.layers, case["model_step_ms"], p["step_ms"], p["tokens_per_s"], p["tokens_per_s"] * batch)
+        lines += ["", f"Whole token through `model.generate(ids, n)` with default arguments (EOS off), "
+                  f"{args.layers} layers + lm_head at vocab {model.cfg.vocab_size}: "
+                  "(time of 33 new tokens - time of 1) / 32.", "",
+                  "| batch | KV | ms per token | MB read per step | floor ms | x floor | tokens/s |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {w['batch']} | {w['kv']} | {w['ms_per_token']:.3f} | {w['bytes'] / 1e6:.0f} | "
+                  f"{w['floor_ms']:.3f} | {w['x_floor']:.2f} | {w['tokens_per_s']:.0f} |" for w in whole]
         lines += ["", "| batch | KV | projected step ms (3 dense + 57 MoE + lm_head) | tok/s per sequence | "
                   "tok/s total | layers' floor ms |", "|---|---|---|---|---|---|"]
         for c in res["decode"]:

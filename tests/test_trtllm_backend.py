@@ -198,8 +198,8 @@ def emulate_kernel(kw, quantize_intermediate=True, out_dtype=torch.bfloat16):
         if tok.numel() == 0:
             continue
         act = gated_act(x[tok] @ up[e].t(), x[tok] @ gate[e].t(), alpha[e], beta[e], limit[e])  # [n, I]
-        if quantize_intermediate:  # FC1 epilogue re-quantizes to MXFP8 for GEMM2
-            act = flashinfer_mxfp8_fake_quantize(act)
+        if quantize_intermediate:  # FC1 epilogue re-quantizes to MXFP8 for GEMM2, from bf16 as FlashInfer's
+            act = flashinfer_mxfp8_fake_quantize(act.to(torch.bfloat16).float())  # reference (run_moe_dequant)
         out.index_add_(0, tok, (act @ down[e].t()) * weights[tok, slot].unsqueeze(1))
     return out.to(out_dtype)
 
@@ -638,8 +638,8 @@ def test_quantize_activations_equals_flashinfer_on_gpu(fi_backend):
 def test_kernel_on_blackwell_matches_torch_serving_numerics(layer, monkeypatch):
     """The real kernel vs TorchMoE(numerics="serving") on the same GPU tensors (routed path, fp32 weights):
     only the bf16 output and fp32 summation order should differ (~1e-3). Rounding the SwiGLU output to bf16
-    before its quantization (FlashInfer's MoE reference) moves the layer by 1.4-1.5e-2 on CPU, so this also
-    tells which of the two the FC1 epilogue does."""
+    before its quantization (FlashInfer's MoE reference, which porter follows) or not moves the layer by
+    1.4-1.5e-2 on CPU, so this also tells which of the two the FC1 epilogue does."""
     quant, routing, hidden = layer
     fields = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale",
               "gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
@@ -649,8 +649,8 @@ def test_kernel_on_blackwell_matches_torch_serving_numerics(layer, monkeypatch):
     ids, weights = route(x.float(), routing_gpu)
     kernel = TrtllmMoE(quant_gpu, routing_gpu).forward_topk(x, ids, weights).float()
     serving = TorchMoE(quant_gpu, routing_gpu, numerics="serving").forward_topk(x, ids, weights).float()
-    fake = mxfp8.fake_quantize_activations
-    monkeypatch.setattr(mxfp8, "fake_quantize_activations", lambda a, dtype=None, name="a": fake(
-        a.to(torch.bfloat16) if name == "moe intermediate" else a, dtype or a.dtype, name))
-    bf16_first = TorchMoE(quant_gpu, routing_gpu, numerics="serving").forward_topk(x, ids, weights).float()
-    assert rel(kernel, serving) <= 5e-3, (rel(kernel, serving), rel(kernel, bf16_first))
+    import runtime.moe.torch_backend as torch_backend
+    monkeypatch.setattr(torch_backend, "serving_intermediate", lambda a: mxfp8.fake_quantize_activations(
+        a, a.dtype, "moe intermediate"))  # the other reading: no bf16 rounding before the quantizer
+    fp32_first = TorchMoE(quant_gpu, routing_gpu, numerics="serving").forward_topk(x, ids, weights).float()
+    assert rel(kernel, serving) <= 5e-3, (rel(kernel, serving), rel(kernel, fp32_first))

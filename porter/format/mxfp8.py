@@ -80,11 +80,12 @@ def _kept_bytes(keep_scale: torch.Tensor, amax: torch.Tensor, block_shape: tuple
 
 
 def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[list] = None,
-                     keep_scale: Optional[torch.Tensor] = None):
+                     keep_scale: Optional[torch.Tensor] = None, check_finite: bool = True):
     """-> (x: fp32 [..., K/32, 32] scaled, not clipped, q: e4m3 same shape (saturated), byte: int32 [..., K/32]).
     If `ref` is a list, the per-block sums of squares of w (fp32 [..., K/32]) are appended to it.
     keep_scale (uint8 [..., K/32]): use these scale bytes instead of the rounding rule — for values that
-    came from MXFP8 with exactly these scales, re-quantizing is then the identity on bytes."""
+    came from MXFP8 with exactly these scales, re-quantizing is then the identity on bytes.
+    check_finite=False: the caller has made every block finite (no device sync: CUDA-graph capturable)."""
     _check_shape(w, name)
     x = w.float()
     x = x.clone() if x is w else x  # private fp32 copy: scaled in place below
@@ -92,7 +93,8 @@ def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[li
     amax = torch.maximum(x.amax(dim=-1), -x.amin(dim=-1))  # [..., K/32]; NaN propagates
     if ref is not None:
         ref.append(torch.linalg.vecdot(x, x))  # per-block sum of squares (square() is a slow pow on CPU)
-    _check_finite(amax, name)
+    if check_finite:
+        _check_finite(amax, name)
     if keep_scale is None:
         e = scale_exponents(amax, rounding)
         byte = (e + SCALE_BIAS).clamp(0, SCALE_MAX_BYTE)
@@ -360,19 +362,22 @@ def quantize_activations(x: torch.Tensor, name: str = "activations") -> tuple[to
     _check_shape(x, name)
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)  # [..., K/32, 32]
     bad = ~torch.isfinite(blocks).all(-1)  # [..., K/32]
-    any_bad = bool(bad.any())
-    if any_bad:
-        blocks = blocks.masked_fill(bad.unsqueeze(-1), 0)
-    q, scale = quantize(blocks.reshape(x.shape), "rceil", name)
-    one = scale == 1
-    if bool(one.any()):  # amax / 448 <= 2^-126, an fp32 subnormal: FlashInfer rounds it to fp32 first,
-        amax = blocks.abs().amax(-1).float()  # and one that rounds to 2^-127 keeps byte 0
-        scale = scale.masked_fill(one & (amax / E4M3_MAX <= 2.0 ** -127), 0)
+    blocks = blocks.masked_fill(bad.unsqueeze(-1), 0)
+    # No host sync on a GPU (the serving MoE runs inside captured decode steps): every mask is applied
+    # unconditionally, and the blocks are finite here.
+    if x.is_cuda:
+        _, q, scale = _quantize_blocks(blocks.reshape(x.shape), "rceil", name, check_finite=False)
+        q, scale = q.reshape(x.shape), scale.to(torch.uint8)
+    else:
+        q, scale = quantize(blocks.reshape(x.shape), "rceil", name)
+    # amax / 448 <= 2^-126 is an fp32 subnormal: FlashInfer rounds it to fp32 first, and one that rounds to
+    # 2^-127 keeps byte 0
+    amax = blocks.abs().amax(-1).float()
+    scale = scale.masked_fill((scale == 1) & (amax / E4M3_MAX <= 2.0 ** -127), 0)
     codes = q.view(torch.uint8).reshape(blocks.shape)  # [..., K/32, 32]
     codes = codes.masked_fill((scale == 0).unsqueeze(-1), 0)
-    if any_bad:
-        codes = codes.masked_fill(bad.unsqueeze(-1), _E4M3_NAN_CODE)
-        scale = scale.masked_fill(bad, SCALE_NAN_BYTE)
+    codes = codes.masked_fill(bad.unsqueeze(-1), _E4M3_NAN_CODE)
+    scale = scale.masked_fill(bad, SCALE_NAN_BYTE)
     return codes.reshape(x.shape).view(torch.float8_e4m3fn), scale
 
 

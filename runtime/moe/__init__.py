@@ -70,7 +70,7 @@ def make_moe(name: str, quant: MoeQuantInfo, routing: MoeRouting, numerics=None,
     backend's FP8 prefill path (TritonMoE)."""
     check_numerics(numerics, name)
     if name == "triton":
-        return TritonMoE(quant, routing, fp8_prefill=fp8_prefill)
+        return TritonMoE(quant, routing, fp8_prefill=fp8_prefill, numerics=numerics)
     if name == "torch" and numerics is not None:
         return _backend_class(name)(quant, routing, numerics=numerics)
     return _backend_class(name)(quant, routing)

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from porter.errors import BackendUnavailable, MoeNumericsError
+from porter.format import mxfp8
 
 TRTLLM_CAPABILITIES = ((10, 0), (10, 3), (10, 7))  # the SM versions flashinfer's TRT-LLM MoE kernels ship for
 
@@ -129,7 +130,13 @@ def check_numerics(numerics, backend: str, quantized: bool = True) -> None:
     if numerics == "serving" and not quantized:
         raise MoeNumericsError("moe_numerics='serving' needs MXFP8 experts (the serving kernel's weights); "
                                "these are unquantized: convert with --quantize experts or use 'w8a16'")
-    if numerics is None or backend == "torch" or (backend, numerics) == ("flashinfer-trtllm", "serving"):
+    if numerics is None or backend in ("torch", "triton") or (backend, numerics) == ("flashinfer-trtllm", "serving"):
         return
     raise BackendUnavailable(f"moe_numerics={numerics!r} is not what the {backend} MoE backend computes; "
-                             f"use backend='torch' for it, or leave moe_numerics unset")
+                             f"use backend='torch' or 'triton' for it, or leave moe_numerics unset")
+
+
+def serving_intermediate(act: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU output as the serving kernel's GEMM2 reads it: rounded to bf16, then MXFP8 (FlashInfer's
+    reference of the TRT-LLM MoE, run_moe_dequant: mxfp8_quantize(act.to(bf16))), in act's dtype."""
+    return mxfp8.fake_quantize_activations(act.to(torch.bfloat16), act.dtype, "moe intermediate")

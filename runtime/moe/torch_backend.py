@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from porter.format import mxfp8
-from runtime.moe.contract import MoeQuantInfo, MoeRouting, check_numerics, route, swiglu_oai
+from runtime.moe.contract import MoeQuantInfo, MoeRouting, check_numerics, route, serving_intermediate, swiglu_oai
 
 
 class TorchMoE:
@@ -75,7 +75,7 @@ class TorchMoE:
             gate_up = x[tok] @ w13.t()  # [n, 2I]
             act = swiglu_oai(gate_up[:, :inter], gate_up[:, inter:], q.gemm1_alpha[e], q.gemm1_beta[e],
                              q.gemm1_clamp_limit[e])  # [n, I]
-            act = mxfp8.fake_quantize_activations(act, name="moe intermediate")  # the FC1 epilogue's
+            act = serving_intermediate(act)  # the FC1 epilogue's
             out[tok] += (act @ w2.t()) * topk_weights[tok, slot].float().unsqueeze(1)
         return (out * self.routing.routed_scaling_factor).to(hidden_states.dtype)
 

@@ -9,7 +9,9 @@ import importlib.util
 
 import torch
 
-from runtime.moe.contract import BackendUnavailable, MoeQuantInfo, MoeRouting, route
+from porter.format import mxfp8
+from runtime.moe.contract import (BackendUnavailable, MoeQuantInfo, MoeRouting, check_numerics, route,
+                                  serving_intermediate)
 from runtime.moe.triton.config import MoeConfig
 from runtime.moe.triton.launch import fused_moe
 from runtime.moe.triton.prepare import prepare as prepare_weights
@@ -19,7 +21,9 @@ class TritonMoE:
     """fp8_prefill: prefill of FP8_PREFILL_MIN_TOKENS+ tokens with e4m3 activations and fp8 MMAs (SM89+;
     faster, layer error vs the torch reference about 6e-3 instead of 4e-3; docs/moe-backends.md).
     rebase: keep the experts rebased to one power-of-two scale per row where that is exact enough
-    (prepare); False keeps the stored MXFP8 layout."""
+    (prepare); False keeps the stored MXFP8 layout.
+    numerics: "w8a16" (activations as given) or "serving": the input and the SwiGLU output MXFP8-quantized as
+    the TRT-LLM kernel does (contract.serving_intermediate), then the W8A16 GEMMs on those exact values."""
     name = "triton"
 
     @classmethod
@@ -40,8 +44,10 @@ class TritonMoE:
                                      f"SM{cap[0]}{cap[1]} is fine); pip install triton")
 
     def __init__(self, quant: MoeQuantInfo, routing: MoeRouting, *, fp8_prefill: bool = True,
-                 rebase: bool = True):
+                 rebase: bool = True, numerics: str = "w8a16"):
         quant.validate()
+        check_numerics(numerics, self.name, quant.is_mxfp8)
+        self.numerics = numerics or "w8a16"
         if not quant.is_mxfp8:
             raise BackendUnavailable("triton MoE backend runs MXFP8 weights only (float8_e4m3fn + uint8 "
                                      "UE8M0 scales); these weights are unquantized: use backend='torch'")
@@ -64,6 +70,10 @@ class TritonMoE:
         routed_scaling_factor applied once (in GEMM2's epilogue)."""
         if hidden_states.shape[0] == 0:
             return torch.zeros_like(hidden_states)
+        if self.numerics == "serving":  # e4m3 x 2^k values are exact in bf16: the W8A16 GEMMs read them as is
+            x = mxfp8.fake_quantize_activations(hidden_states, name="moe hidden_states")
+            return fused_moe(self.prepared, x, topk_ids, topk_weights, self.routing.routed_scaling_factor,
+                             config, fp8_prefill=False, act_quant=serving_intermediate)
         return fused_moe(self.prepared, hidden_states, topk_ids, topk_weights,
                          self.routing.routed_scaling_factor, config, fp8_prefill=self.fp8_prefill)
 

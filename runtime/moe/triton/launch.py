@@ -140,12 +140,13 @@ def _weights(p: PreparedMoE, pl: Plan, fp8_row_scale: bool):
 def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               routed_scaling_factor: float, cfg: MoeConfig | None = None, nosort: bool | None = None,
               fused_out: bool | None = None, fp8_prefill: bool = True,
-              fp8_row_scale: bool = FP8_ROW_SCALE) -> torch.Tensor:
+              fp8_row_scale: bool = FP8_ROW_SCALE, act_quant=None) -> torch.Tensor:
     """hidden [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in hidden's dtype.
 
     cfg / nosort / fused_out override the path choice (tests, benchmarks; cfg.fp8 runs the sorted path);
     fp8_prefill: the FP8 path from FP8_PREFILL_MIN_TOKENS on (SM89+); fp8_row_scale: its weights with one
-    scale per row, else per (row, 128 K)."""
+    scale per row, else per (row, 128 K). act_quant: a function applied to GEMM1's output rows before GEMM2
+    reads them (the serving numerics' MXFP8 intermediate; W8A16 path only)."""
     from runtime.moe.triton import kernels as K
     (t, h), k, e, dev = hidden.shape, topk_ids.shape[1], p.num_experts, hidden.device
     inter, n = p.w2.shape[2], t * topk_ids.shape[1]
@@ -190,6 +191,10 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
         TOPK=k, WMODE=int(wmode1), PRESCALED=quant_x != Quant.NONE, TERMS=cfg.fp8, SWAP=cfg.swap1 and not pl.fp8,
         BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, NOSORT=pl.nosort, USE_PDL=bool(pdl),
         num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
+    if act_quant is not None:
+        if pl.fp8:
+            raise ValueError("act_quant runs on the W8A16 path only (the FP8 path quantizes act itself)")
+        act.copy_(act_quant(act))  # padded rows hold junk: quantized too, never read
     if pl.fp8:  # act -> [terms, MAXP, I] e4m3 + per-row 2^m
         aq = torch.empty((cfg.fp8, maxp, inter), dtype=torch.float8_e4m3fn, device=dev)
         ascale = torch.empty(maxp, dtype=torch.float32, device=dev)

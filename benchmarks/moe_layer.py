@@ -84,7 +84,8 @@ def build_layer(dev):
     quant = MoeQuantInfo(q13, s13, q2, s2, **sw)
     routing = MoeRouting(torch.randn(E, H, device=dev) * 0.02, torch.zeros(E, device=dev), TOPK, RSF)
     bf16 = tp.prepare(b13, None, b2, None, sw["gemm1_alpha"], sw["gemm1_beta"], sw["gemm1_clamp_limit"])
-    return TritonMoE(quant, routing), TorchMoE(quant, routing), bf16, (b13, b2)
+    serving = (TritonMoE(quant, routing, numerics="serving"), TorchMoE(quant, routing, numerics="serving"))
+    return TritonMoE(quant, routing), TorchMoE(quant, routing), bf16, (b13, b2), serving
 
 
 def decode_problem(t, dev):
@@ -198,7 +199,7 @@ def main():
     meta["stream_bandwidth_Bps"] = bw
     print("bandwidth (TB/s): " + ", ".join(f"{k} {v / 1e12:.3f}" for k, v in bw.items()), flush=True)
     t0 = time.time()
-    moe, ref_moe, bf16, (b13, b2) = build_layer(dev)
+    moe, ref_moe, bf16, (b13, b2), (srv_moe, srv_ref) = build_layer(dev)
     print(f"weights built in {time.time() - t0:.1f} s", flush=True)
     meta["fp16_guards"] = {"gemm1_fp16": moe.prepared.fp16_1, "gemm2_fp16": moe.prepared.fp16_2,
                            "w13_shift_range": [int(moe.prepared.shift13.min()), int(moe.prepared.shift13.max())]}
@@ -256,6 +257,13 @@ def main():
                "speedup_vs_bf16": us_bf16 / us, "us_grouped_mm": us_gmm, "speedup_vs_grouped_mm": us_gmm / us,
                "grouped_mm_rel_err": err_gmm, "us_torch": us_torch, "speedup_vs_torch": us_torch / us,
                "rel_err_vs_torch": err, "paths": per_path, "config": cfg.__dict__}
+        srv_fn = lambda: srv_moe.forward_topk(x, ids, w)
+        srv_us = time_any(srv_fn)
+        srv_want = srv_ref.forward_topk(x, ids, w).float()
+        row["serving"] = {"us": srv_us, "ratio_to_floor": srv_us / floor_us,
+                          "rel_err_vs_torch_serving": float((srv_fn().float() - srv_want).norm() / srv_want.norm())}
+        print(f"T={t:5d} serving numerics: {srv_us:.1f} us (floor x{srv_us / floor_us:.3f}), rel err vs torch "
+              f"serving {row['serving']['rel_err_vs_torch_serving']:.2e}", flush=True)
         rows.append(row)
         alt = "  ".join(f"{n} {v['us']:.1f} us err {v['rel_err_vs_torch']:.1e}" for n, v in per_path.items())
         print(f"T={t:5d} experts={distinct:3d} [{shipped}] {us:9.1f} us (eager {us_eager:9.1f}) {row['TBps']:.2f} TB/s "
@@ -319,6 +327,14 @@ def write_results(out_dir, meta, rows):
                 twin = v.get("us_bf16_twin")
                 twin_us, twin_x = ("", "") if twin is None else (f"{twin:.1f}", f"{twin / v['us']:.2f}")
                 lines.append(f"| {r['T']} | {name} | {v['us']:.1f} | {v['rel_err_vs_torch']:.1e} | {twin_us} | {twin_x} |")
+    lines += ["", "Both numerics (`runtime.load(..., moe_numerics=)`): w8a16 = the shipped path above, error vs the "
+              "torch reference in w8a16; serving = MXFP8 input and SwiGLU output as the TRT-LLM kernel computes "
+              "(docs/moe-backends.md), error vs the torch reference in serving mode:", "",
+              "| T | w8a16 µs | × floor | rel err | serving µs | × floor | rel err |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sv = r["serving"]
+        lines.append(f"| {r['T']} | {r['us']:.1f} | {r['ratio_to_floor']:.3f} | {r['rel_err_vs_torch']:.1e} | "
+                     f"{sv['us']:.1f} | {sv['ratio_to_floor']:.3f} | {sv['rel_err_vs_torch_serving']:.1e} |")
     write_files(out_dir, "moe_layer_" + meta["gpu"].replace(" ", "_"), {"meta": meta, "rows": rows}, lines)
 
 

@@ -5,6 +5,8 @@ paths."""
 import math
 
 import pytest
+import shutil
+
 import torch
 
 from porter.format import mxfp8, mxfp8_native
@@ -105,11 +107,12 @@ def test_nan_or_inf_falls_back_and_is_named(native):
         mxfp8.quantize_with_error(w, name="layers.3.w1")
 
 
-def fresh_state(monkeypatch, tmp_path, **env):
+def fresh_state(monkeypatch, tmp_path, cc=None):
+    """A first use of the quantizer with an empty cache; cc: the compiler to find (a name or a path)."""
     monkeypatch.setattr(mxfp8_native, "_state", {"fn": None, "tried": False, "why": ""})
     monkeypatch.setenv("PORTER_CACHE_DIR", str(tmp_path / "cache"))
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+    if cc is not None:
+        monkeypatch.setattr(mxfp8_native, "_compiler", lambda: (cc, shutil.which(cc)))
 
 
 def test_built_once_then_loaded_from_the_cache(monkeypatch, tmp_path):
@@ -124,7 +127,7 @@ def test_built_once_then_loaded_from_the_cache(monkeypatch, tmp_path):
 
 
 def test_no_compiler_means_the_torch_path(monkeypatch, tmp_path):
-    fresh_state(monkeypatch, tmp_path, CC="no-such-compiler-porter")
+    fresh_state(monkeypatch, tmp_path, cc="no-such-compiler-porter")
     assert mxfp8_native.function() is None
     assert "no C compiler (no-such-compiler-porter)" in mxfp8_native.reason()
     w = (torch.randn(16, 128) * 3).bfloat16()
@@ -137,7 +140,7 @@ def test_a_failing_build_means_the_torch_path(monkeypatch, tmp_path):
     fake_cc = tmp_path / "fake-cc"
     fake_cc.write_text("#!/bin/sh\necho 'fake-cc: error: this compiler cannot build anything' >&2\nexit 1\n")
     fake_cc.chmod(0o755)
-    fresh_state(monkeypatch, tmp_path, CC=str(fake_cc))
+    fresh_state(monkeypatch, tmp_path, cc=str(fake_cc))
     assert mxfp8_native.function() is None
     assert "cannot build anything" in mxfp8_native.reason()
     assert not any(p.name.endswith(".so") for p in (tmp_path / "cache").iterdir())

@@ -4,9 +4,8 @@ Why: as torch ops the rule makes ~20 passes over every tile (the fp32 -> e4m3 ca
 the C loop reads each value once with the GIL released, so conversion workers scale with cores
 (rates: docs/mxfp8.md).
 
-How: the system C compiler (`$CC`, else `cc`) builds the file once per machine into porter's cache
-(`$PORTER_CACHE_DIR`, else `$XDG_CACHE_HOME/porter`, else `~/.cache/porter`; read when the quantizer is first
-needed), keyed by the source, the compiler and the CPU's flags (it is built with -march=native); ctypes loads
+How: the system C compiler (`cc`, else `gcc`) builds the file once per machine into porter's cache
+(`$PORTER_CACHE_DIR`, else `~/.cache/porter`; read when the quantizer is first needed), keyed by the source, the compiler and the CPU's flags (it is built with -march=native); ctypes loads
 it. Only porter's own source is ever compiled. No compiler or a failed build: porter.format.mxfp8's torch
 path runs instead, with the same bytes (tests/test_mxfp8_native.py checks every bf16 value under many scales,
 both roundings) and the same statistics up to the order of each block's 32-term fp32 sums (the C loop's order
@@ -44,11 +43,10 @@ _lock = threading.Lock()
 
 
 def _cache_dir() -> Path:
-    """porter's cache folder: $PORTER_CACHE_DIR (a user setting), else the XDG cache."""
+    """porter's cache folder: $PORTER_CACHE_DIR (a user setting, docs/architecture.md), else ~/.cache/porter."""
     if os.environ.get("PORTER_CACHE_DIR"):
         return Path(os.environ["PORTER_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "porter"
+    return Path.home() / ".cache" / "porter"
 
 
 def _cpu_flags() -> str:
@@ -60,8 +58,8 @@ def _cpu_flags() -> str:
 
 
 def _compiler() -> tuple[str, Optional[str]]:
-    """(the compiler's name, its path or None)."""
-    cc = os.environ.get("CC") or "cc"
+    """(the compiler's name, its path or None): the system's `cc`, else `gcc`."""
+    cc = next((c for c in ("cc", "gcc") if shutil.which(c)), "cc")
     return cc, shutil.which(cc)
 
 

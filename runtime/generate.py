@@ -15,6 +15,8 @@ from runtime.text import GenerationConfig, TextError, Tokenizer
 
 log = logging.getLogger("porter.runtime")
 
+SYNC_EVERY = 8  # decode steps between checks that every row is done (each check waits for the GPU)
+
 
 def _is_ids(x) -> bool:
     return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
@@ -147,6 +149,7 @@ def _decode(model, ids, mask, cfg: GenerationConfig, pad_id: int, seed, texts: R
     gen = None if cfg.greedy else generator_for(seed, last.device)
     eos = torch.tensor(cfg.eos_token_ids or [-1], device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
+    steps = torch.full((B,), n, dtype=torch.long, device=dev)  # tokens each row produced (its EOS included)
     new = []
     for i in range(n):
         nxt = torch.where(done, pad_id, choose(last, cfg, gen).to(dev))  # [B]
@@ -155,11 +158,14 @@ def _decode(model, ids, mask, cfg: GenerationConfig, pad_id: int, seed, texts: R
         if texts.active:  # rows that just ended on EOS add nothing to their text
             hit = texts.add(nxt.tolist(), (~done & ~ended).tolist())
             ended |= torch.tensor(hit, device=dev)
+        steps = torch.where(ended, i + 1, steps)
         done = done | ended
-        if bool(done.all()) or i == n - 1:
+        # Asking the GPU whether every row is done waits for this step; without a text check that wait
+        # happens every SYNC_EVERY steps only, and the extra steps are cut below
+        if i == n - 1 or ((texts.active or (i + 1) % SYNC_EVERY == 0) and bool(done.all())):
             break
         last = decoder(nxt[:, None])
-    return torch.cat([out, torch.stack(new, 1)], 1)
+    return torch.cat([out, torch.stack(new, 1)[:, :int(steps.max())]], 1)
 
 
 def _result(kind: str, out: torch.Tensor, T: int, cfg: GenerationConfig, texts: RowText, mask):

@@ -147,7 +147,7 @@ def _check_vendor_experts(cfg, layer, found, src_meta):
         what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
         raise LayoutError(f"layer {layer}: expert tensors {what} (config num_local_experts={e_count})")
     h, i = cfg.hidden_size, cfg.intermediate_size
-    for (e, w), src in found.items():
+    for (_, w), src in found.items():
         want = (h, i) if w == "w2" else (i, h)
         if tuple(src_meta[src][1]) != want:
             raise LayoutError(f"{src}: shape {tuple(src_meta[src][1])}, expected {want} from the config")

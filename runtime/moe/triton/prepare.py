@@ -44,8 +44,6 @@ def weight_shifts(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return torch.tensor(shifts, dtype=torch.int32), fp16_ok
 
 
-FP8_BLOCK_K = 128  # the FP8 path's K step, and the K extent of one rebased weight scale
-FP8_ROW_SCALE = True  # one rebased weight scale per row (whole K; faster) instead of per 128 K (more exact)
 
 
 ROW_SCALE_MAX_OCTAVES = 13  # see row_scale_ok

@@ -1,20 +1,23 @@
 """porter runtime: run a converted MiniMax-M3 artifact (or the original HF checkpoint, as the reference).
 
     import runtime
-    model = runtime.load("out/m3-mxfp8", device="cuda")          # backend="auto"|"torch"|"triton"|"flashinfer-trtllm"
-    logits = model(input_ids)                                    # [B, T] -> [B, T, V] fp32
-    tokens = model.generate(input_ids, max_new_tokens=32)        # greedy, KV cache
-    logits, states = model(input_ids, output_hidden_states=True) # residual stream after each layer
-    model = runtime.load(path, lazy=True)                        # one decoder layer resident at a time
-    model = runtime.load(path, moe_numerics="serving")           # torch MoE with the TRT-LLM kernel's W8A8
+    model = runtime.load("out/m3-mxfp8", device="cuda")    # + its tokenizer and generation_config.json
+    print(model.generate("The capital of France is"))      # text in, text out (greedy; EOS from the config)
+    model.generate(["a", "b"], 32, do_sample=True, temperature=0.7, top_p=0.9, seed=0)  # batched, sampled
+    model.generate("hi", chat=True, stop=["\n\n"], stream=lambda row, text: print(text, end=""))
+    tokens = model.generate(input_ids, 32)                 # LongTensor [B, T] -> [B, T + n]
+    logits = model(input_ids)                              # [B, T] -> [B, T, V] fp32
+    logits, states = model(input_ids, output_hidden_states=True)  # residual stream after each layer
+    model = runtime.load(path, lazy=True)                  # one decoder layer resident at a time
+    model = runtime.load(path, moe_numerics="serving")     # MoE with the TRT-LLM kernel's W8A8 numerics
     model = runtime.load(path, device_map="auto", max_memory={0: "70GiB", 1: "70GiB"})  # layers over GPUs
-    logits = model(padded_ids, attention_mask=mask)             # left-padded prompts of different lengths
-    tokens = model.generate(ids, 64, cuda_graph=True)            # decode steps replayed from a CUDA graph
 
-Modules: loader.py (stores, memory model, streaming) · placement.py (device_map) · models/minimax_m3.py
-(the forward pass, layer-at-a-time API; building blocks in models/layers.py) · cache.py (positions, KV and
-indexer caches) · generate.py (greedy loop) · graph.py (DecodeGraph) · kernels/ (attention, fused decode
-ops, GEMVs + their Triton kernels) · moe/ (contract, backends, selection).
+On CUDA, decode steps replay captured CUDA graphs (one per device's run of layers) unless
+cuda_graph=False. Modules: loader.py (stores, memory model, streaming) · placement.py (device_map) ·
+models/minimax_m3.py (the forward pass; building blocks in models/layers.py) · cache.py (positions, KV and
+indexer caches) · text.py (tokenizer, chat template, generation defaults) · sampling.py · generate.py ·
+graph.py (captured decode) · kernels/ (attention, fused decode ops, GEMVs + their Triton kernels) · moe/
+(contract, backends, selection).
 """
 from __future__ import annotations
 

@@ -170,9 +170,8 @@ def _error_totals(ref_sq: torch.Tensor, err_sq: torch.Tensor, d_max: Optional[to
 # _quantize_blocks + the general error path, for the reasons given at each step (tests/test_mxfp8.py checks
 # them against a direct implementation of the rule and exhaustively where a shortcut needs it).
 
-CPU_TILE_BLOCKS = 3072  # 98,304 elements: fp32 copy + squares + int16 decode ~1.1 MB (fastest on one core,
-# measured; many threads at once want larger tiles: every torch op re-takes the GIL,
-# see porter.engine.units.quant_sizes)
+CPU_TILE_BLOCKS = 3072  # 98,304 elements: fp32 copy + squares + int16 decode ~1.1 MB, fits one core's L2;
+# many threads at once want larger tiles (every torch op re-takes the GIL): porter.engine.units.quant_sizes
 _SQUARE_EXACT = (torch.bfloat16, torch.float16)  # <= 11 significant bits: x*x is exact in fp32
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _tile_buffers = threading.local()  # one set per thread: conversion workers run quantization concurrently

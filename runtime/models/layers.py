@@ -50,7 +50,7 @@ def on_device(device: torch.device):
     layer on cuda:1 launched with cuda:0 current would race its own inputs (device_map)."""
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
-    return contextlib.nullcontext()  # already current (one GPU: exactly the path measured), or CPU
+    return contextlib.nullcontext()  # already current (one GPU adds no context switch), or CPU
 
 
 

@@ -14,10 +14,9 @@ or as stored with one UE8M0 byte per 32 along K (WMODE 1..4). Two ways to multip
     values) feed the fp8 MMA. WMODE 5 chains the MMAs over the whole K
     and applies the row scale in the epilogue; WMODE 4 multiplies each 128-wide K step's fp32
     partial by its block scale before it joins the accumulator, which also bounds how long the fp8
-    MMA accumulates on its own (Hopper's fp8 MMA accumulates with fewer bits than fp32: layer error
-    vs torch 4.2e-3 with WMODE 4, 5.7e-3 with WMODE 5, which is 1.3x faster at T=4096; the token
-    scale is applied in the epilogue either way). One fp8 MMA per 32-wide MXFP8 group with its scale
-    applied to each partial measured 1.4x slower than the W8A16 path at T=4096, hence the rebase.
+    MMA accumulates on its own (Hopper's fp8 MMA accumulates with fewer bits than fp32; the token
+    scale is applied in the epilogue either way). One fp8 MMA per 32-wide MXFP8 group is slower than
+    W8A16, hence the rebase. Error and speed of each mode: docs/moe-backends.md, docs/performance.md.
 Launches per forward (see launch.fused_moe):
   * T*k <= 16 (NOSORT): prescale (T programs), GEMM1 (+ SwiGLU-OAI), GEMM2 (+ routing weight,
     top-k reduce by atomics; for one token into a persistent zeroed fp32 scratch with the bf16
@@ -180,7 +179,7 @@ def _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE: tl.constexpr, BN: tl.constexpr,
     values loaded as tensors in the loop and constants. Then the whole dequant chain is hoisted
     into the MMA operand layout straight from the shared-memory pipeline buffer; one splat of a
     scalar (e.g. `s - shift` with a scalar shift) breaks that and every tile takes an extra
-    registers -> shared -> registers round trip (measured ~1.6x slower). WMODE 2 therefore loads
+    registers -> shared -> registers round trip (a tile ~1.6x slower). WMODE 2 therefore loads
     d_e as a broadcast [BN, BK/32] tensor inside the loop (L1 hits)."""
     w = tl.load(w_ptrs)
     if WMODE == 0:  # (an if/elif chain: Triton keeps generating code past a return inside a constexpr if)

@@ -134,7 +134,7 @@ class PreparedMoE:
             self.fp8_row_scale = True
             return self.w13, self.w13_scale, self.w2, self.w2_scale
         if self.fp8_blocks is None or self.fp8_requested != row_scale:
-            self.fp8_blocks = None  # a switched A/B frees the other copy first
+            self.fp8_blocks = None  # switching row_scale frees the other copy first
             rows = row_scale and row_scale_ok(self.w13_scale) and row_scale_ok(self.w2_scale)
             if row_scale and not rows:
                 log.info("FP8 prefill: a weight row spans more than %d octaves of MXFP8 scales; this layer "

@@ -301,3 +301,38 @@ def file_digests(path: Path, pool, chunk_bytes: Optional[int] = None, chunk_hash
         os.close(fd)
     head_sha = hashlib.sha256(head).hexdigest()
     return FileDigests(header, head_sha, tensors, shard_digest(head_sha, [tensors[n] for n in names]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# source fingerprints (docs/convert.md, "Crash safety"): what `--resume` proves about a source file without
+# reading all of it. The header fixes every tensor's name, dtype, shape and place; the samples catch data
+# rewritten in place at the same size (a re-download of another revision, an edited shard).
+
+SAMPLE_EDGE_BYTES = 64 << 10  # the first and the last 64 KiB of the data region
+SAMPLE_WINDOWS, SAMPLE_WINDOW_BYTES = 8, 4 << 10  # 4 KiB at 8 evenly spaced offsets in between
+
+
+def sample_spans(size: int, data_start: int) -> list[tuple[int, int]]:
+    """(begin, length) of the bytes `source_sample_digest` reads from a file of `size` bytes."""
+    data_len = max(0, size - data_start)
+    spans = [(0, min(size, data_start)), (data_start, min(SAMPLE_EDGE_BYTES, data_len)),
+             (max(data_start, size - SAMPLE_EDGE_BYTES), min(SAMPLE_EDGE_BYTES, data_len))]
+    spans += [(data_start + data_len * k // (SAMPLE_WINDOWS + 1), min(SAMPLE_WINDOW_BYTES, data_len))
+              for k in range(1, SAMPLE_WINDOWS + 1)]
+    return [(b, min(n, size - b)) for b, n in spans]
+
+
+def source_sample_digest(path: Path) -> str:
+    """sha256 over a source file's size, its whole header (8-byte length + JSON) and sampled data bytes
+    (`sample_spans`). A file that is not safetensors (config.json, a header length past the end) is hashed
+    whole up to MAX_HEADER_BYTES, then sampled the same way."""
+    path = Path(path)
+    size = path.stat().st_size
+    h = hashlib.sha256(size.to_bytes(8, "little"))
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8).ljust(8, b"\0"), "little")
+        start = 8 + n if 8 + n <= min(size, MAX_HEADER_BYTES) else min(size, MAX_HEADER_BYTES)
+        for begin, length in sample_spans(size, start):
+            f.seek(begin)
+            h.update(f.read(length))
+    return h.hexdigest()

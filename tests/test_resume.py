@@ -269,3 +269,22 @@ def test_resume_of_intact_complete_output_does_nothing(tiny_vendor, reference, t
     counter = convert_counting(tiny_vendor, out, resume=True)
     assert counter.calls == 0
     assert_same_artifact(out, ref_out, ref_man)
+
+
+def test_inspect_says_an_interrupted_output_is_incomplete(tiny_vendor, reference, crashed, tmp_path):
+    out, journal = interrupted_copy(crashed, tmp_path)
+    total, done = len(reference[1]["shards"]), len(journal["shards"])
+    res = CliRunner().invoke(cli, ["inspect", str(out)])
+    want = (f"incomplete (interrupted conversion: {done} of {total} shards done; run porter convert "
+            f"{tiny_vendor} --output {out} --resume)")
+    assert res.exit_code == 2 and want in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    # killed after config.json and porter.json, before the index: still incomplete, not "porter artifact"
+    ref_out = reference[0]
+    out2 = tmp_path / "late"
+    shutil.copytree(ref_out, out2)
+    (out2 / INDEX).unlink()
+    (out2 / JOURNAL).write_text(json.dumps({**journal, "shards": {f: {} for f in reference[1]["shards"]}}))
+    res = CliRunner().invoke(cli, ["inspect", str(out2)])
+    assert res.exit_code == 0, res.output
+    assert f"porter output, incomplete (interrupted conversion: {total} of {total} shards done" in res.output
+    assert "porter artifact" not in res.output

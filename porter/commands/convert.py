@@ -53,7 +53,10 @@ def parse_size(text, option: str = "--max-shard-size") -> int:
     unit = m.group(2) or "B"
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    return int(float(m.group(1)) * scale)
+    size = int(float(m.group(1)) * scale)
+    if size < 1:
+        raise ConvertError(f"{option} {text!r} is less than one byte: use a size like 5GB, 500MB or a byte count")
+    return size
 
 
 @dataclass
@@ -283,7 +286,9 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
 
 def _new_journal(plan: Plan, fp: str) -> dict:
     """A journal with no finished shard; `source` keeps the per-file digests so a refusal can name a file."""
-    return {"fingerprint": fp, "source": plan.source_digests, "shards": {}, "files": _planned_files(plan)}
+    src = plan.source
+    return {"fingerprint": fp, "source": plan.source_digests, "source_path": src.repo_id or str(src.path),
+            "shards": {}, "files": _planned_files(plan)}
 
 
 def _resume_mismatch(out: Path, plan: Plan, journal: dict) -> str:

@@ -25,6 +25,7 @@ from porter.format.safetensors_io import dtype_name
 
 SCALE_SUFFIX = ".weight_scale_inv"
 DEQUANTIZED_DTYPE = torch.bfloat16
+MAX_BLOCK = 4096  # largest block-FP8 tile side read (real checkpoints: 128); a scale is expanded over its tile
 KEPT_ROWS = "kept-rows"  # options.source_quantization.scale_bytes of an MXFP8 source (Scheme.record)
 
 
@@ -146,8 +147,12 @@ def detect(raw: dict, config_path: Path) -> Optional[Scheme]:
                                     "blocks are [1, 32]")
         return Scheme("mxfp8", (1, mxfp8.BLOCK), qc)
     if method == "fp8" and isinstance(block, list) and len(block) == 2 and all(
-            isinstance(b, int) and b > 0 for b in block):
+            type(b) is int and 0 < b <= MAX_BLOCK for b in block):
         return Scheme("fp8-block", tuple(block), qc)
+    if method == "fp8" and block is not None:  # dequantizing expands each scale over bn x bk values
+        raise PrequantizedError(f"{config_path}: quantization_config.weight_block_size {block!r} is not a pair of "
+                                f"integers in [1, {MAX_BLOCK}] (block FP8 checkpoints use [128, 128]); fix "
+                                "config.json")
     what = f"fp8 without a [bn, bk] weight_block_size (got {block!r})" if method == "fp8" else repr(method)
     raise PrequantizedError(f"{config_path}: quantization_config.quant_method {what} is not supported; porter "
                             "converts bf16, MXFP8 (quant_method mxfp8) and block-FP8 (quant_method fp8 with "

@@ -31,7 +31,7 @@ from porter.errors import ConvertError, MalformedSafetensors, PorterError
 from porter.format import manifest, model_card, mxfp8
 from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
 from porter.format.layout import OutTensor, scale_name
-from porter.format.safetensors_io import (SHARD_METADATA, Entry, atomic_write_text, digest_rule, file_digests,
+from porter.format.safetensors_io import (DTYPE_NAMES, SHARD_METADATA, Entry, atomic_write_text, digest_rule, file_digests,
                                           header_bytes, source_sample_digest)
 from porter.source import INDEX_NAME, Source, open_source
 from porter.version import __version__
@@ -104,6 +104,12 @@ def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding
     if layout == "hf":
         converter.check_hf_source(source.raw_config, str(source.path / "config.json"))
     tensors = converter.plan_tensors(config, source.meta, quantize, gate_up, layout)
+    for t in tensors:  # e.g. F8_E8M0 scale bytes in a source whose config declares no quantization
+        if not t.quantize and t.dtype not in DTYPE_NAMES:
+            name = t.sources[0] if t.sources else t.name
+            raise ConvertError(f"{source.files.get(name) or source.path}: tensor {name!r} is "
+                               f"{t.dtype}, which porter does not write; is config.json's quantization_config "
+                               "missing?")
     cap = parse_size(max_shard_size)
     groups, current, size = [], [], 0
     for e in (e for t in tensors for e in entries_for(t)):

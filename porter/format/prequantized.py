@@ -101,10 +101,14 @@ class Scheme:
                                     f"{'uint8' if self.method == 'mxfp8' else 'float32'} {list(want)} "
                                     f"for {self.method} block {list(self.block)}")
 
-    def dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """(values, scale) as stored -> bfloat16 values."""
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, where: str = "source tensor") -> torch.Tensor:
+        """(values, scale) as stored -> bfloat16 values. where: "FILE: tensor NAME", for the refusal of a
+        zeroed scale (zeroed_scale_problem)."""
         if self.method != "mxfp8":
             return mxfp8.dequantize_fp8_block(q, scale, self.block, DEQUANTIZED_DTYPE)
+        problem = zeroed_scale_problem(q, scale)
+        if problem:
+            raise PrequantizedError(f"{where}: {problem}; the checkpoint is damaged, re-download it")
         return mxfp8.dequantize(q, scale.view(torch.uint8), DEQUANTIZED_DTYPE)
 
     def kept_scale(self, stored_scale: torch.Tensor) -> torch.Tensor:
@@ -157,3 +161,29 @@ def detect(raw: dict, config_path: Path) -> Optional[Scheme]:
     raise PrequantizedError(f"{config_path}: quantization_config.quant_method {what} is not supported; porter "
                             "converts bf16, MXFP8 (quant_method mxfp8) and block-FP8 (quant_method fp8 with "
                             "weight_block_size) checkpoints")
+
+
+def zeroed_scale_problem(values: torch.Tensor, scale: torch.Tensor) -> Optional[str]:
+    """What is wrong with MXFP8 (values [..., K] e4m3, scale [..., K/32] UE8M0 bytes), or None: byte 255 is
+    E8M0 NaN, and byte 0 (2^-127) only encodes an all-zero block (a zeroed scale would silently zero a
+    block's weights). The one rule for a source `porter convert` reads and an artifact `porter verify` checks."""
+    scale = scale.view(torch.uint8)
+    nan = (scale == mxfp8.SCALE_NAN_BYTE).nonzero()
+    if len(nan):
+        return f"{len(nan)} scale byte(s) 255 (E8M0 NaN), first at {block_position(tuple(nan[0].tolist()))}"
+    zero = scale == 0
+    if not bool(zero.any()):
+        return None
+    vals = values.view(torch.uint8).reshape(*scale.shape, mxfp8.BLOCK)
+    nonzero = (vals & 0x7F).amax(-1) > 0  # e4m3 magnitude bits (sign-only -0.0 counts as zero)
+    bad = (zero & nonzero).nonzero()
+    if not len(bad):
+        return None
+    return (f"{len(bad)} block(s) with scale byte 0 (2^-127) but non-zero values, first at "
+            f"{block_position(tuple(bad[0].tolist()))} — a zeroed scale (only all-zero blocks get byte 0)")
+
+
+def block_position(idx: tuple) -> str:
+    """A block position in words: expert/row/block for stacked experts, row/block otherwise."""
+    return f"expert {idx[0]}, row {idx[1]}, block {idx[2]}" if len(idx) == 3 else \
+        ", ".join(f"{k} {v}" for k, v in zip(("row", "block"), idx[-2:]))

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import threading
+import unicodedata
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +103,7 @@ def parse_header(path: Path) -> tuple[int, dict]:
         raise MalformedSafetensors(f"{path}: corrupt safetensors header (invalid JSON: {e}); {redo}") from None
     if not isinstance(header, dict):
         raise MalformedSafetensors(f"{path}: corrupt safetensors header (not a JSON object); {redo}")
-    header.pop("__metadata__", None)
+    _check_metadata(path, header.pop("__metadata__", None), redo)
     spans = []
     for name, info in header.items():
         spans.append((*_entry_span(path, name, info, redo), name))
@@ -118,14 +119,38 @@ def parse_header(path: Path) -> tuple[int, dict]:
     return 8 + n, header
 
 
+def _check_metadata(path, metadata, redo) -> None:
+    """The safetensors format's `__metadata__` is a map of strings to strings (the safetensors library refuses
+    anything else when it opens the file)."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise MalformedSafetensors(f"{path}: __metadata__ is {type(metadata).__name__}, not a map of strings; {redo}")
+    for k, v in metadata.items():
+        if not isinstance(v, str):
+            raise MalformedSafetensors(f"{path}: __metadata__[{k!r}] is {type(v).__name__} {v!r:.40}, not a "
+                                       f"string; {redo}")
+
+
+SCALE_NAME_SUFFIXES = ("_scale_inv", "_scale")  # where an F8_E8M0 tensor may appear: MXFP8 scale bytes
+
+
 def _entry_span(path, name, info, redo) -> tuple[int, int]:
     bad = lambda why: MalformedSafetensors(f"{path}: tensor {name!r}: {why}; {redo}")  # noqa: E731
+    control = next((c for c in name if unicodedata.category(c) == "Cc"), None)
+    if control is not None:  # names go into one-line messages, porter.json and the index
+        raise MalformedSafetensors(f"{path}: tensor {name!r} has a control character ({control!r}) in its "
+                                   "name; rename the tensor in the source")
     if not isinstance(info, dict):
         raise bad("header entry is not an object")
     dtype = info.get("dtype")
     if not isinstance(dtype, str) or dtype not in ST_DTYPES:
         raise MalformedSafetensors(f"{path}: tensor {name!r} has unsupported dtype {dtype!r} "
                                    f"(porter reads {', '.join(sorted(ST_DTYPES))})")
+    if dtype == "F8_E8M0" and not name.endswith(SCALE_NAME_SUFFIXES):  # porter writes scale bytes as U8 and
+        # carries no E8M0 values: neither its writer nor the engines have an E8M0 weight
+        raise MalformedSafetensors(f"{path}: tensor {name!r} is F8_E8M0 but not an MXFP8 scale (a name ending in "
+                                   f"{' or '.join(SCALE_NAME_SUFFIXES)}); porter reads E8M0 only as scale bytes")
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise bad(f"shape {shape!r} is not a list of non-negative integers")

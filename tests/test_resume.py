@@ -238,8 +238,8 @@ def test_source_sample_reads_header_and_bounded_bytes(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["delete", "alter"])
-def test_complete_output_with_missing_or_altered_shard_redoes_only_that_shard(tiny_vendor, reference, tmp_path,
-                                                                              damage):
+def test_complete_output_with_missing_or_altered_shard_redoes_only_that_shard(tiny_vendor, reference,
+                                                                              tmp_path, damage):
     ref_out, ref_man, full = reference
     out = tmp_path / "out"
     shutil.copytree(ref_out, out)

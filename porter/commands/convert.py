@@ -31,8 +31,8 @@ from porter.errors import ConvertError, MalformedSafetensors, PorterError
 from porter.format import manifest, model_card, mxfp8
 from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
 from porter.format.layout import OutTensor, scale_name
-from porter.format.safetensors_io import (DTYPE_NAMES, SHARD_METADATA, Entry, atomic_write_text, digest_rule, file_digests,
-                                          header_bytes, source_sample_digest)
+from porter.format.safetensors_io import (DTYPE_NAMES, SHARD_METADATA, Entry, atomic_write_text, digest_rule,
+                                          file_digests, header_bytes, source_sample_digest)
 from porter.source import INDEX_NAME, Source, open_source
 from porter.version import __version__
 
@@ -55,7 +55,8 @@ def parse_size(text, option: str = "--max-shard-size") -> int:
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
     size = int(float(m.group(1)) * scale)
     if size < 1:
-        raise ConvertError(f"{option} {text!r} is less than one byte: use a size like 5GB, 500MB or a byte count")
+        raise ConvertError(f"{option} {text!r} is less than one byte: use a size like 5GB, 500MB or a byte "
+                           "count")
     return size
 
 
@@ -107,9 +108,8 @@ def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding
     for t in tensors:  # e.g. F8_E8M0 scale bytes in a source whose config declares no quantization
         if not t.quantize and t.dtype not in DTYPE_NAMES:
             name = t.sources[0] if t.sources else t.name
-            raise ConvertError(f"{source.files.get(name) or source.path}: tensor {name!r} is "
-                               f"{t.dtype}, which porter does not write; is config.json's quantization_config "
-                               "missing?")
+            raise ConvertError(f"{source.files.get(name) or source.path}: tensor {name!r} is {t.dtype}, "
+                               "which porter does not write; is config.json's quantization_config missing?")
     cap = parse_size(max_shard_size)
     groups, current, size = [], [], 0
     for e in (e for t in tensors for e in entries_for(t)):
@@ -257,8 +257,8 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
             done = _intact_finished_shards(out, plan, workers)
             if len(done) == len(plan.shards):
                 (out / JOURNAL).unlink(missing_ok=True)  # a crash after the index, before this cleanup
-                log.info("resume: %s is already complete (same source, options and porter version; every shard "
-                         "matches porter.json's digest); nothing to do", out)
+                log.info("resume: %s is already complete (same source, options and porter version; every "
+                         "shard matches porter.json's digest); nothing to do", out)
                 return None
             # journal first, then drop the index: the output reads as interrupted, never as complete
             _write_journal(out, {**_new_journal(plan, fp), "shards": done})
@@ -331,7 +331,8 @@ def _intact_finished_shards(out: Path, plan: Plan, workers: int) -> dict:
     with ThreadPoolExecutor(max(1, workers)) as pool:
         for f, _ in plan.shards:
             rec, path = recorded.get(f) if isinstance(recorded, dict) else None, out / f
-            why = "missing" if not path.is_file() else "not in porter.json" if not isinstance(rec, dict) else None
+            why = ("missing" if not path.is_file() else
+                   "not in porter.json" if not isinstance(rec, dict) else None)
             if why is None and path.stat().st_size != rec.get("bytes"):
                 why = f"{path.stat().st_size} bytes, porter.json says {rec.get('bytes')}"
             if why is None:
@@ -345,7 +346,8 @@ def _intact_finished_shards(out: Path, plan: Plan, workers: int) -> dict:
                             f"altered ({why})")
                 continue
             done[f] = {"header_sha256": rec["header_sha256"], "digest": rec["digest"],
-                       "tensors": {n: r for n, r in tensors.items() if isinstance(r, dict) and r.get("shard") == f}}
+                       "tensors": {n: r for n, r in tensors.items()
+                                   if isinstance(r, dict) and r.get("shard") == f}}
     return done
 
 

@@ -25,7 +25,7 @@ from porter.format.safetensors_io import dtype_name
 
 SCALE_SUFFIX = ".weight_scale_inv"
 DEQUANTIZED_DTYPE = torch.bfloat16
-MAX_BLOCK = 4096  # largest block-FP8 tile side read (real checkpoints: 128); a scale is expanded over its tile
+MAX_BLOCK = 4096  # largest block-FP8 tile side read (real: 128); a scale is expanded over its tile
 KEPT_ROWS = "kept-rows"  # options.source_quantization.scale_bytes of an MXFP8 source (Scheme.record)
 
 
@@ -154,9 +154,9 @@ def detect(raw: dict, config_path: Path) -> Optional[Scheme]:
             type(b) is int and 0 < b <= MAX_BLOCK for b in block):
         return Scheme("fp8-block", tuple(block), qc)
     if method == "fp8" and block is not None:  # dequantizing expands each scale over bn x bk values
-        raise PrequantizedError(f"{config_path}: quantization_config.weight_block_size {block!r} is not a pair of "
-                                f"integers in [1, {MAX_BLOCK}] (block FP8 checkpoints use [128, 128]); fix "
-                                "config.json")
+        raise PrequantizedError(f"{config_path}: quantization_config.weight_block_size {block!r} is not a "
+                                f"pair of integers in [1, {MAX_BLOCK}] (block FP8 checkpoints use "
+                                "[128, 128]); fix config.json")
     what = f"fp8 without a [bn, bk] weight_block_size (got {block!r})" if method == "fp8" else repr(method)
     raise PrequantizedError(f"{config_path}: quantization_config.quant_method {what} is not supported; porter "
                             "converts bf16, MXFP8 (quant_method mxfp8) and block-FP8 (quant_method fp8 with "
@@ -166,7 +166,8 @@ def detect(raw: dict, config_path: Path) -> Optional[Scheme]:
 def zeroed_scale_problem(values: torch.Tensor, scale: torch.Tensor) -> Optional[str]:
     """What is wrong with MXFP8 (values [..., K] e4m3, scale [..., K/32] UE8M0 bytes), or None: byte 255 is
     E8M0 NaN, and byte 0 (2^-127) only encodes an all-zero block (a zeroed scale would silently zero a
-    block's weights). The one rule for a source `porter convert` reads and an artifact `porter verify` checks."""
+    block's weights). The one rule for a source `porter convert` reads and an artifact `porter verify`
+    checks."""
     scale = scale.view(torch.uint8)
     nan = (scale == mxfp8.SCALE_NAN_BYTE).nonzero()
     if len(nan):

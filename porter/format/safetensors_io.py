@@ -125,7 +125,8 @@ def _check_metadata(path, metadata, redo) -> None:
     if metadata is None:
         return
     if not isinstance(metadata, dict):
-        raise MalformedSafetensors(f"{path}: __metadata__ is {type(metadata).__name__}, not a map of strings; {redo}")
+        raise MalformedSafetensors(f"{path}: __metadata__ is {type(metadata).__name__}, not a map of "
+                                   f"strings; {redo}")
     for k, v in metadata.items():
         if not isinstance(v, str):
             raise MalformedSafetensors(f"{path}: __metadata__[{k!r}] is {type(v).__name__} {v!r:.40}, not a "
@@ -149,8 +150,9 @@ def _entry_span(path, name, info, redo) -> tuple[int, int]:
                                    f"(porter reads {', '.join(sorted(ST_DTYPES))})")
     if dtype == "F8_E8M0" and not name.endswith(SCALE_NAME_SUFFIXES):  # porter writes scale bytes as U8 and
         # carries no E8M0 values: neither its writer nor the engines have an E8M0 weight
-        raise MalformedSafetensors(f"{path}: tensor {name!r} is F8_E8M0 but not an MXFP8 scale (a name ending in "
-                                   f"{' or '.join(SCALE_NAME_SUFFIXES)}); porter reads E8M0 only as scale bytes")
+        raise MalformedSafetensors(f"{path}: tensor {name!r} is F8_E8M0 but not an MXFP8 scale (a name "
+                                   f"ending in {' or '.join(SCALE_NAME_SUFFIXES)}); porter reads E8M0 only "
+                                   "as scale bytes")
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise bad(f"shape {shape!r} is not a list of non-negative integers")

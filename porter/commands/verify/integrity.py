@@ -194,7 +194,9 @@ def _scale_shape_problem(rec: dict, srec: dict):
 
 def _scale_bytes(values: torch.Tensor, scale: torch.Tensor, s: str, sf: str) -> list[Failure]:
     problem = prequantized.zeroed_scale_problem(values, scale)  # the rule convert applies to a source
-    return [Failure("integrity", f"tensor {s} in shard {sf}: {problem}", tensor=s, shard=sf)] if problem else []
+    if not problem:
+        return []
+    return [Failure("integrity", f"tensor {s} in shard {sf}: {problem}", tensor=s, shard=sf)]
 
 
 def _same(a, b) -> bool:

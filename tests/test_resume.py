@@ -170,3 +170,121 @@ def test_unreadable_journal_is_refused_in_one_line(tiny_vendor, crashed, tmp_pat
     assert res.exit_code == 2, res.output
     assert "--resume" in res.output and "--force" in res.output and "Traceback" not in res.output
     assert {p.name: sha256(p) for p in out.iterdir() if p.is_file()} == before
+
+
+# ---- the source is proven, not assumed: headers + sampled data + config.json -------------------------------
+
+def _flip_byte(path, offset) -> None:
+    """Change one byte in place (size unchanged)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def _source_copy(tiny_vendor, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_vendor, src)
+    return src
+
+
+@pytest.mark.parametrize("where", ["first data byte", "last byte", "config.json"])
+def test_resume_after_source_changed_at_same_size_is_refused_naming_the_file(tiny_vendor, tmp_path, where):
+    from porter.format.safetensors_io import parse_header
+    src = _source_copy(tiny_vendor, tmp_path)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        convert_counting(src, out, crash_at=2)
+    shard = sorted(src.glob("*.safetensors"))[0]
+    sizes = {p.name: p.stat().st_size for p in src.iterdir()}
+    if where == "config.json":
+        changed = src / "config.json"
+        text = changed.read_text()
+        changed.write_text(text.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 2e-06', 1))
+        assert text != changed.read_text()
+    else:
+        changed = shard
+        _flip_byte(shard, parse_header(shard)[0] if where == "first data byte" else shard.stat().st_size - 1)
+    assert {p.name: p.stat().st_size for p in src.iterdir()} == sizes  # same names, same sizes
+    before = {p.name: sha256(p) for p in out.iterdir() if p.is_file()}
+    res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(out), "--resume",
+                                   "--max-shard-size", SHARD_CAP])
+    assert res.exit_code == 2, res.output
+    assert str(changed) in res.output and "changed" in res.output and "--force" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    assert {p.name: sha256(p) for p in out.iterdir() if p.is_file()} == before  # nothing touched
+
+
+def test_resume_of_complete_output_after_source_changed_is_refused(tiny_vendor, tmp_path):
+    src = _source_copy(tiny_vendor, tmp_path)
+    out = tmp_path / "out"
+    convert_counting(src, out)
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    _flip_byte(shard, shard.stat().st_size - 1)
+    res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(out), "--resume",
+                                   "--max-shard-size", SHARD_CAP])
+    assert res.exit_code == 2 and str(shard) in res.output and "changed" in res.output, res.output
+
+
+def test_source_sample_reads_header_and_bounded_bytes(tmp_path):
+    """The sample is the whole header + 2 x 64 KiB + 8 x 4 KiB of data, however big the file."""
+    from porter.format.safetensors_io import sample_spans
+    header_end, size = 8 + 200_000, 13_500_000_000
+    spans = sample_spans(size, header_end)
+    assert sum(n for _, n in spans) == header_end + 2 * 65536 + 8 * 4096
+    assert all(0 <= b and b + n <= size for b, n in spans)
+    assert (size - 65536, 65536) in spans and (header_end, 65536) in spans
+
+
+@pytest.mark.parametrize("damage", ["delete", "alter"])
+def test_complete_output_with_missing_or_altered_shard_redoes_only_that_shard(tiny_vendor, reference,
+                                                                              tmp_path, damage):
+    ref_out, ref_man, full = reference
+    out = tmp_path / "out"
+    shutil.copytree(ref_out, out)
+    shards = sorted(ref_man["shards"])
+    victim = out / shards[1]
+    if damage == "delete":
+        victim.unlink()
+    else:
+        _flip_byte(victim, victim.stat().st_size - 1)
+    kept = {f: ((out / f).stat().st_ino, (out / f).stat().st_mtime_ns) for f in shards if f != victim.name}
+    counter = QuantizeCounter()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mxfp8, "quantize_with_error", counter)
+        res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--resume",
+                                       "--max-shard-size", SHARD_CAP, "--workers", "2"])
+    assert res.exit_code == 0, res.output
+    assert victim.name in res.output and ("missing" if damage == "delete" else "altered") in res.output
+    assert counter.elements == elements_to_redo(ref_man, set(shards) - {victim.name}) < full.elements
+    assert {f: ((out / f).stat().st_ino, (out / f).stat().st_mtime_ns) for f in kept} == kept
+    assert_same_artifact(out, ref_out, ref_man)
+
+
+def test_resume_of_intact_complete_output_does_nothing(tiny_vendor, reference, tmp_path):
+    ref_out, ref_man, _ = reference
+    out = tmp_path / "out"
+    shutil.copytree(ref_out, out)
+    counter = convert_counting(tiny_vendor, out, resume=True)
+    assert counter.calls == 0
+    assert_same_artifact(out, ref_out, ref_man)
+
+
+def test_inspect_says_an_interrupted_output_is_incomplete(tiny_vendor, reference, crashed, tmp_path):
+    out, journal = interrupted_copy(crashed, tmp_path)
+    total, done = len(reference[1]["shards"]), len(journal["shards"])
+    res = CliRunner().invoke(cli, ["inspect", str(out)])
+    want = (f"incomplete (interrupted conversion: {done} of {total} shards done; run porter convert "
+            f"{tiny_vendor} --output {out} --resume)")
+    assert res.exit_code == 2 and want in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    # killed after config.json and porter.json, before the index: still incomplete, not "porter artifact"
+    ref_out = reference[0]
+    out2 = tmp_path / "late"
+    shutil.copytree(ref_out, out2)
+    (out2 / INDEX).unlink()
+    (out2 / JOURNAL).write_text(json.dumps({**journal, "shards": {f: {} for f in reference[1]["shards"]}}))
+    res = CliRunner().invoke(cli, ["inspect", str(out2)])
+    assert res.exit_code == 0, res.output
+    assert f"porter output, incomplete (interrupted conversion: {total} of {total} shards done" in res.output
+    assert "porter artifact" not in res.output

@@ -27,12 +27,12 @@ from converters.base import ResolvedConfig
 from porter import engine
 from porter.cores import available_cores
 from porter.engine import fault_point, output_guard
-from porter.errors import ConvertError, MalformedSafetensors
+from porter.errors import ConvertError, MalformedSafetensors, PorterError
 from porter.format import manifest, model_card, mxfp8
 from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
 from porter.format.layout import OutTensor, scale_name
-from porter.format.safetensors_io import (SHARD_METADATA, Entry, atomic_write_text, digest_rule, file_digests,
-                                          header_bytes)
+from porter.format.safetensors_io import (DTYPE_NAMES, SHARD_METADATA, Entry, atomic_write_text, digest_rule,
+                                          file_digests, header_bytes, source_sample_digest)
 from porter.source import INDEX_NAME, Source, open_source
 from porter.version import __version__
 
@@ -53,7 +53,11 @@ def parse_size(text, option: str = "--max-shard-size") -> int:
     unit = m.group(2) or "B"
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    return int(float(m.group(1)) * scale)
+    size = int(float(m.group(1)) * scale)
+    if size < 1:
+        raise ConvertError(f"{option} {text!r} is less than one byte: use a size like 5GB, 500MB or a byte "
+                           "count")
+    return size
 
 
 @dataclass
@@ -66,6 +70,16 @@ class Plan:
     options: dict
     shard_of: dict = field(default_factory=dict)  # entry name -> file name
     digest: str = DEFAULT_DIGEST  # the chunk hash of the digest rule (porter.format.digest.CHUNK_HASHES)
+    _source_digests: Optional[dict] = None
+
+    @property
+    def source_digests(self) -> dict:
+        """{file name: sample digest} of every source shard and config.json (computed once)."""
+        if self._source_digests is None:
+            src = self.source
+            files = [*src.shard_files, src.path / "config.json"]
+            self._source_digests = {f.name: source_sample_digest(f) if f.is_file() else None for f in files}
+        return self._source_digests
 
     @property
     def output_bytes(self) -> int:
@@ -91,6 +105,11 @@ def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding
     if layout == "hf":
         converter.check_hf_source(source.raw_config, str(source.path / "config.json"))
     tensors = converter.plan_tensors(config, source.meta, quantize, gate_up, layout)
+    for t in tensors:  # e.g. F8_E8M0 scale bytes in a source whose config declares no quantization
+        if not t.quantize and t.dtype not in DTYPE_NAMES:
+            name = t.sources[0] if t.sources else t.name
+            raise ConvertError(f"{source.files.get(name) or source.path}: tensor {name!r} is {t.dtype}, "
+                               "which porter does not write; is config.json's quantization_config missing?")
     cap = parse_size(max_shard_size)
     groups, current, size = [], [], 0
     for e in (e for t in tensors for e in entries_for(t)):
@@ -113,11 +132,11 @@ def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding
 
 
 def fingerprint(plan: Plan) -> str:
-    """Identifies a conversion: porter version, options, source identity and the full output plan."""
+    """Identifies a conversion: porter version, options, the source's bytes (every shard's header and sampled
+    data, config.json: Plan.source_digests) and the full output plan."""
     src = plan.source
     ident = {"porter": __version__, "format_version": manifest.FORMAT_VERSION, "digest": digest_rule(plan.digest),
-             "options": plan.options, "commit": src.commit,
-             "source_files": [(f.name, f.stat().st_size if f.exists() else None) for f in src.shard_files],
+             "options": plan.options, "commit": src.commit, "source_files": plan.source_digests,
              "shards": [(f, [(e.name, str(e.dtype), e.shape) for e in es]) for f, es in plan.shards]}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -235,10 +254,16 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
     journal = _read_journal(out)
     if output_guard.has_content(out):
         if resume and _complete_fingerprint(out) == fp:
-            (out / JOURNAL).unlink(missing_ok=True)  # a crash after the index, before this cleanup
-            log.info("resume: %s is already complete (same source, options and porter version); nothing to do. "
-                     "`porter verify %s` checks it", out, out)
-            return None
+            done = _intact_finished_shards(out, plan, workers)
+            if len(done) == len(plan.shards):
+                (out / JOURNAL).unlink(missing_ok=True)  # a crash after the index, before this cleanup
+                log.info("resume: %s is already complete (same source, options and porter version; every "
+                         "shard matches porter.json's digest); nothing to do", out)
+                return None
+            # journal first, then drop the index: the output reads as interrupted, never as complete
+            _write_journal(out, {**_new_journal(plan, fp), "shards": done})
+            (out / INDEX_NAME).unlink()
+            return done
         if resume and journal.get("fingerprint") == fp:
             return _verified_done(out, journal, workers, plan.digest)
         if resume and not journal and all(p.is_file() and p.name == JOURNAL + ".tmp" for p in out.iterdir()
@@ -247,11 +272,10 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
             log.info("resume: %s holds no finished shard yet; starting from the beginning", out)
             (out / (JOURNAL + ".tmp")).unlink(missing_ok=True)
             out.mkdir(parents=True, exist_ok=True)
-            _write_journal(out, {"fingerprint": fp, "shards": {}, "files": _planned_files(plan)})
+            _write_journal(out, _new_journal(plan, fp))
             return {}
         if resume:
-            raise ConvertError(f"{out}: --resume, but what is there comes from a different source or options; "
-                               "use --force to start over")
+            raise ConvertError(_resume_mismatch(out, plan, journal))
         if not force:
             hint = (f" (an interrupted conversion of this source is there: {len(journal.get('shards', {}))} of "
                     f"{len(plan.shards)} shards done; add --resume)" if journal.get("fingerprint") == fp else "")
@@ -262,8 +286,69 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
             raise ConvertError(f"{out}: output folder is not empty{hint}; use --force to overwrite")
         output_guard.clear_for_force(out, JOURNAL, _carried_names(out))  # only what porter wrote, else refused
     out.mkdir(parents=True, exist_ok=True)
-    _write_journal(out, {"fingerprint": fp, "shards": {}, "files": _planned_files(plan)})
+    _write_journal(out, _new_journal(plan, fp))
     return {}
+
+
+def _new_journal(plan: Plan, fp: str) -> dict:
+    """A journal with no finished shard; `source` keeps the per-file digests so a refusal can name a file."""
+    src = plan.source
+    return {"fingerprint": fp, "source": plan.source_digests, "source_path": src.repo_id or str(src.path),
+            "shards": {}, "files": _planned_files(plan)}
+
+
+def _resume_mismatch(out: Path, plan: Plan, journal: dict) -> str:
+    """Why --resume refuses: the first source file whose digest differs from the one the output recorded
+    (journal, or a complete artifact's index), else other options or porter version."""
+    recorded = journal.get("source")
+    if not isinstance(recorded, dict):
+        try:
+            recorded = json.loads((out / INDEX_NAME).read_text())["metadata"]["porter_source"]
+        except (OSError, ValueError, KeyError, TypeError):
+            recorded = None
+    if isinstance(recorded, dict):
+        now = plan.source_digests
+        for name in sorted(set(recorded) | set(now)):
+            if recorded.get(name) != now.get(name):
+                what = ("is new" if name not in recorded else "is gone" if now.get(name) is None
+                        else "changed (its header or sampled bytes differ)")
+                return (f"{plan.source.path / name}: --resume into {out}, but this source file {what} since "
+                        "that output was started; use --force to start over")
+    what = "options or porter version" if isinstance(recorded, dict) else "source, options or porter version"
+    return f"{out}: --resume, but what is there was made with different {what}; use --force to start over"
+
+
+def _intact_finished_shards(out: Path, plan: Plan, workers: int) -> dict:
+    """A complete artifact's shards whose size and digest still match porter.json, as journal records
+    ({file: {"header_sha256", "digest", "tensors"}}); each missing or altered shard is logged by name."""
+    from concurrent.futures import ThreadPoolExecutor
+    try:
+        man = manifest.read(out)
+        recorded, tensors = man["shards"], man["tensors"]
+    except (PorterError, KeyError, TypeError):
+        recorded, tensors = {}, {}
+    done = {}
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for f, _ in plan.shards:
+            rec, path = recorded.get(f) if isinstance(recorded, dict) else None, out / f
+            why = ("missing" if not path.is_file() else
+                   "not in porter.json" if not isinstance(rec, dict) else None)
+            if why is None and path.stat().st_size != rec.get("bytes"):
+                why = f"{path.stat().st_size} bytes, porter.json says {rec.get('bytes')}"
+            if why is None:
+                try:
+                    ok = file_digests(path, pool, chunk_hash=plan.digest).digest == rec.get("digest")
+                except (OSError, MalformedSafetensors):
+                    ok = False
+                why = None if ok else "its digest differs from porter.json's"
+            if why:
+                log.warning("resume: %s is %s; it will be rewritten", path, why if why == "missing" else
+                            f"altered ({why})")
+                continue
+            done[f] = {"header_sha256": rec["header_sha256"], "digest": rec["digest"],
+                       "tensors": {n: r for n, r in tensors.items()
+                                   if isinstance(r, dict) and r.get("shard") == f}}
+    return done
 
 
 def _planned_files(plan: Plan) -> list:
@@ -289,15 +374,12 @@ def _planned_bytes(plan: Plan) -> int:
 
 
 def _complete_fingerprint(out: Path) -> Optional[str]:
-    """The fingerprint recorded in a complete artifact's index (written last), when every shard it names
-    is there."""
+    """The fingerprint recorded in a complete artifact's index (written last); its shards are checked
+    apart (_intact_finished_shards)."""
     try:
-        index = json.loads((out / INDEX_NAME).read_text())
-        fp = index["metadata"]["porter_fingerprint"]
-        shards = set(index["weight_map"].values())
+        return json.loads((out / INDEX_NAME).read_text())["metadata"]["porter_fingerprint"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return fp if all((out / f).is_file() for f in shards) else None
 
 
 def _read_journal(out: Path) -> dict:
@@ -395,7 +477,8 @@ def _finish(plan: Plan, out: Path, stats: dict) -> float:
     fault_point(f"wrote:{manifest.MANIFEST}")
     weight_map = {e.name: stats[e.name]["shard"] for _, es in plan.shards for e in es}
     index = {"metadata": {"total_size": plan.output_bytes, "format": "porter",
-                          "porter_fingerprint": fingerprint(plan)}, "weight_map": weight_map}
+                          "porter_fingerprint": fingerprint(plan),
+                          "porter_source": plan.source_digests}, "weight_map": weight_map}
     _write_final(out / INDEX_NAME, json.dumps(index, indent=2))  # last: its presence means complete
     (out / JOURNAL).unlink(missing_ok=True)
     return secs

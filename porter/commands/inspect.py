@@ -23,6 +23,8 @@ from porter.source import INDEX_NAME
 from porter.source.local import read_header, weight_files
 
 WORST = 10
+JOURNAL = ".porter-journal.json"  # an interrupted `porter convert` (porter.commands.convert.JOURNAL)
+_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
 _SCALE = re.compile(r"(\.weight|_weight)_scale(_inv)?$")
 _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})(/|$)")
 
@@ -32,9 +34,12 @@ def inspect(path) -> dict:
     path = Path(path).expanduser()
     if not path.is_dir():
         raise InspectError(f"{path}: not a directory (give a porter artifact or a checkpoint folder)")
+    incomplete = _interrupted(path)
     try:
         raw = json.loads((path / "config.json").read_text())
     except FileNotFoundError:
+        if incomplete:
+            raise InspectError(f"{path}: porter output, {incomplete}") from None
         raise InspectError(f"{path / 'config.json'}: missing; not a checkpoint or porter artifact") from None
     except json.JSONDecodeError as e:
         raise InspectError(f"{path / 'config.json'}: invalid JSON ({e})") from None
@@ -46,7 +51,7 @@ def inspect(path) -> dict:
     ignored = list((qc or {}).get("ignored_layers") or [])
     report = {
         "path": str(path.resolve()),
-        "kind": "porter artifact" if man else "checkpoint",
+        "kind": f"porter output, {incomplete}" if incomplete else "porter artifact" if man else "checkpoint",
         "source": _source(path, man),
         "layout": _layout(raw, man, tensors),
         "quantization": {
@@ -64,6 +69,23 @@ def inspect(path) -> dict:
         "worst_tensors": _worst(man),
     }
     return report
+
+
+def _interrupted(path: Path):
+    """"incomplete (interrupted conversion: N of M shards done; run ...)" for a porter output with a journal
+    and no index (the index is written last, the journal removed after it), else None."""
+    if (path / INDEX_NAME).exists() or not (path / JOURNAL).exists():
+        return None
+    try:
+        journal = json.loads((path / JOURNAL).read_text())
+        done, files = len(journal["shards"]), journal["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        journal, done, files = {}, "?", []
+    total = sum(1 for f in files if isinstance(f, str) and _SHARD.fullmatch(f)) or "?"
+    source = journal.get("source_path") if isinstance(journal, dict) else None
+    files = files if isinstance(files, list) else []
+    return (f"incomplete (interrupted conversion: {done} of {total} shards done; run porter convert "
+            f"{source or 'SOURCE'} --output {path} --resume)")
 
 
 def _tensor_meta(path: Path) -> dict:

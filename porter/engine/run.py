@@ -122,7 +122,8 @@ class Pipeline:
     def read(self, name: str, index: Optional[int] = None) -> torch.Tensor:
         pre = self.plan.source.prequantized  # a quantized source weight: dequantized (porter.format.prequantized)
         if pre is not None and name in pre.scales:
-            return pre.dequantize(self.reader.read(name, index), self.reader.read(pre.scales[name], index))
+            return pre.dequantize(self.reader.read(name, index), self.reader.read(pre.scales[name], index),
+                                  f"{self.reader.spans[name][0]}: tensor {name!r}")
         n = self.reader.nbytes(name, index)
         if self.slabs.stages(n):
             return self.reader.read(name, index, into=self.slabs.take("src", n))

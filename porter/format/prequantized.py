@@ -25,6 +25,7 @@ from porter.format.safetensors_io import dtype_name
 
 SCALE_SUFFIX = ".weight_scale_inv"
 DEQUANTIZED_DTYPE = torch.bfloat16
+MAX_BLOCK = 4096  # largest block-FP8 tile side read (real: 128); a scale is expanded over its tile
 KEPT_ROWS = "kept-rows"  # options.source_quantization.scale_bytes of an MXFP8 source (Scheme.record)
 
 
@@ -100,10 +101,14 @@ class Scheme:
                                     f"{'uint8' if self.method == 'mxfp8' else 'float32'} {list(want)} "
                                     f"for {self.method} block {list(self.block)}")
 
-    def dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """(values, scale) as stored -> bfloat16 values."""
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, where: str = "source tensor") -> torch.Tensor:
+        """(values, scale) as stored -> bfloat16 values. where: "FILE: tensor NAME", for the refusal of a
+        zeroed scale (zeroed_scale_problem)."""
         if self.method != "mxfp8":
             return mxfp8.dequantize_fp8_block(q, scale, self.block, DEQUANTIZED_DTYPE)
+        problem = zeroed_scale_problem(q, scale)
+        if problem:
+            raise PrequantizedError(f"{where}: {problem}; the checkpoint is damaged, re-download it")
         return mxfp8.dequantize(q, scale.view(torch.uint8), DEQUANTIZED_DTYPE)
 
     def kept_scale(self, stored_scale: torch.Tensor) -> torch.Tensor:
@@ -146,9 +151,40 @@ def detect(raw: dict, config_path: Path) -> Optional[Scheme]:
                                     "blocks are [1, 32]")
         return Scheme("mxfp8", (1, mxfp8.BLOCK), qc)
     if method == "fp8" and isinstance(block, list) and len(block) == 2 and all(
-            isinstance(b, int) and b > 0 for b in block):
+            type(b) is int and 0 < b <= MAX_BLOCK for b in block):
         return Scheme("fp8-block", tuple(block), qc)
+    if method == "fp8" and block is not None:  # dequantizing expands each scale over bn x bk values
+        raise PrequantizedError(f"{config_path}: quantization_config.weight_block_size {block!r} is not a "
+                                f"pair of integers in [1, {MAX_BLOCK}] (block FP8 checkpoints use "
+                                "[128, 128]); fix config.json")
     what = f"fp8 without a [bn, bk] weight_block_size (got {block!r})" if method == "fp8" else repr(method)
     raise PrequantizedError(f"{config_path}: quantization_config.quant_method {what} is not supported; porter "
                             "converts bf16, MXFP8 (quant_method mxfp8) and block-FP8 (quant_method fp8 with "
                             "weight_block_size) checkpoints")
+
+
+def zeroed_scale_problem(values: torch.Tensor, scale: torch.Tensor) -> Optional[str]:
+    """What is wrong with MXFP8 (values [..., K] e4m3, scale [..., K/32] UE8M0 bytes), or None: byte 255 is
+    E8M0 NaN, and byte 0 (2^-127) only encodes an all-zero block (a zeroed scale would silently zero a
+    block's weights). The one rule for a source `porter convert` reads and an artifact `porter verify`
+    checks."""
+    scale = scale.view(torch.uint8)
+    nan = (scale == mxfp8.SCALE_NAN_BYTE).nonzero()
+    if len(nan):
+        return f"{len(nan)} scale byte(s) 255 (E8M0 NaN), first at {block_position(tuple(nan[0].tolist()))}"
+    zero = scale == 0
+    if not bool(zero.any()):
+        return None
+    vals = values.view(torch.uint8).reshape(*scale.shape, mxfp8.BLOCK)
+    nonzero = (vals & 0x7F).amax(-1) > 0  # e4m3 magnitude bits (sign-only -0.0 counts as zero)
+    bad = (zero & nonzero).nonzero()
+    if not len(bad):
+        return None
+    return (f"{len(bad)} block(s) with scale byte 0 (2^-127) but non-zero values, first at "
+            f"{block_position(tuple(bad[0].tolist()))} — a zeroed scale (only all-zero blocks get byte 0)")
+
+
+def block_position(idx: tuple) -> str:
+    """A block position in words: expert/row/block for stacked experts, row/block otherwise."""
+    return f"expert {idx[0]}, row {idx[1]}, block {idx[2]}" if len(idx) == 3 else \
+        ", ".join(f"{k} {v}" for k, v in zip(("row", "block"), idx[-2:]))

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import threading
+import unicodedata
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +103,7 @@ def parse_header(path: Path) -> tuple[int, dict]:
         raise MalformedSafetensors(f"{path}: corrupt safetensors header (invalid JSON: {e}); {redo}") from None
     if not isinstance(header, dict):
         raise MalformedSafetensors(f"{path}: corrupt safetensors header (not a JSON object); {redo}")
-    header.pop("__metadata__", None)
+    _check_metadata(path, header.pop("__metadata__", None), redo)
     spans = []
     for name, info in header.items():
         spans.append((*_entry_span(path, name, info, redo), name))
@@ -118,14 +119,40 @@ def parse_header(path: Path) -> tuple[int, dict]:
     return 8 + n, header
 
 
+def _check_metadata(path, metadata, redo) -> None:
+    """The safetensors format's `__metadata__` is a map of strings to strings (the safetensors library refuses
+    anything else when it opens the file)."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise MalformedSafetensors(f"{path}: __metadata__ is {type(metadata).__name__}, not a map of "
+                                   f"strings; {redo}")
+    for k, v in metadata.items():
+        if not isinstance(v, str):
+            raise MalformedSafetensors(f"{path}: __metadata__[{k!r}] is {type(v).__name__} {v!r:.40}, not a "
+                                       f"string; {redo}")
+
+
+SCALE_NAME_SUFFIXES = ("_scale_inv", "_scale")  # where an F8_E8M0 tensor may appear: MXFP8 scale bytes
+
+
 def _entry_span(path, name, info, redo) -> tuple[int, int]:
     bad = lambda why: MalformedSafetensors(f"{path}: tensor {name!r}: {why}; {redo}")  # noqa: E731
+    control = next((c for c in name if unicodedata.category(c) == "Cc"), None)
+    if control is not None:  # names go into one-line messages, porter.json and the index
+        raise MalformedSafetensors(f"{path}: tensor {name!r} has a control character ({control!r}) in its "
+                                   "name; rename the tensor in the source")
     if not isinstance(info, dict):
         raise bad("header entry is not an object")
     dtype = info.get("dtype")
     if not isinstance(dtype, str) or dtype not in ST_DTYPES:
         raise MalformedSafetensors(f"{path}: tensor {name!r} has unsupported dtype {dtype!r} "
                                    f"(porter reads {', '.join(sorted(ST_DTYPES))})")
+    if dtype == "F8_E8M0" and not name.endswith(SCALE_NAME_SUFFIXES):  # porter writes scale bytes as U8 and
+        # carries no E8M0 values: neither its writer nor the engines have an E8M0 weight
+        raise MalformedSafetensors(f"{path}: tensor {name!r} is F8_E8M0 but not an MXFP8 scale (a name "
+                                   f"ending in {' or '.join(SCALE_NAME_SUFFIXES)}); porter reads E8M0 only "
+                                   "as scale bytes")
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise bad(f"shape {shape!r} is not a list of non-negative integers")
@@ -301,3 +328,38 @@ def file_digests(path: Path, pool, chunk_bytes: Optional[int] = None, chunk_hash
         os.close(fd)
     head_sha = hashlib.sha256(head).hexdigest()
     return FileDigests(header, head_sha, tensors, shard_digest(head_sha, [tensors[n] for n in names]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# source fingerprints (docs/convert.md, "Crash safety"): what `--resume` proves about a source file without
+# reading all of it. The header fixes every tensor's name, dtype, shape and place; the samples catch data
+# rewritten in place at the same size (a re-download of another revision, an edited shard).
+
+SAMPLE_EDGE_BYTES = 64 << 10  # the first and the last 64 KiB of the data region
+SAMPLE_WINDOWS, SAMPLE_WINDOW_BYTES = 8, 4 << 10  # 4 KiB at 8 evenly spaced offsets in between
+
+
+def sample_spans(size: int, data_start: int) -> list[tuple[int, int]]:
+    """(begin, length) of the bytes `source_sample_digest` reads from a file of `size` bytes."""
+    data_len = max(0, size - data_start)
+    spans = [(0, min(size, data_start)), (data_start, min(SAMPLE_EDGE_BYTES, data_len)),
+             (max(data_start, size - SAMPLE_EDGE_BYTES), min(SAMPLE_EDGE_BYTES, data_len))]
+    spans += [(data_start + data_len * k // (SAMPLE_WINDOWS + 1), min(SAMPLE_WINDOW_BYTES, data_len))
+              for k in range(1, SAMPLE_WINDOWS + 1)]
+    return [(b, min(n, size - b)) for b, n in spans]
+
+
+def source_sample_digest(path: Path) -> str:
+    """sha256 over a source file's size, its whole header (8-byte length + JSON) and sampled data bytes
+    (`sample_spans`). A file that is not safetensors (config.json, a header length past the end) is hashed
+    whole up to MAX_HEADER_BYTES, then sampled the same way."""
+    path = Path(path)
+    size = path.stat().st_size
+    h = hashlib.sha256(size.to_bytes(8, "little"))
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8).ljust(8, b"\0"), "little")
+        start = 8 + n if 8 + n <= min(size, MAX_HEADER_BYTES) else min(size, MAX_HEADER_BYTES)
+        for begin, length in sample_spans(size, start):
+            f.seek(begin)
+            h.update(f.read(length))
+    return h.hexdigest()

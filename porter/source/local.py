@@ -49,7 +49,8 @@ class Source:
         """One tensor (or its [index] slice along dim 0, read alone) from its shard."""
         if self.prequantized is not None and name in self.prequantized.scales:
             scale = self._read_stored(self.prequantized.scales[name], index)
-            return self.prequantized.dequantize(self._read_stored(name, index), scale)
+            return self.prequantized.dequantize(self._read_stored(name, index), scale,
+                                                f"{self.files[name]}: tensor {name!r}")
         return self._read_stored(name, index)
 
     def _read_stored(self, name: str, index: Optional[int] = None) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 import converters
-from porter.format import manifest, mxfp8
+from porter.format import manifest, mxfp8, prequantized
 from porter.errors import PorterError, VerifyInputError
 from porter.cores import available_cores
 from porter.format.digest import CHUNK_HASHES
@@ -156,12 +156,6 @@ def _check_index(art: Path, tensors: dict) -> list[Failure]:
     return out
 
 
-def where(idx: tuple, ndim: int) -> str:
-    """A block position in words: expert/row/block for stacked experts, row/block otherwise."""
-    return f"expert {idx[0]}, row {idx[1]}, block {idx[2]}" if ndim == 3 else \
-        ", ".join(f"{k} {v}" for k, v in zip(("row", "block"), idx[-2:]))
-
-
 def _check_scales(art: Path, tensors: dict, headers: dict) -> list[Failure]:
     from safetensors import safe_open
     out, handles = [], {}
@@ -199,21 +193,10 @@ def _scale_shape_problem(rec: dict, srec: dict):
 
 
 def _scale_bytes(values: torch.Tensor, scale: torch.Tensor, s: str, sf: str) -> list[Failure]:
-    bad = (scale == 255).nonzero()
-    if len(bad):
-        return [Failure("integrity", f"tensor {s} in shard {sf}: {len(bad)} scale byte(s) 255 (E8M0 NaN), "
-                        f"first at {where(tuple(bad[0].tolist()), scale.ndim)}", tensor=s, shard=sf)]
-    zero = scale == 0
-    if not bool(zero.any()):
+    problem = prequantized.zeroed_scale_problem(values, scale)  # the rule convert applies to a source
+    if not problem:
         return []
-    vals = values.view(torch.uint8).reshape(*scale.shape, mxfp8.BLOCK)
-    nonzero = (vals & 0x7F).amax(-1) > 0  # e4m3 magnitude bits (sign-only -0.0 counts as zero)
-    bad = (zero & nonzero).nonzero()
-    if not len(bad):
-        return []
-    return [Failure("integrity", f"tensor {s} in shard {sf}: {len(bad)} block(s) with scale byte 0 (2^-127) but "
-                    f"non-zero values, first at {where(tuple(bad[0].tolist()), scale.ndim)} — a zeroed scale "
-                    "(only all-zero blocks get byte 0)", tensor=s, shard=sf)]
+    return [Failure("integrity", f"tensor {s} in shard {sf}: {problem}", tensor=s, shard=sf)]
 
 
 def _same(a, b) -> bool:

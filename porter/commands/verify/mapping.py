@@ -119,7 +119,8 @@ class SourceShards:
     def read(self, name: str, row: Optional[int] = None) -> torch.Tensor:
         """The tensor (or its [row] along dim 0); a quantized source weight dequantized by its scheme."""
         if name in self.scales:
-            return self.scheme.dequantize(self._stored(name, row), self._stored(self.scales[name], row))
+            return self.scheme.dequantize(self._stored(name, row), self._stored(self.scales[name], row),
+                                          f"{self.files[name]}: tensor {name!r}")
         return self._stored(name, row)
 
     def kept_scale(self, name: str, row: Optional[int] = None) -> Optional[torch.Tensor]:

@@ -86,11 +86,12 @@ SCOPE_DEFAULTS = {
 
 
 # The serving numerics (MoE input and SwiGLU output also quantized to MXFP8, as the TRT-LLM kernel serves)
-# add activation error to the weight error: looser activation thresholds, set from measurements in
-# docs/verify.md ("Thresholds", serving). Weight error is the same weights: unchanged.
+# add activation error to the weight error: looser activation thresholds with --quantize experts, set from
+# measurements (docs/verify.md, "Thresholds"); with --quantize all the attention error dominates and the
+# "all" defaults keep their margin. Weight error: the same weights, unchanged.
 SERVING_DEFAULTS = {
-    "experts": {"max_layer_error": 0.12, "min_cosine": 0.85, "max_kl": 0.15, "min_top1": 0.45, "min_top5": 0.65},
-    "all": {"max_layer_error": 0.5, "min_cosine": 0.70, "max_kl": 0.4, "min_top1": 0.25, "min_top5": 0.40},
+    "experts": {"max_layer_error": 0.12, "min_cosine": 0.88, "max_kl": 0.15, "min_top1": 0.45, "min_top5": 0.65},
+    "all": {},
 }
 NUMERICS = ("w8a16", "serving", "both")
 

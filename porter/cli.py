@@ -277,10 +277,11 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
               help="Write the JSON report here; '-': to stdout (the table then goes to stderr).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write the per-layer picture here (.svg; .png needs matplotlib).")
-@click.option("--numerics", type=click.Choice(["w8a16", "serving", "both"]), default="w8a16", show_default=True,
-              help="w8a16: the converted model with MXFP8 weights, activations as given (the cost of quantizing "
-                   "the weights); serving: also the MoE input and SwiGLU output as MXFP8, what serving engines "
-                   "compute (torch MoE backend, its own thresholds: docs/verify.md); both: two runs side by side. "
+@click.option("--numerics", type=click.Choice(["w8a16", "serving", "both"]), default="w8a16",
+              show_default=True,
+              help="w8a16: MXFP8 weights, activations as given (the cost of quantizing the weights); "
+                   "serving: also the MoE input and SwiGLU output as MXFP8, what serving engines compute "
+                   "(torch MoE backend, its own thresholds: docs/verify.md); both: two runs side by side. "
                    "The --max-*/--min-* flags apply to every run.")
 @click.option("--stream/--no-stream", "stream", default=None,
               help="Force layer streaming of the teacher-forced pass on/off (default: on when both models "

@@ -52,7 +52,8 @@ def test_both_runs_in_the_json_with_their_own_thresholds(both):
     assert {k: s["thresholds"][k] for k in SERVING_DEFAULTS["experts"]} == SERVING_DEFAULTS["experts"]
     assert s["thresholds"]["max_weight_error"] == w["thresholds"]["max_weight_error"]  # the same weights
     fig = rep["figures"]["numerics.serving.logits.kl"]
-    assert fig["decides"] and fig["limit"] == SERVING_DEFAULTS["experts"]["max_kl"] and fig["option"] == "--max-kl"
+    assert fig["decides"] and fig["option"] == "--max-kl"
+    assert fig["limit"] == SERVING_DEFAULTS["experts"]["max_kl"] == 0.15
     assert not rep["figures"]["numerics.serving.layers[].rel_error"]["decides"]
 
 
@@ -95,8 +96,8 @@ def test_serving_with_a_backend_that_does_not_compute_it_refused(artifact, monke
     for numerics in ("serving", "both"):
         res = cli(artifact, "--numerics", numerics, "--backend", "triton")
         assert res.exit_code == 2 and res.output.splitlines() == [
-            "porter: error: --backend triton does not compute the serving numerics; use --backend torch (or auto) "
-            "with --numerics serving|both"], res.output
+            "porter: error: --backend triton does not compute the serving numerics; "
+            "use --backend torch (or auto) with --numerics serving|both"], res.output
     with pytest.raises(VerifyInputError, match="numerics 'w8a8': want one of w8a16, serving, both"):
         verify(artifact, numerics="w8a8")
 
@@ -123,8 +124,8 @@ def test_auto_on_a_gpu_picking_triton_runs_serving_on_torch_and_says_so(monkeypa
     import runtime.moe
     monkeypatch.setattr(runtime.moe, "resolve_backend", lambda *a, **k: "triton")
     backend, note = verify_module._serving_backend("auto", "cuda")
-    assert backend == "torch" and note == ("backend auto would pick triton, which does not compute the serving "
-                                           "numerics: torch used")
+    assert backend == "torch"
+    assert note == "backend auto would pick triton, which does not compute the serving numerics: torch used"
     assert verify_module._serving_backend("flashinfer-trtllm", "cuda") == ("flashinfer-trtllm", "")
 
 

@@ -130,8 +130,8 @@ def _check_serving(art: Path, scope: str, backend: str) -> None:
         raise VerifyInputError(f"{art}: --numerics serving needs MXFP8 experts; this artifact was converted "
                                "with --quantize none (use --numerics w8a16)")
     if backend not in ("auto", "torch", "flashinfer-trtllm"):
-        raise VerifyInputError(f"--backend {backend} does not compute the serving numerics; use --backend torch "
-                               "(or auto) with --numerics serving|both")
+        raise VerifyInputError(f"--backend {backend} does not compute the serving numerics; "
+                               "use --backend torch (or auto) with --numerics serving|both")
 
 
 def _serving_backend(backend: str, device: torch.device) -> tuple[str, str]:
@@ -143,7 +143,8 @@ def _serving_backend(backend: str, device: torch.device) -> tuple[str, str]:
     picked = resolve_backend("auto", device, quantized=True)
     if picked in ("torch", "flashinfer-trtllm"):
         return picked, ""
-    return "torch", f"backend auto would pick {picked}, which does not compute the serving numerics: torch used"
+    return "torch", (f"backend auto would pick {picked}, which does not compute the serving numerics: "
+                     "torch used")
 
 
 def _interleaved(man: dict, ref_config) -> bool:
@@ -170,12 +171,13 @@ def _numerics(rep: Report, inp: _Inputs, ref_store: ReferenceStore, backend, str
             if run.note:
                 log.info("verify: serving numerics: %s", run.note)
         moe_numerics = "serving" if run.numerics == "serving" else None  # None: the backend's own, w8a16
-        load = lambda lazy: runtime.load(inp.art, device=inp.device, dtype=dtype, backend=run.backend, lazy=lazy,
-                                         moe_numerics=moe_numerics)
+        load = lambda lazy: runtime.load(inp.art, device=inp.device, dtype=dtype, backend=run.backend,
+                                         lazy=lazy, moe_numerics=moe_numerics)
         shared = None if plan.stream or plan.device_map else load(False)  # one resident model for both
         if k == 0:
             conts = _generate(shared, inp, plan, ids, run.backend, dtype, moe_numerics)
-            rep.streaming = StreamingInfo(plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation)
+            rep.streaming = StreamingInfo(plan.stream, plan.stream_reason, conv_bytes, ref_bytes,
+                                          plan.generation)
             seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
         conv = shared if shared is not None else load(plan.stream)
         rep.dtype = dtype_name(conv.dtype)
@@ -184,7 +186,8 @@ def _numerics(rep: Report, inp: _Inputs, ref_store: ReferenceStore, backend, str
         run.embeddings, run.logits = res.embeddings, res.logits
         run.layers = [_layer_row(rep, conv.cfg, i, s) for i, s in enumerate(res.layers)]
         if k == 0:
-            rep.backend, rep.embeddings, rep.logits, rep.layers = run.backend, run.embeddings, run.logits, run.layers
+            rep.backend, rep.embeddings = run.backend, run.embeddings
+            rep.logits, rep.layers = run.logits, run.layers
             rep.generation = [gen.score(p, c, tr, tc, inp.tok)
                               for p, c, (tr, tc) in zip(rep.prompts, conts, res.tails) if c]
         del conv, ref, shared, res

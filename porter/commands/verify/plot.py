@@ -17,7 +17,8 @@ SERIES = (("rel_error", "residual rel. error (end to end; info)", "#1f77b4"),
           ("layer_error", "layer output error (layer alone)", "#ff7f0e"),
           ("weight_error", "weight error (max tensor/expert)", "#2ca02c"))
 COSINE = ("1 - cosine (residual stream)", "#9467bd")
-SERVING = (("layer_error", "serving: layer output error", "#d4a017"), ("cosine", "serving: 1 - cosine", "#8c564b"))
+SERVING = (("layer_error", "serving: layer output error", "#d4a017"),
+           ("cosine", "serving: 1 - cosine", "#8c564b"))
 FLOOR = 1e-7
 LABEL_GAP = 12  # px between two threshold labels, so lines close together keep readable labels
 
@@ -33,8 +34,9 @@ def threshold_lines(th: dict, serving: dict = None) -> tuple[list, list]:
     `serving`: the serving run's thresholds, lines of their own."""
     left, right = _threshold_lines(th)
     if serving is not None:
-        left.append((serving["max_layer_error"], f"serving layer output error <= {serving['max_layer_error']:g} "
-                     "(--max-layer-error, serving)", SERVING[0][2]))
+        lim = serving["max_layer_error"]
+        left.append((lim, f"serving layer output error <= {lim:g} (--max-layer-error, serving)",
+                     SERVING[0][2]))
         right.append((1.0 - serving["min_cosine"], f"serving 1 - cosine <= {1.0 - serving['min_cosine']:.3g} "
                       "(--min-cosine, serving)", SERVING[1][2]))
     return left, right
@@ -153,7 +155,7 @@ def svg(rep: dict) -> str:
         parts.append(f'<line x1="{x}" y1="{y}" x2="{x + 20}" y2="{y}" stroke="{color}" stroke-width="3"/>')
         parts.append(f'<text x="{x + 26}" y="{y + 4}" font-size="11">{escape(label)}</text>')
     parts.append(f'<text x="60" y="{y + 18}" font-size="10" fill="#555">{escape(numerics_line(rep))}; '
-                 f'dashed: thresholds that decide the verdict (labelled with the series they bound); info: no threshold; '
+                 'dashed: thresholds that decide the verdict (labelled with the series they bound); info: no threshold; '
                  f'red band: first failing layer</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"

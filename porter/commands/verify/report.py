@@ -109,7 +109,8 @@ def _side_by_side(rep: Report) -> list[str]:
     """Every run's deciding figures in one column each, with that run's threshold beside each figure."""
     runs = list(rep.numerics.values())
     width = 28
-    cell = lambda v, th, name, pct=False: (f"{v:.1%}" if pct else f"{v:.4g}") + f" [{threshold_rule(th, name, pct)}]"
+    def cell(v, th, name, pct=False):
+        return (f"{v:.1%}" if pct else f"{v:.4g}") + f" [{threshold_rule(th, name, pct)}]"
     rows = [("KL(ref||conv)", lambda r: cell(r.logits.kl, r.thresholds, "max_kl")),
             ("top-1", lambda r: cell(r.logits.top1, r.thresholds, "min_top1", True)),
             ("top-5 overlap", lambda r: cell(r.logits.top5, r.thresholds, "min_top5", True)),
@@ -122,7 +123,8 @@ def _side_by_side(rep: Report) -> list[str]:
     lines = ["numerics side by side (figure [its run's threshold: decides] or [info]):",
              f"  {'':<20} " + " ".join(f"{r.numerics + ' (' + r.backend + ')':<{width}}" for r in done)]
     lines += [f"  {label:<20} " + " ".join(f"{fn(r):<{width}}" for r in done) for label, fn in rows]
-    lines += [f"  {r.numerics}: {NUMERICS_MEANING[r.numerics]}" + (f"; {r.note}" if r.note else "") for r in done]
+    lines += [f"  {r.numerics}: {NUMERICS_MEANING[r.numerics]}" + (f"; {r.note}" if r.note else "")
+              for r in done]
     return lines
 
 

@@ -90,7 +90,8 @@ SCOPE_DEFAULTS = {
 # measurements (docs/verify.md, "Thresholds"); with --quantize all the attention error dominates and the
 # "all" defaults keep their margin. Weight error: the same weights, unchanged.
 SERVING_DEFAULTS = {
-    "experts": {"max_layer_error": 0.12, "min_cosine": 0.88, "max_kl": 0.15, "min_top1": 0.45, "min_top5": 0.65},
+    "experts": {"max_layer_error": 0.12, "min_cosine": 0.88, "max_kl": 0.15, "min_top1": 0.45,
+                "min_top5": 0.65},
     "all": {},
 }
 NUMERICS = ("w8a16", "serving", "both")
@@ -440,8 +441,8 @@ def judge_run(run: NumericsRun, tag: bool = False) -> list[Failure]:
                                f"{row.layer_error:.4g} > {th.max_layer_error}", layer=i,
                                value=row.layer_error, threshold=th.max_layer_error, numerics=run.numerics))
         if row.cosine < th.min_cosine:
-            out.append(Failure("cosine", f"{pre}layer {i} ({row.kind}): residual-stream cosine {row.cosine:.6f} "
-                               f"< {th.min_cosine}", layer=i, value=row.cosine, threshold=th.min_cosine,
+            out.append(Failure("cosine", f"{pre}layer {i} ({row.kind}): residual-stream cosine "
+                               f"{row.cosine:.6f} < {th.min_cosine}", layer=i, value=row.cosine, threshold=th.min_cosine,
                                numerics=run.numerics))
     lg = run.logits
     for value, bad, thr, what in ((lg.kl, lg.kl > th.max_kl, th.max_kl, "KL(ref||conv)"),

@@ -8,6 +8,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import porter
@@ -134,3 +135,20 @@ def test_serving_refused_for_an_unquantized_artifact(tiny_vendor, tmp_path):
     porter.convert(tiny_vendor, out, quantize="none", progress=False)
     with pytest.raises(VerifyInputError, match="--numerics serving needs MXFP8 experts"):
         verify(out, numerics="serving")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_both_at_real_dims_on_cuda(tmp_path):
+    """At MiniMax-M3's layer shapes (3 layers, 8 experts) on a GPU: the serving run computes on torch (or
+    flashinfer-trtllm), says why when auto picked another backend, adds error, and passes its thresholds."""
+    from tiny_checkpoint import build_tiny_checkpoint, real_dims_overrides
+    src = build_tiny_checkpoint(tmp_path / "src", seed=0, text_overrides=real_dims_overrides(3))
+    porter.convert(src, tmp_path / "art", progress=False)
+    r = verify(tmp_path / "art", device="cuda", numerics="both", max_new_tokens=4).report
+    w, s = r.numerics["w8a16"], r.numerics["serving"]
+    assert r.passed, r.summary
+    assert s.backend in ("torch", "flashinfer-trtllm")
+    assert s.note == "" or (s.backend == "torch" and s.note == "backend auto would pick triton, which does "
+                            "not compute the serving numerics: torch used")
+    assert max(x.layer_error for x in s.layers) > max(x.layer_error for x in w.layers)

@@ -217,7 +217,10 @@ def _threshold_help(name: str) -> str:
     from porter.commands.verify import SCOPE_DEFAULTS, Thresholds
     from porter.commands.verify.verdict import threshold_range_text
     per = ", ".join(f"{getattr(Thresholds.build(None, sc), name):g} ({sc})" for sc in SCOPE_DEFAULTS)
-    return f"Default by the artifact's quantize scope: {per}; {threshold_range_text(name)}."
+    serving = ", ".join(f"{getattr(Thresholds.build(None, sc, 'serving'), name):g} ({sc})"
+                        for sc in SCOPE_DEFAULTS if sc != "none")
+    return (f"Default by the artifact's quantize scope: {per}; with --numerics serving: {serving}; "
+            f"{threshold_range_text(name)}.")
 
 
 def _threshold_options(f):
@@ -274,6 +277,12 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
               help="Write the JSON report here; '-': to stdout (the table then goes to stderr).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write the per-layer picture here (.svg; .png needs matplotlib).")
+@click.option("--numerics", type=click.Choice(["w8a16", "serving", "both"]), default="w8a16",
+              show_default=True,
+              help="w8a16: MXFP8 weights, activations as given (the cost of quantizing the weights); "
+                   "serving: also the MoE input and SwiGLU output as MXFP8, what serving engines compute "
+                   "(torch MoE backend, its own thresholds: docs/verify.md); both: two runs side by side. "
+                   "The --max-*/--min-* flags apply to every run.")
 @click.option("--stream/--no-stream", "stream", default=None,
               help="Force layer streaming of the teacher-forced pass on/off (default: on when both models "
                    "would not fit in memory).")
@@ -284,7 +293,7 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
 @_common
 @click.pass_context
 def verify(ctx, artifact, prompts, reference, backend, device, dtype, device_map, max_new_tokens, report, plot,
-           stream, token, cache_dir, **threshold_flags):
+           stream, numerics, token, cache_dir, **threshold_flags):
     import json
 
     import torch
@@ -298,7 +307,8 @@ def verify(ctx, artifact, prompts, reference, backend, device, dtype, device_map
         max_new_tokens=max_new_tokens, report=None if to_stdout else report, plot=plot,
         thresholds=threshold_flags,
         streaming="auto" if stream is None else stream, dtype=torch_dtype, progress=not ctx.obj.get("quiet"),
-        device_map=None if device_map == "none" else device_map, token=token, cache_dir=cache_dir))
+        device_map=None if device_map == "none" else device_map, token=token, cache_dir=cache_dir,
+        numerics=numerics))
     click.echo(_run(ctx, lambda: verify_module.format_table(result.report)), err=to_stdout)
     if to_stdout:
         click.echo(json.dumps(result.report.to_dict(), indent=1))

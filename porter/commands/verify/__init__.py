@@ -37,11 +37,12 @@ from porter.commands.verify.integrity import check_integrity
 from porter.commands.verify.mapping import ArtifactReader, Mapping, ReferenceStore, SourceShards
 from porter.commands.verify.numerics import compare_models
 from porter.commands.verify.report import format_table, write_outputs
-from porter.commands.verify.verdict import (SCOPE_DEFAULTS, Failure, LayerRow, Report, StreamingInfo, Thresholds,
-                                         VerifyInputError, VerifyResult, conclude, judge_exact, judge_numerics)
+from porter.commands.verify.verdict import (NUMERICS, SCOPE_DEFAULTS, SERVING_DEFAULTS, Failure, LayerRow,
+                                         NumericsRun, Report, StreamingInfo, Thresholds, VerifyInputError,
+                                         VerifyResult, conclude, judge_exact, judge_numerics, numerics_runs)
 
 __all__ = ["verify", "Thresholds", "VerifyResult", "VerifyInputError", "Report", "Failure", "DEFAULT_PROMPT",
-           "SCOPE_DEFAULTS", "format_table"]
+           "SCOPE_DEFAULTS", "SERVING_DEFAULTS", "NUMERICS", "format_table"]
 
 log = logging.getLogger("porter")
 DEFAULT_MAX_NEW_TOKENS = gen.DEFAULT_MAX_NEW_TOKENS
@@ -61,7 +62,8 @@ class _Inputs:
 def verify(artifact, prompts=None, reference=None, backend: str = "auto", device="cpu",
            max_new_tokens: Optional[int] = None, report=None, plot=None, thresholds=None, streaming="auto",
            dtype: Optional[torch.dtype] = None, progress: bool = False,
-           device_map: Optional[str] = "auto", token: Optional[str] = None, cache_dir=None) -> VerifyResult:
+           device_map: Optional[str] = "auto", token: Optional[str] = None, cache_dir=None,
+           numerics: str = "w8a16") -> VerifyResult:
     """Verify a porter artifact against its reference checkpoint; mirrors `porter verify`.
 
     prompts: list of strings (default: DEFAULT_PROMPT). reference: dir or repo id (default: porter.json's
@@ -71,11 +73,15 @@ def verify(artifact, prompts=None, reference=None, backend: str = "auto", device
     teacher-forced pass). device_map: "auto" spreads the converted model over every visible GPU when
     device is a bare "cuda" and there are several; None keeps it on `device`. token / cache_dir: Hugging Face
     token and cache folder when the reference is a repo id (None: HF_TOKEN / HF_HOME).
+    numerics: "w8a16" (weights MXFP8, activations as given: the cost of quantizing the weights), "serving"
+    (also the MoE input and SwiGLU output as MXFP8, what a serving engine computes; torch MoE backend, with
+    its own thresholds: SERVING_DEFAULTS) or "both" (two runs, side by side in the report).
     Raises PorterError subclasses for bad input; returns the result otherwise.
     """
     t0 = time.time()
     check_output_paths(report, plot)  # before any work: a path that cannot be written is bad input
-    inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, token, cache_dir)
+    runs = numerics_runs(numerics)
+    inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, token, cache_dir, runs)
     rep.max_new_tokens = max_new_tokens
     rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
@@ -94,10 +100,14 @@ def verify(artifact, prompts=None, reference=None, backend: str = "auto", device
 
 
 def _open(artifact, prompts, reference, backend, device, thresholds, token=None,
-          cache_dir=None) -> tuple[_Inputs, Report]:
+          cache_dir=None, runs=("w8a16",)) -> tuple[_Inputs, Report]:
     art, man = open_artifact(artifact)
     scope = man.get("options", {}).get("quantize", "experts")
-    th = Thresholds.build(vars(thresholds) if isinstance(thresholds, Thresholds) else thresholds, scope)
+    overrides = vars(thresholds) if isinstance(thresholds, Thresholds) else thresholds
+    if "serving" in runs:
+        _check_serving(art, scope, backend)
+    by_run = {n: Thresholds.build(overrides, scope, n) for n in runs}
+    th = by_run[runs[0]]
     ref_path = reference_path(man, reference, token, cache_dir)
     try:
         raw = json.loads((ref_path / "config.json").read_text())
@@ -109,7 +119,32 @@ def _open(artifact, prompts, reference, backend, device, thresholds, token=None,
     prompts = list(prompts) if prompts else [DEFAULT_PROMPT]
     rep = Report(str(art.resolve()), str(ref_path), str(tok_path), man.get("porter_version"), backend, str(device),
                  scope, man.get("options", {}).get("scale_rounding"), th, prompts, 0)
+    rep.numerics_mode = "both" if len(runs) > 1 else runs[0]
+    rep.numerics = {n: NumericsRun(n, backend, "", t) for n, t in by_run.items()}
     return _Inputs(art, man, ref_path, ref_config, tok, torch.device(device), source_q), rep
+
+
+def _check_serving(art: Path, scope: str, backend: str) -> None:
+    """Serving numerics need MXFP8 experts and a backend that computes them (torch, flashinfer-trtllm)."""
+    if scope == "none":
+        raise VerifyInputError(f"{art}: --numerics serving needs MXFP8 experts; this artifact was converted "
+                               "with --quantize none (use --numerics w8a16)")
+    if backend not in ("auto", "torch", "flashinfer-trtllm"):
+        raise VerifyInputError(f"--backend {backend} does not compute the serving numerics; "
+                               "use --backend torch (or auto) with --numerics serving|both")
+
+
+def _serving_backend(backend: str, device: torch.device) -> tuple[str, str]:
+    """(backend, note) of the serving run: auto resolves to torch unless it already picks one that computes
+    the serving numerics; the note says so when the w8a16 run would use another backend."""
+    if backend != "auto":
+        return backend, ""
+    from runtime.moe import resolve_backend
+    picked = resolve_backend("auto", device, quantized=True)
+    if picked in ("torch", "flashinfer-trtllm"):
+        return picked, ""
+    return "torch", (f"backend auto would pick {picked}, which does not compute the serving numerics: "
+                     "torch used")
 
 
 def _interleaved(man: dict, ref_config) -> bool:
@@ -120,6 +155,8 @@ def _interleaved(man: dict, ref_config) -> bool:
 
 def _numerics(rep: Report, inp: _Inputs, ref_store: ReferenceStore, backend, streaming, max_new_tokens, dtype,
               progress, device_map: Optional[str] = "auto") -> None:
+    """One teacher-forced comparison per numerics run (rep.numerics); the first run also generates and
+    fills the report's top-level layers / logits."""
     import runtime
     conv_bytes = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values())
     ref_bytes = sum(ref_store.mapping.shards.nbytes(n) for n in ref_store.mapping.shards.meta)
@@ -127,21 +164,37 @@ def _numerics(rep: Report, inp: _Inputs, ref_store: ReferenceStore, backend, str
     rep.max_new_tokens = plan.new_tokens
     ids = encode_prompts(inp.tok, rep.prompts)
     rep.prompt_tokens = [int(x.shape[1]) for x in ids]
-    load = lambda lazy: runtime.load(inp.art, device=inp.device, dtype=dtype, backend=backend, lazy=lazy)
-    shared = None if plan.stream or plan.device_map else load(False)  # one resident model for both
-    conts = _generate(shared, inp, plan, ids, backend, dtype)
-    rep.streaming = StreamingInfo(plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation)
-    conv = shared if shared is not None else load(plan.stream)
-    rep.dtype = dtype_name(conv.dtype)
-    seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
-    ref = runtime.load(ref_store, device=inp.device, dtype=conv.dtype, backend="auto", lazy=plan.stream)
-    res = compare_models(ref, conv, seqs, rep.prompt_tokens, progress)
-    rep.embeddings, rep.logits = res.embeddings, res.logits
-    rep.layers = [_layer_row(rep, conv.cfg, i, s) for i, s in enumerate(res.layers)]
-    rep.generation = [gen.score(p, c, tr, tc, inp.tok) for p, c, (tr, tc) in zip(rep.prompts, conts, res.tails) if c]
+    seqs = None
+    for k, run in enumerate(rep.numerics.values()):
+        if run.numerics == "serving":
+            run.backend, run.note = _serving_backend(backend, inp.device)
+            if run.note:
+                log.info("verify: serving numerics: %s", run.note)
+        moe_numerics = "serving" if run.numerics == "serving" else None  # None: the backend's own, w8a16
+        load = lambda lazy: runtime.load(inp.art, device=inp.device, dtype=dtype, backend=run.backend,
+                                         lazy=lazy, moe_numerics=moe_numerics)
+        shared = None if plan.stream or plan.device_map else load(False)  # one resident model for both
+        if k == 0:
+            conts = _generate(shared, inp, plan, ids, run.backend, dtype, moe_numerics)
+            rep.streaming = StreamingInfo(plan.stream, plan.stream_reason, conv_bytes, ref_bytes,
+                                          plan.generation)
+            seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
+        conv = shared if shared is not None else load(plan.stream)
+        rep.dtype = dtype_name(conv.dtype)
+        ref = runtime.load(ref_store, device=inp.device, dtype=conv.dtype, backend="auto", lazy=plan.stream)
+        res = compare_models(ref, conv, seqs, rep.prompt_tokens, progress)
+        run.embeddings, run.logits = res.embeddings, res.logits
+        run.layers = [_layer_row(rep, conv.cfg, i, s) for i, s in enumerate(res.layers)]
+        if k == 0:
+            rep.backend, rep.embeddings = run.backend, run.embeddings
+            rep.logits, rep.layers = run.logits, run.layers
+            rep.generation = [gen.score(p, c, tr, tc, inp.tok)
+                              for p, c, (tr, tc) in zip(rep.prompts, conts, res.tails) if c]
+        del conv, ref, shared, res
+        gc.collect()
 
 
-def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype) -> list:
+def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype, moe_numerics=None) -> list:
     """Continuations of the converted model (empty lists when generation is skipped). Uses `shared` (the
     resident model of the teacher-forced pass) when there is one, else a model of its own, freed after."""
     if not plan.new_tokens:
@@ -150,10 +203,11 @@ def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype
     if shared is not None:
         model = shared
     elif plan.device_map:  # spread over the visible GPUs
-        model = runtime.load(inp.art, dtype=dtype, backend=backend, device_map=plan.device_map)
+        model = runtime.load(inp.art, dtype=dtype, backend=backend, device_map=plan.device_map,
+                             moe_numerics=moe_numerics)
     else:  # resident on the device while the pass streams, or layer-streamed when asked for
         model = runtime.load(inp.art, device=inp.device, dtype=dtype, backend=backend,
-                             lazy=plan.generation == "streaming")
+                             lazy=plan.generation == "streaming", moe_numerics=moe_numerics)
     eos = model.cfg.eos_token_id if isinstance(model.cfg.eos_token_id, int) else None
     out = gen.greedy_all(model, ids, plan.new_tokens, eos)
     if len(ids) > 1:

@@ -4,7 +4,8 @@ path ends in .png and matplotlib is importable.
 Left panel: error per decoder layer on a log scale — end-to-end residual rel. error (information only),
 the layer's own output error, the weight error — with the layer/weight thresholds dashed. Right panel:
 residual-stream cosine as 1 - cosine (log scale) with the cosine threshold. Each dashed line is labelled
-with the series it bounds and its value. The first failing layer is marked red.
+with the series it bounds and its value. The first failing layer is marked red. With `--numerics both`,
+the serving run adds its layer output error and 1 - cosine (dotted) with its own labelled thresholds.
 """
 from __future__ import annotations
 
@@ -16,12 +17,32 @@ SERIES = (("rel_error", "residual rel. error (end to end; info)", "#1f77b4"),
           ("layer_error", "layer output error (layer alone)", "#ff7f0e"),
           ("weight_error", "weight error (max tensor/expert)", "#2ca02c"))
 COSINE = ("1 - cosine (residual stream)", "#9467bd")
+SERVING = (("layer_error", "serving: layer output error", "#d4a017"),
+           ("cosine", "serving: 1 - cosine", "#8c564b"))
 FLOOR = 1e-7
 LABEL_GAP = 12  # px between two threshold labels, so lines close together keep readable labels
 
 
-def threshold_lines(th: dict) -> tuple[list, list]:
-    """(left panel, right panel) threshold lines: (value, label naming the series it bounds, color)."""
+def second_run(rep: dict):
+    """The serving run of a `--numerics both` report (plotted beside the first), else None."""
+    runs = rep.get("numerics") or {}
+    return runs.get("serving") if len(runs) > 1 and runs.get("serving", {}).get("layers") else None
+
+
+def threshold_lines(th: dict, serving: dict = None) -> tuple[list, list]:
+    """(left panel, right panel) threshold lines: (value, label naming the series it bounds, color);
+    `serving`: the serving run's thresholds, lines of their own."""
+    left, right = _threshold_lines(th)
+    if serving is not None:
+        lim = serving["max_layer_error"]
+        left.append((lim, f"serving layer output error <= {lim:g} (--max-layer-error, serving)",
+                     SERVING[0][2]))
+        right.append((1.0 - serving["min_cosine"], f"serving 1 - cosine <= {1.0 - serving['min_cosine']:.3g} "
+                      "(--min-cosine, serving)", SERVING[1][2]))
+    return left, right
+
+
+def _threshold_lines(th: dict) -> tuple[list, list]:
     left = [(th["max_layer_error"], f"layer output error <= {th['max_layer_error']:g} (--max-layer-error)",
              "#ff7f0e"),
             (th["max_weight_error"], f"weight error <= {th['max_weight_error']:g} (--max-weight-error)",
@@ -43,6 +64,11 @@ def write_plot(rep: dict, path) -> Path:
     else:
         path.write_text(svg(rep))
     return path
+
+
+def numerics_line(rep: dict) -> str:
+    runs = list((rep.get("numerics") or {}).values())
+    return "numerics: " + (" and ".join(f"{r['numerics']} (backend {r['backend']})" for r in runs) or "w8a16")
 
 
 def bytes_line(rep: dict) -> str:
@@ -106,24 +132,30 @@ def svg(rep: dict) -> str:
     layers = [r["layer"] for r in rows]
     th = rep["thresholds"]
     fail = rep.get("failing_layer")
-    W, H = 980, 420
+    W, H = 980, 440
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif">',
              f'<rect width="{W}" height="{H}" fill="#fafafa"/>',
              f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15" font-weight="bold">'
              f'porter verify: {escape(Path(rep["artifact"]).name)} — {"PASS" if rep["passed"] else "FAIL"}'
              + (f" (first failing layer {fail})" if fail is not None else "") + f"; {bytes_line(rep)}</text>"]
     series = [([r[k] for r in rows], label, color) for k, label, color in SERIES]
-    left, right = threshold_lines(th)
-    parts += _panel(60, 60, 520, 280, layers, series, left, "error per layer (log)", fail)
     cos = [([1.0 - r["cosine"] for r in rows], *COSINE)]
+    sv = second_run(rep)
+    left, right = threshold_lines(th, sv and sv["thresholds"])
+    if sv:
+        series.append(([r["layer_error"] for r in sv["layers"]], SERVING[0][1], SERVING[0][2]))
+        cos.append(([1.0 - r["cosine"] for r in sv["layers"]], SERVING[1][1], SERVING[1][2]))
+    parts += _panel(60, 60, 520, 280, layers, series, left, "error per layer (log)", fail)
     parts += _panel(660, 60, 290, 280, layers, cos, right, "1 - cosine per layer (log)", fail)
     y = 392
-    for i, (_, label, color) in enumerate(SERIES + (("",) + COSINE,)):
-        x = 60 + i * 230
+    legend = SERIES + (("",) + COSINE,) + (SERVING if sv else ())
+    for i, (_, label, color) in enumerate(legend):
+        x = 60 + (i % 4) * 230
+        y = 392 + (i // 4) * 16
         parts.append(f'<line x1="{x}" y1="{y}" x2="{x + 20}" y2="{y}" stroke="{color}" stroke-width="3"/>')
         parts.append(f'<text x="{x + 26}" y="{y + 4}" font-size="11">{escape(label)}</text>')
-    parts.append(f'<text x="60" y="{y + 20}" font-size="10" fill="#555">dashed: thresholds that decide the '
-                 f'verdict (labelled with the series they bound); info: no threshold; '
+    parts.append(f'<text x="60" y="{y + 18}" font-size="10" fill="#555">{escape(numerics_line(rep))}; '
+                 'dashed: thresholds that decide the verdict (labelled with the series they bound); info: no threshold; '
                  f'red band: first failing layer</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
@@ -140,7 +172,13 @@ def _write_png(rep: dict, path: Path) -> None:
     for k, label, color in SERIES:
         a.semilogy(layers, [max(r[k], FLOOR) for r in rows], "o-", label=label, color=color)
     b.semilogy(layers, [max(1 - r["cosine"], FLOOR) for r in rows], "o-", color=COSINE[1], label=COSINE[0])
-    left, right = threshold_lines(th)
+    sv = second_run(rep)
+    if sv:
+        a.semilogy(layers, [max(r["layer_error"], FLOOR) for r in sv["layers"]], "s:", color=SERVING[0][2],
+                   label=SERVING[0][1])
+        b.semilogy(layers, [max(1 - r["cosine"], FLOOR) for r in sv["layers"]], "s:", color=SERVING[1][2],
+                   label=SERVING[1][1])
+    left, right = threshold_lines(th, sv and sv["thresholds"])
     for ax, lines in ((a, left), (b, right)):
         for value, label, color in lines:
             ax.axhline(max(value, FLOOR), ls="--", color=color, label=label)
@@ -151,7 +189,7 @@ def _write_png(rep: dict, path: Path) -> None:
         ax.set_xlabel("decoder layer")
         ax.legend(fontsize=8)
     fig.suptitle(f"porter verify: {Path(rep['artifact']).name} — {'PASS' if rep['passed'] else 'FAIL'}; "
-                 f"{bytes_line(rep)}")
+                 f"{bytes_line(rep)}; {numerics_line(rep)}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -22,6 +22,8 @@ def format_table(rep: Report) -> str:
     lines += _integrity_lines(rep) + _exact_lines(rep)
     if rep.layers:
         lines += _layer_lines(rep)
+    if len(rep.numerics) > 1:
+        lines += _side_by_side(rep)
     for g in rep.generation:
         lines += _generation_lines(rep, g)
     lines.append(f"verdict: {'PASS' if rep.passed else 'FAIL'} — {rep.summary}")
@@ -70,9 +72,12 @@ def _mismatch(t) -> str:
 def _layer_lines(rep: Report) -> list[str]:
     st, th = rep.streaming, rep.thresholds
     rule = lambda name: threshold_rule(th, name).replace(" ", "")
-    lines = [f"numerics: backend {rep.backend}, {rep.device} {rep.dtype}, "
+    first = next(iter(rep.numerics.values()), None)
+    name = first.numerics if first else "w8a16"
+    lines = [f"numerics {name} ({NUMERICS_MEANING[name]}): backend {rep.backend}, {rep.device} {rep.dtype}, "
              f"{'layer-streaming' if st and st.enabled else 'full load'}, "
-             f"{sum(rep.prompt_tokens)} prompt token(s) in {len(rep.prompt_tokens)} prompt(s)",
+             f"{sum(rep.prompt_tokens)} prompt token(s) in {len(rep.prompt_tokens)} prompt(s)"
+             + (f"; {first.note}" if first and first.note else ""),
              f"{'layer':>5}  {'type':<12} {'cosine':>10} {'rel.err':>9} {'layer.err':>10} {'weight.err':>10}  status",
              f"{'decides:':<19} {rule('min_cosine'):>10} {'info':>9} "
              f"{rule('max_layer_error'):>10} {rule('max_weight_error'):>10}"]
@@ -93,6 +98,33 @@ def _layer_lines(rep: Report) -> list[str]:
               f"  max|diff| {lg.max_abs_diff:.3g} [info]",
               "  top-1: share of positions with the same argmax token; top-5 overlap: "
               "|top-5(ref) & top-5(conv)| / 5 (a fraction)"]
+    return lines
+
+
+NUMERICS_MEANING = {"w8a16": "MXFP8 weights, activations as given",
+                    "serving": "MXFP8 weights, MoE input and SwiGLU output as MXFP8, as served"}
+
+
+def _side_by_side(rep: Report) -> list[str]:
+    """Every run's deciding figures in one column each, with that run's threshold beside each figure."""
+    runs = list(rep.numerics.values())
+    width = 28
+    def cell(v, th, name, pct=False):
+        return (f"{v:.1%}" if pct else f"{v:.4g}") + f" [{threshold_rule(th, name, pct)}]"
+    rows = [("KL(ref||conv)", lambda r: cell(r.logits.kl, r.thresholds, "max_kl")),
+            ("top-1", lambda r: cell(r.logits.top1, r.thresholds, "min_top1", True)),
+            ("top-5 overlap", lambda r: cell(r.logits.top5, r.thresholds, "min_top5", True)),
+            ("layer.err (max)", lambda r: cell(max(x.layer_error for x in r.layers), r.thresholds,
+                                               "max_layer_error")),
+            ("cosine (min)", lambda r: cell(min(x.cosine for x in r.layers), r.thresholds, "min_cosine")),
+            ("rel.err (last layer)", lambda r: f"{r.layers[-1].rel_error:.4g} [info]"),
+            ("max|logit diff|", lambda r: f"{r.logits.max_abs_diff:.3g} [info]")]
+    done = [r for r in runs if r.logits is not None and r.layers]
+    lines = ["numerics side by side (figure [its run's threshold: decides] or [info]):",
+             f"  {'':<20} " + " ".join(f"{r.numerics + ' (' + r.backend + ')':<{width}}" for r in done)]
+    lines += [f"  {label:<20} " + " ".join(f"{fn(r):<{width}}" for r in done) for label, fn in rows]
+    lines += [f"  {r.numerics}: {NUMERICS_MEANING[r.numerics]}" + (f"; {r.note}" if r.note else "")
+              for r in done]
     return lines
 
 

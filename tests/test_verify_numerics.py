@@ -12,7 +12,6 @@ import torch
 from click.testing import CliRunner
 
 import porter
-import porter.commands.verify as verify_module
 from porter.cli import main
 from porter.commands.verify import SERVING_DEFAULTS, Thresholds, VerifyInputError, verify
 
@@ -46,7 +45,7 @@ def test_both_runs_in_the_json_with_their_own_thresholds(both):
     _, rep, _ = both
     assert rep["verdict"] == "pass" and rep["numerics_mode"] == "both"
     w, s = rep["numerics"]["w8a16"], rep["numerics"]["serving"]
-    assert (w["backend"], s["backend"], s["note"]) == ("auto", "torch", "")  # auto is torch on the CPU
+    assert (w["backend"], s["backend"], s["note"]) == ("auto", "auto", "")  # both runs as asked
     assert rep["layers"] == w["layers"] and rep["logits"] == w["logits"]  # the first run is also on top
     assert len(s["layers"]) == len(w["layers"]) == 4
     assert w["thresholds"] == rep["thresholds"] and w["thresholds"]["max_kl"] == 0.10
@@ -80,7 +79,7 @@ def test_table_sets_the_runs_side_by_side_with_their_thresholds(both):
     side = out[out.index("numerics side by side"):]
     kl = next(ln for ln in side.splitlines() if "KL(ref||conv)" in ln)
     assert "[<= 0.1]" in kl and f"[<= {SERVING_DEFAULTS['experts']['max_kl']:g}]" in kl
-    assert "serving (torch)" in side and "[info]" in side
+    assert "serving (auto)" in side and "[info]" in side
 
 
 def test_plot_has_the_serving_series_and_its_thresholds(both):
@@ -92,13 +91,7 @@ def test_plot_has_the_serving_series_and_its_thresholds(both):
     assert len([ln for ln in root.iter(SVG + "polyline")]) == 6  # 3 + 1 (w8a16), 2 (serving)
 
 
-def test_serving_with_a_backend_that_does_not_compute_it_refused(artifact, monkeypatch):
-    monkeypatch.setattr(verify_module, "check_integrity", lambda *a, **k: pytest.fail("verification ran"))
-    for numerics in ("serving", "both"):
-        res = cli(artifact, "--numerics", numerics, "--backend", "triton")
-        assert res.exit_code == 2 and res.output.splitlines() == [
-            "porter: error: --backend triton does not compute the serving numerics; "
-            "use --backend torch (or auto) with --numerics serving|both"], res.output
+def test_unknown_numerics_refused(artifact):
     with pytest.raises(VerifyInputError, match="numerics 'w8a8': want one of w8a16, serving, both"):
         verify(artifact, numerics="w8a8")
 
@@ -116,18 +109,9 @@ def test_tightened_threshold_fails_the_serving_run_only(artifact):
 
 def test_serving_defaults_are_the_serving_thresholds(artifact):
     r = verify(artifact, numerics="serving", max_new_tokens=0).report
-    assert r.passed and list(r.numerics) == ["serving"] and r.backend == "torch"
+    assert r.passed and list(r.numerics) == ["serving"] and r.backend == "auto"
     assert r.thresholds == Thresholds.build(None, "experts", "serving") and r.thresholds.max_kl == 0.15
     assert r.layers == r.numerics["serving"].layers
-
-
-def test_auto_on_a_gpu_picking_triton_runs_serving_on_torch_and_says_so(monkeypatch):
-    import runtime.moe
-    monkeypatch.setattr(runtime.moe, "resolve_backend", lambda *a, **k: "triton")
-    backend, note = verify_module._serving_backend("auto", "cuda")
-    assert backend == "torch"
-    assert note == "backend auto would pick triton, which does not compute the serving numerics: torch used"
-    assert verify_module._serving_backend("flashinfer-trtllm", "cuda") == ("flashinfer-trtllm", "")
 
 
 def test_serving_refused_for_an_unquantized_artifact(tiny_vendor, tmp_path):
@@ -140,15 +124,13 @@ def test_serving_refused_for_an_unquantized_artifact(tiny_vendor, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_both_at_real_dims_on_cuda(tmp_path):
-    """At MiniMax-M3's layer shapes (3 layers, 8 experts) on a GPU: the serving run computes on torch (or
-    flashinfer-trtllm), says why when auto picked another backend, adds error, and passes its thresholds."""
+    """At MiniMax-M3's layer shapes (3 layers, 8 experts) on a GPU: the serving run computes on the backend
+    auto picks (triton on Hopper, which computes the serving numerics too), adds error, and passes."""
     from tiny_checkpoint import build_tiny_checkpoint, real_dims_overrides
     src = build_tiny_checkpoint(tmp_path / "src", seed=0, text_overrides=real_dims_overrides(3))
     porter.convert(src, tmp_path / "art", progress=False)
     r = verify(tmp_path / "art", device="cuda", numerics="both", max_new_tokens=4).report
     w, s = r.numerics["w8a16"], r.numerics["serving"]
     assert r.passed, r.summary
-    assert s.backend in ("torch", "flashinfer-trtllm")
-    assert s.note == "" or (s.backend == "torch" and s.note == "backend auto would pick triton, which does "
-                            "not compute the serving numerics: torch used")
+    assert s.backend == w.backend and s.note == ""
     assert max(x.layer_error for x in s.layers) > max(x.layer_error for x in w.layers)

@@ -125,26 +125,10 @@ def _open(artifact, prompts, reference, backend, device, thresholds, token=None,
 
 
 def _check_serving(art: Path, scope: str, backend: str) -> None:
-    """Serving numerics need MXFP8 experts and a backend that computes them (torch, flashinfer-trtllm)."""
+    """Serving numerics need MXFP8 experts (every MoE backend computes them: docs/moe-backends.md)."""
     if scope == "none":
         raise VerifyInputError(f"{art}: --numerics serving needs MXFP8 experts; this artifact was converted "
                                "with --quantize none (use --numerics w8a16)")
-    if backend not in ("auto", "torch", "flashinfer-trtllm"):
-        raise VerifyInputError(f"--backend {backend} does not compute the serving numerics; "
-                               "use --backend torch (or auto) with --numerics serving|both")
-
-
-def _serving_backend(backend: str, device: torch.device) -> tuple[str, str]:
-    """(backend, note) of the serving run: auto resolves to torch unless it already picks one that computes
-    the serving numerics; the note says so when the w8a16 run would use another backend."""
-    if backend != "auto":
-        return backend, ""
-    from runtime.moe import resolve_backend
-    picked = resolve_backend("auto", device, quantized=True)
-    if picked in ("torch", "flashinfer-trtllm"):
-        return picked, ""
-    return "torch", (f"backend auto would pick {picked}, which does not compute the serving numerics: "
-                     "torch used")
 
 
 def _interleaved(man: dict, ref_config) -> bool:
@@ -166,10 +150,6 @@ def _numerics(rep: Report, inp: _Inputs, ref_store: ReferenceStore, backend, str
     rep.prompt_tokens = [int(x.shape[1]) for x in ids]
     seqs = None
     for k, run in enumerate(rep.numerics.values()):
-        if run.numerics == "serving":
-            run.backend, run.note = _serving_backend(backend, inp.device)
-            if run.note:
-                log.info("verify: serving numerics: %s", run.note)
         moe_numerics = "serving" if run.numerics == "serving" else None  # None: the backend's own, w8a16
         load = lambda lazy: runtime.load(inp.art, device=inp.device, dtype=dtype, backend=run.backend,
                                          lazy=lazy, moe_numerics=moe_numerics)

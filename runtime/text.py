@@ -99,6 +99,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TextError(f"a prompt must be text (str), found {type(text).__name__}")
+        try:
+            text.encode("utf-8")  # lone surrogates: bytes that were not UTF-8 on the command line
+        except UnicodeEncodeError:
+            raise TextError(f"prompt {text!r} is not valid UTF-8 text; pass text") from None
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -27,9 +27,10 @@ from converters.base import ResolvedConfig
 from porter import engine
 from porter.cores import available_cores
 from porter.engine import fault_point, output_guard
-from porter.errors import ConvertError, MalformedSafetensors
+from porter.errors import ConvertError, MalformedSafetensors, PorterError
 from porter.format import manifest, model_card, mxfp8
 from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
+from porter.format.safe_files import read_json_object
 from porter.format.layout import OutTensor, scale_name
 from porter.format.safetensors_io import (SHARD_METADATA, Entry, atomic_write_text, digest_rule, file_digests,
                                           header_bytes)
@@ -302,8 +303,8 @@ def _complete_fingerprint(out: Path) -> Optional[str]:
 
 def _read_journal(out: Path) -> dict:
     try:
-        return json.loads((out / JOURNAL).read_text())
-    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError):  # unreadable: as if absent
+        return read_json_object(out / JOURNAL, ConvertError, "journal")
+    except PorterError:  # unreadable, not a regular file or not an object: as if absent
         return {}
 
 

@@ -8,7 +8,7 @@ import torch
 
 from porter.format import manifest as manifest_mod
 from porter.format import prequantized
-from porter.format.safe_files import present
+from porter.format.safe_files import inside, present
 from porter.errors import PorterError, VerifyInputError
 
 DEFAULT_PROMPT = ("The quick brown fox jumps over the lazy dog. MiniMax-M3 is a mixture of experts language "
@@ -31,7 +31,23 @@ def open_artifact(path) -> tuple[Path, dict]:
         if not isinstance(man.get(key, {}), dict):
             raise VerifyInputError(f"{p / manifest_mod.MANIFEST}: {key!r} must be a JSON object; reconvert or "
                                    "restore this file")
+    _check_shard_names(p, man)
     return p, man
+
+
+def _check_shard_names(art: Path, man: dict) -> None:
+    """Every shard porter.json names is a file of the artifact folder (verify opens them by these names) and
+    every record is an object: a hand-edited manifest can neither crash verify nor point it outside."""
+    where = art / manifest_mod.MANIFEST
+    for f, rec in man.get("shards", {}).items():
+        inside(art, f, VerifyInputError, manifest_mod.MANIFEST)
+        if not isinstance(rec, dict) or type(rec.get("bytes", 0)) is not int:
+            raise VerifyInputError(f"{where}: shards[{f!r}] is not a record with integer bytes; reconvert")
+    for name, rec in man.get("tensors", {}).items():
+        if not isinstance(rec, dict):
+            raise VerifyInputError(f"{where}: tensors[{name!r}] is not a record; reconvert or restore this file")
+        if "shard" in rec:
+            inside(art, rec["shard"], VerifyInputError, manifest_mod.MANIFEST)
 
 
 def reference_path(man: dict, reference, token: Optional[str] = None, cache_dir=None) -> Path:

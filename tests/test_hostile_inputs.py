@@ -204,3 +204,45 @@ def test_fuzz_cli_exit_codes(artifact, tmp_path_factory, name, value):
     for args in (["inspect", d], ["generate", d, "--prompt", "hi", "--max-new-tokens", "1"]):
         code, out = cli(*args)
         assert code in (0, EXIT_BAD_INPUT), (args, out)
+
+
+def test_verify_manifest_shard_outside_refused(artifact, tiny_vendor, tmp_path):
+    d = copy(artifact, tmp_path)
+    doc = json.loads((d / "porter.json").read_text())
+    first = sorted(doc["shards"])[0]
+    doc["shards"]["../sentinel.safetensors"] = doc["shards"].pop(first)
+    (d / "porter.json").write_text(json.dumps(doc))
+    code, out = cli("verify", d, "--reference", tiny_vendor, "--max-new-tokens", "0")
+    assert code == EXIT_BAD_INPUT and "outside" in out and out.count("\n") == 1, out
+
+
+@pytest.mark.parametrize("kind", ["not_utf8", "fifo"])
+def test_verify_broken_config_is_a_finding_not_a_crash(artifact, tiny_vendor, tmp_path, kind):
+    d = copy(artifact, tmp_path)
+    (d / "config.json").unlink()
+    if kind == "fifo":
+        os.mkfifo(d / "config.json")
+    else:
+        (d / "config.json").write_bytes(b"\xff{}")
+    code, out = cli("verify", d, "--reference", tiny_vendor, "--max-new-tokens", "0")
+    assert code == 1 and "config.json" in out, out  # not faithful: the artifact's config is damaged
+
+
+def test_broken_tokenizer_and_non_utf8_prompt(artifact, tiny_vendor, tmp_path):
+    d = copy(artifact, tmp_path)
+    code, out = cli("generate", d, "--prompt", "\udcff", "--max-new-tokens", "1")
+    assert code == EXIT_BAD_INPUT and "UTF-8" in out, out
+    (d / "tokenizer.json").write_text('{"model": 3}')
+    for args in (["generate", d, "--prompt", "hi", "--max-new-tokens", "1"],
+                 ["verify", d, "--reference", tiny_vendor, "--max-new-tokens", "0"]):
+        code, out = cli(*args)
+        assert code == EXIT_BAD_INPUT and "tokenizer.json" in out, out
+
+
+@pytest.mark.parametrize("journal", ["[1]", '"x"', "\xff"])
+def test_convert_journal_of_wrong_shape(tiny_vendor, tmp_path, journal):
+    out_dir = tmp_path / "o"
+    out_dir.mkdir()
+    (out_dir / ".porter-journal.json").write_bytes(journal.encode("latin-1"))
+    code, out = cli("convert", tiny_vendor, "--output", out_dir, "--resume")
+    assert code == EXIT_BAD_INPUT, out

@@ -246,3 +246,17 @@ def test_convert_journal_of_wrong_shape(tiny_vendor, tmp_path, journal):
     (out_dir / ".porter-journal.json").write_bytes(journal.encode("latin-1"))
     code, out = cli("convert", tiny_vendor, "--output", out_dir, "--resume")
     assert code == EXIT_BAD_INPUT, out
+
+
+@FUZZ
+@given(name=st.sampled_from(["config.json", INDEX]),
+       entry=st.one_of(st.sampled_from(["../sentinel.safetensors", "/etc/passwd", "link.safetensors"]), json_values))
+def test_fuzz_source_files(tiny_vendor, tmp_path_factory, monkeypatch, name, entry):
+    root = tmp_path_factory.mktemp("fz")
+    d = copy(tiny_vendor, root)
+    os.symlink(root / "sentinel.safetensors", d / "link.safetensors")
+    if name == INDEX:
+        set_weight_map(d, entry)
+    else:
+        (d / name).write_text(json.dumps(entry))
+    check_load_never_escapes(d, monkeypatch)

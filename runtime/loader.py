@@ -78,8 +78,8 @@ class ArtifactStore:
                 raise LoadError(str(e)) from None
         for name, f in self.files.items():
             if name not in self._headers[f]:
-                raise LoadError(f"{index}: tensor {name!r} is listed in {f.name} but that shard does not hold "
-                                "it; reconvert")
+                raise LoadError(f"{index}: tensor {name!r} is listed in {f.name} but that shard does not "
+                                "hold it; reconvert")
 
     def names(self) -> set:
         return set(self.files) if self._hf is None else set(self._hf)
@@ -105,10 +105,11 @@ class ArtifactStore:
         h = self._handles.get(f)  # one lookup: a close() from another thread between two would KeyError
         try:
             if h is None:
-                h = self._handles.setdefault(f, safe_open(str(regular_file(f, LoadError, "shard")), framework="pt"))
+                regular_file(f, LoadError, "shard")
+                h = self._handles.setdefault(f, safe_open(str(f), framework="pt"))
             return h.get_tensor(name)  # memory-mapped
         except (SafetensorError, OSError) as e:  # changed on disk since the header check
-            raise LoadError(f"{f}: cannot read tensor {name!r} ({e}); reconvert or restore this shard") from None
+            raise LoadError(f"{f}: cannot read tensor {name!r} ({e}); reconvert or restore it") from None
 
     def experts(self, name: str):
         """(e, expert e) of a stacked [E, N, K] tensor, one expert at a time (slices of the mapped tensor)."""
@@ -147,7 +148,8 @@ class ArtifactStore:
         try:
             return sum(int(r.get("bytes", 0)) for r in shards.values())
         except (TypeError, ValueError):
-            raise LoadError(f"{self.path / manifest.MANIFEST}: a shard's 'bytes' is not a number; reconvert") from None
+            raise LoadError(f"{self.path / manifest.MANIFEST}: a shard's 'bytes' is not a number; "
+                            "reconvert") from None
 
 
 class SourceStore:
@@ -223,7 +225,8 @@ def _weight_map(folder: Path, index: Path) -> dict:
     files = {}
     for name, f in weight_map.items():
         if not isinstance(f, str) or not f.endswith(".safetensors"):
-            raise LoadError(f"{index}: weight_map[{name!r}] = {f!r} is not a .safetensors file name; reconvert")
+            raise LoadError(f"{index}: weight_map[{name!r}] = {f!r} is not a .safetensors file name; "
+                            "reconvert")
         files[name] = regular_file(inside(folder, f, LoadError, index.name), LoadError, "shard")
     return files
 

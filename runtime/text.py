@@ -193,7 +193,8 @@ def load_tokenizer(folder) -> Optional[Tokenizer]:
 def load_generation_config(folder, tokenizer: Optional[Tokenizer]) -> GenerationConfig:
     """generation_config.json's defaults; EOS falls back to the tokenizer's eos_token."""
     path = Path(folder) / "generation_config.json"
-    cfg = GenerationConfig.from_dict(_read_json(path), str(path)) if present(path, TextError) else GenerationConfig()
+    cfg = (GenerationConfig.from_dict(_read_json(path), str(path)) if present(path, TextError)
+           else GenerationConfig())
     if not cfg.eos_token_ids and tokenizer is not None and tokenizer.eos_token is not None:
         eos = tokenizer.backend.token_to_id(tokenizer.eos_token)
         cfg = cfg if eos is None else replace(cfg, eos_token_ids=(eos,))

@@ -57,8 +57,8 @@ class Opens:
 
     def outside(self, folder: Path) -> list:
         root = os.path.realpath(folder)
-        return [p for p in self.paths if "sentinel" in p or not (p.startswith(root + os.sep) or "site-packages" in p
-                                                                 or "/lib/python" in p)]
+        ours = lambda p: p.startswith(root + os.sep) or "site-packages" in p or "/lib/python" in p  # noqa: E731
+        return [p for p in self.paths if "sentinel" in p or not ours(p)]
 
 
 def load_error(d: Path) -> str:
@@ -145,9 +145,9 @@ def test_source_index_outside_refused(tiny_vendor, tmp_path):
     assert code == EXIT_BAD_INPUT and "outside" in out, out
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
-                           lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
-                           max_leaves=8)
+scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
+json_values = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c,
+                                                                                       max_size=3), max_leaves=8)
 
 
 def check_load_never_escapes(d: Path, monkeypatch):

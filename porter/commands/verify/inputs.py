@@ -29,8 +29,8 @@ def open_artifact(path) -> tuple[Path, dict]:
         raise VerifyInputError(str(e)) from None
     for key in ("source", "options", "tensors", "shards", "resolved_config", "swiglu"):
         if not isinstance(man.get(key, {}), dict):
-            raise VerifyInputError(f"{p / manifest_mod.MANIFEST}: {key!r} must be a JSON object; reconvert or "
-                                   "restore this file")
+            raise VerifyInputError(f"{p / manifest_mod.MANIFEST}: {key!r} must be a JSON object; "
+                                   "reconvert or restore this file")
     _check_shard_names(p, man)
     return p, man
 
@@ -45,7 +45,7 @@ def _check_shard_names(art: Path, man: dict) -> None:
             raise VerifyInputError(f"{where}: shards[{f!r}] is not a record with integer bytes; reconvert")
     for name, rec in man.get("tensors", {}).items():
         if not isinstance(rec, dict):
-            raise VerifyInputError(f"{where}: tensors[{name!r}] is not a record; reconvert or restore this file")
+            raise VerifyInputError(f"{where}: tensors[{name!r}] is not a record; reconvert or restore it")
         if "shard" in rec:
             inside(art, rec["shard"], VerifyInputError, manifest_mod.MANIFEST)
 

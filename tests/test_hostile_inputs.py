@@ -147,8 +147,8 @@ def test_source_index_outside_refused(tiny_vendor, tmp_path):
 
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
-json_values = st.recursive(
-    scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3), max_leaves=8)
+containers = lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3)  # noqa: E731
+json_values = st.recursive(scalars, containers, max_leaves=8)
 
 
 def check_load_never_escapes(d: Path, monkeypatch):

@@ -147,7 +147,12 @@ def test_source_index_outside_refused(tiny_vendor, tmp_path):
 
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
-containers = lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3)  # noqa: E731
+
+
+def containers(c):
+    return st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3)
+
+
 json_values = st.recursive(scalars, containers, max_leaves=8)
 
 

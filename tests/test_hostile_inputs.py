@@ -267,3 +267,14 @@ def test_fuzz_source_files(tiny_vendor, tmp_path_factory, monkeypatch, name, ent
     else:
         (d / name).write_text(json.dumps(entry))
     check_load_never_escapes(d, monkeypatch)
+
+
+@pytest.mark.parametrize("kind", ["dir", "fifo", "loop"])
+def test_convert_refuses_non_regular_source_files(tiny_vendor, tmp_path, kind):
+    d = copy(tiny_vendor, tmp_path)
+    p = d / "generation_config.json"
+    p.unlink()
+    {"dir": p.mkdir, "fifo": lambda: os.mkfifo(p), "loop": lambda: os.symlink(p.name, p)}[kind]()
+    code, out = cli("convert", d, "--output", tmp_path / "o")
+    assert code == EXIT_BAD_INPUT and "generation_config.json" in out and out.count("\n") == 1, out
+    assert not (tmp_path / "o" / "porter.json").exists()

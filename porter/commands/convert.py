@@ -30,7 +30,7 @@ from porter.engine import fault_point, output_guard
 from porter.errors import ConvertError, MalformedSafetensors, PorterError
 from porter.format import manifest, model_card, mxfp8
 from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
-from porter.format.safe_files import read_json_object
+from porter.format.safe_files import present, read_json_object
 from porter.format.layout import OutTensor, scale_name
 from porter.format.safetensors_io import (SHARD_METADATA, Entry, atomic_write_text, digest_rule, file_digests,
                                           header_bytes)
@@ -142,6 +142,8 @@ def convert(source, output, *, revision: Optional[str] = None, quantize: Optiona
     workers = _check_workers(workers)
     max_memory = engine.default_max_memory() if max_memory is None else parse_size(max_memory, "--max-memory")
     src = open_source(source, revision, headers_only=dry_run, token=token, cache_dir=cache_dir)
+    for name in COPY_FILES:  # copied at the end: a directory or FIFO there is refused before any work
+        present(src.path / name, ConvertError, "file to copy")
     converter = converters.for_config(src.raw_config, str(src.path / "config.json"))
     quantize = quantize or converter.DEFAULT_SCOPE.get(layout, "experts")
     plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size, layout, digest)

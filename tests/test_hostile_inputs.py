@@ -200,16 +200,18 @@ def test_fuzz_shard_header_bytes(artifact, tmp_path_factory, monkeypatch, cut, n
     check_load_never_escapes(d, monkeypatch)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(name=st.sampled_from(["config.json", INDEX, "porter.json", "generation_config.json",
                              "tokenizer_config.json", "tokenizer.json"]),
        value=json_values)
-def test_fuzz_cli_exit_codes(artifact, tmp_path_factory, name, value):
+def test_fuzz_cli_exit_codes(artifact, tiny_vendor, tmp_path_factory, name, value):
     d = copy(artifact, tmp_path_factory.mktemp("fz"))
     (d / name).write_text(json.dumps(value))
-    for args in (["inspect", d], ["generate", d, "--prompt", "hi", "--max-new-tokens", "1"]):
+    for args in (["inspect", d], ["generate", d, "--prompt", "hi", "--max-new-tokens", "1"],
+                 ["verify", d, "--reference", tiny_vendor, "--max-new-tokens", "0"]):
         code, out = cli(*args)
-        assert code in (0, EXIT_BAD_INPUT), (args, out)
+        ok = (0, 1, EXIT_BAD_INPUT) if args[0] == "verify" else (0, EXIT_BAD_INPUT)  # 1: not faithful
+        assert code in ok, (args, out)
 
 
 def test_verify_manifest_shard_outside_refused(artifact, tiny_vendor, tmp_path):

@@ -15,17 +15,18 @@ closes the store's shard handles, so pages mapped for it stop counting as reside
 from __future__ import annotations
 
 import gc
-import json
 import logging
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 import converters
-from porter.errors import LoadError
+from porter.errors import LoadError, PorterError
 from porter.format import manifest
+from porter.format.safe_files import inside, read_json_object, regular_file
+from porter.format.safetensors_io import parse_header
 from runtime.models.layers import Rope
 from runtime.models.minimax_m3 import DecoderLayer, MiniMaxM3
 
@@ -52,16 +53,33 @@ class ArtifactStore:
         self.converter = converters.for_config(raw, str(path / "config.json"))
         self.config = self.converter.resolve_config(raw)
         index = path / "model.safetensors.index.json"
-        if not index.exists():  # porter writes the index last: without it the conversion did not finish
+        if not index.exists() and not index.is_symlink():  # porter writes the index last: no index, no finish
             raise LoadError(f"{index}: missing — the conversion did not finish; rerun "
                             "`porter convert ... --resume` into this folder")
-        self.files = {n: path / f for n, f in _json(index)["weight_map"].items()}
+        self.files = _weight_map(path, index)
         self._handles: dict = {}
         self._headers: dict = {}  # shard -> parsed safetensors header (nbytes)
+        self._check_shards(index)
         # hf layout (vendor names, per-expert tensors): canonical name -> hf name, or per expert the hf
         # row parts that stack to [E, N, K] when the model touches them (the converter's hf_canonical_map)
-        hf = (self.manifest.get("options") or {}).get("layout") == "hf"
+        options = self.manifest.get("options")
+        if options is not None and not isinstance(options, dict):
+            raise LoadError(f"{path / manifest.MANIFEST}: 'options' must be a JSON object; reconvert")
+        hf = (options or {}).get("layout") == "hf"
         self._hf = self.converter.hf_canonical_map(self.files) if hf else None
+
+    def _check_shards(self, index: Path) -> None:
+        """Every shard is a valid safetensors file of this folder holding the tensors the index gives it
+        (headers only), so a broken file fails here, named, not as a bare error in the middle of a forward."""
+        for f in sorted(set(self.files.values())):
+            try:
+                self._headers[f] = parse_header(f)[1]
+            except PorterError as e:
+                raise LoadError(str(e)) from None
+        for name, f in self.files.items():
+            if name not in self._headers[f]:
+                raise LoadError(f"{index}: tensor {name!r} is listed in {f.name} but that shard does not "
+                                "hold it; reconvert")
 
     def names(self) -> set:
         return set(self.files) if self._hf is None else set(self._hf)
@@ -72,6 +90,8 @@ class ArtifactStore:
 
     def get(self, name: str) -> torch.Tensor:
         if self._hf is not None:
+            if name not in self._hf:
+                raise LoadError(f"tensor {name!r} is missing from {self.path}")
             spec = self._hf[name]
             if isinstance(spec, list):  # per-expert hf tensors -> stacked [E, N, K] (a copy, made here)
                 return torch.stack([w for _, w in self.experts(name)])
@@ -79,13 +99,17 @@ class ArtifactStore:
         return self._get(name)
 
     def _get(self, name: str) -> torch.Tensor:
-        f = self.files[name]
+        f = self.files.get(name)
+        if f is None:
+            raise LoadError(f"tensor {name!r} is missing from {self.path / 'model.safetensors.index.json'}")
         h = self._handles.get(f)  # one lookup: a close() from another thread between two would KeyError
-        if h is None:
-            if not f.exists():
-                raise LoadError(f"{f}: shard listed in the index is missing")
-            h = self._handles.setdefault(f, safe_open(str(f), framework="pt"))
-        return h.get_tensor(name)  # memory-mapped
+        try:
+            if h is None:
+                regular_file(f, LoadError, "shard")
+                h = self._handles.setdefault(f, safe_open(str(f), framework="pt"))
+            return h.get_tensor(name)  # memory-mapped
+        except (SafetensorError, OSError) as e:  # changed on disk since the header check
+            raise LoadError(f"{f}: cannot read tensor {name!r} ({e}); reconvert or restore it") from None
 
     def experts(self, name: str):
         """(e, expert e) of a stacked [E, N, K] tensor, one expert at a time (slices of the mapped tensor)."""
@@ -103,7 +127,6 @@ class ArtifactStore:
         return self._header_bytes(name)
 
     def _header_bytes(self, name: str) -> int:
-        from porter.format.safetensors_io import parse_header
         f = self.files[name]
         if f not in self._headers:
             self._headers[f] = parse_header(f)[1]
@@ -119,7 +142,14 @@ class ArtifactStore:
 
     def total_bytes(self) -> int:
         """Bytes of the artifact's shards (from porter.json; no file is read)."""
-        return sum(int(r.get("bytes", 0)) for r in self.manifest.get("shards", {}).values())
+        shards = self.manifest.get("shards")
+        if not isinstance(shards, dict) or not all(isinstance(r, dict) for r in shards.values()):
+            raise LoadError(f"{self.path / manifest.MANIFEST}: 'shards' must map file -> record; reconvert")
+        try:
+            return sum(int(r.get("bytes", 0)) for r in shards.values())
+        except (TypeError, ValueError):
+            raise LoadError(f"{self.path / manifest.MANIFEST}: a shard's 'bytes' is not a number; "
+                            "reconvert") from None
 
 
 class SourceStore:
@@ -174,18 +204,31 @@ class SourceStore:
 
 def open_store(path) -> ArtifactStore | SourceStore:
     path = Path(path).expanduser()
+    if not path.is_dir():
+        raise LoadError(f"{path}: not a directory (give a porter artifact or a checkpoint folder)")
     if manifest.is_artifact(path):
         return ArtifactStore(path)
-    if path.is_dir() and (path / "config.json").exists():
+    if (path / "config.json").exists() or (path / "config.json").is_symlink():
         return SourceStore(path)
     raise LoadError(f"{path}: neither a porter artifact (porter.json) nor a checkpoint dir (config.json)")
 
 
 def _json(p: Path) -> dict:
-    try:
-        return json.loads(p.read_text())
-    except FileNotFoundError:
-        raise LoadError(f"{p}: missing") from None
+    return read_json_object(p, LoadError)
+
+
+def _weight_map(folder: Path, index: Path) -> dict:
+    """tensor name -> shard path from the index, each shard a regular file inside `folder`."""
+    weight_map = _json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise LoadError(f"{index}: no weight_map object (tensor name -> shard file); reconvert")
+    files = {}
+    for name, f in weight_map.items():
+        if not isinstance(f, str) or not f.endswith(".safetensors"):
+            raise LoadError(f"{index}: weight_map[{name!r}] = {f!r} is not a .safetensors file name; "
+                            "reconvert")
+        files[name] = regular_file(inside(folder, f, LoadError, index.name), LoadError, "shard")
+    return files
 
 
 def getter(store, names: set, device: torch.device) -> Callable[[str], Optional[torch.Tensor]]:

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from porter.errors import TextError
+from porter.format.safe_files import present, read_json_object, read_text
 
 log = logging.getLogger("porter.runtime")
 
@@ -26,14 +27,7 @@ DEFAULT_MAX_NEW_TOKENS = 128  # when neither the call nor generation_config.json
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TextError(f"{path}: not a readable JSON file ({e.__class__.__name__}: {e}); "
-                        f"fix or remove it") from None
-    if not isinstance(data, dict):
-        raise TextError(f"{path}: expected a JSON object, found {type(data).__name__}")
-    return data
+    return read_json_object(path, TextError)
 
 
 def _token_text(value) -> Optional[str]:
@@ -105,6 +99,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TextError(f"a prompt must be text (str), found {type(text).__name__}")
+        try:
+            text.encode("utf-8")  # lone surrogates: bytes that were not UTF-8 on the command line
+        except UnicodeEncodeError:
+            raise TextError(f"prompt {text!r} is not valid UTF-8 text; pass text") from None
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -162,10 +160,11 @@ def render_template(source: str, **context) -> str:
 
 def _chat_template(folder: Path, tok_config: dict) -> Optional[str]:
     jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+    if present(jinja, TextError, "chat template"):
+        return read_text(jinja, TextError, "chat template")
     as_json = folder / "chat_template.json"
-    template = _read_json(as_json).get("chat_template") if as_json.is_file() else tok_config.get("chat_template")
+    template = (_read_json(as_json).get("chat_template") if present(as_json, TextError)
+                else tok_config.get("chat_template"))
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
@@ -176,7 +175,7 @@ def load_tokenizer(folder) -> Optional[Tokenizer]:
     """The folder's tokenizer, or None when it has no tokenizer.json."""
     folder = Path(folder)
     path = folder / "tokenizer.json"
-    if not path.is_file():
+    if not present(path, TextError, "tokenizer"):  # stat first: a FIFO would block the tokenizer's open
         return None
     from tokenizers import Tokenizer as Backend
     try:
@@ -185,7 +184,7 @@ def load_tokenizer(folder) -> Optional[Tokenizer]:
         raise TextError(f"{path}: not a tokenizer file the tokenizers library can read ({e}); "
                         "replace it with the checkpoint's own") from None
     cfg_path = folder / "tokenizer_config.json"
-    cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
+    cfg = _read_json(cfg_path) if present(cfg_path, TextError) else {}
     special = {k: _token_text(v) for k, v in cfg.items() if k.endswith("_token") and _token_text(v) is not None}
     return Tokenizer(backend, path, special.get("bos_token"), special.get("eos_token"), special.get("pad_token"),
                      _chat_template(folder, cfg), special)
@@ -194,7 +193,8 @@ def load_tokenizer(folder) -> Optional[Tokenizer]:
 def load_generation_config(folder, tokenizer: Optional[Tokenizer]) -> GenerationConfig:
     """generation_config.json's defaults; EOS falls back to the tokenizer's eos_token."""
     path = Path(folder) / "generation_config.json"
-    cfg = GenerationConfig.from_dict(_read_json(path), str(path)) if path.is_file() else GenerationConfig()
+    cfg = (GenerationConfig.from_dict(_read_json(path), str(path)) if present(path, TextError)
+           else GenerationConfig())
     if not cfg.eos_token_ids and tokenizer is not None and tokenizer.eos_token is not None:
         eos = tokenizer.backend.token_to_id(tokenizer.eos_token)
         cfg = cfg if eos is None else replace(cfg, eos_token_ids=(eos,))

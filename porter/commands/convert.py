@@ -30,6 +30,7 @@ from porter.engine import fault_point, output_guard
 from porter.errors import ConvertError, MalformedSafetensors, PorterError
 from porter.format import manifest, model_card, mxfp8
 from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
+from porter.format.safe_files import present, read_json_object
 from porter.format.layout import OutTensor, scale_name
 from porter.format.safetensors_io import (DTYPE_NAMES, SHARD_METADATA, Entry, atomic_write_text, digest_rule,
                                           file_digests, header_bytes, source_sample_digest)
@@ -160,6 +161,8 @@ def convert(source, output, *, revision: Optional[str] = None, quantize: Optiona
     workers = _check_workers(workers)
     max_memory = engine.default_max_memory() if max_memory is None else parse_size(max_memory, "--max-memory")
     src = open_source(source, revision, headers_only=dry_run, token=token, cache_dir=cache_dir)
+    for name in COPY_FILES:  # copied at the end: a directory or FIFO there is refused before any work
+        present(src.path / name, ConvertError, "file to copy")
     converter = converters.for_config(src.raw_config, str(src.path / "config.json"))
     quantize = quantize or converter.DEFAULT_SCOPE.get(layout, "experts")
     plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size, layout, digest)
@@ -377,15 +380,15 @@ def _complete_fingerprint(out: Path) -> Optional[str]:
     """The fingerprint recorded in a complete artifact's index (written last); its shards are checked
     apart (_intact_finished_shards)."""
     try:
-        return json.loads((out / INDEX_NAME).read_text())["metadata"]["porter_fingerprint"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return read_json_object(out / INDEX_NAME, ConvertError, "index")["metadata"]["porter_fingerprint"]
+    except (PorterError, KeyError, TypeError):  # unreadable, not a regular file, not an artifact's index
         return None
 
 
 def _read_journal(out: Path) -> dict:
     try:
-        return json.loads((out / JOURNAL).read_text())
-    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError):  # unreadable: as if absent
+        return read_json_object(out / JOURNAL, ConvertError, "journal")
+    except PorterError:  # unreadable, not a regular file or not an object: as if absent
         return {}
 
 

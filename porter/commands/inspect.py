@@ -9,6 +9,7 @@ and the ten tensors with the largest relative quantization error (from porter.js
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -18,6 +19,7 @@ from porter.format import manifest as manifest_mod
 from porter.format import prequantized
 from porter.errors import InspectError, PorterError
 from porter.format.layout import HF_LAYOUT_PREFIX
+from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import ST_DTYPES, nbytes
 from porter.source import INDEX_NAME
 from porter.source.local import read_header, weight_files
@@ -35,15 +37,12 @@ def inspect(path) -> dict:
     if not path.is_dir():
         raise InspectError(f"{path}: not a directory (give a porter artifact or a checkpoint folder)")
     incomplete = _interrupted(path)
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
+    if not os.path.lexists(path / "config.json"):
         if incomplete:
-            raise InspectError(f"{path}: porter output, {incomplete}") from None
-        raise InspectError(f"{path / 'config.json'}: missing; not a checkpoint or porter artifact") from None
-    except json.JSONDecodeError as e:
-        raise InspectError(f"{path / 'config.json'}: invalid JSON ({e})") from None
-    man = manifest_mod.read(path) if manifest_mod.is_artifact(path) else None
+            raise InspectError(f"{path}: porter output, {incomplete}")
+        raise InspectError(f"{path / 'config.json'}: missing; not a checkpoint or porter artifact")
+    raw = read_json_object(path / "config.json", InspectError, "config")
+    man = _manifest(path) if manifest_mod.is_artifact(path) else None
     tensors = _tensor_meta(path)
     cfg = converters.for_config(raw, str(path / "config.json")).resolve_config(raw)
     qc = prequantized.quantization_config_of(raw)
@@ -77,15 +76,30 @@ def _interrupted(path: Path):
     if (path / INDEX_NAME).exists() or not (path / JOURNAL).exists():
         return None
     try:
-        journal = json.loads((path / JOURNAL).read_text())
+        journal = read_json_object(path / JOURNAL, InspectError, "journal")
         done, files = len(journal["shards"]), journal["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (InspectError, KeyError, TypeError):
         journal, done, files = {}, "?", []
     total = sum(1 for f in files if isinstance(f, str) and _SHARD.fullmatch(f)) or "?"
     source = journal.get("source_path") if isinstance(journal, dict) else None
     files = files if isinstance(files, list) else []
     return (f"incomplete (interrupted conversion: {done} of {total} shards done; run porter convert "
             f"{source or 'SOURCE'} --output {path} --resume)")
+
+
+def _manifest(path: Path) -> dict:
+    """porter.json, with the records inspect reports checked for shape (a hand-edited file is named)."""
+    man = manifest_mod.read(path)
+    where = path / manifest_mod.MANIFEST
+    for key in ("source", "options", "tensors"):
+        if not isinstance(man.get(key, {}), dict):
+            raise InspectError(f"{where}: {key!r} must be a JSON object; reconvert or restore this file")
+    for name, rec in man.get("tensors", {}).items():
+        err = rec.get("rel_fro_error") if isinstance(rec, dict) else None
+        if not isinstance(rec, dict) or not (err is None or type(err) in (int, float)):
+            raise InspectError(f"{where}: tensors[{name!r}] is not a record with a numeric rel_fro_error; "
+                               "reconvert or restore this file")
+    return man
 
 
 def _tensor_meta(path: Path) -> dict:
@@ -99,7 +113,7 @@ def _tensor_meta(path: Path) -> dict:
         for name, info in read_header(f).items():
             out[name] = (info["dtype"], tuple(info["shape"]), f.name)
     if (path / INDEX_NAME).exists():
-        listed = set(json.loads((path / INDEX_NAME).read_text()).get("weight_map", {}))
+        listed = set(read_json_object(path / INDEX_NAME, InspectError, "index").get("weight_map", {}))
         if listed != set(out):
             missing = sorted(listed - set(out))[:1] or sorted(set(out) - listed)[:1]
             raise InspectError(f"{path / INDEX_NAME}: index and shard headers disagree (e.g. {missing[0]!r})")

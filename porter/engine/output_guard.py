@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from porter.errors import OutputFolderError
+from porter.format.safe_files import read_json_object
 
 log = logging.getLogger("porter")
 
@@ -68,11 +68,10 @@ def check_apart_from_source(out: Path, source_dir: Path) -> None:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+    try:  # stat first (safe_files): a FIFO where porter.json should be must not block
+        return read_json_object(path, OutputFolderError)
+    except OutputFolderError:
         return {}
-    return doc if isinstance(doc, dict) else {}
 
 
 def porter_written(out: Path, journal_name: str, copy_files: Iterable[str]) -> set:

@@ -12,6 +12,7 @@ from pathlib import Path
 from porter.errors import ManifestError
 from porter.format import mxfp8
 from porter.format.layout import ignored_layers
+from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import SHARD_METADATA, atomic_write_text, digest_rule, header_bytes
 from porter.version import __version__
 
@@ -81,12 +82,9 @@ def _header_len(entries) -> int:
 
 def read(path: Path) -> dict:
     p = Path(path) / MANIFEST
-    try:
-        doc = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ManifestError(f"{p}: missing; this is not a porter artifact (run `porter convert` first)") from None
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{p}: invalid JSON ({e}); reconvert or restore this file") from None
+    if not p.exists() and not p.is_symlink():
+        raise ManifestError(f"{p}: missing; this is not a porter artifact (run `porter convert` first)")
+    doc = read_json_object(p, ManifestError, "porter manifest")
     if doc.get("format") != FORMAT:
         raise ManifestError(f"{p}: format {doc.get('format')!r} is not {FORMAT!r}; not a porter artifact")
     return doc

@@ -22,6 +22,7 @@ import torch
 
 from porter.format.digest import CHUNK_HASH_DOC, CHUNK_HASHES, DEFAULT_DIGEST
 from porter.errors import MalformedSafetensors
+from porter.format.safe_files import regular_file
 
 DTYPE_NAMES = {  # torch dtype -> safetensors header dtype
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -87,7 +88,7 @@ def parse_header(path: Path) -> tuple[int, dict]:
     the region ends where the file ends. Raises MalformedSafetensors naming the file."""
     path = Path(path)
     redo = "re-download or re-create this shard"
-    size = path.stat().st_size
+    size = regular_file(path, MalformedSafetensors, "safetensors shard").stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -99,7 +100,7 @@ def parse_header(path: Path) -> tuple[int, dict]:
         text = f.read(n)
     try:
         header = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise MalformedSafetensors(f"{path}: corrupt safetensors header (invalid JSON: {e}); {redo}") from None
     if not isinstance(header, dict):
         raise MalformedSafetensors(f"{path}: corrupt safetensors header (not a JSON object); {redo}")

@@ -7,8 +7,8 @@ Never unpickles: a checkpoint that has only `*.bin` / `*.pt` weights is refused.
 """
 from __future__ import annotations
 
-import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from porter.format import prequantized
+from porter.format.safe_files import inside, read_json, regular_file
 from porter.format.safetensors_io import ST_DTYPES, nbytes, parse_header
 from porter.errors import SourceError
 
@@ -101,19 +102,16 @@ def tensor_span(path: Path, info: dict) -> tuple[int, int]:
     return data_start + begin, end - begin
 
 
-def load_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SourceError(f"{path}: missing; a MiniMax-M3 checkpoint needs config.json beside its shards") from None
-    except json.JSONDecodeError as e:
-        raise SourceError(f"{path}: invalid JSON ({e})") from None
+def load_json(path: Path):
+    if not os.path.lexists(path):
+        raise SourceError(f"{path}: missing; a MiniMax-M3 checkpoint needs config.json beside its shards")
+    return read_json(path, SourceError)
 
 
 def weight_files(path: Path) -> list[Path]:
     """The safetensors shards of a checkpoint dir (from the index when present); refuses pickles."""
     index = path / INDEX_NAME
-    if index.exists():
+    if index.exists() or index.is_symlink():
         doc = load_json(index)
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
@@ -123,12 +121,13 @@ def weight_files(path: Path) -> list[Path]:
         if bad:
             raise SourceError(f"{index}: weight_map[{bad[0][0]!r}] = {bad[0][1]!r} is not a .safetensors file name "
                               "in this folder; re-download the index")
-        files = sorted({path / f for f in weight_map.values()})
-        missing = [f for f in files if not f.exists()]
+        files = sorted({inside(path, f, SourceError, INDEX_NAME) for f in weight_map.values()})
+        missing = [f for f in files if not os.path.lexists(f)]
         if missing:
             raise SourceError(f"{missing[0]}: listed in {INDEX_NAME} but missing; re-download the checkpoint")
-        return files
-    files = sorted(path.glob("*.safetensors"))
+        return [regular_file(f, SourceError, "shard") for f in files]
+    files = [regular_file(inside(path, f.name, SourceError), SourceError, "shard")
+             for f in sorted(path.glob("*.safetensors"))]
     if files:
         return files
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)

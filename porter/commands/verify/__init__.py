@@ -28,6 +28,7 @@ import torch
 
 import converters
 from porter.errors import PorterError
+from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import dtype_name
 from porter.commands.verify import generation as gen
 from porter.commands.verify.exact import rederive
@@ -110,9 +111,9 @@ def _open(artifact, prompts, reference, backend, device, thresholds, token=None,
     th = by_run[runs[0]]
     ref_path = reference_path(man, reference, token, cache_dir)
     try:
-        raw = json.loads((ref_path / "config.json").read_text())
+        raw = read_json_object(ref_path / "config.json", VerifyInputError, "config")
         ref_config = converters.for_config(raw).resolve_config(raw)
-    except (PorterError, json.JSONDecodeError) as e:
+    except PorterError as e:
         raise VerifyInputError(f"reference {ref_path / 'config.json'}: {e}") from None
     source_q = source_quantization(man, raw, ref_path)  # a pre-quantized reference is read as converted
     tok, tok_path = tokenizer(art, ref_path)

@@ -8,6 +8,7 @@ import torch
 
 from porter.format import manifest as manifest_mod
 from porter.format import prequantized
+from porter.format.safe_files import inside, present
 from porter.errors import PorterError, VerifyInputError
 
 DEFAULT_PROMPT = ("The quick brown fox jumps over the lazy dog. MiniMax-M3 is a mixture of experts language "
@@ -23,9 +24,30 @@ def open_artifact(path) -> tuple[Path, dict]:
     if not manifest_mod.is_artifact(p):
         raise VerifyInputError(f"{p}: not a porter artifact (no porter.json); run `porter convert` first")
     try:
-        return p, manifest_mod.read(p)
+        man = manifest_mod.read(p)
     except (PorterError, ValueError) as e:  # ManifestError; a manifest without the ManifestError class
         raise VerifyInputError(str(e)) from None
+    for key in ("source", "options", "tensors", "shards", "resolved_config", "swiglu"):
+        if not isinstance(man.get(key, {}), dict):
+            raise VerifyInputError(f"{p / manifest_mod.MANIFEST}: {key!r} must be a JSON object; "
+                                   "reconvert or restore this file")
+    _check_shard_names(p, man)
+    return p, man
+
+
+def _check_shard_names(art: Path, man: dict) -> None:
+    """Every shard porter.json names is a file of the artifact folder (verify opens them by these names) and
+    every record is an object: a hand-edited manifest can neither crash verify nor point it outside."""
+    where = art / manifest_mod.MANIFEST
+    for f, rec in man.get("shards", {}).items():
+        inside(art, f, VerifyInputError, manifest_mod.MANIFEST)
+        if not isinstance(rec, dict) or type(rec.get("bytes", 0)) is not int:
+            raise VerifyInputError(f"{where}: shards[{f!r}] is not a record with integer bytes; reconvert")
+    for name, rec in man.get("tensors", {}).items():
+        if not isinstance(rec, dict):
+            raise VerifyInputError(f"{where}: tensors[{name!r}] is not a record; reconvert or restore it")
+        if "shard" in rec:
+            inside(art, rec["shard"], VerifyInputError, manifest_mod.MANIFEST)
 
 
 def reference_path(man: dict, reference, token: Optional[str] = None, cache_dir=None) -> Path:
@@ -96,8 +118,13 @@ def _from_hub(repo_id: str, commit: Optional[str], token=None, cache_dir=None) -
 def tokenizer(art: Path, ref: Path):
     from tokenizers import Tokenizer
     for d in (art, ref):
-        if (d / "tokenizer.json").exists():
-            return Tokenizer.from_file(str(d / "tokenizer.json")), d / "tokenizer.json"
+        path = d / "tokenizer.json"
+        if present(path, VerifyInputError, "tokenizer"):  # stat first: a FIFO would block the open
+            try:
+                return Tokenizer.from_file(str(path)), path
+            except Exception as e:  # tokenizers raises its own Exception subclass for any malformed file
+                raise VerifyInputError(f"{path}: not a tokenizer file the tokenizers library can read ({e}); "
+                                       "replace it with the checkpoint's own") from None
     raise VerifyInputError(f"{art}: no tokenizer.json in the artifact or the reference {ref}")
 
 
@@ -105,11 +132,21 @@ def encode_prompts(tok, prompts: list[str]) -> list[torch.Tensor]:
     """Each prompt as LongTensor [1, T]."""
     ids = []
     for p in prompts:
+        if not isinstance(p, str) or not _utf8(p):
+            raise VerifyInputError(f"prompt {p!r} is not text (a str of valid UTF-8)")
         enc = tok.encode(p).ids
         if not enc:
             raise VerifyInputError(f"prompt {p!r} tokenizes to nothing")
         ids.append(torch.tensor([enc], dtype=torch.long))
     return ids
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")  # lone surrogates: bytes that were not UTF-8 on the command line
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def check_output_paths(report, plot) -> None:

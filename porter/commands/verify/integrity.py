@@ -11,6 +11,7 @@ This proves the files were not changed after conversion; it cannot prove the con
 from __future__ import annotations
 
 import json
+import os
 import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +24,7 @@ from porter.format import manifest, mxfp8, prequantized
 from porter.errors import PorterError, VerifyInputError
 from porter.cores import available_cores
 from porter.format.digest import CHUNK_HASHES
+from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import DTYPE_NAMES, chunk_hash_of, dtype_name, file_digests
 from porter.commands.verify.verdict import Failure, IntegrityResult
 
@@ -142,9 +144,11 @@ def _check_index(art: Path, tensors: dict) -> list[Failure]:
     if not p.exists():
         return [Failure("integrity", f"{p.name} is missing (an interrupted conversion?)")]
     try:
-        wm = json.loads(p.read_text()).get("weight_map", {})
-    except json.JSONDecodeError as e:
-        return [Failure("integrity", f"{p.name}: invalid JSON ({e})")]
+        wm = read_json_object(p, VerifyInputError, "index").get("weight_map", {})
+    except PorterError as e:
+        return [Failure("integrity", str(e))]
+    if not isinstance(wm, dict):
+        return [Failure("integrity", f"{p.name}: weight_map is not a JSON object")]
     out = []
     for n in sorted(set(wm) ^ set(tensors)):
         where = "index but not porter.json" if n in wm else "porter.json but not the index"
@@ -210,11 +214,11 @@ def _same(a, b) -> bool:
 def _check_config(art: Path, man: dict, ref_config) -> list[Failure]:
     want = man.get("resolved_config", {})
     try:
-        raw = json.loads((art / "config.json").read_text())
+        if not os.path.lexists(art / "config.json"):
+            return [Failure("integrity", "config.json is missing from the artifact")]
+        raw = read_json_object(art / "config.json", VerifyInputError, "config")
         have = json.loads(json.dumps(converters.for_config(raw).resolve_config(raw).to_dict()))
-    except FileNotFoundError:
-        return [Failure("integrity", "config.json is missing from the artifact")]
-    except (json.JSONDecodeError, PorterError) as e:
+    except PorterError as e:
         return [Failure("integrity", f"config.json: {e}")]
     out = [Failure("integrity", f"config.json resolves {k} = {have.get(k)!r} but porter.json resolved_config "
                    f"says {want.get(k)!r}", field=k) for k in sorted(set(have) | set(want))

@@ -1,5 +1,6 @@
 """What the benchmarks share: the repository on sys.path, environment capture, CUDA-graph timing, the
 measured bandwidth floors, markdown tables and result files. Not imported by porter or runtime."""
+
 from __future__ import annotations
 
 import json
@@ -21,10 +22,17 @@ for p in (ROOT, ROOT / "examples"):
 def commit() -> str:
     """The repository's HEAD (short sha, '+dirty' when the tree differs), or 'unknown' outside git."""
     try:
-        sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -33,19 +41,28 @@ def commit() -> str:
 def environment() -> dict:
     """What a result needs beside it: CPU, cores, memory, GPU, torch, triton, commit, command."""
     import torch
+
     cpu = platform.processor() or platform.machine()
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                   if line.startswith("model name"))
+        cpu = next(
+            line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
-    env = {"cpu": cpu, "cores": len(os.sched_getaffinity(0)),
-           "mem_total_gb": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9,
-           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-           "python": platform.python_version(), "torch": torch.__version__, "triton": None,
-           "commit": commit(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+    env = {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "mem_total_gb": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": None,
+        "commit": commit(),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
     try:
         import triton
+
         env["triton"] = triton.__version__
     except ImportError:
         pass
@@ -54,13 +71,16 @@ def environment() -> dict:
 
 def environment_line(env: dict) -> str:
     gpu = f", GPU {env['gpu']}" if env.get("gpu") else ""
-    return (f"{env['cpu']}, {env['cores']} cores{gpu}; torch {env['torch']}, triton {env['triton']}, "
-            f"python {env['python']}; commit {env['commit']}; `python benchmarks/{env['command']}`")
+    return (
+        f"{env['cpu']}, {env['cores']} cores{gpu}; torch {env['torch']}, triton {env['triton']}, "
+        f"python {env['python']}; commit {env['commit']}; `python benchmarks/{env['command']}`"
+    )
 
 
 def capture_graph(calls: list):
     """A CUDA graph of the callables run back to back: 3 warm-up runs on a side stream, capture, 5 replays."""
     import torch
+
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -85,6 +105,7 @@ def graph_time_us(fn, reps: int = 60, calls: list | None = None, busy_cycles: in
     CPU launch cost not). calls: callables captured back to back instead of fn; the median is divided by
     their number. busy_cycles: GPU spin queued ahead of each timed replay."""
     import torch
+
     calls = calls or [fn]
     g = capture_graph(calls)
     times = []
@@ -109,6 +130,7 @@ def graph_time_queued_us(fn, reps: int = 60, calls: list | None = None) -> float
 def event_time_us(fn, reps: int) -> float:
     """Median of per-call event timings of fn launched eagerly (after one warm-up call)."""
     import torch
+
     fn()
     torch.cuda.synchronize()
     times = []
@@ -125,6 +147,7 @@ def event_time_us(fn, reps: int) -> float:
 def mean_ms(fn, iters: int = 50, graph: bool = True) -> float:
     """Mean ms per call over `iters` back-to-back calls; graph=True captures fn once and replays it."""
     import torch
+
     run = capture_graph([fn]).replay if graph else fn
     for _ in range(3):
         run()
@@ -141,6 +164,7 @@ def mean_ms(fn, iters: int = 50, graph: bool = True) -> float:
 def copy_bandwidth() -> float:
     """Device copy rate in bytes/s, read + write of a 2 GiB buffer (the decode step's bytes floor rate)."""
     import torch
+
     x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     for _ in range(3):
@@ -150,8 +174,11 @@ def copy_bandwidth() -> float:
 
 def markdown_table(header: list, rows: list) -> list:
     """Lines of a markdown table; cells are used as given (format numbers before)."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(str(c) for c in r) + " |" for r in rows)]
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(str(c) for c in r) + " |" for r in rows),
+    ]
 
 
 def write_results(out_dir, stem: str, doc: dict, lines: list) -> Path:

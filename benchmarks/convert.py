@@ -26,6 +26,7 @@ synced, so no run pays for the previous one's writeback.
     python benchmarks/convert.py [--sizes 2,8] [--devices cpu,cuda] [--cache warm,cold] [--repeats 1]
                                  [--out FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,13 +45,20 @@ from common import DEFAULT_OUT, ROOT, environment, environment_line  # noqa: E40
 
 REAL_CHECKPOINT_GB = 795.0  # MiniMax-M3 BF16 release, safetensors bytes
 # the baseline copies, each with the key of a run's ratio to it
-RATIO_KEYS = {"copy-safetensors": "ratio_to_safetensors_copy", "copy-safetensors+fsync": "ratio_to_safetensors_copy_fsync",
-              "copy-files": "ratio_to_file_copy", "copy-files+fsync": "ratio_to_file_copy_fsync"}
+RATIO_KEYS = {
+    "copy-safetensors": "ratio_to_safetensors_copy",
+    "copy-safetensors+fsync": "ratio_to_safetensors_copy_fsync",
+    "copy-files": "ratio_to_file_copy",
+    "copy-files+fsync": "ratio_to_file_copy_fsync",
+}
 COPIES = tuple(RATIO_KEYS)
 
-SAMPLER = """
+SAMPLER = (
+    """
 import sys, threading, time
-BENCH_DIR = """ + repr(str(Path(__file__).resolve().parent)) + """
+BENCH_DIR = """
+    + repr(str(Path(__file__).resolve().parent))
+    + """
 PEAK = {"RssAnon": 0, "RssFile": 0, "VmHWM": 0}
 def _status():
     out = {}
@@ -78,8 +86,11 @@ def report(secs, **extra):
     import json
     print("RESULT " + json.dumps({"seconds": secs, **{k.lower(): v for k, v in PEAK.items()}, **extra}))
 """
+)
 
-COPY = SAMPLER + """
+COPY = (
+    SAMPLER
+    + """
 import shutil, sys, time
 from pathlib import Path
 src, out, kind = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
@@ -101,8 +112,11 @@ if kind.endswith("+fsync"):  # durable, as porter convert is before it writes it
         os.close(fd)
 report(time.perf_counter() - t0, **state)
 """
+)
 
-CONVERT = SAMPLER + """
+CONVERT = (
+    SAMPLER
+    + """
 import sys, time
 from pathlib import Path
 sys.path.insert(0, ROOT_PATH)
@@ -120,6 +134,7 @@ man = json.loads((Path(sys.argv[2]) / "porter.json").read_text())
 report(secs, estimate=dry["peak_bytes_estimate"], fsync_seconds=done["fsync_seconds"],
        shard_digests={f: r["digest"] for f, r in man["shards"].items()}, **state)
 """
+)
 
 
 def child(code: str, *args) -> dict:
@@ -134,10 +149,17 @@ def copy_run(src: Path, out: Path, kind: str, cache: str = "warm") -> dict:
     return child(COPY, src, out, kind, cache)
 
 
-def convert_run(src: Path, out: Path, workers: str = "all", device: str = "cpu", cache: str = "warm",
-                max_shard_size: str = "512MB") -> dict:
+def convert_run(
+    src: Path,
+    out: Path,
+    workers: str = "all",
+    device: str = "cpu",
+    cache: str = "warm",
+    max_shard_size: str = "512MB",
+) -> dict:
     """One `porter convert` (porter's default digest) in a fresh process, after its dry run."""
     from porter.format.digest import DEFAULT_DIGEST  # here: a copy's child process imports this module too
+
     code = CONVERT.replace("ROOT_PATH", repr(str(ROOT)))
     return child(code, src, out, workers, device, cache, max_shard_size, DEFAULT_DIGEST)
 
@@ -159,7 +181,7 @@ class _PooledRandn:
         if n > self._pool.numel():
             return self._torch.randn(*shape)
         self._at = (self._at + 7_919_113) % (self._pool.numel() - n + 1)
-        return self._pool[self._at:self._at + n].view(*shape)
+        return self._pool[self._at : self._at + n].view(*shape)
 
     def __getattr__(self, name):
         return getattr(self._torch, name)
@@ -167,6 +189,7 @@ class _PooledRandn:
 
 def build_checkpoint(out: Path, layers: int, experts: int) -> Path:
     import tiny_checkpoint
+
     real = tiny_checkpoint.torch
     tiny_checkpoint.torch = _PooledRandn(real)
     try:
@@ -199,6 +222,7 @@ def cached_fraction(path: Path) -> float:
     """Fraction of the source files' pages in the page cache now (mincore), to show a cold run was cold."""
     import ctypes
     import mmap
+
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     have = total = 0
     for f in sorted(path.glob("*.safetensors")):
@@ -224,9 +248,18 @@ def warm(path: Path) -> None:
                 pass
 
 
-def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list, repeats: int, single: bool,
-               experts: int = 8, caches: tuple = ("warm",), max_shard_size: str = "512MB",
-               copies: tuple = COPIES) -> dict:
+def bench_size(
+    tmp: Path,
+    target_gb: float,
+    layers_per_gb: float,
+    devices: list,
+    repeats: int,
+    single: bool,
+    experts: int = 8,
+    caches: tuple = ("warm",),
+    max_shard_size: str = "512MB",
+    copies: tuple = COPIES,
+) -> dict:
     layers = max(2, round(target_gb * layers_per_gb))
     t0 = time.time()
     src = build_checkpoint(tmp / f"src{target_gb}", layers, experts)
@@ -243,16 +276,23 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
             warm(src)
         for r in range(repeats):
             for kind, workers, device in configs:
-                if cache == "cold" and ((kind, workers) == ("convert", "1") or kind == "copy-safetensors+fsync"):
+                if cache == "cold" and (
+                    (kind, workers) == ("convert", "1") or kind == "copy-safetensors+fsync"
+                ):
                     continue  # cold: the copies and the every-core conversions only
                 out = tmp / f"out-{kind}-{workers}-{device}-{r}"
                 if kind.startswith("copy"):
                     res = copy_run(src, out, kind, cache)
                 else:
                     res = convert_run(src, out, workers, device, cache, max_shard_size)
-                res |= {"kind": kind, "workers": workers, "device": device, "repeat": r,
-                        "max_shard_size": max_shard_size if kind == "convert" else None,
-                        "gb_per_s": gb / res["seconds"]}
+                res |= {
+                    "kind": kind,
+                    "workers": workers,
+                    "device": device,
+                    "repeat": r,
+                    "max_shard_size": max_shard_size if kind == "convert" else None,
+                    "gb_per_s": gb / res["seconds"],
+                }
                 runs.append(res)
                 shutil.rmtree(out, ignore_errors=True)
                 os.sync()  # the next run starts with no dirty pages of this one still being written back
@@ -260,7 +300,9 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
     for x in runs:
         same = [y for y in runs if y["cache"] == x["cache"]]
         for kind, key in RATIO_KEYS.items():  # against the best run of each baseline in the same cache state
-            x[key] = x["seconds"] / min((y["seconds"] for y in same if y["kind"] == kind), default=float("nan"))
+            x[key] = x["seconds"] / min(
+                (y["seconds"] for y in same if y["kind"] == kind), default=float("nan")
+            )
         if "estimate" in x:
             x["estimate_over_measured_peak"] = x["estimate"] / x["vmhwm"]
             x["projected_795gb_minutes"] = REAL_CHECKPOINT_GB / x["gb_per_s"] / 60
@@ -271,59 +313,95 @@ def bench_size(tmp: Path, target_gb: float, layers_per_gb: float, devices: list,
             x["same_bytes_as_first_run"] = x["shard_digests"] == same_layout[0]["shard_digests"]
             x["output_shards"] = len(x["shard_digests"])
     shutil.rmtree(src, ignore_errors=True)
-    return {"source_gb": gb, "layers": layers, "experts_per_layer": experts, "build_seconds": build_s, "runs": runs}
+    return {
+        "source_gb": gb,
+        "layers": layers,
+        "experts_per_layer": experts,
+        "build_seconds": build_s,
+        "runs": runs,
+    }
 
 
 def summary_lines(result: dict) -> list:
     lines = [environment_line(result["machine"])]
     for s in result["sizes"]:
-        lines.append(f"{s['source_gb']:.2f} GB ({s['layers']} layers at H 6144, I 3072, "
-                     f"{s['experts_per_layer']} experts):")
+        lines.append(
+            f"{s['source_gb']:.2f} GB ({s['layers']} layers at H 6144, I 3072, "
+            f"{s['experts_per_layer']} experts):"
+        )
         for x in s["runs"]:
             what = x["kind"] if x["kind"] != "convert" else f"convert {x['device']} workers={x['workers']}"
             if x.get("output_shards") is not None:
                 what += f" {x['output_shards']}x{x['max_shard_size']}"
             what = f"{x['cache']:4s} {what}"
-            extra = (f", fsync {x['fsync_seconds']:.2f} s ({x['gb_per_s_before_fsync']:.2f} GB/s before it), "
-                     f"est/peak {x['estimate_over_measured_peak']:.2f}, same bytes as cpu {x['same_bytes_as_cpu']}"
-                     f" / as first run of this layout {x['same_bytes_as_first_run']}, "
-                     f"795 GB in {x['projected_795gb_minutes']:.1f} min") if "estimate" in x else ""
+            extra = (
+                (
+                    f", fsync {x['fsync_seconds']:.2f} s ({x['gb_per_s_before_fsync']:.2f} GB/s before it), "
+                    f"est/peak {x['estimate_over_measured_peak']:.2f}, same bytes as cpu {x['same_bytes_as_cpu']}"
+                    f" / as first run of this layout {x['same_bytes_as_first_run']}, "
+                    f"795 GB in {x['projected_795gb_minutes']:.1f} min"
+                )
+                if "estimate" in x
+                else ""
+            )
             if "cached_before" in x:
                 extra += f", {100 * x['cached_before']:.0f}% cached at start ({x['evicted_by']})"
-            lines.append(f"  {what:39s} {x['seconds']:7.2f} s {x['gb_per_s']:6.2f} GB/s "
-                         f"x{x['ratio_to_safetensors_copy']:.2f} of copy (x{x['ratio_to_safetensors_copy_fsync']:.2f} "
-                         f"of copy+fsync, x{x['ratio_to_file_copy']:.2f} of file copy, "
-                         f"x{x['ratio_to_file_copy_fsync']:.2f} of file copy+fsync); peak anon "
-                         f"{x['rssanon'] / 1e9:.2f} GB file {x['rssfile'] / 1e9:.2f} GB hwm {x['vmhwm'] / 1e9:.2f} GB"
-                         f"{extra}")
+            lines.append(
+                f"  {what:39s} {x['seconds']:7.2f} s {x['gb_per_s']:6.2f} GB/s "
+                f"x{x['ratio_to_safetensors_copy']:.2f} of copy (x{x['ratio_to_safetensors_copy_fsync']:.2f} "
+                f"of copy+fsync, x{x['ratio_to_file_copy']:.2f} of file copy, "
+                f"x{x['ratio_to_file_copy_fsync']:.2f} of file copy+fsync); peak anon "
+                f"{x['rssanon'] / 1e9:.2f} GB file {x['rssfile'] / 1e9:.2f} GB hwm {x['vmhwm'] / 1e9:.2f} GB"
+                f"{extra}"
+            )
     return lines
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="2,8", help="checkpoint sizes in GB (approximate)")
-    ap.add_argument("--devices", default="cpu,cuda", help="convert devices to run (cuda skipped without a GPU)")
+    ap.add_argument(
+        "--devices", default="cpu,cuda", help="convert devices to run (cuda skipped without a GPU)"
+    )
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--cache", default="warm", help="page cache states to run: warm, cold or warm,cold")
     ap.add_argument("--no-single", action="store_true", help="skip the 1-worker (intra-op threads) CPU run")
     ap.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
-    ap.add_argument("--max-shard-size", default="512MB", help="porter convert --max-shard-size (output shards; "
-                    "512MB: many shards, as the release's conversion has, see above)")
-    ap.add_argument("--copies", default=",".join(COPIES), help="baseline copies to run (comma list of "
-                    + ", ".join(COPIES) + "; empty: none)")
+    ap.add_argument(
+        "--max-shard-size",
+        default="512MB",
+        help="porter convert --max-shard-size (output shards; "
+        "512MB: many shards, as the release's conversion has, see above)",
+    )
+    ap.add_argument(
+        "--copies",
+        default=",".join(COPIES),
+        help="baseline copies to run (comma list of " + ", ".join(COPIES) + "; empty: none)",
+    )
     ap.add_argument("--layers-per-gb", type=float, default=0.85, help="real-dims layers per GB of checkpoint")
     ap.add_argument("--tmp", default=str(ROOT / "benchmarks"), help="where to build the checkpoints")
     ap.add_argument("--out", default=str(DEFAULT_OUT / "convert.json"))
     args = ap.parse_args()
     import torch
+
     devices = [d for d in args.devices.split(",") if d != "cuda" or torch.cuda.is_available()]
     result = {"machine": environment(), "date": time.strftime("%Y-%m-%d"), "sizes": []}
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         for size in (float(s) for s in args.sizes.split(",")):
-            result["sizes"].append(bench_size(Path(tmp), size, args.layers_per_gb, devices, args.repeats,
-                                              not args.no_single and size == float(args.sizes.split(",")[0]),
-                                              args.experts, tuple(args.cache.split(",")), args.max_shard_size,
-                                              tuple(c for c in args.copies.split(",") if c)))
+            result["sizes"].append(
+                bench_size(
+                    Path(tmp),
+                    size,
+                    args.layers_per_gb,
+                    devices,
+                    args.repeats,
+                    not args.no_single and size == float(args.sizes.split(",")[0]),
+                    args.experts,
+                    tuple(args.cache.split(",")),
+                    args.max_shard_size,
+                    tuple(c for c in args.copies.split(",") if c),
+                )
+            )
     result["summary"] = summary_lines(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -17,6 +17,7 @@ published figures. Writes decode_<gpu>.json and .md to --out.
 
     python benchmarks/decode.py --layers 2 --experts 8 [--workdir /tmp/m3-decode] [--out DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import DEFAULT_OUT, copy_bandwidth, environment, environment_line, write_results  # noqa: E402
 from common import mean_ms as timed  # noqa: E402
+from tiny_checkpoint import build_tiny_checkpoint, real_dims_overrides  # noqa: E402
+
 import porter  # noqa: E402
 import runtime  # noqa: E402
 from runtime.cache import Step  # noqa: E402
@@ -38,7 +41,6 @@ from runtime.graph import DecodeGraph  # noqa: E402
 from runtime.models.layers import rms_norm  # noqa: E402
 from runtime.models.minimax_m3 import MoE  # noqa: E402
 from runtime.moe.contract import route  # noqa: E402
-from tiny_checkpoint import build_tiny_checkpoint, real_dims_overrides  # noqa: E402
 
 log = logging.getLogger("bench.decode")
 
@@ -57,9 +59,15 @@ def linear_bytes(lin) -> int:
 
 def attention_bytes(layer) -> int:
     a = layer.self_attn
-    b = sum(linear_bytes(x) for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)) + nbytes(a.q_norm, a.k_norm, layer.input_layernorm, layer.post_attention_layernorm)
+    b = sum(linear_bytes(x) for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)) + nbytes(
+        a.q_norm, a.k_norm, layer.input_layernorm, layer.post_attention_layernorm
+    )
     if a.indexer is not None:
-        b += linear_bytes(a.indexer.q_proj) + linear_bytes(a.indexer.k_proj) + nbytes(a.indexer.q_norm, a.indexer.k_norm)
+        b += (
+            linear_bytes(a.indexer.q_proj)
+            + linear_bytes(a.indexer.k_proj)
+            + nbytes(a.indexer.q_norm, a.indexer.k_norm)
+        )
     return b
 
 
@@ -73,8 +81,16 @@ def mlp_bytes(layer, experts_touched: int) -> int:
     else:  # the Triton backend's own layout (rebased at load: e4m3 + one fp32 scale per row)
         p = m.experts.prepared
         per_expert = nbytes(p.w13[0], p.w13_scale[0], p.w2[0], p.w2_scale[0])
-    shared = linear_bytes(m.shared_experts.gate_proj) + linear_bytes(m.shared_experts.up_proj) + linear_bytes(m.shared_experts.down_proj)
-    return experts_touched * per_expert + shared + nbytes(m.routing.router_weight, m.routing.e_score_correction_bias)
+    shared = (
+        linear_bytes(m.shared_experts.gate_proj)
+        + linear_bytes(m.shared_experts.up_proj)
+        + linear_bytes(m.shared_experts.down_proj)
+    )
+    return (
+        experts_touched * per_expert
+        + shared
+        + nbytes(m.routing.router_weight, m.routing.e_score_correction_bias)
+    )
 
 
 def cache_bytes(cfg, layer, batch: int, kv: int) -> int:
@@ -101,7 +117,9 @@ def filled_cache(model, batch: int, kv: int, extra: int = 128):
 def experts_touched(layer, h: torch.Tensor) -> int:
     if not isinstance(layer.mlp, MoE):
         return 0
-    x = rms_norm(h, layer.post_attention_layernorm, layer.eps).reshape(-1, h.shape[-1])  # approximation: pre-attention h
+    x = rms_norm(h, layer.post_attention_layernorm, layer.eps).reshape(
+        -1, h.shape[-1]
+    )  # approximation: pre-attention h
     ids, _ = route(x, layer.mlp.routing)
     return int(torch.unique(ids).numel())
 
@@ -126,8 +144,16 @@ def decode_case(model, batch: int, kv: int, bw: float) -> dict:
         touched = experts_touched(layer, h)
         b = attention_bytes(layer) + mlp_bytes(layer, touched) + cache_bytes(cfg, layer, batch, kv)
         floor = b / bw * 1e3
-        row = {"layer": i, "kind": "moe" if isinstance(layer.mlp, MoE) else "dense", "ms": ms,
-               "eager_ms": eager, "bytes": b, "experts_touched": touched, "floor_ms": floor, "x_floor": ms / floor}
+        row = {
+            "layer": i,
+            "kind": "moe" if isinstance(layer.mlp, MoE) else "dense",
+            "ms": ms,
+            "eager_ms": eager,
+            "bytes": b,
+            "experts_touched": touched,
+            "floor_ms": floor,
+            "x_floor": ms / floor,
+        }
         rows.append(row)
     tok = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
     try:
@@ -172,8 +198,16 @@ def whole_token_case(model, batch: int, kv: int, bw: float, layer_rows: list, ne
     head = nbytes(model.lm_head) + model.cfg.hidden_size * 2  # lm_head + one embedding row
     b = sum(r["bytes"] for r in layer_rows) + head
     floor = b / bw * 1e3
-    return {"batch": batch, "kv": kv, "new_tokens": new, "ms_per_token": per_token, "bytes": b,
-            "floor_ms": floor, "x_floor": per_token / floor, "tokens_per_s": 1e3 / per_token * batch}
+    return {
+        "batch": batch,
+        "kv": kv,
+        "new_tokens": new,
+        "ms_per_token": per_token,
+        "bytes": b,
+        "floor_ms": floor,
+        "x_floor": per_token / floor,
+        "tokens_per_s": 1e3 / per_token * batch,
+    }
 
 
 @torch.inference_mode()
@@ -182,6 +216,7 @@ def kernel_profile(model, layer_index: int, kv: int = 1024, replays: int = 10) -
     device time in the first replay's start order, their count and sum (no gaps; kernels that overlap on
     the two streams are each counted whole)."""
     from torch.profiler import ProfilerActivity, profile
+
     cache = filled_cache(model, 1, kv)
     h = torch.randn(1, 1, model.cfg.hidden_size, device="cuda", dtype=model.dtype)
     step = Step(cache.next_pos[:, None].clone(), None, cache.max_len, decode=True)
@@ -200,19 +235,26 @@ def kernel_profile(model, layer_index: int, kv: int = 1024, replays: int = 10) -
         for _ in range(replays):
             g.replay()
         torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    events = sorted(
+        (e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start
+    )
     per_step = len(events) // replays
     # Kernels on the shared expert's stream interleave with the main stream's in a different order from one
     # replay to the next, so a kernel is known by (name, its n-th launch of that name in the replay)
     times: dict = {}
     for r in range(replays):
         seen: dict = {}
-        for e in events[r * per_step:(r + 1) * per_step]:
+        for e in events[r * per_step : (r + 1) * per_step]:
             n = seen[e.name] = seen.get(e.name, 0) + 1
             times.setdefault((e.name, n), []).append(e.device_time_total)
     kernels = [(name[:80], round(sum(ts) / len(ts), 2)) for (name, _), ts in times.items()]
-    return {"layer": layer_index, "kv": kv, "kernels": per_step, "busy_ms": sum(us for _, us in kernels) / 1e3,
-            "list_us": kernels}
+    return {
+        "layer": layer_index,
+        "kv": kv,
+        "kernels": per_step,
+        "busy_ms": sum(us for _, us in kernels) / 1e3,
+        "list_us": kernels,
+    }
 
 
 @torch.inference_mode()
@@ -254,28 +296,45 @@ def main():
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--scopes", default="experts,all", help="porter convert --quantize scopes to measure")
     ap.add_argument("--prefill-tokens", type=int, default=4096, help="0: no prefill figure")
-    ap.add_argument("--cases", default=",".join(f"{b}x{kv}" for b, kv in CASES),
-                    help="BATCHxKV decode cases of the first scope (the others: batch 1 only)")
+    ap.add_argument(
+        "--cases",
+        default=",".join(f"{b}x{kv}" for b, kv in CASES),
+        help="BATCHxKV decode cases of the first scope (the others: batch 1 only)",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     work = Path(args.workdir)
     src = work / "src"
     if not (src / "model.safetensors.index.json").exists():
         t = time.time()
-        overrides = real_dims_overrides(args.layers, args.experts) | {"max_position_embeddings": 65536,
-                                                                       "vocab_size": FULL_VOCAB}
+        overrides = real_dims_overrides(args.layers, args.experts) | {
+            "max_position_embeddings": 65536,
+            "vocab_size": FULL_VOCAB,
+        }
         build_tiny_checkpoint(src, layout="vendor", seed=0, text_overrides=overrides)
         log.info("built real-dims checkpoint in %.0f s", time.time() - t)
     bw = copy_bandwidth()
     env = environment()
     gpu = env["gpu"]
-    doc = {**env, "copy_bandwidth_TBps": bw / 1e12, "layers": args.layers, "experts": args.experts, "scopes": {}}
-    lines = [f"# Decode at real dims — {gpu}", "", environment_line(env) + ".", "",
-             "Measured copy bandwidth "
-             f"{bw / 1e12:.2f} TB/s (floor = bytes / that). Synthetic checkpoint: {args.layers} layers "
-             f"(layer 0 dense attention + dense MLP, the rest sparse attention + MoE), {args.experts} experts "
-             "top-4, real layer dims. ms = CUDA-graph replay of one layer's decode step; eager = the same "
-             "step launched kernel by kernel.", ""]
+    doc = {
+        **env,
+        "copy_bandwidth_TBps": bw / 1e12,
+        "layers": args.layers,
+        "experts": args.experts,
+        "scopes": {},
+    }
+    lines = [
+        f"# Decode at real dims — {gpu}",
+        "",
+        environment_line(env) + ".",
+        "",
+        "Measured copy bandwidth "
+        f"{bw / 1e12:.2f} TB/s (floor = bytes / that). Synthetic checkpoint: {args.layers} layers "
+        f"(layer 0 dense attention + dense MLP, the rest sparse attention + MoE), {args.experts} experts "
+        "top-4, real layer dims. ms = CUDA-graph replay of one layer's decode step; eager = the same "
+        "step launched kernel by kernel.",
+        "",
+    ]
     scopes = args.scopes.split(",")
     for scope in scopes:
         art = work / f"mxfp8-{scope}"
@@ -285,8 +344,12 @@ def main():
             log.info("converted (--quantize %s) in %.0f s", scope, time.time() - t)
         model = runtime.load(art, device="cuda", backend="auto")
         res = {"decode": [], "prefill": None}
-        lines += [f"## --quantize {scope}", "", "| batch | KV | layer | kind | ms | eager ms "
-                  "| MB read | floor ms | x floor |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## --quantize {scope}",
+            "",
+            "| batch | KV | layer | kind | ms | eager ms | MB read | floor ms | x floor |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
         if scope != scopes[0]:
             cases = [c for c in cases if c[0] == 1]  # the other scopes: batch 1 only
@@ -298,36 +361,86 @@ def main():
             case["projection"] = project(case["layers"], head)
             case["whole_token"] = w = whole_token_case(model, batch, kv, bw, case["layers"])
             whole.append(w)
-            log.info("quantize=%s B=%d KV=%d: generate() %.3f ms per whole token (%d layers + lm_head at vocab "
-                     "%d), floor %.3f ms, %.2fx floor, %.0f tokens/s", scope, batch, kv, w["ms_per_token"],
-                     args.layers, model.cfg.vocab_size, w["floor_ms"], w["x_floor"], w["tokens_per_s"])
+            log.info(
+                "quantize=%s B=%d KV=%d: generate() %.3f ms per whole token (%d layers + lm_head at vocab "
+                "%d), floor %.3f ms, %.2fx floor, %.0f tokens/s",
+                scope,
+                batch,
+                kv,
+                w["ms_per_token"],
+                args.layers,
+                model.cfg.vocab_size,
+                w["floor_ms"],
+                w["x_floor"],
+                w["tokens_per_s"],
+            )
             res["decode"].append(case)
             for r in case["layers"]:
-                lines.append(f"| {batch} | {kv} | {r['layer']} | {r['kind']} | {r['ms']:.3f} | {r['eager_ms']:.3f} | "
-                             f"{r['bytes'] / 1e6:.1f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} |")
-                log.info("quantize=%s B=%d KV=%d layer %d (%s): %.3f ms (eager %.3f), %.1f MB, floor %.3f ms, "
-                         "%.2fx floor", scope, batch, kv, r["layer"], r["kind"], r["ms"], r["eager_ms"],
-                         r["bytes"] / 1e6, r["floor_ms"], r["x_floor"])
+                lines.append(
+                    f"| {batch} | {kv} | {r['layer']} | {r['kind']} | {r['ms']:.3f} | {r['eager_ms']:.3f} | "
+                    f"{r['bytes'] / 1e6:.1f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} |"
+                )
+                log.info(
+                    "quantize=%s B=%d KV=%d layer %d (%s): %.3f ms (eager %.3f), %.1f MB, floor %.3f ms, "
+                    "%.2fx floor",
+                    scope,
+                    batch,
+                    kv,
+                    r["layer"],
+                    r["kind"],
+                    r["ms"],
+                    r["eager_ms"],
+                    r["bytes"] / 1e6,
+                    r["floor_ms"],
+                    r["x_floor"],
+                )
             p = case["projection"]
-            log.info("quantize=%s B=%d KV=%d: whole %d-layer step (DecodeGraph) %.3f ms; projected 60 layers + "
-                     "lm_head %.2f ms -> %.1f tok/s per sequence (%.1f tok/s total)", scope, batch, kv,
-                     args.layers, case["model_step_ms"], p["step_ms"], p["tokens_per_s"], p["tokens_per_s"] * batch)
-        lines += ["", f"Whole token through `model.generate(ids, n)` with default arguments (EOS off), "
-                  f"{args.layers} layers + lm_head at vocab {model.cfg.vocab_size}: "
-                  "(time of 33 new tokens - time of 1) / 32.", "",
-                  "| batch | KV | ms per token | MB read per step | floor ms | x floor | tokens/s |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {w['batch']} | {w['kv']} | {w['ms_per_token']:.3f} | {w['bytes'] / 1e6:.0f} | "
-                  f"{w['floor_ms']:.3f} | {w['x_floor']:.2f} | {w['tokens_per_s']:.0f} |" for w in whole]
-        lines += ["", "| batch | KV | projected step ms (3 dense + 57 MoE + lm_head) | tok/s per sequence | "
-                  "tok/s total | layers' floor ms |", "|---|---|---|---|---|---|"]
+            log.info(
+                "quantize=%s B=%d KV=%d: whole %d-layer step (DecodeGraph) %.3f ms; projected 60 layers + "
+                "lm_head %.2f ms -> %.1f tok/s per sequence (%.1f tok/s total)",
+                scope,
+                batch,
+                kv,
+                args.layers,
+                case["model_step_ms"],
+                p["step_ms"],
+                p["tokens_per_s"],
+                p["tokens_per_s"] * batch,
+            )
+        lines += [
+            "",
+            f"Whole token through `model.generate(ids, n)` with default arguments (EOS off), "
+            f"{args.layers} layers + lm_head at vocab {model.cfg.vocab_size}: "
+            "(time of 33 new tokens - time of 1) / 32.",
+            "",
+            "| batch | KV | ms per token | MB read per step | floor ms | x floor | tokens/s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {w['batch']} | {w['kv']} | {w['ms_per_token']:.3f} | {w['bytes'] / 1e6:.0f} | "
+            f"{w['floor_ms']:.3f} | {w['x_floor']:.2f} | {w['tokens_per_s']:.0f} |"
+            for w in whole
+        ]
+        lines += [
+            "",
+            "| batch | KV | projected step ms (3 dense + 57 MoE + lm_head) | tok/s per sequence | "
+            "tok/s total | layers' floor ms |",
+            "|---|---|---|---|---|---|",
+        ]
         for c in res["decode"]:
             p = c["projection"]
-            lines.append(f"| {c['batch']} | {c['kv']} | {p['step_ms']:.2f} | {p['tokens_per_s']:.1f} | "
-                         f"{p['tokens_per_s'] * c['batch']:.1f} | {p['floor_layers_ms']:.2f} |")
-        lines += ["", "Published: " + "; ".join(f"{k}: {v}" for k, v in PUBLISHED.items()) +
-                  ". Batch > 1 rows read the experts this small model's router touched (at most "
-                  f"{args.experts}); the real 128-expert model touches more.", ""]
+            lines.append(
+                f"| {c['batch']} | {c['kv']} | {p['step_ms']:.2f} | {p['tokens_per_s']:.1f} | "
+                f"{p['tokens_per_s'] * c['batch']:.1f} | {p['floor_layers_ms']:.2f} |"
+            )
+        lines += [
+            "",
+            "Published: "
+            + "; ".join(f"{k}: {v}" for k, v in PUBLISHED.items())
+            + ". Batch > 1 rows read the experts this small model's router touched (at most "
+            f"{args.experts}); the real 128-expert model touches more.",
+            "",
+        ]
         for li, kv in ((0, 1024), (1, 1024), (1, 8192)):
             try:
                 prof = kernel_profile(model, li, kv)
@@ -335,12 +448,23 @@ def main():
                 log.warning("profile failed: %s", str(e).splitlines()[0])
                 break
             res.setdefault("profile", []).append(prof)
-            log.info("quantize=%s layer %d decode step (graph replay, batch 1, KV %d): %d kernels, %.3f ms of "
-                     "kernel time: %s", scope, li, kv, prof["kernels"], prof["busy_ms"], prof["list_us"])
-            lines.append(f"Layer {li}, batch 1, KV {kv // 1024}k, CUDA-graph replay: {prof['kernels']} kernels, "
-                         f"{prof['busy_ms']:.3f} ms summed kernel time (the shared expert's kernels run concurrently "
-                         "with the router's and routed experts', so the sum exceeds the step): " +
-                         ", ".join(f"{n} {us:.1f}" for n, us in prof["list_us"]) + " (us).")
+            log.info(
+                "quantize=%s layer %d decode step (graph replay, batch 1, KV %d): %d kernels, %.3f ms of "
+                "kernel time: %s",
+                scope,
+                li,
+                kv,
+                prof["kernels"],
+                prof["busy_ms"],
+                prof["list_us"],
+            )
+            lines.append(
+                f"Layer {li}, batch 1, KV {kv // 1024}k, CUDA-graph replay: {prof['kernels']} kernels, "
+                f"{prof['busy_ms']:.3f} ms summed kernel time (the shared expert's kernels run concurrently "
+                "with the router's and routed experts', so the sum exceeds the step): "
+                + ", ".join(f"{n} {us:.1f}" for n, us in prof["list_us"])
+                + " (us)."
+            )
         lines.append("")
         if args.prefill_tokens and scope == scopes[0]:
             pf = prefill(model, args.prefill_tokens)
@@ -349,12 +473,20 @@ def main():
             moe = [r["ms"] for r in pf["layers"] if r["kind"] == "moe"]
             full = FULL_DENSE * sum(dense) / len(dense) + FULL_MOE * sum(moe) / len(moe)
             pf["projected_full_ms"], pf["projected_tokens_per_s"] = full, args.prefill_tokens / full * 1e3
-            lines += [f"Prefill {args.prefill_tokens} tokens (batch 1, eager): " +
-                      ", ".join(f"layer {r['layer']} ({r['kind']}) {r['ms']:.1f} ms" for r in pf["layers"]) +
-                      f"; projected 60 layers {full:.0f} ms = {pf['projected_tokens_per_s']:.0f} tokens/s "
-                      f"(routed experts: {args.experts} here vs 128, same FLOPs per token).", ""]
-            log.info("quantize=%s prefill %d tokens: %s; projected %.0f tokens/s", scope, args.prefill_tokens,
-                     [round(r["ms"], 1) for r in pf["layers"]], pf["projected_tokens_per_s"])
+            lines += [
+                f"Prefill {args.prefill_tokens} tokens (batch 1, eager): "
+                + ", ".join(f"layer {r['layer']} ({r['kind']}) {r['ms']:.1f} ms" for r in pf["layers"])
+                + f"; projected 60 layers {full:.0f} ms = {pf['projected_tokens_per_s']:.0f} tokens/s "
+                f"(routed experts: {args.experts} here vs 128, same FLOPs per token).",
+                "",
+            ]
+            log.info(
+                "quantize=%s prefill %d tokens: %s; projected %.0f tokens/s",
+                scope,
+                args.prefill_tokens,
+                [round(r["ms"], 1) for r in pf["layers"]],
+                pf["projected_tokens_per_s"],
+            )
         doc["scopes"][scope] = res
         del model
         torch.cuda.empty_cache()

@@ -12,6 +12,7 @@ T >= 256 both prefill paths (W8A16 and FP8) with their errors. Writes moe_layer_
 
   python benchmarks/moe_layer.py [--out DIR] [--tokens 1,4,...] [--profile 1,4096]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,18 +26,32 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (DEFAULT_OUT, environment, environment_line, event_time_us, graph_time_queued_us,  # noqa: E402
-                    graph_time_us, write_results as write_files)
+from common import (
+    DEFAULT_OUT,
+    environment,
+    environment_line,
+    event_time_us,
+    graph_time_queued_us,  # noqa: E402
+    graph_time_us,
+)
+from common import (
+    write_results as write_files,
+)
+
 from porter.format import mxfp8  # noqa: E402
-from runtime.moe.triton import TritonMoE  # noqa: E402
-from runtime.moe.triton import config as tc, launch as tl, prepare as tp  # noqa: E402
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params  # noqa: E402
 from runtime.moe.torch_backend import TorchMoE  # noqa: E402
+from runtime.moe.triton import TritonMoE  # noqa: E402
+from runtime.moe.triton import config as tc  # noqa: E402
+from runtime.moe.triton import launch as tl
+from runtime.moe.triton import prepare as tp
 
 E, H, I, TOPK = 128, 6144, 3072, 4
 ALPHA, BETA, LIMIT, RSF = 1.702, 1.0, 7.0, 2.5
-GOALS = ("T=1 <= 1.15x bytes floor; >= 1.85x bf16 twin for T=1..64; T=4096 <= 2.5 ms and >= 3x "
-         "torch._grouped_mm bf16; FP8 layer rel error <= 2e-2 vs torch")
+GOALS = (
+    "T=1 <= 1.15x bytes floor; >= 1.85x bf16 twin for T=1..64; T=4096 <= 2.5 ms and >= 3x "
+    "torch._grouped_mm bf16; FP8 layer rel error <= 2e-2 vs torch"
+)
 FP8_DENSE_FLOPS = 1979e12  # H200 SXM datasheet, dense fp8 tensor-core rate (the compute floor's rate)
 
 
@@ -50,7 +65,11 @@ def build_weights(dev):
     b2 = torch.empty((E, H, I), dtype=torch.bfloat16, device=dev)
     for e in range(E):
         # sigma 0.02 with per-row gains of +-2 octaves so scale bytes vary like real checkpoints
-        w = torch.randn(2 * I, H, device=dev) * 0.02 * torch.exp2(torch.randint(-2, 3, (2 * I, 1), device=dev).float())
+        w = (
+            torch.randn(2 * I, H, device=dev)
+            * 0.02
+            * torch.exp2(torch.randint(-2, 3, (2 * I, 1), device=dev).float())
+        )
         q13[e], s13[e] = mxfp8.quantize(w)
         b13[e] = mxfp8.dequantize(q13[e], s13[e], torch.bfloat16)
         w = torch.randn(H, I, device=dev) * 0.02
@@ -70,10 +89,13 @@ def read_kernel():
         pid = tl.program_id(0)
         x = tl.load(x_ptr + pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK))
         tl.store(out_ptr + pid, tl.sum(x.to(tl.float32), axis=0))
+
     return read_reduce
 
 
-EXPERT_BYTES = (2 * I * H + H * I) * (mxfp8.BLOCK + 1) // mxfp8.BLOCK  # w13 + w2 e4m3 bytes + one scale byte per 32
+EXPERT_BYTES = (
+    (2 * I * H + H * I) * (mxfp8.BLOCK + 1) // mxfp8.BLOCK
+)  # w13 + w2 e4m3 bytes + one scale byte per 32
 
 
 def build_layer(dev):
@@ -99,16 +121,23 @@ def decode_problem(t, dev):
 def stream_bandwidth(dev) -> dict:
     """bf16 streaming read bandwidth (bytes/s): best of a Triton read-reduce kernel and torch.sum."""
     import triton
+
     read = read_kernel()
-    n = 2 * 1024 ** 3  # 4 GiB of bf16, far past L2
+    n = 2 * 1024**3  # 4 GiB of bf16, far past L2
     buf = torch.randn(n // 1024, device=dev).to(torch.bfloat16).repeat(1024)
     res = {}
     for block in (4096, 16384):
         out = torch.empty(n // block, device=dev)
-        ms = triton.testing.do_bench(lambda: read[(n // block,)](buf, out, BLOCK=block, num_warps=8),
-                                     warmup=50, rep=300, return_mode="median")
+        ms = triton.testing.do_bench(
+            lambda: read[(n // block,)](buf, out, BLOCK=block, num_warps=8),
+            warmup=50,
+            rep=300,
+            return_mode="median",
+        )
         res[f"triton_read_b{block}"] = 2 * n / (ms * 1e-3)
-    ms = triton.testing.do_bench(lambda: buf.sum(dtype=torch.float32), warmup=50, rep=300, return_mode="median")
+    ms = triton.testing.do_bench(
+        lambda: buf.sum(dtype=torch.float32), warmup=50, rep=300, return_mode="median"
+    )
     res["torch_sum"] = 2 * n / (ms * 1e-3)
     dst = torch.empty_like(buf)
     ms = triton.testing.do_bench(lambda: dst.copy_(buf), warmup=50, rep=300, return_mode="median")
@@ -128,14 +157,21 @@ def timed_rounds(fn, twin, rounds=TIMING_ROUNDS) -> tuple:
     (the path choice, the torch reference) can read tens of us high, so no figure comes from one."""
     runs = []
     for _ in range(rounds):
-        runs.append({"us": graph_time_us(fn), "us_bf16": graph_time_us(twin),
-                     "us_queued": graph_time_queued_us(fn), "us_bf16_queued": graph_time_queued_us(twin)})
+        runs.append(
+            {
+                "us": graph_time_us(fn),
+                "us_bf16": graph_time_us(twin),
+                "us_queued": graph_time_queued_us(fn),
+                "us_bf16_queued": graph_time_queued_us(twin),
+            }
+        )
     best = {k: min(r[k] for r in runs) for k in runs[0]}
     return best["us"], best["us_bf16"], best["us_queued"], best["us_bf16_queued"], runs
 
 
 def eager_time_us(fn, reps=30) -> float:
     import triton
+
     return triton.testing.do_bench(fn, warmup=20, rep=max(50, reps), return_mode="median") * 1e3
 
 
@@ -143,6 +179,7 @@ def grouped_mm_moe(x, ids, w, b13t, b2t, limit):
     """The layer as a user without porter runs it: sort, torch._grouped_mm on bf16 weights (b13t
     [E, H, 2I], b2t [E, I, H], transposed views of the stored [N, K] weights), SwiGLU-OAI, scatter."""
     from runtime.moe.contract import swiglu_oai
+
     t, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [N] slots by expert
@@ -170,17 +207,25 @@ def time_any(fn) -> float:
 def scaled_mm_us(m: int, k: int, n: int, dev) -> float:
     """Median µs of torch._scaled_mm on random e4m3 [m, k] x [k, n] -> bf16 (B column-major, as it wants)."""
     import triton
+
     a = torch.randn(m, k, device=dev).to(torch.float8_e4m3fn)
     b = torch.randn(n, k, device=dev).to(torch.float8_e4m3fn).t()
     one = torch.ones((), device=dev)
-    return triton.testing.do_bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16),
-                                   warmup=20, rep=100, return_mode="median") * 1e3
+    return (
+        triton.testing.do_bench(
+            lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16),
+            warmup=20,
+            rep=100,
+            return_mode="median",
+        )
+        * 1e3
+    )
 
 
 def fp8_matmul_rate(dev) -> float:
     """Dense fp8 rate of torch._scaled_mm, 8192^3 e4m3 -> bf16 (a measured ceiling next to the datasheet)."""
     n = 8192
-    return 2 * n ** 3 / (scaled_mm_us(n, n, n, dev) * 1e-6)
+    return 2 * n**3 / (scaled_mm_us(n, n, n, dev) * 1e-6)
 
 
 def main():
@@ -192,8 +237,12 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
-    meta = {**environment(), "sms": props.multi_processor_count,
-            "shape": {"E": E, "H": H, "I": I, "top_k": TOPK}, "goals": GOALS}
+    meta = {
+        **environment(),
+        "sms": props.multi_processor_count,
+        "shape": {"E": E, "H": H, "I": I, "top_k": TOPK},
+        "goals": GOALS,
+    }
     print(environment_line(meta), flush=True)
     bw = stream_bandwidth(dev)
     meta["stream_bandwidth_Bps"] = bw
@@ -201,8 +250,11 @@ def main():
     t0 = time.time()
     moe, ref_moe, bf16, (b13, b2), (srv_moe, srv_ref) = build_layer(dev)
     print(f"weights built in {time.time() - t0:.1f} s", flush=True)
-    meta["fp16_guards"] = {"gemm1_fp16": moe.prepared.fp16_1, "gemm2_fp16": moe.prepared.fp16_2,
-                           "w13_shift_range": [int(moe.prepared.shift13.min()), int(moe.prepared.shift13.max())]}
+    meta["fp16_guards"] = {
+        "gemm1_fp16": moe.prepared.fp16_1,
+        "gemm2_fp16": moe.prepared.fp16_2,
+        "w13_shift_range": [int(moe.prepared.shift13.min()), int(moe.prepared.shift13.max())],
+    }
     expert_bytes = EXPERT_BYTES
     expert_bytes_bf16 = (2 * I * H + H * I) * 2
     for t in [int(v) for v in args.profile.split(",") if v]:
@@ -230,7 +282,11 @@ def main():
         for name, c in paths.items():
             f = lambda c=c: moe.forward_topk(x, ids, w, c)
             try:
-                per_path[name] = {"us": graph_time_us(f), "rel_err_vs_torch": relerr(f()), "config": c.__dict__}
+                per_path[name] = {
+                    "us": graph_time_us(f),
+                    "rel_err_vs_torch": relerr(f()),
+                    "config": c.__dict__,
+                }
             except Exception as ex:  # reported; the row falls back to the W8A16 path
                 print(f"  T={t} {name} FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
         # shipped: the faster of the paths within the accuracy bound (one e4m3 term is not: ~4e-2)
@@ -247,31 +303,60 @@ def main():
         us_torch = event_time_us(lambda: ref_moe.forward_topk(x, ids, w), args.torch_reps)
         floor_us = touched / bw["used"] * 1e6
         fp8_floor_us = 2 * t * TOPK * 3 * H * I / FP8_DENSE_FLOPS * 1e6
-        row = {"T": t, "distinct_experts": distinct, "touched_bytes": touched, "path": shipped, "us": us,
-               "us_first_measured": us_first, "timing_rounds": rounds,
-               "us_eager": us_eager, "TBps": touched / us / 1e6, "floor_us": floor_us,
-               "ratio_to_floor": us / floor_us, "fp8_floor_us": fp8_floor_us, "ratio_to_fp8_floor": us / fp8_floor_us,
-               "us_queued": us_q, "ratio_to_floor_queued": us_q / floor_us, "us_bf16_queued": us_bf16_q,
-               "speedup_vs_bf16_queued": us_bf16_q / us_q,
-               "us_bf16": us_bf16, "bf16_TBps": distinct * expert_bytes_bf16 / us_bf16 / 1e6,
-               "speedup_vs_bf16": us_bf16 / us, "us_grouped_mm": us_gmm, "speedup_vs_grouped_mm": us_gmm / us,
-               "grouped_mm_rel_err": err_gmm, "us_torch": us_torch, "speedup_vs_torch": us_torch / us,
-               "rel_err_vs_torch": err, "paths": per_path, "config": cfg.__dict__}
+        row = {
+            "T": t,
+            "distinct_experts": distinct,
+            "touched_bytes": touched,
+            "path": shipped,
+            "us": us,
+            "us_first_measured": us_first,
+            "timing_rounds": rounds,
+            "us_eager": us_eager,
+            "TBps": touched / us / 1e6,
+            "floor_us": floor_us,
+            "ratio_to_floor": us / floor_us,
+            "fp8_floor_us": fp8_floor_us,
+            "ratio_to_fp8_floor": us / fp8_floor_us,
+            "us_queued": us_q,
+            "ratio_to_floor_queued": us_q / floor_us,
+            "us_bf16_queued": us_bf16_q,
+            "speedup_vs_bf16_queued": us_bf16_q / us_q,
+            "us_bf16": us_bf16,
+            "bf16_TBps": distinct * expert_bytes_bf16 / us_bf16 / 1e6,
+            "speedup_vs_bf16": us_bf16 / us,
+            "us_grouped_mm": us_gmm,
+            "speedup_vs_grouped_mm": us_gmm / us,
+            "grouped_mm_rel_err": err_gmm,
+            "us_torch": us_torch,
+            "speedup_vs_torch": us_torch / us,
+            "rel_err_vs_torch": err,
+            "paths": per_path,
+            "config": cfg.__dict__,
+        }
         srv_fn = lambda: srv_moe.forward_topk(x, ids, w)
         srv_us = time_any(srv_fn)
         srv_want = srv_ref.forward_topk(x, ids, w).float()
-        row["serving"] = {"us": srv_us, "ratio_to_floor": srv_us / floor_us,
-                          "rel_err_vs_torch_serving": float((srv_fn().float() - srv_want).norm() / srv_want.norm())}
-        print(f"T={t:5d} serving numerics: {srv_us:.1f} us (floor x{srv_us / floor_us:.3f}), rel err vs torch "
-              f"serving {row['serving']['rel_err_vs_torch_serving']:.2e}", flush=True)
+        row["serving"] = {
+            "us": srv_us,
+            "ratio_to_floor": srv_us / floor_us,
+            "rel_err_vs_torch_serving": float((srv_fn().float() - srv_want).norm() / srv_want.norm()),
+        }
+        print(
+            f"T={t:5d} serving numerics: {srv_us:.1f} us (floor x{srv_us / floor_us:.3f}), rel err vs torch "
+            f"serving {row['serving']['rel_err_vs_torch_serving']:.2e}",
+            flush=True,
+        )
         rows.append(row)
         alt = "  ".join(f"{n} {v['us']:.1f} us err {v['rel_err_vs_torch']:.1e}" for n, v in per_path.items())
-        print(f"T={t:5d} experts={distinct:3d} [{shipped}] {us:9.1f} us (eager {us_eager:9.1f}) {row['TBps']:.2f} TB/s "
-              f"floor x{row['ratio_to_floor']:.3f} | queued {us_q:.1f} us floor x{us_q / floor_us:.3f} bf16 "
-              f"{us_bf16_q:.1f} us (x{us_bf16_q / us_q:.2f}) | fp8floor x{row['ratio_to_fp8_floor']:.2f} "
-              f"bf16 {us_bf16:9.1f} us (x{row['speedup_vs_bf16']:.2f}) grouped_mm {us_gmm:9.1f} us "
-              f"(x{row['speedup_vs_grouped_mm']:.2f}, err {err_gmm:.1e}) torch {us_torch:10.1f} us "
-              f"(x{row['speedup_vs_torch']:.1f}) rel_err {err:.2e} | {alt}", flush=True)
+        print(
+            f"T={t:5d} experts={distinct:3d} [{shipped}] {us:9.1f} us (eager {us_eager:9.1f}) {row['TBps']:.2f} TB/s "
+            f"floor x{row['ratio_to_floor']:.3f} | queued {us_q:.1f} us floor x{us_q / floor_us:.3f} bf16 "
+            f"{us_bf16_q:.1f} us (x{us_bf16_q / us_q:.2f}) | fp8floor x{row['ratio_to_fp8_floor']:.2f} "
+            f"bf16 {us_bf16:9.1f} us (x{row['speedup_vs_bf16']:.2f}) grouped_mm {us_gmm:9.1f} us "
+            f"(x{row['speedup_vs_grouped_mm']:.2f}, err {err_gmm:.1e}) torch {us_torch:10.1f} us "
+            f"(x{row['speedup_vs_torch']:.1f}) rel_err {err:.2e} | {alt}",
+            flush=True,
+        )
     if rows:
         write_results(args.out, meta, rows)
 
@@ -279,11 +364,14 @@ def main():
 def profile_kernels(moe, bf16, t, dev):
     """Per-kernel device time of prep / GEMM1 / GEMM2 / cast, MXFP8 and bf16 weights (diagnosis)."""
     from torch.profiler import ProfilerActivity, profile
+
     x = torch.randn(t, H, device=dev).to(torch.bfloat16)
     ids = torch.rand(t, E, device=dev).topk(TOPK, dim=-1).indices
     w = torch.full((t, TOPK), 1.0 / TOPK, device=dev)
-    for name, fn in (("mxfp8", lambda: moe.forward_topk(x, ids, w, tc.default_config(t, True))),
-                     ("bf16", lambda: tl.fused_moe(bf16, x, ids, w, RSF, tc.default_config(t, False)))):
+    for name, fn in (
+        ("mxfp8", lambda: moe.forward_topk(x, ids, w, tc.default_config(t, True))),
+        ("bf16", lambda: tl.fused_moe(bf16, x, ids, w, RSF, tc.default_config(t, False))),
+    ):
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
@@ -297,44 +385,64 @@ def profile_kernels(moe, bf16, t, dev):
 
 def write_results(out_dir, meta, rows):
     bw = meta["stream_bandwidth_Bps"]["used"] / 1e12
-    lines = [f"# MoE layer benchmark: MiniMax-M3 dims (E={E}, H={H}, I={I}, top-{TOPK}), MXFP8 Triton backend",
-             "", environment_line(meta) + ". "
-             f"bf16 streaming read bandwidth (floor rate) {bw:.3f} TB/s. Times: CUDA-graph replay median "
-             "(`µs`: timed from an idle GPU, so it includes the graph launch latency; `µs queued`: the replay "
-             "queued behind GPU work, GPU time only, as the layer runs inside a decode step). The layer and its "
-             f"bf16 twin are timed in {TIMING_ROUNDS} interleaved rounds, each figure the best round's median "
-             "(`us_first_measured` and `timing_rounds` in the JSON: the path choice's single idle timing and every "
-             "round).",
-             f"Goals: {GOALS}.", "",
-             "| T | experts | touched MB | path | µs | µs eager | TB/s | × bytes floor | µs queued | × floor queued | "
-             "bf16 twin µs queued | × vs twin queued | FP8 floor µs | × FP8 floor | "
-             "bf16 twin µs | × vs bf16 twin | grouped_mm bf16 µs | × vs grouped_mm | torch µs | × vs torch | rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# MoE layer benchmark: MiniMax-M3 dims (E={E}, H={H}, I={I}, top-{TOPK}), MXFP8 Triton backend",
+        "",
+        environment_line(meta) + ". "
+        f"bf16 streaming read bandwidth (floor rate) {bw:.3f} TB/s. Times: CUDA-graph replay median "
+        "(`µs`: timed from an idle GPU, so it includes the graph launch latency; `µs queued`: the replay "
+        "queued behind GPU work, GPU time only, as the layer runs inside a decode step). The layer and its "
+        f"bf16 twin are timed in {TIMING_ROUNDS} interleaved rounds, each figure the best round's median "
+        "(`us_first_measured` and `timing_rounds` in the JSON: the path choice's single idle timing and every "
+        "round).",
+        f"Goals: {GOALS}.",
+        "",
+        "| T | experts | touched MB | path | µs | µs eager | TB/s | × bytes floor | µs queued | × floor queued | "
+        "bf16 twin µs queued | × vs twin queued | FP8 floor µs | × FP8 floor | "
+        "bf16 twin µs | × vs bf16 twin | grouped_mm bf16 µs | × vs grouped_mm | torch µs | × vs torch | rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['T']} | {r['distinct_experts']} | {r['touched_bytes'] / 1e6:.1f} | {r['path']} | {r['us']:.1f} | "
-                     f"{r['us_eager']:.1f} | {r['TBps']:.2f} | {r['ratio_to_floor']:.3f} | {r['us_queued']:.1f} | "
-                     f"{r['ratio_to_floor_queued']:.3f} | {r['us_bf16_queued']:.1f} | {r['speedup_vs_bf16_queued']:.2f} | "
-                     f"{r['fp8_floor_us']:.1f} | "
-                     f"{r['ratio_to_fp8_floor']:.2f} | {r['us_bf16']:.1f} | {r['speedup_vs_bf16']:.2f} | "
-                     f"{r['us_grouped_mm']:.1f} | {r['speedup_vs_grouped_mm']:.2f} | {r['us_torch']:.0f} | "
-                     f"{r['speedup_vs_torch']:.1f} | {r['rel_err_vs_torch']:.1e} |")
-    lines += ["", "Prefill paths (T >= 256; `path` above is the faster one within the 2e-2 error bound; fp8x1 = one "
-              "e4m3 activation term, over the bound):", "",
-              "| T | path | µs | rel err vs torch | bf16 twin µs (same path) | × vs twin |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['T']} | {r['distinct_experts']} | {r['touched_bytes'] / 1e6:.1f} | {r['path']} | {r['us']:.1f} | "
+            f"{r['us_eager']:.1f} | {r['TBps']:.2f} | {r['ratio_to_floor']:.3f} | {r['us_queued']:.1f} | "
+            f"{r['ratio_to_floor_queued']:.3f} | {r['us_bf16_queued']:.1f} | {r['speedup_vs_bf16_queued']:.2f} | "
+            f"{r['fp8_floor_us']:.1f} | "
+            f"{r['ratio_to_fp8_floor']:.2f} | {r['us_bf16']:.1f} | {r['speedup_vs_bf16']:.2f} | "
+            f"{r['us_grouped_mm']:.1f} | {r['speedup_vs_grouped_mm']:.2f} | {r['us_torch']:.0f} | "
+            f"{r['speedup_vs_torch']:.1f} | {r['rel_err_vs_torch']:.1e} |"
+        )
+    lines += [
+        "",
+        "Prefill paths (T >= 256; `path` above is the faster one within the 2e-2 error bound; fp8x1 = one "
+        "e4m3 activation term, over the bound):",
+        "",
+        "| T | path | µs | rel err vs torch | bf16 twin µs (same path) | × vs twin |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         for name, v in r["paths"].items():
             if r["T"] >= 256:
                 twin = v.get("us_bf16_twin")
                 twin_us, twin_x = ("", "") if twin is None else (f"{twin:.1f}", f"{twin / v['us']:.2f}")
-                lines.append(f"| {r['T']} | {name} | {v['us']:.1f} | {v['rel_err_vs_torch']:.1e} | {twin_us} | {twin_x} |")
-    lines += ["", "Both numerics (`runtime.load(..., moe_numerics=)`): w8a16 = the shipped path above, error vs the "
-              "torch reference in w8a16; serving = MXFP8 input and SwiGLU output as the TRT-LLM kernel computes "
-              "(docs/moe-backends.md), error vs the torch reference in serving mode:", "",
-              "| T | w8a16 µs | × floor | rel err | serving µs | × floor | rel err |", "|---|---|---|---|---|---|---|"]
+                lines.append(
+                    f"| {r['T']} | {name} | {v['us']:.1f} | {v['rel_err_vs_torch']:.1e} | {twin_us} | {twin_x} |"
+                )
+    lines += [
+        "",
+        "Both numerics (`runtime.load(..., moe_numerics=)`): w8a16 = the shipped path above, error vs the "
+        "torch reference in w8a16; serving = MXFP8 input and SwiGLU output as the TRT-LLM kernel computes "
+        "(docs/moe-backends.md), error vs the torch reference in serving mode:",
+        "",
+        "| T | w8a16 µs | × floor | rel err | serving µs | × floor | rel err |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         sv = r["serving"]
-        lines.append(f"| {r['T']} | {r['us']:.1f} | {r['ratio_to_floor']:.3f} | {r['rel_err_vs_torch']:.1e} | "
-                     f"{sv['us']:.1f} | {sv['ratio_to_floor']:.3f} | {sv['rel_err_vs_torch_serving']:.1e} |")
+        lines.append(
+            f"| {r['T']} | {r['us']:.1f} | {r['ratio_to_floor']:.3f} | {r['rel_err_vs_torch']:.1e} | "
+            f"{sv['us']:.1f} | {sv['ratio_to_floor']:.3f} | {sv['rel_err_vs_torch_serving']:.1e} |"
+        )
     write_files(out_dir, "moe_layer_" + meta["gpu"].replace(" ", "_"), {"meta": meta, "rows": rows}, lines)
 
 

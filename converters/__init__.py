@@ -10,6 +10,7 @@ TEXT_MODEL_MAP). Callers never import a converter module directly:
 
 Adding an architecture: docs/architecture.md.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -37,8 +38,10 @@ def get(model_type, where: str = "config.json") -> Converter:
     """The converter of `model_type`; ConfigError (naming it and the supported ones) if there is none."""
     module = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     if module is None:
-        raise ConfigError(f"{where}: model_type {model_type!r} is not an architecture porter converts "
-                          f"(supported: {', '.join(supported())})")
+        raise ConfigError(
+            f"{where}: model_type {model_type!r} is not an architecture porter converts "
+            f"(supported: {', '.join(supported())})"
+        )
     return _load(module)
 
 

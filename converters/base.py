@@ -6,6 +6,7 @@ porter (convert, inspect, verify) and the runtime's stores use only these names.
 returns satisfies `ResolvedConfig`, the part of it that architecture-free code reads. Adding an
 architecture: docs/architecture.md.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -18,6 +19,7 @@ from porter.format.layout import OutTensor
 
 class ResolvedConfig(Protocol):
     """The resolved text-model config, as architecture-free code reads it (porter.json, inspect, verify)."""
+
     num_hidden_layers: int
     gate_up_interleaved: bool  # a fused source gate_up_proj's rows alternate gate/up
     eos_token_id: object  # int, list of ints or None
@@ -48,8 +50,14 @@ class Converter(Protocol):
         """What porter.json records beyond the resolved config: {"architecture": name, ...}."""
 
     # the plan and names
-    def plan_tensors(self, cfg: ResolvedConfig, src_meta: dict, quantize: str = "experts",
-                     gate_up: str = "auto", layout: str = "porter") -> list[OutTensor]:
+    def plan_tensors(
+        self,
+        cfg: ResolvedConfig,
+        src_meta: dict,
+        quantize: str = "experts",
+        gate_up: str = "auto",
+        layout: str = "porter",
+    ) -> list[OutTensor]:
         """Every output tensor in write order from the source headers {name: (dtype, shape)}; LayoutError
         names a missing, unexpected or mis-shaped tensor."""
 
@@ -91,8 +99,9 @@ class Converter(Protocol):
 
 def protocol_members(proto: type = Converter) -> dict:
     """{name: "function" | "constant"} for every member of a protocol class."""
-    functions = {n: "function" for n, v in vars(proto).items()
-                 if inspect.isfunction(v) and not n.startswith("_")}
+    functions = {
+        n: "function" for n, v in vars(proto).items() if inspect.isfunction(v) and not n.startswith("_")
+    }
     constants = {n: "constant" for n in proto.__annotations__}
     return {**constants, **functions}
 

@@ -6,6 +6,7 @@ random hidden states, and prints shapes and the max abs difference. Only that la
 
     python examples/run_moe_layer.py ARTIFACT_DIR --layer 3 --backend auto --device cuda --tokens 64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,14 +30,20 @@ def main(argv=None) -> int:
     ap.add_argument("--layer", type=int, default=None, help="MoE layer index (default: the first MoE layer)")
     ap.add_argument("--backend", default="auto", help="auto | torch | triton | flashinfer-trtllm")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: fp32 CPU, bf16 CUDA")
+    ap.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: fp32 CPU, bf16 CUDA"
+    )
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
     store = open_store(args.artifact)
     cfg = store.config
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
@@ -60,18 +67,26 @@ def main(argv=None) -> int:
 
     x = torch.randn(args.tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(args.seed))
     x = x.to(device=device, dtype=dtype)  # [T, H]
-    print(f"layer {layer}: w13 {tuple(q.w13_weight.shape)} {q.w13_weight.dtype}, "
-          f"w2 {tuple(q.w2_weight.shape)} {q.w2_weight.dtype}, "
-          f"scales {None if q.w13_weight_scale is None else tuple(q.w13_weight_scale.shape)}")
-    print(f"swiglu per expert: alpha {q.gemm1_alpha[0].item():g}, beta {q.gemm1_beta[0].item():g}, "
-          f"limit {q.gemm1_clamp_limit[0].item():g} (shape {tuple(q.gemm1_alpha.shape)}, {q.gemm1_alpha.dtype})")
+    print(
+        f"layer {layer}: w13 {tuple(q.w13_weight.shape)} {q.w13_weight.dtype}, "
+        f"w2 {tuple(q.w2_weight.shape)} {q.w2_weight.dtype}, "
+        f"scales {None if q.w13_weight_scale is None else tuple(q.w13_weight_scale.shape)}"
+    )
+    print(
+        f"swiglu per expert: alpha {q.gemm1_alpha[0].item():g}, beta {q.gemm1_beta[0].item():g}, "
+        f"limit {q.gemm1_clamp_limit[0].item():g} (shape {tuple(q.gemm1_alpha.shape)}, {q.gemm1_alpha.dtype})"
+    )
     with torch.inference_mode():
         routed = moe.experts(x)  # [T, H], routed_scaling_factor applied
         want = reference(x)
         block = moe(x)  # routed + shared expert
     diff = (routed.float() - want.float()).abs().max().item()
-    print(f"input {tuple(x.shape)} {x.dtype} -> routed {tuple(routed.shape)}, block output {tuple(block.shape)}")
-    print(f"backend {name} vs torch: max abs diff {diff:.3e} (max abs torch output {want.abs().max().item():.3e})")
+    print(
+        f"input {tuple(x.shape)} {x.dtype} -> routed {tuple(routed.shape)}, block output {tuple(block.shape)}"
+    )
+    print(
+        f"backend {name} vs torch: max abs diff {diff:.3e} (max abs torch output {want.abs().max().item():.3e})"
+    )
     return 0
 
 

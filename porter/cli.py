@@ -4,6 +4,7 @@ Exit codes (porter/errors.py; docs/architecture.md): 0 success, 1 `verify` says 
 2 bad input (a `PorterError`: one line naming the file, tensor or field and what to do),
 3 internal error (a bug: please report; `-v` shows the traceback), 130 interrupted.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,6 +27,7 @@ class _AboveBars(logging.StreamHandler):
 
     def emit(self, record):
         from tqdm import tqdm
+
         try:
             tqdm.write(self.format(record), file=sys.stderr)
         except Exception:  # noqa: BLE001 — logging must never raise
@@ -39,12 +41,14 @@ def _setup_logging(verbose: int, quiet: bool) -> None:
     logging.basicConfig(level=level, handlers=[handler], force=True)
     if quiet:  # huggingface_hub's download bars as well as porter's
         from huggingface_hub.utils import disable_progress_bars
+
         disable_progress_bars()
 
 
 def _close_bars() -> None:
     """Progress bars still open when a command fails are closed before its message is printed."""
     from tqdm import tqdm
+
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
 
@@ -69,10 +73,22 @@ def _verbosity(ctx, param, value):
 
 def _common(f):
     """Options every subcommand takes, in either position."""
-    f = click.option("-q", "--quiet", is_flag=True, expose_value=False, callback=_verbosity,
-                     help="Only warnings and errors; no progress bars.")(f)
-    return click.option("-v", "--verbose", count=True, expose_value=False, callback=_verbosity,
-                        help="More logging; show tracebacks on errors.")(f)
+    f = click.option(
+        "-q",
+        "--quiet",
+        is_flag=True,
+        expose_value=False,
+        callback=_verbosity,
+        help="Only warnings and errors; no progress bars.",
+    )(f)
+    return click.option(
+        "-v",
+        "--verbose",
+        count=True,
+        expose_value=False,
+        callback=_verbosity,
+        help="More logging; show tracebacks on errors.",
+    )(f)
 
 
 def _device_option(what: str):
@@ -103,8 +119,10 @@ def _run(ctx, fn):
     except Exception as e:  # noqa: BLE001 — anything that is not a PorterError is a bug in porter
         if verbose:
             traceback.print_exc()
-        _echo_error(f"porter: internal error: {type(e).__name__}: {_one_line(e)} "
-                    "(please report; -v shows the traceback)")
+        _echo_error(
+            f"porter: internal error: {type(e).__name__}: {_one_line(e)} "
+            "(please report; -v shows the traceback)"
+        )
         sys.exit(EXIT_INTERNAL)
 
 
@@ -123,54 +141,136 @@ def main(ctx, verbose, quiet):
 
 def _hub_options(f):
     """--token and --cache-dir, for every command that reads the Hugging Face Hub."""
-    f = click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-                     help="Hugging Face cache folder for repo ids "
-                          "[default: HF_HUB_CACHE, else HF_HOME/hub].")(f)
-    return click.option("--token", default=None, metavar="TOKEN",
-                        help="Hugging Face token for gated or private repos [default: HF_TOKEN, else the "
-                             "stored login]. On a shared machine prefer HF_TOKEN: arguments show in `ps`.")(f)
+    f = click.option(
+        "--cache-dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        help="Hugging Face cache folder for repo ids [default: HF_HUB_CACHE, else HF_HOME/hub].",
+    )(f)
+    return click.option(
+        "--token",
+        default=None,
+        metavar="TOKEN",
+        help="Hugging Face token for gated or private repos [default: HF_TOKEN, else the "
+        "stored login]. On a shared machine prefer HF_TOKEN: arguments show in `ps`.",
+    )(f)
 
 
 @main.command()
 @click.argument("source")
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Output folder.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) for a repo id.")
-@click.option("--quantize", type=click.Choice(["experts", "all", "none"]), default=None,
-              help="experts: routed experts; all: every linear but embeddings, lm_head, router and norms; "
-                   "none: keep bf16 (exact comparisons). Default: experts (porter layout), all (hf layout).")
-@click.option("--layout", type=click.Choice(["porter", "hf"]), default="porter", show_default=True,
-              help="porter: stacked experts for porter's runtime; hf: the vendor release's names and per-expert "
-                   "tensors, which vLLM and sglang load (docs/serving-engines.md).")
-@click.option("--gate-up", type=click.Choice(["auto", "interleaved", "uninterleaved"]), default="auto",
-              show_default=True, help="Row order of a fused source gate_up_proj (auto: the config's "
-                                      "gate_up_interleaved). Output is always [gate; up].")
-@click.option("--scale-rounding", type=click.Choice(["rceil", "floor"]), default="rceil", show_default=True,
-              help="rceil: smallest power of two that fits (never clips). floor: OCP reference rule, lossier.")
+@click.option(
+    "--quantize",
+    type=click.Choice(["experts", "all", "none"]),
+    default=None,
+    help="experts: routed experts; all: every linear but embeddings, lm_head, router and norms; "
+    "none: keep bf16 (exact comparisons). Default: experts (porter layout), all (hf layout).",
+)
+@click.option(
+    "--layout",
+    type=click.Choice(["porter", "hf"]),
+    default="porter",
+    show_default=True,
+    help="porter: stacked experts for porter's runtime; hf: the vendor release's names and per-expert "
+    "tensors, which vLLM and sglang load (docs/serving-engines.md).",
+)
+@click.option(
+    "--gate-up",
+    type=click.Choice(["auto", "interleaved", "uninterleaved"]),
+    default="auto",
+    show_default=True,
+    help="Row order of a fused source gate_up_proj (auto: the config's "
+    "gate_up_interleaved). Output is always [gate; up].",
+)
+@click.option(
+    "--scale-rounding",
+    type=click.Choice(["rceil", "floor"]),
+    default="rceil",
+    show_default=True,
+    help="rceil: smallest power of two that fits (never clips). floor: OCP reference rule, lossier.",
+)
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Shard size cap, e.g. 5GB, 500MB.")
-@click.option("--force", is_flag=True, help="Replace an earlier porter output in the output folder (only "
-                                           "files porter wrote; anything else is refused: docs/convert.md).")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace an earlier porter output in the output folder (only "
+    "files porter wrote; anything else is refused: docs/convert.md).",
+)
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion into the same folder.")
-@click.option("--dry-run", is_flag=True, help="Print the plan (reads, quantized tensors, shards, memory); write nothing.")
-@click.option("--workers", type=int, default=None, help="Worker threads for read/quantize/hash/write "
-                                                         "[default: the cores available + 1].")
-@click.option("--max-memory", default=None, help="Memory budget, e.g. 16GB [default: half the available RAM].")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the plan (reads, quantized tensors, shards, memory); write nothing.",
+)
+@click.option(
+    "--workers",
+    type=int,
+    default=None,
+    help="Worker threads for read/quantize/hash/write [default: the cores available + 1].",
+)
+@click.option(
+    "--max-memory", default=None, help="Memory budget, e.g. 16GB [default: half the available RAM]."
+)
 @_device_option("Where to quantize (the output is byte-identical either way)")
-@click.option("--digest", type=click.Choice(list(CHUNK_HASHES)), default=DEFAULT_DIGEST, show_default=True,
-              help="Chunk hash of the shard digests in porter.json: xxh3-128 (fast checksum, like rsync's) or "
-                   "sha256 (for a manifest that is signed or published apart from the shards).")
+@click.option(
+    "--digest",
+    type=click.Choice(list(CHUNK_HASHES)),
+    default=DEFAULT_DIGEST,
+    show_default=True,
+    help="Chunk hash of the shard digests in porter.json: xxh3-128 (fast checksum, like rsync's) or "
+    "sha256 (for a manifest that is signed or published apart from the shards).",
+)
 @_hub_options
 @_common
 @click.pass_context
-def convert(ctx, source, output, revision, quantize, layout, gate_up, scale_rounding, max_shard_size, force, resume,
-            dry_run, workers, max_memory, device, digest, token, cache_dir):
+def convert(
+    ctx,
+    source,
+    output,
+    revision,
+    quantize,
+    layout,
+    gate_up,
+    scale_rounding,
+    max_shard_size,
+    force,
+    resume,
+    dry_run,
+    workers,
+    max_memory,
+    device,
+    digest,
+    token,
+    cache_dir,
+):
     """Convert SOURCE (a local dir or a Hugging Face repo id) to a porter MXFP8 artifact."""
     from porter.commands.convert import convert as do_convert
+
     _run(ctx, lambda: resolve_device(device))
-    _run(ctx, lambda: do_convert(source, output, revision=revision, quantize=quantize, gate_up=gate_up,
-                                 scale_rounding=scale_rounding, max_shard_size=max_shard_size, force=force,
-                                 resume=resume, dry_run=dry_run, progress=not ctx.obj["quiet"], layout=layout,
-                                 workers=workers, max_memory=max_memory, device=device, digest=digest,
-                                 token=token, cache_dir=cache_dir))
+    _run(
+        ctx,
+        lambda: do_convert(
+            source,
+            output,
+            revision=revision,
+            quantize=quantize,
+            gate_up=gate_up,
+            scale_rounding=scale_rounding,
+            max_shard_size=max_shard_size,
+            force=force,
+            resume=resume,
+            dry_run=dry_run,
+            progress=not ctx.obj["quiet"],
+            layout=layout,
+            workers=workers,
+            max_memory=max_memory,
+            device=device,
+            digest=digest,
+            token=token,
+            cache_dir=cache_dir,
+        ),
+    )
 
 
 @main.command("inspect")
@@ -185,6 +285,7 @@ def inspect_command(ctx, path, as_json):
     import json
 
     from porter.commands.inspect import inspect, render
+
     report = _run(ctx, lambda: inspect(path))
     click.echo(json.dumps(report, indent=1) if as_json else render(report))
 
@@ -192,6 +293,7 @@ def inspect_command(ctx, path, as_json):
 class FiniteFloat(click.ParamType):
     """A finite float in [lo, hi] (hi None: no upper bound). click.FloatRange lets nan and inf through,
     and a nan threshold compares false with everything: every check would pass."""
+
     name = "float"
 
     def __init__(self, lo: float, hi=None):
@@ -199,13 +301,17 @@ class FiniteFloat(click.ParamType):
 
     def convert(self, value, param, ctx):
         import math
+
         try:
             x = float(value)
         except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number", param, ctx)
         if not math.isfinite(x) or x < self.lo or (self.hi is not None and x > self.hi):
-            want = (f"a finite number >= {self.lo:g}" if self.hi is None
-                    else f"a number in [{self.lo:g}, {self.hi:g}]")
+            want = (
+                f"a finite number >= {self.lo:g}"
+                if self.hi is None
+                else f"a number in [{self.lo:g}, {self.hi:g}]"
+            )
             self.fail(f"{value!r} is not {want}", param, ctx)
         return x
 
@@ -216,11 +322,17 @@ class FiniteFloat(click.ParamType):
 def _threshold_help(name: str) -> str:
     from porter.commands.verify import SCOPE_DEFAULTS, Thresholds
     from porter.commands.verify.verdict import threshold_range_text
+
     per = ", ".join(f"{getattr(Thresholds.build(None, sc), name):g} ({sc})" for sc in SCOPE_DEFAULTS)
-    serving = ", ".join(f"{getattr(Thresholds.build(None, sc, 'serving'), name):g} ({sc})"
-                        for sc in SCOPE_DEFAULTS if sc != "none")
-    return (f"Default by the artifact's quantize scope: {per}; with --numerics serving: {serving}; "
-            f"{threshold_range_text(name)}.")
+    serving = ", ".join(
+        f"{getattr(Thresholds.build(None, sc, 'serving'), name):g} ({sc})"
+        for sc in SCOPE_DEFAULTS
+        if sc != "none"
+    )
+    return (
+        f"Default by the artifact's quantize scope: {per}; with --numerics serving: {serving}; "
+        f"{threshold_range_text(name)}."
+    )
 
 
 def _threshold_options(f):
@@ -229,9 +341,14 @@ def _threshold_options(f):
 
     from porter.commands.verify import Thresholds
     from porter.commands.verify.verdict import THRESHOLD_RANGES
+
     for t in reversed([t for t in fields(Thresholds) if t.type in (float, "float")]):
-        f = click.option("--" + t.name.replace("_", "-"), type=FiniteFloat(*THRESHOLD_RANGES[t.name]),
-                         default=None, help=_threshold_help(t.name))(f)
+        f = click.option(
+            "--" + t.name.replace("_", "-"),
+            type=FiniteFloat(*THRESHOLD_RANGES[t.name]),
+            default=None,
+            help=_threshold_help(t.name),
+        )(f)
     return f
 
 
@@ -259,56 +376,131 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
 
 @main.command("verify", help=VERIFY_HELP)
 @click.argument("artifact", type=click.Path())
-@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable). Default: a built-in prompt.")
-@click.option("--reference", default=None, help="Original checkpoint (dir or repo id). Default: porter.json's source.")
-@click.option("--backend", default="auto", show_default=True,
-              type=click.Choice(["auto", "torch", "triton", "flashinfer-trtllm"]), help="MoE backend of the artifact.")
+@click.option(
+    "--prompt", "prompts", multiple=True, help="Prompt text (repeatable). Default: a built-in prompt."
+)
+@click.option(
+    "--reference", default=None, help="Original checkpoint (dir or repo id). Default: porter.json's source."
+)
+@click.option(
+    "--backend",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "torch", "triton", "flashinfer-trtllm"]),
+    help="MoE backend of the artifact.",
+)
 @_device_option("Where both models run (the byte re-derivation runs there too; on cpu it uses every core)")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
-              help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA).")
-@click.option("--device-map", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
-              help="auto: with --device cuda and several GPUs, the converted model's decoder layers are spread "
-                   "over all of them (runtime.load(device_map='auto')); none: it stays on --device.")
-@click.option("--max-new-tokens", default=None, type=click.IntRange(0),
-              help="Greedy tokens of the converted model, scored by the reference teacher-forced. "
-                   "Default: 16 when the converted model fits the device, else 0 (say N to generate anyway, "
-                   "layer-streamed).")
-@click.option("--report", type=click.Path(dir_okay=False, allow_dash=True), default=None,
-              help="Write the JSON report here; '-': to stdout (the table then goes to stderr).")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None,
-              help="Write the per-layer picture here (.svg; .png needs matplotlib).")
-@click.option("--numerics", type=click.Choice(["w8a16", "serving", "both"]), default="w8a16",
-              show_default=True,
-              help="w8a16: MXFP8 weights, activations as given (the cost of quantizing the weights); "
-                   "serving: also the MoE input and SwiGLU output as MXFP8, what serving engines compute "
-                   "(torch MoE backend, its own thresholds: docs/verify.md); both: two runs side by side. "
-                   "The --max-*/--min-* flags apply to every run.")
-@click.option("--stream/--no-stream", "stream", default=None,
-              help="Force layer streaming of the teacher-forced pass on/off (default: on when both models "
-                   "would not fit in memory).")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA).",
+)
+@click.option(
+    "--device-map",
+    type=click.Choice(["auto", "none"]),
+    default="auto",
+    show_default=True,
+    help="auto: with --device cuda and several GPUs, the converted model's decoder layers are spread "
+    "over all of them (runtime.load(device_map='auto')); none: it stays on --device.",
+)
+@click.option(
+    "--max-new-tokens",
+    default=None,
+    type=click.IntRange(0),
+    help="Greedy tokens of the converted model, scored by the reference teacher-forced. "
+    "Default: 16 when the converted model fits the device, else 0 (say N to generate anyway, "
+    "layer-streamed).",
+)
+@click.option(
+    "--report",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    default=None,
+    help="Write the JSON report here; '-': to stdout (the table then goes to stderr).",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the per-layer picture here (.svg; .png needs matplotlib).",
+)
+@click.option(
+    "--numerics",
+    type=click.Choice(["w8a16", "serving", "both"]),
+    default="w8a16",
+    show_default=True,
+    help="w8a16: MXFP8 weights, activations as given (the cost of quantizing the weights); "
+    "serving: also the MoE input and SwiGLU output as MXFP8, what serving engines compute "
+    "(torch MoE backend, its own thresholds: docs/verify.md); both: two runs side by side. "
+    "The --max-*/--min-* flags apply to every run.",
+)
+@click.option(
+    "--stream/--no-stream",
+    "stream",
+    default=None,
+    help="Force layer streaming of the teacher-forced pass on/off (default: on when both models "
+    "would not fit in memory).",
+)
 @_threshold_options
-@click.option("--min-matching-tokens", type=click.IntRange(0), default=None,
-              help="Generated tokens the reference's argmax must agree on. Default 0 (reported only).")
+@click.option(
+    "--min-matching-tokens",
+    type=click.IntRange(0),
+    default=None,
+    help="Generated tokens the reference's argmax must agree on. Default 0 (reported only).",
+)
 @_hub_options
 @_common
 @click.pass_context
-def verify(ctx, artifact, prompts, reference, backend, device, dtype, device_map, max_new_tokens, report, plot,
-           stream, numerics, token, cache_dir, **threshold_flags):
+def verify(
+    ctx,
+    artifact,
+    prompts,
+    reference,
+    backend,
+    device,
+    dtype,
+    device_map,
+    max_new_tokens,
+    report,
+    plot,
+    stream,
+    numerics,
+    token,
+    cache_dir,
+    **threshold_flags,
+):
     import json
 
     import torch
+
     from porter.commands import verify as verify_module
     from porter.errors import EXIT_NOT_FAITHFUL, EXIT_OK
+
     torch_dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     to_stdout = report == "-"  # stdout is then the JSON report alone
     device = str(_run(ctx, lambda: resolve_device(device)))
-    result = _run(ctx, lambda: verify_module.verify(  # through the module: tests replace it
-        artifact, prompts=list(prompts) or None, reference=reference, backend=backend, device=device,
-        max_new_tokens=max_new_tokens, report=None if to_stdout else report, plot=plot,
-        thresholds=threshold_flags,
-        streaming="auto" if stream is None else stream, dtype=torch_dtype, progress=not ctx.obj.get("quiet"),
-        device_map=None if device_map == "none" else device_map, token=token, cache_dir=cache_dir,
-        numerics=numerics))
+    result = _run(
+        ctx,
+        lambda: verify_module.verify(  # through the module: tests replace it
+            artifact,
+            prompts=list(prompts) or None,
+            reference=reference,
+            backend=backend,
+            device=device,
+            max_new_tokens=max_new_tokens,
+            report=None if to_stdout else report,
+            plot=plot,
+            thresholds=threshold_flags,
+            streaming="auto" if stream is None else stream,
+            dtype=torch_dtype,
+            progress=not ctx.obj.get("quiet"),
+            device_map=None if device_map == "none" else device_map,
+            token=token,
+            cache_dir=cache_dir,
+            numerics=numerics,
+        ),
+    )
     click.echo(_run(ctx, lambda: verify_module.format_table(result.report)), err=to_stdout)
     if to_stdout:
         click.echo(json.dumps(result.report.to_dict(), indent=1))
@@ -318,28 +510,60 @@ def verify(ctx, artifact, prompts, reference, backend, device, dtype, device_map
 @main.command("generate")
 @click.argument("path", type=click.Path())
 @click.option("--prompt", required=True, help="The prompt text.")
-@click.option("--chat", is_flag=True, help="Apply the checkpoint's chat template to the prompt (a user turn).")
-@click.option("--max-new-tokens", type=click.IntRange(0), default=None,
-              help="Tokens to generate at most [default: generation_config.json's, else 128].")
-@click.option("--temperature", type=click.FloatRange(0), default=None,
-              help="Sample at this temperature (0 or unset: greedy).")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None, help="Nucleus sampling mass.")
+@click.option(
+    "--chat", is_flag=True, help="Apply the checkpoint's chat template to the prompt (a user turn)."
+)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(0),
+    default=None,
+    help="Tokens to generate at most [default: generation_config.json's, else 128].",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(0),
+    default=None,
+    help="Sample at this temperature (0 or unset: greedy).",
+)
+@click.option(
+    "--top-p", type=click.FloatRange(0, 1, min_open=True), default=None, help="Nucleus sampling mass."
+)
 @click.option("--top-k", type=click.IntRange(0), default=None, help="Sample among the k most likely tokens.")
 @click.option("--seed", type=int, default=None, help="Seed of the sampler (reproducible output).")
 @click.option("--stop", multiple=True, help="Stop before this text (repeatable).")
 @_device_option("Where the model runs")
-@click.option("--backend", default="auto", show_default=True,
-              type=click.Choice(["auto", "torch", "triton", "flashinfer-trtllm"]), help="MoE backend.")
+@click.option(
+    "--backend",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "torch", "triton", "flashinfer-trtllm"]),
+    help="MoE backend.",
+)
 @_common
 @click.pass_context
-def generate_command(ctx, path, prompt, chat, max_new_tokens, temperature, top_p, top_k, seed, stop, device,
-                     backend):
+def generate_command(
+    ctx, path, prompt, chat, max_new_tokens, temperature, top_p, top_k, seed, stop, device, backend
+):
     """Continue PROMPT with the model in PATH (a porter artifact or a checkpoint folder), printing the text
     as it is generated and the speed at the end."""
     from porter.commands.generate import generate
-    _run(ctx, lambda: generate(path, prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
-                               top_p=top_p, top_k=top_k, seed=seed, stop=stop, device=resolve_device(device),
-                               backend=backend))
+
+    _run(
+        ctx,
+        lambda: generate(
+            path,
+            prompt,
+            chat=chat,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            device=resolve_device(device),
+            backend=backend,
+        ),
+    )
 
 
 if __name__ == "__main__":

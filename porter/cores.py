@@ -1,5 +1,6 @@
 """The CPU cores this process may run on (a leaf module: the engine, verify and the digests all size their
 thread pools from it)."""
+
 import os
 
 

@@ -1,4 +1,5 @@
 """Device and dtype arguments, checked where they enter (runtime.load and every command) with one rule."""
+
 from __future__ import annotations
 
 import logging
@@ -33,7 +34,9 @@ def resolve_device(spec="auto") -> torch.device:
             raise DeviceError(f"device {spec!r}: no CUDA GPU is visible to torch on this machine; use cpu")
         count = torch.cuda.device_count()
         if dev.index is not None and not 0 <= dev.index < count:
-            raise DeviceError(f"device {spec!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+            raise DeviceError(
+                f"device {spec!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}"
+            )
     return dev
 
 

@@ -5,6 +5,7 @@ prints its one-line message and exits 2. Anything else that escapes is an intern
 asks for a report, and shows the traceback with `-v`. `porter verify` exits 1 only for "not faithful".
 Every module raises subclasses of `PorterError` for bad input, never a bare ValueError.
 """
+
 from __future__ import annotations
 
 EXIT_OK = 0
@@ -21,6 +22,7 @@ class PorterError(Exception):
 
 # Each part of porter raises its own subclass; all live here so the taxonomy is read in one place
 # (docs/architecture.md). Some also derive from ValueError / RuntimeError for code that catches those.
+
 
 class ConfigError(PorterError, ValueError):
     """A config field is missing, of the wrong type or impossible, or the architecture (model_type) has no

@@ -19,6 +19,7 @@ indexer caches) · text.py (tokenizer, chat template, generation defaults) · sa
 graph.py (captured decode) · kernels/ (attention, fused decode ops, GEMVs + their Triton kernels) · moe/
 (contract, backends, selection).
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,21 +27,29 @@ from typing import Optional
 
 import torch
 
+from porter.devices import resolve_device, resolve_dtype
 from porter.errors import BackendUnavailable, LoadError, PlacementError
 from runtime.loader import build_model, open_store
 from runtime.moe import check_numerics, check_numerics_name, make_moe, resolve_backend
 from runtime.placement import resolve as resolve_placement
 from runtime.text import load_generation_config, load_tokenizer
-from porter.devices import resolve_device, resolve_dtype
 
 __all__ = ["load", "LoadError", "BackendUnavailable", "PlacementError"]
 
 log = logging.getLogger("porter.runtime")
 
 
-def load(path, device="cpu", dtype=None, backend: str = "auto", lazy: bool = False,
-         device_map=None, max_memory: Optional[dict] = None, moe_fp8_prefill: bool = True,
-         moe_numerics: Optional[str] = None):
+def load(
+    path,
+    device="cpu",
+    dtype=None,
+    backend: str = "auto",
+    lazy: bool = False,
+    device_map=None,
+    max_memory: Optional[dict] = None,
+    moe_fp8_prefill: bool = True,
+    moe_numerics: Optional[str] = None,
+):
     """Load a porter artifact dir (porter.json) or an original MiniMax-M3 HF checkpoint dir (or an already
     opened store from runtime.loader.open_store, which the caller keeps, e.g. to read weights or close()).
 
@@ -61,7 +70,9 @@ def load(path, device="cpu", dtype=None, backend: str = "auto", lazy: bool = Fal
     opened = not (hasattr(path, "names") and hasattr(path, "get"))  # else: an opened store the caller keeps
     store = open_store(path) if opened else path
     try:
-        return _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill, moe_numerics)
+        return _load(
+            store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill, moe_numerics
+        )
     except BaseException:
         if opened:  # a refused load (PlacementError, BackendUnavailable, ...) leaves no shard handle open
             store.close()
@@ -72,7 +83,9 @@ def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_p
     placement = None
     if device_map is not None:
         if lazy:
-            raise PlacementError("device_map and lazy=True do not combine: streaming keeps one layer resident")
+            raise PlacementError(
+                "device_map and lazy=True do not combine: streaming keeps one layer resident"
+            )
         placement = resolve_placement(device_map, store, max_memory)
         device = placement.embed
         log.info("device_map: %s", placement.describe())
@@ -84,7 +97,9 @@ def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_p
     name = resolve_backend(backend, device, quantized=quantized)
     check_numerics(moe_numerics, name, quantized)
     log.info("loading %s on %s (%s, MoE backend %s, lazy=%s)", store.path, device, dtype, name, lazy)
-    make_backend = lambda quant, routing: make_moe(name, quant, routing, moe_numerics, fp8_prefill=moe_fp8_prefill)
+    make_backend = lambda quant, routing: make_moe(
+        name, quant, routing, moe_numerics, fp8_prefill=moe_fp8_prefill
+    )
     model = build_model(store, device, dtype, make_backend, lazy, placement)
     model.placement = placement
     model.tokenizer = load_tokenizer(store.path)

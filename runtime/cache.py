@@ -3,6 +3,7 @@
 Slot s of row b holds row b's token at position s, so left-padded batches of different prompt lengths run
 together: pad tokens (`attention_mask` 0) are never written and get position 0 (docs/runtime-decode.md).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ class Step:
     kv_len: the slots attended are [0, kv_len) (host int, static under CUDA-graph capture);
     fresh: every row's positions are 0..T-1 with no earlier keys (plain causal prefill);
     decode: T == 1 over a cache (static-shape decode attention)."""
+
     pos: torch.Tensor
     valid: Optional[torch.Tensor]
     kv_len: int
@@ -44,13 +46,23 @@ class Step:
         if self.pos.device == device:
             return self
         if device not in self._copies:
-            self._copies[device] = Step(self.pos.to(device), None if self.valid is None else self.valid.to(device),
-                                        self.kv_len, self.fresh, self.decode)
+            self._copies[device] = Step(
+                self.pos.to(device),
+                None if self.valid is None else self.valid.to(device),
+                self.kv_len,
+                self.fresh,
+                self.decode,
+            )
         return self._copies[device]
 
     @classmethod
-    def of(cls, positions: torch.Tensor, batch: int, cache: Optional["LayerCache"] = None,
-           valid: Optional[torch.Tensor] = None) -> "Step":
+    def of(
+        cls,
+        positions: torch.Tensor,
+        batch: int,
+        cache: Optional["LayerCache"] = None,
+        valid: Optional[torch.Tensor] = None,
+    ) -> "Step":
         """From explicit positions ([T] shared by the rows, or [B, T]); the layer-at-a-time API."""
         pos = positions.expand(batch, positions.shape[-1]) if positions.dim() == 1 else positions
         T = pos.shape[1]
@@ -66,6 +78,7 @@ class Step:
 @dataclass
 class LayerCache:
     """Static per-layer cache, position-indexed: slot s of row b holds row b's token at position s."""
+
     k: torch.Tensor  # [B, nkv, S_max, d]
     v: torch.Tensor  # [B, nkv, S_max, d]
     idx_k: Optional[torch.Tensor] = None  # [B, S_max, di] (sparse layers: the indexer's key cache)
@@ -75,7 +88,9 @@ class LayerCache:
         """Zeroed k/v [B, nkv, slots, d]; sparse (an indexer layer): also the index keys [B, slots, di]."""
         kv = (batch, cfg.num_key_value_heads, slots, cfg.head_dim)
         idx = torch.zeros(batch, slots, cfg.index_head_dim, dtype=dtype, device=device) if sparse else None
-        return cls(torch.zeros(kv, dtype=dtype, device=device), torch.zeros(kv, dtype=dtype, device=device), idx)
+        return cls(
+            torch.zeros(kv, dtype=dtype, device=device), torch.zeros(kv, dtype=dtype, device=device), idx
+        )
 
     def put(self, name: str, new: torch.Tensor, step: Step) -> None:
         """new [B, T, ...] (k/v: [B, T, nkv, d]; idx_k: [B, T, di]) -> slots step.pos of its rows."""
@@ -104,4 +119,3 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.layers[0].k.shape[2]
-

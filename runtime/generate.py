@@ -3,6 +3,7 @@
 Text in, text out (the completion); ids in, ids out (prompt + completion). Finished rows (EOS or a stop
 string) are padded with the pad id (else their EOS) while the others go on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,10 @@ def _prompt_kind(prompt) -> str:
             return "id_rows"
         if all(isinstance(p, dict) for p in prompt):
             return "messages"
-    raise TextError("prompt must be a string, a list of strings, a list of chat messages, token ids "
-                    f"(a list of ints or of lists of ints) or a LongTensor [B, T]; found {type(prompt).__name__}")
+    raise TextError(
+        "prompt must be a string, a list of strings, a list of chat messages, token ids "
+        f"(a list of ints or of lists of ints) or a LongTensor [B, T]; found {type(prompt).__name__}"
+    )
 
 
 def _left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -45,8 +48,8 @@ def _left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)  # [B, T]
     mask = torch.zeros(len(rows), T, dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, T - len(r):] = torch.tensor(list(r), dtype=torch.long)
-        mask[i, T - len(r):] = 1
+        ids[i, T - len(r) :] = torch.tensor(list(r), dtype=torch.long)
+        mask[i, T - len(r) :] = 1
     return ids, (None if bool(mask.all()) else mask)
 
 
@@ -54,12 +57,16 @@ def encode(tokenizer: Optional[Tokenizer], kind: str, prompt, chat: bool, pad_id
     """-> ids [B, T], attention mask [B, T] or None."""
     if kind in ("text", "texts", "messages"):
         if tokenizer is None:
-            raise TextError("text prompts need the checkpoint's tokenizer.json (none was found); pass token ids")
+            raise TextError(
+                "text prompts need the checkpoint's tokenizer.json (none was found); pass token ids"
+            )
         if kind == "messages":  # one conversation: always through the chat template
             rows = [tokenizer.encode(tokenizer.apply_chat_template(list(prompt)), add_special_tokens=False)]
         elif chat:  # the template writes the special tokens itself
             texts = [prompt] if kind == "text" else list(prompt)
-            rows = [tokenizer.encode(tokenizer.apply_chat_template(t), add_special_tokens=False) for t in texts]
+            rows = [
+                tokenizer.encode(tokenizer.apply_chat_template(t), add_special_tokens=False) for t in texts
+            ]
         else:
             rows = [tokenizer.encode(t) for t in ([prompt] if kind == "text" else prompt)]
         if not all(rows):
@@ -74,8 +81,10 @@ def encode(tokenizer: Optional[Tokenizer], kind: str, prompt, chat: bool, pad_id
     if prompt.dim() == 1:
         prompt = prompt[None]
     if prompt.dim() != 2 or prompt.dtype not in (torch.long, torch.int, torch.int32) or prompt.shape[1] == 0:
-        raise TextError(f"input_ids must be an integer tensor [B, T] with T >= 1, found {prompt.dtype} "
-                        f"{tuple(prompt.shape)}")
+        raise TextError(
+            f"input_ids must be an integer tensor [B, T] with T >= 1, found {prompt.dtype} "
+            f"{tuple(prompt.shape)}"
+        )
     return prompt.long(), None
 
 
@@ -108,16 +117,33 @@ class Decoder:
         return self.graph(tok) if self.graph is not None else self.model(tok, self.cache)[:, -1]
 
 
-def generate(model, prompt, max_new_tokens: Optional[int] = None, *, eos_token_id=None,
-             attention_mask: Optional[torch.Tensor] = None, do_sample: Optional[bool] = None,
-             temperature: Optional[float] = None, top_p: Optional[float] = None, top_k: Optional[int] = None,
-             seed: Optional[int] = None, stop: Sequence[str] = (), stream: Optional[Callable[[int, str], None]] = None,
-             chat: bool = False, cuda_graph: Optional[bool] = None):
+def generate(
+    model,
+    prompt,
+    max_new_tokens: Optional[int] = None,
+    *,
+    eos_token_id=None,
+    attention_mask: Optional[torch.Tensor] = None,
+    do_sample: Optional[bool] = None,
+    temperature: Optional[float] = None,
+    top_p: Optional[float] = None,
+    top_k: Optional[int] = None,
+    seed: Optional[int] = None,
+    stop: Sequence[str] = (),
+    stream: Optional[Callable[[int, str], None]] = None,
+    chat: bool = False,
+    cuda_graph: Optional[bool] = None,
+):
     """See MiniMaxM3.generate."""
     kind = _prompt_kind(prompt)
-    cfg = model.generation_config.with_overrides(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                                                 do_sample=do_sample, temperature=temperature, top_p=top_p,
-                                                 top_k=top_k)
+    cfg = model.generation_config.with_overrides(
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+    )
     if isinstance(stop, str):
         stop = [stop]
     pad_id = _pad_id(cfg, model.tokenizer)
@@ -165,7 +191,7 @@ def _decode(model, ids, mask, cfg: GenerationConfig, pad_id: int, seed, texts: R
         if i == n - 1 or ((texts.active or (i + 1) % SYNC_EVERY == 0) and bool(done.all())):
             break
         last = decoder(nxt[:, None])
-    return torch.cat([out, torch.stack(new, 1)[:, :int(steps.max())]], 1)
+    return torch.cat([out, torch.stack(new, 1)[:, : int(steps.max())]], 1)
 
 
 def _result(kind: str, out: torch.Tensor, T: int, cfg: GenerationConfig, texts: RowText, mask):
@@ -178,7 +204,7 @@ def _result(kind: str, out: torch.Tensor, T: int, cfg: GenerationConfig, texts: 
         return out
     if kind in ("ids", "id_rows"):
         lens = mask.sum(1).tolist() if mask is not None else [T] * len(rows)
-        rows = [r[T - n:] for r, n in zip(rows, lens)]
+        rows = [r[T - n :] for r, n in zip(rows, lens)]
         return rows[0] if kind == "ids" else rows
     return finals if kind == "texts" else finals[0]
 

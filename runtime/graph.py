@@ -11,6 +11,7 @@ cache's next_pos before every replay) and the cache itself; attention covers all
 kv_len) and finds each row's keys from its position. Segments are captured on first use, after two eager
 warm-up steps that compute the same step (so the cache entries they write are the ones the step needs).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -12,6 +12,7 @@ drops the previously built layer first, so at most one decoder layer is material
 cache lives in the separate KVCache and survives). `model.layers.release()` frees the resident layer and
 closes the store's shard handles, so pages mapped for it stop counting as resident.
 """
+
 from __future__ import annotations
 
 import gc
@@ -54,8 +55,10 @@ class ArtifactStore:
         self.config = self.converter.resolve_config(raw)
         index = path / "model.safetensors.index.json"
         if not index.exists() and not index.is_symlink():  # porter writes the index last: no index, no finish
-            raise LoadError(f"{index}: missing — the conversion did not finish; rerun "
-                            "`porter convert ... --resume` into this folder")
+            raise LoadError(
+                f"{index}: missing — the conversion did not finish; rerun "
+                "`porter convert ... --resume` into this folder"
+            )
         self.files = _weight_map(path, index)
         self._handles: dict = {}
         self._headers: dict = {}  # shard -> parsed safetensors header (nbytes)
@@ -78,8 +81,10 @@ class ArtifactStore:
                 raise LoadError(str(e)) from None
         for name, f in self.files.items():
             if name not in self._headers[f]:
-                raise LoadError(f"{index}: tensor {name!r} is listed in {f.name} but that shard does not "
-                                "hold it; reconvert")
+                raise LoadError(
+                    f"{index}: tensor {name!r} is listed in {f.name} but that shard does not "
+                    "hold it; reconvert"
+                )
 
     def names(self) -> set:
         return set(self.files) if self._hf is None else set(self._hf)
@@ -148,8 +153,9 @@ class ArtifactStore:
         try:
             return sum(int(r.get("bytes", 0)) for r in shards.values())
         except (TypeError, ValueError):
-            raise LoadError(f"{self.path / manifest.MANIFEST}: a shard's 'bytes' is not a number; "
-                            "reconvert") from None
+            raise LoadError(
+                f"{self.path / manifest.MANIFEST}: a shard's 'bytes' is not a number; reconvert"
+            ) from None
 
 
 class SourceStore:
@@ -161,6 +167,7 @@ class SourceStore:
 
     def __init__(self, path: Path):
         from porter import source
+
         self.source = source.open_source(path)
         self.path = self.source.path
         self.converter = converters.for_config(self.source.raw_config, str(self.path / "config.json"))
@@ -183,6 +190,7 @@ class SourceStore:
     def nbytes(self, name: str) -> int:
         """Bytes of a canonical tensor as the runtime holds it (source dtype), from the plan (nothing read)."""
         from porter.format.safetensors_io import nbytes
+
         t = self.plan[name]
         return nbytes(t.dtype, t.shape)
 
@@ -225,14 +233,16 @@ def _weight_map(folder: Path, index: Path) -> dict:
     files = {}
     for name, f in weight_map.items():
         if not isinstance(f, str) or not f.endswith(".safetensors"):
-            raise LoadError(f"{index}: weight_map[{name!r}] = {f!r} is not a .safetensors file name; "
-                            "reconvert")
+            raise LoadError(
+                f"{index}: weight_map[{name!r}] = {f!r} is not a .safetensors file name; reconvert"
+            )
         files[name] = regular_file(inside(folder, f, LoadError, index.name), LoadError, "shard")
     return files
 
 
 def getter(store, names: set, device: torch.device) -> Callable[[str], Optional[torch.Tensor]]:
     """name -> tensor on device (None when absent: e.g. no weight_scale for an unquantized linear)."""
+
     def get(name):
         if name not in names:
             if name.endswith("_scale"):
@@ -240,13 +250,16 @@ def getter(store, names: set, device: torch.device) -> Callable[[str], Optional[
             raise LoadError(f"tensor {name!r} is missing from {store.path}")
         t = store.get(name)
         return t if t.device == device else t.to(device)
+
     return get
 
 
 class LazyLayers:
     """Sequence of decoder layers built on access; at most one is resident (see module docstring)."""
 
-    def __init__(self, n: int, build: Callable[[int], DecoderLayer], on_release: Callable[[], None] = lambda: None):
+    def __init__(
+        self, n: int, build: Callable[[int], DecoderLayer], on_release: Callable[[], None] = lambda: None
+    ):
         self._n, self._build, self._on_release = n, build, on_release
         self._index, self._layer = None, None
 
@@ -272,8 +285,9 @@ class LazyLayers:
             torch.cuda.empty_cache()
 
 
-def build_model(store, device: torch.device, dtype: torch.dtype, make_backend: Callable, lazy: bool,
-                placement=None) -> MiniMaxM3:
+def build_model(
+    store, device: torch.device, dtype: torch.dtype, make_backend: Callable, lazy: bool, placement=None
+) -> MiniMaxM3:
     """placement (runtime.placement.Placement): decoder layer i on placement.layers[i], embeddings on
     placement.embed, final norm + lm_head on placement.head; None = everything on `device`."""
     cfg, names = store.config, store.names()
@@ -289,5 +303,5 @@ def build_model(store, device: torch.device, dtype: torch.dtype, make_backend: C
     if "lm_head.weight" not in top and head_dev != embed_dev:  # tied: lm_head needs the embedding there too
         top["lm_head.weight"] = getters[head_dev](TOP_NAMES[0])
     build = lambda i: DecoderLayer(cfg, getters[where[i]], i, ropes[where[i]], where[i], make_backend)
-    layers = (LazyLayers(n, build, store.close) if lazy else [build(i) for i in range(n)])
+    layers = LazyLayers(n, build, store.close) if lazy else [build(i) for i in range(n)]
     return MiniMaxM3(cfg, top, layers, embed_dev, dtype, layer_devices=where)

@@ -10,6 +10,7 @@ tensor sizes in the shard headers, before any weight is read: a model that does 
 one line saying how much it needs and how much the devices offer. Budgets cover weights only; "auto"
 without max_memory keeps RESERVE of each GPU free for the KV cache and activations.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,13 +25,24 @@ from runtime.loader import TOP_NAMES
 
 GiB = 1 << 30
 RESERVE_FRACTION, RESERVE_MIN = 0.05, 2 * GiB  # kept free per GPU by "auto" without max_memory
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 
 
 @dataclass(frozen=True)
 class Sizes:
     """Bytes of the weights: embeddings, final norm + lm_head, each decoder layer."""
+
     embed: int
     head: int
     layers: tuple
@@ -98,13 +110,17 @@ def plan(sizes: Sizes, budgets: Mapping) -> Placement:
     cap = [int(b) for b in budgets.values()]
     avail = ", ".join(f"{d} {fmt(c)}" for d, c in zip(devs, cap))
     if sizes.total > sum(cap):
-        raise PlacementError(f"model does not fit: its weights need {fmt(sizes.total)}, the devices offer "
-                             f"{fmt(sum(cap))} ({avail}); add devices or raise max_memory")
+        raise PlacementError(
+            f"model does not fit: its weights need {fmt(sizes.total)}, the devices offer "
+            f"{fmt(sum(cap))} ({avail}); add devices or raise max_memory"
+        )
     used = [0] * len(devs)
     cur, where = 0, []
     if sizes.embed > cap[0]:
-        raise PlacementError(f"model does not fit: embeddings ({fmt(sizes.embed)}) exceed {devs[0]} "
-                             f"({fmt(cap[0])}); raise its max_memory")
+        raise PlacementError(
+            f"model does not fit: embeddings ({fmt(sizes.embed)}) exceed {devs[0]} "
+            f"({fmt(cap[0])}); raise its max_memory"
+        )
     used[0] = sizes.embed
     n = len(sizes.layers)
     for i, size in enumerate(sizes.layers):
@@ -114,14 +130,16 @@ def plan(sizes: Sizes, budgets: Mapping) -> Placement:
             if cur == len(devs):
                 raise PlacementError(
                     f"model does not fit: {fmt(sizes.total)} of weights in whole layers (layer {i}: "
-                    f"{fmt(size)}) do not pack into {fmt(sum(cap))} ({avail}); add devices or raise max_memory")
+                    f"{fmt(size)}) do not pack into {fmt(sum(cap))} ({avail}); add devices or raise max_memory"
+                )
         used[cur] += need
         where.append(devs[cur])
     if n == 0:
         used[0] += sizes.head
     head = where[-1] if where else devs[0]
-    return Placement(tuple(where), devs[0], head,
-                     {str(d): u for d, u in zip(devs, used) if u or d == devs[0]})
+    return Placement(
+        tuple(where), devs[0], head, {str(d): u for d, u in zip(devs, used) if u or d == devs[0]}
+    )
 
 
 def explicit(device_map: Mapping, sizes: Sizes, budgets: Optional[Mapping]) -> Placement:
@@ -135,8 +153,10 @@ def explicit(device_map: Mapping, sizes: Sizes, budgets: Optional[Mapping]) -> P
         where[int(m.group(1))] = as_device(dev)
     missing = [i for i, d in enumerate(where) if d is None]
     if missing:
-        raise PlacementError(f"device_map names no device for layers {missing[:8]}{'...' if len(missing) > 8 else ''}; "
-                             "name every 'layers.N' or use device_map='auto'")
+        raise PlacementError(
+            f"device_map names no device for layers {missing[:8]}{'...' if len(missing) > 8 else ''}; "
+            "name every 'layers.N' or use device_map='auto'"
+        )
     used: dict = {}
     for d, b in [(where[0], sizes.embed), (where[-1], sizes.head)] + list(zip(where, sizes.layers)):
         used[str(d)] = used.get(str(d), 0) + b
@@ -144,8 +164,10 @@ def explicit(device_map: Mapping, sizes: Sizes, budgets: Optional[Mapping]) -> P
         caps = {str(as_device(d)): int(b) for d, b in budgets.items()}
         for d, u in used.items():
             if d in caps and u > caps[d]:
-                raise PlacementError(f"model does not fit: device_map puts {fmt(u)} of weights on {d}, which "
-                                     f"offers {fmt(caps[d])}; move layers elsewhere or raise max_memory")
+                raise PlacementError(
+                    f"model does not fit: device_map puts {fmt(u)} of weights on {d}, which "
+                    f"offers {fmt(caps[d])}; move layers elsewhere or raise max_memory"
+                )
     return Placement(tuple(where), where[0], where[-1], used)
 
 
@@ -154,8 +176,9 @@ def device_budgets(max_memory: Optional[Mapping]) -> dict:
     if max_memory:
         return {as_device(d): parse_bytes(v) for d, v in max_memory.items()}
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        raise PlacementError("device_map='auto' found no CUDA device; pass max_memory={'cpu': ...} or "
-                             "load with device='cpu'")
+        raise PlacementError(
+            "device_map='auto' found no CUDA device; pass max_memory={'cpu': ...} or load with device='cpu'"
+        )
     out = {}
     for i in range(torch.cuda.device_count()):
         free, total = torch.cuda.mem_get_info(i)
@@ -172,4 +195,3 @@ def resolve(device_map, store, max_memory: Optional[Mapping] = None) -> Placemen
     if isinstance(device_map, Mapping):
         return explicit(device_map, sizes, device_budgets(max_memory) if max_memory else None)
     raise PlacementError(f"device_map must be 'auto' or a dict, not {type(device_map).__name__}")
-

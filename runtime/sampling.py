@@ -1,4 +1,5 @@
 """Choosing the next token (greedy or sampled) and deciding when a row is finished."""
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
@@ -43,8 +44,13 @@ class RowText:
     A token may end inside a multi-byte character; its text is held back until the character completes
     (the decoded text ends in U+FFFD until then)."""
 
-    def __init__(self, tokenizer: Optional[Tokenizer], batch: int, stop: Sequence[str],
-                 stream: Optional[Callable[[int, str], None]]):
+    def __init__(
+        self,
+        tokenizer: Optional[Tokenizer],
+        batch: int,
+        stop: Sequence[str],
+        stream: Optional[Callable[[int, str], None]],
+    ):
         if (stop or stream) and tokenizer is None:
             raise ValueError("stop strings and streaming need the checkpoint's tokenizer.json")
         self.tokenizer, self.stop, self.stream = tokenizer, list(stop), stream
@@ -70,7 +76,7 @@ class RowText:
                 text = text[:found]
             elif text.endswith("\ufffd"):
                 continue
-            self._show(i, text[:len(text) - self._held(text)])
+            self._show(i, text[: len(text) - self._held(text)])
         return hit
 
     def _held(self, text: str) -> int:
@@ -79,12 +85,12 @@ class RowText:
 
     def _show(self, i: int, text: str) -> None:
         if self.stream is not None and len(text) > self.shown[i]:
-            self.stream(i, text[self.shown[i]:])
+            self.stream(i, text[self.shown[i] :])
         self.shown[i] = max(self.shown[i], len(text))
 
     def text(self, i: int, ids: list[int]) -> str:
         """Row i's final text (ids without EOS / padding), cut before a stop string; the rest is streamed."""
         text = self.tokenizer.decode(ids)
-        text = text if self.cut[i] is None else text[:self.cut[i]]
+        text = text if self.cut[i] is None else text[: self.cut[i]]
         self._show(i, text)
         return text

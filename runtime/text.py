@@ -5,6 +5,7 @@ chat_template.json, generation_config.json); nothing from the checkpoint is exec
 rendered in jinja2's immutable sandbox with the globals transformers gives templates
 (`raise_exception`, `strftime_now`), so templates written for transformers render the same here.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,10 +55,14 @@ class GenerationConfig:
         eos = raw.get("eos_token_id")
         eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
         if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
-            raise TextError(f"{where}: eos_token_id must be a token id or a list of them, found {raw['eos_token_id']!r}")
+            raise TextError(
+                f"{where}: eos_token_id must be a token id or a list of them, found {raw['eos_token_id']!r}"
+            )
         pad = raw.get("pad_token_id")
         base = cls(eos_token_ids=tuple(eos), pad_token_id=pad if isinstance(pad, int) else None)
-        return base.with_overrides(where=where, **{k: raw[k] for k in SAMPLING_KEYS if raw.get(k) is not None})
+        return base.with_overrides(
+            where=where, **{k: raw[k] for k in SAMPLING_KEYS if raw.get(k) is not None}
+        )
 
     def with_overrides(self, where: str = "generate()", **given) -> "GenerationConfig":
         given = {k: v for k, v in given.items() if v is not None}
@@ -70,11 +75,19 @@ class GenerationConfig:
 
     def _check(self, where: str) -> None:
         import math
+
         t, p, k, n = self.temperature, self.top_p, self.top_k, self.max_new_tokens
-        bad = (("max_new_tokens", n, isinstance(n, int) and not isinstance(n, bool) and n >= 0, "an integer >= 0"),
-               ("temperature", t, isinstance(t, (int, float)) and math.isfinite(t) and t >= 0, "a number >= 0"),
-               ("top_p", p, isinstance(p, (int, float)) and math.isfinite(p) and 0 < p <= 1, "in (0, 1]"),
-               ("top_k", k, isinstance(k, int) and not isinstance(k, bool) and k >= 0, "an integer >= 0"))
+        bad = (
+            (
+                "max_new_tokens",
+                n,
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0,
+                "an integer >= 0",
+            ),
+            ("temperature", t, isinstance(t, (int, float)) and math.isfinite(t) and t >= 0, "a number >= 0"),
+            ("top_p", p, isinstance(p, (int, float)) and math.isfinite(p) and 0 < p <= 1, "in (0, 1]"),
+            ("top_k", k, isinstance(k, int) and not isinstance(k, bool) and k >= 0, "an integer >= 0"),
+        )
         for name, value, ok, want in bad:
             if not ok:
                 raise TextError(f"{where}: {name}={value!r} must be {want}")
@@ -122,19 +135,22 @@ class Tokenizer:
         ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
         mask = torch.zeros(len(rows), T, dtype=torch.long)
         for i, r in enumerate(rows):
-            ids[i, T - len(r):] = torch.tensor(r, dtype=torch.long)
-            mask[i, T - len(r):] = 1
+            ids[i, T - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[i, T - len(r) :] = 1
         return ids, mask
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         """The conversation rendered by the checkpoint's chat template (jinja2 sandbox, as transformers)."""
         if self.chat_template is None:
-            raise TextError(f"{self.path.parent}: the checkpoint has no chat template (tokenizer_config.json "
-                            "chat_template, chat_template.jinja or chat_template.json); prompt without --chat")
+            raise TextError(
+                f"{self.path.parent}: the checkpoint has no chat template (tokenizer_config.json "
+                "chat_template, chat_template.jinja or chat_template.json); prompt without --chat"
+            )
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        return render_template(self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt,
-                               **self.special)
+        return render_template(
+            self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt, **self.special
+        )
 
 
 def render_template(source: str, **context) -> str:
@@ -144,12 +160,13 @@ def render_template(source: str, **context) -> str:
     def raise_exception(message):
         raise TextError(f"chat template: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii)
-    env.globals.update(raise_exception=raise_exception,
-                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     try:
         return env.from_string(source).render(**context)
     except TextError:
@@ -163,8 +180,11 @@ def _chat_template(folder: Path, tok_config: dict) -> Optional[str]:
     if present(jinja, TextError, "chat template"):
         return read_text(jinja, TextError, "chat template")
     as_json = folder / "chat_template.json"
-    template = (_read_json(as_json).get("chat_template") if present(as_json, TextError)
-                else tok_config.get("chat_template"))
+    template = (
+        _read_json(as_json).get("chat_template")
+        if present(as_json, TextError)
+        else tok_config.get("chat_template")
+    )
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
@@ -178,23 +198,38 @@ def load_tokenizer(folder) -> Optional[Tokenizer]:
     if not present(path, TextError, "tokenizer"):  # stat first: a FIFO would block the tokenizer's open
         return None
     from tokenizers import Tokenizer as Backend
+
     try:
         backend = Backend.from_file(str(path))
     except Exception as e:  # tokenizers raises its own Exception subclass for any malformed file
-        raise TextError(f"{path}: not a tokenizer file the tokenizers library can read ({e}); "
-                        "replace it with the checkpoint's own") from None
+        raise TextError(
+            f"{path}: not a tokenizer file the tokenizers library can read ({e}); "
+            "replace it with the checkpoint's own"
+        ) from None
     cfg_path = folder / "tokenizer_config.json"
     cfg = _read_json(cfg_path) if present(cfg_path, TextError) else {}
-    special = {k: _token_text(v) for k, v in cfg.items() if k.endswith("_token") and _token_text(v) is not None}
-    return Tokenizer(backend, path, special.get("bos_token"), special.get("eos_token"), special.get("pad_token"),
-                     _chat_template(folder, cfg), special)
+    special = {
+        k: _token_text(v) for k, v in cfg.items() if k.endswith("_token") and _token_text(v) is not None
+    }
+    return Tokenizer(
+        backend,
+        path,
+        special.get("bos_token"),
+        special.get("eos_token"),
+        special.get("pad_token"),
+        _chat_template(folder, cfg),
+        special,
+    )
 
 
 def load_generation_config(folder, tokenizer: Optional[Tokenizer]) -> GenerationConfig:
     """generation_config.json's defaults; EOS falls back to the tokenizer's eos_token."""
     path = Path(folder) / "generation_config.json"
-    cfg = (GenerationConfig.from_dict(_read_json(path), str(path)) if present(path, TextError)
-           else GenerationConfig())
+    cfg = (
+        GenerationConfig.from_dict(_read_json(path), str(path))
+        if present(path, TextError)
+        else GenerationConfig()
+    )
     if not cfg.eos_token_ids and tokenizer is not None and tokenizer.eos_token is not None:
         eos = tokenizer.backend.token_to_id(tokenizer.eos_token)
         cfg = cfg if eos is None else replace(cfg, eos_token_ids=(eos,))

@@ -4,6 +4,7 @@ seeded random number generators for every test.
 `tiny_checkpoint` is imported under that one name (examples/ is on sys.path), never as
 `examples.tiny_checkpoint`: two names would make two module objects with separate state.
 """
+
 import random
 import sys
 from pathlib import Path

@@ -7,6 +7,7 @@ What olah cannot emulate is written by the gate and said so: a gated repo's refu
 repo and an unknown revision alike with 401 `RepoNotFound`, where the public hub distinguishes them.
 docs/hub.md lists the endpoints the tests cover.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,11 +47,18 @@ class MirrorRepo:
 
 
 def _git(cwd: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "porter-tests", "GIT_AUTHOR_EMAIL": "tests@porter.invalid",
-           "GIT_COMMITTER_NAME": "porter-tests", "GIT_COMMITTER_EMAIL": "tests@porter.invalid",
-           "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
-    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True,
-                          text=True).stdout.strip()
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "porter-tests",
+        "GIT_AUTHOR_EMAIL": "tests@porter.invalid",
+        "GIT_COMMITTER_NAME": "porter-tests",
+        "GIT_COMMITTER_EMAIL": "tests@porter.invalid",
+        "GIT_CONFIG_GLOBAL": os.devnull,
+        "GIT_CONFIG_NOSYSTEM": "1",
+    }
+    return subprocess.run(
+        ["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def _commit_all(folder: Path, message: str) -> str:
@@ -88,8 +96,12 @@ def add_pickle_repo(root: Path, config: Path) -> MirrorRepo:
     shutil.copyfile(config, folder / "config.json")
     (folder / "pytorch_model.bin").write_bytes(b"not unpickled" * 64)
     _git(folder, "init", "-q", "-b", "main")
-    return MirrorRepo(f"{ORG}/Tiny-M3-Pickle", folder, _commit_all(folder, "pickle weights"),
-                      files=["config.json", "pytorch_model.bin"])
+    return MirrorRepo(
+        f"{ORG}/Tiny-M3-Pickle",
+        folder,
+        _commit_all(folder, "pickle weights"),
+        files=["config.json", "pytorch_model.bin"],
+    )
 
 
 def free_port() -> int:
@@ -205,9 +217,13 @@ class Gate:
             return b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
         if any(f"/{r}/" in req.path for r in self.gated):
             msg = b"Access to this model is restricted. You must accept its terms to access it."
-            return (b"HTTP/1.1 403 Forbidden\r\nX-Error-Code: GatedRepo\r\nX-Error-Message: " + msg
-                    + b"\r\nContent-Type: text/plain\r\nConnection: close\r\n"
-                    + b"Content-Length: %d\r\n\r\n" % len(msg) + msg)
+            return (
+                b"HTTP/1.1 403 Forbidden\r\nX-Error-Code: GatedRepo\r\nX-Error-Message: "
+                + msg
+                + b"\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+                + b"Content-Length: %d\r\n\r\n" % len(msg)
+                + msg
+            )
         return None
 
     def _responses(self, upstream: socket.socket, client: socket.socket, conn: dict) -> None:
@@ -225,9 +241,9 @@ class Gate:
                     end = head.find(b"\r\n\r\n")
                     if end < 0:
                         continue
-                    client.sendall(head[:end + 4])
-                    head, chunk = None, head[end + 4:]
-                client.sendall(chunk[:conn["budget"]])
+                    client.sendall(head[: end + 4])
+                    head, chunk = None, head[end + 4 :]
+                client.sendall(chunk[: conn["budget"]])
                 conn["budget"] -= min(len(chunk), conn["budget"])
                 if conn["budget"] == 0:  # the hub dies mid-body
                     self.down = conn["down"]
@@ -302,11 +318,17 @@ class HubServer:
             f'repos-path = {json.dumps(str(self.scratch / "repos"))}\nmirror-scheme = "http"\n'
             f'mirror-netloc = "127.0.0.1:{self.gate.port}"\n'
             f'mirror-lfs-netloc = "127.0.0.1:{self.gate.port}"\n'
-            '\n[accessibility]\noffline = true\n')
+            "\n[accessibility]\noffline = true\n"
+        )
         self.log = self.scratch / "olah.log"
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([exe, "-c", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=self.scratch, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [exe, "-c", str(config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.scratch,
+                start_new_session=True,
+            )
         probe = f"http://127.0.0.1:{port}/api/models/{next(iter(self.repos))}/revision/main"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -369,21 +391,37 @@ def hub(hub_server, tmp_path, monkeypatch):
     """The server for one test: HF_ENDPOINT at it, a scratch HF_HOME (no stored token of the developer is
     sent), its gate reset. huggingface_hub reads its constants at import, so they are set here too."""
     import huggingface_hub.constants as c
+
     home = tmp_path / "hf_home"
-    env = {"HF_ENDPOINT": hub_server.url, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
-           "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1",
-           "HF_HUB_ETAG_TIMEOUT": "60", "HF_HUB_DOWNLOAD_TIMEOUT": "60"}  # 10 s defaults: a loaded CI box
+    env = {
+        "HF_ENDPOINT": hub_server.url,
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(home / "hub"),
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_ETAG_TIMEOUT": "60",
+        "HF_HUB_DOWNLOAD_TIMEOUT": "60",
+    }  # 10 s defaults: a loaded CI box
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    constants = {"ENDPOINT": hub_server.url, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
-                 "HUGGINGFACE_CO_URL_TEMPLATE": hub_server.url + "/{repo_id}/resolve/{revision}/{filename}",
-                 "HF_TOKEN_PATH": str(home / "token"), "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
-                 "HF_HUB_OFFLINE": False, "HF_HUB_DISABLE_XET": True, "HF_HUB_ETAG_TIMEOUT": 60,
-                 "HF_HUB_DOWNLOAD_TIMEOUT": 60}
+    constants = {
+        "ENDPOINT": hub_server.url,
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(home / "hub"),
+        "HUGGINGFACE_CO_URL_TEMPLATE": hub_server.url + "/{repo_id}/resolve/{revision}/{filename}",
+        "HF_TOKEN_PATH": str(home / "token"),
+        "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
+        "HF_HUB_OFFLINE": False,
+        "HF_HUB_DISABLE_XET": True,
+        "HF_HUB_ETAG_TIMEOUT": 60,
+        "HF_HUB_DOWNLOAD_TIMEOUT": 60,
+    }
     for name, value in constants.items():
         monkeypatch.setattr(c, name, value)
     from huggingface_hub import hf_api
+
     monkeypatch.setattr(hf_api.api, "endpoint", hub_server.url)  # the HfApi behind the free functions
     hub_server.gate.reset()
     hub_server.cache = home / "hub"

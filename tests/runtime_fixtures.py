@@ -3,16 +3,19 @@
 Tiny config (examples/tiny_checkpoint.py): 4 layers (0 dense, 1-3 sparse attention + MoE, 8 experts
 top-2), index block 4, top-2 blocks -> dense/sparse threshold at 8 keys.
 """
+
 from __future__ import annotations
 
 import torch
-
 from tiny_checkpoint import TINY_TEXT, build_tiny_checkpoint, transformers_config
+
 from porter.format import mxfp8
 
 SHORT, LONG = 6, 40  # prompt lengths: below topk*block (8) and 5x above it
-THRESHOLD = TINY_TEXT["sparse_attention_config"]["sparse_topk_blocks"] * \
-    TINY_TEXT["sparse_attention_config"]["sparse_block_size"]
+THRESHOLD = (
+    TINY_TEXT["sparse_attention_config"]["sparse_topk_blocks"]
+    * TINY_TEXT["sparse_attention_config"]["sparse_block_size"]
+)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -32,8 +35,9 @@ def left_pad(prompts: list, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor
     ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
     mask = torch.zeros(len(prompts), T, dtype=torch.long)
     for b, p in enumerate(prompts):
-        ids[b, T - len(p):], mask[b, T - len(p):] = p, 1
+        ids[b, T - len(p) :], mask[b, T - len(p) :] = p, 1
     return ids, mask
+
 
 def vendor_checkpoint(out_dir, seed=0, text_overrides=None):
     return build_tiny_checkpoint(out_dir, layout="vendor", seed=seed, text_overrides=text_overrides)
@@ -42,8 +46,10 @@ def vendor_checkpoint(out_dir, seed=0, text_overrides=None):
 def hf_vendor_model(path):
     """The VL class loads vendor names with its own conversion mapping; no text weight may be missing."""
     from transformers import MiniMaxM3SparseForConditionalGeneration
+
     model, info = MiniMaxM3SparseForConditionalGeneration.from_pretrained(
-        str(path), dtype=torch.float32, output_loading_info=True)
+        str(path), dtype=torch.float32, output_loading_info=True
+    )
     text_missing = [k for k in info["missing_keys"] if "language_model" in k or k.startswith("lm_head")]
     assert not text_missing, f"transformers left text weights random: {text_missing[:5]}"
     assert not info["mismatched_keys"]
@@ -53,6 +59,7 @@ def hf_vendor_model(path):
 def hf_transformers_checkpoint(out_dir, seed=0):
     """MiniMaxM3VLForCausalLM(config) with random weights, written by its own save_pretrained (fused layout)."""
     from transformers import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
+
     flat = transformers_config({**TINY_TEXT, "bos_token_id": 1, "eos_token_id": 2})
     for k in ("model_type", "architectures"):
         flat.pop(k)
@@ -89,7 +96,9 @@ def fake_quantize_hf(model, scope: str = "experts"):
         for layer in text.layers:
             mlp = layer.mlp
             if hasattr(mlp, "experts"):
-                mlp.experts.gate_up_proj.copy_(mxfp8.fake_quantize(mlp.experts.gate_up_proj))  # blocks along H
+                mlp.experts.gate_up_proj.copy_(
+                    mxfp8.fake_quantize(mlp.experts.gate_up_proj)
+                )  # blocks along H
                 mlp.experts.down_proj.copy_(mxfp8.fake_quantize(mlp.experts.down_proj))  # blocks along I
             if scope != "all":
                 continue

@@ -1,10 +1,10 @@
 """Config resolution: each default, each legacy key, provenance, bad values named (docs/minimax-m3.md)."""
 
 import pytest
+from tiny_checkpoint import transformers_config, vendor_config
 
 import converters
 from porter.errors import ConfigError
-from tiny_checkpoint import transformers_config, vendor_config
 
 arch = converters.get("minimax_m3_vl")  # the MiniMax-M3 converter
 
@@ -24,8 +24,13 @@ def test_vendor_legacy_keys_resolve_with_provenance():
     c = resolve()
     assert c.layer_types == ["full_attention"] + ["minimax_m3_sparse"] * 3
     assert c.mlp_layer_types == ["dense"] + ["sparse"] * 3
-    assert (c.index_n_heads, c.index_head_dim, c.index_block_size, c.index_topk_blocks, c.index_local_blocks) == \
-        (2, 32, 4, 2, 1)
+    assert (
+        c.index_n_heads,
+        c.index_head_dim,
+        c.index_block_size,
+        c.index_topk_blocks,
+        c.index_local_blocks,
+    ) == (2, 32, 4, 2, 1)
     assert c.provenance["index_block_size"] == "legacy:text_config.sparse_attention_config.sparse_block_size"
     assert c.provenance["mlp_layer_types"] == "legacy:text_config.moe_layer_freq"
     assert c.provenance["layer_types"] == "legacy:text_config.sparse_attention_config.sparse_attention_freq"
@@ -41,9 +46,18 @@ def test_flat_transformers_config_resolves_identically():
     assert b.provenance["rotary_dim"] == "config:rope_parameters.partial_rotary_factor"
 
 
-@pytest.mark.parametrize("field,value", [("swiglu_alpha", 1.702), ("swiglu_beta", 1.0), ("swiglu_limit", 7.0),
-                                         ("routed_scaling_factor", 2.0), ("max_position_embeddings", 1048576),
-                                         ("n_shared_experts", 1), ("rms_norm_eps", 1e-6)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("swiglu_alpha", 1.702),
+        ("swiglu_beta", 1.0),
+        ("swiglu_limit", 7.0),
+        ("routed_scaling_factor", 2.0),
+        ("max_position_embeddings", 1048576),
+        ("n_shared_experts", 1),
+        ("rms_norm_eps", 1e-6),
+    ],
+)
 def test_each_default_and_its_provenance(field, value):
     c = resolve(drop=[field])
     assert getattr(c, field) == value
@@ -72,20 +86,23 @@ def test_rotary_width_sources_must_agree():
     assert c.rotary_dim == 16 and c.provenance["rotary_dim"].startswith("default")
 
 
-@pytest.mark.parametrize("override,field", [
-    ({"swiglu_alpha": "1.7"}, "swiglu_alpha"),
-    ({"swiglu_beta": None}, "swiglu_beta"),
-    ({"hidden_size": 64.0}, "hidden_size"),
-    ({"num_local_experts": True}, "num_local_experts"),
-    ({"swiglu_limit": -1.0}, "swiglu_limit"),
-    ({"num_experts_per_tok": 99}, "num_experts_per_tok"),
-    ({"num_key_value_heads": 3}, "num_attention_heads"),
-    ({"moe_layer_freq": [0, 1]}, "moe_layer_freq"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"use_gemma_norm": False}, "use_gemma_norm"),
-    ({"qk_norm_type": "per_layer"}, "qk_norm_type"),
-    ({"swiglu_alpha": float("nan")}, "swiglu_alpha"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ({"swiglu_alpha": "1.7"}, "swiglu_alpha"),
+        ({"swiglu_beta": None}, "swiglu_beta"),
+        ({"hidden_size": 64.0}, "hidden_size"),
+        ({"num_local_experts": True}, "num_local_experts"),
+        ({"swiglu_limit": -1.0}, "swiglu_limit"),
+        ({"num_experts_per_tok": 99}, "num_experts_per_tok"),
+        ({"num_key_value_heads": 3}, "num_attention_heads"),
+        ({"moe_layer_freq": [0, 1]}, "moe_layer_freq"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"use_gemma_norm": False}, "use_gemma_norm"),
+        ({"qk_norm_type": "per_layer"}, "qk_norm_type"),
+        ({"swiglu_alpha": float("nan")}, "swiglu_alpha"),
+    ],
+)
 def test_wrong_type_or_impossible_value_names_the_field(override, field):
     with pytest.raises(ConfigError, match=field):
         resolve(override)
@@ -100,6 +117,7 @@ def test_not_minimax_m3():
 
 def test_gate_up_round_trip_both_directions():
     import torch
+
     w = torch.randn(3, 2 * 5, 7)
     assert torch.equal(arch.uninterleave_gate_up(arch.interleave_gate_up(w)), w)
     assert torch.equal(arch.interleave_gate_up(arch.uninterleave_gate_up(w)), w)
@@ -109,11 +127,17 @@ def test_gate_up_round_trip_both_directions():
 
 
 def test_canonical_names():
-    assert arch.canonical_name("language_model.model.layers.3.self_attn.q_proj.weight") == \
-        "model.layers.3.self_attn.q_proj.weight"
+    assert (
+        arch.canonical_name("language_model.model.layers.3.self_attn.q_proj.weight")
+        == "model.layers.3.self_attn.q_proj.weight"
+    )
     assert arch.canonical_name("language_model.lm_head.weight") == "lm_head.weight"
-    assert arch.canonical_name("model.layers.4.self_attn.indexer.k_norm.weight") == \
-        "model.layers.4.self_attn.index_k_norm.weight"
-    assert arch.canonical_name("model.language_model.layers.4.mlp.gate.e_score_correction_bias") == \
-        "model.layers.4.block_sparse_moe.e_score_correction_bias"
+    assert (
+        arch.canonical_name("model.layers.4.self_attn.indexer.k_norm.weight")
+        == "model.layers.4.self_attn.index_k_norm.weight"
+    )
+    assert (
+        arch.canonical_name("model.language_model.layers.4.mlp.gate.e_score_correction_bias")
+        == "model.layers.4.block_sparse_moe.e_score_correction_bias"
+    )
     assert arch.canonical_name("vision_tower.vision_model.pre_layrnorm.weight") is None

@@ -1,4 +1,5 @@
 """porter convert end to end on tiny checkpoints built in code (docs/artifact-format.md)."""
+
 import hashlib
 import json
 import math
@@ -10,16 +11,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors import safe_open
+from tensor_checks import chunked_digest, cuda_quantize_path_on_cpu, load_all, shard_digests
+from tiny_checkpoint import build_tiny_checkpoint
 
 import converters
 import porter
-from porter.format import mxfp8
 from porter.cli import main as cli
 from porter.format import mxfp8
 from porter.format.layout import scale_name
 from porter.source.local import read_header
-from tiny_checkpoint import build_tiny_checkpoint
-from tensor_checks import chunked_digest, cuda_quantize_path_on_cpu, load_all, shard_digests
 
 arch = converters.get("minimax_m3_vl")  # the MiniMax-M3 converter
 
@@ -94,16 +94,25 @@ def test_index_manifest_and_shards_consistent(converted):
                 assert chunked_digest(t.contiguous().view(torch.uint8).numpy().tobytes()) == rec["digest"]
     w13 = doc["tensors"]["model.layers.2.block_sparse_moe.experts.w13_weight"]
     assert 0.005 < w13["rel_fro_error"] < 0.0625 and w13["max_abs_error"] > 0
-    assert doc["swiglu"] == {"alpha": 1.702, "beta": 1.0, "limit": 7.0,
-                             "provenance": {"alpha": "config:text_config.swiglu_alpha", "beta": "default",
-                                            "limit": "config:text_config.swiglu_limit"}}
+    assert doc["swiglu"] == {
+        "alpha": 1.702,
+        "beta": 1.0,
+        "limit": 7.0,
+        "provenance": {
+            "alpha": "config:text_config.swiglu_alpha",
+            "beta": "default",
+            "limit": "config:text_config.swiglu_limit",
+        },
+    }
     assert doc["layout"]["gate_up_order"] == "gate_up" and doc["layout"]["block_size"] == 32
     cfg = json.loads((converted / "config.json").read_text())
     qc = cfg["quantization_config"]
     assert qc["quant_method"] == "mxfp8" and qc["weight_block_size"] == [1, 32]
     assert "model.layers.1.block_sparse_moe.gate" in qc["ignored_layers"]
     assert "lm_head" in qc["ignored_layers"] and "model.layers.1.self_attn.q_proj" in qc["ignored_layers"]
-    assert (converted / "tokenizer.json").read_bytes() == (Path(doc["source"]["path"]) / "tokenizer.json").read_bytes()
+    assert (converted / "tokenizer.json").read_bytes() == (
+        Path(doc["source"]["path"]) / "tokenizer.json"
+    ).read_bytes()
 
 
 def test_both_layouts_convert_to_the_same_tensors(tiny_vendor, tiny_transformers, converted, tmp_path):
@@ -118,8 +127,9 @@ def test_both_layouts_convert_to_the_same_tensors(tiny_vendor, tiny_transformers
 @pytest.mark.parametrize("how", ["flag", "config"])
 def test_interleaved_gate_up_is_uninterleaved(tiny_transformers, tmp_path, how):
     marked = {"gate_up_interleaved": True} if how == "config" else None
-    src = build_tiny_checkpoint(tmp_path / "inter", layout="transformers", gate_up="interleaved",
-                                text_overrides=marked)
+    src = build_tiny_checkpoint(
+        tmp_path / "inter", layout="transformers", gate_up="interleaved", text_overrides=marked
+    )
     if how == "config":
         assert json.loads((src / "config.json").read_text())["gate_up_interleaved"] is True
     porter.convert(src, tmp_path / "a", gate_up="interleaved" if how == "flag" else "auto", progress=False)
@@ -135,12 +145,21 @@ def test_interleaved_gate_up_is_uninterleaved(tiny_transformers, tmp_path, how):
 def test_quantize_all_scope(tiny_vendor, tmp_path):
     porter.convert(tiny_vendor, tmp_path / "all", quantize="all", progress=False)
     dst = load_all(tmp_path / "all")
-    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.index_k_proj.weight",
-                 "model.layers.0.mlp.down_proj.weight", "model.layers.2.block_sparse_moe.shared_experts.up_proj.weight"]:
+    for name in [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.index_k_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.2.block_sparse_moe.shared_experts.up_proj.weight",
+    ]:
         assert dst[name].dtype == torch.float8_e4m3fn and scale_name(name) in dst, name
-    for name in ["model.embed_tokens.weight", "lm_head.weight", "model.layers.1.block_sparse_moe.gate.weight",
-                 "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.index_q_norm.weight",
-                 "multi_modal_projector.linear_1.weight"]:
+    for name in [
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.1.block_sparse_moe.gate.weight",
+        "model.layers.1.input_layernorm.weight",
+        "model.layers.1.self_attn.index_q_norm.weight",
+        "multi_modal_projector.linear_1.weight",
+    ]:
         assert dst[name].dtype != torch.float8_e4m3fn and scale_name(name) not in dst, name
 
 
@@ -183,6 +202,7 @@ def test_non_empty_output_refused_then_force(tiny_vendor, tmp_path):
 
 def test_crash_then_resume_skips_finished_shards(tiny_vendor, tmp_path, monkeypatch, converted):
     import porter.engine.run as pp
+
     out = tmp_path / "r"
     real = pp.Pipeline._copy
 
@@ -197,15 +217,19 @@ def test_crash_then_resume_skips_finished_shards(tiny_vendor, tmp_path, monkeypa
     assert not (out / "model.safetensors.index.json").exists() and not (out / "porter.json").exists()
     finished = {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
     assert 0 < len(finished) < 4
-    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", "300KB"])
+    res = CliRunner().invoke(
+        cli, ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", "300KB"]
+    )
     assert res.exit_code == 2 and "--resume" in res.output
     monkeypatch.setattr(pp.Pipeline, "_copy", real)
     porter.convert(tiny_vendor, out, max_shard_size="300KB", resume=True, progress=False)
     assert all((out / f).stat().st_mtime_ns == m for f, m in finished.items())  # not rewritten
     a, b = load_all(out), load_all(converted)
     assert set(a) == set(b) and all(a[k].view(torch.uint8).equal(b[k].view(torch.uint8)) for k in a)
-    assert json.loads((out / "porter.json").read_text())["tensors"] == \
-        json.loads((converted / "porter.json").read_text())["tensors"]
+    assert (
+        json.loads((out / "porter.json").read_text())["tensors"]
+        == json.loads((converted / "porter.json").read_text())["tensors"]
+    )
 
 
 def test_workers_do_not_change_a_byte(tiny_vendor, tmp_path, converted):
@@ -213,8 +237,9 @@ def test_workers_do_not_change_a_byte(tiny_vendor, tmp_path, converted):
     module fixture's default); CPU statistics are summed in plan order."""
     runs = {}
     for w in (1, 4):
-        porter.convert(tiny_vendor, tmp_path / f"w{w}", max_shard_size="300KB", progress=False, workers=w,
-                       device="cpu")
+        porter.convert(
+            tiny_vendor, tmp_path / f"w{w}", max_shard_size="300KB", progress=False, workers=w, device="cpu"
+        )
         runs[w] = tmp_path / f"w{w}"
     for d in (runs[4], converted):
         assert_same_conversion(runs[1], d)
@@ -241,6 +266,7 @@ def _corrupt(src: Path, dst: Path, fn):
 def _edit_source_shard(d: Path, name: str, fn) -> None:
     """Rewrite the source shard holding `name` after fn(tensors dict) edits it in place."""
     from safetensors.torch import save_file
+
     f = d / json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][name]
     tensors = load_all_file(f)
     fn(tensors)
@@ -249,15 +275,20 @@ def _edit_source_shard(d: Path, name: str, fn) -> None:
 
 def test_nan_weight_is_named_and_no_complete_output(tiny_vendor, tmp_path):
     name = "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight"
+
     def poison(tensors):
         tensors[name][1, 2] = float("nan")
+
     src = _corrupt(tiny_vendor, tmp_path / "nan", lambda d: _edit_source_shard(d, name, poison))
     res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(tmp_path / "o")])
     assert res.exit_code == 2
     errors = [line for line in res.output.splitlines() if "porter: error" in line]
     assert len(errors) == 1 and "NaN" in errors[0], res.output
-    assert errors[0].split("porter: error: ")[1].startswith(
-        "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight")
+    assert (
+        errors[0]
+        .split("porter: error: ")[1]
+        .startswith("language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight")
+    )
     assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
 
 
@@ -278,7 +309,9 @@ def test_pickle_only_refused(tmp_path):
 
 def test_missing_tensor_and_bad_config_are_named(tiny_vendor, tmp_path):
     name = "language_model.model.layers.1.self_attn.index_q_proj.weight"
-    src = _corrupt(tiny_vendor, tmp_path / "miss", lambda d: _edit_source_shard(d, name, lambda ts: ts.pop(name)))
+    src = _corrupt(
+        tiny_vendor, tmp_path / "miss", lambda d: _edit_source_shard(d, name, lambda ts: ts.pop(name))
+    )
     res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(tmp_path / "o")])
     assert res.exit_code == 2 and "index_q_proj" in res.output
 
@@ -286,6 +319,7 @@ def test_missing_tensor_and_bad_config_are_named(tiny_vendor, tmp_path):
         cfg = json.loads((d / "config.json").read_text())
         cfg["text_config"]["swiglu_limit"] = "seven"
         (d / "config.json").write_text(json.dumps(cfg))
+
     src = _corrupt(tiny_vendor, tmp_path / "bad", bad)
     res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(tmp_path / "o2")])
     assert res.exit_code == 2 and "swiglu_limit" in res.output
@@ -306,6 +340,7 @@ def test_hub_offline_cached_and_uncached(tiny_vendor, tmp_path, monkeypatch):
     (repo / "refs" / "main").write_text(sha)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants as c
+
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
     out = tmp_path / "o"
@@ -322,6 +357,7 @@ def test_hub_dry_run_reads_headers_only(tiny_vendor, tmp_path, monkeypatch):
     import huggingface_hub
     import huggingface_hub.constants as c
     from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
+
     cache, sha = tmp_path / "hub", "fedcba9876543210fedcba9876543210fedcba98"
     snap = cache / "models--MiniMaxAI--Tiny-M3" / "snapshots" / sha
     snap.mkdir(parents=True)
@@ -338,9 +374,13 @@ def test_hub_dry_run_reads_headers_only(tiny_vendor, tmp_path, monkeypatch):
         asked.append((repo_id, revision))
         files = {}
         for f in sorted(tiny_vendor.glob("*.safetensors")):
-            files[f.name] = SafetensorsFileMetadata(metadata={}, tensors={
-                n: TensorInfo(dtype=h["dtype"], shape=h["shape"], data_offsets=tuple(h["data_offsets"]))
-                for n, h in read_header(f).items()})
+            files[f.name] = SafetensorsFileMetadata(
+                metadata={},
+                tensors={
+                    n: TensorInfo(dtype=h["dtype"], shape=h["shape"], data_offsets=tuple(h["data_offsets"]))
+                    for n, h in read_header(f).items()
+                },
+            )
         return SafetensorsRepoMetadata(metadata=None, sharded=True, weight_map={}, files_metadata=files)
 
     monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", fake_metadata)
@@ -352,15 +392,19 @@ def test_hub_dry_run_reads_headers_only(tiny_vendor, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["vendor", "transformers"])
-def test_staging_slabs_do_not_change_a_byte(tiny_vendor, tiny_transformers, tmp_path, monkeypatch, converted, layout):
+def test_staging_slabs_do_not_change_a_byte(
+    tiny_vendor, tiny_transformers, tmp_path, monkeypatch, converted, layout
+):
     """The GPU path's per-worker staging slabs (reads land in a reused buffer, reset per unit), exercised on
     the CPU: the same bytes as reading into fresh tensors, with several workers reusing their slabs."""
     import porter.engine.run as pp
+
     real_run = pp.Pipeline.run
 
     def staged_run(self, units):
         self.slabs.pin = True  # read through the slabs (pinned only on CUDA)
         return real_run(self, units)
+
     monkeypatch.setattr(pp.Pipeline, "run", staged_run)
     src = tiny_vendor if layout == "vendor" else tiny_transformers
     porter.convert(src, tmp_path / "staged", max_shard_size="300KB", progress=False, workers=3, device="cpu")
@@ -396,6 +440,7 @@ def test_builder_copies_is_found_from_the_builders_themselves(tiny_vendor, tiny_
     from porter.commands.convert import make_plan
     from porter.engine.units import builder_copies, quant_sizes, unit_costs
     from porter.source import open_source
+
     for src in (tiny_vendor, tiny_transformers):
         plan = make_plan(open_source(src), max_shard_size="300KB", gate_up=gate_up)
         meta = plan.source.stored_meta
@@ -425,13 +470,16 @@ def test_gpu_path_quantizes_on_the_cpu_only_until_the_cuda_context_is_ready():
         def quantize(self, w, name, keep=None):
             self.names.append(name)
             return "q", "s", {}
+
     p = run.Pipeline.__new__(run.Pipeline)
     p.device, p.rounding, p.quant_sizes, p.gpu = torch.device("cuda"), "rceil", (1 << 14, None), GpuStandIn()
-    w = torch.randn(96, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # 3 chunks of 32 rows
+    w = torch.randn(96, 512, generator=torch.Generator().manual_seed(0)).to(
+        torch.bfloat16
+    )  # 3 chunks of 32 rows
     got = list(p._quantize(w, "w"))
     assert [r for r, *_ in got] == [0, 32, 64] and p.gpu.parts_on_cpu == 1 and not p.gpu.names
     for r, q, s, err in got:
-        q_ref, s_ref, err_ref = mxfp8.quantize_with_error(w[r:r + 32], "rceil", "w")
+        q_ref, s_ref, err_ref = mxfp8.quantize_with_error(w[r : r + 32], "rceil", "w")
         assert q.view(torch.uint8).equal(q_ref.view(torch.uint8)) and s.equal(s_ref) and err == err_ref
     keep = torch.full((96, 16), 127, dtype=torch.uint8)
     assert list(p._quantize(w, "kept", keep)) == [(0, "q", "s", {})] and p.gpu.names == ["kept"]
@@ -452,17 +500,23 @@ def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, monkeypatch, quantize
         pytest.skip("needs a CUDA GPU")
     if context_first:
         from porter.engine.cuda import CudaQuantizer
+
         real_start = CudaQuantizer.start
 
         def start_and_wait(self):
             real_start(self)
             self.ready.wait()
+
         monkeypatch.setattr(CudaQuantizer, "start", start_and_wait)
     from tiny_checkpoint import synthetic_overrides
-    src = build_tiny_checkpoint(tmp_path / "src", text_overrides=synthetic_overrides(3, hidden=1024,
-                                                                                     intermediate=2048, experts=4))
+
+    src = build_tiny_checkpoint(
+        tmp_path / "src", text_overrides=synthetic_overrides(3, hidden=1024, intermediate=2048, experts=4)
+    )
     for dev in ("cpu", "cuda"):
-        porter.convert(src, tmp_path / dev, quantize=quantize, max_shard_size="40MB", progress=False, device=dev)
+        porter.convert(
+            src, tmp_path / dev, quantize=quantize, max_shard_size="40MB", progress=False, device=dev
+        )
     shards = sorted(p.name for p in (tmp_path / "cpu").glob("*.safetensors"))
     assert len(shards) > 1 and shards == sorted(p.name for p in (tmp_path / "cuda").glob("*.safetensors"))
     cpu, gpu = load_all(tmp_path / "cpu"), load_all(tmp_path / "cuda")
@@ -484,14 +538,19 @@ def test_writeback_thread_sees_every_range(tiny_vendor, tmp_path, monkeypatch, c
     one shard at once; every range written is handed to the flusher and every descriptor it was given is
     closed."""
     import porter.engine.writer as pp
+
     flushed, closed, real_submit, real_close = [], [], pp.Writeback.submit, pp.Writeback.close
-    monkeypatch.setattr(pp.Writeback, "submit", lambda self, fd, o, n: (flushed.append(n), real_submit(self, fd, o, n)))
+    monkeypatch.setattr(
+        pp.Writeback, "submit", lambda self, fd, o, n: (flushed.append(n), real_submit(self, fd, o, n))
+    )
     monkeypatch.setattr(pp.Writeback, "close", lambda self, fd: (closed.append(fd), real_close(self, fd)))
     out = tmp_path / "out"
     porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=3, device="cpu")
     assert_same_conversion(converted, out)
     shards = list(out.glob("*.safetensors"))
-    data = sum(p.stat().st_size for p in shards) - sum(8 + int.from_bytes(p.read_bytes()[:8], "little") for p in shards)
+    data = sum(p.stat().st_size for p in shards) - sum(
+        8 + int.from_bytes(p.read_bytes()[:8], "little") for p in shards
+    )
     assert (sum(flushed), len(closed)) == (data, len(shards))
 
 
@@ -499,11 +558,17 @@ def test_writeback_thread_holds_at_most_max_fds(tiny_vendor, tmp_path, monkeypat
     """With the flusher's descriptor cap at 1 (as if the disk made it lag many shards behind), shards opened
     past it start their writeback inline: same bytes, and never more than 1 dup open at once."""
     import porter.engine.writer as pp
+
     monkeypatch.setattr(pp.Writeback, "MAX_FDS", 1)
     held, inline, real_open, real_start = [], [], pp.Writeback.open, pp.start_writeback
-    monkeypatch.setattr(pp.Writeback, "open", lambda self, fd: (r := real_open(self, fd), held.append(len(self.fds)))[0])
-    monkeypatch.setattr(pp, "start_writeback",
-                        lambda fd, o, n: (inline.append(threading.current_thread().name), real_start(fd, o, n))[1])
+    monkeypatch.setattr(
+        pp.Writeback, "open", lambda self, fd: (real_open(self, fd), held.append(len(self.fds)))[0]
+    )
+    monkeypatch.setattr(
+        pp,
+        "start_writeback",
+        lambda fd, o, n: (inline.append(threading.current_thread().name), real_start(fd, o, n))[1],
+    )
     out = tmp_path / "out"
     porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=3, device="cpu")
     for n in sorted(p.name for p in converted.iterdir()):
@@ -518,13 +583,21 @@ def test_zero_byte_tensors_convert(tiny_vendor, tmp_path):
     """Empty carried tensors (0 bytes; they share their offset with the next tensor) neither hang the
     chunked digests nor change a byte of the others."""
     from safetensors.torch import save_file
+
     src = tmp_path / "src"
     shutil.copytree(tiny_vendor, src)
-    save_file({"vision_tower.empty_a": torch.zeros(0, 4, dtype=torch.bfloat16), "vision_tower.empty_b": torch.zeros(0)},
-              str(src / "model-extra.safetensors"))
+    save_file(
+        {
+            "vision_tower.empty_a": torch.zeros(0, 4, dtype=torch.bfloat16),
+            "vision_tower.empty_b": torch.zeros(0),
+        },
+        str(src / "model-extra.safetensors"),
+    )
     index = json.loads((src / "model.safetensors.index.json").read_text())
-    index["weight_map"] |= {"vision_tower.empty_a": "model-extra.safetensors",
-                            "vision_tower.empty_b": "model-extra.safetensors"}
+    index["weight_map"] |= {
+        "vision_tower.empty_a": "model-extra.safetensors",
+        "vision_tower.empty_b": "model-extra.safetensors",
+    }
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
     porter.convert(src, tmp_path / "out", progress=False, workers=3)
     got = load_all(tmp_path / "out")
@@ -546,8 +619,9 @@ def test_chunked_digests_at_any_chunk_size_and_worker_count(tiny_vendor, tmp_pat
     """Digest chunks that straddle writes, experts and tensors, completed by any worker in any order: the
     digests equal the rule written out independently (tensor_checks), with 1 or 3 workers alike, and
     `porter verify`'s integrity step follows the chunk size porter.json records."""
-    from porter.format import safetensors_io
     from porter.commands.verify.integrity import check_integrity
+    from porter.format import safetensors_io
+
     monkeypatch.setattr(safetensors_io, "DIGEST_CHUNK_BYTES", 5000)  # divides no write, no tensor
     docs = []
     for workers in (1, 3):
@@ -560,13 +634,18 @@ def test_chunked_digests_at_any_chunk_size_and_worker_count(tiny_vendor, tmp_pat
             assert (head, digest) == (rec["header_sha256"], rec["digest"]), f
             assert {n: doc["tensors"][n]["digest"] for n in tensors} == tensors
         docs.append(doc)
-    assert any(math.prod(r["shape"]) > 10 * 5000 for r in docs[0]["tensors"].values()
-               if r["dtype"] == "float8_e4m3fn")  # a quantized tensor of more than 10 chunks
+    assert any(
+        math.prod(r["shape"]) > 10 * 5000
+        for r in docs[0]["tensors"].values()
+        if r["dtype"] == "float8_e4m3fn"
+    )  # a quantized tensor of more than 10 chunks
     assert docs[0]["shards"] == docs[1]["shards"] and docs[0]["tensors"] == docs[1]["tensors"]
     monkeypatch.undo()
     man = json.loads((tmp_path / "w3" / "porter.json").read_text())
     assert check_integrity(tmp_path / "w3", man).passed
-    assert not check_integrity(tmp_path / "w3", man | {"digest": man["digest"] | {"chunk_bytes": 4096}}).passed
+    assert not check_integrity(
+        tmp_path / "w3", man | {"digest": man["digest"] | {"chunk_bytes": 4096}}
+    ).passed
 
 
 def test_sha256_digests_same_bytes_and_verified(tiny_vendor, converted, tmp_path):
@@ -574,8 +653,20 @@ def test_sha256_digests_same_bytes_and_verified(tiny_vendor, converted, tmp_path
     porter.json records the rule, its digests equal the sha256 rule written out independently, `porter verify`
     follows the rule each manifest records, and --resume refuses to mix the two."""
     out = tmp_path / "sha"
-    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", "300KB",
-                                   "--digest", "sha256", "-q"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "convert",
+            str(tiny_vendor),
+            "--output",
+            str(out),
+            "--max-shard-size",
+            "300KB",
+            "--digest",
+            "sha256",
+            "-q",
+        ],
+    )
     assert res.exit_code == 0, res.output
     doc, ref = (json.loads((d / "porter.json").read_text()) for d in (out, converted))
     assert doc["digest"]["algorithm"] == "sha256-chunked" and ref["digest"]["algorithm"] == "xxh3-128-chunked"
@@ -583,19 +674,36 @@ def test_sha256_digests_same_bytes_and_verified(tiny_vendor, converted, tmp_path
     for f, rec in doc["shards"].items():
         assert (out / f).read_bytes() == (converted / f).read_bytes(), f
         head, tensors, digest = shard_digests(out / f, hash_name="sha256")
-        assert (head, digest) == (rec["header_sha256"], rec["digest"]) and digest != ref["shards"][f]["digest"]
+        assert (head, digest) == (rec["header_sha256"], rec["digest"]) and digest != ref["shards"][f][
+            "digest"
+        ]
         assert head == ref["shards"][f]["header_sha256"]  # the header digest is sha256 under both rules
         assert {n: doc["tensors"][n]["digest"] for n in tensors} == tensors
     from porter.commands.verify.integrity import check_integrity
+
     assert check_integrity(out, doc).passed and check_integrity(converted, ref).passed
     # the other rule's name on these digests: every shard is named as changed
     swapped = check_integrity(out, doc | {"digest": ref["digest"]})
     assert not swapped.passed and {f.shard for f in swapped.issues} >= set(doc["shards"])
-    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", "300KB",
-                                   "--resume", "-q"])  # default digest: another conversion than the one there
+    res = CliRunner().invoke(
+        cli,
+        ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", "300KB", "--resume", "-q"],
+    )  # default digest: another conversion than the one there
     assert res.exit_code == 2 and "different options" in res.output, res.output
-    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", "300KB",
-                                   "--resume", "--digest", "sha256"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "convert",
+            str(tiny_vendor),
+            "--output",
+            str(out),
+            "--max-shard-size",
+            "300KB",
+            "--resume",
+            "--digest",
+            "sha256",
+        ],
+    )
     assert res.exit_code == 0 and "already complete" in res.output, res.output
 
 
@@ -610,11 +718,18 @@ def test_verify_refuses_format_version_1_in_one_line(converted, tmp_path):
     assert "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("rule", [None, {"algorithm": "sha256", "chunk_bytes": 16}, {"algorithm": "sha256-chunked",
-                                                                                   "chunk_bytes": 0},
-                                  {"algorithm": "md5-chunked", "chunk_bytes": 1 << 24}, {"algorithm": 7},
-                                  {"algorithm": "sha256-chunked", "chunk_bytes": 1},
-                                  {"algorithm": "sha256-chunked", "chunk_bytes": 1 << 40}])
+@pytest.mark.parametrize(
+    "rule",
+    [
+        None,
+        {"algorithm": "sha256", "chunk_bytes": 16},
+        {"algorithm": "sha256-chunked", "chunk_bytes": 0},
+        {"algorithm": "md5-chunked", "chunk_bytes": 1 << 24},
+        {"algorithm": 7},
+        {"algorithm": "sha256-chunked", "chunk_bytes": 1},
+        {"algorithm": "sha256-chunked", "chunk_bytes": 1 << 40},
+    ],
+)
 def test_verify_refuses_a_broken_digest_rule_in_one_line(converted, tmp_path, rule):
     art = tmp_path / "art"
     shutil.copytree(converted, art)
@@ -637,14 +752,17 @@ def test_verify_names_the_changed_tensor_and_the_changed_header(converted, tmp_p
     n = int.from_bytes(raw[:8], "little")
     raw[8 + n + info["data_offsets"][0] + 1000] ^= 1
     at = raw.index(b'"format":"pt"')  # a header byte outside every entry: only the header sha256 sees it
-    raw[at + 10:at + 12] = b"PT"
+    raw[at + 10 : at + 12] = b"PT"
     shard.write_bytes(bytes(raw))
     from porter.commands.verify.integrity import check_integrity
+
     res = check_integrity(art, man)
     msgs = [f.message for f in res.issues]
     assert not res.passed and len(msgs) == 2, msgs
-    assert msgs[0] == (f"tensor {w13} in shard {shard.name}: digest differs from porter.json "
-                       "(the data changed after conversion)")
+    assert msgs[0] == (
+        f"tensor {w13} in shard {shard.name}: digest differs from porter.json "
+        "(the data changed after conversion)"
+    )
     assert msgs[1].startswith(f"shard {shard.name}: header sha256 ") and "(the header changed)" in msgs[1]
 
 
@@ -652,25 +770,51 @@ def test_max_memory_caps_the_workers_or_refuses_in_one_line(tiny_vendor, tmp_pat
     """--max-memory that holds one worker's buffers but not eight's converts with fewer workers (same
     bytes, said in a warning); one that holds not even one worker's is refused before anything is written."""
     import logging
+
     from porter import engine
     from porter.commands.convert import make_plan
     from porter.source import open_source
+
     plan = make_plan(open_source(tiny_vendor), max_shard_size="300KB")
     cpu = torch.device("cpu")
-    need = {w: (lambda e: e["base"] + e["readback"] + e["unit"] + e["scales"])(
-        engine.memory_estimate(plan.tensors, plan.source.stored_meta, w, cpu, 1 << 40)) for w in (1, 3, 8)}
+    need = {
+        w: (lambda e: e["base"] + e["readback"] + e["unit"] + e["scales"])(
+            engine.memory_estimate(plan.tensors, plan.source.stored_meta, w, cpu, 1 << 40)
+        )
+        for w in (1, 3, 8)
+    }
     assert need[1] < need[3] < need[8]
-    cap = (need[3] + need[8]) // 2 + (8 << 20)  # room for about 3-7 workers (RSS moves a little between calls)
+    cap = (need[3] + need[8]) // 2 + (
+        8 << 20
+    )  # room for about 3-7 workers (RSS moves a little between calls)
     with caplog.at_level(logging.WARNING, logger="porter"):
-        done = porter.convert(tiny_vendor, tmp_path / "capped", max_shard_size="300KB", progress=False, workers=8,
-                              max_memory=cap, device="cpu")
+        done = porter.convert(
+            tiny_vendor,
+            tmp_path / "capped",
+            max_shard_size="300KB",
+            progress=False,
+            workers=8,
+            max_memory=cap,
+            device="cpu",
+        )
     assert 1 <= done["workers"] < 8 and f"of 8 workers; converting with {done['workers']}" in caplog.text
     ref = tmp_path / "ref"
     porter.convert(tiny_vendor, ref, max_shard_size="300KB", progress=False, workers=1, device="cpu")
     for f in sorted(p.name for p in ref.glob("*.safetensors")):
         assert (tmp_path / "capped" / f).read_bytes() == (ref / f).read_bytes(), f
-    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(tmp_path / "tiny"),
-                                   "--max-memory", "10MB", "--device", "cpu"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "convert",
+            str(tiny_vendor),
+            "--output",
+            str(tmp_path / "tiny"),
+            "--max-memory",
+            "10MB",
+            "--device",
+            "cpu",
+        ],
+    )
     assert res.exit_code == 2 and "--max-memory 0.01 GB is below what one unit of work needs" in res.output
     assert not (tmp_path / "tiny").exists()
 
@@ -680,11 +824,13 @@ def test_unit_costs_count_the_quantizer_that_runs_and_copies_once(tiny_vendor, m
     C quantizer, 16 with the torch path (no C quantizer, or a source the C loop does not take);
     on the GPU path the same call's memory with its results (a part quantized on the CPU while the CUDA
     context starts); a copied range costs nothing beyond the worker's read slab it lives in."""
-    from porter.format import mxfp8_native
     from porter.commands.convert import make_plan
+    from porter.format import mxfp8_native
     from porter.source import open_source
+
     plan = make_plan(open_source(tiny_vendor), max_shard_size="300KB")
     from porter.engine.units import make_units, quant_sizes, unit_costs
+
     meta, cpu = plan.source.stored_meta, torch.device("cpu")
     t = next(x for x in plan.tensors if x.quantize and x.per_expert)
     elems = t.shape[1] * t.shape[2]
@@ -711,6 +857,7 @@ def test_unit_costs_count_the_quantizer_that_runs_and_copies_once(tiny_vendor, m
 def test_units_interleave_over_a_few_shards_in_plan_order(width):
     """Every unit once; each shard's units in plan order; never more than `width` shards started and unfinished."""
     from porter.engine.units import interleave_shards
+
     sizes = {"a": 3, "b": 1, "c": 5, "d": 2, "e": 4}
     units = [(f, i) for f, n in sizes.items() for i in range(n)]
     order = interleave_shards(units, lambda u: u[0], width)
@@ -720,18 +867,21 @@ def test_units_interleave_over_a_few_shards_in_plan_order(width):
     open_shards = []
     for k, (f, _) in enumerate(order):
         left = [g for g, _ in order[k:]]
-        open_shards = {g for g, _ in order[:k + 1] if g in left[1:] or g == f}
+        open_shards = {g for g, _ in order[: k + 1] if g in left[1:] or g == f}
         assert len(open_shards) <= width
     if width == 1:
         assert order == units
 
 
-def test_compiled_and_torch_cpu_quantizers_write_the_same_bytes(tiny_vendor, tmp_path, monkeypatch, converted):
+def test_compiled_and_torch_cpu_quantizers_write_the_same_bytes(
+    tiny_vendor, tmp_path, monkeypatch, converted
+):
     """The default CPU conversion quantizes with the compiled C loop (porter.format.mxfp8_native); without
     it the torch ops: every shard, the index and config byte-identical, the shard
     records equal, and each tensor's error record equal up to the order of the per-block fp32 sums (relative
     3.7e-6, docs/mxfp8.md; the maximum error identical)."""
     from porter.format import mxfp8_native
+
     assert mxfp8_native.function() is not None, mxfp8_native.reason()
     monkeypatch.setattr(mxfp8_native, "function", lambda: None)
     out = tmp_path / "torch"
@@ -745,8 +895,9 @@ def test_compiled_and_torch_cpu_quantizers_write_the_same_bytes(tiny_vendor, tmp
     quantized = 0
     for name, rec in native["tensors"].items():
         other = torch_ops["tensors"][name]
-        assert {k: v for k, v in rec.items() if k != "rel_fro_error"} == \
-               {k: v for k, v in other.items() if k != "rel_fro_error"}, name
+        assert {k: v for k, v in rec.items() if k != "rel_fro_error"} == {
+            k: v for k, v in other.items() if k != "rel_fro_error"
+        }, name
         if rec.get("rel_fro_error") is not None:
             quantized += 1
             assert math.isclose(rec["rel_fro_error"], other["rel_fro_error"], rel_tol=3.7e-6), name

@@ -1,11 +1,11 @@
 """Peak RSS of `porter convert` must not grow with the checkpoint's total size."""
+
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
 from tiny_checkpoint import build_tiny_checkpoint, synthetic_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,8 +23,12 @@ print(json.dumps({{"peak_rss_kb": int(hwm), "estimate": dry["peak_bytes_estimate
 
 def peak_rss_of_convert(src: Path, out: Path) -> tuple[int, int]:
     """(peak RSS, --dry-run's estimate) of a conversion in a fresh process, bytes."""
-    res = subprocess.run([sys.executable, "-c", MEASURE.format(root=str(ROOT)), str(src), str(out)],
-                         capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-c", MEASURE.format(root=str(ROOT)), str(src), str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     doc = json.loads(res.stdout.strip().splitlines()[-1])
     return doc["peak_rss_kb"] * 1024, doc["estimate"]
 
@@ -32,12 +36,17 @@ def peak_rss_of_convert(src: Path, out: Path) -> tuple[int, int]:
 @pytest.mark.slow
 def test_peak_rss_independent_of_model_size(tmp_path):
     # 3 vs 9 layers: ~0.23 GB vs ~0.9 GB of bf16 source, 16 experts of 3 x [1024, 1024] per MoE layer.
-    small = build_tiny_checkpoint(tmp_path / "small", text_overrides=synthetic_overrides(3), max_shard_tensors=64)
-    large = build_tiny_checkpoint(tmp_path / "large", text_overrides=synthetic_overrides(9), max_shard_tensors=64)
+    small = build_tiny_checkpoint(
+        tmp_path / "small", text_overrides=synthetic_overrides(3), max_shard_tensors=64
+    )
+    large = build_tiny_checkpoint(
+        tmp_path / "large", text_overrides=synthetic_overrides(9), max_shard_tensors=64
+    )
     size = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))
     assert 3.5 < size(large) / size(small) < 4.5
-    (rss_small, est_small), (rss_large, est_large) = (peak_rss_of_convert(d, tmp_path / f"o_{d.name}")
-                                                      for d in (small, large))
+    (rss_small, est_small), (rss_large, est_large) = (
+        peak_rss_of_convert(d, tmp_path / f"o_{d.name}") for d in (small, large)
+    )
     # holding the whole model would add ~0.6 GB (> 100% of the small run's peak); streaming adds nothing
     assert abs(rss_large - rss_small) / rss_small < 0.15, (rss_small, rss_large)
     # within the budget, and --dry-run's estimate within 1.5x of what was measured

@@ -1,6 +1,7 @@
 """The converter registry (converters/__init__.py) and the Converter protocol (converters/base.py):
 model_type -> converter, unknown architectures refused with a ConfigError naming the supported ones, the
 MiniMax-M3 converter providing every protocol member, and callers using nothing outside the protocol."""
+
 import ast
 import inspect
 import json
@@ -10,13 +11,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from tiny_checkpoint import transformers_config, vendor_config
 
 import converters
 import converters.minimax_m3
 from converters.base import Converter, ResolvedConfig, conformance_problems, protocol_members
 from porter.cli import main as cli
 from porter.errors import ConfigError
-from tiny_checkpoint import transformers_config, vendor_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPPORTED = "minimax_m3, minimax_m3_vl, minimax_m3_vl_text"
@@ -47,8 +48,10 @@ def test_supported_lists_every_model_type_once():
 
 @pytest.mark.parametrize("model_type", ["llama", "minimax_m2", "", None, ["minimax_m3_vl"]])
 def test_unknown_model_type_is_a_config_error_naming_it_and_the_supported_ones(model_type):
-    want = f"config.json: model_type {model_type!r} is not an architecture porter converts " \
-           f"(supported: {SUPPORTED})"
+    want = (
+        f"config.json: model_type {model_type!r} is not an architecture porter converts "
+        f"(supported: {SUPPORTED})"
+    )
     with pytest.raises(ConfigError) as e:
         converters.get(model_type)
     assert str(e.value) == want
@@ -75,18 +78,36 @@ def test_convert_refuses_an_unknown_architecture_with_exit_2(tiny_vendor, tmp_pa
     assert res.exit_code == 2, res.output
     assert res.output.strip().splitlines() == [
         f"porter: error: {src / 'config.json'}: model_type 'llama' is not an architecture porter converts "
-        f"(supported: {SUPPORTED})"]
+        f"(supported: {SUPPORTED})"
+    ]
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
 
 
 def test_protocol_members():
     members = protocol_members()
     assert {n for n, k in members.items() if k == "constant"} == {
-        "ARCHITECTURE", "MODEL_TYPES", "LAYOUTS", "DEFAULT_SCOPE", "HF_ARCHITECTURES"}
+        "ARCHITECTURE",
+        "MODEL_TYPES",
+        "LAYOUTS",
+        "DEFAULT_SCOPE",
+        "HF_ARCHITECTURES",
+    }
     assert {n for n, k in members.items() if k == "function"} == {
-        "resolve_config", "manifest_facts", "plan_tensors", "canonical_name", "experts_w13_name",
-        "experts_w2_name", "interleave_gate_up", "uninterleave_gate_up", "check_hf_source", "hf_config_json",
-        "hf_quantization_config", "hf_ignored_layers", "hf_name", "hf_canonical_map"}
+        "resolve_config",
+        "manifest_facts",
+        "plan_tensors",
+        "canonical_name",
+        "experts_w13_name",
+        "experts_w2_name",
+        "interleave_gate_up",
+        "uninterleave_gate_up",
+        "check_hf_source",
+        "hf_config_json",
+        "hf_quantization_config",
+        "hf_ignored_layers",
+        "hf_name",
+        "hf_canonical_map",
+    }
 
 
 def test_minimax_m3_satisfies_the_protocol():
@@ -123,7 +144,8 @@ def test_conformance_problems_names_what_is_wrong():
         "plan_tensors('cfg', 'meta') does not take the protocol's parameters "
         "('cfg', 'src_meta', 'quantize', 'gate_up', 'layout')",
         "canonical_name is not callable",
-        "hf_name is missing"]
+        "hf_name is missing",
+    ]
 
 
 def test_registry_refuses_an_incomplete_converter_module(monkeypatch):
@@ -132,8 +154,11 @@ def test_registry_refuses_an_incomplete_converter_module(monkeypatch):
     fake.resolve_config = lambda raw: None
     monkeypatch.setitem(sys.modules, "converters.fake_arch", fake)
     monkeypatch.setitem(converters.MODEL_TYPES, "fake_vl", "fake_arch")
-    with pytest.raises(TypeError, match=r"converters\.fake_arch does not provide the Converter protocol: "
-                                        r"ARCHITECTURE is missing;"):
+    with pytest.raises(
+        TypeError,
+        match=r"converters\.fake_arch does not provide the Converter protocol: "
+        r"ARCHITECTURE is missing;",
+    ):
         converters.get("fake_vl")
 
 
@@ -145,19 +170,29 @@ def _converter_attributes(tree) -> list[tuple[int, str]]:
         if not isinstance(node, ast.Attribute):
             continue
         v = node.value
-        if (isinstance(v, ast.Name) and v.id in ("converter", "arch")) or \
-                (isinstance(v, ast.Attribute) and v.attr == "converter") or \
-                (isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute)
-                 and v.func.attr in ("for_config", "get")
-                 and isinstance(v.func.value, ast.Name) and v.func.value.id == "converters"):
+        if (
+            (isinstance(v, ast.Name) and v.id in ("converter", "arch"))
+            or (isinstance(v, ast.Attribute) and v.attr == "converter")
+            or (
+                isinstance(v, ast.Call)
+                and isinstance(v.func, ast.Attribute)
+                and v.func.attr in ("for_config", "get")
+                and isinstance(v.func.value, ast.Name)
+                and v.func.value.id == "converters"
+            )
+        ):
             found.append((node.lineno, node.attr))
     return found
 
 
 def test_callers_use_only_protocol_members_and_never_import_a_converter_module():
     members = set(protocol_members())
-    files = [p for d in ("porter", "runtime", "examples", "tests") for p in (ROOT / d).rglob("*.py")
-             if p.name != "test_converters.py"]
+    files = [
+        p
+        for d in ("porter", "runtime", "examples", "tests")
+        for p in (ROOT / d).rglob("*.py")
+        if p.name != "test_converters.py"
+    ]
     used, bad = set(), []
     for path in files:
         tree = ast.parse(path.read_text(), str(path))
@@ -167,11 +202,19 @@ def test_callers_use_only_protocol_members_and_never_import_a_converter_module()
             if attr not in members:
                 bad.append(f"{rel}:{line}: uses converter attribute {attr!r}, not a Converter member")
         for node in ast.walk(tree):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             # runtime/models/<arch>.py takes its own config class; tests may test a converter's internals
-            if any(n.startswith("converters.minimax_m3") for n in names) and rel.parts[0] != "tests" \
-                    and rel.parts[:2] != ("runtime", "models"):
+            if (
+                any(n.startswith("converters.minimax_m3") for n in names)
+                and rel.parts[0] != "tests"
+                and rel.parts[:2] != ("runtime", "models")
+            ):
                 bad.append(f"{rel}:{node.lineno}: imports a converter module; use converters.for_config")
     assert not bad, "\n".join(bad)
     assert {"resolve_config", "plan_tensors", "hf_canonical_map", "check_hf_source", "manifest_facts"} <= used

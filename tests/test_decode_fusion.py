@@ -1,6 +1,7 @@
 """CPU contract of the fused decode step's building blocks (the kernels themselves are checked on the GPU in
 tests/test_runtime_gpu_decode.py): stacked linears keep one copy of each weight, and the `add` arguments
 (residual adds folded into a GEMV epilogue on CUDA) give what the unfused layer computes."""
+
 from __future__ import annotations
 
 import torch
@@ -23,7 +24,7 @@ def test_stack_linears_keeps_one_copy(monkeypatch):
     for p, w in zip(parts, ws):
         assert p.weight.untyped_storage().data_ptr() == base  # a view: no second copy
         assert p.weight.is_contiguous() and torch.equal(p.weight, w)
-        assert torch.equal(stacked.weight[row: row + w.shape[0]], w)
+        assert torch.equal(stacked.weight[row : row + w.shape[0]], w)
         row += w.shape[0]
 
 
@@ -35,16 +36,22 @@ def test_stack_linears_stacks_mxfp8_scales_and_refuses_mixes(monkeypatch):
     stacked = layers.stack_linears(*parts)
     assert stacked.scale.shape == (40, 2) and torch.equal(stacked.scale[32:], qs[1][1])
     assert torch.equal(parts[1].weight.view(torch.uint8), qs[1][0].view(torch.uint8))
-    mixed = [layers.Linear(torch.zeros(8, 64, dtype=torch.bfloat16)), layers.Linear(*mxfp8.quantize(torch.ones(8, 64)))]
+    mixed = [
+        layers.Linear(torch.zeros(8, 64, dtype=torch.bfloat16)),
+        layers.Linear(*mxfp8.quantize(torch.ones(8, 64))),
+    ]
     assert layers.stack_linears(*mixed) is None  # bf16 + MXFP8 cannot share one kernel
     monkeypatch.setattr(fused, "use_triton", lambda t: False)
-    assert layers.stack_linears(layers.Linear(torch.zeros(8, 64)), layers.Linear(torch.zeros(8, 64))) is None  # CPU: as loaded
+    assert (
+        layers.stack_linears(layers.Linear(torch.zeros(8, 64)), layers.Linear(torch.zeros(8, 64))) is None
+    )  # CPU: as loaded
 
 
 def test_linear_and_mlp_adds_equal_adding_after(tiny_vendor):
     """Linear(x, add=(a, b)) == (Linear(x) + a) + b; the dense MLP and the MoE block with add=(h,) == h + block(x),
     bit for bit in bf16 (the CPU reference path; on CUDA the same adds run in the GEMV epilogue)."""
     import runtime
+
     g = torch.Generator().manual_seed(2)
     lin = layers.Linear(torch.randn(32, 64, generator=g).bfloat16())
     x = torch.randn(3, 64, generator=g).bfloat16()

@@ -1,13 +1,14 @@
 """device_map planning (runtime/placement.py) with faked device sizes, and loading through a device_map on
 CPU. The two-GPU split against a one-GPU load is in tests/test_runtime_gpu_decode.py (gpu)."""
+
 from __future__ import annotations
 
 import pytest
+import runtime_fixtures as fx
 import torch
 
 import porter
 import runtime
-import runtime_fixtures as fx
 from porter.errors import PorterError
 from porter.format.safetensors_io import parse_header
 from runtime.placement import GiB, PlacementError, Sizes, explicit, parse_bytes, plan, store_sizes
@@ -68,7 +69,11 @@ def test_explicit_map_must_name_every_layer_and_fit():
 
 
 def test_parse_bytes():
-    assert parse_bytes("70GiB") == 70 * GiB and parse_bytes("1.5 GB") == 1_500_000_000 and parse_bytes(123) == 123
+    assert (
+        parse_bytes("70GiB") == 70 * GiB
+        and parse_bytes("1.5 GB") == 1_500_000_000
+        and parse_bytes(123) == 123
+    )
     with pytest.raises(PlacementError, match="max_memory"):
         parse_bytes("lots")
 

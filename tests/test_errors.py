@@ -1,5 +1,6 @@
 """One error taxonomy: user-facing errors are `PorterError`s (exit 2, one line); anything else is an
 internal error (exit 3, "please report", traceback with -v); Ctrl-C is 130. Checked through the real CLI."""
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -7,19 +8,52 @@ from click.testing import CliRunner
 import porter.commands.convert
 import porter.commands.verify
 from porter.cli import main
-from porter.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, BackendUnavailable, ConfigError, ConvertError,
-                           InspectError, LayoutError, LoadError, MalformedSafetensors, ManifestError, MXFP8Error,
-                           PlacementError, PorterError, PrequantizedError, ProduceError, SourceError,
-                           VerifyInputError, MoeNumericsError)
+from porter.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERNAL,
+    BackendUnavailable,
+    ConfigError,
+    ConvertError,
+    InspectError,
+    LayoutError,
+    LoadError,
+    MalformedSafetensors,
+    ManifestError,
+    MoeNumericsError,
+    MXFP8Error,
+    PlacementError,
+    PorterError,
+    PrequantizedError,
+    ProduceError,
+    SourceError,
+    VerifyInputError,
+)
 
 
 def invoke(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-@pytest.mark.parametrize("cls", [ConfigError, LayoutError, ConvertError, MXFP8Error, SourceError, ManifestError,
-                                 LoadError, VerifyInputError, BackendUnavailable, InspectError, PrequantizedError,
-                                 ProduceError, MalformedSafetensors, PlacementError, MoeNumericsError])
+@pytest.mark.parametrize(
+    "cls",
+    [
+        ConfigError,
+        LayoutError,
+        ConvertError,
+        MXFP8Error,
+        SourceError,
+        ManifestError,
+        LoadError,
+        VerifyInputError,
+        BackendUnavailable,
+        InspectError,
+        PrequantizedError,
+        ProduceError,
+        MalformedSafetensors,
+        PlacementError,
+        MoeNumericsError,
+    ],
+)
 def test_user_facing_errors_are_porter_errors(cls):
     assert issubclass(cls, PorterError) and cls.exit_code == EXIT_BAD_INPUT == 2
 
@@ -39,24 +73,29 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
 
 def test_verify_bad_input_exit_2(tmp_path):
     res = invoke("verify", tmp_path / "nothing-here")
-    assert res.exit_code == 2 and res.output.strip().splitlines() == [f"porter: error: {tmp_path / 'nothing-here'}: "
-                                                                      "no such directory"]
+    assert res.exit_code == 2 and res.output.strip().splitlines() == [
+        f"porter: error: {tmp_path / 'nothing-here'}: no such directory"
+    ]
 
 
 def test_bare_valueerror_is_internal_not_bad_input(tmp_path, monkeypatch):
     """A ValueError from a bug must not pass for bad input (exit 2): it is an internal error, exit 3."""
+
     def boom(*a, **k):
         raise ValueError("a bug\nspanning lines")
+
     monkeypatch.setattr(porter.commands.convert, "convert", boom)
     res = invoke("convert", tmp_path, "--output", tmp_path / "o")
     assert res.exit_code == EXIT_INTERNAL == 3
-    assert res.output.strip().splitlines() == ["porter: internal error: ValueError: a bug spanning lines "
-                                               "(please report; -v shows the traceback)"]
+    assert res.output.strip().splitlines() == [
+        "porter: internal error: ValueError: a bug spanning lines (please report; -v shows the traceback)"
+    ]
 
 
 def test_internal_error_with_v_shows_traceback_and_keeps_exit_3(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise ZeroDivisionError("division by zero")
+
     monkeypatch.setattr(porter.commands.convert, "convert", boom)
     res = invoke("-v", "convert", tmp_path, "--output", tmp_path / "o")
     assert res.exit_code == 3
@@ -67,16 +106,19 @@ def test_internal_error_with_v_shows_traceback_and_keeps_exit_3(tmp_path, monkey
 def test_porter_error_with_v_shows_traceback_and_keeps_exit_2(tmp_path, monkeypatch):
     def bad(*a, **k):
         raise SourceError("x/config.json: field 'hidden_size' must be positive; fix the config")
+
     monkeypatch.setattr(porter.commands.convert, "convert", bad)
     res = invoke("-v", "convert", tmp_path, "--output", tmp_path / "o")
     assert res.exit_code == 2 and "Traceback" in res.output
-    assert res.output.rstrip().endswith("porter: error: x/config.json: field 'hidden_size' must be positive; "
-                                        "fix the config")
+    assert res.output.rstrip().endswith(
+        "porter: error: x/config.json: field 'hidden_size' must be positive; fix the config"
+    )
 
 
 def test_verify_internal_error_exit_3(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise KeyError("layers.0")
+
     monkeypatch.setattr(porter.commands.verify, "verify", boom)
     res = invoke("verify", tmp_path)
     assert res.exit_code == 3 and "internal error: KeyError" in res.output
@@ -85,6 +127,7 @@ def test_verify_internal_error_exit_3(tmp_path, monkeypatch):
 def test_interrupt_exit_130(tmp_path, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(porter.commands.convert, "convert", interrupted)
     res = invoke("convert", tmp_path, "--output", tmp_path / "o")
     assert res.exit_code == 130 and "--resume" in res.output
@@ -95,8 +138,11 @@ def test_convert_device_errors_are_bad_input(tiny_vendor, tmp_path, monkeypatch)
     one line, and no output folder left behind."""
     import porter
     from porter.errors import PorterError
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    res = CliRunner().invoke(main, ["convert", str(tiny_vendor), "--output", str(tmp_path / "o"), "--device", "cuda"])
+    res = CliRunner().invoke(
+        main, ["convert", str(tiny_vendor), "--output", str(tmp_path / "o"), "--device", "cuda"]
+    )
     assert res.exit_code == 2, res.output
     assert "no CUDA GPU" in res.output and len(res.output.strip().splitlines()) == 1
     assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
@@ -110,7 +156,9 @@ def test_every_user_facing_error_class_is_defined_in_porter_errors():
     import ast
     import inspect
     from pathlib import Path
+
     import porter.errors as errors
+
     taxonomy = {n for n, c in vars(errors).items() if inspect.isclass(c) and issubclass(c, PorterError)}
     assert {"ConfigError", "LayoutError", "ConvertError", "LoadError", "PlacementError"} <= taxonomy
     root = Path(__file__).resolve().parents[1]
@@ -119,7 +167,10 @@ def test_every_user_facing_error_class_is_defined_in_porter_errors():
         if path.name == "errors.py" and path.parent.name == "porter":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and any(getattr(b, "id", getattr(b, "attr", None)) in taxonomy
-                                                      for b in node.bases):
-                bad.append(f"{path.relative_to(root)}:{node.lineno}: class {node.name} belongs in porter/errors.py")
+            if isinstance(node, ast.ClassDef) and any(
+                getattr(b, "id", getattr(b, "attr", None)) in taxonomy for b in node.bases
+            ):
+                bad.append(
+                    f"{path.relative_to(root)}:{node.lineno}: class {node.name} belongs in porter/errors.py"
+                )
     assert not bad, "\n".join(bad)

@@ -3,6 +3,7 @@
 Each class of fault ends in one line naming the file, tensor or field, exit code 2, and nothing that looks
 complete (no model.safetensors.index.json) in the output folder.
 """
+
 import json
 import os
 import shutil
@@ -69,11 +70,11 @@ def _edit_header(f: Path, fn):
     """Rewrite the header JSON (same data) after fn(header dict)."""
     data = f.read_bytes()
     n = header_len(f)
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     fn(header)
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
-    f.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+    f.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
 
 
 def _first_tensor(header):
@@ -86,6 +87,7 @@ def _offsets_beyond_file(f: Path):
         begin, end = h[k]["data_offsets"]
         h[k]["data_offsets"][1] += (end - begin) // h[k]["shape"][0]  # one more row than the file holds
         h[k]["shape"][0] += 1
+
     _edit_header(f, fn)
 
 
@@ -102,12 +104,15 @@ def _trailing_bytes(f: Path):
         fh.write(b"\0" * 24)
 
 
-MALFORMED = {"truncated data": (_truncate_data, "truncated"), "truncated header": (_truncate_header, "truncated"),
-             "broken header JSON": (_break_json, "invalid JSON"),
-             "offsets beyond the file": (_offsets_beyond_file, "truncated"),
-             "length disagrees with shape": (_length_disagrees_with_shape, "needs"),
-             "unknown dtype": (_unknown_dtype, "unsupported dtype"),
-             "bytes after the data": (_trailing_bytes, "padded")}
+MALFORMED = {
+    "truncated data": (_truncate_data, "truncated"),
+    "truncated header": (_truncate_header, "truncated"),
+    "broken header JSON": (_break_json, "invalid JSON"),
+    "offsets beyond the file": (_offsets_beyond_file, "truncated"),
+    "length disagrees with shape": (_length_disagrees_with_shape, "needs"),
+    "unknown dtype": (_unknown_dtype, "unsupported dtype"),
+    "bytes after the data": (_trailing_bytes, "padded"),
+}
 
 
 @pytest.mark.parametrize("fault", sorted(MALFORMED))
@@ -126,6 +131,7 @@ def test_malformed_shard_is_named(tiny_vendor, tmp_path, fault):
 def test_truncated_while_converting_is_named(tiny_vendor, tmp_path, monkeypatch):
     """A shard that shrinks after the plan was made (a copy still in progress) is named by the reader."""
     import porter.engine.run as pp
+
     src = tmp_path / "src"
     shutil.copytree(tiny_vendor, src)
     shard = sorted(src.glob("model-*.safetensors"))[-1]
@@ -134,6 +140,7 @@ def test_truncated_while_converting_is_named(tiny_vendor, tmp_path, monkeypatch)
     def shrink_then_run(self, units):
         os.truncate(shard, 8 + header_len(shard) + 16)
         return real(self, units)
+
     monkeypatch.setattr(pp.Pipeline, "run", shrink_then_run)
     res = convert_cli(src, tmp_path / "out", "--workers", 2)
     assert_bad_input(res, tmp_path / "out", str(shard), "truncated")
@@ -147,8 +154,9 @@ def test_resume_on_complete_output_is_a_noop(tiny_vendor, tmp_path, caplog):
     out = tmp_path / "out"
     porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False)
     before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()}
-    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", "300KB",
-                                   "--resume"])
+    res = CliRunner().invoke(
+        cli, ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", "300KB", "--resume"]
+    )
     assert res.exit_code == 0, res.output
     assert "already complete" in res.output and "nothing to do" in res.output
     assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()} == before
@@ -167,9 +175,21 @@ porter.convert(sys.argv[1], sys.argv[2], max_shard_size="300KB", progress=False,
 
 
 def run_convert(src, out, workers=2, resume=False, env=None):
-    return subprocess.run([sys.executable, "-c", KILL_SCRIPT.format(root=str(ROOT)), str(src), str(out),
-                           str(workers), "1" if resume else "0"], env={**os.environ, **(env or {})},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            KILL_SCRIPT.format(root=str(ROOT)),
+            str(src),
+            str(out),
+            str(workers),
+            "1" if resume else "0",
+        ],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def artifact_bytes(d: Path) -> dict:
@@ -194,11 +214,16 @@ def test_sigkill_anywhere_then_resume_is_byte_identical(tiny_vendor, tmp_path):
     assert res.returncode == 0, res.stderr
     events = log.read_text().split()
     final = [e for e in events if e.startswith(("tmp:", "wrote:"))]
-    assert {"tmp:config.json:1", "tmp:porter.json:1", "wrote:porter.json:1", "tmp:model.safetensors.index.json:1",
-            "wrote:model.safetensors.index.json:1"} <= set(final)
+    assert {
+        "tmp:config.json:1",
+        "tmp:porter.json:1",
+        "wrote:porter.json:1",
+        "tmp:model.safetensors.index.json:1",
+        "wrote:model.safetensors.index.json:1",
+    } <= set(final)
     units = [e for e in events if e.startswith("unit:")]
     others = [e for e in events if e.startswith(("shard-renamed:", "journal:", "journal-tmp:"))]
-    points = units[1::max(1, len(units) // 3)] + others[::max(1, len(others) // 3)] + final
+    points = units[1 :: max(1, len(units) // 3)] + others[:: max(1, len(others) // 3)] + final
     assert len(points) >= 12, points
     want = artifact_bytes(clean)
     for i, point in enumerate(points):
@@ -208,8 +233,9 @@ def test_sigkill_anywhere_then_resume_is_byte_identical(tiny_vendor, tmp_path):
         complete = (out / INDEX).exists()
         assert complete == (point == "wrote:model.safetensors.index.json:1"), point  # the index is last
         assert not list(out.glob("*.tmp")) or not complete
-        porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=2, device="cpu",
-                       resume=True)  # in this process: one torch import per kill point, not two
+        porter.convert(
+            tiny_vendor, out, max_shard_size="300KB", progress=False, workers=2, device="cpu", resume=True
+        )  # in this process: one torch import per kill point, not two
         got = artifact_bytes(out)
         assert got.keys() == want.keys() and all(got[k] == want[k] for k in want), point
 
@@ -222,19 +248,33 @@ def _http_response(status: int):
     import importlib
 
     from huggingface_hub.errors import HfHubHTTPError
+
     http = importlib.import_module(HfHubHTTPError.__mro__[1].__module__.split(".")[0])  # httpx (or its fork)
     return http.Response(status, request=http.Request("GET", "https://huggingface.co/api/models/o/r"))
 
 
 def _hub_errors():
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
     return {
         "gated": (lambda: GatedRepoError("403 gated\nmore", response=_http_response(403)), "gated repo"),
-        "not found": (lambda: RepositoryNotFoundError("404 nope\nmore", response=_http_response(404)), "no such repo"),
-        "revision": (lambda: RevisionNotFoundError("404 rev\nmore", response=_http_response(404)), "revision"),
-        "401": (lambda: HfHubHTTPError("401 Unauthorized\nInvalid credentials", response=_http_response(401)),
-                "HTTP 401"),
+        "not found": (
+            lambda: RepositoryNotFoundError("404 nope\nmore", response=_http_response(404)),
+            "no such repo",
+        ),
+        "revision": (
+            lambda: RevisionNotFoundError("404 rev\nmore", response=_http_response(404)),
+            "revision",
+        ),
+        "401": (
+            lambda: HfHubHTTPError("401 Unauthorized\nInvalid credentials", response=_http_response(401)),
+            "HTTP 401",
+        ),
         "500": (lambda: HfHubHTTPError("500 Server Error\nboom", response=_http_response(500)), "HTTP 500"),
         "network": (lambda: ConnectionResetError("connection reset by peer"), "finished files stay"),
     }
@@ -243,12 +283,14 @@ def _hub_errors():
 @pytest.mark.parametrize("kind", ["gated", "not found", "revision", "401", "500", "network"])
 def test_hub_errors_are_one_line(tmp_path, monkeypatch, kind):
     import huggingface_hub
+
     make, words = _hub_errors()[kind]
     calls = []
 
     def fake_snapshot(repo_id, **kw):
         calls.append(kw)
         raise make()
+
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
     res = convert_cli("MiniMaxAI/Some-Repo", tmp_path / "o", "--revision", "v1")
     assert_bad_input(res, tmp_path / "o", "MiniMaxAI/Some-Repo", words)
@@ -260,6 +302,7 @@ def test_hub_interrupted_download_is_left_to_resume(tmp_path, monkeypatch):
     for force_download, so the next run resumes it."""
     import huggingface_hub
     import huggingface_hub.constants as c
+
     cache = tmp_path / "hub"
     blob = cache / "models--MiniMaxAI--Big" / "blobs" / ("ab" * 32 + ".incomplete")
     blob.parent.mkdir(parents=True)
@@ -270,6 +313,7 @@ def test_hub_interrupted_download_is_left_to_resume(tmp_path, monkeypatch):
     def interrupted(repo_id, **kw):
         seen.append(kw)
         raise ConnectionResetError("connection reset by peer")
+
     monkeypatch.setattr(huggingface_hub, "snapshot_download", interrupted)
     res = convert_cli("MiniMaxAI/Big", tmp_path / "o")
     assert_bad_input(res, tmp_path / "o", "retry")
@@ -308,28 +352,38 @@ def test_fuzzed_safetensors_header(tiny_vendor, data):
                 raw[data.draw(st.integers(8, 8 + n - 1))] = data.draw(st.integers(0, 255))
         elif how == "splice":  # drop a run of header bytes
             a = data.draw(st.integers(8, 8 + n - 1))
-            del raw[a:a + data.draw(st.integers(1, 40))]
+            del raw[a : a + data.draw(st.integers(1, 40))]
         elif how == "length":  # a wrong header length
             raw[:8] = data.draw(st.integers(0, 2**64 - 1)).to_bytes(8, "little")
         else:  # a structurally edited header: wrong types and values in one entry
-            header = json.loads(raw[8:8 + n])
+            header = json.loads(raw[8 : 8 + n])
             name = data.draw(st.sampled_from(sorted(k for k in header if k != "__metadata__")))
             field = data.draw(st.sampled_from(["dtype", "shape", "data_offsets"]))
-            header[name][field] = data.draw(st.one_of(
-                st.none(), st.integers(-5, 10**12), st.text(max_size=6), st.lists(st.integers(-3, 10**9), max_size=4),
-                st.sampled_from(["BF16", "F32", "U8", "F8_E4M3", "I64"])))
+            header[name][field] = data.draw(
+                st.one_of(
+                    st.none(),
+                    st.integers(-5, 10**12),
+                    st.text(max_size=6),
+                    st.lists(st.integers(-3, 10**9), max_size=4),
+                    st.sampled_from(["BF16", "F32", "U8", "F8_E4M3", "I64"]),
+                )
+            )
             body = json.dumps(header).encode()
-            raw = bytearray(len(body).to_bytes(8, "little") + body + raw[8 + n:])
+            raw = bytearray(len(body).to_bytes(8, "little") + body + raw[8 + n :])
         shard.write_bytes(bytes(raw))
         out = Path(tmp) / "out"
         _check_outcome(convert_cli(src, out, "--workers", 2), out)
 
 
 @FUZZ
-@given(value=st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=12),
-                          lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
-                          max_leaves=8),
-       where=st.sampled_from(["whole", "weight_map", "one entry", "metadata"]))
+@given(
+    value=st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=12),
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+        max_leaves=8,
+    ),
+    where=st.sampled_from(["whole", "weight_map", "one entry", "metadata"]),
+)
 def test_fuzzed_index_json(tiny_vendor, value, where):
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"
@@ -362,5 +416,7 @@ def test_resume_rewrites_a_torn_finished_shard(tiny_vendor, tmp_path):
     data = bytearray(torn.read_bytes())
     data[-1] ^= 0xFF
     torn.write_bytes(bytes(data))
-    porter.convert(tiny_vendor, out, max_shard_size="300KB", progress=False, workers=2, device="cpu", resume=True)
+    porter.convert(
+        tiny_vendor, out, max_shard_size="300KB", progress=False, workers=2, device="cpu", resume=True
+    )
     assert artifact_bytes(out) == artifact_bytes(clean)

@@ -11,6 +11,7 @@ past the 2e-2 relative error bound the FP8 prefill path is held to (docs/moe-bac
 included; two terms in both stay an order of magnitude inside it. Two terms double the FP8 MMA work, which
 is what puts the T=4096 layer's FP8 floor at twice the one-term figure (docs/moe-backends.md, prefill floors).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -94,7 +95,7 @@ def test_the_scale_granularity_changes_only_the_subnormals(expert):
     act = swiglu_oai(*(x @ w13.T).split(I, dim=1), 1.702, 1.0, 7.0)  # [T, I]
     for a in (x, act):
         differ = per_token_e4m3(a, 1) != per_32_e4m3(a, 1)
-        subnormal = (a * torch.exp2(-token_shift(a))).abs() < 2.0 ** -6  # [T, K]
+        subnormal = (a * torch.exp2(-token_shift(a))).abs() < 2.0**-6  # [T, K]
         assert not (differ & ~subnormal).any()
         assert differ.sum() < 0.01 * a.numel()
     ref = run(expert, per_token_e4m3, 0, 0)

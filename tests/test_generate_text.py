@@ -1,5 +1,6 @@
 """Prompt to text on the tiny checkpoint (CPU): tokenizer and generation defaults from the folder, sampling,
 EOS, stop strings, streaming, the chat template, batched prompts, `porter generate` and argument checks."""
+
 import json
 import math
 import shutil
@@ -51,13 +52,18 @@ def test_text_in_text_out_equals_ids(model):
     assert model.generate(ids, 6, eos_token_id=[]) == want  # a list of ids in, a list out
     out = model.generate(torch.tensor([ids]), 6, eos_token_id=[])
     assert out.tolist() == [want]
-    assert model.generate(PROMPT, 6, eos_token_id=[]) == model.tokenizer.decode(want[len(ids):])
+    assert model.generate(PROMPT, 6, eos_token_id=[]) == model.tokenizer.decode(want[len(ids) :])
 
 
 def test_sampling_with_a_seed_is_reproducible(model):
-    runs = {s: model.generate(PROMPT, 8, do_sample=True, temperature=1.5, seed=s, eos_token_id=[]) for s in range(4)}
-    assert all(model.generate(PROMPT, 8, do_sample=True, temperature=1.5, seed=s, eos_token_id=[]) == t
-               for s, t in runs.items())
+    runs = {
+        s: model.generate(PROMPT, 8, do_sample=True, temperature=1.5, seed=s, eos_token_id=[])
+        for s in range(4)
+    }
+    assert all(
+        model.generate(PROMPT, 8, do_sample=True, temperature=1.5, seed=s, eos_token_id=[]) == t
+        for s, t in runs.items()
+    )
     assert len(set(runs.values())) >= 2  # the seed changes the draw
     greedy = model.generate(PROMPT, 8, eos_token_id=[])
     assert model.generate(PROMPT, 8, do_sample=True, temperature=0, eos_token_id=[]) == greedy
@@ -68,6 +74,7 @@ def test_sampling_with_a_seed_is_reproducible(model):
 def test_top_k_and_top_p_only_draw_allowed_tokens():
     from runtime.sampling import choose
     from runtime.text import GenerationConfig
+
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]]).repeat(2000, 1)  # probs .64 .23 .09 .03 .01
     gen = torch.Generator().manual_seed(0)
     top2 = choose(logits, GenerationConfig(do_sample=True, top_k=2), gen)
@@ -83,7 +90,7 @@ def test_eos_from_generation_config_stops(artifact, tmp_path):
     shutil.copytree(artifact, folder)
     probe = runtime.load(folder)
     ids = probe.tokenizer.encode(PROMPT)
-    first, second = greedy_ids(probe, ids, 2)[len(ids):]
+    first, second = greedy_ids(probe, ids, 2)[len(ids) :]
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [999999, second]}))
     model = runtime.load(folder)
     assert model.generation_config.eos_token_ids == (999999, second)
@@ -112,7 +119,9 @@ def test_stop_strings_and_streaming(model):
     stop = full[4:6]
     cut = full.find(stop)
     pieces = []
-    got = model.generate(PROMPT, 12, eos_token_id=[], stop=[stop], stream=lambda row, t: pieces.append((row, t)))
+    got = model.generate(
+        PROMPT, 12, eos_token_id=[], stop=[stop], stream=lambda row, t: pieces.append((row, t))
+    )
     assert got == full[:cut]
     assert "".join(t for _, t in pieces) == got and {r for r, _ in pieces} <= {0}
     streamed = []
@@ -124,45 +133,67 @@ def test_chat_template(model):
     tok = model.tokenizer
     rendered = tok.apply_chat_template("hi there")
     assert rendered == "<s>user: hi there</s>\nassistant:"
-    two = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}],
-                                  add_generation_prompt=False)
+    two = tok.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}],
+        add_generation_prompt=False,
+    )
     assert two == "<s>system: be brief</s>\nuser: x</s>\n"
     ids = tok.encode(rendered, add_special_tokens=False)
     assert ids[0] == tok.backend.token_to_id("<s>")
-    want = tok.decode(greedy_ids(model, ids, 5)[len(ids):])
+    want = tok.decode(greedy_ids(model, ids, 5)[len(ids) :])
     assert model.generate("hi there", 5, chat=True, eos_token_id=[]) == want
     assert model.generate([{"role": "user", "content": "hi there"}], 5, eos_token_id=[]) == want
 
 
 def test_chat_template_runs_sandboxed(model):
     from runtime.text import render_template
+
     with pytest.raises(TextError, match="SecurityError|unsafe"):
         render_template("{{ messages.__class__.__mro__[1].__subclasses__() }}", messages=[])
     with pytest.raises(TextError, match="chat template: no system role"):
         render_template("{{ raise_exception('no system role') }}")
 
 
-@pytest.mark.parametrize("bad, match", [
-    (3.5, "prompt must be"), ([], "prompt must be"), ([1, "a"], "prompt must be"),
-    (torch.zeros(1, 3), "integer tensor"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (3.5, "prompt must be"),
+        ([], "prompt must be"),
+        ([1, "a"], "prompt must be"),
+        (torch.zeros(1, 3), "integer tensor"),
+    ],
+)
 def test_bad_prompts_are_one_line_errors(model, bad, match):
     with pytest.raises(TextError, match=match):
         model.generate(bad, 2)
 
 
-@pytest.mark.parametrize("option", [dict(temperature=-1.0), dict(temperature=math.nan), dict(top_p=0.0),
-                                    dict(top_p=math.nan), dict(top_k=-2), dict(max_new_tokens=-1)])
+@pytest.mark.parametrize(
+    "option",
+    [
+        dict(temperature=-1.0),
+        dict(temperature=math.nan),
+        dict(top_p=0.0),
+        dict(top_p=math.nan),
+        dict(top_k=-2),
+        dict(max_new_tokens=-1),
+    ],
+)
 def test_bad_generation_options(model, option):
     with pytest.raises(TextError, match=next(iter(option))):
         model.generate(PROMPT, **({"max_new_tokens": 2} | option))
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(dtype="bfloat17"), "dtype 'bfloat17'"), (dict(device="bfloat16"), "'bfloat16' is not a device"),
-    (dict(device="tpu"), "tpu' is not a device"), (dict(device="meta"), "porter runs on cpu or cuda"),
-    (dict(device=f"cuda:{torch.cuda.device_count()}"), "no CUDA GPU|CUDA device"),  # one past the last
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(dtype="bfloat17"), "dtype 'bfloat17'"),
+        (dict(device="bfloat16"), "'bfloat16' is not a device"),
+        (dict(device="tpu"), "tpu' is not a device"),
+        (dict(device="meta"), "porter runs on cpu or cuda"),
+        (dict(device=f"cuda:{torch.cuda.device_count()}"), "no CUDA GPU|CUDA device"),  # one past the last
+    ],
+)
 def test_load_checks_device_and_dtype_first(artifact, kw, match):
     with pytest.raises(DeviceError, match=match):
         runtime.load(artifact, **kw)
@@ -180,16 +211,36 @@ def test_porter_generate_command(artifact):
     model = runtime.load(artifact)
     assert model.generate(PROMPT, 6) in res.output
     assert "tokens/s" in res.output
-    res = CliRunner().invoke(cli, ["generate", str(artifact), "--prompt", "hi", "--chat", "--temperature", "0.7",
-                                   "--seed", "1", "--max-new-tokens", "3", "-q"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "generate",
+            str(artifact),
+            "--prompt",
+            "hi",
+            "--chat",
+            "--temperature",
+            "0.7",
+            "--seed",
+            "1",
+            "--max-new-tokens",
+            "3",
+            "-q",
+        ],
+    )
     assert res.exit_code == 0 and "tokens/s" not in res.output
     assert model.generate("hi", 3, chat=True, do_sample=True, temperature=0.7, seed=1) in res.output
 
 
-@pytest.mark.parametrize("args", [["--device", "bfloat16"], ["--device", f"cuda:{torch.cuda.device_count()}"]])
+@pytest.mark.parametrize(
+    "args", [["--device", "bfloat16"], ["--device", f"cuda:{torch.cuda.device_count()}"]]
+)
 def test_device_errors_are_one_line_in_every_command(artifact, args):
-    for cmd in (["generate", str(artifact), "--prompt", "x"], ["verify", str(artifact)],
-                ["convert", str(artifact), "--output", str(artifact) + "-never"]):
+    for cmd in (
+        ["generate", str(artifact), "--prompt", "x"],
+        ["verify", str(artifact)],
+        ["convert", str(artifact), "--output", str(artifact) + "-never"],
+    ):
         res = CliRunner().invoke(cli, cmd + args)
         assert res.exit_code == 2, (cmd, res.output)
         lines = [ln for ln in res.output.splitlines() if ln.startswith("porter:")]
@@ -198,7 +249,10 @@ def test_device_errors_are_one_line_in_every_command(artifact, args):
 
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_verbosity_flags_in_either_position(artifact, where):
-    for cmd in (["inspect", str(artifact)], ["generate", str(artifact), "--prompt", "x", "--max-new-tokens", "1"]):
+    for cmd in (
+        ["inspect", str(artifact)],
+        ["generate", str(artifact), "--prompt", "x", "--max-new-tokens", "1"],
+    ):
         args = ["-q", *cmd] if where == "before" else [*cmd, "-q"]
         res = CliRunner().invoke(cli, args)
         assert res.exit_code == 0, res.output

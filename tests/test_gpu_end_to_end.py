@@ -1,5 +1,6 @@
 """End to end on a CUDA GPU (run on the H200; skipped on CPU CI): backend auto-selection, the runtime on
 CUDA against CPU, and `porter verify --backend triton --device cuda` on the embedded example."""
+
 import json
 
 import pytest
@@ -11,8 +12,7 @@ import runtime
 from porter.cli import main as cli
 from runtime.moe import resolve_backend
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,21 @@ def test_cuda_logits_match_cpu(artifact, backend):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_verify_triton_on_cuda_passes(artifact, tmp_path, dtype):
     report = tmp_path / "r.json"
-    res = CliRunner().invoke(cli, ["verify", str(artifact), "--backend", "triton", "--device", "cuda",
-                                   "--dtype", dtype, "--report", str(report)])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "verify",
+            str(artifact),
+            "--backend",
+            "triton",
+            "--device",
+            "cuda",
+            "--dtype",
+            dtype,
+            "--report",
+            str(report),
+        ],
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(report.read_text())
     assert doc["verdict"] == "pass" and doc["passed"] is True

@@ -2,12 +2,14 @@
 
 The engines themselves are exercised by tests/engines (own venv); here: names, dtypes, shapes, the
 config.json contract, byte equality with the porter layout, the runtime, and refusals."""
+
 import json
 import re
 
 import pytest
 import torch
 from click.testing import CliRunner
+from tensor_checks import load_all, same_bytes
 
 import converters
 import porter
@@ -15,13 +17,14 @@ import runtime
 from converters.minimax_m3.hf_layout import _check_format_groups
 from porter.cli import main as cli
 from porter.errors import LayoutError
-from tensor_checks import load_all, same_bytes
 
 arch = converters.get("minimax_m3_vl")  # the MiniMax-M3 converter
 
 E, I, H = 8, 64, 64  # tiny checkpoint: experts, expert width, hidden
-TEXT_LINEAR = re.compile(r"^language_model\.(lm_head|model\.layers\.\d+\.(self_attn\.\w+_proj|mlp\.\w+_proj|"
-                         r"block_sparse_moe\.(gate|shared_experts\.\w+_proj|experts\.\d+\.w[123])))$")
+TEXT_LINEAR = re.compile(
+    r"^language_model\.(lm_head|model\.layers\.\d+\.(self_attn\.\w+_proj|mlp\.\w+_proj|"
+    r"block_sparse_moe\.(gate|shared_experts\.\w+_proj|experts\.\d+\.w[123])))$"
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +47,21 @@ def test_config_json_contract(hf_art, tiny_vendor):
     assert cfg["architectures"] == ["MiniMaxM3SparseForConditionalGeneration"]
     assert cfg["model_type"] == "minimax_m3_vl" and "quantization_config" not in cfg["text_config"]
     qc = cfg["quantization_config"]
-    assert {k: qc[k] for k in ("quant_method", "activation_scheme", "weight_block_size", "fmt", "scale_fmt")} == {
-        "quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32], "fmt": "e4m3",
-        "scale_fmt": "ue8m0"}
+    assert {
+        k: qc[k] for k in ("quant_method", "activation_scheme", "weight_block_size", "fmt", "scale_fmt")
+    } == {
+        "quant_method": "mxfp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [1, 32],
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+    }
     assert not [k for k in qc if k.startswith("moe_quant")]
     assert qc["ignored_layers"] == qc["modules_to_not_convert"]
     # scope all: only lm_head and the router gates stay unquantized (3 MoE layers)
     assert sorted(qc["ignored_layers"]) == ["language_model.lm_head"] + [
-        f"language_model.model.layers.{l}.block_sparse_moe.gate" for l in (1, 2, 3)]
+        f"language_model.model.layers.{l}.block_sparse_moe.gate" for l in (1, 2, 3)
+    ]
     # vLLM reads swiglu_beta without a default: the resolved value is written; source fields kept
     assert cfg["text_config"]["swiglu_beta"] == 1.0
     assert {k: v for k, v in cfg["text_config"].items() if k != "swiglu_beta"} == src["text_config"]
@@ -60,14 +70,19 @@ def test_config_json_contract(hf_art, tiny_vendor):
 def test_names_dtypes_shapes(hf_art):
     t = load_all(hf_art)
     text = [n for n in t if n.startswith("language_model.")]
-    assert not [n for n in t if n.startswith(("model.", "lm_head."))], "text tensors must carry language_model."
+    assert not [n for n in t if n.startswith(("model.", "lm_head."))], (
+        "text tensors must carry language_model."
+    )
     assert not [n for n in t if "w13_weight" in n or "w2_weight" in n], "experts must never be stacked"
     assert not [n for n in t if n.endswith(".weight_scale")], "scales are named weight_scale_inv"
     for layer in (1, 2, 3):
         for e in range(E):
             p = f"language_model.model.layers.{layer}.block_sparse_moe.experts.{e}."
             for w, shape in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
-                assert t[p + w + ".weight"].dtype == torch.float8_e4m3fn and tuple(t[p + w + ".weight"].shape) == shape
+                assert (
+                    t[p + w + ".weight"].dtype == torch.float8_e4m3fn
+                    and tuple(t[p + w + ".weight"].shape) == shape
+                )
                 s = t[p + w + ".weight_scale_inv"]
                 assert s.dtype == torch.uint8 and tuple(s.shape) == (shape[0], shape[1] // 32)
     assert len(text) == 243  # every text tensor of the tiny model, scales included
@@ -76,7 +91,9 @@ def test_names_dtypes_shapes(hf_art):
 def test_each_linear_quantized_xor_listed(hf_art):
     t = load_all(hf_art)
     listed = set(json.loads((hf_art / "config.json").read_text())["quantization_config"]["ignored_layers"])
-    modules = {n[: -len(".weight")] for n in t if n.endswith(".weight") and TEXT_LINEAR.match(n[: -len(".weight")])}
+    modules = {
+        n[: -len(".weight")] for n in t if n.endswith(".weight") and TEXT_LINEAR.match(n[: -len(".weight")])
+    }
     assert len(modules) > 100
     for m in modules:
         quantized = t[m + ".weight"].dtype == torch.float8_e4m3fn and m + ".weight_scale_inv" in t
@@ -94,14 +111,21 @@ def test_same_mxfp8_bytes_as_porter_layout(hf_art, porter_all):
         for e in range(E):
             p = f"language_model.model.layers.{layer}.block_sparse_moe.experts.{e}."
             assert same_bytes(torch.cat([hf[p + "w1.weight"], hf[p + "w3.weight"]]), w13[e])  # [gate; up]
-            assert same_bytes(torch.cat([hf[p + "w1.weight_scale_inv"], hf[p + "w3.weight_scale_inv"]]), w13s[e])
-            assert same_bytes(hf[p + "w2.weight"], w2[e]) and same_bytes(hf[p + "w2.weight_scale_inv"], w2s[e])
+            assert same_bytes(
+                torch.cat([hf[p + "w1.weight_scale_inv"], hf[p + "w3.weight_scale_inv"]]), w13s[e]
+            )
+            assert same_bytes(hf[p + "w2.weight"], w2[e]) and same_bytes(
+                hf[p + "w2.weight_scale_inv"], w2s[e]
+            )
             compared += 4
     for name, value in pl.items():  # everything else: same bytes under the hf name
         if "experts.w" in name:
             continue
-        hf_name = arch.hf_name(name[: -len("_scale")] + "_scale_inv") if name.endswith("weight_scale") else (
-            arch.hf_name(name) if name.startswith(("model.", "lm_head.")) else name)
+        hf_name = (
+            arch.hf_name(name[: -len("_scale")] + "_scale_inv")
+            if name.endswith("weight_scale")
+            else (arch.hf_name(name) if name.startswith(("model.", "lm_head.")) else name)
+        )
         assert same_bytes(hf[hf_name], value), name
         compared += 1
     assert compared > 150
@@ -130,8 +154,9 @@ def test_quantize_none_hf_is_plain_bf16(tiny_vendor, tmp_path):
 
 def test_scope_that_splits_a_group_is_refused(tiny_vendor, tmp_path):
     out = tmp_path / "x"
-    res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--layout", "hf",
-                                   "--quantize", "experts"])
+    res = CliRunner().invoke(
+        cli, ["convert", str(tiny_vendor), "--output", str(out), "--layout", "hf", "--quantize", "experts"]
+    )
     assert res.exit_code == 2
     msg = res.output.strip().splitlines()
     assert len(msg) == 1 and "shared expert" in msg[0] and "sglang" in msg[0] and "--quantize all" in msg[0]
@@ -140,6 +165,7 @@ def test_scope_that_splits_a_group_is_refused(tiny_vendor, tmp_path):
 
 def test_group_check_names_qkv_index(tiny_vendor):
     from porter.source import open_local
+
     src = open_local(tiny_vendor)
     cfg = arch.resolve_config(src.raw_config)
     out = arch.plan_tensors(cfg, src.meta, "all")
@@ -151,15 +177,21 @@ def test_group_check_names_qkv_index(tiny_vendor):
 
 
 def test_transformers_source_refused_for_hf(tiny_transformers, tmp_path):
-    res = CliRunner().invoke(cli, ["convert", str(tiny_transformers), "--output", str(tmp_path / "o"),
-                                   "--layout", "hf"])
+    res = CliRunner().invoke(
+        cli, ["convert", str(tiny_transformers), "--output", str(tmp_path / "o"), "--layout", "hf"]
+    )
     assert res.exit_code == 2 and "--layout hf" in res.output and len(res.output.strip().splitlines()) == 1
 
 
 def test_hf_canonical_map_refuses_missing_expert():
-    names = [f"language_model.model.layers.1.block_sparse_moe.experts.{e}.{w}.weight" for e in range(2)
-             for w in ("w1", "w2", "w3")]
+    names = [
+        f"language_model.model.layers.1.block_sparse_moe.experts.{e}.{w}.weight"
+        for e in range(2)
+        for w in ("w1", "w2", "w3")
+    ]
     assert arch.hf_canonical_map(names)[arch.experts_w13_name(1)] == [
-        [names[0], names[2]], [names[3], names[5]]]
+        [names[0], names[2]],
+        [names[3], names[5]],
+    ]
     with pytest.raises(LayoutError, match="experts.0.w3"):
         arch.hf_canonical_map([n for n in names if not n.endswith("0.w3.weight")])

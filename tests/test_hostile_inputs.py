@@ -1,5 +1,6 @@
 """Nothing porter reads may crash it or make it read outside the folder: every malformed, misplaced or
 non-regular file is a porter error naming the file (exit 2 on the CLI), in runtime.load and the commands."""
+
 import builtins
 import json
 import os
@@ -52,13 +53,16 @@ class Opens:
         def rec_os_open(f, *a, **k):
             self.paths.append(os.path.realpath(f))
             return real_os_open(f, *a, **k)
+
         monkeypatch.setattr(builtins, "open", rec_open)
         monkeypatch.setattr(os, "open", rec_os_open)
 
     def outside(self, folder: Path) -> list:
         root = os.path.realpath(folder)
+
         def ours(p):  # the folder itself, or Python's own modules (imports happen during load)
             return p.startswith(root + os.sep) or "site-packages" in p or "/lib/python" in p
+
         return [p for p in self.paths if "sentinel" in p or not ours(p)]
 
 
@@ -94,16 +98,32 @@ def test_index_cannot_name_files_outside(artifact, tmp_path, entry):
     assert "outside" in msg and INDEX in msg
 
 
-@pytest.mark.parametrize("case", ["truncated_shard", "index_missing_tensor", "index_not_json",
-                                  "manifest_list", "config_not_utf8", "index_shape", "options_list"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "truncated_shard",
+        "index_missing_tensor",
+        "index_not_json",
+        "manifest_list",
+        "config_not_utf8",
+        "index_shape",
+        "options_list",
+    ],
+)
 def test_malformed_files_are_named(artifact, tmp_path, case):
     d = copy(artifact, tmp_path)
     shard = next(d.glob("*.safetensors"))
-    culprit = {"truncated_shard": shard.name, "index_missing_tensor": INDEX, "index_not_json": INDEX,
-               "manifest_list": "porter.json", "config_not_utf8": "config.json", "index_shape": INDEX,
-               "options_list": "porter.json"}[case]
+    culprit = {
+        "truncated_shard": shard.name,
+        "index_missing_tensor": INDEX,
+        "index_not_json": INDEX,
+        "manifest_list": "porter.json",
+        "config_not_utf8": "config.json",
+        "index_shape": INDEX,
+        "options_list": "porter.json",
+    }[case]
     if case == "truncated_shard":
-        shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     elif case == "index_missing_tensor":
         set_weight_map(d, shard.name)
         doc = json.loads((d / INDEX).read_text())
@@ -167,9 +187,12 @@ def check_load_never_escapes(d: Path, monkeypatch):
 
 
 @FUZZ
-@given(name=st.sampled_from(["config.json", INDEX, "porter.json", "generation_config.json",
-                             "tokenizer_config.json"]),
-       value=json_values)
+@given(
+    name=st.sampled_from(
+        ["config.json", INDEX, "porter.json", "generation_config.json", "tokenizer_config.json"]
+    ),
+    value=json_values,
+)
 def test_fuzz_json_shapes(artifact, tmp_path_factory, monkeypatch, name, value):
     d = copy(artifact, tmp_path_factory.mktemp("fz"))
     (d / name).write_text(json.dumps(value))
@@ -177,10 +200,22 @@ def test_fuzz_json_shapes(artifact, tmp_path_factory, monkeypatch, name, value):
 
 
 @FUZZ
-@given(entry=st.one_of(st.text(max_size=20), st.sampled_from(["..", "../sentinel.safetensors", "/etc/passwd",
-                                                                "./../m/x.safetensors", "link.safetensors",
-                                                                "sub/../../sentinel.safetensors"]),
-                       json_values))
+@given(
+    entry=st.one_of(
+        st.text(max_size=20),
+        st.sampled_from(
+            [
+                "..",
+                "../sentinel.safetensors",
+                "/etc/passwd",
+                "./../m/x.safetensors",
+                "link.safetensors",
+                "sub/../../sentinel.safetensors",
+            ]
+        ),
+        json_values,
+    )
+)
 def test_fuzz_weight_map_entries(artifact, tmp_path_factory, monkeypatch, entry):
     root = tmp_path_factory.mktemp("fz")
     d = copy(artifact, root)
@@ -195,20 +230,33 @@ def test_fuzz_shard_header_bytes(artifact, tmp_path_factory, monkeypatch, cut, n
     d = copy(artifact, tmp_path_factory.mktemp("fz"))
     shard = next(d.glob("*.safetensors"))
     raw = bytearray(shard.read_bytes())
-    raw[at:at + len(noise)] = noise
-    shard.write_bytes(bytes(raw[:len(raw) - cut] if cut else raw))
+    raw[at : at + len(noise)] = noise
+    shard.write_bytes(bytes(raw[: len(raw) - cut] if cut else raw))
     check_load_never_escapes(d, monkeypatch)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
-@given(name=st.sampled_from(["config.json", INDEX, "porter.json", "generation_config.json",
-                             "tokenizer_config.json", "tokenizer.json"]),
-       value=json_values)
+@given(
+    name=st.sampled_from(
+        [
+            "config.json",
+            INDEX,
+            "porter.json",
+            "generation_config.json",
+            "tokenizer_config.json",
+            "tokenizer.json",
+        ]
+    ),
+    value=json_values,
+)
 def test_fuzz_cli_exit_codes(artifact, tiny_vendor, tmp_path_factory, name, value):
     d = copy(artifact, tmp_path_factory.mktemp("fz"))
     (d / name).write_text(json.dumps(value))
-    for args in (["inspect", d], ["generate", d, "--prompt", "hi", "--max-new-tokens", "1"],
-                 ["verify", d, "--reference", tiny_vendor, "--max-new-tokens", "0"]):
+    for args in (
+        ["inspect", d],
+        ["generate", d, "--prompt", "hi", "--max-new-tokens", "1"],
+        ["verify", d, "--reference", tiny_vendor, "--max-new-tokens", "0"],
+    ):
         code, out = cli(*args)
         ok = (0, 1, EXIT_BAD_INPUT) if args[0] == "verify" else (0, EXIT_BAD_INPUT)  # 1: not faithful
         assert code in ok, (args, out)
@@ -241,8 +289,10 @@ def test_broken_tokenizer_and_non_utf8_prompt(artifact, tiny_vendor, tmp_path):
     code, out = cli("generate", d, "--prompt", "\udcff", "--max-new-tokens", "1")
     assert code == EXIT_BAD_INPUT and "UTF-8" in out, out
     (d / "tokenizer.json").write_text('{"model": 3}')
-    for args in (["generate", d, "--prompt", "hi", "--max-new-tokens", "1"],
-                 ["verify", d, "--reference", tiny_vendor, "--max-new-tokens", "0"]):
+    for args in (
+        ["generate", d, "--prompt", "hi", "--max-new-tokens", "1"],
+        ["verify", d, "--reference", tiny_vendor, "--max-new-tokens", "0"],
+    ):
         code, out = cli(*args)
         assert code == EXIT_BAD_INPUT and "tokenizer.json" in out, out
 
@@ -257,9 +307,12 @@ def test_convert_journal_of_wrong_shape(tiny_vendor, tmp_path, journal):
 
 
 @FUZZ
-@given(name=st.sampled_from(["config.json", INDEX]),
-       entry=st.one_of(st.sampled_from(["../sentinel.safetensors", "/etc/passwd", "link.safetensors"]),
-                       json_values))
+@given(
+    name=st.sampled_from(["config.json", INDEX]),
+    entry=st.one_of(
+        st.sampled_from(["../sentinel.safetensors", "/etc/passwd", "link.safetensors"]), json_values
+    ),
+)
 def test_fuzz_source_files(tiny_vendor, tmp_path_factory, monkeypatch, name, entry):
     root = tmp_path_factory.mktemp("fz")
     d = copy(tiny_vendor, root)

@@ -1,14 +1,15 @@
 """porter convert / verify against a real Hugging Face hub server on localhost (olah; tests/hub_server.py):
 huggingface_hub's own HTTP code resolves revisions, lists and fetches files. docs/hub.md lists the endpoints.
 """
+
 import json
 import os
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from hub_server import LICENSE_TEXT, MODEL_CARD, TAG, UNUSED_FILES
+
 from porter.cli import main
 from porter.format.model_card import SECTION_TITLE
 from porter.version import __version__
@@ -33,8 +34,11 @@ def one_line_error(res) -> str:
 
 def fetched(hub, since: int = 0) -> set:
     """Repo files whose bytes were requested (GET .../resolve/<rev>/<file>)."""
-    return {r.path.split("/resolve/", 1)[1].split("/", 1)[1] for r in hub.gate.requests[since:]
-            if r.method == "GET" and "/resolve/" in r.path}
+    return {
+        r.path.split("/resolve/", 1)[1].split("/", 1)[1]
+        for r in hub.gate.requests[since:]
+        if r.method == "GET" and "/resolve/" in r.path
+    }
 
 
 def snapshot(cache: Path, repo_id: str, commit: str) -> Path:
@@ -104,10 +108,13 @@ def test_dry_run_reads_shard_headers_only(hub, tmp_path):
     assert "model-00001-of-00001.safetensors" in res.output  # the planned output shard
 
 
-@pytest.mark.parametrize("args, names", [
-    (["MiniMaxAI/No-Such-Repo"], ["MiniMaxAI/No-Such-Repo"]),
-    ([REPO, "--revision", "no-such-tag"], [REPO, "no-such-tag"]),
-])
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["MiniMaxAI/No-Such-Repo"], ["MiniMaxAI/No-Such-Repo"]),
+        ([REPO, "--revision", "no-such-tag"], [REPO, "no-such-tag"]),
+    ],
+)
 def test_unknown_repo_or_revision(hub, tmp_path, args, names):
     """olah answers both with 401 RepoNotFound (the public hub: 404 / RevisionNotFound); either way one line
     naming the repo and the revision."""
@@ -131,19 +138,31 @@ def test_pickle_only_repo_refused_before_download(hub, tmp_path):
 
 def test_token_and_cache_dir_options(hub, tmp_path):
     repo, cache = hub.repos[REPO], tmp_path / "my-cache"
-    res = porter("convert", REPO, "--output", tmp_path / "out", "--token", "hf_porter_test",
-                 "--cache-dir", cache)
+    res = porter(
+        "convert", REPO, "--output", tmp_path / "out", "--token", "hf_porter_test", "--cache-dir", cache
+    )
     assert res.exit_code == 0, res.output
-    assert hub.gate.requests and all(r.headers.get("authorization") == "Bearer hf_porter_test"
-                                     for r in hub.gate.requests if "/MiniMaxAI/" in r.path)
+    assert hub.gate.requests and all(
+        r.headers.get("authorization") == "Bearer hf_porter_test"
+        for r in hub.gate.requests
+        if "/MiniMaxAI/" in r.path
+    )
     assert snapshot(cache, REPO, repo.main).is_dir() and not hub.cache.exists()  # HF_HOME's cache untouched
 
     doc = json.loads((tmp_path / "out" / "porter.json").read_text())
     doc["source"]["path"] = "/nonexistent/snapshot"
     (tmp_path / "out" / "porter.json").write_text(json.dumps(doc))
     hub.gate.reset()
-    res = porter("verify", tmp_path / "out", "--max-new-tokens", "0", "--token", "hf_verify_test",
-                 "--cache-dir", tmp_path / "verify-cache")
+    res = porter(
+        "verify",
+        tmp_path / "out",
+        "--max-new-tokens",
+        "0",
+        "--token",
+        "hf_verify_test",
+        "--cache-dir",
+        tmp_path / "verify-cache",
+    )
     assert res.exit_code == 0, res.output
     api = [r for r in hub.gate.requests if "/MiniMaxAI/" in r.path]
     assert api and all(r.headers.get("authorization") == "Bearer hf_verify_test" for r in api)
@@ -161,6 +180,7 @@ def test_download_cut_mid_file_is_retried_with_a_range_request(hub, tmp_path, mo
     wrote. olah ignores Range and sends the whole file (200), which the client restarts from: the same bytes
     either way. Chunks of 16 KiB (not 10 MB) so that a tiny shard has written some before the cut."""
     import huggingface_hub.constants as c
+
     monkeypatch.setattr(c, "DOWNLOAD_CHUNK_SIZE", 16384)
     repo = hub.repos[REPO]
     size = (repo.folder / SHARD).stat().st_size
@@ -206,11 +226,27 @@ def test_cli_subprocess_uses_the_environment(hub, tmp_path):
     """HF_ENDPOINT / HF_HOME from the environment, as a user's shell gives them (no patched constants)."""
     import subprocess
     import sys
+
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, "-m", "porter.cli", "-q", "convert", REPO, "--output",
-                           str(tmp_path / "out"), "--workers", "1"], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "porter.cli",
+            "-q",
+            "convert",
+            REPO,
+            "--output",
+            str(tmp_path / "out"),
+            "--workers",
+            "1",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((tmp_path / "out" / "porter.json").read_text())
     assert doc["source"]["commit"] == hub.repos[REPO].main
@@ -221,6 +257,7 @@ def test_hub_unreachable(hub, tmp_path, monkeypatch):
     """Nothing listens at HF_ENDPOINT and nothing is cached: one line saying so."""
     import huggingface_hub.constants as c
     from hub_server import free_port
+
     url = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setattr(c, "ENDPOINT", url)
     monkeypatch.setattr(c, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")

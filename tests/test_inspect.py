@@ -1,5 +1,6 @@
 """`porter inspect DIR [--json]` on artifacts (both layouts) and checkpoints: what it reports is checked
 against the manifest, the shard headers and the config, not against fixed numbers."""
+
 import json
 import shutil
 from pathlib import Path
@@ -48,15 +49,22 @@ def test_porter_artifact(arts, tiny_vendor):
     rep = report(arts / "porter")
     doc = json.loads((arts / "porter" / "porter.json").read_text())
     assert rep["kind"] == "porter artifact" and rep["layout"] == "porter"
-    assert rep["source"]["path"] == str(Path(tiny_vendor).resolve()) and rep["source"]["options"]["quantize"] == "experts"
+    assert (
+        rep["source"]["path"] == str(Path(tiny_vendor).resolve())
+        and rep["source"]["options"]["quantize"] == "experts"
+    )
     q = rep["quantization"]
     assert q["quant_method"] == "mxfp8" and q["scope"] == "experts"
-    assert q["quantized"] == {"model.layers.{l}.block_sparse_moe.experts.w13_weight": 3,
-                              "model.layers.{l}.block_sparse_moe.experts.w2_weight": 3}
+    assert q["quantized"] == {
+        "model.layers.{l}.block_sparse_moe.experts.w13_weight": 3,
+        "model.layers.{l}.block_sparse_moe.experts.w2_weight": 3,
+    }
     assert q["contract"] == {"checked": True, "both": [], "neither": [], "ok": True}
     assert rep["config"]["rotary_dim"] == {"value": 16, "from": "config:text_config.partial_rotary_factor"}
     assert rep["config"]["swiglu_beta"] == {"value": 1.0, "from": "default"}
-    assert rep["sizes"]["bytes"] == tensor_bytes(arts / "porter") and rep["sizes"]["tensors"] == len(doc["tensors"])
+    assert rep["sizes"]["bytes"] == tensor_bytes(arts / "porter") and rep["sizes"]["tensors"] == len(
+        doc["tensors"]
+    )
     errs = sorted((r["rel_fro_error"] for r in doc["tensors"].values() if "rel_fro_error" in r), reverse=True)
     assert [w["rel_fro_error"] for w in rep["worst_tensors"]] == errs[:10] and len(errs) == 6
 
@@ -67,7 +75,9 @@ def test_hf_artifact_text(arts):
     assert rep["layout"] == "hf" and rep["quantization"]["quantized_modules"] == 106
     assert rep["quantization"]["ignored_layers"][0] == "language_model.lm_head"
     assert rep["quantization"]["contract"]["ok"] and rep["quantization"]["modules_to_not_convert_equal"]
-    errs = sorted(((r["rel_fro_error"], n) for n, r in doc["tensors"].items() if "rel_fro_error" in r), reverse=True)
+    errs = sorted(
+        ((r["rel_fro_error"], n) for n, r in doc["tensors"].items() if "rel_fro_error" in r), reverse=True
+    )
     assert [(w["rel_fro_error"], w["tensor"]) for w in rep["worst_tensors"]] == errs[:10]
     code, text = run(arts / "hf")
     assert code == 0
@@ -105,7 +115,10 @@ def test_prequantized_checkpoint_layout(arts):
     shutil.copytree(arts / "hf", arts / "hf-as-checkpoint")
     (arts / "hf-as-checkpoint" / "porter.json").unlink()  # ... read without its manifest
     rep = report(arts / "hf-as-checkpoint")
-    assert rep["kind"] == "checkpoint" and rep["layout"] == "vendor checkpoint, pre-quantized (mxfp8, block [1, 32])"
+    assert (
+        rep["kind"] == "checkpoint"
+        and rep["layout"] == "vendor checkpoint, pre-quantized (mxfp8, block [1, 32])"
+    )
     assert rep["quantization"]["quantized_modules"] == 106 and rep["quantization"]["contract"]["ok"]
 
 

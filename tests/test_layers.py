@@ -13,6 +13,7 @@ functions count. The import graph has no cycle (a cycle hides behind an import i
 Also: transformers (a test-only oracle) is never imported outside tests, flashinfer only by the TRT-LLM
 backend, and nothing unpickles.
 """
+
 import ast
 from pathlib import Path
 
@@ -22,12 +23,26 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("porter", "converters", "runtime")
 
 CLI, COMMANDS, ENGINE, CONVERTERS, SOURCE, FORMAT, BASE = 6, 5, 4, 3, 2, 1, 0
-LAYER_NAMES = {CLI: "cli", COMMANDS: "commands", ENGINE: "runtime|engine", CONVERTERS: "converters",
-               SOURCE: "source", FORMAT: "format", BASE: "base"}
+LAYER_NAMES = {
+    CLI: "cli",
+    COMMANDS: "commands",
+    ENGINE: "runtime|engine",
+    CONVERTERS: "converters",
+    SOURCE: "source",
+    FORMAT: "format",
+    BASE: "base",
+}
 # packages whose members are siblings: a module of one never imports a module of another at the same layer
-SIBLINGS = {COMMANDS: ("porter.commands.convert", "porter.commands.verify", "porter.commands.inspect"),
-            ENGINE: ("runtime", "porter.engine")}
-BASE_MODULES = {"porter.errors", "porter.version", "porter.cores", "porter.devices"}  # import nothing of porter's
+SIBLINGS = {
+    COMMANDS: ("porter.commands.convert", "porter.commands.verify", "porter.commands.inspect"),
+    ENGINE: ("runtime", "porter.engine"),
+}
+BASE_MODULES = {
+    "porter.errors",
+    "porter.version",
+    "porter.cores",
+    "porter.devices",
+}  # import nothing of porter's
 FLASHINFER_MODULES = {"runtime.moe.flashinfer_trtllm"}
 
 
@@ -46,8 +61,14 @@ def layer(module: str) -> int:
         return CLI
     if module in BASE_MODULES:
         return BASE
-    for package, level in (("porter.commands", COMMANDS), ("porter.engine", ENGINE), ("runtime", ENGINE), ("converters", CONVERTERS),
-                           ("porter.source", SOURCE), ("porter.format", FORMAT)):
+    for package, level in (
+        ("porter.commands", COMMANDS),
+        ("porter.engine", ENGINE),
+        ("runtime", ENGINE),
+        ("converters", CONVERTERS),
+        ("porter.source", SOURCE),
+        ("porter.format", FORMAT),
+    ):
         if under(module, package):
             return level
     raise KeyError(f"{module}: no layer; put it in a layer's folder or add it to tests/test_layers.py")
@@ -93,8 +114,14 @@ def own(name: str) -> bool:
 
 
 def test_every_module_has_a_layer():
-    named = {"porter.cli", "porter.format.layout", "porter.source.hub", "porter.commands.inspect",
-             "converters.minimax_m3", "runtime.loader"}
+    named = {
+        "porter.cli",
+        "porter.format.layout",
+        "porter.source.hub",
+        "porter.commands.inspect",
+        "converters.minimax_m3",
+        "runtime.loader",
+    }
     assert len(MODULES) > 20 and named <= set(MODULES)
     for m in MODULES:
         layer(m)
@@ -102,12 +129,28 @@ def test_every_module_has_a_layer():
 
 def test_layer_table_examples():
     """The rule's table itself, so a slip in `layer` cannot hollow out the check below."""
-    assert layer("porter.cli") > layer("porter.commands.verify") == layer("porter.commands.convert") \
-        == layer("porter.commands.verify.exact") > layer("runtime.loader") == layer("porter.engine.run")
-    assert layer("runtime.models.minimax_m3") > layer("converters.minimax_m3") > layer("porter.source.hub") \
-        == layer("porter.source") > layer("porter.format.layout") > layer("porter.errors")
-    assert layer("porter.format.manifest") == layer("porter.format.mxfp8") \
-        == layer("porter.format.prequantized") == FORMAT
+    assert (
+        layer("porter.cli")
+        > layer("porter.commands.verify")
+        == layer("porter.commands.convert")
+        == layer("porter.commands.verify.exact")
+        > layer("runtime.loader")
+        == layer("porter.engine.run")
+    )
+    assert (
+        layer("runtime.models.minimax_m3")
+        > layer("converters.minimax_m3")
+        > layer("porter.source.hub")
+        == layer("porter.source")
+        > layer("porter.format.layout")
+        > layer("porter.errors")
+    )
+    assert (
+        layer("porter.format.manifest")
+        == layer("porter.format.mxfp8")
+        == layer("porter.format.prequantized")
+        == FORMAT
+    )
     assert sibling_of("porter.commands.verify.plot", COMMANDS) == "porter.commands.verify"
     assert sibling_of("runtime.moe", ENGINE) == "runtime" != sibling_of("porter.engine.run", ENGINE)
     with pytest.raises(KeyError):
@@ -125,8 +168,9 @@ def test_imports_follow_the_layers(module):
         theirs = layer(target)
         where = f"{MODULES[module].relative_to(ROOT)}:{line}: "
         if theirs > mine:
-            bad.append(f"{where}{LAYER_NAMES[mine]} module {module} imports "
-                       f"{LAYER_NAMES[theirs]} module {target}")
+            bad.append(
+                f"{where}{LAYER_NAMES[mine]} module {module} imports {LAYER_NAMES[theirs]} module {target}"
+            )
         elif theirs == mine and sibling_of(target, mine) not in (None, sibling_of(module, mine)):
             bad.append(f"{where}{module} imports its sibling {target}")
     assert not bad, "\n".join(bad)
@@ -139,8 +183,9 @@ def resolve(name: str) -> str:
 
 def import_graph(mods: dict) -> dict:
     """module -> the modules of porter's packages it imports (at any depth, inside functions too)."""
-    return {m: {resolve(n) for _, n in imports(m, path) if own(n) and resolve(n) != m}
-            for m, path in mods.items()}
+    return {
+        m: {resolve(n) for _, n in imports(m, path) if own(n) and resolve(n) != m} for m, path in mods.items()
+    }
 
 
 def loops(graph: dict) -> list[set]:
@@ -201,8 +246,10 @@ def test_no_import_cycles():
     """No two modules import each other, directly or around a longer loop (imports inside functions count:
     an import moved into a function to break a cycle still names the cycle)."""
     graph = import_graph(MODULES)
-    found = [f"{' -> '.join(cycle_through(graph, scc))}   (the loop's modules: {', '.join(sorted(scc))})"
-             for scc in loops(graph)]
+    found = [
+        f"{' -> '.join(cycle_through(graph, scc))}   (the loop's modules: {', '.join(sorted(scc))})"
+        for scc in loops(graph)
+    ]
     assert not found, "import cycles:\n" + "\n".join(found)
 
 
@@ -211,8 +258,9 @@ def test_the_cycle_check_finds_cycles(tmp_path):
     a diamond is not."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b", "c"}, "b": {"d"}, "c": {"d"}, "d": set()}) == []
-    (tmp_path / "mxfp8.py").write_text("from porter.errors import PorterError\n\n"
-                                       "def f():\n    from porter.format import mxfp8_native\n")
+    (tmp_path / "mxfp8.py").write_text(
+        "from porter.errors import PorterError\n\ndef f():\n    from porter.format import mxfp8_native\n"
+    )
     (tmp_path / "mxfp8_native.py").write_text("from porter.format.mxfp8 import BLOCK\n")
     quant, native = "porter.format.mxfp8", "porter.format.mxfp8_native"
     files = {quant: tmp_path / "mxfp8.py", native: tmp_path / "mxfp8_native.py"}
@@ -232,8 +280,13 @@ def test_no_oracle_no_pickle_flashinfer_only_in_its_backend(module):
             bad.append(f"{module}:{line}: imports flashinfer outside the TRT-LLM backend")
     tree = ast.parse(MODULES[module].read_text())
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "load"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "torch"
+        ):
             bad.append(f"{module}:{node.lineno}: torch.load unpickles")
         if isinstance(node, ast.keyword) and node.arg == "trust_remote_code":
             bad.append(f"{module}:{node.lineno}: trust_remote_code")
@@ -250,19 +303,34 @@ def test_the_check_catches_a_violation(tmp_path):
 
 
 def _main_guard(node) -> bool:
-    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
+    return (
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Compare)
+        and isinstance(node.test.left, ast.Name)
+        and node.test.left.id == "__name__"
+    )
 
 
-@pytest.mark.parametrize("path", sorted(p for d in ("porter", "converters", "runtime", "examples", "benchmarks", "tests")
-                                        for p in (ROOT / d).rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "path",
+    sorted(
+        p
+        for d in ("porter", "converters", "runtime", "examples", "benchmarks", "tests")
+        for p in (ROOT / d).rglob("*.py")
+    ),
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
 def test_main_block_last_and_one_name_for_tiny_checkpoint(path):
     """Nothing is defined after `if __name__ == "__main__":` (a script run would not see it), and the
     tiny checkpoint module is imported as `tiny_checkpoint` only (two names = two module objects)."""
     tree = ast.parse(path.read_text(), str(path))
     body = tree.body
     guards = [i for i, n in enumerate(body) if _main_guard(n)]
-    late = [n for i, n in enumerate(body) if guards and i > guards[0] and isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    late = [
+        n
+        for i, n in enumerate(body)
+        if guards and i > guards[0] and isinstance(n, (ast.FunctionDef, ast.ClassDef))
+    ]
     assert not late, f"{path.name}: {[n.name for n in late]} defined after the __main__ block"
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "examples.tiny_checkpoint":
@@ -277,15 +345,28 @@ def test_artifact_naming_comes_from_porter_layout(module):
     """Artifact naming has one home, porter/format/layout.py: nobody takes it from an architecture's
     converter."""
     tree = ast.parse(MODULES[module].read_text())
-    bad = [f"{module}:{n.lineno}: imports {sorted(LAYOUT_NAMES & {a.name for a in n.names})} from {n.module}"
-           for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("converters")
-           and LAYOUT_NAMES & {a.name for a in n.names}]
+    bad = [
+        f"{module}:{n.lineno}: imports {sorted(LAYOUT_NAMES & {a.name for a in n.names})} from {n.module}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom)
+        and (n.module or "").startswith("converters")
+        and LAYOUT_NAMES & {a.name for a in n.names}
+    ]
     assert not bad, "\n".join(bad)
 
 
-STANDALONE_FILES = sorted([*(p for d in ("porter", "converters", "runtime", "examples", "benchmarks", "tests")
-                             for p in (ROOT / d).rglob("*.py") if ".venv" not in p.parts),
-                           *(ROOT / "docs").glob("*.md"), ROOT / "README.md"])
+STANDALONE_FILES = sorted(
+    [
+        *(
+            p
+            for d in ("porter", "converters", "runtime", "examples", "benchmarks", "tests")
+            for p in (ROOT / d).rglob("*.py")
+            if ".venv" not in p.parts
+        ),
+        *(ROOT / "docs").glob("*.md"),
+        ROOT / "README.md",
+    ]
+)
 
 
 @pytest.mark.parametrize("path", STANDALONE_FILES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -293,6 +374,7 @@ def test_repository_stands_alone(path):
     """Code and docs point to docs/ or to upstream sources, never to files outside the repository or to
     this project's issue numbers (neither exists for someone who clones porter)."""
     import re
+
     text = path.read_text()
     this_file = Path(__file__).resolve() == path.resolve()
     for pattern in (r"\.\./shared/", r"/work/shared", r"\bissues? #\d+", r"\(#\d+\)"):

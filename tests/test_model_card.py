@@ -1,5 +1,6 @@
 """The source's model card and license travel into the artifact: LICENSE* byte for byte, README.md as the
 source's text followed by porter's section (porter.format.model_card)."""
+
 import json
 import shutil
 
@@ -30,7 +31,7 @@ def test_card_and_licenses_carried(source, tmp_path):
     assert (out / "LICENSE-MODEL.txt").read_bytes() == LICENSE[::-1]
     card = (out / "README.md").read_text(encoding="utf-8")
     assert card.startswith(CARD + "\n\n" + SECTION_TITLE + "\n")  # the original first, front matter intact
-    section = card[len(CARD):]
+    section = card[len(CARD) :]
     assert f"porter {__version__}" in section and "local checkpoint `src`" in section
     assert "quantization scope `experts`" in section and "rceil" in section and "layout `porter`" in section
     assert "`porter.json`" in section and "porter verify" in section

@@ -2,17 +2,17 @@
 and SwiGLU output, as the TRT-LLM kernel computes; docs/moe-backends.md "Serving numerics"), carried to
 every MoE layer's torch backend; bad values and impossible pairs refused in one line. The serving math
 itself is proven against the kernel emulation in tests/test_trtllm_backend.py."""
+
 from __future__ import annotations
 
 import pytest
+import runtime_fixtures as fx
 import torch
 
 import runtime
-import runtime_fixtures as fx
 from porter import convert
+from porter.errors import MoeNumericsError, PorterError
 from porter.format import mxfp8
-from porter.errors import PorterError
-from porter.errors import MoeNumericsError
 from runtime.moe import BackendUnavailable, check_numerics
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params
 from runtime.moe.torch_backend import TorchMoE
@@ -57,17 +57,23 @@ def test_backend_pairs():
     quant, routing = _small_layer()
     with pytest.raises(MoeNumericsError, match="'w8a8'"):
         TorchMoE(quant, routing, numerics="w8a8")
-    plain = MoeQuantInfo(mxfp8.dequantize(quant.w13_weight, quant.w13_weight_scale), None,
-                         mxfp8.dequantize(quant.w2_weight, quant.w2_weight_scale), None,
-                         quant.gemm1_alpha, quant.gemm1_beta, quant.gemm1_clamp_limit)
+    plain = MoeQuantInfo(
+        mxfp8.dequantize(quant.w13_weight, quant.w13_weight_scale),
+        None,
+        mxfp8.dequantize(quant.w2_weight, quant.w2_weight_scale),
+        None,
+        quant.gemm1_alpha,
+        quant.gemm1_beta,
+        quant.gemm1_clamp_limit,
+    )
     with pytest.raises(MoeNumericsError, match="unquantized"):
         TorchMoE(plain, routing, numerics="serving")
 
 
 def _small_layer(e=4, h=64, i=64):
     g = torch.Generator().manual_seed(0)
-    w13 = mxfp8.quantize(torch.randn(e, 2 * i, h, generator=g) * h ** -0.5)
-    w2 = mxfp8.quantize(torch.randn(e, h, i, generator=g) * i ** -0.5)
+    w13 = mxfp8.quantize(torch.randn(e, 2 * i, h, generator=g) * h**-0.5)
+    w2 = mxfp8.quantize(torch.randn(e, h, i, generator=g) * i**-0.5)
     quant = MoeQuantInfo(*w13, *w2, **make_swiglu_params(e, 1.702, 1.0, 7.0, "cpu"))
     return quant, MoeRouting(torch.randn(e, h, generator=g), torch.zeros(e), 2, 2.0)
 

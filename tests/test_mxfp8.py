@@ -3,6 +3,7 @@
 Tests that take `cpu_quantizer` run twice: on the torch CPU path and on the compiled C path
 (porter.format.mxfp8_native), which must give the same bytes. Every random draw uses an explicit seeded
 generator (`gen`), so each test sees the same data on every run."""
+
 import math
 
 import pytest
@@ -64,12 +65,12 @@ def ref_quantize(w: torch.Tensor, rounding="rceil"):
                 continue
             if rounding == "rceil":
                 e = math.floor(math.log2(amax / 448)) - 2
-                while 448 * 2.0 ** e < amax:
+                while 448 * 2.0**e < amax:
                     e += 1
             else:
                 e = math.floor(math.log2(amax))
                 e += 1 if 2.0 ** (e + 1) <= amax else 0
-                e -= 1 if 2.0 ** e > amax else 0
+                e -= 1 if 2.0**e > amax else 0
                 e -= 8
             byte = min(max(e + 127, 0), 254)
             s[r, b] = byte
@@ -96,12 +97,12 @@ def test_random_matches_reference(dtype, cpu_quantizer):
 def test_exact_powers_of_two_and_448_ties(cpu_quantizer):
     rows = []
     for k in (-20, -1, 0, 3, 40):
-        rows.append(torch.full((32,), 2.0 ** k))  # exact power of two
-        tie = torch.linspace(-1, 1, 32) * 448 * 2.0 ** k
-        tie[5] = 448 * 2.0 ** k  # amax/448 exactly 2^k: e = k, the block reaches exactly 448
+        rows.append(torch.full((32,), 2.0**k))  # exact power of two
+        tie = torch.linspace(-1, 1, 32) * 448 * 2.0**k
+        tie[5] = 448 * 2.0**k  # amax/448 exactly 2^k: e = k, the block reaches exactly 448
         rows.append(tie)
         above = tie.clone()
-        above[5] = torch.nextafter(torch.tensor(448 * 2.0 ** k), torch.tensor(math.inf))  # just above: e = k+1
+        above[5] = torch.nextafter(torch.tensor(448 * 2.0**k), torch.tensor(math.inf))  # just above: e = k+1
         rows.append(above)
     w = torch.stack(rows)
     q, s = assert_matches_reference(w)
@@ -128,7 +129,7 @@ def test_floor_rule_matches_reference_and_clips(seed, cpu_quantizer):
     # Block 0 of row 0: every other element below 16, so 30.4 = 1.9 * 2^4 is the block's amax whatever
     # the draw (an unclamped draw above 30.4 would change the expected value).
     w[0, :32].clamp_(-16.0, 16.0)
-    w[0, 3] = 1.9 * 2 ** 4  # mantissa above 1.75: floor clips to 448 * 2^(4-8) = 28 < 30.4
+    w[0, 3] = 1.9 * 2**4  # mantissa above 1.75: floor clips to 448 * 2^(4-8) = 28 < 30.4
     q, s = assert_matches_reference(w, "floor")
     assert int(s[0, 0]) == 127 + 4 - 8  # floor(log2 30.4) - 8
     deq = mxfp8.dequantize(q, s)
@@ -188,11 +189,14 @@ def test_e4m3_table_decode_equals_cast():
 def test_pow2_exact_over_the_whole_range():
     e = torch.arange(-149, 128)
     assert torch.equal(mxfp8.pow2(e).double(), torch.pow(2.0, e.double()))
-    assert torch.equal(mxfp8.scale_multipliers(torch.arange(255, dtype=torch.uint8)).double(),
-                       torch.pow(2.0, torch.arange(255).double() - 127))
+    assert torch.equal(
+        mxfp8.scale_multipliers(torch.arange(255, dtype=torch.uint8)).double(),
+        torch.pow(2.0, torch.arange(255).double() - 127),
+    )
 
 
 # ---- the CPU tiled path (mxfp8._quantize_cpu_tiles) against a direct implementation of the rule ----
+
 
 def direct_quantize_with_error(w: torch.Tensor, rounding: str = "rceil", keep_scale=None):
     """The rule as docs/mxfp8.md states it, step by step, with no shortcut: fp32 blocks, frexp exponent,
@@ -211,9 +215,11 @@ def direct_quantize_with_error(w: torch.Tensor, rounding: str = "rceil", keep_sc
     q = xs.clamp(-448, 448).to(torch.float8_e4m3fn)  # saturated
     d = xs - q.float()
     step = torch.pow(2.0, byte.double() - 127)
-    stats = {"err_sq": float(((d * d).sum(-1).double() * step * step).sum()),
-             "ref_sq": float((x * x).sum(-1).double().sum()),
-             "max_abs_error": float((d.abs().amax(-1).double() * step).max())}
+    stats = {
+        "err_sq": float(((d * d).sum(-1).double() * step * step).sum()),
+        "ref_sq": float((x * x).sum(-1).double().sum()),
+        "max_abs_error": float((d.abs().amax(-1).double() * step).max()),
+    }
     return q.reshape(w.shape), byte.to(torch.uint8), stats
 
 
@@ -226,8 +232,8 @@ def awkward_weights(dtype: torch.dtype, seed: int, extreme: bool) -> torch.Tenso
     w.view(-1)[torch.randint(0, w.numel(), (500,), generator=g)] = 0.0
     w[0, :32] = 0.0
     w[0, 32:64] = -0.0
-    w[1, :32] = torch.linspace(-1, 1, 32) * 2.0 ** -14  # all e4m3 subnormals after scaling by some blocks
-    w[2, 64:96] = 448 * 2.0 ** -3 * (torch.arange(32) % 16) / 15  # ties and exact grid points
+    w[1, :32] = torch.linspace(-1, 1, 32) * 2.0**-14  # all e4m3 subnormals after scaling by some blocks
+    w[2, 64:96] = 448 * 2.0**-3 * (torch.arange(32) % 16) / 15  # ties and exact grid points
     if extreme and dtype != torch.float16:
         w[3, :32] = 1e-40  # fp32/bf16 subnormal
         w[3, 32:64] = torch.randn(32, generator=g) * 1e-38
@@ -253,7 +259,11 @@ def assert_same(got, want):
         if native and k != "max_abs_error" and e[k] != e_ref[k]:
             assert abs(e[k] - e_ref[k]) <= SUM_ORDER_REL * abs(e_ref[k]), (k, e[k], e_ref[k])
         else:  # identical numbers, not merely close
-            assert e[k] == e_ref[k] and math.copysign(1, e[k]) == math.copysign(1, e_ref[k]), (k, e[k], e_ref[k])
+            assert e[k] == e_ref[k] and math.copysign(1, e[k]) == math.copysign(1, e_ref[k]), (
+                k,
+                e[k],
+                e_ref[k],
+            )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -293,7 +303,7 @@ def test_cpu_tiles_take_the_shortcuts_on_ordinary_weights(monkeypatch, torch_qua
     w[3, :32] = 0.0
     assert_same(mxfp8.quantize_with_error(w), direct_quantize_with_error(w))
     assert general == []
-    w[5, 7] = 2.0 ** 70
+    w[5, 7] = 2.0**70
     assert_same(mxfp8.quantize_with_error(w), direct_quantize_with_error(w))
     assert general == [1]
 
@@ -325,6 +335,7 @@ def test_cpu_tiles_refuse_nan_and_inf(dtype, cpu_quantizer):
 def test_cpu_tiles_thread_local_buffers(cpu_quantizer):
     """Conversion workers quantize concurrently: each thread has its own tile buffers."""
     from concurrent.futures import ThreadPoolExecutor
+
     ws = [(torch.randn(96, 1024, generator=gen(i)) * 10.0 ** (i - 4)).bfloat16() for i in range(8)]
     want = [mxfp8.quantize_with_error(w) for w in ws]
     with ThreadPoolExecutor(4) as pool:
@@ -338,7 +349,11 @@ def test_scale_field_bits_equal_frexp_rule():
     fp32 exponent with the mantissas around the 1.75 boundary."""
     bf16 = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
     mant_bits = torch.tensor([0, 1, 0x5FFFFF, 0x600000, 0x600001, 0x7FFFFF], dtype=torch.int32)
-    fp32 = ((torch.arange(255, dtype=torch.int32) << 23).unsqueeze(1) | mant_bits).reshape(-1).view(torch.float32)
+    fp32 = (
+        ((torch.arange(255, dtype=torch.int32) << 23).unsqueeze(1) | mant_bits)
+        .reshape(-1)
+        .view(torch.float32)
+    )
     fp32 = torch.cat([fp32, torch.rand(100000, generator=gen()) * torch.logspace(-45, 38, 100000)])
     for amax in (bf16, fp32):
         for rounding in ("rceil", "floor"):
@@ -355,7 +370,7 @@ def test_sqrt_of_square_is_exact_for_bf16_and_fp16():
     for dtype, top in ((torch.bfloat16, 0x7F80), (torch.float16, 0x7C00)):
         x = torch.arange(0, top, dtype=torch.int32).to(torch.int16).view(dtype).float()
         sq = x * x
-        ok = (sq >= 2.0 ** -126) & torch.isfinite(sq)
+        ok = (sq >= 2.0**-126) & torch.isfinite(sq)
         assert torch.equal(sq[ok].sqrt(), x[ok])
         assert dtype == torch.bfloat16 or bool(ok[1:].all())  # every fp16 magnitude is in range
 
@@ -375,17 +390,21 @@ def test_error_totals_steps_for_every_byte():
     stats = mxfp8._error_totals(ones, ones, ones, byte, "cpu")
     step = torch.pow(2.0, torch.arange(255, dtype=torch.float64) - 127)
     assert float(stats["err_sq"]) == float((step * step).sum())
-    assert float(stats["max_abs_error"]) == 2.0 ** 127 and float(stats["ref_sq"]) == 255.0
+    assert float(stats["max_abs_error"]) == 2.0**127 and float(stats["ref_sq"]) == 255.0
     for b in (0, 1, 126, 127, 128, 254):
-        one = mxfp8._error_totals(ones[:1], ones[:1], ones[:1] * 3, byte[b:b + 1], "cpu")
-        assert float(one["err_sq"]) == 4.0 ** (b - 127) and float(one["max_abs_error"]) == 3 * 2.0 ** (b - 127)
+        one = mxfp8._error_totals(ones[:1], ones[:1], ones[:1] * 3, byte[b : b + 1], "cpu")
+        assert float(one["err_sq"]) == 4.0 ** (b - 127) and float(one["max_abs_error"]) == 3 * 2.0 ** (
+            b - 127
+        )
 
 
 def test_floor_error_statistics_include_clipping():
     """Under floor a block whose largest value exceeds 448 * 2^e is clipped; the recorded error is that of
     W - deq(Q), clipping included (the CPU tile path and the reference path alike)."""
     w = torch.ones(2, 64)
-    w[:, 0] = 30.4  # floor: e = floor(log2 30.4) - 8 = -4, 30.4 * 16 = 486.4 > 448: clipped to 448 * 2^-4 = 28
+    w[:, 0] = (
+        30.4  # floor: e = floor(log2 30.4) - 8 = -4, 30.4 * 16 = 486.4 > 448: clipped to 448 * 2^-4 = 28
+    )
     for x in (w, w.double()):  # float32 takes the tile path, float64 the reference path
         q, s, err = mxfp8.quantize_with_error(x, "floor")
         deq = mxfp8.dequantize(q, s)

@@ -4,6 +4,7 @@ forms written here (hand-computed blocks) and against FlashInfer's reference bit
 fl(amax / 448), +1 when a mantissa bit is set, fp32-subnormal case, <= 254, 0 for zero; inverse scale 0
 for byte 0). docs/moe-backends.md, "Serving numerics". The engines' own torch quantizers are compared in
 tests/engines/test_activation_quant.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,14 +25,17 @@ def codes(q):
 
 
 def test_hand_computed_blocks():
-    rows = torch.tensor([
-        block(1.0, -3.0, 0.1, 1344.0),  # amax 1344 = 3 * 448 -> scale 4 = 2^2: byte 129; 336 ties to 320
-        block(fill=0.5),                # 0.5 / 448 -> 2^-9 (2^-9.81 rounded up): byte 118, 0.5 * 2^9 = 256
-        block(448.0, -1.0),             # amax exactly 448 * 2^0: byte 127, reaches 448 (no clipping)
-        block(449.0),                   # just above: byte 128, 224.5 -> 224
-        block(-448.0 * 32),             # -448 * 2^5: byte 132, code -448
-        block(),                        # all zero: byte 0, zero codes
-    ], dtype=torch.float32)  # [6, 32]
+    rows = torch.tensor(
+        [
+            block(1.0, -3.0, 0.1, 1344.0),  # amax 1344 = 3 * 448 -> scale 4 = 2^2: byte 129; 336 ties to 320
+            block(fill=0.5),  # 0.5 / 448 -> 2^-9 (2^-9.81 rounded up): byte 118, 0.5 * 2^9 = 256
+            block(448.0, -1.0),  # amax exactly 448 * 2^0: byte 127, reaches 448 (no clipping)
+            block(449.0),  # just above: byte 128, 224.5 -> 224
+            block(-448.0 * 32),  # -448 * 2^5: byte 132, code -448
+            block(),  # all zero: byte 0, zero codes
+        ],
+        dtype=torch.float32,
+    )  # [6, 32]
     q, s = mxfp8.quantize_activations(rows.reshape(2, 96))  # two tokens of H = 96: token-major [2, 3]
     assert s.dtype == torch.uint8 and s.shape == (2, 3) and q.dtype == torch.float8_e4m3fn
     assert s.reshape(-1).tolist() == [129, 118, 127, 128, 132, 0]
@@ -48,7 +52,7 @@ def test_hand_computed_blocks():
 
 def test_e4m3_subnormal_elements_round_to_nearest_even():
     # amax 448 -> byte 127 (scale 1): elements are cast as they are; e4m3 subnormals are multiples of 2^-9
-    x = torch.tensor([block(448.0, 2.0 ** -9, 2.0 ** -10, 1.5 * 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -11)])
+    x = torch.tensor([block(448.0, 2.0**-9, 2.0**-10, 1.5 * 2.0**-10, 3 * 2.0**-10, 2.0**-11)])
     q, s = mxfp8.quantize_activations(x)
     assert s.tolist() == [[127]]
     # 2^-10 is the tie between 0 and 2^-9 (even: 0); 3 * 2^-10 the tie between codes 1 and 2 (even: 2)
@@ -58,8 +62,8 @@ def test_e4m3_subnormal_elements_round_to_nearest_even():
 def test_tiny_blocks_flush_to_zero_unlike_the_weight_rule():
     """Byte 0 (amax <= 448 * 2^-127): FlashInfer's inverse scale is 0, so the elements are 0; the weight
     rule (quantize) scales by 2^127 instead. Byte 1 and above are the same in both."""
-    edge = 448.0 * 2.0 ** -127  # = 1.75 * 2^-118, a normal fp32 (and bf16) value
-    x = torch.tensor([block(edge, -edge / 2), block(2.0 ** -117, 2.0 ** -118)])
+    edge = 448.0 * 2.0**-127  # = 1.75 * 2^-118, a normal fp32 (and bf16) value
+    x = torch.tensor([block(edge, -edge / 2), block(2.0**-117, 2.0**-118)])
     q, s = mxfp8.quantize_activations(x.reshape(1, 64))
     assert s.tolist() == [[0, 2]]  # 2^-117 / 448 = 2^-125.8 -> 2^-125: byte 2
     c = codes(q).reshape(2, 32)
@@ -117,7 +121,7 @@ def test_scale_byte_equals_flashinfer_rule_for_every_bf16_amax():
 def test_scale_byte_equals_flashinfer_rule_near_every_fp32_tie():
     """fp32 amax within 300 ulps of 448 * 2^k for every k with a normal amax, where a rounded amax / 448
     could pick a different power of two than the exact rule (amax / 448 is an fp32 subnormal for k < -126)."""
-    ties = torch.tensor([448.0 * 2.0 ** k for k in range(-134, 119)]).view(torch.int32)  # [253]
+    ties = torch.tensor([448.0 * 2.0**k for k in range(-134, 119)]).view(torch.int32)  # [253]
     amax = (ties[:, None] + torch.arange(-300, 301, dtype=torch.int32)).reshape(-1).view(torch.float32)
     _, s = mxfp8.quantize_activations(_amax_blocks(amax, torch.float32))
     for by_reciprocal in (False, True):

@@ -2,11 +2,11 @@
 porter.format.mxfp8's torch CPU path: the same bytes for every bf16 value under every scale that can reach it,
 both roundings; how it is built, cached and given up on. tests/test_mxfp8.py runs the rule tests on both
 paths."""
-import math
 
-import pytest
+import math
 import shutil
 
+import pytest
 import torch
 
 from porter.format import mxfp8, mxfp8_native
@@ -33,7 +33,7 @@ def every_bf16_under_every_scale() -> torch.Tensor:
     rows = []
     for amax_exp in range(-133, 128, 4):  # the block amax: 2^amax_exp * 1.0, 1.5 (rceil's two cases)
         for mant in (1.0, 1.5, 1.75, 1.875):
-            amax = mant * 2.0 ** amax_exp
+            amax = mant * 2.0**amax_exp
             if not math.isfinite(amax) or amax > 3.3e38:
                 continue
             v = finite[finite.abs() <= amax]

@@ -2,6 +2,7 @@
 --force removes only what porter wrote, free space is checked up front, a full disk leaves the output
 resumable, and one run at a time writes an output folder (a flock held by real processes here).
 """
+
 import errno
 import hashlib
 import json
@@ -19,9 +20,9 @@ import pytest
 from click.testing import CliRunner
 
 import porter
-from porter.format import manifest
-from porter.engine import output_guard
 from porter.cli import main as cli
+from porter.engine import output_guard
+from porter.format import manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 INDEX = "model.safetensors.index.json"
@@ -30,8 +31,23 @@ SHARD_CAP = "300KB"  # several shards from the tiny checkpoint
 
 
 def convert_cli(src, out, *extra):
-    return CliRunner().invoke(cli, ["convert", str(src), "--output", str(out), "-q", "--device", "cpu",
-                                    "--max-shard-size", SHARD_CAP, "--workers", "2", *map(str, extra)])
+    return CliRunner().invoke(
+        cli,
+        [
+            "convert",
+            str(src),
+            "--output",
+            str(out),
+            "-q",
+            "--device",
+            "cpu",
+            "--max-shard-size",
+            SHARD_CAP,
+            "--workers",
+            "2",
+            *map(str, extra),
+        ],
+    )
 
 
 def one_error_line(res, *names) -> str:
@@ -46,8 +62,11 @@ def one_error_line(res, *names) -> str:
 
 def hashes(d: Path) -> dict:
     """sha256 of every file under d (relative path -> digest)."""
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file()
+    }
 
 
 def artifact_bytes(d: Path) -> dict:
@@ -88,11 +107,16 @@ def test_output_overlapping_the_source_is_refused(src, tmp_path, where, flags):
     if where == "symlink":
         (tmp_path / "link").symlink_to(src)
         before = hashes(tmp_path)
-    out = {"same": src, "inside": src / "converted", "contains": tmp_path,
-           "symlink": tmp_path / "link"}[where]
+    out = {"same": src, "inside": src / "converted", "contains": tmp_path, "symlink": tmp_path / "link"}[
+        where
+    ]
     line = one_error_line(convert_cli(src, out, *flags), out, "give an output folder apart from the source")
-    assert {"same": "is the source", "inside": "is inside", "contains": "contains",
-            "symlink": "is the source"}[where] in line
+    assert {
+        "same": "is the source",
+        "inside": "is inside",
+        "contains": "contains",
+        "symlink": "is the source",
+    }[where] in line
     assert hashes(tmp_path) == before  # every shard, config, index and tokenizer file byte-identical
     assert not (src / "converted").exists() and not (src / output_guard.LOCK_NAME).exists()
 
@@ -238,8 +262,12 @@ porter.convert(sys.argv[2], sys.argv[1], max_shard_size="300KB", progress=False,
 
 def start(script: str, *args) -> subprocess.Popen:
     code = textwrap.dedent(script).format(root=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-c", code, *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline().strip()  # blocks until the child holds the lock (or dies)
     assert line in ("locked", "inside"), proc.stderr.read()
     return proc
@@ -289,6 +317,7 @@ def test_lock_holder_is_named_and_a_killed_holder_is_recovered(tiny_vendor, clea
 def test_lock_file_is_no_shard_and_verify_inspect_accept_it(clean, tmp_path):
     """A stale lock (its run was killed after the index) changes neither inspect nor the integrity check."""
     from porter.commands.verify.integrity import check_integrity
+
     out = Path(shutil.copytree(clean, tmp_path / "out"))
     (out / output_guard.LOCK_NAME).write_text("12345 somehost\n")
     res = CliRunner().invoke(cli, ["inspect", str(out), "--json"])

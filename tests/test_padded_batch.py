@@ -3,13 +3,14 @@ positions, a position-indexed KV cache) give each row what it gives alone — lo
 and the lightning indexer's block selections — on the tiny checkpoint (4 layers, 3 sparse; index block 4,
 top-2 -> a row runs sparse past 8 keys). Also the static-shape decode attention against plain masked
 attention."""
+
 from __future__ import annotations
 
 import pytest
+import runtime_fixtures as fx
 import torch
 
 import runtime
-import runtime_fixtures as fx
 from runtime.kernels.attention import decode_attention, decode_attention_reference
 from runtime.models.layers import gqa_attention, keep_mask
 
@@ -43,7 +44,7 @@ def test_padded_logits_equal_each_prompt_alone(model):
         got = model(ids, cache, attention_mask=mask)
         assert got.shape == (len(prompts), T, fx.TINY_TEXT["vocab_size"])
         for b, p in enumerate(prompts):
-            err = fx.rel(got[b, T - len(p):], alone[b][0])
+            err = fx.rel(got[b, T - len(p) :], alone[b][0])
             assert err <= EXACT, (b, len(p), err)
         # the indexer honours the mask: the batch drops exactly the blocks the rows drop alone
         assert _excluded(model) == [sum(e) for e in zip(*excluded)]
@@ -63,8 +64,8 @@ def test_padded_generate_equals_each_prompt_alone(model):
     out = model.generate(ids, max_new_tokens=n_new, attention_mask=mask)
     assert out.shape == (len(prompts), ids.shape[1] + n_new)
     for b, p in enumerate(prompts):
-        want = model.generate(p[None], max_new_tokens=n_new)[0, len(p):]
-        assert torch.equal(out[b, ids.shape[1]:], want), b
+        want = model.generate(p[None], max_new_tokens=n_new)[0, len(p) :]
+        assert torch.equal(out[b, ids.shape[1] :], want), b
 
 
 def test_padded_decode_steps_match_recomputation(model):
@@ -103,21 +104,22 @@ def test_decode_attention_reads_only_its_keys(sparse):
     nblk = s_max // block
     blocks = None
     if sparse:  # 3 distinct picks per (row, kv head), own block included; row 0 has an unused entry (nblk)
-        blocks = torch.tensor([[[1, 0, nblk], [0, 1, nblk]],
-                               [[9, 2, 5], [9, 0, 7]],
-                               [[15, 2, 14], [3, 15, 0]]])
+        blocks = torch.tensor(
+            [[[1, 0, nblk], [0, 1, nblk]], [[9, 2, 5], [9, 0, 7]], [[15, 2, 14], [3, 15, 0]]]
+        )
     want = _masked_reference(q, k, v, pos, s_max, blocks, block, 0.25)
     got = decode_attention(q, k, v, pos, s_max, blocks, block, 0.25)
     assert fx.rel(got, want) <= EXACT
     # keys past each row's position do not matter (they hold junk in a static cache)
     k2, v2 = k.clone(), v.clone()
     for b, p in enumerate(pos.tolist()):
-        k2[b, :, p + 1:], v2[b, :, p + 1:] = 1e4, -1e4
+        k2[b, :, p + 1 :], v2[b, :, p + 1 :] = 1e4, -1e4
     assert fx.rel(decode_attention_reference(q, k2, v2, pos, s_max, blocks, block, 0.25), want) <= EXACT
 
 
 def test_cuda_graph_decoding_needs_cuda_devices(model):
     from runtime.graph import DecodeGraph
+
     with pytest.raises(ValueError, match="need every layer on a CUDA device"):
         DecodeGraph(model, model.new_cache(1, 8))
     with pytest.raises(ValueError, match="need every layer on a CUDA device"):

@@ -1,5 +1,6 @@
 """The journal write of a finished shard (a file write with fsync) runs outside the shard writer's lock: another
 thread can take that lock while it runs, so workers do not stall behind each shard's fsync."""
+
 import threading
 
 import porter
@@ -23,14 +24,17 @@ def test_journal_is_written_outside_the_pipeline_lock(tiny_vendor, tmp_path, mon
                 got.append(engines[-1].writer.lock.acquire(timeout=2))
                 if got[0]:
                     engines[-1].writer.lock.release()
+
             probe = threading.Thread(target=take)
             probe.start()
             probe.join()
             free.append(got[0])
         real_write(out, journal)
+
     monkeypatch.setattr(pp.Pipeline, "__init__", init)
     monkeypatch.setattr(conversion, "_write_journal", write)
-    out = porter.convert(tiny_vendor, tmp_path / "out", max_shard_size="300KB", progress=False, workers=3,
-                         device="cpu")
+    out = porter.convert(
+        tiny_vendor, tmp_path / "out", max_shard_size="300KB", progress=False, workers=3, device="cpu"
+    )
     assert out["shards"] > 1 and len(free) == out["shards"], (out["shards"], free)
     assert all(free), free

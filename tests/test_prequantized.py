@@ -1,6 +1,7 @@
 """Pre-quantized sources: the vendor MXFP8 release layout (quant_method mxfp8, U8 weight_scale_inv) and
 block-FP8 checkpoints (quant_method fp8, fp32 weight_scale_inv [ceil(N/128), ceil(K/128)]), dequantized and
 requantized tensor by tensor; unknown quantization refused. Checkpoints are built in code from the tiny one."""
+
 import json
 import re
 import shutil
@@ -10,25 +11,32 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
+from tensor_checks import cuda_quantize_path_on_cpu, load_all, same_bytes
 
 import converters
 import porter
-from porter.format import mxfp8
 from porter.cli import main as cli
 from porter.format import mxfp8
 from porter.format.layout import scale_name
-from tensor_checks import cuda_quantize_path_on_cpu, load_all, same_bytes
 
 arch = converters.get("minimax_m3_vl")  # the MiniMax-M3 converter
 
 # the linears the vendor MXFP8 release quantizes (scope "all" + routed experts), vendor names
-VENDOR_QUANTIZED = re.compile(r"^language_model\.model\.layers\.\d+\.(self_attn\.(q|k|v|o|index_q|index_k)_proj|"
-                              r"mlp\.(gate|up|down)_proj|block_sparse_moe\.(shared_experts\.\w+_proj|experts\.\d+\.w[123]))"
-                              r"\.weight$")
+VENDOR_QUANTIZED = re.compile(
+    r"^language_model\.model\.layers\.\d+\.(self_attn\.(q|k|v|o|index_q|index_k)_proj|"
+    r"mlp\.(gate|up|down)_proj|block_sparse_moe\.(shared_experts\.\w+_proj|experts\.\d+\.w[123]))"
+    r"\.weight$"
+)
 
 
-def requantized_checkpoint(bf16_dir: Path, out: Path, quantize_one, qconfig: dict, where: str = "top",
-                           quantized: re.Pattern = VENDOR_QUANTIZED) -> Path:
+def requantized_checkpoint(
+    bf16_dir: Path,
+    out: Path,
+    quantize_one,
+    qconfig: dict,
+    where: str = "top",
+    quantized: re.Pattern = VENDOR_QUANTIZED,
+) -> Path:
     """A copy of the bf16 checkpoint whose linears named by `quantized` (default: the vendor scope) are stored
     quantized: quantize_one(w) -> (F8_E4M3 values, scale_inv)."""
     out.mkdir(parents=True)
@@ -73,16 +81,27 @@ def fp8_block128(w):
     q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
     for i in range(sn):
         for j in range(sk):
-            tile = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float()
+            tile = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].float()
             s = float(tile.abs().max()) / 448.0 or 1.0
             scale[i, j] = s
-            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (tile / s).to(torch.float8_e4m3fn)
+            q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = (tile / s).to(torch.float8_e4m3fn)
     return q, scale
 
 
-MXFP8_CONFIG = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32],
-                "fmt": "e4m3", "scale_fmt": "ue8m0", "ignored_layers": ["language_model.lm_head"]}
-FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+MXFP8_CONFIG = {
+    "quant_method": "mxfp8",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [1, 32],
+    "fmt": "e4m3",
+    "scale_fmt": "ue8m0",
+    "ignored_layers": ["language_model.lm_head"],
+}
+FP8_CONFIG = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "weight_block_size": [128, 128],
+}
 
 
 def source_values(src: dict, name: str, dequant) -> torch.Tensor:
@@ -95,7 +114,9 @@ def porter_name(vendor: str) -> str:
 
 def stacked_expert_value(out: dict, vendor: str) -> torch.Tensor:
     """Dequantized row block of a vendor expert weight inside porter's stacked tensors."""
-    m = re.match(r"language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", vendor)
+    m = re.match(
+        r"language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", vendor
+    )
     layer, e, w = int(m.group(1)), int(m.group(2)), m.group(3)
     name = arch.experts_w2_name(layer) if w == "w2" else arch.experts_w13_name(layer)
     full = mxfp8.dequantize(out[name][e], out[name + "_scale"][e])
@@ -132,7 +153,9 @@ def test_mxfp8_source_unquantized_outputs_are_exact_bf16(tiny_vendor, tmp_path):
     src, out = load_all(src_dir), load_all(tmp_path / "out")
     name = "language_model.model.layers.1.self_attn.index_q_proj.weight"
     got = out[porter_name(name)]
-    assert got.dtype == torch.bfloat16 and torch.equal(got.float(), source_values(src, name, mxfp8.dequantize))
+    assert got.dtype == torch.bfloat16 and torch.equal(
+        got.float(), source_values(src, name, mxfp8.dequantize)
+    )
     assert scale_name(porter_name(name)) not in out
 
 
@@ -144,7 +167,9 @@ def kept_source_bytes(src: dict, out: dict) -> int:
         if not VENDOR_QUANTIZED.match(name):
             continue
         q, s = src[name], src[name[: -len("weight")] + "weight_scale_inv"]
-        m = re.match(r"language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", name)
+        m = re.match(
+            r"language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", name
+        )
         if m:
             layer, e, w = int(m.group(1)), int(m.group(2)), m.group(3)
             c = arch.experts_w2_name(layer) if w == "w2" else arch.experts_w13_name(layer)
@@ -179,8 +204,11 @@ def test_mxfp8_scale_bytes_kept_with_many_units_in_flight(tiny_vendor, tmp_path,
                 else:
                     t.read_expert_rows = lambda read, e, f=t.read_expert_rows: [p.clone() for p in f(read, e)]
             return out
+
         monkeypatch.setattr(arch, "plan_tensors", copying_plan)
-    porter.convert(src_dir, tmp_path / "out", quantize="all", max_shard_size="64KB", workers=4, progress=False)
+    porter.convert(
+        src_dir, tmp_path / "out", quantize="all", max_shard_size="64KB", workers=4, progress=False
+    )
     assert len(list((tmp_path / "out").glob("*.safetensors"))) > 10
     src, out = load_all(src_dir), load_all(tmp_path / "out")
     assert kept_source_bytes(src, out) == 3 * 8 * 3 + 3 * 3 + 3 + 4 * 4 + 3 * 2
@@ -203,8 +231,10 @@ def test_hf_output_converts_back_to_identical_porter_bytes(tiny_vendor, tmp_path
     hf, hf2 = load_all(tmp_path / "hf"), load_all(tmp_path / "hf2")
     assert set(hf) == set(hf2) and all(same_bytes(hf[n], hf2[n]) for n in hf)
     cfg = json.loads((tmp_path / "hf2" / "config.json").read_text())
-    assert cfg["quantization_config"]["ignored_layers"] == json.loads(
-        (tmp_path / "hf" / "config.json").read_text())["quantization_config"]["ignored_layers"]
+    assert (
+        cfg["quantization_config"]["ignored_layers"]
+        == json.loads((tmp_path / "hf" / "config.json").read_text())["quantization_config"]["ignored_layers"]
+    )
 
 
 def test_dequantize_fp8_block_partial_tiles():
@@ -226,8 +256,10 @@ def test_fp8_block128_source(tiny_vendor, tmp_path, where):
     src_dir = requantized_checkpoint(tiny_vendor, tmp_path / "fp8", fp8_block128, FP8_CONFIG, where)
     porter.convert(src_dir, tmp_path / "out", quantize="all", progress=False)
     src, out = load_all(src_dir), load_all(tmp_path / "out")
-    for name in ("language_model.model.layers.0.self_attn.q_proj.weight",
-                 "language_model.model.layers.2.block_sparse_moe.shared_experts.down_proj.weight"):
+    for name in (
+        "language_model.model.layers.0.self_attn.q_proj.weight",
+        "language_model.model.layers.2.block_sparse_moe.shared_experts.down_proj.weight",
+    ):
         deq = mxfp8.dequantize_fp8_block(src[name], src[name[:-6] + "weight_scale_inv"], (128, 128))
         c = porter_name(name)
         q, s = mxfp8.quantize(deq.bfloat16())  # dequantized once to bf16, then porter's MXFP8 rule
@@ -239,12 +271,18 @@ def test_fp8_block128_source(tiny_vendor, tmp_path, where):
     assert float((stacked_expert_value(out, name) - deq).norm() / deq.norm()) < 0.05
 
 
-@pytest.mark.parametrize("qconfig, match", [
-    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8 without a \\[bn, bk\\] weight_block_size"),
-    ({"quant_method": "mxfp8", "activation_scheme": "static"}, "activation_scheme 'static'"),
-    ({"quant_method": "mxfp8", "weight_block_size": [1, 16]}, "MXFP8 blocks are \\[1, 32\\]"),
-])
+@pytest.mark.parametrize(
+    "qconfig, match",
+    [
+        ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
+        (
+            {"quant_method": "fp8", "activation_scheme": "dynamic"},
+            "fp8 without a \\[bn, bk\\] weight_block_size",
+        ),
+        ({"quant_method": "mxfp8", "activation_scheme": "static"}, "activation_scheme 'static'"),
+        ({"quant_method": "mxfp8", "weight_block_size": [1, 16]}, "MXFP8 blocks are \\[1, 32\\]"),
+    ],
+)
 def test_unknown_quantization_refused_with_one_line(tiny_vendor, tmp_path, qconfig, match):
     src_dir = tmp_path / "src"
     shutil.copytree(tiny_vendor, src_dir)
@@ -280,7 +318,7 @@ def test_rceil_requantization_of_mxfp8_values_is_lossless_and_keep_scale_is_iden
     bytes (keep_scale), and that is the identity."""
     g = torch.Generator().manual_seed(7)
     w = torch.randn(256, 512, generator=g) * torch.logspace(-3, 3, 512)  # blocks over many magnitudes
-    w[0, :32] = 229.0 * 2.0 ** -3  # amax/2^e = 229 with e = -3: rounds down to 224, the byte-changing case
+    w[0, :32] = 229.0 * 2.0**-3  # amax/2^e = 229 with e = -3: rounds down to 224, the byte-changing case
     moved = 0
     for rule in ("rceil", "floor"):
         q, s = mxfp8.quantize(w, rule)
@@ -300,4 +338,9 @@ def test_porter_layout_artifact_as_source_refused(tiny_vendor, tmp_path):
     porter.convert(tiny_vendor, tmp_path / "art", progress=False)
     res = CliRunner().invoke(cli, ["convert", str(tmp_path / "art"), "--output", str(tmp_path / "o")])
     lines = res.output.strip().splitlines()
-    assert res.exit_code == 2 and len(lines) == 1 and "porter-layout artifact" in lines[0] and "--layout hf" in lines[0]
+    assert (
+        res.exit_code == 2
+        and len(lines) == 1
+        and "porter-layout artifact" in lines[0]
+        and "--layout hf" in lines[0]
+    )

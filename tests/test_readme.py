@@ -4,6 +4,7 @@ The blocks run in a subprocess each, in a tmp dir that holds what quick-start co
 checkpoint at out/tiny-m3 (examples/tiny_checkpoint.py) and its conversion at out/tiny-m3-mxfp8 (the CLI).
 A block whose first line is `# GPU` (device="cuda", device_map) runs only under `pytest -m gpu`.
 """
+
 import os
 import re
 import subprocess
@@ -27,8 +28,9 @@ def _env() -> dict:
 
 
 def _run(args: list, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,9 @@ def test_gpu_blocks_are_marked():
 @pytest.mark.parametrize("index", [i for i, b in enumerate(BLOCKS) if not _is_gpu(b)])
 def test_python_block_runs(quickstart, index):
     done = _run(["-c", BLOCKS[index]], quickstart)
-    assert done.returncode == 0, f"README python block {index} failed:\n{BLOCKS[index]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, (
+        f"README python block {index} failed:\n{BLOCKS[index]}\n{done.stderr[-3000:]}"
+    )
 
 
 @pytest.mark.gpu
@@ -72,12 +76,25 @@ def test_gpu_python_blocks_run(quickstart):
     """Every `# GPU` block (none today: the README's examples run on the CPU)."""
     for index in [i for i, b in enumerate(BLOCKS) if _is_gpu(b)]:
         done = _run(["-c", BLOCKS[index]], quickstart)
-        assert done.returncode == 0, f"README GPU block {index} failed:\n{BLOCKS[index]}\n{done.stderr[-3000:]}"
+        assert done.returncode == 0, (
+            f"README GPU block {index} failed:\n{BLOCKS[index]}\n{done.stderr[-3000:]}"
+        )
 
 
 def test_generate_command_prints_text_then_rate(quickstart):
-    done = _run(["-m", "porter.cli", "generate", "out/tiny-m3-mxfp8", "--prompt", "The capital of France is",
-                 "--max-new-tokens", "20"], quickstart)
+    done = _run(
+        [
+            "-m",
+            "porter.cli",
+            "generate",
+            "out/tiny-m3-mxfp8",
+            "--prompt",
+            "The capital of France is",
+            "--max-new-tokens",
+            "20",
+        ],
+        quickstart,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.endswith("\n") and len(done.stdout) > 1
     assert re.search(r"^20 tokens in [0-9.]+ s: [0-9.]+ tokens/s", done.stderr, flags=re.M), done.stderr
@@ -97,7 +114,9 @@ def test_links_and_anchors_resolve():
         file = ROOT / path if path else README
         assert file.exists(), f"README links to {target}: {file} does not exist"
         if anchor:
-            assert anchor in _anchors(file.read_text(encoding="utf-8")), f"README links to {target}: no heading"
+            assert anchor in _anchors(file.read_text(encoding="utf-8")), (
+                f"README links to {target}: no heading"
+            )
 
 
 def test_named_repo_paths_exist():

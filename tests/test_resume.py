@@ -5,6 +5,7 @@ every conversion path calls through the module) raises on its last call, so ever
 call can finish and be recorded in the journal. Work is counted in quantized elements, which does not
 depend on how the conversion cuts tensors into calls.
 """
+
 import hashlib
 import json
 import math
@@ -13,11 +14,11 @@ import threading
 
 import pytest
 from click.testing import CliRunner
+from tensor_checks import shard_digests
 
 import porter
 from porter.cli import main as cli
 from porter.format import mxfp8
-from tensor_checks import shard_digests
 
 SHARD_CAP = "300KB"  # the tiny checkpoint makes several shards at this cap
 JOURNAL = ".porter-journal.json"
@@ -86,8 +87,11 @@ def elements_to_redo(man: dict, done: set) -> int:
     """Elements a resume must quantize: every quantized tensor whose weight or scale lies in a shard that
     is not done (a scale needs the whole tensor quantized again)."""
     tensors = man["tensors"]
-    return sum(math.prod(rec["shape"]) for name, rec in tensors.items()
-               if rec.get("scale") and (rec["shard"] not in done or tensors[rec["scale"]]["shard"] not in done))
+    return sum(
+        math.prod(rec["shape"])
+        for name, rec in tensors.items()
+        if rec.get("scale") and (rec["shard"] not in done or tensors[rec["scale"]]["shard"] not in done)
+    )
 
 
 def assert_same_artifact(out, ref_out, ref_man):
@@ -117,7 +121,9 @@ def test_finished_shard_with_wrong_digest_is_rewritten(tiny_vendor, reference, c
     out, journal = interrupted_copy(crashed, tmp_path)
     done = set(journal["shards"])
     # damage the finished shard holding the most quantized tensors (same size, one byte flipped mid-data)
-    holds = {f: sum(1 for r in ref_man["tensors"].values() if r["shard"] == f and r.get("scale")) for f in done}
+    holds = {
+        f: sum(1 for r in ref_man["tensors"].values() if r["shard"] == f and r.get("scale")) for f in done
+    }
     victim = max(sorted(done), key=holds.get)
     raw = bytearray((out / victim).read_bytes())
     raw[len(raw) // 2] ^= 0xFF
@@ -145,12 +151,28 @@ def test_finished_shard_truncated_or_missing_is_rewritten(tiny_vendor, reference
     assert_same_artifact(out, ref_out, ref_man)
 
 
-@pytest.mark.parametrize("option", [["--scale-rounding", "floor"], ["--quantize", "all"], ["--gate-up", "interleaved"],
-                                    ["--max-shard-size", "200KB"]])
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--scale-rounding", "floor"],
+        ["--quantize", "all"],
+        ["--gate-up", "interleaved"],
+        ["--max-shard-size", "200KB"],
+    ],
+)
 def test_resume_with_other_options_is_refused(tiny_vendor, crashed, tmp_path, option):
     out, journal = interrupted_copy(crashed, tmp_path)
     before = {p.name: sha256(p) for p in out.iterdir() if p.is_file()}
-    args = ["convert", str(tiny_vendor), "--output", str(out), "--resume", "--max-shard-size", SHARD_CAP, *option]
+    args = [
+        "convert",
+        str(tiny_vendor),
+        "--output",
+        str(out),
+        "--resume",
+        "--max-shard-size",
+        SHARD_CAP,
+        *option,
+    ]
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 2, res.output
     assert "--resume" in res.output and "different" in res.output and "--force" in res.output
@@ -174,6 +196,7 @@ def test_unreadable_journal_is_refused_in_one_line(tiny_vendor, crashed, tmp_pat
 
 # ---- the source is proven, not assumed: headers + sampled data + config.json -------------------------------
 
+
 def _flip_byte(path, offset) -> None:
     """Change one byte in place (size unchanged)."""
     with open(path, "r+b") as f:
@@ -192,6 +215,7 @@ def _source_copy(tiny_vendor, tmp_path):
 @pytest.mark.parametrize("where", ["first data byte", "last byte", "config.json"])
 def test_resume_after_source_changed_at_same_size_is_refused_naming_the_file(tiny_vendor, tmp_path, where):
     from porter.format.safetensors_io import parse_header
+
     src = _source_copy(tiny_vendor, tmp_path)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -208,8 +232,9 @@ def test_resume_after_source_changed_at_same_size_is_refused_naming_the_file(tin
         _flip_byte(shard, parse_header(shard)[0] if where == "first data byte" else shard.stat().st_size - 1)
     assert {p.name: p.stat().st_size for p in src.iterdir()} == sizes  # same names, same sizes
     before = {p.name: sha256(p) for p in out.iterdir() if p.is_file()}
-    res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(out), "--resume",
-                                   "--max-shard-size", SHARD_CAP])
+    res = CliRunner().invoke(
+        cli, ["convert", str(src), "--output", str(out), "--resume", "--max-shard-size", SHARD_CAP]
+    )
     assert res.exit_code == 2, res.output
     assert str(changed) in res.output and "changed" in res.output and "--force" in res.output
     assert len(res.output.strip().splitlines()) == 1
@@ -222,14 +247,16 @@ def test_resume_of_complete_output_after_source_changed_is_refused(tiny_vendor, 
     convert_counting(src, out)
     shard = sorted(src.glob("*.safetensors"))[-1]
     _flip_byte(shard, shard.stat().st_size - 1)
-    res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(out), "--resume",
-                                   "--max-shard-size", SHARD_CAP])
+    res = CliRunner().invoke(
+        cli, ["convert", str(src), "--output", str(out), "--resume", "--max-shard-size", SHARD_CAP]
+    )
     assert res.exit_code == 2 and str(shard) in res.output and "changed" in res.output, res.output
 
 
 def test_source_sample_reads_header_and_bounded_bytes(tmp_path):
     """The sample is the whole header + 2 x 64 KiB + 8 x 4 KiB of data, however big the file."""
     from porter.format.safetensors_io import sample_spans
+
     header_end, size = 8 + 200_000, 13_500_000_000
     spans = sample_spans(size, header_end)
     assert sum(n for _, n in spans) == header_end + 2 * 65536 + 8 * 4096
@@ -238,8 +265,9 @@ def test_source_sample_reads_header_and_bounded_bytes(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["delete", "alter"])
-def test_complete_output_with_missing_or_altered_shard_redoes_only_that_shard(tiny_vendor, reference,
-                                                                              tmp_path, damage):
+def test_complete_output_with_missing_or_altered_shard_redoes_only_that_shard(
+    tiny_vendor, reference, tmp_path, damage
+):
     ref_out, ref_man, full = reference
     out = tmp_path / "out"
     shutil.copytree(ref_out, out)
@@ -253,8 +281,20 @@ def test_complete_output_with_missing_or_altered_shard_redoes_only_that_shard(ti
     counter = QuantizeCounter()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mxfp8, "quantize_with_error", counter)
-        res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--resume",
-                                       "--max-shard-size", SHARD_CAP, "--workers", "2"])
+        res = CliRunner().invoke(
+            cli,
+            [
+                "convert",
+                str(tiny_vendor),
+                "--output",
+                str(out),
+                "--resume",
+                "--max-shard-size",
+                SHARD_CAP,
+                "--workers",
+                "2",
+            ],
+        )
     assert res.exit_code == 0, res.output
     assert victim.name in res.output and ("missing" if damage == "delete" else "altered") in res.output
     assert counter.elements == elements_to_redo(ref_man, set(shards) - {victim.name}) < full.elements
@@ -275,8 +315,10 @@ def test_inspect_says_an_interrupted_output_is_incomplete(tiny_vendor, reference
     out, journal = interrupted_copy(crashed, tmp_path)
     total, done = len(reference[1]["shards"]), len(journal["shards"])
     res = CliRunner().invoke(cli, ["inspect", str(out)])
-    want = (f"incomplete (interrupted conversion: {done} of {total} shards done; run porter convert "
-            f"{tiny_vendor} --output {out} --resume)")
+    want = (
+        f"incomplete (interrupted conversion: {done} of {total} shards done; run porter convert "
+        f"{tiny_vendor} --output {out} --resume)"
+    )
     assert res.exit_code == 2 and want in res.output and len(res.output.strip().splitlines()) == 1, res.output
     # killed after config.json and porter.json, before the index: still incomplete, not "porter artifact"
     ref_out = reference[0]

@@ -2,18 +2,19 @@
 fused decode step equals the op-by-op one, the Triton decode attention, GEMV (bf16 / MXFP8, epilogues),
 q/k/v post-processing, indexer and router kernels against their torch references at MiniMax-M3's real
 dims, the GPU model against the CPU model step by step, and a device_map split over two GPUs against one GPU."""
+
 from __future__ import annotations
 
 import pytest
+import runtime_fixtures as fx
 import torch
 
 import porter
 import runtime
-import runtime_fixtures as fx
 from porter.format import mxfp8
+from runtime.graph import DecodeGraph
 from runtime.kernels import gemv
 from runtime.kernels.attention import decode_attention, decode_attention_reference
-from runtime.graph import DecodeGraph
 from runtime.models.layers import rms_norm_reference
 from runtime.placement import store_sizes
 
@@ -100,11 +101,16 @@ def test_triton_decode_attention_at_real_dims(sparse):
     blocks = None
     if sparse:
         nblk = s_max // block
-        pick = lambda p: torch.nn.functional.pad(torch.randperm(p // block + 1, device="cuda")[:topk],
-                                                 (0, max(0, topk - (p // block + 1))), value=nblk)
-        blocks = torch.stack([torch.stack([pick(p) for _ in range(nkv)]) for p in pos.tolist()])  # [B, nkv, topk]
-    want = decode_attention_reference(q.float(), k.float(), v.float(), pos, s_max, blocks, block, d ** -0.5)
-    got = decode_attention(q, k, v, pos, s_max, blocks, block, d ** -0.5)
+        pick = lambda p: torch.nn.functional.pad(
+            torch.randperm(p // block + 1, device="cuda")[:topk],
+            (0, max(0, topk - (p // block + 1))),
+            value=nblk,
+        )
+        blocks = torch.stack(
+            [torch.stack([pick(p) for _ in range(nkv)]) for p in pos.tolist()]
+        )  # [B, nkv, topk]
+    want = decode_attention_reference(q.float(), k.float(), v.float(), pos, s_max, blocks, block, d**-0.5)
+    got = decode_attention(q, k, v, pos, s_max, blocks, block, d**-0.5)
     assert got.dtype == torch.bfloat16
     assert fx.rel(got.float(), want) <= 1e-2
 
@@ -121,6 +127,7 @@ def _block_scores(B, s_max, pos, seed):
     """The decode indexer's block scores [B, 4, s_max/128] over random index keys (2 local blocks and 1
     init block kept: +inf ties; blocks past a row's position: -inf)."""
     from runtime.kernels import fused
+
     g = torch.Generator(device="cuda").manual_seed(seed)
     iq = torch.randn(B, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16)
     keys = torch.randn(B, s_max, 128, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -134,7 +141,8 @@ def test_in_kernel_topk_attention_equals_topk_kernel(pos):
     blocks and the same output bits; repeated calls and CUDA-graph replays give the same bits."""
     from runtime.kernels import attention as A
     from runtime.kernels import fused
-    B, s_max, topk, block, scale = len(pos), 8192, 16, 128, 128 ** -0.5
+
+    B, s_max, topk, block, scale = len(pos), 8192, 16, 128, 128**-0.5
     pos_t = torch.tensor(pos, device="cuda")
     q, k, v = _real_dims_attention(B, s_max, seed=5)
     scores = _block_scores(B, s_max, pos_t, seed=6)  # [B, 4, 64]
@@ -147,8 +155,10 @@ def test_in_kernel_topk_attention_equals_topk_kernel(pos):
     assert torch.equal(top2, top) and torch.equal(out2, out)  # same blocks in the same order: same sums
     qs = [_real_dims_attention(B, 16, seed=10 + i)[0] for i in range(3)]
     eager = [A.decode_attention_topk(qi, k, v, pos_t, s_max, scores, topk, block, scale)[0] for qi in qs]
-    assert all(torch.equal(A.decode_attention_topk(qi, k, v, pos_t, s_max, scores, topk, block, scale)[0], e)
-               for qi, e in zip(qs, eager))
+    assert all(
+        torch.equal(A.decode_attention_topk(qi, k, v, pos_t, s_max, scores, topk, block, scale)[0], e)
+        for qi, e in zip(qs, eager)
+    )
     static_q = qs[0].clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -170,20 +180,23 @@ def test_in_kernel_topk_attention_fp32():
     """fp32 (IEEE dots): the in-kernel top-k attention and the dense attention within 1e-5 of the fp32 SDPA
     reference, two rows at different positions (one sees 1 of the 32 blocks)."""
     from runtime.kernels import attention as A
+
     pos = torch.tensor([4000, 77], device="cuda")
     q, k, v = _real_dims_attention(2, 4096, seed=7, dtype=torch.float32)
     scores = _block_scores(2, 4096, pos, seed=8)
     out, top = A.decode_attention_topk(q, k, v, pos, 4096, scores, 16, 128, 0.1)
     assert torch.equal(top, A.top_blocks(scores, 16))
     assert fx.rel(out, decode_attention_reference(q, k, v, pos, 4096, top, 128, 0.1)) <= 1e-5
-    assert fx.rel(decode_attention(q, k, v, pos, 4096), decode_attention_reference(q, k, v, pos, 4096)) <= 1e-5
+    assert (
+        fx.rel(decode_attention(q, k, v, pos, 4096), decode_attention_reference(q, k, v, pos, 4096)) <= 1e-5
+    )
 
 
 @pytest.mark.parametrize("n,k", [(8192 + 3 * 512 + 128, 6144), (6144, 8192)])  # stacked q/k/v/index; o_proj
 def test_gemv_at_real_dims(n, k):
     """runtime.kernels.gemv (bf16 and MXFP8 weights) against the torch matmul of the same values."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
+    w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
     q, s = mxfp8.quantize(w)
     wb = w.bfloat16()
     deq = mxfp8.dequantize(q, s)  # fp32
@@ -203,7 +216,7 @@ def test_gemv_stream_at_real_dims(n, k):
     """runtime.kernels.gemv.gemv_stream (bf16 and fp16, 1-4 rows, ragged N and K) against an fp32 matmul of the same
     values; only one bf16/fp16 row takes it in a model (gemv.streams)."""
     g = torch.Generator(device="cuda").manual_seed(3)
-    w = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
+    w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
     for dtype in (torch.bfloat16, torch.float16):
         wd = w.to(dtype)
         for rows in (1, 2, 3, 4):
@@ -219,10 +232,11 @@ def test_gemv_stream_at_real_dims(n, k):
 def test_gemv_epilogues_equal_the_unfused_ops():
     """SwiGLU epilogue == GEMV then fused.swiglu (bf16 rounding); residual adds bit-equal to adding after."""
     from runtime.kernels import fused
+
     g = torch.Generator(device="cuda").manual_seed(1)
     H, inter = 6144, 3072
-    w13 = (torch.randn(2 * inter, H, device="cuda", generator=g) / H ** 0.5).bfloat16()  # [gate; up]
-    w2 = (torch.randn(H, inter, device="cuda", generator=g) / inter ** 0.5).bfloat16()
+    w13 = (torch.randn(2 * inter, H, device="cuda", generator=g) / H**0.5).bfloat16()  # [gate; up]
+    w2 = (torch.randn(H, inter, device="cuda", generator=g) / inter**0.5).bfloat16()
     params = (1.702, 1.0, 7.0)
     for rows in (1, 8, 32):
         x = torch.randn(rows, H, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -242,16 +256,20 @@ def test_add_kernels_equal_torch_adds_and_norm(dtype):
     """add_rms_norm == (h + a, rms_norm(h + a)) and add_chain == (x0 + x1) + x2, bit for bit (1, 8 and 32
     rows at H 6144)."""
     from runtime.kernels import fused
+
     g = torch.Generator(device="cuda").manual_seed(2)
     w = torch.randn(6144, device="cuda", generator=g, dtype=dtype) * 0.1
     for rows in (1, 8, 32):
-        a, h, c = (torch.randn(rows, 1, 6144, device="cuda", generator=g, dtype=dtype) * s for s in (1, 30, 3))
+        a, h, c = (
+            torch.randn(rows, 1, 6144, device="cuda", generator=g, dtype=dtype) * s for s in (1, 30, 3)
+        )
         hout, y = fused.add_rms_norm(a, h, w, 1e-6)
         assert torch.equal(hout, h + a)
         assert torch.equal(y, fused.rms_norm(h + a, w, 1e-6))
         # against torch ops (minimax_m3.rms_norm would run the same kernel on CUDA)
-        assert fx.rel(y.float(), rms_norm_reference(h + a, w, 1e-6).float()) <= (1e-6 if dtype == torch.float32
-                                                                                 else 8e-3)
+        assert fx.rel(y.float(), rms_norm_reference(h + a, w, 1e-6).float()) <= (
+            1e-6 if dtype == torch.float32 else 8e-3
+        )
         assert torch.equal(fused.add_chain(a, h), a + h)
         assert torch.equal(fused.add_chain(a, h, c), (a + h) + c)
 
@@ -260,6 +278,7 @@ def test_router_kernels_equal_route():
     """router_logits == x.float() @ W^T (fp32) and router_select == select_experts (same ids, best first)."""
     from runtime.kernels import fused
     from runtime.moe.contract import select_experts
+
     g = torch.Generator(device="cuda").manual_seed(2)
     for T, E, k in ((1, 128, 4), (32, 128, 4), (5, 8, 2)):
         # the weight first: the kernel reads it before its PDL wait, so the kernel just before must not write it
@@ -279,6 +298,7 @@ def test_decode_qkv_equals_norm_rope_and_cache_writes(sparse):
     """fused.decode_qkv == norm_rope on each head + LayerCache.put, at real dims (bit-equal in bf16)."""
     from runtime.kernels import fused
     from runtime.models.layers import Rope, norm_rope
+
     g = torch.Generator(device="cuda").manual_seed(3)
     B, nq, nkv, d, ni, di, S, r = 3, 64, 4, 128, 4, 128, 1024, 64
     n = nq * d + 2 * nkv * d + (ni * di + di if sparse else 0)
@@ -287,21 +307,37 @@ def test_decode_qkv_equals_norm_rope_and_cache_writes(sparse):
     pos = torch.tensor([5, 700, 1023], device="cuda")
     cos, sin = Rope(r, 5e6, "cuda")(pos[:, None], torch.bfloat16)  # [B, 1, r]
     caches = [torch.zeros(B, nkv, S, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    idx = [torch.zeros(B, S, di, device="cuda", dtype=torch.bfloat16) for _ in range(2)] if sparse else [None, None]
-    q, iq = fused.decode_qkv(qkv, pos, cos, sin, norms if sparse else norms[:2],
-                             (nq, nkv, d, ni, di) if sparse else (nq, nkv, d), caches[0], caches[1], 1e-6, idx[0])
+    idx = (
+        [torch.zeros(B, S, di, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        if sparse
+        else [None, None]
+    )
+    q, iq = fused.decode_qkv(
+        qkv,
+        pos,
+        cos,
+        sin,
+        norms if sparse else norms[:2],
+        (nq, nkv, d, ni, di) if sparse else (nq, nkv, d),
+        caches[0],
+        caches[1],
+        1e-6,
+        idx[0],
+    )
     x = qkv[:, None]  # [B, 1, n]
     want_q = norm_rope(x[..., : nq * d].reshape(B, 1, nq, d), norms[0], 1e-6, cos, sin)[:, 0]
-    want_k = norm_rope(x[..., nq * d: (nq + nkv) * d].reshape(B, 1, nkv, d), norms[1], 1e-6, cos, sin)
-    want_v = x[..., (nq + nkv) * d: (nq + 2 * nkv) * d].reshape(B, 1, nkv, d)
+    want_k = norm_rope(x[..., nq * d : (nq + nkv) * d].reshape(B, 1, nkv, d), norms[1], 1e-6, cos, sin)
+    want_v = x[..., (nq + nkv) * d : (nq + 2 * nkv) * d].reshape(B, 1, nkv, d)
     rows = torch.arange(B, device="cuda")
     caches[2][rows, :, pos] = want_k[:, 0]
     caches[3][rows, :, pos] = want_v[:, 0]
     assert torch.equal(q, want_q) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     if sparse:
         base = (nq + 2 * nkv) * d
-        want_iq = norm_rope(x[..., base: base + ni * di].reshape(B, 1, ni, di), norms[2], 1e-6, cos, sin)[:, 0]
-        want_ik = norm_rope(x[..., base + ni * di:].reshape(B, 1, 1, di), norms[3], 1e-6, cos, sin)[:, 0, 0]
+        want_iq = norm_rope(x[..., base : base + ni * di].reshape(B, 1, ni, di), norms[2], 1e-6, cos, sin)[
+            :, 0
+        ]
+        want_ik = norm_rope(x[..., base + ni * di :].reshape(B, 1, 1, di), norms[3], 1e-6, cos, sin)[:, 0, 0]
         idx[1][rows, pos] = want_ik
         assert torch.equal(iq, want_iq) and torch.equal(idx[0], idx[1])
     else:
@@ -311,22 +347,30 @@ def test_decode_qkv_equals_norm_rope_and_cache_writes(sparse):
     c_exp, c_copy = ([torch.zeros_like(caches[0]) for _ in range(2)] for _ in range(2))
     for p_, (kc, vc) in ((same, c_exp), (same.contiguous(), c_copy)):
         fused.decode_qkv(qkv, p_, cos, sin, norms[:2], (nq, nkv, d), kc, vc, 1e-6)
-    assert all(torch.equal(a, b) for a, b in zip(c_exp, c_copy)) and bool(c_exp[0][:, :, 700].abs().sum(-1).gt(0).all())
+    assert all(torch.equal(a, b) for a, b in zip(c_exp, c_copy)) and bool(
+        c_exp[0][:, :, 700].abs().sum(-1).gt(0).all()
+    )
 
 
 def test_index_kernels_equal_the_torch_indexer():
     """fused.index_scores + index_topk == Indexer.select's torch scoring at real dims (same blocks per query)."""
     from types import SimpleNamespace
-    from runtime.kernels import fused
+
     from runtime.cache import Step
+    from runtime.kernels import fused
     from runtime.models.minimax_m3 import Indexer
+
     g = torch.Generator(device="cuda").manual_seed(4)
     B, ni, di, S, block, topk = 3, 4, 128, 8192, 128, 16
-    cfg = SimpleNamespace(index_block_size=block, index_topk_blocks=topk, index_local_blocks=2, index_init_blocks=1)
+    cfg = SimpleNamespace(
+        index_block_size=block, index_topk_blocks=topk, index_local_blocks=2, index_init_blocks=1
+    )
     iq = torch.randn(B, ni, di, device="cuda", generator=g, dtype=torch.bfloat16)
     keys = torch.randn(B, S, di, device="cuda", generator=g, dtype=torch.bfloat16)
     pos = torch.tensor([3000, 8191, 130], device="cuda")
-    got = fused.index_topk(fused.index_scores(iq, keys, pos, S, block, 2, 1), topk)[:, :, None]  # [B, ni, 1, topk]
+    got = fused.index_topk(fused.index_scores(iq, keys, pos, S, block, 2, 1), topk)[
+        :, :, None
+    ]  # [B, ni, 1, topk]
     ix = Indexer.__new__(Indexer)
     ix.cfg = cfg
     step = Step(pos[:, None], None, S, decode=True)
@@ -346,8 +390,9 @@ def test_decode_is_deterministic_and_graph_replay_matches(artifacts):
     same bits (the streams join before the adds, in the unfused rounding order), and the CUDA-graph replay of
     the step is within bf16 rounding of it (fp32: 1e-5); both scopes, a left-padded batch of 3 and batch 1."""
     for scope, dtype, tol in (("experts", torch.bfloat16, 2e-2), ("all", torch.float32, 1e-5)):
-        model = runtime.load(artifacts[scope], device="cuda", dtype=dtype, backend="triton" if scope == "experts"
-                             else "torch")
+        model = runtime.load(
+            artifacts[scope], device="cuda", dtype=dtype, backend="triton" if scope == "experts" else "torch"
+        )
         assert model.layers[1].self_attn.qkv is not None and model.layers[0].mlp.gate_up is not None
         for lengths in ([5, 12, 30], [17]):  # batch 1 takes the MoE's one-token fused output
             ids, mask = _left_pad(lengths)
@@ -370,8 +415,9 @@ def test_device_map_two_gpus_equals_one(artifacts):
     store = runtime.loader.open_store(art)
     sizes = store_sizes(store, store.config.num_hidden_layers)
     first = sizes.embed + sizes.layers[0] + sizes.layers[1]  # cuda:0 holds embeddings + layers 0-1
-    split = runtime.load(art, device_map="auto", max_memory={0: first, 1: sizes.total}, dtype=torch.float32,
-                         backend="torch")
+    split = runtime.load(
+        art, device_map="auto", max_memory={0: first, 1: sizes.total}, dtype=torch.float32, backend="torch"
+    )
     n = store.config.num_hidden_layers
     want_devices = (torch.device("cuda", 0),) * 2 + (torch.device("cuda", 1),) * (n - 2)
     assert split.placement.layers == want_devices and split.placement.head == torch.device("cuda", 1)

@@ -1,13 +1,14 @@
 """runtime.load memory-maps the shards and keeps no second copy."""
+
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tiny_checkpoint import build_tiny_checkpoint, synthetic_overrides
 
 import porter
-from tiny_checkpoint import build_tiny_checkpoint, synthetic_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURE = """
@@ -30,8 +31,12 @@ def test_load_maps_shards_without_copying(tmp_path):
     porter.convert(src, art, progress=False)
     size = sum(f.stat().st_size for f in art.glob("*.safetensors"))
     assert size > 100e6
-    res = subprocess.run([sys.executable, "-c", MEASURE.format(root=str(ROOT)), str(art)],
-                         capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-c", MEASURE.format(root=str(ROOT)), str(art)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["finite"]
     # a copy (or a dequantized/cast copy) would add >= 100% of the artifact; mapping adds almost nothing

@@ -5,6 +5,7 @@ the original checkpoint and from the porter artifact (`--quantize none` exact to
 against transformers with the same weights fake-quantized by porter.format.mxfp8), with prompts below the
 sparse-attention threshold (topk*block = 8 keys) and 5x above it, where the indexer must drop blocks.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,9 +13,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+import runtime_fixtures as fx  # noqa: E402
+
 import runtime  # noqa: E402
 from porter import convert  # noqa: E402
-import runtime_fixtures as fx  # noqa: E402
 
 EXACT, MXFP8_TOL = 1e-5, 2e-3
 
@@ -39,7 +41,9 @@ def _artifact(src, quantize, tmp):
 
 def _check_sparse_selected(model):
     """On the long prompt every sparse layer must really have dropped visible blocks."""
-    excluded = [layer.self_attn.indexer.last_excluded for layer in model.layers if layer.self_attn.indexer is not None]
+    excluded = [
+        layer.self_attn.indexer.last_excluded for layer in model.layers if layer.self_attn.indexer is not None
+    ]
     assert excluded and all(e > 0 for e in excluded), excluded
 
 
@@ -61,7 +65,9 @@ def test_unquantized_matches_transformers(layout, n, request, tmp_path_factory):
         if n > fx.THRESHOLD:
             _check_sparse_selected(model)
         else:
-            assert all(l.self_attn.indexer is None or l.self_attn.indexer.last_excluded == 0 for l in model.layers)
+            assert all(
+                l.self_attn.indexer is None or l.self_attn.indexer.last_excluded == 0 for l in model.layers
+            )
 
 
 @pytest.mark.parametrize("scope", ["experts", "all"])
@@ -71,13 +77,16 @@ def test_mxfp8_matches_fake_quantized_transformers(layout, scope, request, tmp_p
     ids = fx.prompt(fx.LONG, seed=11)
     plain = fx.hf_logits(hf, ids)
     import copy
+
     ref = fx.fake_quantize_hf(copy.deepcopy(hf), scope)
     want = fx.hf_logits(ref, ids)
     tmp = tmp_path_factory.getbasetemp() / f"{layout}-artifacts"
     tmp.mkdir(exist_ok=True)
     model = runtime.load(_artifact(src, scope, tmp), device="cpu", dtype=torch.float32, backend="torch")
     moe = next(l.mlp for l in model.layers if hasattr(l.mlp, "quant"))
-    assert moe.quant.w13_weight.dtype == torch.float8_e4m3fn and moe.quant.w13_weight_scale.dtype == torch.uint8
+    assert (
+        moe.quant.w13_weight.dtype == torch.float8_e4m3fn and moe.quant.w13_weight_scale.dtype == torch.uint8
+    )
     if scope == "all":
         assert model.layers[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn  # dequantized on the fly
     got = model(ids)

@@ -1,14 +1,15 @@
 """The SwiGLU-OAI parameter chain (config.json -> resolved config -> per-expert [E] tensors -> math),
 generate with the KV cache vs full recomputation, layer streaming, and the backend guard on CPU."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
+import runtime_fixtures as fx
 import torch
 
 import runtime
-import runtime_fixtures as fx
 from porter import convert
 from porter.format import mxfp8
 from runtime.moe import BackendUnavailable
@@ -49,14 +50,21 @@ def _direct_moe(moe, x):
             act = _direct_swiglu(gu[:i], gu[i:], cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit)
             out[t] += w[t, slot] * (w2[e] @ act)
     sh = moe.shared_experts
-    shared = sh.down_proj.weight.float() @ _direct_swiglu(sh.gate_proj.weight.float() @ x.t(), sh.up_proj.weight.float() @ x.t(),
-                                                      cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit)
+    shared = sh.down_proj.weight.float() @ _direct_swiglu(
+        sh.gate_proj.weight.float() @ x.t(),
+        sh.up_proj.weight.float() @ x.t(),
+        cfg.swiglu_alpha,
+        cfg.swiglu_beta,
+        cfg.swiglu_limit,
+    )
     return cfg.routed_scaling_factor * out + shared.t()
 
 
 def _expert_weights(q):
     if q.is_mxfp8:
-        return mxfp8.dequantize(q.w13_weight, q.w13_weight_scale), mxfp8.dequantize(q.w2_weight, q.w2_weight_scale)
+        return mxfp8.dequantize(q.w13_weight, q.w13_weight_scale), mxfp8.dequantize(
+            q.w2_weight, q.w2_weight_scale
+        )
     return q.w13_weight.float(), q.w2_weight.float()
 
 
@@ -72,8 +80,11 @@ def test_config_values_reach_resolved_config_and_expert_tensors(ckpts):
         moes = [l.mlp for l in model.layers if hasattr(l.mlp, "quant")]
         assert len(moes) == 3
         for moe in moes:
-            for name, key in (("gemm1_alpha", "swiglu_alpha"), ("gemm1_beta", "swiglu_beta"),
-                              ("gemm1_clamp_limit", "swiglu_limit")):
+            for name, key in (
+                ("gemm1_alpha", "swiglu_alpha"),
+                ("gemm1_beta", "swiglu_beta"),
+                ("gemm1_clamp_limit", "swiglu_limit"),
+            ):
                 t = getattr(moe.quant, name)
                 assert t.shape == (model.cfg.num_local_experts,) and t.dtype == torch.float32
                 assert t.device == moe.quant.w13_weight.device == torch.device("cpu")
@@ -106,9 +117,13 @@ def test_custom_params_change_the_math_and_match_direct_computation(ckpts, which
     assert fx.rel(same_weights(x), got) > 1e-2
     # dense MLP (layer 0) uses the same alpha/beta/limit
     mlp = model.layers[0].mlp
-    direct = mlp.down_proj.weight.float() @ _direct_swiglu(mlp.gate_proj.weight.float() @ x.t(), mlp.up_proj.weight.float() @ x.t(),
-                                                      CUSTOM["swiglu_alpha"], CUSTOM["swiglu_beta"],
-                                                      CUSTOM["swiglu_limit"])
+    direct = mlp.down_proj.weight.float() @ _direct_swiglu(
+        mlp.gate_proj.weight.float() @ x.t(),
+        mlp.up_proj.weight.float() @ x.t(),
+        CUSTOM["swiglu_alpha"],
+        CUSTOM["swiglu_beta"],
+        CUSTOM["swiglu_limit"],
+    )
     assert fx.rel(mlp(x), direct.t()) < 1e-5
 
 
@@ -127,8 +142,10 @@ def test_generate_with_cache_equals_full_recomputation(ckpts):
         full = model(seq)  # no cache
         assert fx.rel(logits[:, -1], full[:, -1]) < 1e-5, step
         assert torch.equal(full[:, -1].argmax(-1), out[:, 5 + step]), step
-        logits = model(out[:, 5 + step: 6 + step], cache)  # one token through the KV + indexer key cache
-        excluded += sum(l.self_attn.indexer.last_excluded for l in model.layers if l.self_attn.indexer is not None)
+        logits = model(out[:, 5 + step : 6 + step], cache)  # one token through the KV + indexer key cache
+        excluded += sum(
+            l.self_attn.indexer.last_excluded for l in model.layers if l.self_attn.indexer is not None
+        )
     assert excluded > 0  # decoding steps past the threshold really ran sparse
     assert cache.length == 5 + n_new
 
@@ -169,6 +186,7 @@ def test_interrupted_artifact_is_refused(tmp_path, tiny_vendor):
     """No index (porter writes it last) means an unfinished conversion: load must not treat it as complete."""
     import runtime
     from porter import convert
+
     art = tmp_path / "art"
     convert(tiny_vendor, art, progress=False)
     (art / "model.safetensors.index.json").unlink()

@@ -1,6 +1,7 @@
 """porter.engine.digests.TensorDigest: the chunked digest of a tensor written out of order, by many threads, equals
 the digest of its bytes (docs/artifact-format.md, "Digests"), and bytes that arrive in order are hashed as
 they come, not read back."""
+
 from __future__ import annotations
 
 import os
@@ -8,11 +9,11 @@ import random
 import threading
 
 import pytest
+from tensor_checks import chunk_hash
 
 from porter.engine import digests
 from porter.format.digest import CHUNK_HASHES
 from porter.format.safetensors_io import chunk_spans, tensor_digest
-from tensor_checks import chunk_hash
 
 CHUNK = 1 << 12  # 4 KiB chunks: many chunks, pieces of every alignment
 
@@ -24,7 +25,7 @@ def hash_name(request):
 
 def expected(data: bytes, hash_name: str) -> str:
     h = chunk_hash(hash_name)
-    return tensor_digest([h(data[b:b + n]).digest() for b, n in chunk_spans(len(data), CHUNK)])
+    return tensor_digest([h(data[b : b + n]).digest() for b, n in chunk_spans(len(data), CHUNK)])
 
 
 def pieces(length: int, rng: random.Random, max_piece: int) -> list:
@@ -48,6 +49,7 @@ def run_digest(tmp_path, data: bytes, parts: list, threads: int, monkeypatch, ha
     def counting(fd_, offset, length, path_, h):
         read_back[0] += length
         return real(fd_, offset, length, path_, h)
+
     monkeypatch.setattr(digests, "read_chunk_digest", counting)
     done = []
     digest = digests.TensorDigest(fd, path, 100, len(data), CHUNK, done.append, hash_name)
@@ -55,8 +57,9 @@ def run_digest(tmp_path, data: bytes, parts: list, threads: int, monkeypatch, ha
 
     def worker(mine):
         for off, n in mine:
-            os.pwrite(fd, view[off:off + n], 100 + off)
-            digest.add(off, view[off:off + n])
+            os.pwrite(fd, view[off : off + n], 100 + off)
+            digest.add(off, view[off : off + n])
+
     if threads == 1:
         worker(parts)
     else:

@@ -5,6 +5,7 @@ every run (no fixed seed) and poison the CUDA caching allocator with NaN bytes f
 element or intermediate the kernels fail to write shows up as NaN. CPU tests cover the pure-torch
 helpers (alignment, fp16 range-guard analysis, config fitting) and the backend's refusals.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,14 +15,14 @@ import pytest
 import torch
 
 from porter.format import mxfp8
-from runtime.moe import BackendUnavailable, resolve_backend
 from runtime.kernels.fused import pdl_supported
+from runtime.moe import BackendUnavailable, resolve_backend
+from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params
+from runtime.moe.torch_backend import TorchMoE
 from runtime.moe.triton import TritonMoE
 from runtime.moe.triton import config as tc
 from runtime.moe.triton import launch as tl
 from runtime.moe.triton import prepare as tp
-from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params
-from runtime.moe.torch_backend import TorchMoE
 
 CUDA = torch.cuda.is_available()
 REL_TOL = 1e-2
@@ -40,16 +41,18 @@ def make_quant(e, h, i, device, weight_scale=0.03, swiglu=None, row_gain=None):
     q13, s13 = mxfp8.quantize(w13)
     q2, s2 = mxfp8.quantize(w2)
     if swiglu is None:  # non-default and different per expert
-        swiglu = {"gemm1_alpha": torch.empty(e, device=device).uniform_(1.0, 2.5),
-                  "gemm1_beta": torch.empty(e, device=device).uniform_(0.0, 1.5),
-                  "gemm1_clamp_limit": torch.empty(e, device=device).uniform_(3.0, 9.0)}
+        swiglu = {
+            "gemm1_alpha": torch.empty(e, device=device).uniform_(1.0, 2.5),
+            "gemm1_beta": torch.empty(e, device=device).uniform_(0.0, 1.5),
+            "gemm1_clamp_limit": torch.empty(e, device=device).uniform_(3.0, 9.0),
+        }
     return MoeQuantInfo(q13, s13, q2, s2, **swiglu)
 
 
 def skewed_routing(t, e, k, device, empty_experts=2):
     """Uneven routing: Zipf-like expert popularity; the last `empty_experts` experts get no token."""
     pop = 1.0 / torch.arange(1, e + 1, device=device, dtype=torch.float32) ** 1.2
-    pop[e - empty_experts:] = 0
+    pop[e - empty_experts :] = 0
     pop = pop[torch.randperm(e, device=device)]  # popular experts anywhere in the id range
     ids = torch.multinomial(pop.expand(t, e), k, replacement=False)  # [T, k] distinct per token
     w = torch.rand(t, k, device=device) + 0.05
@@ -64,8 +67,20 @@ def poison_allocator(nbytes=1 << 28):
     del blocks
 
 
-def check_against_torch(quant, t, k, h, rsf=2.5, config=None, x_scale=1.0, tol=REL_TOL, errs=None, key=None,
-                        rebase=True, fp8_row_scale=tc.FP8_ROW_SCALE):
+def check_against_torch(
+    quant,
+    t,
+    k,
+    h,
+    rsf=2.5,
+    config=None,
+    x_scale=1.0,
+    tol=REL_TOL,
+    errs=None,
+    key=None,
+    rebase=True,
+    fp8_row_scale=tc.FP8_ROW_SCALE,
+):
     e = quant.num_experts
     routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, rsf)
     x = (torch.randn(t, h, device="cuda") * x_scale).to(torch.bfloat16)
@@ -94,6 +109,7 @@ def assert_fused_out_scratch_zero(device, h):
 
 # ---------------------------------------------------------------------------------------- GPU
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
 @pytest.mark.parametrize("t", [1, 3, 16, 64, 257, 4096])
@@ -120,7 +136,8 @@ def test_matches_torch_minimax_like_dims(t, rebase):
 def test_repeat_calls_agree_within_one_bf16_ulp(t):
     """The NOSORT path, with the fused output at one token (last arriver per (token, N tile) writes
     y, re-zeroes scratch and counters) and prep zeroing + atomics + cast at 2 and 4 tokens: a second
-    and third call on the same inputs reuse the counters and scratch the first left zeroed. Only the order of the fp32 top-k atomics may differ between calls, so every element
+    and third call on the same inputs reuse the counters and scratch the first left zeroed. Only the order of
+    the fp32 top-k atomics may differ between calls, so every element
     agrees to within one bf16 rounding step of its magnitude (2^-8 relative); a missed contribution
     or a stale counter is orders of magnitude larger."""
     quant = make_quant(8, 768, 384, "cuda")
@@ -128,17 +145,23 @@ def test_repeat_calls_agree_within_one_bf16_ulp(t):
     for _ in range(2):
         again = moe.forward_topk(x, ids, w)
         torch.cuda.synchronize()
-        step = out.float().abs() * 2.0 ** -8 + 1e-30
-        assert ((again.float() - out.float()).abs() <= step).all(), f"max diff {(again - out).abs().max():.3e}"
+        step = out.float().abs() * 2.0**-8 + 1e-30
+        assert ((again.float() - out.float()).abs() <= step).all(), (
+            f"max diff {(again - out).abs().max():.3e}"
+        )
     assert_fused_out_scratch_zero(x.device, 768)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("t,cfg", [
-    (300, tc.MoeConfig(64, 64, 64, 4, 3, 128, 64, 4, 3, True, True)),  # weight as LHS
-    (300, tc.MoeConfig(128, 64, 128, 8, 3, 128, 128, 8, 3, True, True)),
-    (40, tc.MoeConfig(32, 32, 256, 4, 4, 64, 256, 4, 4))])
+@pytest.mark.parametrize(
+    "t,cfg",
+    [
+        (300, tc.MoeConfig(64, 64, 64, 4, 3, 128, 64, 4, 3, True, True)),  # weight as LHS
+        (300, tc.MoeConfig(128, 64, 128, 8, 3, 128, 128, 8, 3, True, True)),
+        (40, tc.MoeConfig(32, 32, 256, 4, 4, 64, 256, 4, 4)),
+    ],
+)
 def test_tile_variants(t, cfg):
     quant = make_quant(16, 768, 384, "cuda")
     check_against_torch(quant, t, 4, 768, config=cfg)
@@ -161,8 +184,18 @@ def test_fp8_prefill_matches_torch(t, row_scale):
     quant = make_quant(16, 1536, 768, "cuda", swiglu=make_swiglu_params(16, 1.702, 1.0, 7.0, "cuda"))
     errs = {}
     for terms, bound in ((2, 2e-2), (1, 6e-2)):
-        check_against_torch(quant, t, 4, 1536, config=replace(FP8_CFG, fp8=terms), tol=bound, errs=errs, key=terms,
-                            rebase=False, fp8_row_scale=row_scale)  # the copy made for the FP8 path
+        check_against_torch(
+            quant,
+            t,
+            4,
+            1536,
+            config=replace(FP8_CFG, fp8=terms),
+            tol=bound,
+            errs=errs,
+            key=terms,
+            rebase=False,
+            fp8_row_scale=row_scale,
+        )  # the copy made for the FP8 path
     assert errs[2] < errs[1] / 4, f"the second e4m3 term should cut the error: {errs}"
 
 
@@ -179,20 +212,30 @@ def test_load_time_rebase_replaces_the_stored_weights(t):
     e, h, i, k = 8, 6144, 3072, 4
     quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"))
     fp8 = t >= tc.FP8_PREFILL_MIN_TOKENS
-    stored_moe, x, ids, w, stored = check_against_torch(quant, t, k, h, tol=2e-2 if fp8 else REL_TOL, rebase=False)
+    stored_moe, x, ids, w, stored = check_against_torch(
+        quant, t, k, h, tol=2e-2 if fp8 else REL_TOL, rebase=False
+    )
     assert not stored_moe.prepared.rebased and stored_moe.quant is quant
     del stored_moe
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    moe = TritonMoE(quant, MoeRouting(torch.zeros(e, h, device="cuda"), torch.zeros(e, device="cuda"), k, 2.5))
+    moe = TritonMoE(
+        quant, MoeRouting(torch.zeros(e, h, device="cuda"), torch.zeros(e, device="cuda"), k, 2.5)
+    )
     p = moe.prepared
     assert p.rebased and moe.replaced_weights and moe.quant is None
-    assert (p.wmode1, p.wmode2) == (7, 7) and p.w13_scale.shape == (e, 2 * i, 1) and p.w2_scale.shape == (e, h, 1)
+    assert (
+        (p.wmode1, p.wmode2) == (7, 7)
+        and p.w13_scale.shape == (e, 2 * i, 1)
+        and p.w2_scale.shape == (e, h, 1)
+    )
     expert_bytes = sum(t_.numel() * t_.element_size() for t_ in (p.w13, p.w13_scale, p.w2, p.w2_scale))
     assert torch.cuda.memory_allocated() - before <= expert_bytes * 1.01  # one rebased copy, nothing else
     rebased = moe.forward_topk(x, ids, w)
     torch.cuda.synchronize()
-    assert p.fp8_blocks is None  # the FP8 path (t >= FP8_PREFILL_MIN_TOKENS) read the rebased weights themselves
+    assert (
+        p.fp8_blocks is None
+    )  # the FP8 path (t >= FP8_PREFILL_MIN_TOKENS) read the rebased weights themselves
     ref = TorchMoE(quant, moe.routing).forward_topk(x, ids, w)
     assert rel(rebased, ref) <= (2e-2 if fp8 else REL_TOL)
     if not fp8:
@@ -206,15 +249,39 @@ def test_fp8_activation_quantization_is_rne_with_pow2_scale(terms):
     """prep's e4m3 quantization: m = floor(log2 amax) - 7 per token, hi = rne_e4m3(x 2^-m), lo =
     rne_e4m3(x 2^-m - hi); bit-equal to torch's casts for rows from 2^-30 to 2^30 in magnitude."""
     from runtime.moe.triton import kernels as K
+
     t, h = 64, 6144
     x = torch.randn(t, h, device="cuda") * torch.exp2(torch.linspace(-30, 30, t, device="cuda"))[:, None]
     x = x.to(torch.bfloat16)
     xq = torch.empty((terms, t, h), dtype=torch.float8_e4m3fn, device="cuda")
     xscale = torch.empty(t, device="cuda")
     dummy = torch.empty(1, dtype=torch.int32, device="cuda")
-    K.prep_kernel[(t,)](x, xq, xq[-1], xscale, dummy, dummy, dummy, dummy, dummy, t, h, 1, 1, 1, x.stride(0),
-                        DO_ALIGN=False, QUANT=1 + terms, ZERO_OUT=False, HP=8192, BM=16, EP=2, C=64, CB=128,
-                        num_warps=8)
+    K.prep_kernel[(t,)](
+        x,
+        xq,
+        xq[-1],
+        xscale,
+        dummy,
+        dummy,
+        dummy,
+        dummy,
+        dummy,
+        t,
+        h,
+        1,
+        1,
+        1,
+        x.stride(0),
+        DO_ALIGN=False,
+        QUANT=1 + terms,
+        ZERO_OUT=False,
+        HP=8192,
+        BM=16,
+        EP=2,
+        C=64,
+        CB=128,
+        num_warps=8,
+    )
     xf = x.float()
     m = torch.frexp(xf.abs().amax(1))[1] - 1 - 7  # floor(log2 amax) - 7
     assert torch.equal(xscale, torch.exp2(m.float()))
@@ -250,8 +317,16 @@ def test_nosort_path_matches_torch(t, k, e):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("t,cfg", [(1, None), (8, None), (3, tc.MoeConfig(16, 32, 128, 4, 3, 64, 128, 4, 3)),
-                                   (40, None), (300, tc.MoeConfig(64, 64, 64, 4, 3, 128, 64, 4, 3))])
+@pytest.mark.parametrize(
+    "t,cfg",
+    [
+        (1, None),
+        (8, None),
+        (3, tc.MoeConfig(16, 32, 128, 4, 3, 64, 128, 4, 3)),
+        (40, None),
+        (300, tc.MoeConfig(64, 64, 64, 4, 3, 128, 64, 4, 3)),
+    ],
+)
 def test_fused_output_paths_agree_and_leave_scratch_zeroed(t, cfg):
     """Every path (no-sort with the fused last-arriver output at one token, no-sort unfused incl.
     forced at T*k = 32, sorted prep + atomics + cast) gives the same result;
@@ -326,8 +401,9 @@ def test_fused_output_many_calls_at_real_dims(t):
     ids = torch.rand(t, e, device="cuda").topk(k, dim=-1).indices
     w = torch.rand(t, k, device="cuda") + 0.1
     base = tl.fused_moe(p, x, ids, w, 2.5, nosort=False, fused_out=False).float()
-    errs = torch.stack([(tl.fused_moe(p, x, ids, w, 2.5).float() - base).norm() / base.norm()
-                        for _ in range(200)])  # on the device: no sync per call
+    errs = torch.stack(
+        [(tl.fused_moe(p, x, ids, w, 2.5).float() - base).norm() / base.norm() for _ in range(200)]
+    )  # on the device: no sync per call
     worst = float(errs.max())
     assert worst < 1e-3, f"{int((errs > 1e-3).sum())} of 200 calls off, worst {worst:.2e}"
     assert_fused_out_scratch_zero(x.device, h)
@@ -352,7 +428,7 @@ def test_in_kernel_alignment_equals_torch_alignment(t):
 def test_weight_scale_bytes_outside_fp16_window_are_offset(octaves):
     # bytes (about 114 at sigma 0.03) moved to about 98 / 138, outside [112, 134]; the spread stays
     # small, so an exact per-expert offset exists and the fp16 path is kept (weights as stored)
-    quant = make_quant(8, 512, 256, "cuda", weight_scale=0.03 * 2.0 ** octaves)
+    quant = make_quant(8, 512, 256, "cuda", weight_scale=0.03 * 2.0**octaves)
     moe, *_ = check_against_torch(quant, 16, 4, 512, rebase=False)
     assert moe.prepared.fp16_1 and moe.prepared.fp16_2
     assert int(moe.prepared.shift13.abs().max()) > 0
@@ -367,8 +443,8 @@ def test_wide_scale_spread_falls_back_to_bf16(rebase):
     fp16 path (WMODE 7) holds it exactly."""
     e, h, i = 8, 512, 256
     gain = torch.ones(e, 2 * i, 1, device="cuda")
-    gain[:, ::2] = 2.0 ** 24  # 24-octave spread inside every expert: no fp16-exact offset exists
-    quant = make_quant(e, h, i, "cuda", weight_scale=0.03 * 2.0 ** -12, row_gain=gain)
+    gain[:, ::2] = 2.0**24  # 24-octave spread inside every expert: no fp16-exact offset exists
+    quant = make_quant(e, h, i, "cuda", weight_scale=0.03 * 2.0**-12, row_gain=gain)
     moe, *_ = check_against_torch(quant, 16, 4, h, rebase=rebase)
     assert moe.prepared.rebased == rebase and moe.prepared.fp16_1 == rebase
 
@@ -396,8 +472,11 @@ def decode_tile_variants(t):
     """default_config's decode tiles and the two-warp variants with the weights as the mma.sync left
     operand that the H200 decode A/B measured (slower; benchmarks/results/moe_decode_timing_round5_call3.log)."""
     d = tc.default_config(t)
-    return [d, replace(d, bn1=32, warps1=2, swap1=True, bn2=64, warps2=2, swap2=True),
-            replace(d, bn1=16, warps1=2, swap1=True, bn2=32, warps2=2, swap2=True)]
+    return [
+        d,
+        replace(d, bn1=32, warps1=2, swap1=True, bn2=64, warps2=2, swap2=True),
+        replace(d, bn1=16, warps1=2, swap1=True, bn2=32, warps2=2, swap2=True),
+    ]
 
 
 @pytest.mark.gpu
@@ -430,6 +509,7 @@ def test_call_routes_and_applies_rsf_once():
 
 # ---------------------------------------------------------------------------------------- CPU
 
+
 def test_check_supported_refuses_cpu_naming_capability():
     with pytest.raises(BackendUnavailable, match="capability"):
         TritonMoE.check_supported(torch.device("cpu"))
@@ -439,8 +519,13 @@ def test_check_supported_refuses_cpu_naming_capability():
 
 def test_rejects_unquantized_weights():
     e, h, i = 4, 64, 32
-    quant = MoeQuantInfo(torch.randn(e, 2 * i, h), None, torch.randn(e, h, i), None,
-                         **make_swiglu_params(e, 1.702, 1.0, 7.0, "cpu"))
+    quant = MoeQuantInfo(
+        torch.randn(e, 2 * i, h),
+        None,
+        torch.randn(e, h, i),
+        None,
+        **make_swiglu_params(e, 1.702, 1.0, 7.0, "cpu"),
+    )
     routing = MoeRouting(torch.randn(e, h), torch.zeros(e), 2, 1.0)
     with pytest.raises(BackendUnavailable, match="MXFP8"):  # bad input: exit 2, not an internal error
         TritonMoE(quant, routing)
@@ -501,12 +586,16 @@ def test_weight_shifts_move_bytes_into_window():
 
 def test_act_fp16_bound_covers_swiglu_output():
     from runtime.moe.contract import swiglu_oai
+
     alpha = torch.tensor([1.702, 0.5, 0.05])
     beta = torch.tensor([1.0, -2.0, 1.0])
     limit = torch.tensor([7.0, 100.0, 1.0])
     assert tp.act_fp16_ok(alpha, beta, limit)
     # the bound holds on extreme pre-activations (clamped above, and deep negative gates)
-    g = torch.cat([torch.randn(3, 100000, dtype=torch.float64) * 1e4, -torch.rand(3, 1000, dtype=torch.float64) * 100], 1)
+    g = torch.cat(
+        [torch.randn(3, 100000, dtype=torch.float64) * 1e4, -torch.rand(3, 1000, dtype=torch.float64) * 100],
+        1,
+    )
     u = torch.randn_like(g) * 1e4
     act = swiglu_oai(g, u, alpha.double()[:, None], beta.double()[:, None], limit.double()[:, None])
     bound = torch.maximum(limit.double(), 0.2785 / alpha.double()) * (limit.double() + beta.double().abs())
@@ -557,7 +646,10 @@ def test_rebase_fp8_is_a_power_of_two_shift(jitter):
     flat = s.view(e, n, k // 128, 4)
     same = (flat == flat[..., :1]).all(-1)  # [e, n, K/128] blocks with one byte
     assert same.any()
-    assert torch.equal(q2.view(e, n, k // 128, 128)[same].view(torch.uint8), q.view(e, n, k // 128, 128)[same].view(torch.uint8))
+    assert torch.equal(
+        q2.view(e, n, k // 128, 128)[same].view(torch.uint8),
+        q.view(e, n, k // 128, 128)[same].view(torch.uint8),
+    )
 
 
 @pytest.mark.parametrize("jitter", [0, 3])
@@ -582,8 +674,16 @@ def test_row_scale_falls_back_to_128_blocks_past_13_octaves():
     than ROW_SCALE_MAX_OCTAVES (byte-0 groups ignored) keeps one per 128 K instead, and fp8_row_scale says so.
     Within the limit, every value of the per-row rebase is within half an e4m3 ulp at its group's amax."""
     q = make_quant(2, 256, 128, "cpu")
-    p = tp.prepare(q.w13_weight, q.w13_weight_scale, q.w2_weight, q.w2_weight_scale,
-                   q.gemm1_alpha, q.gemm1_beta, q.gemm1_clamp_limit, rebase=False)  # the copy made on request
+    p = tp.prepare(
+        q.w13_weight,
+        q.w13_weight_scale,
+        q.w2_weight,
+        q.w2_weight_scale,
+        q.gemm1_alpha,
+        q.gemm1_beta,
+        q.gemm1_clamp_limit,
+        rebase=False,
+    )  # the copy made on request
     s13 = p.w13_scale.int()
     spread = int((s13.amax(-1) - s13.masked_fill(s13 == 0, 255).amin(-1)).max())
     assert spread <= tp.ROW_SCALE_MAX_OCTAVES and tp.row_scale_ok(p.w13_scale) and tp.row_scale_ok(p.w2_scale)
@@ -615,18 +715,25 @@ def test_prepare_rebases_at_load_where_row_scales_hold():
     p = tp.prepare(*args, *swiglu)
     assert p.rebased and (p.wmode1, p.wmode2) == (7, 7) and p.fp16_1 and p.fp16_2
     assert p.w13.dtype == torch.float8_e4m3fn and p.w13_scale.dtype == torch.float32
-    assert p.w13_scale.shape == (4, 256, 1) and p.w2_scale.shape == (4, 256, 1)  # w13 [4, 2I, H], w2 [4, H, I]
+    assert p.w13_scale.shape == (4, 256, 1) and p.w2_scale.shape == (
+        4,
+        256,
+        1,
+    )  # w13 [4, 2I, H], w2 [4, H, I]
     for w, sc, (wq, ws) in ((p.w13, p.w13_scale, args[:2]), (p.w2, p.w2_scale, args[2:])):
         ref = mxfp8.dequantize(wq, ws)
         assert rel(w.float() * sc, ref) <= 1e-5
-    assert p.fp8_weights_fit() and all(a is b for a, b in zip(p.fp8_weights(False), (p.w13, p.w13_scale, p.w2, p.w2_scale)))
+    assert p.fp8_weights_fit() and all(
+        a is b for a, b in zip(p.fp8_weights(False), (p.w13, p.w13_scale, p.w2, p.w2_scale))
+    )
     assert p.fp8_row_scale and p.fp8_blocks is None  # no second copy
     wide = q.w13_weight_scale.clone()
     wide[0, 5, 0] = int(wide[0, 5].max()) - tp.ROW_SCALE_MAX_OCTAVES - 1
     assert not tp.prepare(args[0], wide, *args[2:], *swiglu).rebased
     inf_limit = make_swiglu_params(4, 1.702, 1.0, math.inf, "cpu")
-    assert not tp.prepare(*args, inf_limit["gemm1_alpha"], inf_limit["gemm1_beta"],
-                          inf_limit["gemm1_clamp_limit"]).rebased
+    assert not tp.prepare(
+        *args, inf_limit["gemm1_alpha"], inf_limit["gemm1_beta"], inf_limit["gemm1_clamp_limit"]
+    ).rebased
     kept = tp.prepare(*args, *swiglu, rebase=False)
     assert not kept.rebased and kept.w13 is args[0] and kept.wmode1 == 1
 
@@ -636,8 +743,15 @@ def test_rebase_at_load_needs_room_on_the_device(monkeypatch, caplog):
     than REBASE_MARGIN x rebase_bytes (rebased e4m3 + fp32 row scales + one expert's fp32 temporaries) the
     layer keeps the stored layout and says so once, instead of running out of memory at load."""
     q = make_quant(4, 256, 128, "cpu", swiglu=make_swiglu_params(4, 1.702, 1.0, 7.0, "cpu"))
-    args = (q.w13_weight, q.w13_weight_scale, q.w2_weight, q.w2_weight_scale,
-            q.gemm1_alpha, q.gemm1_beta, q.gemm1_clamp_limit)
+    args = (
+        q.w13_weight,
+        q.w13_weight_scale,
+        q.w2_weight,
+        q.w2_weight_scale,
+        q.gemm1_alpha,
+        q.gemm1_beta,
+        q.gemm1_clamp_limit,
+    )
     need = tp.rebase_bytes(q.w13_weight, q.w2_weight)  # w13 [4, 256, 256], w2 [4, 256, 128]
     assert need == 4 * 256 * 256 + 4 * 256 * 128 + 4 * 4 * (256 + 256) + 2 * 4 * 256 * 256
     assert tp.device_free_bytes(torch.device("cpu")) is None and tp.prepare(*args).rebased  # host: no check
@@ -670,8 +784,16 @@ def test_fp8_prefill_copy_is_skipped_when_it_does_not_fit(monkeypatch):
     """A resident model leaves no room for the FP8 path's rebased copy of the experts: the check says
     no (prefill then stays on W8A16) instead of allocating it and dying out of memory."""
     q = make_quant(4, 256, 128, "cpu")
-    p = tp.prepare(q.w13_weight, q.w13_weight_scale, q.w2_weight, q.w2_weight_scale,
-                   q.gemm1_alpha, q.gemm1_beta, q.gemm1_clamp_limit, rebase=False)  # the copy would be a second one
+    p = tp.prepare(
+        q.w13_weight,
+        q.w13_weight_scale,
+        q.w2_weight,
+        q.w2_weight_scale,
+        q.gemm1_alpha,
+        q.gemm1_beta,
+        q.gemm1_clamp_limit,
+        rebase=False,
+    )  # the copy would be a second one
     need = (p.w13.numel() + p.w2.numel()) * (1 + 4 / tc.FP8_BLOCK_K)  # 4*256*256 + 4*256*128 elements
     assert need == (4 * 256 * 256 + 4 * 256 * 128) * (1 + 4 / 128)
     monkeypatch.setattr(tp, "device_free_bytes", lambda dev: int(need))

@@ -9,6 +9,7 @@ elsewhere). What is proven on CPU (docs/moe-backends.md; kernel API of flashinfe
   (d) non-default per-expert alpha/beta/limit reach the kwargs and change the math;
   (e) unsupported devices raise BackendUnavailable naming the capability, without importing flashinfer.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -49,6 +50,7 @@ REL_GPU_VS_EMULATION = 2e-2  # real kernel vs this emulation on identical inputs
 # Fixtures: canonical tensors as the converter writes them ([gate; up], linear uint8 scales)
 # ---------------------------------------------------------------------------------------------------
 
+
 def _mxfp8_weights(shape, gen) -> tuple[torch.Tensor, torch.Tensor]:
     """Random weights whose 32-blocks differ in magnitude by up to 2^6, so every scale byte matters."""
     w = torch.randn(shape, generator=gen) * shape[-1] ** -0.5
@@ -62,9 +64,12 @@ def make_layer(seed=0, swiglu=None, rsf=RSF):
     w2, s2 = _mxfp8_weights((E, H, I), gen)
     params = swiglu if swiglu is not None else make_swiglu_params(E, **M3_SWIGLU, device="cpu")
     quant = MoeQuantInfo(w13, s13, w2, s2, **params)
-    routing = MoeRouting(router_weight=torch.randn(E, H, generator=gen) * H ** -0.5,
-                         e_score_correction_bias=torch.randn(E, generator=gen) * 0.3,
-                         top_k=TOP_K, routed_scaling_factor=rsf)
+    routing = MoeRouting(
+        router_weight=torch.randn(E, H, generator=gen) * H**-0.5,
+        e_score_correction_bias=torch.randn(E, generator=gen) * 0.3,
+        top_k=TOP_K,
+        routed_scaling_factor=rsf,
+    )
     hidden = torch.randn(T, H, generator=gen)
     return quant, routing, hidden
 
@@ -93,10 +98,11 @@ def swap_halves(t):  # [2I, ...] [gate; up] -> [up; gate] (gemm1 row order, docs
 # The kernel's view of the prepared tensors, written from the C++ / doc (independent of porter's code)
 # ---------------------------------------------------------------------------------------------------
 
+
 def sf_offset_128x4(r, c, cols):
     """fp4Op.cpp computeSFIndex, SWIZZLED_128x4 (rows padded to 128, columns to 4)."""
     padded_cols = (cols + 3) // 4 * 4
-    return (c % 4 + (c // 4) * 4 * 128 + (r % 32) * 16 + (r % 128 // 32) * 4 + (r // 128) * 128 * padded_cols)
+    return c % 4 + (c // 4) * 4 * 128 + (r % 32) * 16 + (r % 128 // 32) * 4 + (r // 128) * 128 * padded_cols
 
 
 def unswizzle(phys):  # uint8 [E, R, C] swizzled bytes -> linear [E, R, C]
@@ -179,8 +185,9 @@ def emulate_kernel(kw, quantize_intermediate=True, out_dtype=torch.bfloat16):
     assert kw["use_shuffled_weight"] and kw["weight_layout"] == fim.WeightLayout.MajorK
     assert kw["activation_type"] == fim.ActivationType.Swiglu.value and kw["do_finalize"]
     if "routing_logits" in kw:
-        ids, weights = minimax2_routing(kw["routing_logits"], kw["routing_bias"], kw["top_k"],
-                                        kw["routed_scaling_factor"])
+        ids, weights = minimax2_routing(
+            kw["routing_logits"], kw["routing_bias"], kw["top_k"], kw["routed_scaling_factor"]
+        )
     else:
         ids, weights = precomputed_routing(kw["topk_ids"])
         assert kw["routed_scaling_factor"] is None  # would not be applied by the kernel anyway
@@ -191,7 +198,9 @@ def emulate_kernel(kw, quantize_intermediate=True, out_dtype=torch.bfloat16):
     n_local = kw["local_num_experts"]
     alpha = kw["gemm1_alpha"] if kw["gemm1_alpha"] is not None else torch.ones(n_local)
     beta = kw["gemm1_beta"] if kw["gemm1_beta"] is not None else torch.zeros(n_local)
-    limit = kw["gemm1_clamp_limit"] if kw["gemm1_clamp_limit"] is not None else torch.full((n_local,), torch.inf)
+    limit = (
+        kw["gemm1_clamp_limit"] if kw["gemm1_clamp_limit"] is not None else torch.full((n_local,), torch.inf)
+    )
     out = torch.zeros(x.shape[0], down.shape[1])
     for e in range(n_local):
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
@@ -199,7 +208,9 @@ def emulate_kernel(kw, quantize_intermediate=True, out_dtype=torch.bfloat16):
             continue
         act = gated_act(x[tok] @ up[e].t(), x[tok] @ gate[e].t(), alpha[e], beta[e], limit[e])  # [n, I]
         if quantize_intermediate:  # FC1 epilogue re-quantizes to MXFP8 for GEMM2, from bf16 as FlashInfer's
-            act = flashinfer_mxfp8_fake_quantize(act.to(torch.bfloat16).float())  # reference (run_moe_dequant)
+            act = flashinfer_mxfp8_fake_quantize(
+                act.to(torch.bfloat16).float()
+            )  # reference (run_moe_dequant)
         out.index_add_(0, tok, (act @ down[e].t()) * weights[tok, slot].unsqueeze(1))
     return out.to(out_dtype)
 
@@ -208,8 +219,10 @@ def emulate_kernel(kw, quantize_intermediate=True, out_dtype=torch.bfloat16):
 # (a) weight preparation
 # ---------------------------------------------------------------------------------------------------
 
+
 def _fi_swizzle(sf):  # flashinfer's pure-torch 128x4 swizzle helper (flat bytes)
     from flashinfer.diffusion_ops.minimax_h3_fc1_swiglu import _swizzle_sf_128x4
+
     return _swizzle_sf_128x4(sf)
 
 
@@ -248,7 +261,9 @@ def test_w13_permutation_equals_flashinfers_combined_index():
 
 @pytest.mark.parametrize("rows,cols", [(128, 4), (256, 8), (384, 12)])
 def test_swizzle_matches_cpp_index_formula(rows, cols):
-    sf = torch.randint(0, 255, (2, rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(rows))
+    sf = torch.randint(
+        0, 255, (2, rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(rows)
+    )
     out = fi_moe.swizzle_scales_128x4(sf)
     flat = out.reshape(2, -1)
     for r in range(rows):  # scalar loop, exactly as blockScaleInterleaveHost writes it
@@ -257,6 +272,7 @@ def test_swizzle_matches_cpp_index_formula(rows, cols):
     # flashinfer's own pure-torch forward and inverse helpers agree
     from flashinfer.gemm.gemm_bf16_fp4 import _unswizzle_sf_128x4
     from flashinfer.trace.templates.gemm import _unswizzle_batched_sf_128x4
+
     assert torch.equal(flat[0], _fi_swizzle(sf[0]))
     assert torch.equal(_unswizzle_sf_128x4(flat[0], rows, cols).reshape(rows, cols), sf[0])
     assert torch.equal(_unswizzle_batched_sf_128x4(out.reshape(-1), 2, rows, cols), sf)
@@ -265,12 +281,23 @@ def test_swizzle_matches_cpp_index_formula(rows, cols):
 def test_round_trip_recovers_canonical_tensors(layer, backend):
     """Undo with the inverse permutations + flashinfer's unswizzle: the exact canonical bytes return."""
     from flashinfer.trace.templates.gemm import _unswizzle_batched_sf_128x4
+
     quant = layer[0]
     for prep_w, prep_s, rows, ref_w, ref_s in [
-        (backend.gemm1_weights, backend.gemm1_weights_scale, fi_moe.w13_row_permutation(2 * I),
-         quant.w13_weight, quant.w13_weight_scale),
-        (backend.gemm2_weights, backend.gemm2_weights_scale, fi_moe.w2_row_permutation(H),
-         quant.w2_weight, quant.w2_weight_scale),
+        (
+            backend.gemm1_weights,
+            backend.gemm1_weights_scale,
+            fi_moe.w13_row_permutation(2 * I),
+            quant.w13_weight,
+            quant.w13_weight_scale,
+        ),
+        (
+            backend.gemm2_weights,
+            backend.gemm2_weights_scale,
+            fi_moe.w2_row_permutation(H),
+            quant.w2_weight,
+            quant.w2_weight_scale,
+        ),
     ]:
         assert torch.equal(torch.sort(rows).values, torch.arange(rows.numel()))  # a permutation
         inverse = torch.argsort(rows)
@@ -285,8 +312,10 @@ def test_kernel_view_pairs_up_and_gate(layer, backend):
     up, gate = kernel_gemm1(backend.gemm1_weights, backend.gemm1_weights_scale)
     dense = mxfp8.dequantize(quant.w13_weight, quant.w13_weight_scale)  # [E, 2I, H] [gate; up]
     assert torch.equal(gate, dense[:, :I]) and torch.equal(up, dense[:, I:])
-    assert torch.equal(kernel_gemm2(backend.gemm2_weights, backend.gemm2_weights_scale),
-                       mxfp8.dequantize(quant.w2_weight, quant.w2_weight_scale))
+    assert torch.equal(
+        kernel_gemm2(backend.gemm2_weights, backend.gemm2_weights_scale),
+        mxfp8.dequantize(quant.w2_weight, quant.w2_weight_scale),
+    )
 
 
 def test_prepare_rejects_dims_the_kernel_cannot_take():
@@ -299,20 +328,32 @@ def test_prepare_rejects_dims_the_kernel_cannot_take():
 # (b) kwargs against the installed signatures
 # ---------------------------------------------------------------------------------------------------
 
+
 def _check_common(kw, backend, quant):
     assert kw["fp8_quantization_type"] is fim.Fp8QuantizationType.MxFp8
     assert kw["routing_method_type"] == fim.RoutingMethodType.MiniMax2
     assert kw["weight_layout"] == fim.WeightLayout.MajorK
     assert kw["activation_type"] == fim.ActivationType.Swiglu.value
-    # enum values of flashinfer-python 0.7.2.post1 (flashinfer/tllm_enums.py): an alarm if flashinfer renumbers (porter passes the
-    # enum members, not literals)
-    assert (int(kw["fp8_quantization_type"]), kw["routing_method_type"], kw["weight_layout"],
-            kw["activation_type"]) == (2, 7, 0, 3)
+    # enum values of flashinfer-python 0.7.2.post1 (flashinfer/tllm_enums.py): an alarm if flashinfer
+    # renumbers (porter passes the enum members, not literals)
+    assert (
+        int(kw["fp8_quantization_type"]),
+        kw["routing_method_type"],
+        kw["weight_layout"],
+        kw["activation_type"],
+    ) == (2, 7, 0, 3)
     assert kw["use_shuffled_weight"] is True and kw["do_finalize"] is True
     assert kw["n_group"] is None and kw["topk_group"] is None
-    assert (kw["num_experts"], kw["intermediate_size"], kw["local_expert_offset"], kw["local_num_experts"]) \
-        == (E, I, 0, E)
-    assert kw["gemm1_weights"] is backend.gemm1_weights and kw["gemm2_weights_scale"] is backend.gemm2_weights_scale
+    assert (
+        kw["num_experts"],
+        kw["intermediate_size"],
+        kw["local_expert_offset"],
+        kw["local_num_experts"],
+    ) == (E, I, 0, E)
+    assert (
+        kw["gemm1_weights"] is backend.gemm1_weights
+        and kw["gemm2_weights_scale"] is backend.gemm2_weights_scale
+    )
     for name in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"):
         t = kw[name]
         assert t is getattr(quant, name)
@@ -366,10 +407,13 @@ def test_pack_topk_layout(layer):
 # (c) emulated kernel math on the prepared tensors == the torch backend
 # ---------------------------------------------------------------------------------------------------
 
+
 def test_emulated_routing_equals_porter_route(layer, backend):
     _, routing, hidden = layer
     kw = backend.kernel_kwargs(hidden)
-    ids_k, w_k = minimax2_routing(kw["routing_logits"], kw["routing_bias"], TOP_K, kw["routed_scaling_factor"])
+    ids_k, w_k = minimax2_routing(
+        kw["routing_logits"], kw["routing_bias"], TOP_K, kw["routed_scaling_factor"]
+    )
     ids_p, w_p = route(hidden, routing)
     assert torch.equal(ids_k, ids_p)
     assert torch.allclose(w_k, (w_p * RSF).to(torch.bfloat16).float(), rtol=0, atol=0)
@@ -380,8 +424,11 @@ def test_emulation_tight_against_torch_with_same_activations(layer, backend):
     layout differs from TorchMoE, so the two agree to fp32 round-off."""
     quant, routing, hidden = layer
     ids, weights = route(hidden, routing)
-    emulated = emulate_kernel(backend.routed_kernel_kwargs(hidden, ids, weights),
-                              quantize_intermediate=False, out_dtype=torch.float32)
+    emulated = emulate_kernel(
+        backend.routed_kernel_kwargs(hidden, ids, weights),
+        quantize_intermediate=False,
+        out_dtype=torch.float32,
+    )
     reference = TorchMoE(quant, routing).forward_topk(mxfp8.fake_quantize(hidden), ids, weights)
     assert rel(emulated, reference) <= REL_TIGHT
 
@@ -405,8 +452,9 @@ def test_torch_serving_numerics_equal_the_emulated_kernel():
     for seed in range(3):
         quant, routing, hidden = make_layer(seed)
         ids, weights = route(hidden, routing)
-        emulated = emulate_kernel(TrtllmMoE(quant, routing).routed_kernel_kwargs(hidden, ids, weights),
-                                  out_dtype=torch.float32)
+        emulated = emulate_kernel(
+            TrtllmMoE(quant, routing).routed_kernel_kwargs(hidden, ids, weights), out_dtype=torch.float32
+        )
         serving = TorchMoE(quant, routing, numerics="serving").forward_topk(hidden, ids, weights)
         assert rel(serving, emulated) <= REL_SERVING, (seed, rel(serving, emulated))
         # the serving numerics are the kernel's, not the W8A16 reference's (measured 4.5e-2 .. 4.7e-2)
@@ -419,7 +467,7 @@ def test_torch_serving_numerics_close_to_full_kernel_emulation(layer, backend):
     (measured 2.6e-3)."""
     quant, routing, hidden = layer
     serving = TorchMoE(quant, routing, numerics="serving")(hidden)
-    assert rel(emulate_kernel(backend.kernel_kwargs(hidden)), serving) <= 2 ** -7
+    assert rel(emulate_kernel(backend.kernel_kwargs(hidden)), serving) <= 2**-7
 
 
 def test_emulated_intermediate_quantizer_equals_porters(layer):
@@ -429,8 +477,9 @@ def test_emulated_intermediate_quantizer_equals_porters(layer):
     dense = mxfp8.dequantize(quant.w13_weight[0], quant.w13_weight_scale[0])  # [2I, H]
     gate_up = hidden @ dense.t()
     from runtime.moe.contract import swiglu_oai
+
     act = swiglu_oai(gate_up[:, :I], gate_up[:, I:], 1.702, 1.0, 7.0)  # [T, I] fp32
-    edge = torch.tensor([0.0, 448.0 * 2.0 ** -127, 448.0 * 2.0 ** -126, 448.0, -448.0 * 2 ** 20])
+    edge = torch.tensor([0.0, 448.0 * 2.0**-127, 448.0 * 2.0**-126, 448.0, -448.0 * 2**20])
     act[:5, :32] = edge[:, None] * torch.linspace(-1, 1, 32)
     assert torch.equal(flashinfer_mxfp8_fake_quantize(act), mxfp8.fake_quantize_activations(act))
 
@@ -441,7 +490,7 @@ def test_logits_and_routed_paths_agree(layer, backend):
     by_logits = emulate_kernel(backend.kernel_kwargs(hidden), out_dtype=torch.float32)
     routed_kw = backend.routed_kernel_kwargs(hidden, ids, weights)
     by_routed = emulate_kernel(routed_kw, out_dtype=torch.float32)
-    assert rel(by_logits, by_routed) <= 2 ** -8  # only the bf16 rounding of the routing weights differs
+    assert rel(by_logits, by_routed) <= 2**-8  # only the bf16 rounding of the routing weights differs
     packed_kw = dict(routed_kw, topk_ids=fi_moe.pack_topk(ids, weights * RSF))
     assert torch.equal(emulate_kernel(packed_kw, out_dtype=torch.float32), by_logits)
 
@@ -450,10 +499,13 @@ def test_logits_and_routed_paths_agree(layer, backend):
 # (d) per-expert alpha / beta / limit
 # ---------------------------------------------------------------------------------------------------
 
+
 def _per_expert(alpha, beta, limit):
-    return {"gemm1_alpha": torch.tensor(alpha, dtype=torch.float32),
-            "gemm1_beta": torch.tensor(beta, dtype=torch.float32),
-            "gemm1_clamp_limit": torch.tensor(limit, dtype=torch.float32)}
+    return {
+        "gemm1_alpha": torch.tensor(alpha, dtype=torch.float32),
+        "gemm1_beta": torch.tensor(beta, dtype=torch.float32),
+        "gemm1_clamp_limit": torch.tensor(limit, dtype=torch.float32),
+    }
 
 
 def _tight_pair(swiglu):
@@ -467,8 +519,11 @@ def _tight_pair(swiglu):
 
 
 def test_non_default_swiglu_params_reach_kwargs_and_math():
-    custom = _per_expert([1.0 + 0.25 * e for e in range(E)], [0.5 - 0.2 * e for e in range(E)],
-                         [2.0 + 0.5 * e for e in range(E)])
+    custom = _per_expert(
+        [1.0 + 0.25 * e for e in range(E)],
+        [0.5 - 0.2 * e for e in range(E)],
+        [2.0 + 0.5 * e for e in range(E)],
+    )
     routed_kw, logits_kw, emulated, reference = _tight_pair(custom)
     for kw in (routed_kw, logits_kw):
         for name, value in custom.items():
@@ -494,11 +549,14 @@ def test_each_swiglu_param_changes_emulated_output(layer, backend, changed):
 # (e) support checks: one clear error, no flashinfer import on other paths
 # ---------------------------------------------------------------------------------------------------
 
+
 def test_check_supported_on_cpu_names_capability():
     with pytest.raises(BackendUnavailable) as err:
         TrtllmMoE.check_supported(torch.device("cpu"))
     msg = str(err.value)
-    assert "device cpu" in msg and "SM100" in msg and "SM103" in msg and "SM107" in msg and "flashinfer" in msg
+    assert (
+        "device cpu" in msg and "SM100" in msg and "SM103" in msg and "SM107" in msg and "flashinfer" in msg
+    )
     assert "\n" not in msg
     with pytest.raises(BackendUnavailable, match="SM100"):
         resolve_backend("flashinfer-trtllm", torch.device("cpu"))
@@ -525,6 +583,7 @@ def test_flashinfer_api_check(monkeypatch):
 
     def old_routed_moe(topk_ids, routing_bias, hidden_states):  # a pre-0.6.13 signature
         raise AssertionError("never called")
+
     monkeypatch.setattr(fim, "trtllm_fp8_block_scale_routed_moe", old_routed_moe)
     with pytest.raises(BackendUnavailable, match=r"lacks old_routed_moe\(gemm1_alpha=\)"):
         fi_moe.check_flashinfer_api()
@@ -540,21 +599,29 @@ def test_calling_on_cpu_raises_instead_of_launching(layer, backend):
 
 def test_unquantized_weights_rejected(layer):
     quant, routing, _ = layer
-    plain = MoeQuantInfo(mxfp8.dequantize(quant.w13_weight, quant.w13_weight_scale), None,
-                         mxfp8.dequantize(quant.w2_weight, quant.w2_weight_scale), None,
-                         quant.gemm1_alpha, quant.gemm1_beta, quant.gemm1_clamp_limit)
+    plain = MoeQuantInfo(
+        mxfp8.dequantize(quant.w13_weight, quant.w13_weight_scale),
+        None,
+        mxfp8.dequantize(quant.w2_weight, quant.w2_weight_scale),
+        None,
+        quant.gemm1_alpha,
+        quant.gemm1_beta,
+        quant.gemm1_clamp_limit,
+    )
     with pytest.raises(BackendUnavailable, match="MXFP8"):
         TrtllmMoE(plain, routing)
 
 
 def test_other_paths_do_not_import_flashinfer():
-    code = ("import sys, torch\n"
-            "from runtime.moe import resolve_backend, BackendUnavailable\n"
-            "from runtime.moe.flashinfer_trtllm import TrtllmMoE\n"
-            "from runtime.moe.torch_backend import TorchMoE\n"
-            "assert resolve_backend('auto', torch.device('cpu')) == 'torch'\n"
-            "try:\n    TrtllmMoE.check_supported('cpu')\nexcept BackendUnavailable:\n    pass\n"
-            "assert 'flashinfer' not in sys.modules, 'flashinfer imported'\n")
+    code = (
+        "import sys, torch\n"
+        "from runtime.moe import resolve_backend, BackendUnavailable\n"
+        "from runtime.moe.flashinfer_trtllm import TrtllmMoE\n"
+        "from runtime.moe.torch_backend import TorchMoE\n"
+        "assert resolve_backend('auto', torch.device('cpu')) == 'torch'\n"
+        "try:\n    TrtllmMoE.check_supported('cpu')\nexcept BackendUnavailable:\n    pass\n"
+        "assert 'flashinfer' not in sys.modules, 'flashinfer imported'\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
@@ -563,8 +630,10 @@ def test_other_paths_do_not_import_flashinfer():
 # On a Blackwell GPU only (skipped here): the real kernel and flashinfer's CUDA swizzle
 # ---------------------------------------------------------------------------------------------------
 
+
 def _blackwell() -> bool:
     from runtime.moe import TRTLLM_CAPABILITIES
+
     return torch.cuda.is_available() and torch.cuda.get_device_capability() in TRTLLM_CAPABILITIES
 
 
@@ -584,8 +653,15 @@ def test_cpu_swizzle_equals_shuffle_matrix_sf_a_on_gpu(layer, backend):
 @pytest.mark.skipif(not _blackwell(), reason="needs an SM100/103/107 GPU")
 def test_kernel_on_blackwell_matches_emulation(layer):
     quant, routing, hidden = layer
-    fields = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale",
-              "gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
+    fields = (
+        "w13_weight",
+        "w13_weight_scale",
+        "w2_weight",
+        "w2_weight_scale",
+        "gemm1_alpha",
+        "gemm1_beta",
+        "gemm1_clamp_limit",
+    )
     quant_gpu = MoeQuantInfo(*(getattr(quant, f).cuda() for f in fields))
     routing_gpu = MoeRouting(routing.router_weight.cuda(), routing.e_score_correction_bias.cuda(), TOP_K, RSF)
     moe = TrtllmMoE(quant_gpu, routing_gpu)
@@ -641,8 +717,15 @@ def test_kernel_on_blackwell_matches_torch_serving_numerics(layer, monkeypatch):
     before its quantization (FlashInfer's MoE reference, which porter follows) or not moves the layer by
     1.4-1.5e-2 on CPU, so this also tells which of the two the FC1 epilogue does."""
     quant, routing, hidden = layer
-    fields = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale",
-              "gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
+    fields = (
+        "w13_weight",
+        "w13_weight_scale",
+        "w2_weight",
+        "w2_weight_scale",
+        "gemm1_alpha",
+        "gemm1_beta",
+        "gemm1_clamp_limit",
+    )
     quant_gpu = MoeQuantInfo(*(getattr(quant, f).cuda() for f in fields))
     routing_gpu = MoeRouting(routing.router_weight.cuda(), routing.e_score_correction_bias.cuda(), TOP_K, RSF)
     x = hidden.cuda().to(torch.bfloat16)
@@ -650,7 +733,11 @@ def test_kernel_on_blackwell_matches_torch_serving_numerics(layer, monkeypatch):
     kernel = TrtllmMoE(quant_gpu, routing_gpu).forward_topk(x, ids, weights).float()
     serving = TorchMoE(quant_gpu, routing_gpu, numerics="serving").forward_topk(x, ids, weights).float()
     import runtime.moe.torch_backend as torch_backend
-    monkeypatch.setattr(torch_backend, "serving_intermediate", lambda a: mxfp8.fake_quantize_activations(
-        a, a.dtype, "moe intermediate"))  # the other reading: no bf16 rounding before the quantizer
+
+    monkeypatch.setattr(
+        torch_backend,
+        "serving_intermediate",
+        lambda a: mxfp8.fake_quantize_activations(a, a.dtype, "moe intermediate"),
+    )  # the other reading: no bf16 rounding before the quantizer
     fp32_first = TorchMoE(quant_gpu, routing_gpu, numerics="serving").forward_topk(x, ids, weights).float()
     assert rel(kernel, serving) <= 5e-3, (rel(kernel, serving), rel(kernel, fp32_first))

@@ -4,6 +4,7 @@ expert and shard; bad input exits 2; layer streaming equals the full run in a fr
 Tampering (tests/verify_tamper.py) rewrites one tensor in place in its shard; `reseal=True` also fixes
 porter.json (tensor and shard sha256) so integrity passes and only the comparison with the reference
 (the exact re-derivation, then the numerics) can catch it. Planted converter bugs: test_verify_mapping.py."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,12 +17,20 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from verify_tamper import (
+    copy_artifact,
+    edit_config,
+    flip_byte,
+    nudge_e4m3,
+    rewrite_tensor,
+    shift_scales,
+    swap_gate_up,
+    zero_scales,
+)
 
 import porter
 from porter.cli import main
 from porter.commands.verify import DEFAULT_PROMPT, Thresholds, verify
-from verify_tamper import (copy_artifact, edit_config, flip_byte, nudge_e4m3, rewrite_tensor, shift_scales,
-                           swap_gate_up, zero_scales)
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYER = 2  # the tampered MoE layer (layers 1-3 are MoE in the tiny checkpoint)
@@ -64,9 +73,16 @@ def test_faithful_conversion_passes(artifact, tmp_path):
     assert rep["verdict"] == "pass" and rep["passed"] and rep["failing_layer"] is None
     assert rep["integrity"]["passed"] and rep["integrity"]["issues"] == []
     ex = rep["exact"]
-    assert ex["passed"] and ex["layout"] == "vendor" and ex["rounding"] == "rceil" and ex["unmapped_sources"] == []
+    assert (
+        ex["passed"]
+        and ex["layout"] == "vendor"
+        and ex["rounding"] == "rceil"
+        and ex["unmapped_sources"] == []
+    )
     quantized = [t for t in ex["tensors"] if t["quantized"]]
-    assert len(quantized) == 6 and all(t["mismatched"] == 0 and t["units"] == 8 for t in quantized)  # 3 layers x 2
+    assert len(quantized) == 6 and all(
+        t["mismatched"] == 0 and t["units"] == 8 for t in quantized
+    )  # 3 layers x 2
     # every 32-block of every expert compared: w13 [8, 128, 64] and w2 [8, 64, 64] -> 8*128*2 and 8*64*2 blocks
     assert sorted({t["blocks"] for t in quantized}) == [8 * 64 * 2, 8 * 128 * 2]
     assert all(0.02 < t["weight_error"] < 0.035 for t in quantized)  # rceil MXFP8: ~2.7 % rms
@@ -80,8 +96,15 @@ def test_faithful_conversion_passes(artifact, tmp_path):
     assert rep["layers"][0]["weight_error"] == 0.0  # dense layer: nothing quantized, bit-identical
     assert set(rep["logits"]) >= {"kl", "top1", "top5", "max_abs_diff"}
     gen = rep["generation"][0]
-    assert {"reference_text", "converted_text", "first_divergence", "converted_tokens", "reference_argmax",
-            "kl", "top1"} <= set(gen)
+    assert {
+        "reference_text",
+        "converted_text",
+        "first_divergence",
+        "converted_tokens",
+        "reference_argmax",
+        "kl",
+        "top1",
+    } <= set(gen)
     assert len(gen["converted_tokens"]) == len(gen["kl"]) == len(gen["reference_argmax"]) == 4
     assert rep["prompts"] == [DEFAULT_PROMPT]
     assert rep["thresholds"] == vars(Thresholds())
@@ -123,10 +146,15 @@ def test_scales_shifted_resealed_caught_by_bytes_and_numerics(artifact, tmp_path
     assert ("exact", LAYER) in checks and ("weights", LAYER) in checks and ("layer", LAYER) in checks
     assert all(f.layer in (None, LAYER, LAYER + 1) for f in res.failures)  # nothing upstream blamed
     ex = next(f for f in res.failures if f.check == "exact")
-    assert ex.tensor == W13 and ex.shard == json.loads((art / "porter.json").read_text())["tensors"][W13]["shard"]
+    assert (
+        ex.tensor == W13
+        and ex.shard == json.loads((art / "porter.json").read_text())["tensors"][W13]["shard"]
+    )
     blocks = 8 * 128 * 2  # every non-zero block of every expert moved
-    assert f"{blocks} of {blocks} 32-block(s) differ from the re-derivation ({blocks} with a different scale byte)" \
+    assert (
+        f"{blocks} of {blocks} 32-block(s) differ from the re-derivation ({blocks} with a different scale byte)"
         in ex.message
+    )
     assert rep.layers[LAYER - 1].layer_error < 0.08 and rep.layers[LAYER + 1].layer_error < 0.08
 
 
@@ -135,7 +163,7 @@ def test_one_element_off_by_one_ulp_named_to_the_block(artifact, tmp_path):
     art = tampered(artifact, tmp_path)
     rewrite_tensor(art, W13, nudge_e4m3(EXPERT, 70, 37))  # one e4m3 ulp (never NaN)
     res = verify(art, max_new_tokens=0)
-    ex, = [f for f in res.failures if f.check == "exact"]
+    (ex,) = [f for f in res.failures if f.check == "exact"]
     assert not res.passed and ex.tensor == W13 and ex.expert == EXPERT and ex.value == 1
     assert f"first at expert {EXPERT}, row 70, block 1 (elements 32..63)" in ex.message
     assert not any(f.check == "weights" for f in res.failures)  # the second opinion alone would pass it
@@ -161,7 +189,9 @@ def test_gate_up_swapped_in_one_expert(artifact, tmp_path):
     assert ex.tensor == W13 and ex.expert == EXPERT and f"in 1 expert(s) (expert {EXPERT}: " in ex.message
     w = next(f for f in res.failures if f.check == "weights")
     assert w.tensor == W13 and w.expert == EXPERT and w.value > 1.0
-    assert res.report.summary.startswith(f"layer {LAYER}: tensor {W13} (shard model-00001-of-00001.safetensors): ")
+    assert res.report.summary.startswith(
+        f"layer {LAYER}: tensor {W13} (shard model-00001-of-00001.safetensors): "
+    )
 
 
 def test_one_expert_scales_zeroed(artifact, tmp_path):
@@ -179,7 +209,7 @@ def test_shard_checksum_mismatch(artifact, tmp_path):
     flip_byte(art, name, index=10)
     res = verify(art)
     assert not res.passed and res.report.layers == [] and res.report.exact is None  # integrity first
-    f, = res.failures
+    (f,) = res.failures
     assert f.check == "integrity" and f.tensor == name and f.shard == "model-00001-of-00001.safetensors"
 
 
@@ -250,6 +280,7 @@ def test_streaming_numbers_equal_full_run(artifact):
 
 def test_streaming_picked_automatically_when_it_would_not_fit(artifact, monkeypatch):
     import porter.commands.verify.generation as g
+
     monkeypatch.setattr(g, "memory_available", lambda device: 1 << 20)  # 1 MB free
     res = verify(artifact)
     st = res.report.streaming
@@ -276,14 +307,19 @@ print(json.dumps({{"hwm_kb": hwm, "numbers": [d["layers"], d["logits"], d["gener
 
 def _peak(art: Path, mode: str) -> dict:
     # VmHWM of a fresh child (not ru_maxrss: that survives exec and starts from the parent's peak)
-    res = subprocess.run([sys.executable, "-c", MEASURE.format(root=str(ROOT)), str(art), mode],
-                         capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-c", MEASURE.format(root=str(ROOT)), str(art), mode],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 def test_streaming_peak_memory_under_40_percent_of_full_load(tmp_path):
     from tiny_checkpoint import build_tiny_checkpoint, synthetic_overrides
+
     # 8 layers (7 MoE x 16 experts of 3 x [1024, 1024]): ~0.74 GB bf16 source, ~0.41 GB artifact
     src = build_tiny_checkpoint(tmp_path / "src", text_overrides=synthetic_overrides(8), max_shard_tensors=64)
     art = tmp_path / "art"
@@ -300,6 +336,7 @@ def test_a_bug_inside_a_step_is_exit_3_never_not_faithful(artifact, monkeypatch)
 
     def broken(*a, **k):
         raise RuntimeError("index out of range in a kernel")
+
     monkeypatch.setattr(v, "compare_models", broken)
     res = CliRunner().invoke(main, ["-q", "verify", str(artifact), "--max-new-tokens", "0"])
     assert res.exit_code == 3 and "internal error: RuntimeError: index out of range" in res.output

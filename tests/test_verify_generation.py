@@ -1,6 +1,7 @@
 """Generation at scale: the converted model generates, the reference is scored by one teacher-forced pass.
 Those numbers equal what a token-by-token run of both models gives (KV cache, one step per token), and
 verify says what each pass costs before it runs."""
+
 from __future__ import annotations
 
 import logging
@@ -13,7 +14,10 @@ import runtime
 from porter.commands.verify import verify
 from porter.commands.verify.numerics import kl_per_position
 
-PROMPTS = ["Hello world, hello porter.", "The sparse attention keeps the best blocks of keys for each query. " * 2]
+PROMPTS = [
+    "Hello world, hello porter.",
+    "The sparse attention keeps the best blocks of keys for each query. " * 2,
+]
 N = 6
 
 
@@ -39,19 +43,28 @@ def per_token(model, ids: torch.Tensor, tokens: list) -> torch.Tensor:
 def test_teacher_forced_equals_per_token(artifact, tiny_vendor):
     rep = verify(artifact, prompts=PROMPTS, max_new_tokens=N).report
     from tokenizers import Tokenizer
+
     tok = Tokenizer.from_file(str(tiny_vendor / "tokenizer.json"))
     ref, conv = runtime.load(tiny_vendor), runtime.load(artifact)
     assert len(rep.generation) == 2
     for g, prompt in zip(rep.generation, PROMPTS):
         ids = torch.tensor([tok.encode(prompt).ids])
-        assert g.converted_tokens == conv.generate(ids, N)[0, ids.shape[1]:].tolist() and len(g.converted_tokens) == N
+        assert (
+            g.converted_tokens == conv.generate(ids, N)[0, ids.shape[1] :].tolist()
+            and len(g.converted_tokens) == N
+        )
         lr, lc = per_token(ref, ids, g.converted_tokens), per_token(conv, ids, g.converted_tokens)
         assert lc.argmax(-1).tolist() == g.converted_tokens  # greedy: the converted model's own choices
         assert lr.argmax(-1).tolist() == g.reference_argmax
         kl = kl_per_position(lr, lc)
-        assert torch.allclose(torch.tensor(g.kl, dtype=torch.float64), kl, rtol=1e-5, atol=1e-7), (g.kl, kl)  # measured: 2e-8
+        assert torch.allclose(torch.tensor(g.kl, dtype=torch.float64), kl, rtol=1e-5, atol=1e-7), (
+            g.kl,
+            kl,
+        )  # measured: 2e-8
         assert g.top1 == (lr.argmax(-1) == lc.argmax(-1)).double().tolist()
-        want = next((j for j, (a, b) in enumerate(zip(g.reference_argmax, g.converted_tokens)) if a != b), None)
+        want = next(
+            (j for j, (a, b) in enumerate(zip(g.reference_argmax, g.converted_tokens)) if a != b), None
+        )
         assert g.first_divergence == want
 
 
@@ -69,6 +82,7 @@ def test_costs_printed_before_running(artifact, caplog):
 
 def test_no_generation_when_the_converted_model_does_not_fit(artifact, monkeypatch):
     import porter.commands.verify.generation as g
+
     monkeypatch.setattr(g, "memory_available", lambda device: 1 << 20)
     rep = verify(artifact).report
     assert rep.max_new_tokens == 0 and rep.generation == [] and rep.streaming.enabled
@@ -79,8 +93,10 @@ def test_no_generation_when_the_converted_model_does_not_fit(artifact, monkeypat
 def test_prompts_generate_as_one_padded_batch(artifact):
     """Left-padded prompts of different lengths decode together and give what each gives alone."""
     from porter.commands.verify import generation as g
+
     conv = runtime.load(artifact)
     from tokenizers import Tokenizer
+
     tok = Tokenizer.from_file(str(artifact / "tokenizer.json"))
     ids = [torch.tensor([tok.encode(p).ids]) for p in PROMPTS + ["Hello"]]
     assert len({x.shape[1] for x in ids}) == 3
@@ -97,10 +113,14 @@ def test_device_map_choice_spreads_generation_over_gpus_only_when_asked(monkeypa
     """--device-map auto with a bare cuda device and two GPUs budgets both GPUs' free bytes and loads with
     device_map="auto"; --device-map none, or an indexed device, keeps the model on that one device."""
     import porter.commands.verify.generation as g
+
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     free = {0: 70 << 30, 1: 50 << 30}
-    monkeypatch.setattr(g, "memory_available",
-                        lambda d: free[d.index if d.index is not None else 0] if d.type == "cuda" else 1 << 30)
+    monkeypatch.setattr(
+        g,
+        "memory_available",
+        lambda d: free[d.index if d.index is not None else 0] if d.type == "cuda" else 1 << 30,
+    )
     cuda = torch.device("cuda")
     assert g.generation_budget(cuda, "auto") == (120 << 30, "auto")
     assert g.generation_budget(cuda, None) == (70 << 30, None)

@@ -1,5 +1,6 @@
 """porter verify finds its reference through the Hugging Face cache when the artifact came from a repo id
 (a local path or the Hugging Face cache); offline, from a hand-made cache."""
+
 import json
 import shutil
 
@@ -15,6 +16,7 @@ SHA = "89abcdef0123456789abcdef0123456789abcdef"
 @pytest.fixture()
 def hub_artifact(tiny_vendor, tmp_path, monkeypatch):
     import huggingface_hub.constants as c
+
     cache = tmp_path / "hub"
     repo = cache / "models--MiniMaxAI--Tiny-M3"
     shutil.copytree(tiny_vendor, repo / "snapshots" / SHA)

@@ -5,6 +5,7 @@ tiny checkpoint with the bug (porter.json is then consistent with the wrong byte
 keeps the bug in place while verifying, so anything that asks the converter's plan (the runtime's
 SourceStore included) sees the same wrong layout. Only verify's independent table can catch it: exit 1,
 naming the tensor (and the expert). Also: a tampered shard header and an edited index are named."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,13 +14,13 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from verify_tamper import copy_artifact, reseal_shard
 
 import converters
 import porter
 from porter.cli import main
 from porter.commands.verify import verify
 from porter.source.local import read_header
-from verify_tamper import copy_artifact, reseal_shard
 
 arch = converters.get("minimax_m3_vl")  # the MiniMax-M3 converter
 
@@ -37,8 +38,15 @@ def plant(monkeypatch, tensor: str, wrong_rows):
 
     def buggy_plan(*args, **kwargs):
         out = original(*args, **kwargs)
-        return [dataclasses.replace(t, read_expert_rows=lambda read, e, f=t.read_expert_rows: wrong_rows(f, read, e))
-                if t.name == tensor else t for t in out]
+        return [
+            dataclasses.replace(
+                t, read_expert_rows=lambda read, e, f=t.read_expert_rows: wrong_rows(f, read, e)
+            )
+            if t.name == tensor
+            else t
+            for t in out
+        ]
+
     monkeypatch.setattr(arch, "plan_tensors", buggy_plan)
 
 
@@ -55,7 +63,10 @@ def test_gate_up_reversed_when_stacking(tiny_vendor, tmp_path, monkeypatch):
     res = convert_and_verify(tiny_vendor, tmp_path / "art")
     assert res.exit_code == 1, res.output
     assert "integrity: ok" in res.output  # the artifact is what porter.json says: the bug is in the plan
-    assert f"verdict: FAIL — layer {LAYER}: tensor {W13} (shard model-00001-of-00001.safetensors): " in res.output
+    assert (
+        f"verdict: FAIL — layer {LAYER}: tensor {W13} (shard model-00001-of-00001.safetensors): "
+        in res.output
+    )
     assert "in 8 expert(s)" in res.output  # every expert of the layer
 
 
@@ -64,6 +75,7 @@ def test_gate_up_reversed_transformers_layout(tiny_transformers, tmp_path, monke
         (w,) = f(read, e)  # fused [2I, H]
         i = w.shape[0] // 2
         return [w[i:], w[:i]]
+
     plant(monkeypatch, W13, swap_halves)
     res = convert_and_verify(tiny_transformers, tmp_path / "art")
     assert res.exit_code == 1 and f"tensor {W13} (shard" in res.output and "in 8 expert(s)" in res.output
@@ -76,7 +88,7 @@ def test_swapped_expert_index(tiny_vendor, tmp_path, monkeypatch):
     assert f"tensor {W2} (shard model-00001-of-00001.safetensors): " in res.output
     assert "in 2 expert(s) (expert 5: " in res.output and "expert 6: " in res.output
     rep = verify(tmp_path / "art", max_new_tokens=0).report
-    bad, = [t for t in rep.exact.tensors if not t.exact]
+    (bad,) = [t for t in rep.exact.tensors if not t.exact]
     assert bad.tensor == W2 and set(bad.mismatched_by_expert) == {5, 6}
 
 
@@ -90,7 +102,9 @@ def test_transposed_w2(tiny_vendor, tmp_path, monkeypatch):
 def test_dropped_source_tensor_named(tiny_vendor, tmp_path, monkeypatch):
     drop = "vision_tower.vision_model.pre_layrnorm.weight"
     original = arch.plan_tensors
-    monkeypatch.setattr(arch, "plan_tensors", lambda *a, **k: [t for t in original(*a, **k) if t.name != drop])
+    monkeypatch.setattr(
+        arch, "plan_tensors", lambda *a, **k: [t for t in original(*a, **k) if t.name != drop]
+    )
     res = convert_and_verify(tiny_vendor, tmp_path / "art")
     assert res.exit_code == 1 and f"source tensor {drop} was not carried into the artifact" in res.output
 
@@ -113,11 +127,11 @@ def rewrite_header(art, name: str, **changes) -> str:
     shard = art / man["tensors"][name]["shard"]
     raw = shard.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     header[name].update(changes)
     new = json.dumps(header, separators=(",", ":")).encode()
     assert len(new) <= n
-    shard.write_bytes(raw[:8] + new + b" " * (n - len(new)) + raw[8 + n:])
+    shard.write_bytes(raw[:8] + new + b" " * (n - len(new)) + raw[8 + n :])
     reseal_shard(man, shard)
     (art / "porter.json").write_text(json.dumps(man, indent=1))
     return shard.name
@@ -129,7 +143,7 @@ def test_tampered_header_named(artifact, tmp_path, change):
     shard = rewrite_header(art, W13, **change)
     assert read_header(art / shard)[W13][next(iter(change))] == next(iter(change.values()))
     res = verify(art, max_new_tokens=0)
-    f, = res.failures
+    (f,) = res.failures
     assert f.check == "integrity" and f.tensor == W13 and f.shard == shard
     assert f"tensor {W13} in shard {shard}: header says " in f.message
 
@@ -145,7 +159,7 @@ def test_tampered_header_and_manifest_caught_by_rederivation(artifact, tmp_path)
     rewrite_header(art, W13 + "_scale", shape=[8, 64, 4])
     res = verify(art, max_new_tokens=0)
     assert res.report.integrity.passed and not res.passed
-    f, = [f for f in res.failures if f.check == "exact"]
+    (f,) = [f for f in res.failures if f.check == "exact"]
     assert f.tensor == W13 and "shape [64, 128] but re-derived from" in f.message
 
 
@@ -165,10 +179,12 @@ def test_edited_index_named(artifact, tmp_path, edit):
     p.write_text(json.dumps(index))
     res = CliRunner().invoke(main, ["-q", "verify", str(art), "--max-new-tokens", "0"])
     assert res.exit_code == 1
-    want = {"moved": f"tensor {name}: index says shard model-00002-of-00002.safetensors, porter.json "
-                     "model-00001-of-00001.safetensors",
-            "dropped": f"tensor {name} is in the porter.json but not the index",
-            "added": f"tensor {name} is in the index but not porter.json"}[edit]
+    want = {
+        "moved": f"tensor {name}: index says shard model-00002-of-00002.safetensors, porter.json "
+        "model-00001-of-00001.safetensors",
+        "dropped": f"tensor {name} is in the porter.json but not the index",
+        "added": f"tensor {name} is in the index but not porter.json",
+    }[edit]
     assert want in res.output
 
 
@@ -176,25 +192,37 @@ def test_edited_index_named(artifact, tmp_path, edit):
 # Every real layout and scope re-derives exactly
 
 
-@pytest.mark.parametrize("layout,gate_up,quantize", [("vendor", "uninterleaved", "all"),
-                                                     ("transformers", "uninterleaved", "all"),
-                                                     ("transformers", "interleaved", "experts")])
+@pytest.mark.parametrize(
+    "layout,gate_up,quantize",
+    [
+        ("vendor", "uninterleaved", "all"),
+        ("transformers", "uninterleaved", "all"),
+        ("transformers", "interleaved", "experts"),
+    ],
+)
 def test_layouts_and_scopes_rederive_exactly(tmp_path, layout, gate_up, quantize):
     from tiny_checkpoint import build_tiny_checkpoint
+
     over = {"gate_up_interleaved": True} if gate_up == "interleaved" else None
     src = build_tiny_checkpoint(tmp_path / "src", layout=layout, seed=1, gate_up=gate_up, text_overrides=over)
     porter.convert(src, tmp_path / "art", quantize=quantize, progress=False)
     rep = verify(tmp_path / "art", max_new_tokens=0).report
     ex = rep.exact
     assert ex.passed and ex.unmapped_sources == [], [t for t in ex.tensors if not t.exact]
-    assert ex.layout == ("vendor" if layout == "vendor" else
-                         "transformers" + (" (interleaved gate/up)" if gate_up == "interleaved" else ""))
+    assert ex.layout == (
+        "vendor"
+        if layout == "vendor"
+        else "transformers" + (" (interleaved gate/up)" if gate_up == "interleaved" else "")
+    )
     quantized = {t.tensor for t in ex.tensors if t.quantized}
     assert "model.layers.1.block_sparse_moe.experts.w13_weight" in quantized
     if quantize == "all":  # fused shared gate_up_proj split by the gate_half / up_half rules
-        assert {"model.layers.1.block_sparse_moe.shared_experts.gate_proj.weight",
-                "model.layers.1.block_sparse_moe.shared_experts.up_proj.weight",
-                "model.layers.1.self_attn.index_q_proj.weight", "model.layers.0.mlp.up_proj.weight"} <= quantized
+        assert {
+            "model.layers.1.block_sparse_moe.shared_experts.gate_proj.weight",
+            "model.layers.1.block_sparse_moe.shared_experts.up_proj.weight",
+            "model.layers.1.self_attn.index_q_proj.weight",
+            "model.layers.0.mlp.up_proj.weight",
+        } <= quantized
     assert rep.passed, rep.summary
 
 
@@ -202,6 +230,7 @@ def test_hf_artifact_layout_rederives_exactly(tiny_vendor, tmp_path):
     """`porter convert --layout hf`: one 2-D tensor per expert under the vendor names; each is re-derived
     from the source and the reference model is built from the same table."""
     from verify_tamper import nudge_e4m3, rewrite_tensor
+
     porter.convert(tiny_vendor, tmp_path / "art", layout="hf", progress=False)
     rep = verify(tmp_path / "art", max_new_tokens=2).report
     assert rep.passed, rep.summary
@@ -211,7 +240,7 @@ def test_hf_artifact_layout_rederives_exactly(tiny_vendor, tmp_path):
     assert rep.layers[LAYER].kind == "sparse/moe" and rep.layers[LAYER].weight_error > 0.02
     rewrite_tensor(tmp_path / "art", one, nudge_e4m3(5, 40))
     res = verify(tmp_path / "art", max_new_tokens=0)
-    f, = [f for f in res.failures if f.check == "exact"]
+    (f,) = [f for f in res.failures if f.check == "exact"]
     assert f.tensor == one and f.layer == LAYER and "1 of 128 32-block(s) differ" in f.message
     assert "first at row 5, block 1" in f.message
 
@@ -221,13 +250,20 @@ def test_table_reads_one_expert_of_a_fused_source(tiny_vendor, tmp_path, gate_up
     """The per-expert rules (an hf-layout artifact name) on a transformers checkpoint of the same weights
     read exactly the vendor checkpoint's w1 / w3 / w2 of that expert."""
     from tiny_checkpoint import build_tiny_checkpoint
+
     from porter.commands.verify.mapping import Mapping, SourceShards
+
     fused = build_tiny_checkpoint(tmp_path / "hf", layout="transformers", seed=0, gate_up=gate_up)
-    table, vendor = Mapping(SourceShards(fused), interleaved=gate_up == "interleaved"), SourceShards(tiny_vendor)
+    table, vendor = (
+        Mapping(SourceShards(fused), interleaved=gate_up == "interleaved"),
+        SourceShards(tiny_vendor),
+    )
     for w in ("w1", "w3", "w2"):
         name = f"model.layers.{LAYER}.block_sparse_moe.experts.5.{w}.weight"
         d = table.derive(name, None)
-        assert d.sources == [f"model.layers.{LAYER}.mlp.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}"]
+        assert d.sources == [
+            f"model.layers.{LAYER}.mlp.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}"
+        ]
         assert torch.equal(d.value(None), vendor.read("language_model." + name))
 
 
@@ -235,6 +271,7 @@ def test_truncating_instead_of_rounding_caught_though_the_statistics_pass(tiny_v
     """A converter that truncates w/2^e toward zero instead of rounding to nearest even lands at a weight
     error the statistical threshold accepts; the bytes do not match the rule recorded in porter.json."""
     from porter.format import mxfp8
+
     original = mxfp8.quantize_with_error
 
     def truncating(w, rounding="rceil", name="tensor", **kw):
@@ -243,12 +280,14 @@ def test_truncating_instead_of_rounding_caught_though_the_statistics_pass(tiny_v
         t = x.clamp(-mxfp8.E4M3_MAX, mxfp8.E4M3_MAX).to(torch.float8_e4m3fn)  # nearest even ...
         low = torch.where(t.float().abs() > x.abs(), _toward_zero(t), t)  # ... then one step toward zero
         return low.reshape(w.shape), s, err
+
     monkeypatch.setattr(mxfp8, "quantize_with_error", truncating)
     porter.convert(tiny_vendor, tmp_path / "art", progress=False)
     rep = verify(tmp_path / "art", max_new_tokens=0).report
     bad = [t for t in rep.exact.tensors if t.mismatched]
-    assert {t.tensor for t in bad} == {f"model.layers.{l}.block_sparse_moe.experts.{w}_weight"
-                                       for l in (1, 2, 3) for w in ("w13", "w2")}
+    assert {t.tensor for t in bad} == {
+        f"model.layers.{l}.block_sparse_moe.experts.{w}_weight" for l in (1, 2, 3) for w in ("w13", "w2")
+    }
     assert all(t.mismatched > 0.5 * t.blocks for t in bad)  # nearly every block has a rounded-up element
     assert all(0.03 < t.weight_error < 0.06 for t in bad)  # the second opinion alone would pass it
     assert not rep.passed and rep.failures[0].check == "exact"

@@ -1,6 +1,7 @@
 """`porter verify --numerics w8a16|serving|both`: the serving run (MoE input and SwiGLU output as MXFP8, the
 torch MoE backend) beside the w8a16 run, each against its own thresholds, in the table, the JSON and the plot;
 a backend that does not compute the serving numerics refused with one line (exit 2)."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,22 @@ def artifact(tiny_vendor, tmp_path_factory) -> Path:
 def both(artifact, tmp_path_factory):
     """One --numerics both run: (CLI result, JSON report, svg path)."""
     d = tmp_path_factory.mktemp("both")
-    res = CliRunner().invoke(main, ["-q", "verify", str(artifact), "--numerics", "both", "--report",
-                                    str(d / "r.json"), "--plot", str(d / "r.svg"), "--max-new-tokens", "3"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "-q",
+            "verify",
+            str(artifact),
+            "--numerics",
+            "both",
+            "--report",
+            str(d / "r.json"),
+            "--plot",
+            str(d / "r.svg"),
+            "--max-new-tokens",
+            "3",
+        ],
+    )
     assert res.exit_code == 0, res.output
     return res, json.loads((d / "r.json").read_text()), d / "r.svg"
 
@@ -76,7 +91,7 @@ def test_serving_adds_a_plausible_amount_of_error(both):
 def test_table_sets_the_runs_side_by_side_with_their_thresholds(both):
     out = both[0].output
     assert "numerics w8a16 (MXFP8 weights, activations as given): backend auto" in out
-    side = out[out.index("numerics side by side"):]
+    side = out[out.index("numerics side by side") :]
     kl = next(ln for ln in side.splitlines() if "KL(ref||conv)" in ln)
     assert "[<= 0.1]" in kl and f"[<= {SERVING_DEFAULTS['experts']['max_kl']:g}]" in kl
     assert "serving (auto)" in side and "[info]" in side
@@ -127,6 +142,7 @@ def test_both_at_real_dims_on_cuda(tmp_path):
     """At MiniMax-M3's layer shapes (3 layers, 8 experts) on a GPU: the serving run computes on the backend
     auto picks (triton on Hopper, which computes the serving numerics too), adds error, and passes."""
     from tiny_checkpoint import build_tiny_checkpoint, real_dims_overrides
+
     src = build_tiny_checkpoint(tmp_path / "src", seed=0, text_overrides=real_dims_overrides(3))
     porter.convert(src, tmp_path / "art", progress=False)
     r = verify(tmp_path / "art", device="cuda", numerics="both", max_new_tokens=4).report

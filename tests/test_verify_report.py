@@ -2,6 +2,7 @@
 threshold) and which are information only, in the table and the JSON; labelled threshold lines in the
 plot; cut lists that say how many more; a hint when the reference looks like another checkpoint;
 `--report -`; output paths and threshold values refused before any work (exit 2)."""
+
 from __future__ import annotations
 
 import json
@@ -13,14 +14,14 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+from tiny_checkpoint import build_tiny_checkpoint
+from verify_tamper import copy_artifact, flip_byte
 
 import porter
 from porter.cli import FiniteFloat, main
 from porter.cli import verify as verify_command
 from porter.commands.verify import Thresholds, VerifyInputError, verify
 from porter.commands.verify.verdict import figure_table
-from tiny_checkpoint import build_tiny_checkpoint
-from verify_tamper import copy_artifact, flip_byte
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -38,8 +39,9 @@ def artifact(tiny_vendor, tmp_path_factory) -> Path:
 def passed(artifact, tmp_path_factory):
     """One faithful run with the JSON report on stdout and the plot written: (result, svg path)."""
     plot = tmp_path_factory.mktemp("plot") / "r.svg"
-    res = CliRunner().invoke(main, ["-q", "verify", str(artifact), "--report", "-", "--plot", str(plot),
-                                    "--max-new-tokens", "3"])
+    res = CliRunner().invoke(
+        main, ["-q", "verify", str(artifact), "--report", "-", "--plot", str(plot), "--max-new-tokens", "3"]
+    )
     assert res.exit_code == 0, res.output
     return res, plot
 
@@ -59,15 +61,21 @@ def test_table_marks_deciding_columns_and_their_thresholds(passed):
     columns = (("cosine", ">=0.9"), ("rel.err", "info"), ("layer.err", "<=0.08"), ("weight.err", "<=0.06"))
     for col, rule in columns:
         end = header.index(col) + len(col)
-        assert rules[end - len(rule):end] == rule, (col, rules)
-    assert "  decides: cosine (--min-cosine), layer.err (--max-layer-error), weight.err " \
+        assert rules[end - len(rule) : end] == rule, (col, rules)
+    assert (
+        "  decides: cosine (--min-cosine), layer.err (--max-layer-error), weight.err "
         "(--max-weight-error);" in table
-    assert re.search(r"\n  weight error \(second opinion\) max 0\.02\d+ \[<= 0.06, --max-weight-error\]\n",
-                     table)
+    )
+    assert re.search(
+        r"\n  weight error \(second opinion\) max 0\.02\d+ \[<= 0.06, --max-weight-error\]\n", table
+    )
     assert "bit-identical [decides: any differing byte fails]" in table
     logits = next(ln for ln in table.splitlines() if ln.startswith("  KL(ref||conv)"))
-    assert re.fullmatch(r"  KL\(ref\|\|conv\) [\d.e-]+ \[<= 0.1\]  top-1 [\d.]+% \[>= 50%\]  "
-                        r"top-5 overlap [\d.]+% \[>= 70%\]  max\|diff\| [\d.]+ \[info\]", logits), logits
+    assert re.fullmatch(
+        r"  KL\(ref\|\|conv\) [\d.e-]+ \[<= 0.1\]  top-1 [\d.]+% \[>= 50%\]  "
+        r"top-5 overlap [\d.]+% \[>= 70%\]  max\|diff\| [\d.]+ \[info\]",
+        logits,
+    ), logits
     assert "top-5 overlap: |top-5(ref) & top-5(conv)| / 5 (a fraction)" in table
     assert "[info; --min-matching-tokens N decides]; mean KL" in table
 
@@ -76,8 +84,13 @@ def test_json_figures_say_what_decides_and_what_top5_measures(passed):
     rep = json.loads(passed[0].stdout)
     figs = rep["figures"]
     assert figs["layers[].cosine"] == {
-        "measures": figs["layers[].cosine"]["measures"], "decides": True, "threshold": "min_cosine",
-        "option": "--min-cosine", "limit": 0.9, "fails_when": "below 0.9"}
+        "measures": figs["layers[].cosine"]["measures"],
+        "decides": True,
+        "threshold": "min_cosine",
+        "option": "--min-cosine",
+        "limit": 0.9,
+        "fails_when": "below 0.9",
+    }
     layer = figs["layers[].layer_error"]
     assert layer["limit"] == 0.08 and layer["fails_when"] == "above 0.08"
     assert figs["logits.kl"]["decides"] and figs["logits.kl"]["option"] == "--max-kl"
@@ -85,8 +98,10 @@ def test_json_figures_say_what_decides_and_what_top5_measures(passed):
         assert figs[info]["decides"] is False and "threshold" not in figs[info], info
     assert figs["generation[].first_divergence"]["decides"] is False  # --min-matching-tokens 0
     assert figs["exact.tensors[].mismatched"] == {
-        "measures": figs["exact.tensors[].mismatched"]["measures"], "decides": True,
-        "fails_when": "any differing block or element fails"}
+        "measures": figs["exact.tensors[].mismatched"]["measures"],
+        "decides": True,
+        "fails_when": "any differing block or element fails",
+    }
     top5 = figs["logits.top5"]
     assert "overlap of the two models' top-5 token sets as a fraction" in top5["measures"]
     assert top5["limit"] == 0.7 and top5["threshold"] == "min_top5"
@@ -102,9 +117,11 @@ def test_json_figures_say_what_decides_and_what_top5_measures(passed):
 def test_plot_threshold_lines_are_labelled(passed):
     root = ET.parse(passed[1]).getroot()
     labels = [t for t in root.iter(SVG + "text") if t.get("class") == "threshold"]
-    assert [t.text for t in labels] == ["layer output error <= 0.08 (--max-layer-error)",
-                                        "weight error <= 0.06 (--max-weight-error)",
-                                        "1 - cosine <= 0.1 (cosine >= 0.9, --min-cosine)"]
+    assert [t.text for t in labels] == [
+        "layer output error <= 0.08 (--max-layer-error)",
+        "weight error <= 0.06 (--max-weight-error)",
+        "1 - cosine <= 0.1 (cosine >= 0.9, --min-cosine)",
+    ]
     ys = [float(t.get("y")) for t in labels]
     assert abs(ys[0] - ys[1]) >= 12  # 0.08 and 0.06 are 5 px apart on the axis: labels kept apart
     assert all(60 + 10 <= y <= 60 + 280 for y in ys)  # inside the panels (y0 60, height 280), below titles
@@ -131,6 +148,7 @@ def _never_runs(monkeypatch):
 
     def ran(*a, **k):
         raise AssertionError("verification ran")
+
     monkeypatch.setattr(v, "check_integrity", ran)
 
 
@@ -140,20 +158,27 @@ def test_output_path_in_a_missing_folder_refused_first(artifact, tmp_path, monke
     path = tmp_path / "no-such-folder" / ("r.json" if option == "--report" else "r.svg")
     res = cli(artifact, option, path)
     assert res.exit_code == 2 and res.output.splitlines() == [
-        f"porter: error: {option} {path}: folder {path.parent} does not exist; create it or give "
-        "another path"]
+        f"porter: error: {option} {path}: folder {path.parent} does not exist; create it or give another path"
+    ]
     res = cli(tmp_path / "no-artifact", option, path)  # checked before the artifact is even opened
     assert res.exit_code == 2 and f"folder {path.parent} does not exist" in res.output
     with pytest.raises(VerifyInputError, match="does not exist"):
         verify(artifact, **{option[2:]: path})
 
 
-@pytest.mark.parametrize("flag,value,want", [
-    ("--min-top1", "nan", "a number in [0, 1]"), ("--min-top5", "1.5", "a number in [0, 1]"),
-    ("--max-kl", "inf", "a finite number >= 0"), ("--max-kl", "-inf", "a finite number >= 0"),
-    ("--max-layer-error", "NaN", "a finite number >= 0"),
-    ("--max-weight-error", "-0.1", "a finite number >= 0"),
-    ("--min-cosine", "1.01", "a number in [-1, 1]"), ("--min-top1", "abc", "is not a number")])
+@pytest.mark.parametrize(
+    "flag,value,want",
+    [
+        ("--min-top1", "nan", "a number in [0, 1]"),
+        ("--min-top5", "1.5", "a number in [0, 1]"),
+        ("--max-kl", "inf", "a finite number >= 0"),
+        ("--max-kl", "-inf", "a finite number >= 0"),
+        ("--max-layer-error", "NaN", "a finite number >= 0"),
+        ("--max-weight-error", "-0.1", "a finite number >= 0"),
+        ("--min-cosine", "1.01", "a number in [-1, 1]"),
+        ("--min-top1", "abc", "is not a number"),
+    ],
+)
 def test_bad_threshold_values_exit_2(artifact, monkeypatch, flag, value, want):
     _never_runs(monkeypatch)
     res = cli(artifact, flag, value)
@@ -193,9 +218,11 @@ def test_reference_of_other_weights_hinted_and_lists_cut(artifact, tmp_path):
     bad = [t for t in tensors if t["mismatched"]]
     assert len(bad) > len(tensors) / 2
     verdict = next(ln for ln in res.output.splitlines() if ln.startswith("verdict: FAIL"))
-    assert verdict.startswith(f"verdict: FAIL — {len(bad)} of {len(tensors)} re-derived tensors differ: "
-                              f"the reference {other} may be a different checkpoint than the one converted; "
-                              "pass that one with --reference DIR|REPO_ID; first failure: layer 0: ")
+    assert verdict.startswith(
+        f"verdict: FAIL — {len(bad)} of {len(tensors)} re-derived tensors differ: "
+        f"the reference {other} may be a different checkpoint than the one converted; "
+        "pass that one with --reference DIR|REPO_ID; first failure: layer 0: "
+    )
     assert verdict.endswith(f" (and {len(rep['failures']) - 1} more failure(s))")
     assert rep["summary"] == verdict.removeprefix("verdict: FAIL — ")
     listed = [ln for ln in res.output.splitlines() if ln.startswith("  - ")]

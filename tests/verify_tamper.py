@@ -1,6 +1,7 @@
 """Tampering helpers for the `porter verify` tests: rewrite one tensor of an artifact in place, and
 optionally re-seal porter.json (the tensor's and the shard's digests) so that integrity passes and only
 the numerics (the comparison with the reference) can catch the change."""
+
 from __future__ import annotations
 
 import json
@@ -9,10 +10,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from tensor_checks import shard_digests
 
 from porter.format.safetensors_io import ST_DTYPES
 from porter.source.local import read_header, tensor_span
-from tensor_checks import shard_digests
 
 
 def copy_artifact(src: Path, dst: Path) -> Path:
@@ -37,7 +38,9 @@ def read_tensor(art: Path, name: str) -> torch.Tensor:
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).clone()
 
 
-def rewrite_tensor(art: Path, name: str, fn: Callable[[torch.Tensor], torch.Tensor], reseal: bool = True) -> None:
+def rewrite_tensor(
+    art: Path, name: str, fn: Callable[[torch.Tensor], torch.Tensor], reseal: bool = True
+) -> None:
     """Replace tensor `name` by fn(tensor) (same dtype and shape), bytes overwritten in place in its shard.
     reseal=True also updates porter.json (tensor and shard digests) so integrity still passes."""
     art = Path(art)
@@ -87,34 +90,40 @@ def shift_scales(delta: int, expert=None):
         nz = sel != 0
         sel[nz] = (sel[nz].to(torch.int32) + delta).clamp(1, 254).to(torch.uint8)
         return s
+
     return fn
 
 
 def nudge_e4m3(*index):
     """One e4m3 value at `index` moved by one ulp (its lowest mantissa bit flipped; the next bit where that
     would make the NaN pattern)."""
+
     def fn(q):
         q = q.clone()
         raw = q.view(torch.uint8)
         b = int(raw[index])
         raw[index] = b ^ 0x01 if (b ^ 0x01) & 0x7F != 0x7F else b ^ 0x02
         return q
+
     return fn
+
 
 def zero_scales(expert: int):
     def fn(s):
         s = s.clone()
         s[expert] = 0
         return s
+
     return fn
 
 
 def swap_gate_up(expert: int):
     """w13 [E, 2I, H] ([gate; up]) -> the expert's halves swapped (values and, separately, scales)."""
+
     def fn(t):
         t = t.clone()
         i = t.shape[1] // 2
         t[expert] = torch.cat([t[expert, i:], t[expert, :i]])
         return t
-    return fn
 
+    return fn

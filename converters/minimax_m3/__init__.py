@@ -29,23 +29,67 @@ This package is the MiniMax-M3 converter (the `converters.base.Converter` protoc
 through the registry, `converters.for_config(raw_config)`. Modules: config.py (TextConfig,
 resolve_config), names.py (canonical names), plan.py (plan_tensors, expert stacking), hf_layout.py.
 """
-from converters.minimax_m3.config import (ARCHITECTURE, DENSE_MLP, FULL_ATTN, MODEL_TYPES, MOE_MLP,
-                                          SPARSE_ATTN, TextConfig, manifest_facts, resolve_config,
-                                          text_config_dict)
-from converters.minimax_m3.hf_layout import (DEFAULT_SCOPE, HF_ARCHITECTURES, LAYOUTS, check_hf_source,
-                                             hf_canonical_map, hf_config_json, hf_ignored_layers, hf_name,
-                                             hf_quantization_config, to_hf_layout)
-from converters.minimax_m3.names import (canonical_name, expert_name, experts_w2_name, experts_w13_name,
-                                         is_stacked_experts)
+
+from converters.minimax_m3.config import (
+    ARCHITECTURE,
+    DENSE_MLP,
+    FULL_ATTN,
+    MODEL_TYPES,
+    MOE_MLP,
+    SPARSE_ATTN,
+    TextConfig,
+    manifest_facts,
+    resolve_config,
+    text_config_dict,
+)
+from converters.minimax_m3.hf_layout import (
+    DEFAULT_SCOPE,
+    HF_ARCHITECTURES,
+    LAYOUTS,
+    check_hf_source,
+    hf_canonical_map,
+    hf_config_json,
+    hf_ignored_layers,
+    hf_name,
+    hf_quantization_config,
+    to_hf_layout,
+)
+from converters.minimax_m3.names import (
+    canonical_name,
+    expert_name,
+    experts_w2_name,
+    experts_w13_name,
+    is_stacked_experts,
+)
 from converters.minimax_m3.plan import interleave_gate_up, plan_tensors, uninterleave_gate_up
 
 __all__ = [
-    "ARCHITECTURE", "MODEL_TYPES", "LAYOUTS", "DEFAULT_SCOPE", "HF_ARCHITECTURES",
-    "SPARSE_ATTN", "FULL_ATTN", "MOE_MLP", "DENSE_MLP",
-    "TextConfig", "resolve_config", "text_config_dict", "manifest_facts",
-    "plan_tensors", "canonical_name", "experts_w13_name", "experts_w2_name", "expert_name",
+    "ARCHITECTURE",
+    "MODEL_TYPES",
+    "LAYOUTS",
+    "DEFAULT_SCOPE",
+    "HF_ARCHITECTURES",
+    "SPARSE_ATTN",
+    "FULL_ATTN",
+    "MOE_MLP",
+    "DENSE_MLP",
+    "TextConfig",
+    "resolve_config",
+    "text_config_dict",
+    "manifest_facts",
+    "plan_tensors",
+    "canonical_name",
+    "experts_w13_name",
+    "experts_w2_name",
+    "expert_name",
     "is_stacked_experts",
-    "interleave_gate_up", "uninterleave_gate_up",
-    "to_hf_layout", "hf_name", "hf_canonical_map", "hf_ignored_layers", "hf_quantization_config",
-    "hf_config_json", "check_hf_source",
+    "interleave_gate_up",
+    "uninterleave_gate_up",
+    "to_hf_layout",
+    "hf_name",
+    "hf_canonical_map",
+    "hf_ignored_layers",
+    "hf_quantization_config",
+    "hf_config_json",
+    "check_hf_source",
 ]

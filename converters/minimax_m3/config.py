@@ -1,6 +1,7 @@
 """MiniMax-M3 config resolution: config.json (vendor or transformers layout) -> `TextConfig`, every field
 with its provenance (`config:<key>`, `legacy:<key>`, `default`). Keys and defaults: docs/minimax-m3.md.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,6 +19,7 @@ MOE_MLP, DENSE_MLP = "sparse", "dense"
 @dataclass
 class TextConfig:
     """Every field the runtime needs, resolved; `provenance[field]` says where each value came from."""
+
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -67,9 +69,15 @@ class TextConfig:
 def manifest_facts(cfg: TextConfig) -> dict:
     """What porter.json records about this architecture beyond the resolved config: its name and the
     SwiGLU-OAI parameters with their provenance (verify compares them; docs/artifact-format.md)."""
-    return {"architecture": ARCHITECTURE,
-            "swiglu": {"alpha": cfg.swiglu_alpha, "beta": cfg.swiglu_beta, "limit": cfg.swiglu_limit,
-                       "provenance": {k: cfg.provenance[f"swiglu_{k}"] for k in ("alpha", "beta", "limit")}}}
+    return {
+        "architecture": ARCHITECTURE,
+        "swiglu": {
+            "alpha": cfg.swiglu_alpha,
+            "beta": cfg.swiglu_beta,
+            "limit": cfg.swiglu_limit,
+            "provenance": {k: cfg.provenance[f"swiglu_{k}"] for k in ("alpha", "beta", "limit")},
+        },
+    }
 
 
 # field -> (flat key, legacy key path inside text_config, default, kind)
@@ -138,8 +146,10 @@ def text_config_dict(raw: dict) -> tuple[dict, str]:
         raise ConfigError("config.json must hold a JSON object")
     model_type = raw.get("model_type")
     if model_type not in MODEL_TYPES:
-        raise ConfigError(f"config.json: model_type {model_type!r} is not MiniMax-M3 "
-                          f"(expected one of {', '.join(MODEL_TYPES)})")
+        raise ConfigError(
+            f"config.json: model_type {model_type!r} is not MiniMax-M3 "
+            f"(expected one of {', '.join(MODEL_TYPES)})"
+        )
     if "text_config" in raw:
         if not isinstance(raw["text_config"], dict):
             raise ConfigError("config field 'text_config' must be an object")
@@ -177,8 +187,10 @@ def _resolve_rope(text, prefix, values, prov):
         raise ConfigError(f"config field '{prefix}rope_parameters' must be an object")
     rope = rope or {}
     if rope.get("rope_type", "default") != "default" or text.get("rope_scaling"):
-        raise ConfigError(f"config field '{prefix}rope_parameters.rope_type' / 'rope_scaling': only plain "
-                          "RoPE is supported (MiniMax-M3 uses none)")
+        raise ConfigError(
+            f"config field '{prefix}rope_parameters.rope_type' / 'rope_scaling': only plain "
+            "RoPE is supported (MiniMax-M3 uses none)"
+        )
     for key, where in (("rope_parameters.rope_theta", "config"), ("rope_theta", "legacy")):
         found, theta = _lookup(text, key)
         if found:
@@ -200,8 +212,9 @@ def _resolve_rope(text, prefix, values, prov):
     if not candidates and text.get("model_type") == "minimax_m3_vl_text" and rope:
         candidates.append((prefix + "rope_parameters (no partial_rotary_factor: full width)", head_dim))
     if len({c[1] for c in candidates}) > 1:
-        raise ConfigError("config fields disagree on the rotary width: " +
-                          ", ".join(f"{k} -> {v}" for k, v in candidates))
+        raise ConfigError(
+            "config fields disagree on the rotary width: " + ", ".join(f"{k} -> {v}" for k, v in candidates)
+        )
     if candidates:
         values["rotary_dim"], prov["rotary_dim"] = candidates[0][1], "config:" + candidates[0][0]
     else:
@@ -213,7 +226,9 @@ def _per_layer(name, value, n, allowed):
         raise ConfigError(f"config field {name!r} must be a list of {n} entries (num_hidden_layers)")
     bad = [v for v in value if v not in allowed]
     if bad:
-        raise ConfigError(f"config field {name!r} has entries {bad[:3]!r}; allowed: {sorted(map(str, allowed))}")
+        raise ConfigError(
+            f"config field {name!r} has entries {bad[:3]!r}; allowed: {sorted(map(str, allowed))}"
+        )
     return value
 
 
@@ -221,7 +236,9 @@ def _resolve_layer_types(text, prefix, values, prov):
     n = values["num_hidden_layers"]
     sparse_cfg = text.get("sparse_attention_config") or {}
     if "layer_types" in text:
-        values["layer_types"] = _per_layer(prefix + "layer_types", text["layer_types"], n, {SPARSE_ATTN, FULL_ATTN})
+        values["layer_types"] = _per_layer(
+            prefix + "layer_types", text["layer_types"], n, {SPARSE_ATTN, FULL_ATTN}
+        )
         prov["layer_types"] = f"config:{prefix}layer_types"
     elif "sparse_attention_freq" in sparse_cfg:
         key = prefix + "sparse_attention_config.sparse_attention_freq"
@@ -233,8 +250,9 @@ def _resolve_layer_types(text, prefix, values, prov):
     else:  # as transformers: no schedule -> dense attention everywhere (exact up to topk*block tokens)
         values["layer_types"], prov["layer_types"] = [FULL_ATTN] * n, "default (all full_attention)"
     if "mlp_layer_types" in text:
-        values["mlp_layer_types"] = _per_layer(prefix + "mlp_layer_types", text["mlp_layer_types"], n,
-                                               {MOE_MLP, DENSE_MLP})
+        values["mlp_layer_types"] = _per_layer(
+            prefix + "mlp_layer_types", text["mlp_layer_types"], n, {MOE_MLP, DENSE_MLP}
+        )
         prov["mlp_layer_types"] = f"config:{prefix}mlp_layer_types"
     elif "moe_layer_freq" in text:
         freq = _per_layer(prefix + "moe_layer_freq", text["moe_layer_freq"], n, {0, 1})
@@ -247,7 +265,10 @@ def _resolve_layer_types(text, prefix, values, prov):
 def _resolve_fixed_semantics(text, prefix, layer_types):
     """Keys whose only supported value is MiniMax-M3's; anything else would silently change the model."""
     fixed = {
-        "hidden_act": ({"swigluoai", "silu"}, "swigluoai (transformers writes 'silu' and codes SwiGLU-OAI inline)"),
+        "hidden_act": (
+            {"swigluoai", "silu"},
+            "swigluoai (transformers writes 'silu' and codes SwiGLU-OAI inline)",
+        ),
         "use_gemma_norm": ({True}, "true"),
         "qk_norm_type": ({"per_head"}, "'per_head'"),
         "use_qk_norm": ({True}, "true"),
@@ -255,7 +276,10 @@ def _resolve_fixed_semantics(text, prefix, layer_types):
         "use_routing_bias": ({True}, "true"),
         "attention_output_gate": ({False}, "false"),
         "sparse_attention_config.sparse_score_type": ({"max"}, "'max'"),
-        "sparse_attention_config.sparse_disable_index_value": (None, "1 on every sparse layer (no index value branch)"),
+        "sparse_attention_config.sparse_disable_index_value": (
+            None,
+            "1 on every sparse layer (no index value branch)",
+        ),
     }
     for key, (allowed, want) in fixed.items():
         found, value = _lookup(text, key)
@@ -264,37 +288,68 @@ def _resolve_fixed_semantics(text, prefix, layer_types):
         if allowed is None:  # per-layer flag: must be set on every sparse-attention layer
             per_layer = value if isinstance(value, list) else [value] * len(layer_types)
             ok = len(per_layer) == len(layer_types) and all(
-                v in (1, True) for v, t in zip(per_layer, layer_types) if t == SPARSE_ATTN)
+                v in (1, True) for v, t in zip(per_layer, layer_types) if t == SPARSE_ATTN
+            )
         else:
             ok = any(value == a and type(value) is type(a) for a in allowed)
         if not ok:
-            raise ConfigError(f"config field '{prefix}{key}' = {value!r} is not supported: porter implements "
-                              f"MiniMax-M3, which needs {want}")
+            raise ConfigError(
+                f"config field '{prefix}{key}' = {value!r} is not supported: porter implements "
+                f"MiniMax-M3, which needs {want}"
+            )
 
 
 def _validate(c: TextConfig) -> None:
-    positive = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "intermediate_size", "num_local_experts", "num_experts_per_tok", "index_n_heads",
-                "index_head_dim", "index_block_size", "index_topk_blocks", "max_position_embeddings"]
+    positive = [
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "index_n_heads",
+        "index_head_dim",
+        "index_block_size",
+        "index_topk_blocks",
+        "max_position_embeddings",
+    ]
     for name in positive:
         if getattr(c, name) <= 0:
             raise ConfigError(f"config field {name!r} must be positive, got {getattr(c, name)}")
     rules = [
-        (c.num_attention_heads % c.num_key_value_heads == 0,
-         "num_attention_heads must be a multiple of num_key_value_heads"),
-        (c.num_experts_per_tok <= c.num_local_experts, "num_experts_per_tok must not exceed num_local_experts"),
-        (0 < c.rotary_dim <= c.head_dim and c.rotary_dim % 2 == 0, "rotary_dim must be even and in (0, head_dim]"),
+        (
+            c.num_attention_heads % c.num_key_value_heads == 0,
+            "num_attention_heads must be a multiple of num_key_value_heads",
+        ),
+        (
+            c.num_experts_per_tok <= c.num_local_experts,
+            "num_experts_per_tok must not exceed num_local_experts",
+        ),
+        (
+            0 < c.rotary_dim <= c.head_dim and c.rotary_dim % 2 == 0,
+            "rotary_dim must be even and in (0, head_dim]",
+        ),
         (c.swiglu_alpha > 0, "swiglu_alpha must be > 0"),
         (c.swiglu_limit > 0, "swiglu_limit must be > 0"),
         (c.routed_scaling_factor > 0, "routed_scaling_factor must be > 0"),
         (c.rms_norm_eps > 0, "rms_norm_eps must be > 0"),
         (c.rope_theta > 0, "rope_theta must be > 0"),
         (c.n_shared_experts in (0, 1), "n_shared_experts must be 0 or 1"),
-        (c.index_local_blocks >= 0 and c.index_init_blocks >= 0, "index_local_blocks/init_blocks must be >= 0"),
-        (c.index_local_blocks + c.index_init_blocks <= c.index_topk_blocks,
-         "index_local_blocks + index_init_blocks must fit in index_topk_blocks"),
-        (c.index_n_heads == c.num_key_value_heads or SPARSE_ATTN not in c.layer_types,
-         "index_n_heads must equal num_key_value_heads (index head i selects for KV head i)"),
+        (
+            c.index_local_blocks >= 0 and c.index_init_blocks >= 0,
+            "index_local_blocks/init_blocks must be >= 0",
+        ),
+        (
+            c.index_local_blocks + c.index_init_blocks <= c.index_topk_blocks,
+            "index_local_blocks + index_init_blocks must fit in index_topk_blocks",
+        ),
+        (
+            c.index_n_heads == c.num_key_value_heads or SPARSE_ATTN not in c.layer_types,
+            "index_n_heads must equal num_key_value_heads (index head i selects for KV head i)",
+        ),
     ]
     for ok, msg in rules:
         if not ok:

@@ -1,8 +1,9 @@
 """The hf layout: the vendor release's names, which vLLM and sglang load (docs/serving-engines.md).
-  language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w1/w2/w3.weight   F8_E4M3 [N, K], never stacked
-  <module>.weight (F8_E4M3 [N, K]) + <module>.weight_scale_inv (U8 [N, K/32]) for every quantized linear
-  config.json: the vendor `architectures`; `quantization_config` at the top level (sglang reads only there)
+language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w1/w2/w3.weight   F8_E4M3 [N, K], never stacked
+<module>.weight (F8_E4M3 [N, K]) + <module>.weight_scale_inv (U8 [N, K/32]) for every quantized linear
+config.json: the vendor `architectures`; `quantization_config` at the top level (sglang reads only there)
 """
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,8 @@ from typing import Optional
 
 from converters.minimax_m3.config import TextConfig, resolve_config
 from converters.minimax_m3.names import PER_EXPERT, expert_name, experts_w2_name, experts_w13_name
-from porter.format import mxfp8
 from porter.errors import ConfigError, LayoutError
+from porter.format import mxfp8
 from porter.format.layout import HF_LAYOUT_PREFIX as HF_PREFIX
 
 LAYOUTS = ("porter", "hf")
@@ -20,9 +21,11 @@ LAYOUTS = ("porter", "hf")
 # so it defaults to the vendor MXFP8 release's scope.
 DEFAULT_SCOPE = {"porter": "experts", "hf": "all"}
 HF_ARCHITECTURES = ["MiniMaxM3SparseForConditionalGeneration"]
-_TEXT_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o|index_q|index_k)_proj|mlp\.(gate|up|down)_proj"
-                          r"|block_sparse_moe\.(gate|shared_experts\.(gate|up|down)_proj|experts\.\d+\.w[123]))\.weight$"
-                          r"|^lm_head\.weight$")
+_TEXT_LINEAR = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o|index_q|index_k)_proj|mlp\.(gate|up|down)_proj"
+    r"|block_sparse_moe\.(gate|shared_experts\.(gate|up|down)_proj|experts\.\d+\.w[123]))\.weight$"
+    r"|^lm_head\.weight$"
+)
 
 
 def hf_name(canonical: str) -> str:
@@ -43,15 +46,30 @@ def _format_groups(cfg: TextConfig, layer: int) -> list:
     """(label, canonical weight names, why they must share one format) for one decoder layer."""
     p = f"model.layers.{layer}."
     attn = ["q", "k", "v"] + (["index_q", "index_k"] if cfg.is_sparse_attention(layer) else [])
-    groups = [("/".join(attn) + " projections", [p + f"self_attn.{x}_proj.weight" for x in attn],
-               "vLLM loads them into one fused qkv_proj parameter whose format q/k/v decide")]
+    groups = [
+        (
+            "/".join(attn) + " projections",
+            [p + f"self_attn.{x}_proj.weight" for x in attn],
+            "vLLM loads them into one fused qkv_proj parameter whose format q/k/v decide",
+        )
+    ]
     if cfg.is_moe(layer):
         shared = [p + f"block_sparse_moe.shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
-        groups.append(("the shared expert and the routed experts", shared + [expert_name(layer, 0, "w1")],
-                       "sglang fuses the shared expert into the routed experts"))
+        groups.append(
+            (
+                "the shared expert and the routed experts",
+                shared + [expert_name(layer, 0, "w1")],
+                "sglang fuses the shared expert into the routed experts",
+            )
+        )
     else:
-        groups.append(("gate/up projections", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-                       "both engines load them into one fused gate_up_proj parameter"))
+        groups.append(
+            (
+                "gate/up projections",
+                [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                "both engines load them into one fused gate_up_proj parameter",
+            )
+        )
     return groups
 
 
@@ -60,16 +78,21 @@ def _check_format_groups(cfg: TextConfig, out: list, quantize: str) -> None:
     for layer in range(cfg.num_hidden_layers):
         for label, names, why in _format_groups(cfg, layer):
             if len({quantized[n] for n in names if n in quantized}) > 1:
-                raise LayoutError(f"--layout hf with --quantize {quantize} would give {label} of layer {layer} "
-                                  f"different formats, but {why}; use --quantize all (the vendor release's "
-                                  "scope) or none")
+                raise LayoutError(
+                    f"--layout hf with --quantize {quantize} would give {label} of layer {layer} "
+                    f"different formats, but {why}; use --quantize all (the vendor release's "
+                    "scope) or none"
+                )
 
 
 def hf_ignored_layers(out: list) -> list:
     """Unfused full module paths of the text-model linears left unquantized, `lm_head` always included
     (vLLM quantizes lm_head unless it is listed). The engines match these against their module prefixes."""
-    names = [t.name[: -len(".weight")] for t in out
-             if not t.quantize and _TEXT_LINEAR.match(t.name.removeprefix(HF_PREFIX))]
+    names = [
+        t.name[: -len(".weight")]
+        for t in out
+        if not t.quantize and _TEXT_LINEAR.match(t.name.removeprefix(HF_PREFIX))
+    ]
     lm_head = hf_name("lm_head")
     return names if lm_head in names else names + [lm_head]
 
@@ -82,17 +105,26 @@ def hf_quantization_config(out: list, quantize: str, scale_rounding: str) -> Opt
     if quantize == "none":
         return None
     ignored = hf_ignored_layers(out)
-    return {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, mxfp8.BLOCK],
-            "fmt": "e4m3", "scale_fmt": "ue8m0", "ignored_layers": ignored, "modules_to_not_convert": list(ignored),
-            "porter": {"layout": "hf", "scope": quantize, "scale_rounding": scale_rounding}}
+    return {
+        "quant_method": "mxfp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [1, mxfp8.BLOCK],
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "ignored_layers": ignored,
+        "modules_to_not_convert": list(ignored),
+        "porter": {"layout": "hf", "scope": quantize, "scale_rounding": scale_rounding},
+    }
 
 
 def check_hf_source(raw: dict, where: str = "config.json") -> None:
     """--layout hf needs the vendor config (VL wrapper with text_config) to write the vendor layout."""
     if raw.get("model_type") != "minimax_m3_vl" or not isinstance(raw.get("text_config"), dict):
-        raise ConfigError(f"{where}: --layout hf writes the vendor release's layout (model_type minimax_m3_vl "
-                          f"with text_config), but this source is {raw.get('model_type')!r}; convert the vendor "
-                          "checkpoint, or use --layout porter")
+        raise ConfigError(
+            f"{where}: --layout hf writes the vendor release's layout (model_type minimax_m3_vl "
+            f"with text_config), but this source is {raw.get('model_type')!r}; convert the vendor "
+            "checkpoint, or use --layout porter"
+        )
 
 
 def hf_config_json(raw: dict, qconfig: Optional[dict]) -> dict:
@@ -120,7 +152,7 @@ def hf_canonical_map(names) -> dict:
     for n in names:
         if not n.startswith(HF_PREFIX):
             continue  # vision tower, projector: not read by the text runtime
-        c = n[len(HF_PREFIX):]
+        c = n[len(HF_PREFIX) :]
         is_scale = c.endswith(".weight_scale_inv")
         weight = c[: -len("_scale_inv")] if is_scale else c
         if m := PER_EXPERT.match(weight):
@@ -134,6 +166,8 @@ def hf_canonical_map(names) -> dict:
         for stacked, parts in ((experts_w13_name(layer), ("w1", "w3")), (experts_w2_name(layer), ("w2",))):
             missing = [f"{e}.{w}" for e in range(count) for w in parts if (e, w) not in found]
             if missing:
-                raise LayoutError(f"hf-layout artifact lacks expert tensor experts.{missing[0]} of layer {layer}")
+                raise LayoutError(
+                    f"hf-layout artifact lacks expert tensor experts.{missing[0]} of layer {layer}"
+                )
             out[stacked + suffix] = [[found[(e, w)] for w in parts] for e in range(count)]
     return out

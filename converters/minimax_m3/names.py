@@ -1,6 +1,7 @@
 """MiniMax-M3 canonical tensor names: source spellings (vendor, transformers) -> porter's, and the names
 of the stacked and per-expert routed expert weights. The naming table: converters/minimax_m3/__init__.py.
 """
+
 from __future__ import annotations
 
 import re
@@ -13,14 +14,21 @@ _STACKED_EXPERTS = re.compile(r"^model\.layers\.\d+\.block_sparse_moe\.experts\.
 
 def canonical_name(src: str) -> Optional[str]:
     """Source tensor name -> canonical text-model name, or None for tensors outside the text model."""
-    for old, new in (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                     ("model.language_model.", "model.")):
+    for old, new in (
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("model.language_model.", "model."),
+    ):
         if src.startswith(old):
-            src = new + src[len(old):]
+            src = new + src[len(old) :]
             break
     else:
-        if not (src.startswith("model.layers.") or src.startswith("model.embed_tokens.")
-                or src.startswith("model.norm.") or src.startswith("lm_head.")):
+        if not (
+            src.startswith("model.layers.")
+            or src.startswith("model.embed_tokens.")
+            or src.startswith("model.norm.")
+            or src.startswith("lm_head.")
+        ):
             return None
     if src.startswith("model.mtp."):
         return None  # MTP heads are carried under their source name, not run
@@ -31,7 +39,6 @@ def canonical_name(src: str) -> Optional[str]:
     src = src.replace(".mlp.shared_experts.", ".block_sparse_moe.shared_experts.")
     src = src.replace(".mlp.experts.", ".block_sparse_moe.experts.")
     return src
-
 
 
 def experts_w13_name(layer: int) -> str:

@@ -2,6 +2,7 @@
 (canonical names, which linears are quantized, experts stacked or split, gate/up row order), with the
 checks that the checkpoint holds what the config describes.
 """
+
 from __future__ import annotations
 
 import re
@@ -10,17 +11,26 @@ import torch
 
 from converters.minimax_m3.config import TextConfig
 from converters.minimax_m3.hf_layout import LAYOUTS, to_hf_layout
-from converters.minimax_m3.names import (PER_EXPERT, canonical_name, expert_name, experts_w2_name,
-                                         experts_w13_name)
+from converters.minimax_m3.names import (
+    PER_EXPERT,
+    canonical_name,
+    expert_name,
+    experts_w2_name,
+    experts_w13_name,
+)
 from porter.errors import LayoutError, PorterError
 from porter.format.layout import OutTensor, layer_of
 
 _FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(gate_up_proj|down_proj)$")
-_FUSED_GATE_UP = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe\.shared_experts))\.gate_up_proj\.weight$")
+_FUSED_GATE_UP = re.compile(
+    r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe\.shared_experts))\.gate_up_proj\.weight$"
+)
 
 # Linears quantized by `--quantize all` (the vendor MXFP8 release's scope, docs/serving-engines.md).
-_ALL_SCOPE = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o|index_q|index_k)_proj"
-                        r"|mlp\.(gate|up|down)_proj|block_sparse_moe\.shared_experts\.(gate|up|down)_proj)\.weight$")
+_ALL_SCOPE = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o|index_q|index_k)_proj"
+    r"|mlp\.(gate|up|down)_proj|block_sparse_moe\.shared_experts\.(gate|up|down)_proj)\.weight$"
+)
 
 
 def uninterleave_gate_up(w: torch.Tensor) -> torch.Tensor:
@@ -34,8 +44,9 @@ def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
     return torch.stack([w[..., :i, :], w[..., i:, :]], dim=-2).reshape(w.shape)
 
 
-def plan_tensors(cfg: TextConfig, src_meta: dict, quantize: str = "experts",
-                 gate_up: str = "auto", layout: str = "porter") -> list[OutTensor]:
+def plan_tensors(
+    cfg: TextConfig, src_meta: dict, quantize: str = "experts", gate_up: str = "auto", layout: str = "porter"
+) -> list[OutTensor]:
     """Every output tensor, in write order, from the source tensor metadata {name: (dtype, shape)}.
 
     quantize: "experts" (routed experts), "all" (+ every other linear but embeddings, lm_head, router,
@@ -56,7 +67,9 @@ def plan_tensors(cfg: TextConfig, src_meta: dict, quantize: str = "experts",
         if c is None:
             carried.append(src)
         elif c in canon:
-            raise LayoutError(f"tensors {canon[c]!r} and {src!r} both map to {c!r}; the checkpoint mixes layouts")
+            raise LayoutError(
+                f"tensors {canon[c]!r} and {src!r} both map to {c!r}; the checkpoint mixes layouts"
+            )
         else:
             canon[c] = src
     experts, fused = {}, {}
@@ -86,8 +99,10 @@ def plan_tensors(cfg: TextConfig, src_meta: dict, quantize: str = "experts",
             out.extend(make(cfg, layer, fused[layer], src_meta, quantize, interleaved))
     if by_layer:
         extra = sorted(by_layer)
-        raise LayoutError(f"tensors for layer(s) {extra} exceed num_hidden_layers={cfg.num_hidden_layers} "
-                          f"(e.g. {canon[sorted(c for cs in by_layer.values() for c in cs)[0]]!r})")
+        raise LayoutError(
+            f"tensors for layer(s) {extra} exceed num_hidden_layers={cfg.num_hidden_layers} "
+            f"(e.g. {canon[sorted(c for cs in by_layer.values() for c in cs)[0]]!r})"
+        )
     for src in sorted(carried):
         dtype, shape = src_meta[src]
         out.append(OutTensor(src, tuple(shape), dtype, [src], _read_one(src), carried=True))
@@ -118,8 +133,16 @@ def _plain_or_split(c, src, src_meta, quantize):
     outs = []
     for part, sl in (("gate_proj", slice(0, half)), ("up_proj", slice(half, 2 * half))):
         name = f"{m.group(1)}.{part}.weight"
-        outs.append(OutTensor(name, (half, shape[1]), dtype, [src], lambda read, s=sl: read(src)[s],
-                              quantize=quantize == "all"))
+        outs.append(
+            OutTensor(
+                name,
+                (half, shape[1]),
+                dtype,
+                [src],
+                lambda read, s=sl: read(src)[s],
+                quantize=quantize == "all",
+            )
+        )
     return outs
 
 
@@ -131,11 +154,22 @@ def _stack_experts(cfg, layer, found, src_meta, quantize):
     w13_src = [found[(e, w)] for e in range(e_count) for w in ("w1", "w3")]
     w2_src = [found[(e, "w2")] for e in range(e_count)]
     # w1 = gate, w3 = up -> [gate; up]. Experts are built one at a time, as row parts (no concat copy).
-    w13 = OutTensor(experts_w13_name(layer), (e_count, 2 * i, h), dtype, w13_src,
-                    read_expert_rows=lambda read, e: [read(found[(e, "w1")]), read(found[(e, "w3")])],
-                    quantize=q)
-    w2 = OutTensor(experts_w2_name(layer), (e_count, h, i), dtype, w2_src,
-                   read_expert_rows=lambda read, e: [read(found[(e, "w2")])], quantize=q)
+    w13 = OutTensor(
+        experts_w13_name(layer),
+        (e_count, 2 * i, h),
+        dtype,
+        w13_src,
+        read_expert_rows=lambda read, e: [read(found[(e, "w1")]), read(found[(e, "w3")])],
+        quantize=q,
+    )
+    w2 = OutTensor(
+        experts_w2_name(layer),
+        (e_count, h, i),
+        dtype,
+        w2_src,
+        read_expert_rows=lambda read, e: [read(found[(e, "w2")])],
+        quantize=q,
+    )
     return [w13, w2]
 
 
@@ -160,8 +194,9 @@ def _check_fused_experts(cfg, layer, found, src_meta) -> dict:
         if part not in found:
             raise LayoutError(f"layer {layer}: missing mlp.experts.{part}")
         if tuple(src_meta[found[part]][1]) != shape:
-            raise LayoutError(f"{found[part]}: shape {tuple(src_meta[found[part]][1])}, expected {shape} "
-                              "from the config")
+            raise LayoutError(
+                f"{found[part]}: shape {tuple(src_meta[found[part]][1])}, expected {shape} from the config"
+            )
     return want
 
 
@@ -171,10 +206,22 @@ def _fused_experts(cfg, layer, found, src_meta, quantize, interleaved):
     fix = uninterleave_gate_up if interleaved else (lambda w: w)
     q = quantize != "none"
     # read(name, e) reads only expert e's slice of the fused tensor
-    w13 = OutTensor(experts_w13_name(layer), want["gate_up_proj"], src_meta[gu][0], [gu],
-                    read_expert_rows=lambda read, e: [fix(read(gu, e))], quantize=q)
-    w2 = OutTensor(experts_w2_name(layer), want["down_proj"], src_meta[dn][0], [dn],
-                   read_expert_rows=lambda read, e: [read(dn, e)], quantize=q)
+    w13 = OutTensor(
+        experts_w13_name(layer),
+        want["gate_up_proj"],
+        src_meta[gu][0],
+        [gu],
+        read_expert_rows=lambda read, e: [fix(read(gu, e))],
+        quantize=q,
+    )
+    w2 = OutTensor(
+        experts_w2_name(layer),
+        want["down_proj"],
+        src_meta[dn][0],
+        [dn],
+        read_expert_rows=lambda read, e: [read(dn, e)],
+        quantize=q,
+    )
     return [w13, w2]
 
 
@@ -186,15 +233,25 @@ def _split_vendor_experts(cfg, layer, found, src_meta, quantize):
         for w in ("w1", "w2", "w3"):
             src = found[(e, w)]
             dtype, shape = src_meta[src]
-            out.append(OutTensor(expert_name(layer, e, w), tuple(shape), dtype, [src], _read_one(src),
-                                 quantize=quantize != "none"))
+            out.append(
+                OutTensor(
+                    expert_name(layer, e, w),
+                    tuple(shape),
+                    dtype,
+                    [src],
+                    _read_one(src),
+                    quantize=quantize != "none",
+                )
+            )
     return out
 
 
 def _split_fused_experts(cfg, layer, found, src_meta, quantize, interleaved):
-    raise LayoutError(f"{found.get('gate_up_proj') or found.get('down_proj')}: --layout hf writes the vendor "
-                      "release's layout (VL config with text_config, vision tower), which a transformers-layout "
-                      "source cannot provide; convert the vendor checkpoint, or use --layout porter")
+    raise LayoutError(
+        f"{found.get('gate_up_proj') or found.get('down_proj')}: --layout hf writes the vendor "
+        "release's layout (VL config with text_config, vision tower), which a transformers-layout "
+        "source cannot provide; convert the vendor checkpoint, or use --layout porter"
+    )
 
 
 def _check_layers(cfg, canon, experts, fused):
@@ -205,25 +262,35 @@ def _check_layers(cfg, canon, experts, fused):
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
         need += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        need += [p + f"self_attn.{x}.weight" for x in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+        need += [
+            p + f"self_attn.{x}.weight" for x in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+        ]
         if cfg.is_sparse_attention(layer):
-            need += [p + f"self_attn.{x}.weight" for x in ("index_q_proj", "index_k_proj", "index_q_norm",
-                                                           "index_k_norm")]
+            need += [
+                p + f"self_attn.{x}.weight"
+                for x in ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm")
+            ]
         if cfg.is_moe(layer):
             need += [p + "block_sparse_moe.gate.weight", p + "block_sparse_moe.e_score_correction_bias"]
             if layer not in experts and layer not in fused:
-                raise LayoutError(f"layer {layer} is MoE in the config but the checkpoint has no expert tensors "
-                                  f"(model.layers.{layer}.block_sparse_moe.experts.*)")
+                raise LayoutError(
+                    f"layer {layer} is MoE in the config but the checkpoint has no expert tensors "
+                    f"(model.layers.{layer}.block_sparse_moe.experts.*)"
+                )
             if cfg.n_shared_experts:
                 need += _gate_up_down(canon, p + "block_sparse_moe.shared_experts.")
         else:
             if layer in experts or layer in fused:
-                raise LayoutError(f"layer {layer} is dense in the config but the checkpoint has expert tensors")
+                raise LayoutError(
+                    f"layer {layer} is dense in the config but the checkpoint has expert tensors"
+                )
             need += _gate_up_down(canon, p + "mlp.")
     missing = [n for n in need if n not in canon]
     if missing:
-        raise LayoutError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[0]!r}; "
-                          "check that config.json belongs to these weights")
+        raise LayoutError(
+            f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[0]!r}; "
+            "check that config.json belongs to these weights"
+        )
 
 
 def _gate_up_down(canon, prefix):
@@ -244,5 +311,7 @@ def _check_out(cfg, out):
         if want and tuple(t.shape) != want:
             raise LayoutError(f"{t.sources[0]}: shape {tuple(t.shape)}, expected {want} from the config")
         if t.quantize and t.shape[-1] % 32:
-            raise LayoutError(f"{t.sources[0]}: K={t.shape[-1]} is not a multiple of 32, cannot be MXFP8; "
-                              "use --quantize none or experts")
+            raise LayoutError(
+                f"{t.sources[0]}: K={t.shape[-1]} is not a multiple of 32, cannot be MXFP8; "
+                "use --quantize none or experts"
+            )

@@ -7,6 +7,7 @@ memory budget, straight into the shards' known byte ranges. Shards are `.partial
 journal lets `--resume` skip finished shards after a crash; `config.json`, `porter.json` and finally
 `model.safetensors.index.json` are written (each atomically) only when every shard is done.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,18 +31,36 @@ from porter.engine import fault_point, output_guard
 from porter.errors import ConvertError, MalformedSafetensors, PorterError
 from porter.format import manifest, model_card, mxfp8
 from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
-from porter.format.safe_files import present, read_json_object
 from porter.format.layout import OutTensor, scale_name
-from porter.format.safetensors_io import (DTYPE_NAMES, SHARD_METADATA, Entry, atomic_write_text, digest_rule,
-                                          file_digests, header_bytes, source_sample_digest)
+from porter.format.safe_files import present, read_json_object
+from porter.format.safetensors_io import (
+    DTYPE_NAMES,
+    SHARD_METADATA,
+    Entry,
+    atomic_write_text,
+    digest_rule,
+    file_digests,
+    header_bytes,
+    source_sample_digest,
+)
 from porter.source import INDEX_NAME, Source, open_source
 from porter.version import __version__
 
 log = logging.getLogger("porter")
 
-COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-              "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
-              "preprocessor_config.json", "processor_config.json")
+COPY_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
 JOURNAL = ".porter-journal.json"
 
 
@@ -52,12 +71,22 @@ def parse_size(text, option: str = "--max-shard-size") -> int:
     if not m or float(m.group(1)) <= 0:
         raise ConvertError(f"{option} {text!r}: use a size like 5GB, 500MB or a byte count")
     unit = m.group(2) or "B"
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    scale = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }[unit]
     size = int(float(m.group(1)) * scale)
     if size < 1:
-        raise ConvertError(f"{option} {text!r} is less than one byte: use a size like 5GB, 500MB or a byte "
-                           "count")
+        raise ConvertError(
+            f"{option} {text!r} is less than one byte: use a size like 5GB, 500MB or a byte count"
+        )
     return size
 
 
@@ -91,12 +120,21 @@ def entries_for(t: OutTensor) -> list[Entry]:
     if not t.quantize:
         return [Entry(t.name, t.dtype, tuple(t.shape))]
     scale_shape = tuple(t.shape[:-1]) + (t.shape[-1] // mxfp8.BLOCK,)
-    return [Entry(t.name, torch.float8_e4m3fn, tuple(t.shape)),
-            Entry(scale_name(t.name), torch.uint8, scale_shape)]
+    return [
+        Entry(t.name, torch.float8_e4m3fn, tuple(t.shape)),
+        Entry(scale_name(t.name), torch.uint8, scale_shape),
+    ]
 
 
-def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding="rceil",
-              max_shard_size="5GB", layout="porter", digest=DEFAULT_DIGEST) -> Plan:
+def make_plan(
+    source: Source,
+    quantize="experts",
+    gate_up="auto",
+    scale_rounding="rceil",
+    max_shard_size="5GB",
+    layout="porter",
+    digest=DEFAULT_DIGEST,
+) -> Plan:
     if scale_rounding not in mxfp8.ROUNDING_MODES:
         raise ConvertError(f"--scale-rounding must be one of {mxfp8.ROUNDING_MODES}")
     if digest not in CHUNK_HASHES:
@@ -109,8 +147,10 @@ def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding
     for t in tensors:  # e.g. F8_E8M0 scale bytes in a source whose config declares no quantization
         if not t.quantize and t.dtype not in DTYPE_NAMES:
             name = t.sources[0] if t.sources else t.name
-            raise ConvertError(f"{source.files.get(name) or source.path}: tensor {name!r} is {t.dtype}, "
-                               "which porter does not write; is config.json's quantization_config missing?")
+            raise ConvertError(
+                f"{source.files.get(name) or source.path}: tensor {name!r} is {t.dtype}, "
+                "which porter does not write; is config.json's quantization_config missing?"
+            )
     cap = parse_size(max_shard_size)
     groups, current, size = [], [], 0
     for e in (e for t in tensors for e in entries_for(t)):
@@ -123,8 +163,13 @@ def make_plan(source: Source, quantize="experts", gate_up="auto", scale_rounding
         groups.append(current)
     n = len(groups)
     shards = [(f"model-{i:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups, 1)]
-    options = {"quantize": quantize, "gate_up": gate_up, "scale_rounding": scale_rounding, "max_shard_size": cap,
-               "layout": layout}
+    options = {
+        "quantize": quantize,
+        "gate_up": gate_up,
+        "scale_rounding": scale_rounding,
+        "max_shard_size": cap,
+        "layout": layout,
+    }
     if source.prequantized is not None:  # how its values were read and re-quantized: verify's rule too
         options["source_quantization"] = source.prequantized.record()
     plan = Plan(source, config, converter.manifest_facts(config), tensors, shards, options, digest=digest)
@@ -136,20 +181,42 @@ def fingerprint(plan: Plan) -> str:
     """Identifies a conversion: porter version, options, the source's bytes (every shard's header and sampled
     data, config.json: Plan.source_digests) and the full output plan."""
     src = plan.source
-    ident = {"porter": __version__, "format_version": manifest.FORMAT_VERSION, "digest": digest_rule(plan.digest),
-             "options": plan.options, "commit": src.commit, "source_files": plan.source_digests,
-             "shards": [(f, [(e.name, str(e.dtype), e.shape) for e in es]) for f, es in plan.shards]}
+    ident = {
+        "porter": __version__,
+        "format_version": manifest.FORMAT_VERSION,
+        "digest": digest_rule(plan.digest),
+        "options": plan.options,
+        "commit": src.commit,
+        "source_files": plan.source_digests,
+        "shards": [(f, [(e.name, str(e.dtype), e.shape) for e in es]) for f, es in plan.shards],
+    }
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------------
 
 
-def convert(source, output, *, revision: Optional[str] = None, quantize: Optional[str] = None, gate_up: str = "auto",
-            scale_rounding: str = "rceil", max_shard_size="5GB", force: bool = False, resume: bool = False,
-            dry_run: bool = False, progress: bool = True, layout: str = "porter", workers: Optional[int] = None,
-            max_memory=None, device: str = "auto", digest: str = DEFAULT_DIGEST, token: Optional[str] = None,
-            cache_dir=None) -> dict:
+def convert(
+    source,
+    output,
+    *,
+    revision: Optional[str] = None,
+    quantize: Optional[str] = None,
+    gate_up: str = "auto",
+    scale_rounding: str = "rceil",
+    max_shard_size="5GB",
+    force: bool = False,
+    resume: bool = False,
+    dry_run: bool = False,
+    progress: bool = True,
+    layout: str = "porter",
+    workers: Optional[int] = None,
+    max_memory=None,
+    device: str = "auto",
+    digest: str = DEFAULT_DIGEST,
+    token: Optional[str] = None,
+    cache_dir=None,
+) -> dict:
     """Convert; returns a summary dict. Mirrors `porter convert` (see `porter convert --help`).
     quantize=None: the layout's default scope (the converter's DEFAULT_SCOPE). workers=None: the available
     cores + 1; max_memory=None: half the available RAM; device: auto (the GPU when there is one), cpu or
@@ -177,18 +244,41 @@ def convert(source, output, *, revision: Optional[str] = None, quantize: Optiona
         output_guard.check_free_space(out, _planned_bytes(plan), reusable)
         done = _prepare_output(out, plan, force, resume, workers)
         if done is None:
-            return {"output": str(out), "already_complete": True, "shards": len(plan.shards),
-                    "seconds": time.time() - t0}
+            return {
+                "output": str(out),
+                "already_complete": True,
+                "shards": len(plan.shards),
+                "seconds": time.time() - t0,
+            }
         stats = _produce(plan, out, done, progress, workers, max_memory, dev)
         fsync_secs = _finish(plan, out, stats)
     secs = time.time() - t0
-    summary = {"output": str(out), "shards": len(plan.shards), "tensors": len(stats), "fsync_seconds": fsync_secs,
-               "quantized": sum(1 for t in plan.tensors if t.quantize), "output_bytes": plan.output_bytes,
-               "source_bytes": src.total_bytes, "seconds": secs, "workers": workers, "device": dev.type,
-               "memory_estimate": estimate["total"]}
-    log.info("converted %s -> %s: %d tensors (%d quantized) in %d shard(s), %.2f GB written, %.1f s "
-             "(%d workers, %s)", source, out, summary["tensors"], summary["quantized"], summary["shards"],
-             plan.output_bytes / 1e9, secs, workers, dev.type)
+    summary = {
+        "output": str(out),
+        "shards": len(plan.shards),
+        "tensors": len(stats),
+        "fsync_seconds": fsync_secs,
+        "quantized": sum(1 for t in plan.tensors if t.quantize),
+        "output_bytes": plan.output_bytes,
+        "source_bytes": src.total_bytes,
+        "seconds": secs,
+        "workers": workers,
+        "device": dev.type,
+        "memory_estimate": estimate["total"],
+    }
+    log.info(
+        "converted %s -> %s: %d tensors (%d quantized) in %d shard(s), %.2f GB written, %.1f s "
+        "(%d workers, %s)",
+        source,
+        out,
+        summary["tensors"],
+        summary["quantized"],
+        summary["shards"],
+        plan.output_bytes / 1e9,
+        secs,
+        workers,
+        dev.type,
+    )
     return summary
 
 
@@ -204,11 +294,13 @@ def _workers_within(plan: Plan, workers: int, dev, max_memory: int) -> tuple[int
     """The most workers, up to `workers`, whose own buffers (read slabs, hash read-back) fit --max-memory
     beside this process, one unit in flight and the scale arrays, and their memory estimate. Fewer workers
     than asked is logged; not even one fitting is a ConvertError."""
+
     def estimate(w: int) -> dict:
         return engine.memory_estimate(plan.tensors, plan.source.stored_meta, w, dev, max_memory)
 
     def need(e: dict) -> int:
         return e["base"] + e["readback"] + e["unit"] + e["scales"]
+
     best = estimate(workers)
     if need(best) <= max_memory:
         return workers, best
@@ -218,11 +310,18 @@ def _workers_within(plan: Plan, workers: int, dev, max_memory: int) -> tuple[int
         lo, hi = (mid, hi) if need(estimate(mid)) <= max_memory else (lo, mid)
     if lo == 0:
         one = estimate(1)
-        raise ConvertError(f"--max-memory {max_memory / 1e9:.2f} GB is below what one unit of work needs "
-                           f"({need(one) / 1e9:.2f} GB: this process, one worker's buffers, one expert in flight and "
-                           "the scale arrays); raise --max-memory")
-    log.warning("--max-memory %.2f GB holds the buffers of %d of %d workers; converting with %d",
-                max_memory / 1e9, lo, workers, lo)
+        raise ConvertError(
+            f"--max-memory {max_memory / 1e9:.2f} GB is below what one unit of work needs "
+            f"({need(one) / 1e9:.2f} GB: this process, one worker's buffers, one expert in flight and "
+            "the scale arrays); raise --max-memory"
+        )
+    log.warning(
+        "--max-memory %.2f GB holds the buffers of %d of %d workers; converting with %d",
+        max_memory / 1e9,
+        lo,
+        workers,
+        lo,
+    )
     return lo, estimate(lo)
 
 
@@ -233,21 +332,38 @@ def describe_plan(plan: Plan, out: Path, estimate: dict) -> dict:
     log.info("read %d file(s) from %s (%.3f GB)", len(src.shard_files), src.path, src.total_bytes / 1e9)
     for f in src.shard_files:
         log.info("  read  %s", f.name)
-    log.info("quantize to MXFP8 (%s scales): %d tensor(s), e.g. %s", plan.options["scale_rounding"], len(q),
-             ", ".join(t.name for t in q[:3]) or "none")
+    log.info(
+        "quantize to MXFP8 (%s scales): %d tensor(s), e.g. %s",
+        plan.options["scale_rounding"],
+        len(q),
+        ", ".join(t.name for t in q[:3]) or "none",
+    )
     carried = [t for t in plan.tensors if not t.quantize]
     log.info("carry unchanged: %d tensor(s)", len(carried))
     for f, es in plan.shards:
         log.info("  write %s  %.3f GB  %d tensors", f, sum(e.nbytes for e in es) / 1e9, len(es))
-    log.info("expected peak memory: %.2f GB = %.2f this process + %.2f in flight (%d workers, units of up to "
-             "%.3f GB, capped by --max-memory %.2f GB) + %.3f scale arrays + %.3f hash read-back buffers + %.3f margin",
-             estimate["total"] / 1e9, estimate["base"] / 1e9, estimate["inflight"] / 1e9, estimate["workers"],
-             estimate["unit"] / 1e9, estimate["max_memory"] / 1e9, estimate["scales"] / 1e9,
-             estimate["readback"] / 1e9, estimate["margin"] / 1e9)
-    return {"dry_run": True, "shards": [(f, sum(e.nbytes for e in es)) for f, es in plan.shards],
-            "quantized": [t.name for t in q], "output_bytes": plan.output_bytes,
-            "peak_bytes_estimate": estimate["total"], "memory_estimate": estimate,
-            "reads": [str(f) for f in src.shard_files]}
+    log.info(
+        "expected peak memory: %.2f GB = %.2f this process + %.2f in flight (%d workers, units of up to "
+        "%.3f GB, capped by --max-memory %.2f GB) + %.3f scale arrays + %.3f hash read-back buffers + %.3f margin",
+        estimate["total"] / 1e9,
+        estimate["base"] / 1e9,
+        estimate["inflight"] / 1e9,
+        estimate["workers"],
+        estimate["unit"] / 1e9,
+        estimate["max_memory"] / 1e9,
+        estimate["scales"] / 1e9,
+        estimate["readback"] / 1e9,
+        estimate["margin"] / 1e9,
+    )
+    return {
+        "dry_run": True,
+        "shards": [(f, sum(e.nbytes for e in es)) for f, es in plan.shards],
+        "quantized": [t.name for t in q],
+        "output_bytes": plan.output_bytes,
+        "peak_bytes_estimate": estimate["total"],
+        "memory_estimate": estimate,
+        "reads": [str(f) for f in src.shard_files],
+    }
 
 
 def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: int = 1) -> Optional[dict]:
@@ -260,8 +376,11 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
             done = _intact_finished_shards(out, plan, workers)
             if len(done) == len(plan.shards):
                 (out / JOURNAL).unlink(missing_ok=True)  # a crash after the index, before this cleanup
-                log.info("resume: %s is already complete (same source, options and porter version; every "
-                         "shard matches porter.json's digest); nothing to do", out)
+                log.info(
+                    "resume: %s is already complete (same source, options and porter version; every "
+                    "shard matches porter.json's digest); nothing to do",
+                    out,
+                )
                 return None
             # journal first, then drop the index: the output reads as interrupted, never as complete
             _write_journal(out, {**_new_journal(plan, fp), "shards": done})
@@ -269,8 +388,15 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
             return done
         if resume and journal.get("fingerprint") == fp:
             return _verified_done(out, journal, workers, plan.digest)
-        if resume and not journal and all(p.is_file() and p.name == JOURNAL + ".tmp" for p in out.iterdir()
-                                          if p.name != output_guard.LOCK_NAME):
+        if (
+            resume
+            and not journal
+            and all(
+                p.is_file() and p.name == JOURNAL + ".tmp"
+                for p in out.iterdir()
+                if p.name != output_guard.LOCK_NAME
+            )
+        ):
             # killed before the first journal write: nothing finished, start over in place
             log.info("resume: %s holds no finished shard yet; starting from the beginning", out)
             (out / (JOURNAL + ".tmp")).unlink(missing_ok=True)
@@ -280,14 +406,22 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
         if resume:
             raise ConvertError(_resume_mismatch(out, plan, journal))
         if not force:
-            hint = (f" (an interrupted conversion of this source is there: {len(journal.get('shards', {}))} of "
-                    f"{len(plan.shards)} shards done; add --resume)" if journal.get("fingerprint") == fp else "")
+            hint = (
+                f" (an interrupted conversion of this source is there: {len(journal.get('shards', {}))} of "
+                f"{len(plan.shards)} shards done; add --resume)"
+                if journal.get("fingerprint") == fp
+                else ""
+            )
             foreign = output_guard.foreign_files(out, JOURNAL, _carried_names(out))
             if foreign:  # --force would refuse too: say so now
-                raise ConvertError(f"{out}: output folder is not empty ({out / foreign[0]} was not written "
-                                   "by porter); choose an empty or new --output folder")
+                raise ConvertError(
+                    f"{out}: output folder is not empty ({out / foreign[0]} was not written "
+                    "by porter); choose an empty or new --output folder"
+                )
             raise ConvertError(f"{out}: output folder is not empty{hint}; use --force to overwrite")
-        output_guard.clear_for_force(out, JOURNAL, _carried_names(out))  # only what porter wrote, else refused
+        output_guard.clear_for_force(
+            out, JOURNAL, _carried_names(out)
+        )  # only what porter wrote, else refused
     out.mkdir(parents=True, exist_ok=True)
     _write_journal(out, _new_journal(plan, fp))
     return {}
@@ -296,8 +430,13 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
 def _new_journal(plan: Plan, fp: str) -> dict:
     """A journal with no finished shard; `source` keeps the per-file digests so a refusal can name a file."""
     src = plan.source
-    return {"fingerprint": fp, "source": plan.source_digests, "source_path": src.repo_id or str(src.path),
-            "shards": {}, "files": _planned_files(plan)}
+    return {
+        "fingerprint": fp,
+        "source": plan.source_digests,
+        "source_path": src.repo_id or str(src.path),
+        "shards": {},
+        "files": _planned_files(plan),
+    }
 
 
 def _resume_mismatch(out: Path, plan: Plan, journal: dict) -> str:
@@ -313,10 +452,17 @@ def _resume_mismatch(out: Path, plan: Plan, journal: dict) -> str:
         now = plan.source_digests
         for name in sorted(set(recorded) | set(now)):
             if recorded.get(name) != now.get(name):
-                what = ("is new" if name not in recorded else "is gone" if now.get(name) is None
-                        else "changed (its header or sampled bytes differ)")
-                return (f"{plan.source.path / name}: --resume into {out}, but this source file {what} since "
-                        "that output was started; use --force to start over")
+                what = (
+                    "is new"
+                    if name not in recorded
+                    else "is gone"
+                    if now.get(name) is None
+                    else "changed (its header or sampled bytes differ)"
+                )
+                return (
+                    f"{plan.source.path / name}: --resume into {out}, but this source file {what} since "
+                    "that output was started; use --force to start over"
+                )
     what = "options or porter version" if isinstance(recorded, dict) else "source, options or porter version"
     return f"{out}: --resume, but what is there was made with different {what}; use --force to start over"
 
@@ -325,6 +471,7 @@ def _intact_finished_shards(out: Path, plan: Plan, workers: int) -> dict:
     """A complete artifact's shards whose size and digest still match porter.json, as journal records
     ({file: {"header_sha256", "digest", "tensors"}}); each missing or altered shard is logged by name."""
     from concurrent.futures import ThreadPoolExecutor
+
     try:
         man = manifest.read(out)
         recorded, tensors = man["shards"], man["tensors"]
@@ -334,8 +481,13 @@ def _intact_finished_shards(out: Path, plan: Plan, workers: int) -> dict:
     with ThreadPoolExecutor(max(1, workers)) as pool:
         for f, _ in plan.shards:
             rec, path = recorded.get(f) if isinstance(recorded, dict) else None, out / f
-            why = ("missing" if not path.is_file() else
-                   "not in porter.json" if not isinstance(rec, dict) else None)
+            why = (
+                "missing"
+                if not path.is_file()
+                else "not in porter.json"
+                if not isinstance(rec, dict)
+                else None
+            )
             if why is None and path.stat().st_size != rec.get("bytes"):
                 why = f"{path.stat().st_size} bytes, porter.json says {rec.get('bytes')}"
             if why is None:
@@ -345,12 +497,17 @@ def _intact_finished_shards(out: Path, plan: Plan, workers: int) -> dict:
                     ok = False
                 why = None if ok else "its digest differs from porter.json's"
             if why:
-                log.warning("resume: %s is %s; it will be rewritten", path, why if why == "missing" else
-                            f"altered ({why})")
+                log.warning(
+                    "resume: %s is %s; it will be rewritten",
+                    path,
+                    why if why == "missing" else f"altered ({why})",
+                )
                 continue
-            done[f] = {"header_sha256": rec["header_sha256"], "digest": rec["digest"],
-                       "tensors": {n: r for n, r in tensors.items()
-                                   if isinstance(r, dict) and r.get("shard") == f}}
+            done[f] = {
+                "header_sha256": rec["header_sha256"],
+                "digest": rec["digest"],
+                "tensors": {n: r for n, r in tensors.items() if isinstance(r, dict) and r.get("shard") == f},
+            }
     return done
 
 
@@ -369,10 +526,10 @@ def _carried_names(out: Path) -> tuple:
 def _planned_bytes(plan: Plan) -> int:
     """Disk space the output needs: every shard with its header, the copied files, and room for the JSON
     files (porter.json holds a record of ~300 bytes per tensor)."""
-    shards = sum(len(header_bytes(es, SHARD_METADATA)) + sum(e.nbytes for e in es)
-                 for _, es in plan.shards)
-    copied = sum((plan.source.path / n).stat().st_size for n in COPY_FILES
-                 if (plan.source.path / n).is_file())
+    shards = sum(len(header_bytes(es, SHARD_METADATA)) + sum(e.nbytes for e in es) for _, es in plan.shards)
+    copied = sum(
+        (plan.source.path / n).stat().st_size for n in COPY_FILES if (plan.source.path / n).is_file()
+    )
     return shards + copied + (1 << 20) + 1024 * len(plan.tensors)
 
 
@@ -401,6 +558,7 @@ def _verified_done(out: Path, journal: dict, workers: int, chunk_hash: str) -> d
     """The journaled shards whose bytes still hash to the digest the journal says (chunks re-hashed on every
     worker: a shard torn by a power loss, or edited, is rewritten)."""
     from concurrent.futures import ThreadPoolExecutor
+
     shards, done = journal.get("shards", {}), {}
     with ThreadPoolExecutor(max(1, workers)) as pool:
         for f, rec in shards.items():
@@ -427,11 +585,21 @@ def _produce(plan: Plan, out: Path, done: dict, progress: bool, workers: int, ma
 
     skip = lambda t: all(plan.shard_of[e.name] in done for e in entries_for(t))  # noqa: E731
     units = engine.make_units(plan.tensors, plan.source.stored_meta, skip, dev, workers)
-    bar = tqdm(total=sum(u.src_bytes for u in units), unit="B", unit_scale=True, desc="convert",
-               disable=not progress)
+    bar = tqdm(
+        total=sum(u.src_bytes for u in units), unit="B", unit_scale=True, desc="convert", disable=not progress
+    )
     _reuse_freed_memory()
-    pipeline = engine.Pipeline(plan, out, done, stats, workers=workers, max_memory=max_memory, device=dev,
-                               on_shard_done=shard_done, progress=bar)
+    pipeline = engine.Pipeline(
+        plan,
+        out,
+        done,
+        stats,
+        workers=workers,
+        max_memory=max_memory,
+        device=dev,
+        on_shard_done=shard_done,
+        progress=bar,
+    )
     try:
         pipeline.run(units)
     finally:
@@ -445,6 +613,7 @@ def _reuse_freed_memory() -> None:
     Raising the mmap/trim thresholds keeps freed blocks in the heap for reuse; the working set (one
     expert's temporaries per worker) is what stays resident. No-op where glibc's mallopt is unavailable."""
     import ctypes
+
     mallopt = engine.libc_function("mallopt", ctypes.c_int, ctypes.c_int)
     if mallopt is None:
         return
@@ -466,22 +635,35 @@ def _finish(plan: Plan, out: Path, stats: dict) -> float:
     model_card.write(src.path, out, plan.options, src.repo_id, src.commit)
     if plan.options["layout"] == "hf":  # vendor config, top-level quantization_config the engines read
         converter = converters.for_config(src.raw_config)
-        cfg = converter.hf_config_json(src.raw_config, converter.hf_quantization_config(
-            plan.tensors, plan.options["quantize"], plan.options["scale_rounding"]))
+        cfg = converter.hf_config_json(
+            src.raw_config,
+            converter.hf_quantization_config(
+                plan.tensors, plan.options["quantize"], plan.options["scale_rounding"]
+            ),
+        )
     else:
         cfg = dict(src.raw_config)
         cfg["quantization_config"] = manifest.quantization_config(plan)
     secs = engine.sync_files([out / f for f, _ in plan.shards], available_cores())
     log.debug("fsync of %d shard(s): %.2f s", len(plan.shards), secs)
     _write_final(out / "config.json", json.dumps(cfg, indent=2))
-    shard_digests = {f: {k: rec[k] for k in ("header_sha256", "digest")}
-                     for f, rec in _read_journal(out)["shards"].items()}
-    manifest.write(out, plan, stats, shard_digests, before_rename=lambda: fault_point(f"tmp:{manifest.MANIFEST}"))
+    shard_digests = {
+        f: {k: rec[k] for k in ("header_sha256", "digest")} for f, rec in _read_journal(out)["shards"].items()
+    }
+    manifest.write(
+        out, plan, stats, shard_digests, before_rename=lambda: fault_point(f"tmp:{manifest.MANIFEST}")
+    )
     fault_point(f"wrote:{manifest.MANIFEST}")
     weight_map = {e.name: stats[e.name]["shard"] for _, es in plan.shards for e in es}
-    index = {"metadata": {"total_size": plan.output_bytes, "format": "porter",
-                          "porter_fingerprint": fingerprint(plan),
-                          "porter_source": plan.source_digests}, "weight_map": weight_map}
+    index = {
+        "metadata": {
+            "total_size": plan.output_bytes,
+            "format": "porter",
+            "porter_fingerprint": fingerprint(plan),
+            "porter_source": plan.source_digests,
+        },
+        "weight_map": weight_map,
+    }
     _write_final(out / INDEX_NAME, json.dumps(index, indent=2))  # last: its presence means complete
     (out / JOURNAL).unlink(missing_ok=True)
     return secs

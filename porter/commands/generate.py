@@ -1,4 +1,5 @@
 """`porter generate`: a prompt to text with the runtime, printed as it is generated."""
+
 from __future__ import annotations
 
 import logging
@@ -9,10 +10,20 @@ from typing import Optional
 log = logging.getLogger("porter")
 
 
-def generate(path: str, prompt: str, chat: bool = False, max_new_tokens: Optional[int] = None,
-             temperature: Optional[float] = None, top_p: Optional[float] = None, top_k: Optional[int] = None,
-             seed: Optional[int] = None, stop: tuple = (), device: str = "auto", backend: str = "auto",
-             out=None) -> dict:
+def generate(
+    path: str,
+    prompt: str,
+    chat: bool = False,
+    max_new_tokens: Optional[int] = None,
+    temperature: Optional[float] = None,
+    top_p: Optional[float] = None,
+    top_k: Optional[int] = None,
+    seed: Optional[int] = None,
+    stop: tuple = (),
+    device: str = "auto",
+    backend: str = "auto",
+    out=None,
+) -> dict:
     """Stream the continuation of `prompt` to `out` (stdout); return {"tokens", "seconds", "tokens_per_s"}."""
     import runtime
     from runtime.text import TextError
@@ -29,8 +40,17 @@ def generate(path: str, prompt: str, chat: bool = False, max_new_tokens: Optiona
 
     start = time.perf_counter()
     ids = _prompt_ids(model, prompt, chat)
-    new = model.generate(ids, max_new_tokens, do_sample=sampled or None, temperature=temperature, top_p=top_p,
-                         top_k=top_k, seed=seed, stop=list(stop), stream=show)
+    new = model.generate(
+        ids,
+        max_new_tokens,
+        do_sample=sampled or None,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=list(stop),
+        stream=show,
+    )
     seconds = time.perf_counter() - start
     counted = len(new) - len(ids)
     out.write("\n")

@@ -6,6 +6,7 @@ transformers checkpoint, pre-quantized scheme), which linears are quantized and 
 quantization_config lists as ignored (and whether each module is exactly one of the two), sizes by dtype,
 and the ten tensors with the largest relative quantization error (from porter.json).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,9 @@ from collections import Counter
 from pathlib import Path
 
 import converters
+from porter.errors import InspectError, PorterError
 from porter.format import manifest as manifest_mod
 from porter.format import prequantized
-from porter.errors import InspectError, PorterError
 from porter.format.layout import HF_LAYOUT_PREFIX
 from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import ST_DTYPES, nbytes
@@ -60,7 +61,8 @@ def inspect(path) -> dict:
             "quantized_modules": len(quantized),
             "quantized": _summarize(quantized),
             "ignored_layers": ignored,
-            "modules_to_not_convert_equal": (qc or {}).get("modules_to_not_convert") == (qc or {}).get("ignored_layers"),
+            "modules_to_not_convert_equal": (qc or {}).get("modules_to_not_convert")
+            == (qc or {}).get("ignored_layers"),
             "contract": _contract(quantized, unquantized, ignored, qc),
         },
         "config": {k: {"value": v, "from": cfg.provenance.get(k)} for k, v in cfg.to_dict().items()},
@@ -71,7 +73,7 @@ def inspect(path) -> dict:
 
 
 def _interrupted(path: Path):
-    """"incomplete (interrupted conversion: N of M shards done; run ...)" for a porter output with a journal
+    """ "incomplete (interrupted conversion: N of M shards done; run ...)" for a porter output with a journal
     and no index (the index is written last, the journal removed after it), else None."""
     if (path / INDEX_NAME).exists() or not (path / JOURNAL).exists():
         return None
@@ -83,8 +85,10 @@ def _interrupted(path: Path):
     total = sum(1 for f in files if isinstance(f, str) and _SHARD.fullmatch(f)) or "?"
     source = journal.get("source_path") if isinstance(journal, dict) else None
     files = files if isinstance(files, list) else []
-    return (f"incomplete (interrupted conversion: {done} of {total} shards done; run porter convert "
-            f"{source or 'SOURCE'} --output {path} --resume)")
+    return (
+        f"incomplete (interrupted conversion: {done} of {total} shards done; run porter convert "
+        f"{source or 'SOURCE'} --output {path} --resume)"
+    )
 
 
 def _manifest(path: Path) -> dict:
@@ -97,8 +101,10 @@ def _manifest(path: Path) -> dict:
     for name, rec in man.get("tensors", {}).items():
         err = rec.get("rel_fro_error") if isinstance(rec, dict) else None
         if not isinstance(rec, dict) or not (err is None or type(err) in (int, float)):
-            raise InspectError(f"{where}: tensors[{name!r}] is not a record with a numeric rel_fro_error; "
-                               "reconvert or restore this file")
+            raise InspectError(
+                f"{where}: tensors[{name!r}] is not a record with a numeric rel_fro_error; "
+                "reconvert or restore this file"
+            )
     return man
 
 
@@ -123,9 +129,14 @@ def _tensor_meta(path: Path) -> dict:
 def _source(path: Path, man) -> dict:
     if man:
         src = man.get("source", {})
-        return {"repo_id": src.get("repo_id"), "path": src.get("path"), "commit": src.get("commit"),
-                "porter_version": man.get("porter_version"), "created": man.get("created"),
-                "options": man.get("options")}
+        return {
+            "repo_id": src.get("repo_id"),
+            "path": src.get("path"),
+            "commit": src.get("commit"),
+            "porter_version": man.get("porter_version"),
+            "created": man.get("created"),
+            "options": man.get("options"),
+        }
     m = _SNAPSHOT.search(str(path.resolve()))  # a Hugging Face cache snapshot folder names its commit
     return {"repo_id": None, "path": str(path.resolve()), "commit": m.group(1) if m else None}
 
@@ -148,8 +159,10 @@ def _modules(tensors: dict) -> tuple[list, list]:
         if _SCALE.search(name):
             continue
         module = name[: -len(".weight")] if name.endswith(".weight") else name
-        has_scale = any(module + suf in tensors for suf in (".weight_scale", ".weight_scale_inv")) or \
-            name + "_scale" in tensors
+        has_scale = (
+            any(module + suf in tensors for suf in (".weight_scale", ".weight_scale_inv"))
+            or name + "_scale" in tensors
+        )
         if dtype == "F8_E4M3" and has_scale:
             quantized.append(module)
         elif name.endswith(".weight") and len(shape) == 2:
@@ -159,8 +172,10 @@ def _modules(tensors: dict) -> tuple[list, list]:
 
 def _summarize(modules: list) -> dict:
     """Quantized module names with layer and expert numbers folded: {pattern: count}."""
-    pat = Counter(re.sub(r"\.experts\.\d+\.", ".experts.{e}.", re.sub(r"\.layers\.\d+\.", ".layers.{l}.", m))
-                  for m in modules)
+    pat = Counter(
+        re.sub(r"\.experts\.\d+\.", ".experts.{e}.", re.sub(r"\.layers\.\d+\.", ".layers.{l}.", m))
+        for m in modules
+    )
     return dict(sorted(pat.items()))
 
 
@@ -184,15 +199,22 @@ def _sizes(tensors: dict) -> dict:
     by_dtype: Counter = Counter()
     for dtype, shape, _ in tensors.values():
         by_dtype[dtype] += nbytes(ST_DTYPES[dtype], shape)
-    return {"tensors": len(tensors), "shards": len({f for *_, f in tensors.values()}),
-            "bytes": sum(by_dtype.values()), "bytes_by_dtype": dict(sorted(by_dtype.items()))}
+    return {
+        "tensors": len(tensors),
+        "shards": len({f for *_, f in tensors.values()}),
+        "bytes": sum(by_dtype.values()),
+        "bytes_by_dtype": dict(sorted(by_dtype.items())),
+    }
 
 
 def _worst(man) -> list:
     if not man:
         return []
-    rows = [{"tensor": n, "rel_fro_error": r["rel_fro_error"], "max_abs_error": r.get("max_abs_error")}
-            for n, r in man.get("tensors", {}).items() if r.get("rel_fro_error") is not None]
+    rows = [
+        {"tensor": n, "rel_fro_error": r["rel_fro_error"], "max_abs_error": r.get("max_abs_error")}
+        for n, r in man.get("tensors", {}).items()
+        if r.get("rel_fro_error") is not None
+    ]
     return sorted(rows, key=lambda r: -r["rel_fro_error"])[:WORST]
 
 
@@ -206,22 +228,37 @@ def _human(n: int) -> str:
 def render(rep: dict) -> str:
     """The report as terminal text."""
     src, q, sz = rep["source"], rep["quantization"], rep["sizes"]
-    lines = [f"{rep['path']}: {rep['kind']}, layout {rep['layout']}",
-             f"source: {src.get('repo_id') or src.get('path')}  commit: {src.get('commit') or 'unknown'}"]
+    lines = [
+        f"{rep['path']}: {rep['kind']}, layout {rep['layout']}",
+        f"source: {src.get('repo_id') or src.get('path')}  commit: {src.get('commit') or 'unknown'}",
+    ]
     if src.get("options"):
         lines.append("options: " + ", ".join(f"{k}={v}" for k, v in src["options"].items()))
-    lines.append(f"size: {_human(sz['bytes'])} in {sz['tensors']} tensors, {sz['shards']} shard(s); " +
-                 ", ".join(f"{d} {_human(b)}" for d, b in sz["bytes_by_dtype"].items()))
-    lines.append(f"quantization: {q['quant_method'] or 'none'}" + (f" (scope {q['scope']})" if q["scope"] else "") +
-                 f"; {q['quantized_modules']} quantized modules")
+    lines.append(
+        f"size: {_human(sz['bytes'])} in {sz['tensors']} tensors, {sz['shards']} shard(s); "
+        + ", ".join(f"{d} {_human(b)}" for d, b in sz["bytes_by_dtype"].items())
+    )
+    lines.append(
+        f"quantization: {q['quant_method'] or 'none'}"
+        + (f" (scope {q['scope']})" if q["scope"] else "")
+        + f"; {q['quantized_modules']} quantized modules"
+    )
     for pat, n in q["quantized"].items():
         lines.append(f"  quantized {n:5d} x {pat}")
-    lines.append(f"ignored_layers ({len(q['ignored_layers'])}): " + (", ".join(q["ignored_layers"][:8]) +
-                 (" ..." if len(q["ignored_layers"]) > 8 else "") if q["ignored_layers"] else "none"))
+    lines.append(
+        f"ignored_layers ({len(q['ignored_layers'])}): "
+        + (
+            ", ".join(q["ignored_layers"][:8]) + (" ..." if len(q["ignored_layers"]) > 8 else "")
+            if q["ignored_layers"]
+            else "none"
+        )
+    )
     c = q["contract"]
     if c["checked"]:
-        lines.append("each linear quantized xor listed: " + ("yes" if c["ok"] else
-                     f"NO (both: {c['both'][:3]}, neither: {c['neither'][:3]})"))
+        lines.append(
+            "each linear quantized xor listed: "
+            + ("yes" if c["ok"] else f"NO (both: {c['both'][:3]}, neither: {c['neither'][:3]})")
+        )
     lines.append("resolved config (value  <- from):")
     for k, v in rep["config"].items():
         val = json.dumps(v["value"])

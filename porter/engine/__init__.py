@@ -11,6 +11,7 @@ size. Bytes, digests and error statistics do not depend on the worker count or o
 Generic over `porter.format.layout.OutTensor` lists: nothing here knows an architecture. docs/convert.md, "How the
 engine works", gives the tuning constants' reasons and measurements.
 """
+
 from porter.engine.budget import default_max_memory, default_workers, memory_estimate, resolve_device
 from porter.engine.faults import arm as arm_faults
 from porter.engine.faults import fault_point
@@ -18,5 +19,15 @@ from porter.engine.run import Pipeline
 from porter.engine.sysio import libc_function, sync_files
 from porter.engine.units import make_units
 
-__all__ = ["Pipeline", "arm_faults", "default_max_memory", "default_workers", "fault_point", "libc_function",
-           "make_units", "memory_estimate", "resolve_device", "sync_files"]
+__all__ = [
+    "Pipeline",
+    "arm_faults",
+    "default_max_memory",
+    "default_workers",
+    "fault_point",
+    "libc_function",
+    "make_units",
+    "memory_estimate",
+    "resolve_device",
+    "sync_files",
+]

@@ -1,5 +1,6 @@
 """How much the engine may hold at once: the memory estimate (--dry-run), the budget units run in, and the
 worker count and device a conversion starts from."""
+
 from __future__ import annotations
 
 import logging
@@ -7,12 +8,19 @@ import threading
 
 import torch
 
-from porter.format import mxfp8, safetensors_io
 from porter.cores import available_cores
 from porter.engine.sysio import memory_status
-from porter.engine.units import (COPY_CHUNK_BYTES, SLAB_MAX_BYTES, pinned_slab_bytes, shards_in_flight,
-                                 src_bytes, unit_costs, verbatim_source)
+from porter.engine.units import (
+    COPY_CHUNK_BYTES,
+    SLAB_MAX_BYTES,
+    pinned_slab_bytes,
+    shards_in_flight,
+    src_bytes,
+    unit_costs,
+    verbatim_source,
+)
 from porter.errors import PorterError
+from porter.format import mxfp8, safetensors_io
 from porter.format.layout import OutTensor
 
 log = logging.getLogger("porter")
@@ -39,8 +47,10 @@ def resolve_device(device: str) -> torch.device:
         raise PorterError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu (or auto)")
     if device == "auto":
         if torch.cuda.is_available():
-            log.info("device auto: quantizing on the GPU (%s); --device cpu to use the CPU",
-                     torch.cuda.get_device_name(0))
+            log.info(
+                "device auto: quantizing on the GPU (%s); --device cpu to use the CPU",
+                torch.cuda.get_device_name(0),
+            )
             return torch.device("cuda")
         log.debug("device auto: no CUDA GPU, quantizing on the CPU")
         return torch.device("cpu")
@@ -54,23 +64,35 @@ def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.devic
     plus the hash read-back buffers, plus ESTIMATE_MARGIN_BYTES."""
     base = _base_bytes(tensors, meta, workers, device)
     copied = [verbatim_source(t, meta) is not None for t in tensors]
-    costs = [(0, 0) if c else unit_costs(t, device, workers, meta)  # a copied range lives in the slab
-             for t, c in zip(tensors, copied)]
+    costs = [
+        (0, 0) if c else unit_costs(t, device, workers, meta)  # a copied range lives in the slab
+        for t, c in zip(tensors, copied)
+    ]
     unit = max((w + o for w, o in costs), default=0)
     scales = _open_scale_bytes(tensors, workers)
     readback = workers * safetensors_io.DIGEST_CHUNK_BYTES  # each worker may read a chunk back to hash it
     inflight = max(unit, min(workers * unit, budget_for(max_memory, base, scales + readback)))
-    return {"base": base, "unit": unit, "workers": workers, "inflight": inflight, "scales": scales,
-            "readback": readback, "margin": ESTIMATE_MARGIN_BYTES,
-            "total": base + inflight + scales + readback + ESTIMATE_MARGIN_BYTES, "max_memory": max_memory}
+    return {
+        "base": base,
+        "unit": unit,
+        "workers": workers,
+        "inflight": inflight,
+        "scales": scales,
+        "readback": readback,
+        "margin": ESTIMATE_MARGIN_BYTES,
+        "total": base + inflight + scales + readback + ESTIMATE_MARGIN_BYTES,
+        "max_memory": max_memory,
+    }
 
 
 def _base_bytes(tensors: list, meta: dict, workers: int, device: torch.device) -> int:
     """This process now, the CUDA context on a GPU, and every worker's slabs (kept for the whole run)."""
     mem = memory_status()
     base = mem.get("RssAnon", 0) + mem.get("RssFile", 0)
-    reads = [min(COPY_CHUNK_BYTES, src_bytes(t)) if verbatim_source(t, meta) is not None else src_bytes(t)
-             for t in tensors]  # one unit's reads
+    reads = [
+        min(COPY_CHUNK_BYTES, src_bytes(t)) if verbatim_source(t, meta) is not None else src_bytes(t)
+        for t in tensors
+    ]  # one unit's reads
     if device.type == "cuda":  # pinned slabs, registered at their size
         slabs = sum(pinned_slab_bytes(reads, [t for t in tensors if t.quantize]).values())
         return base + CUDA_CONTEXT_BYTES + workers * slabs
@@ -80,7 +102,7 @@ def _base_bytes(tensors: list, meta: dict, workers: int, device: torch.device) -
 def _open_scale_bytes(tensors: list, workers: int) -> int:
     """Scale arrays being filled: one per shard in flight, plus one where a shard moves from one tensor to
     the next (an array's pages become resident as its experts land, so not every open one is full)."""
-    return sum(sorted(scale_array_bytes(t) for t in tensors)[-(shards_in_flight(workers) + 1):])
+    return sum(sorted(scale_array_bytes(t) for t in tensors)[-(shards_in_flight(workers) + 1) :])
 
 
 def scale_array_bytes(t: OutTensor) -> int:

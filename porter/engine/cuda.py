@@ -1,6 +1,7 @@
 """The GPU path: one CUDA stream per worker thread; a part goes pinned slab -> GPU (async), is quantized with
 its error sums on the GPU, and its values and scales come back into pinned host buffers (async). Workers in
 flight overlap each other's copies, kernels and disk I/O."""
+
 from __future__ import annotations
 
 import threading
@@ -8,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from porter.format import mxfp8
 from porter.engine.slabs import Slabs
+from porter.format import mxfp8
 
 
 class CudaQuantizer:
@@ -35,6 +36,7 @@ class CudaQuantizer:
                 pass
             finally:
                 self.ready.set()
+
         self.init_thread = threading.Thread(target=init, name="porter-cuda-init", daemon=True)
         self.init_thread.start()
 
@@ -68,5 +70,8 @@ class CudaQuantizer:
             stats = stats.to("cpu", non_blocking=True)
             stream.synchronize()
         del x, q, s  # w (pinned slab) is reused only after this sync: its async copy has finished
-        return q_host, s_host, {"err_sq": float(stats[0]), "ref_sq": float(stats[1]),
-                                "max_abs_error": float(stats[2])}
+        return (
+            q_host,
+            s_host,
+            {"err_sq": float(stats[0]), "ref_sq": float(stats[1]), "max_abs_error": float(stats[2])},
+        )

@@ -1,4 +1,5 @@
 """The chunked digest of one tensor whose bytes are written out of order by many threads."""
+
 from __future__ import annotations
 
 import threading
@@ -15,8 +16,16 @@ class TensorDigest:
     feeds its running hash); the writer that completes a chunk finishes it, reading back from the page cache
     the bytes that came out of order. This spares the read-back of chunks one worker writes in order."""
 
-    def __init__(self, fd: int, path: Path, start: int, length: int, chunk_bytes: int,
-                 on_done: Callable[[str], None], chunk_hash: str = DEFAULT_DIGEST):
+    def __init__(
+        self,
+        fd: int,
+        path: Path,
+        start: int,
+        length: int,
+        chunk_bytes: int,
+        on_done: Callable[[str], None],
+        chunk_hash: str = DEFAULT_DIGEST,
+    ):
         self.fd, self.path, self.start, self.chunk, self.on_done = fd, path, start, chunk_bytes, on_done
         self.new_hash = CHUNK_HASHES[chunk_hash]
         self.spans = chunk_spans(length, chunk_bytes)
@@ -39,7 +48,7 @@ class TensorDigest:
         for i, lo, hi in feeds:
             if self.hashers[i] is None:
                 self.hashers[i] = self.new_hash()
-            self.hashers[i].update(data[lo - offset:hi - offset])  # releases the GIL
+            self.hashers[i].update(data[lo - offset : hi - offset])  # releases the GIL
             with self.lock:
                 self.busy[i] = False
                 self.fed[i] += hi - lo

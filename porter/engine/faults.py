@@ -1,4 +1,5 @@
 """Fault injection for the crash/resume tests (tests/test_faults.py runs conversions in subprocesses)."""
+
 from __future__ import annotations
 
 import os

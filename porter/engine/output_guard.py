@@ -7,6 +7,7 @@
   that fills up anyway (ENOSPC) is a one-line error that leaves the output resumable.
 - One writer per output folder: an exclusive flock on `.porter.lock` inside it, for the whole run.
 """
+
 from __future__ import annotations
 
 import errno
@@ -32,7 +33,6 @@ FIXED_FILES = ("config.json", MANIFEST, INDEX)  # every conversion writes these 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-
 # ---------------------------------------------------------------------------------------------------
 # where the output may be
 
@@ -43,8 +43,9 @@ def check_output_option(output) -> Path:
         raise OutputFolderError("--output is empty: give the folder to write the artifact into")
     out = Path(output)
     if out.exists() and not out.is_dir():
-        raise OutputFolderError(f"--output {out} is a file, not a folder; give a folder to write the "
-                                "artifact into")
+        raise OutputFolderError(
+            f"--output {out} is a file, not a folder; give a folder to write the artifact into"
+        )
     return out
 
 
@@ -98,8 +99,7 @@ def porter_written(out: Path, journal_name: str, copy_files: Iterable[str]) -> s
 def foreign_files(out: Path, journal_name: str, copy_files: Iterable[str]) -> list:
     """Entries of `out` porter did not write (sorted): folders, symlinks, files no earlier run names."""
     owned = porter_written(out, journal_name, copy_files) | {LOCK_NAME}
-    return sorted(p.name for p in out.iterdir()
-                  if p.is_symlink() or not p.is_file() or p.name not in owned)
+    return sorted(p.name for p in out.iterdir() if p.is_symlink() or not p.is_file() or p.name not in owned)
 
 
 def has_content(out: Path) -> bool:
@@ -113,9 +113,11 @@ def clear_for_force(out: Path, journal_name: str, copy_files: Iterable[str]) -> 
     foreign = foreign_files(out, journal_name, copy_files)
     if foreign:
         entries = "1 such entry" if len(foreign) == 1 else f"{len(foreign)} such entries"
-        raise OutputFolderError(f"{out / foreign[0]}: not written by porter ({entries} in {out}); "
-                                "--force only replaces an earlier porter output: choose an empty or new "
-                                "--output folder")
+        raise OutputFolderError(
+            f"{out / foreign[0]}: not written by porter ({entries} in {out}); "
+            "--force only replaces an earlier porter output: choose an empty or new "
+            "--output folder"
+        )
     for p in out.iterdir():
         if p.name != LOCK_NAME:
             p.unlink()
@@ -149,9 +151,11 @@ def check_free_space(out: Path, needed: int, reusable: Iterable[str] = ()) -> No
     free = shutil.disk_usage(_nearest_existing(out)).free
     have = free + (_allocated_bytes(out, set(reusable)) if out.is_dir() else 0)
     if have < needed:
-        raise OutputFolderError(f"{out}: the output needs {needed / 1e9:.3f} GB ({needed} bytes) but only "
-                                f"{have / 1e9:.3f} GB ({have} bytes) is free there; free space or choose "
-                                "another --output")
+        raise OutputFolderError(
+            f"{out}: the output needs {needed / 1e9:.3f} GB ({needed} bytes) but only "
+            f"{have / 1e9:.3f} GB ({have} bytes) is free there; free space or choose "
+            "another --output"
+        )
 
 
 @contextmanager
@@ -164,8 +168,9 @@ def disk_full_is_bad_input(out: Path):
         if e.errno not in DISK_FULL:
             raise
         where = f" writing {e.filename}" if e.filename else ""
-        raise OutputFolderError(f"{out}: no space left on the device{where}; free space, then rerun with "
-                                "--resume to continue") from None
+        raise OutputFolderError(
+            f"{out}: no space left on the device{where}; free space, then rerun with --resume to continue"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -198,15 +203,19 @@ class OutputLock:
             except OSError as e:  # not writable, a file in the way, .porter.lock a symlink (O_NOFOLLOW)
                 if e.errno in DISK_FULL:
                     raise
-                raise OutputFolderError(f"{self.path}: cannot create porter's lock file there "
-                                        f"({e.strerror}); give a writable --output folder") from None
+                raise OutputFolderError(
+                    f"{self.path}: cannot create porter's lock file there "
+                    f"({e.strerror}); give a writable --output folder"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = _holder(fd)
                 os.close(fd)
-                raise OutputFolderError(f"{self.out}: another porter run ({holder}) is writing this output "
-                                        "folder; wait for it to end or stop it, then rerun") from None
+                raise OutputFolderError(
+                    f"{self.out}: another porter run ({holder}) is writing this output "
+                    "folder; wait for it to end or stop it, then rerun"
+                ) from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
             except FileNotFoundError:
@@ -216,8 +225,11 @@ class OutputLock:
             os.close(fd)  # the holder removed the file as we opened it: lock the new one
         stale = _holder(fd)
         if stale != "pid unknown":
-            log.warning("%s: taking over the lock of a porter run that ended without releasing it (%s)",
-                        self.out, stale)
+            log.warning(
+                "%s: taking over the lock of a porter run that ended without releasing it (%s)",
+                self.out,
+                stale,
+            )
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
         self.fd = fd

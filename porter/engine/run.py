@@ -1,5 +1,6 @@
 """The Pipeline: runs a plan's units on a pool of worker threads in a memory budget, each unit reading,
 quantizing (on the CPU or the GPU) and handing its bytes to the shard writer."""
+
 from __future__ import annotations
 
 import logging
@@ -11,18 +12,30 @@ from typing import Callable, Optional
 
 import torch
 
-from porter.format import mxfp8, mxfp8_native
 from porter.cores import available_cores
 from porter.engine.budget import Budget, memory_estimate
 from porter.engine.cuda import CudaQuantizer
 from porter.engine.faults import fault_point
-from porter.errors import ProduceError
-from porter.engine.produce import (check_kept, check_produced, error_record, expert_label,
-                                   quantize_on_cpu, sum_errs)
+from porter.engine.produce import (
+    check_kept,
+    check_produced,
+    error_record,
+    expert_label,
+    quantize_on_cpu,
+    sum_errs,
+)
 from porter.engine.slabs import Slabs
-from porter.engine.units import (Unit, interleave_shards, pinned_slab_bytes, quant_sizes, shards_in_flight,
-                                 src_bytes)
+from porter.engine.units import (
+    Unit,
+    interleave_shards,
+    pinned_slab_bytes,
+    quant_sizes,
+    shards_in_flight,
+    src_bytes,
+)
 from porter.engine.writer import ShardWriter
+from porter.errors import ProduceError
+from porter.format import mxfp8, mxfp8_native
 from porter.format.layout import OutTensor, scale_name
 from porter.format.safetensors_io import TensorReader
 
@@ -32,6 +45,7 @@ log = logging.getLogger("porter")
 @dataclass
 class _Job:
     """A stacked expert tensor in flight: its scale array and per-expert error sums, until all are in."""
+
     left: int
     scale: Optional[torch.Tensor]
     errs: list
@@ -39,8 +53,19 @@ class _Job:
 
 
 class Pipeline:
-    def __init__(self, plan, out: Path, done: dict, stats: dict, *, workers: int, max_memory: int,
-                 device: torch.device, on_shard_done: Callable[[str, dict], None], progress=None):
+    def __init__(
+        self,
+        plan,
+        out: Path,
+        done: dict,
+        stats: dict,
+        *,
+        workers: int,
+        max_memory: int,
+        device: torch.device,
+        on_shard_done: Callable[[str, dict], None],
+        progress=None,
+    ):
         self.plan, self.workers, self.device, self.progress = plan, workers, device, progress
         self.rounding = plan.options["scale_rounding"]
         self.quant_sizes = quant_sizes(workers)
@@ -75,8 +100,10 @@ class Pipeline:
         if left := self.writer.unfinished():
             raise RuntimeError(f"internal: shard(s) {left} not complete after every unit ran")
         if self.gpu.parts_on_cpu:
-            log.info("%d part(s) quantized on the CPU while the CUDA context started (the same bytes)",
-                     self.gpu.parts_on_cpu)
+            log.info(
+                "%d part(s) quantized on the CPU while the CUDA context started (the same bytes)",
+                self.gpu.parts_on_cpu,
+            )
 
     def _run_all(self, units: list) -> None:
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="porter-convert")
@@ -120,10 +147,15 @@ class Pipeline:
 
     # -- reads
     def read(self, name: str, index: Optional[int] = None) -> torch.Tensor:
-        pre = self.plan.source.prequantized  # a quantized source weight: dequantized (porter.format.prequantized)
+        pre = (
+            self.plan.source.prequantized
+        )  # a quantized source weight: dequantized (porter.format.prequantized)
         if pre is not None and name in pre.scales:
-            return pre.dequantize(self.reader.read(name, index), self.reader.read(pre.scales[name], index),
-                                  f"{self.reader.spans[name][0]}: tensor {name!r}")
+            return pre.dequantize(
+                self.reader.read(name, index),
+                self.reader.read(pre.scales[name], index),
+                f"{self.reader.spans[name][0]}: tensor {name!r}",
+            )
         n = self.reader.nbytes(name, index)
         if self.slabs.stages(n):
             return self.reader.read(name, index, into=self.slabs.take("src", n))
@@ -170,8 +202,9 @@ class Pipeline:
         parts = t.expert_rows(self.read, e)
         keeps = t.expert_rows(self.read_scale, e) if self._keeps_scales(t) else [None] * len(parts)
         if len(keeps) != len(parts):
-            raise RuntimeError(f"{t.name}: expert {e} has {len(parts)} row parts "
-                               f"but {len(keeps)} scale parts")
+            raise RuntimeError(
+                f"{t.name}: expert {e} has {len(parts)} row parts but {len(keeps)} scale parts"
+            )
         job, n, row, errs = self._job(t), t.shape[1], 0, []
         for part, keep in zip(parts, keeps):  # [rows, K], [rows, K/32] or None
             check_produced(t, part, (part.shape[0], t.shape[-1]))
@@ -180,12 +213,14 @@ class Pipeline:
             errs += self._expert_part(t, e, job, row, part, keep)
             row += part.shape[0]
         if row != n:
-            raise ProduceError(f"{t.name}: expert {e} has {row if row <= n else 'more than ' + str(n)} rows, "
-                               f"expected {n}")
+            raise ProduceError(
+                f"{t.name}: expert {e} has {row if row <= n else 'more than ' + str(n)} rows, expected {n}"
+            )
         self._expert_done(t, job, e, errs)
 
-    def _expert_part(self, t: OutTensor, e: int, job: _Job, row: int, part: torch.Tensor,
-                     keep: Optional[torch.Tensor]) -> list:
+    def _expert_part(
+        self, t: OutTensor, e: int, job: _Job, row: int, part: torch.Tensor, keep: Optional[torch.Tensor]
+    ) -> list:
         """Writes rows [row, row + len(part)) of expert e (scales into the job's array); their error sums."""
         n, k = t.shape[1], t.shape[-1]
         if not t.quantize:
@@ -196,7 +231,7 @@ class Pipeline:
         try:
             for r, q, s, err in self._quantize(part, t.name, keep):  # [rows', K] chunks, written at once
                 self.writer.deposit(t.name, (e * n + row + r) * k, q)
-                job.scale[e, row + r:row + r + q.shape[0]] = s
+                job.scale[e, row + r : row + r + q.shape[0]] = s
                 errs.append(err)
         except mxfp8.MXFP8Error as exc:  # name the offending source tensor, not the stacked output
             raise mxfp8.MXFP8Error(str(exc).replace(t.name, expert_label(t, e, self.read), 1)) from None
@@ -206,8 +241,11 @@ class Pipeline:
         with self.lock:
             job = self.jobs.get(t.name)
             if job is None:
-                scale = (torch.empty(tuple(t.shape[:-1]) + (t.shape[-1] // mxfp8.BLOCK,), dtype=torch.uint8)
-                         if t.quantize else None)  # [E, N, K/32]
+                scale = (
+                    torch.empty(tuple(t.shape[:-1]) + (t.shape[-1] // mxfp8.BLOCK,), dtype=torch.uint8)
+                    if t.quantize
+                    else None
+                )  # [E, N, K/32]
                 job = self.jobs[t.name] = _Job(t.shape[0], scale, [None] * t.shape[0])
             return job
 

@@ -1,6 +1,7 @@
 """Each worker thread's reused buffers: `src` holds a unit's reads, `out` one part's results on the GPU path.
 Allocated once per worker and reset per unit, so slab memory stays workers x (unit + part) bytes and no read
 page-faults fresh memory in. On the GPU path they are page-locked (async copies need it)."""
+
 from __future__ import annotations
 
 import logging
@@ -41,7 +42,7 @@ class Slabs:
             setattr(self.local, which, slab)
             at = 0  # views already handed out keep the old slab alive until the unit ends
         setattr(self.local, which + "_at", at + (n + 63) // 64 * 64)
-        return slab[at:at + n]
+        return slab[at : at + n]
 
     def _new(self, n: int) -> torch.Tensor:
         """On the GPU path the pages are faulted in here, in parallel and outside the CUDA driver, and the
@@ -73,8 +74,9 @@ class Slabs:
             return
         # a failed call leaves CUDA's per-thread last error set, which torch's next launch check would raise
         torch.cuda.cudart().cudaGetLastError()
-        log.debug("cudaHostRegister of %d bytes failed (error %d); copying from pageable memory",
-                  slab.numel(), code)
+        log.debug(
+            "cudaHostRegister of %d bytes failed (error %d); copying from pageable memory", slab.numel(), code
+        )
 
     def release(self) -> None:
         """After the workers are done: unlock the registered slabs (once no copy can still read them)."""

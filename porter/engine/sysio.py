@@ -1,5 +1,6 @@
 """Linux calls the engine uses through ctypes (which drops the GIL while they run): each is a hint its
 callers skip where glibc or the call is unavailable."""
+
 from __future__ import annotations
 
 import ctypes
@@ -74,6 +75,7 @@ def sync_files(paths: list, workers: int) -> float:
             os.fsync(fd)
         finally:
             os.close(fd)
+
     with ThreadPoolExecutor(max(1, min(workers, len(paths)))) as pool:
         list(pool.map(sync, paths))
     return time.perf_counter() - t0
@@ -82,8 +84,10 @@ def sync_files(paths: list, workers: int) -> float:
 def memory_status() -> dict:
     """This process's RssAnon / RssFile / VmHWM / VmRSS and the machine's MemAvailable / MemTotal (bytes)."""
     out = {}
-    for path, keys in (("/proc/self/status", ("RssAnon", "RssFile", "VmHWM", "VmRSS")),
-                       ("/proc/meminfo", ("MemAvailable", "MemTotal"))):
+    for path, keys in (
+        ("/proc/self/status", ("RssAnon", "RssFile", "VmHWM", "VmRSS")),
+        ("/proc/meminfo", ("MemAvailable", "MemTotal")),
+    ):
         try:
             for line in open(path):
                 k, _, v = line.partition(":")

@@ -1,5 +1,6 @@
 """Units of work and their sizes: one expert of a stacked expert tensor, a byte range of a tensor carried
 verbatim, or one whole plain tensor, each with the bytes it takes from the memory budget."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +13,9 @@ from porter.format.layout import OutTensor
 from porter.format.safetensors_io import SHARD_METADATA, header_bytes
 
 COPY_CHUNK_BYTES = 64 << 20  # verbatim tensors are copied in ranges of this size
-QUANT_CHUNK_ELEMS = 1 << 20  # elements per CPU quantize call up to 2 workers (porter.format.mxfp8 tiles them itself)
+QUANT_CHUNK_ELEMS = (
+    1 << 20
+)  # elements per CPU quantize call up to 2 workers (porter.format.mxfp8 tiles them itself)
 MANY_WORKERS_QUANT_ELEMS = 1 << 22  # ... and per call, in one tile, past 2 workers (quant_sizes)
 # Working memory of one CPU quantize call per element, besides its results: 16 bounds the torch path's
 # reference fallback, 9 the C quantizer's statistics plus what the allocator keeps (docs/convert.md).
@@ -92,6 +95,7 @@ def builder_copies(t: OutTensor, meta: dict) -> bool:
         shape = tuple(shape) if index is None else tuple(shape)[1:]
         probes.append(torch.empty(shape, dtype=dtype, device="meta"))
         return probes[-1]
+
     try:
         parts = t.expert_rows(read, 0) if t.per_expert else [t.build(read)]
     except Exception:  # noqa: BLE001 — a builder that cannot run on shapes alone: assume it copies
@@ -135,8 +139,9 @@ def unit_costs(t: OutTensor, device: torch.device, workers: int, meta: dict) -> 
     return copied + work + out, 0
 
 
-def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], device: torch.device,
-               workers: int = 1) -> list:
+def make_units(
+    tensors: list, meta: dict, skip: Callable[[OutTensor], bool], device: torch.device, workers: int = 1
+) -> list:
     units = []
     for t in tensors:
         if not skip(t):
@@ -147,8 +152,10 @@ def make_units(tensors: list, meta: dict, skip: Callable[[OutTensor], bool], dev
 def _units_of(t: OutTensor, meta: dict, device: torch.device, workers: int, first: int) -> list:
     work, out = unit_costs(t, device, workers, meta)
     if t.per_expert:
-        return [Unit(first + e, t, "expert", expert=e, src_bytes=src_bytes(t), cost=work + out)
-                for e in range(t.shape[0])]
+        return [
+            Unit(first + e, t, "expert", expert=e, src_bytes=src_bytes(t), cost=work + out)
+            for e in range(t.shape[0])
+        ]
     if verbatim_source(t, meta) is None:
         return [Unit(first, t, "whole", src_bytes=src_bytes(t), cost=work + out)]
     total, units = src_bytes(t), []

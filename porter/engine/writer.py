@@ -1,6 +1,7 @@
 """Shard output: every shard's header is fixed by the plan, so workers pwrite their results into known byte
 ranges in any order; each tensor's digest is handed its ranges as they land, and a shard is renamed from
 `.partial` and journaled once every digest and error record is in."""
+
 from __future__ import annotations
 
 import hashlib
@@ -12,13 +13,20 @@ from typing import Callable, Optional
 
 import torch
 
-from porter.format import safetensors_io
 from porter.engine.digests import TensorDigest
 from porter.engine.faults import fault_point
 from porter.engine.sysio import start_writeback
 from porter.engine.units import places_of
-from porter.format.safetensors_io import (SHARD_METADATA, Entry, dtype_name, header_bytes, pwrite_all, shard_digest,
-                                   tensor_bytes)
+from porter.format import safetensors_io
+from porter.format.safetensors_io import (
+    SHARD_METADATA,
+    Entry,
+    dtype_name,
+    header_bytes,
+    pwrite_all,
+    shard_digest,
+    tensor_bytes,
+)
 
 
 class Writeback:
@@ -77,8 +85,9 @@ class ShardOut:
     """One output shard: `.partial` written with pwrite, renamed once every tensor's digest and every error
     record is in (`todo` counts those events)."""
 
-    def __init__(self, path: Path, entries: list, todo: int, on_closed: Callable,
-                 flusher: Optional[Writeback]):
+    def __init__(
+        self, path: Path, entries: list, todo: int, on_closed: Callable, flusher: Optional[Writeback]
+    ):
         self.path, self.entries, self.on_closed = path, entries, on_closed
         self.partial = path.with_name(path.name + ".partial")
         header = header_bytes(entries, SHARD_METADATA)
@@ -185,13 +194,20 @@ class ShardWriter:
         with self.lock:
             s = self.shards.get(f)
             if s is None:
-                s = self.shards[f] = ShardOut(self.out / f, self.entries_of[f], self._todo(f), self._closed,
-                                              self.flusher)
+                s = self.shards[f] = ShardOut(
+                    self.out / f, self.entries_of[f], self._todo(f), self._closed, self.flusher
+                )
                 for e in self.entries_of[f]:
                     p = self.places[e.name]
                     self.tensor_digest[e.name] = TensorDigest(
-                        s.fd, s.partial, p.offset, p.nbytes, safetensors_io.DIGEST_CHUNK_BYTES,
-                        lambda d, e=e, s=s: self._tensor_hashed(s, e, d), self.digest)
+                        s.fd,
+                        s.partial,
+                        p.offset,
+                        p.nbytes,
+                        safetensors_io.DIGEST_CHUNK_BYTES,
+                        lambda d, e=e, s=s: self._tensor_hashed(s, e, d),
+                        self.digest,
+                    )
             return s
 
     def _todo(self, f: str) -> int:
@@ -200,8 +216,12 @@ class ShardWriter:
 
     def _tensor_hashed(self, shard: ShardOut, e: Entry, digest: str) -> None:
         with self.lock:
-            record = {"shard": self.places[e.name].shard, "dtype": dtype_name(e.dtype),
-                      "shape": list(e.shape), "digest": digest}
+            record = {
+                "shard": self.places[e.name].shard,
+                "dtype": dtype_name(e.dtype),
+                "shape": list(e.shape),
+                "digest": digest,
+            }
             self.stats.setdefault(e.name, {}).update(record)
         shard.event()
 
@@ -211,7 +231,10 @@ class ShardWriter:
         with self.lock:
             tensors = {e.name: dict(self.stats[e.name]) for e in shard.entries}
             digests = [tensors[e.name]["digest"] for e in shard.entries]
-            record = {"header_sha256": shard.header_sha256, "tensors": tensors,
-                      "digest": shard_digest(shard.header_sha256, digests)}
+            record = {
+                "header_sha256": shard.header_sha256,
+                "tensors": tensors,
+                "digest": shard_digest(shard.header_sha256, digests),
+            }
         with self.journal_lock:
             self.on_shard_done(shard.path.name, record)

@@ -4,6 +4,7 @@ This is the format layer (docs/architecture.md): it knows how a porter artifact 
 any model is. A converter (converters/<arch>/) plans `OutTensor`s; the conversion writes them; the
 runtime and verify find a weight's scale with `scale_name`. Format: docs/artifact-format.md.
 """
+
 from __future__ import annotations
 
 import re
@@ -28,7 +29,11 @@ def scale_name(weight_name: str) -> str:
     `X.weight` -> `X.weight_scale_inv`, the only scale name sglang loads (docs/serving-engines.md)."""
     if weight_name.startswith(HF_LAYOUT_PREFIX) and weight_name.endswith(".weight"):
         return weight_name + "_scale_inv"
-    return weight_name[: -len("weight")] + "weight_scale" if weight_name.endswith("weight") else weight_name + "_scale"
+    return (
+        weight_name[: -len("weight")] + "weight_scale"
+        if weight_name.endswith("weight")
+        else weight_name + "_scale"
+    )
 
 
 def is_scale_name(name: str) -> bool:
@@ -55,6 +60,7 @@ class OutTensor:
     a pre-quantized MXFP8 source keeps its own scale bytes (porter.engine.run.Pipeline.read_scale).
     Use the methods `build`, `build_expert` and `expert_rows` rather than the fields.
     """
+
     name: str
     shape: tuple
     dtype: torch.dtype  # dtype of the value before quantization (the source dtype)
@@ -91,5 +97,8 @@ class OutTensor:
 
 def ignored_layers(out: list[OutTensor]) -> list[str]:
     """Module names of the 2-D linears left unquantized (the `ignored_layers` of a quantization_config)."""
-    return [t.name[: -len(".weight")] for t in out
-            if not t.quantize and t.name.endswith(".weight") and len(t.shape) == 2]
+    return [
+        t.name[: -len(".weight")]
+        for t in out
+        if not t.quantize and t.name.endswith(".weight") and len(t.shape) == 2
+    ]

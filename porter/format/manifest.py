@@ -3,6 +3,7 @@
 Format layer (docs/architecture.md, docs/artifact-format.md): the architecture's own facts (its name, its
 activation parameters) come from the converter through the plan (`plan.architecture_facts`), never from
 here."""
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,11 @@ def quantization_config(plan) -> dict:
         "modules_to_not_convert": ignored,
         # porter's layout differs from the vendor release: experts are stacked per layer and scales are
         # named `*weight_scale`. Loaders other than porter's runtime need the vendor layout (`--layout hf`).
-        "porter_layout": {"experts": "stacked w13_weight [E, 2I, H] ([gate; up]) + w2_weight [E, H, I]",
-                          "scale_suffix": "weight_scale", "gate_up_order": "gate_up"},
+        "porter_layout": {
+            "experts": "stacked w13_weight [E, 2I, H] ([gate; up]) + w2_weight [E, H, I]",
+            "scale_suffix": "weight_scale",
+            "gate_up_order": "gate_up",
+        },
     }
 
 
@@ -56,21 +60,35 @@ def write(out: Path, plan, stats: dict, shard_digests: dict, before_rename=None)
         "porter_version": __version__,
         "architecture": facts.pop("architecture"),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source": {"repo_id": src.repo_id, "path": str(src.path.resolve()), "commit": src.commit,
-                   "files": [f.name for f in src.shard_files]},
+        "source": {
+            "repo_id": src.repo_id,
+            "path": str(src.path.resolve()),
+            "commit": src.commit,
+            "files": [f.name for f in src.shard_files],
+        },
         "options": plan.options,
         "resolved_config": cfg.to_dict(),
         "provenance": cfg.provenance,
         **facts,
-        "layout": {"gate_up_order": "gate_up", "source_gate_up": plan.options["gate_up"],
-                   "block_size": mxfp8.BLOCK, "element_dtype": "float8_e4m3fn", "scale_dtype": "uint8",
-                   "scale_encoding": "ue8m0 byte b -> 2^(b-127); 0 for all-zero blocks",
-                   "scale_rounding": plan.options["scale_rounding"],
-                   "scale_rule": ("smallest e with amax <= 448*2^e" if plan.options["scale_rounding"] == "rceil"
-                                  else "floor(log2 amax) - 8 (OCP; clips)")},
+        "layout": {
+            "gate_up_order": "gate_up",
+            "source_gate_up": plan.options["gate_up"],
+            "block_size": mxfp8.BLOCK,
+            "element_dtype": "float8_e4m3fn",
+            "scale_dtype": "uint8",
+            "scale_encoding": "ue8m0 byte b -> 2^(b-127); 0 for all-zero blocks",
+            "scale_rounding": plan.options["scale_rounding"],
+            "scale_rule": (
+                "smallest e with amax <= 448*2^e"
+                if plan.options["scale_rounding"] == "rceil"
+                else "floor(log2 amax) - 8 (OCP; clips)"
+            ),
+        },
         "digest": digest_rule(plan.digest),
-        "shards": {f: {"tensors": len(es), "bytes": sum(e.nbytes for e in es) + _header_len(es),
-                       **shard_digests[f]} for f, es in plan.shards},
+        "shards": {
+            f: {"tensors": len(es), "bytes": sum(e.nbytes for e in es) + _header_len(es), **shard_digests[f]}
+            for f, es in plan.shards
+        },
         "tensors": stats,
     }
     atomic_write_text(out / MANIFEST, json.dumps(doc, indent=1), before_rename=before_rename)

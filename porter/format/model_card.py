@@ -5,6 +5,7 @@ that says what porter did (version, source and commit, quantization scope, layou
 porter.json; a source without a card gets a card holding that section only. Appending keeps the card's
 YAML front matter (license, tags) first, where the Hub reads it.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -47,18 +48,26 @@ def section(options: dict, repo_id, commit, source_path) -> str:
     quantized = SCOPES.get(scope, scope)
     if scope != "none":
         rule = options.get("scale_rounding", "rceil")
-        quantized += (f" are MXFP8 (e4m3 values, one power-of-two E8M0 scale per 32 weights, {rule} scale "
-                      "rule); every other tensor is unchanged")
+        quantized += (
+            f" are MXFP8 (e4m3 values, one power-of-two E8M0 scale per 32 weights, {rule} scale "
+            "rule); every other tensor is unchanged"
+        )
     if options.get("source_quantization"):
         method = options["source_quantization"].get("method")
         quantized += f". The source was pre-quantized ({method}) and was dequantized first"
-    return "\n".join([
-        SECTION_TITLE, "",
-        f"This folder was converted from {origin} by porter {__version__}.", "",
-        f"- quantization scope `{scope}`: {quantized}.",
-        f"- layout {LAYOUTS.get(options.get('layout', 'porter'), options.get('layout'))}.",
-        "- `porter.json` records the source, every option, each tensor's quantization error and the shard "
-        "digests; `porter verify DIR` checks this folder against the source.", ""])
+    return "\n".join(
+        [
+            SECTION_TITLE,
+            "",
+            f"This folder was converted from {origin} by porter {__version__}.",
+            "",
+            f"- quantization scope `{scope}`: {quantized}.",
+            f"- layout {LAYOUTS.get(options.get('layout', 'porter'), options.get('layout'))}.",
+            "- `porter.json` records the source, every option, each tensor's quantization error and the shard "
+            "digests; `porter verify DIR` checks this folder against the source.",
+            "",
+        ]
+    )
 
 
 def write(src: Path, out: Path, options: dict, repo_id, commit) -> None:
@@ -69,5 +78,11 @@ def write(src: Path, out: Path, options: dict, repo_id, commit) -> None:
     if card and not card.endswith("\n"):
         card += "\n"
     title = "" if card else f"# {Path(repo_id or src).name} (MXFP8)\n"
-    atomic_write_text(out / CARD, card + ("\n" if card else "") + title + ("\n" if title else "")
-                      + section(options, repo_id, commit, src))
+    atomic_write_text(
+        out / CARD,
+        card
+        + ("\n" if card else "")
+        + title
+        + ("\n" if title else "")
+        + section(options, repo_id, commit, src),
+    )

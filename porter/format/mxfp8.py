@@ -12,6 +12,7 @@ Used by the converter, the runtime backends and the tests alike. Rules (docs/mxf
   scale (one fp32 amax aside); a block whose scale byte is 0 gets zero elements; a block with NaN/Inf gets
   byte 255 (NaN).
 """
+
 from __future__ import annotations
 
 import threading
@@ -57,7 +58,8 @@ def _check_shape(w: torch.Tensor, name: str) -> None:
     if w.ndim < 1 or w.shape[-1] % BLOCK != 0:
         raise MXFP8Error(
             f"{name}: last dim (K) of shape {tuple(w.shape)} is not a multiple of {BLOCK}; "
-            f"MXFP8 needs whole 32-element blocks — leave this tensor unquantized")
+            f"MXFP8 needs whole 32-element blocks — leave this tensor unquantized"
+        )
 
 
 def nonfinite_error(name: str) -> MXFP8Error:
@@ -73,14 +75,24 @@ def _kept_bytes(keep_scale: torch.Tensor, amax: torch.Tensor, block_shape: tuple
     """keep_scale as int32 bytes, checked: one per block (block_shape) and every block fits its byte
     (amax <= 448 * 2^(byte-127)); amax holds the same blocks, in any shape."""
     byte = keep_scale.to(device=amax.device, dtype=torch.int32)
-    if byte.shape != block_shape or bool((amax > E4M3_MAX * pow2(byte - SCALE_BIAS).reshape(amax.shape)).any()):
-        raise MXFP8Error(f"{name}: values do not fit the scale bytes they were read with "
-                         f"({tuple(byte.shape)} for blocks {tuple(block_shape)})")
+    if byte.shape != block_shape or bool(
+        (amax > E4M3_MAX * pow2(byte - SCALE_BIAS).reshape(amax.shape)).any()
+    ):
+        raise MXFP8Error(
+            f"{name}: values do not fit the scale bytes they were read with "
+            f"({tuple(byte.shape)} for blocks {tuple(block_shape)})"
+        )
     return byte
 
 
-def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[list] = None,
-                     keep_scale: Optional[torch.Tensor] = None, check_finite: bool = True):
+def _quantize_blocks(
+    w: torch.Tensor,
+    rounding: str,
+    name: str,
+    ref: Optional[list] = None,
+    keep_scale: Optional[torch.Tensor] = None,
+    check_finite: bool = True,
+):
     """-> (x: fp32 [..., K/32, 32] scaled, not clipped, q: e4m3 same shape (saturated), byte: int32 [..., K/32]).
     If `ref` is a list, the per-block sums of squares of w (fp32 [..., K/32]) are appended to it.
     keep_scale (uint8 [..., K/32]): use these scale bytes instead of the rounding rule — for values that
@@ -110,8 +122,9 @@ def _quantize_blocks(w: torch.Tensor, rounding: str, name: str, ref: Optional[li
     return x, x.to(torch.float8_e4m3fn), byte  # the cast rounds to nearest even
 
 
-def quantize(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor",
-             keep_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    w: torch.Tensor, rounding: str = "rceil", name: str = "tensor", keep_scale: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., K] float -> (q [..., K] float8_e4m3fn, scale [..., K/32] uint8). keep_scale: see _quantize_blocks."""
     native = _quantize_native(w, rounding, keep_scale, with_error=False)
     if native is not None:
@@ -123,8 +136,14 @@ def quantize(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor",
     return q.reshape(w.shape), byte.to(torch.uint8)
 
 
-def quantize_with_error(w: torch.Tensor, rounding: str = "rceil", name: str = "tensor", host_stats: bool = True,
-                        keep_scale: Optional[torch.Tensor] = None, tile_blocks: Optional[int] = None):
+def quantize_with_error(
+    w: torch.Tensor,
+    rounding: str = "rceil",
+    name: str = "tensor",
+    host_stats: bool = True,
+    keep_scale: Optional[torch.Tensor] = None,
+    tile_blocks: Optional[int] = None,
+):
     """quantize() plus the pieces of the error statistics, computed on the same fp32 blocks, on w's device
     (CPU or CUDA: the same bytes):
     -> (q, scale, {"err_sq", "ref_sq", "max_abs_error"}) with err_sq = ||W - deq(Q)||^2, ref_sq = ||W||^2.
@@ -138,8 +157,9 @@ def quantize_with_error(w: torch.Tensor, rounding: str = "rceil", name: str = "t
     if native is not None:
         q, byte, parts = native
     elif _cpu_fast_path(w):
-        q, byte, parts = _quantize_cpu_tiles(w, rounding, name, keep_scale, with_error=True,
-                                             tile_blocks=tile_blocks)
+        q, byte, parts = _quantize_cpu_tiles(
+            w, rounding, name, keep_scale, with_error=True, tile_blocks=tile_blocks
+        )
     else:
         q, byte, parts = _quantize_general(w, rounding, name, keep_scale, with_error=True)
     stats = _error_totals(*(p.reshape(byte.shape) for p in parts), byte, w.device)
@@ -148,8 +168,9 @@ def quantize_with_error(w: torch.Tensor, rounding: str = "rceil", name: str = "t
     return q, byte, stats
 
 
-def _error_totals(ref_sq: torch.Tensor, err_sq: torch.Tensor, d_max: Optional[torch.Tensor], byte: torch.Tensor,
-                  device) -> dict:
+def _error_totals(
+    ref_sq: torch.Tensor, err_sq: torch.Tensor, d_max: Optional[torch.Tensor], byte: torch.Tensor, device
+) -> dict:
     """Per-block fp32 sums ([..., K/32]: ||w||^2, ||scaled error||^2, max |scaled error|) -> float64 totals
     in the original domain. step = 2^(byte-127) and step^2 are built as float64 bit patterns (exponent field
     byte + 896, resp. 2 byte + 769: normal for every byte 0..254, so exactly pow2(byte - 127).double() and its
@@ -158,8 +179,11 @@ def _error_totals(ref_sq: torch.Tensor, err_sq: torch.Tensor, d_max: Optional[to
     step = ((e + 896) << 52).view(torch.float64)  # [..., K/32]
     step_sq = ((2 * e + 769) << 52).view(torch.float64)
     err = (err_sq.double() * step_sq).sum()
-    max_abs = (d_max.double() * step).max() if d_max is not None and d_max.numel() else torch.zeros(
-        (), dtype=torch.float64, device=device)
+    max_abs = (
+        (d_max.double() * step).max()
+        if d_max is not None and d_max.numel()
+        else torch.zeros((), dtype=torch.float64, device=device)
+    )
     return {"err_sq": err, "ref_sq": ref_sq.double().sum(), "max_abs_error": max_abs}
 
 
@@ -187,14 +211,19 @@ def _quantize_native(w: torch.Tensor, rounding: str, keep_scale, with_error: boo
 
 
 def _cpu_fast_path(w: torch.Tensor) -> bool:
-    return w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16, torch.float32) and w.numel() > 0
+    return (
+        w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16, torch.float32) and w.numel() > 0
+    )
 
 
 def _buffers(blocks: int):
     bufs = getattr(_tile_buffers, "bufs", None)
     if bufs is None or bufs[0].shape[0] < blocks:
-        bufs = _tile_buffers.bufs = (torch.empty(blocks, BLOCK), torch.empty(blocks, BLOCK),
-                                     torch.empty(blocks, BLOCK, dtype=torch.int16))
+        bufs = _tile_buffers.bufs = (
+            torch.empty(blocks, BLOCK),
+            torch.empty(blocks, BLOCK),
+            torch.empty(blocks, BLOCK, dtype=torch.int16),
+        )
     return [b[:blocks] for b in bufs]
 
 
@@ -218,8 +247,14 @@ def _e4m3_as_fp16_div256(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out.view(torch.float16)
 
 
-def _quantize_cpu_tiles(w: torch.Tensor, rounding: str, name: str, keep_scale: Optional[torch.Tensor],
-                        with_error: bool, tile_blocks: Optional[int] = None):
+def _quantize_cpu_tiles(
+    w: torch.Tensor,
+    rounding: str,
+    name: str,
+    keep_scale: Optional[torch.Tensor],
+    with_error: bool,
+    tile_blocks: Optional[int] = None,
+):
     """-> (q [..., K] e4m3, byte [..., K/32] uint8, (ref_sq, err_sq, max |err|) fp32 [NB] or None); err is
     the scaled-domain error x - float(q).
     Two passes over the tiles: block amax (and ||w||^2) first, the scales for the whole call from those in a
@@ -253,8 +288,9 @@ def _quantize_cpu_tiles(w: torch.Tensor, rounding: str, name: str, keep_scale: O
         # amax = sqrt(amax^2) exactly (sqrt is correctly rounded) while amax^2 is 0 or a normal float;
         # otherwise (|w| >= 2^64 or < 2^-63 somewhere, NaN or Inf) the general path decides.
         lo, hi = torch.aminmax(amax)
-        if not (float(hi) <= _FLOAT32_MAX and float(lo) >= 2.0 ** -126) and not bool(
-                ((amax == 0) | ((amax >= 2.0 ** -126) & (amax <= _FLOAT32_MAX))).all()):
+        if not (float(hi) <= _FLOAT32_MAX and float(lo) >= 2.0**-126) and not bool(
+            ((amax == 0) | ((amax >= 2.0**-126) & (amax <= _FLOAT32_MAX))).all()
+        ):
             return _quantize_general(w, rounding, name, keep_scale, with_error)
         amax.sqrt_()
     else:
@@ -297,7 +333,9 @@ def _quantize_general(w, rounding, name, keep_scale, with_error):
     x, q, byte = _quantize_blocks(w, rounding, name, ref if with_error else None, keep_scale)
     parts = None
     if with_error:
-        x.sub_(e4m3_to_float(q))  # scaled-domain error, exact in fp32 (x unclipped: floor's clipping is in it)
+        x.sub_(
+            e4m3_to_float(q)
+        )  # scaled-domain error, exact in fp32 (x unclipped: floor's clipping is in it)
         parts = (ref[0], torch.linalg.vecdot(x, x), x.abs().amax(-1))  # [..., K/32] each
     return q.reshape(w.shape), byte.to(torch.uint8), parts
 
@@ -330,8 +368,10 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     """(q [..., K] e4m3, scale [..., K/32] uint8) -> w [..., K] in dtype (computed in fp32)."""
     k = q.shape[-1]
     if scale.shape[-1] * BLOCK != k or scale.shape[:-1] != q.shape[:-1]:
-        raise MXFP8Error(f"scale shape {tuple(scale.shape)} does not match values {tuple(q.shape)} "
-                         f"(expected [..., {k // BLOCK}])")
+        raise MXFP8Error(
+            f"scale shape {tuple(scale.shape)} does not match values {tuple(q.shape)} "
+            f"(expected [..., {k // BLOCK}])"
+        )
     vals = e4m3_to_float(q.view(torch.float8_e4m3fn)).reshape(*scale.shape, BLOCK)  # [..., K/32, 32]
     return (vals * scale_multipliers(scale).unsqueeze(-1)).reshape(q.shape).to(dtype)
 
@@ -372,7 +412,7 @@ def quantize_activations(x: torch.Tensor, name: str = "activations") -> tuple[to
     # amax / 448 <= 2^-126 is an fp32 subnormal: FlashInfer rounds it to fp32 first, and one that rounds to
     # 2^-127 keeps byte 0
     amax = blocks.abs().amax(-1).float()
-    scale = scale.masked_fill((scale == 1) & (amax / E4M3_MAX <= 2.0 ** -127), 0)
+    scale = scale.masked_fill((scale == 1) & (amax / E4M3_MAX <= 2.0**-127), 0)
     codes = q.view(torch.uint8).reshape(blocks.shape)  # [..., K/32, 32]
     codes = codes.masked_fill((scale == 0).unsqueeze(-1), 0)
     codes = codes.masked_fill(bad.unsqueeze(-1), _E4M3_NAN_CODE)
@@ -380,8 +420,9 @@ def quantize_activations(x: torch.Tensor, name: str = "activations") -> tuple[to
     return codes.reshape(x.shape).view(torch.float8_e4m3fn), scale
 
 
-def fake_quantize_activations(x: torch.Tensor, dtype: Optional[torch.dtype] = None,
-                              name: str = "activations") -> torch.Tensor:
+def fake_quantize_activations(
+    x: torch.Tensor, dtype: Optional[torch.dtype] = None, name: str = "activations"
+) -> torch.Tensor:
     """quantize_activations then dequantize (computed in fp32), in dtype (default x.dtype): the values the
     serving kernel's GEMM reads."""
     q, scale = quantize_activations(x, name)
@@ -393,12 +434,15 @@ def error_stats(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> dict:
     w64 = w.double()
     diff = w64 - dequantize(q, scale).double()
     norm = float(w64.norm())
-    return {"rel_fro_error": float(diff.norm()) / norm if norm > 0 else 0.0,
-            "max_abs_error": float(diff.abs().max()) if diff.numel() else 0.0}
+    return {
+        "rel_fro_error": float(diff.norm()) / norm if norm > 0 else 0.0,
+        "max_abs_error": float(diff.abs().max()) if diff.numel() else 0.0,
+    }
 
 
-def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple,
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp8_block(
+    q: torch.Tensor, scale_inv: torch.Tensor, block: tuple, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Block-scaled FP8 source checkpoints (DeepSeek-V3 style, `weight_block_size [bn, bk]`, usually
     [128, 128]): (q [..., N, K] e4m3, scale_inv float [..., ceil(N/bn), ceil(K/bk)]) -> q * scale_inv
     per [bn, bk] tile (edge tiles are partial), computed in fp32."""
@@ -406,7 +450,9 @@ def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple,
     n, k = q.shape[-2], q.shape[-1]
     want = (*q.shape[:-2], -(-n // bn), -(-k // bk))
     if tuple(scale_inv.shape) != want:
-        raise MXFP8Error(f"scale_inv shape {tuple(scale_inv.shape)} does not match values {tuple(q.shape)} "
-                         f"with block [{bn}, {bk}] (expected {list(want)})")
+        raise MXFP8Error(
+            f"scale_inv shape {tuple(scale_inv.shape)} does not match values {tuple(q.shape)} "
+            f"with block [{bn}, {bk}] (expected {list(want)})"
+        )
     s = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
     return (e4m3_to_float(q.view(torch.float8_e4m3fn)) * s).to(dtype)

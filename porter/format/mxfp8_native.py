@@ -5,8 +5,9 @@ the C loop reads each value once with the GIL released, so conversion workers sc
 (rates: docs/mxfp8.md).
 
 How: the system C compiler (`cc`, else `gcc`) builds the file once per machine into porter's cache
-(`$PORTER_CACHE_DIR`, else `~/.cache/porter`; read when the quantizer is first needed), keyed by the source, the compiler and the CPU's flags (it is built with -march=native); ctypes loads
-it. Only porter's own source is ever compiled. No compiler or a failed build: porter.format.mxfp8's torch
+(`$PORTER_CACHE_DIR`, else `~/.cache/porter`; read when the quantizer is first needed), keyed by the
+source, the compiler and the CPU's flags (it is built with -march=native); ctypes loads it. Only porter's
+own source is ever compiled. No compiler or a failed build: porter.format.mxfp8's torch
 path runs instead, with the same bytes (tests/test_mxfp8_native.py checks every bf16 value under many scales,
 both roundings) and the same statistics up to the order of each block's 32-term fp32 sums (the C loop's order
 is fixed, torch's follows its SIMD width).
@@ -14,6 +15,7 @@ is fixed, torch's follows its SIMD width).
 Inputs it takes: contiguous CPU bf16 or fp32 with K % 32 == 0 and no kept scale bytes. A tensor holding a
 NaN or an infinity comes back as None, for the torch path to refuse with its message.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -72,7 +74,9 @@ def _build(cc: str, out: Path, defines: tuple = ()) -> Optional[str]:
     why = ""
     try:
         for flags in (FLAGS, FALLBACK_FLAGS):
-            proc = subprocess.run([cc, *flags, *defines, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+            proc = subprocess.run(
+                [cc, *flags, *defines, "-o", tmp, str(SOURCE)], capture_output=True, text=True
+            )
             if proc.returncode == 0:
                 os.replace(tmp, out)
                 return None
@@ -86,8 +90,15 @@ def _build(cc: str, out: Path, defines: tuple = ()) -> Optional[str]:
 def _bind(path: Path):
     """porter_mxfp8_quantize from the library at `path`, typed for ctypes."""
     fn = ctypes.CDLL(str(path)).porter_mxfp8_quantize
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p]
+    fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
     fn.restype = ctypes.c_int64
     return fn
 
@@ -107,8 +118,17 @@ def _load():
     cc, cc_path = _compiler()
     if cc_path is None:
         return None, f"no C compiler ({cc}) on PATH"
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cc_path.encode(), " ".join(FLAGS).encode(),
-                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                SOURCE.read_bytes(),
+                cc_path.encode(),
+                " ".join(FLAGS).encode(),
+                _cpu_flags().encode(),
+                platform.machine().encode(),
+            ]
+        )
+    ).hexdigest()[:16]
     path = _cache_dir() / f"mxfp8_cpu-{key}.so"
     if not path.exists():
         t0 = time.perf_counter()
@@ -149,8 +169,13 @@ def takes(dtype: torch.dtype, last_dim: int) -> bool:
 
 
 def supports(w: torch.Tensor, keep_scale=None) -> bool:
-    return (keep_scale is None and w.device.type == "cpu" and w.numel() > 0 and w.is_contiguous()
-            and takes(w.dtype, w.shape[-1]))
+    return (
+        keep_scale is None
+        and w.device.type == "cpu"
+        and w.numel() > 0
+        and w.is_contiguous()
+        and takes(w.dtype, w.shape[-1])
+    )
 
 
 def quantize_blocks(w: torch.Tensor, rounding: str, with_error: bool):
@@ -160,8 +185,15 @@ def quantize_blocks(w: torch.Tensor, rounding: str, with_error: bool):
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
     byte = torch.empty((*w.shape[:-1], w.shape[-1] // BLOCK), dtype=torch.uint8)
     stats = torch.empty(nb, 3) if with_error else None  # [NB, 3] fp32
-    bad = function()(w.data_ptr(), _DTYPES[w.dtype], nb, int(rounding == "floor"), q.data_ptr(),
-                     byte.data_ptr(), stats.data_ptr() if with_error else None)
+    bad = function()(
+        w.data_ptr(),
+        _DTYPES[w.dtype],
+        nb,
+        int(rounding == "floor"),
+        q.data_ptr(),
+        byte.data_ptr(),
+        stats.data_ptr() if with_error else None,
+    )
     if bad:
         return None
     return q, byte, (tuple(stats.unbind(1)) if with_error else None)

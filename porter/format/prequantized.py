@@ -11,6 +11,7 @@ the requantization and the error statistics are the same code as for a bf16 sour
 exactly representable in bfloat16 (3 mantissa bits, same exponent range), so MXFP8 -> MXFP8 with the
 rceil rule reproduces every value exactly; block-FP8 products are rounded to bfloat16 once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from porter.format import mxfp8
 from porter.errors import PrequantizedError
+from porter.format import mxfp8
 from porter.format.safetensors_io import dtype_name
 
 SCALE_SUFFIX = ".weight_scale_inv"
@@ -32,6 +33,7 @@ KEPT_ROWS = "kept-rows"  # options.source_quantization.scale_bytes of an MXFP8 s
 @dataclass
 class Scheme:
     """How a source checkpoint is quantized, and which of its weights carry scales."""
+
     method: str  # "mxfp8" | "fp8-block"
     block: tuple  # (1, 32) for MXFP8, (bn, bk) for block FP8
     config: dict  # the source's quantization_config, as found
@@ -57,9 +59,12 @@ class Scheme:
         from an unquantized source with options.scale_rounding; "rederived": every value with
         options.scale_rounding, after one rounding of the dequantized product to `dequantized_dtype`.
         (Artifacts of earlier porters may record "kept": whole source weights only, slices re-derived.)"""
-        return {"method": self.method, "weight_block_size": list(self.block),
-                "dequantized_dtype": dtype_name(DEQUANTIZED_DTYPE),
-                "scale_bytes": KEPT_ROWS if self.keeps_scales else "rederived"}
+        return {
+            "method": self.method,
+            "weight_block_size": list(self.block),
+            "dequantized_dtype": dtype_name(DEQUANTIZED_DTYPE),
+            "scale_bytes": KEPT_ROWS if self.keeps_scales else "rederived",
+        }
 
     def adopt(self, meta: dict, where: str) -> dict:
         """Source tensor metadata as the planner should see it: each quantized weight becomes a bfloat16
@@ -74,11 +79,15 @@ class Scheme:
                 self.scales[name] = scale
                 out[name] = (DEQUANTIZED_DTYPE, tuple(shape))
             elif dtype == torch.float8_e4m3fn:
-                raise PrequantizedError(f"{where}: tensor {name!r} is float8_e4m3fn but has no {scale or 'scale'} "
-                                        "beside it; the checkpoint is incomplete")
+                raise PrequantizedError(
+                    f"{where}: tensor {name!r} is float8_e4m3fn but has no {scale or 'scale'} "
+                    "beside it; the checkpoint is incomplete"
+                )
             else:
                 out[name] = (dtype, tuple(shape))
-        orphans = [n for n in meta if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] + ".weight" not in meta]
+        orphans = [
+            n for n in meta if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] + ".weight" not in meta
+        ]
         if orphans:
             raise PrequantizedError(f"{where}: scale {orphans[0]!r} has no weight beside it")
         return out
@@ -86,20 +95,26 @@ class Scheme:
     def _check_pair(self, name, dtype, shape, scale_meta, where):
         s_dtype, s_shape = scale_meta
         if dtype != torch.float8_e4m3fn:
-            raise PrequantizedError(f"{where}: tensor {name!r} has a scale but dtype {dtype}, expected float8_e4m3fn")
+            raise PrequantizedError(
+                f"{where}: tensor {name!r} has a scale but dtype {dtype}, expected float8_e4m3fn"
+            )
         *lead, n, k = shape
         bn, bk = self.block
         want = (*lead, -(-n // bn), -(-k // bk))
         if self.method == "mxfp8":
             ok_dtype = s_dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
             if k % mxfp8.BLOCK:
-                raise PrequantizedError(f"{where}: tensor {name!r} K={k} is not a multiple of 32 (MXFP8 source)")
+                raise PrequantizedError(
+                    f"{where}: tensor {name!r} K={k} is not a multiple of 32 (MXFP8 source)"
+                )
         else:
             ok_dtype = s_dtype in (torch.float32, torch.bfloat16, torch.float16)
         if not ok_dtype or tuple(s_shape) != want:
-            raise PrequantizedError(f"{where}: scale of {name!r} is {s_dtype} {list(s_shape)}, expected "
-                                    f"{'uint8' if self.method == 'mxfp8' else 'float32'} {list(want)} "
-                                    f"for {self.method} block {list(self.block)}")
+            raise PrequantizedError(
+                f"{where}: scale of {name!r} is {s_dtype} {list(s_shape)}, expected "
+                f"{'uint8' if self.method == 'mxfp8' else 'float32'} {list(want)} "
+                f"for {self.method} block {list(self.block)}"
+            )
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, where: str = "source tensor") -> torch.Tensor:
         """(values, scale) as stored -> bfloat16 values. where: "FILE: tensor NAME", for the refusal of a
@@ -138,29 +153,42 @@ def detect(raw: dict, config_path: Path) -> Optional[Scheme]:
     if method in (None, "none"):
         return None
     if "porter_layout" in qc:
-        raise PrequantizedError(f"{config_path}: a porter-layout artifact (stacked experts) cannot be converted "
-                                "again; convert its source, or an artifact written with --layout hf")
+        raise PrequantizedError(
+            f"{config_path}: a porter-layout artifact (stacked experts) cannot be converted "
+            "again; convert its source, or an artifact written with --layout hf"
+        )
     block = qc.get("weight_block_size")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
-        raise PrequantizedError(f"{config_path}: quantization_config.activation_scheme "
-                                f"{qc.get('activation_scheme')!r} is not supported; porter reads checkpoints "
-                                "with dynamic activation scales only")
+        raise PrequantizedError(
+            f"{config_path}: quantization_config.activation_scheme "
+            f"{qc.get('activation_scheme')!r} is not supported; porter reads checkpoints "
+            "with dynamic activation scales only"
+        )
     if method == "mxfp8":
         if block not in (None, [1, mxfp8.BLOCK]):
-            raise PrequantizedError(f"{config_path}: quant_method mxfp8 with weight_block_size {block}; MXFP8 "
-                                    "blocks are [1, 32]")
+            raise PrequantizedError(
+                f"{config_path}: quant_method mxfp8 with weight_block_size {block}; MXFP8 blocks are [1, 32]"
+            )
         return Scheme("mxfp8", (1, mxfp8.BLOCK), qc)
-    if method == "fp8" and isinstance(block, list) and len(block) == 2 and all(
-            type(b) is int and 0 < b <= MAX_BLOCK for b in block):
+    if (
+        method == "fp8"
+        and isinstance(block, list)
+        and len(block) == 2
+        and all(type(b) is int and 0 < b <= MAX_BLOCK for b in block)
+    ):
         return Scheme("fp8-block", tuple(block), qc)
     if method == "fp8" and block is not None:  # dequantizing expands each scale over bn x bk values
-        raise PrequantizedError(f"{config_path}: quantization_config.weight_block_size {block!r} is not a "
-                                f"pair of integers in [1, {MAX_BLOCK}] (block FP8 checkpoints use "
-                                "[128, 128]); fix config.json")
+        raise PrequantizedError(
+            f"{config_path}: quantization_config.weight_block_size {block!r} is not a "
+            f"pair of integers in [1, {MAX_BLOCK}] (block FP8 checkpoints use "
+            "[128, 128]); fix config.json"
+        )
     what = f"fp8 without a [bn, bk] weight_block_size (got {block!r})" if method == "fp8" else repr(method)
-    raise PrequantizedError(f"{config_path}: quantization_config.quant_method {what} is not supported; porter "
-                            "converts bf16, MXFP8 (quant_method mxfp8) and block-FP8 (quant_method fp8 with "
-                            "weight_block_size) checkpoints")
+    raise PrequantizedError(
+        f"{config_path}: quantization_config.quant_method {what} is not supported; porter "
+        "converts bf16, MXFP8 (quant_method mxfp8) and block-FP8 (quant_method fp8 with "
+        "weight_block_size) checkpoints"
+    )
 
 
 def zeroed_scale_problem(values: torch.Tensor, scale: torch.Tensor) -> Optional[str]:
@@ -180,11 +208,16 @@ def zeroed_scale_problem(values: torch.Tensor, scale: torch.Tensor) -> Optional[
     bad = (zero & nonzero).nonzero()
     if not len(bad):
         return None
-    return (f"{len(bad)} block(s) with scale byte 0 (2^-127) but non-zero values, first at "
-            f"{block_position(tuple(bad[0].tolist()))} — a zeroed scale (only all-zero blocks get byte 0)")
+    return (
+        f"{len(bad)} block(s) with scale byte 0 (2^-127) but non-zero values, first at "
+        f"{block_position(tuple(bad[0].tolist()))} — a zeroed scale (only all-zero blocks get byte 0)"
+    )
 
 
 def block_position(idx: tuple) -> str:
     """A block position in words: expert/row/block for stacked experts, row/block otherwise."""
-    return f"expert {idx[0]}, row {idx[1]}, block {idx[2]}" if len(idx) == 3 else \
-        ", ".join(f"{k} {v}" for k, v in zip(("row", "block"), idx[-2:]))
+    return (
+        f"expert {idx[0]}, row {idx[1]}, block {idx[2]}"
+        if len(idx) == 3
+        else ", ".join(f"{k} {v}" for k, v in zip(("row", "block"), idx[-2:]))
+    )

@@ -4,6 +4,7 @@ Every path a file of the folder names (an index's shard names) must stay inside 
 are resolved, and must be a regular file: a FIFO would block the open forever, a directory or device is
 no model file. Malformed JSON is a porter error naming the file, never a bare JSONDecodeError.
 """
+
 from __future__ import annotations
 
 import json

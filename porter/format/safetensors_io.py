@@ -6,6 +6,7 @@ Writing: the output header is known up front from the plan, so every tensor's by
 is known and tensors can be written out of order with pwrite (porter.commands.convert). Shards are written as
 `<name>.partial` and renamed only when complete, so a crash never leaves a file that looks finished.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,18 +21,28 @@ from typing import Optional
 
 import torch
 
-from porter.format.digest import CHUNK_HASH_DOC, CHUNK_HASHES, DEFAULT_DIGEST
 from porter.errors import MalformedSafetensors
+from porter.format.digest import CHUNK_HASH_DOC, CHUNK_HASHES, DEFAULT_DIGEST
 from porter.format.safe_files import regular_file
 
 DTYPE_NAMES = {  # torch dtype -> safetensors header dtype
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint8: "U8", torch.int8: "I8",
-    torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.bool: "BOOL",
 }
 # safetensors header dtype -> torch dtype (read side; E8M0 scale bytes are reinterpreted as uint8 on read)
-ST_DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()} | \
-    {"F8_E8M0": getattr(torch, "float8_e8m0fnu", torch.uint8)}
+ST_DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()} | {
+    "F8_E8M0": getattr(torch, "float8_e8m0fnu", torch.uint8)
+}
 
 
 def nbytes(dtype: torch.dtype, shape) -> int:
@@ -65,8 +76,11 @@ def header_bytes(entries: list[Entry], metadata: dict | None = None) -> bytes:
     if metadata:
         header["__metadata__"] = metadata
     for e in entries:
-        header[e.name] = {"dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape),
-                          "data_offsets": [offset, offset + e.nbytes]}
+        header[e.name] = {
+            "dtype": DTYPE_NAMES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
@@ -95,13 +109,17 @@ def parse_header(path: Path) -> tuple[int, dict]:
             raise MalformedSafetensors(f"{path}: not a safetensors file ({size} bytes, no header); {redo}")
         n = int.from_bytes(raw, "little")
         if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise MalformedSafetensors(f"{path}: header length {n} does not fit the file ({size} bytes): "
-                                       f"truncated or not a safetensors file; {redo}")
+            raise MalformedSafetensors(
+                f"{path}: header length {n} does not fit the file ({size} bytes): "
+                f"truncated or not a safetensors file; {redo}"
+            )
         text = f.read(n)
     try:
         header = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise MalformedSafetensors(f"{path}: corrupt safetensors header (invalid JSON: {e}); {redo}") from None
+        raise MalformedSafetensors(
+            f"{path}: corrupt safetensors header (invalid JSON: {e}); {redo}"
+        ) from None
     if not isinstance(header, dict):
         raise MalformedSafetensors(f"{path}: corrupt safetensors header (not a JSON object); {redo}")
     _check_metadata(path, header.pop("__metadata__", None), redo)
@@ -112,11 +130,15 @@ def parse_header(path: Path) -> tuple[int, dict]:
     for begin, end, name in sorted(spans):
         if begin != at:
             what = "overlaps the previous tensor" if begin < at else f"leaves a gap of {begin - at} bytes"
-            raise MalformedSafetensors(f"{path}: tensor {name!r} data_offsets [{begin}, {end}] {what}; {redo}")
+            raise MalformedSafetensors(
+                f"{path}: tensor {name!r} data_offsets [{begin}, {end}] {what}; {redo}"
+            )
         at = end
     if at != data_len:
-        raise MalformedSafetensors(f"{path}: header describes {at} bytes of tensor data but the file holds "
-                                   f"{data_len} (truncated or padded); {redo}")
+        raise MalformedSafetensors(
+            f"{path}: header describes {at} bytes of tensor data but the file holds "
+            f"{data_len} (truncated or padded); {redo}"
+        )
     return 8 + n, header
 
 
@@ -126,12 +148,14 @@ def _check_metadata(path, metadata, redo) -> None:
     if metadata is None:
         return
     if not isinstance(metadata, dict):
-        raise MalformedSafetensors(f"{path}: __metadata__ is {type(metadata).__name__}, not a map of "
-                                   f"strings; {redo}")
+        raise MalformedSafetensors(
+            f"{path}: __metadata__ is {type(metadata).__name__}, not a map of strings; {redo}"
+        )
     for k, v in metadata.items():
         if not isinstance(v, str):
-            raise MalformedSafetensors(f"{path}: __metadata__[{k!r}] is {type(v).__name__} {v!r:.40}, not a "
-                                       f"string; {redo}")
+            raise MalformedSafetensors(
+                f"{path}: __metadata__[{k!r}] is {type(v).__name__} {v!r:.40}, not a string; {redo}"
+            )
 
 
 SCALE_NAME_SUFFIXES = ("_scale_inv", "_scale")  # where an F8_E8M0 tensor may appear: MXFP8 scale bytes
@@ -141,28 +165,40 @@ def _entry_span(path, name, info, redo) -> tuple[int, int]:
     bad = lambda why: MalformedSafetensors(f"{path}: tensor {name!r}: {why}; {redo}")  # noqa: E731
     control = next((c for c in name if unicodedata.category(c) == "Cc"), None)
     if control is not None:  # names go into one-line messages, porter.json and the index
-        raise MalformedSafetensors(f"{path}: tensor {name!r} has a control character ({control!r}) in its "
-                                   "name; rename the tensor in the source")
+        raise MalformedSafetensors(
+            f"{path}: tensor {name!r} has a control character ({control!r}) in its "
+            "name; rename the tensor in the source"
+        )
     if not isinstance(info, dict):
         raise bad("header entry is not an object")
     dtype = info.get("dtype")
     if not isinstance(dtype, str) or dtype not in ST_DTYPES:
-        raise MalformedSafetensors(f"{path}: tensor {name!r} has unsupported dtype {dtype!r} "
-                                   f"(porter reads {', '.join(sorted(ST_DTYPES))})")
+        raise MalformedSafetensors(
+            f"{path}: tensor {name!r} has unsupported dtype {dtype!r} "
+            f"(porter reads {', '.join(sorted(ST_DTYPES))})"
+        )
     if dtype == "F8_E8M0" and not name.endswith(SCALE_NAME_SUFFIXES):  # porter writes scale bytes as U8 and
         # carries no E8M0 values: neither its writer nor the engines have an E8M0 weight
-        raise MalformedSafetensors(f"{path}: tensor {name!r} is F8_E8M0 but not an MXFP8 scale (a name "
-                                   f"ending in {' or '.join(SCALE_NAME_SUFFIXES)}); porter reads E8M0 only "
-                                   "as scale bytes")
+        raise MalformedSafetensors(
+            f"{path}: tensor {name!r} is F8_E8M0 but not an MXFP8 scale (a name "
+            f"ending in {' or '.join(SCALE_NAME_SUFFIXES)}); porter reads E8M0 only "
+            "as scale bytes"
+        )
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise bad(f"shape {shape!r} is not a list of non-negative integers")
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]):
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
         raise bad(f"data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
     want = nbytes(ST_DTYPES[dtype], shape)
     if offsets[1] - offsets[0] != want:
-        raise bad(f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but {dtype} {shape} needs {want}")
+        raise bad(
+            f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but {dtype} {shape} needs {want}"
+        )
     return offsets[0], offsets[1]
 
 
@@ -172,8 +208,10 @@ def pread_into(fd: int, buf: memoryview, offset: int, path) -> None:
     while got < len(buf):
         n = os.preadv(fd, [buf[got:]], offset + got)
         if n == 0:
-            raise MalformedSafetensors(f"{path}: file ends at byte {offset + got}, inside tensor data: "
-                                       "truncated; re-download or re-create this shard")
+            raise MalformedSafetensors(
+                f"{path}: file ends at byte {offset + got}, inside tensor data: "
+                "truncated; re-download or re-create this shard"
+            )
         got += n
 
 
@@ -198,8 +236,9 @@ class TensorReader:
         _, _, dtype, shape = self.spans[name]
         return nbytes(dtype, shape if index is None else shape[1:])
 
-    def read(self, name: str, index: Optional[int] = None, pin: bool = False,
-             into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def read(
+        self, name: str, index: Optional[int] = None, pin: bool = False, into: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """into: a uint8 buffer of exactly nbytes(name, index) to read into (e.g. a reused pinned slab)."""
         path, offset, dtype, shape = self.spans[name]
         if dtype == ST_DTYPES["F8_E8M0"]:
@@ -209,13 +248,16 @@ class TensorReader:
                 raise IndexError(f"{name}: row {index} of {shape[0]}")
             offset += index * nbytes(dtype, shape[1:])
             shape = shape[1:]
-        out = torch.empty(shape, dtype=dtype, pin_memory=pin) if into is None else into.view(dtype).view(shape)
+        out = (
+            torch.empty(shape, dtype=dtype, pin_memory=pin) if into is None else into.view(dtype).view(shape)
+        )
         if out.numel():
             pread_into(self._fd(path), memoryview(out.reshape(-1).view(torch.uint8).numpy()), offset, path)
         return out
 
-    def read_bytes(self, name: str, begin: int, length: int, pin: bool = False,
-                   into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def read_bytes(
+        self, name: str, begin: int, length: int, pin: bool = False, into: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """`length` raw bytes of a tensor's data from byte `begin` (a verbatim copy, chunk by chunk).
         into: a uint8 buffer of exactly `length` bytes to read into."""
         path, offset, _, _ = self.spans[name]
@@ -257,17 +299,24 @@ DIGEST_CHUNK_BYTES = 16 << 20  # what porter writes; a reader follows the chunk_
 
 def digest_rule(chunk_hash: str = DEFAULT_DIGEST) -> dict:
     """The digest rule, as porter.json records it."""
-    return {"algorithm": f"{chunk_hash}-chunked", "chunk_bytes": DIGEST_CHUNK_BYTES,
-            "tensor": f"sha256 of the concatenated {CHUNK_HASH_DOC[chunk_hash]} of its data bytes' chunks "
-                      "[i*chunk_bytes, (i+1)*chunk_bytes), the last one shorter; a 0-byte tensor has no chunks",
-            "shard": "sha256 of the 32-byte sha256 of its header bytes [0, 8 + header length) followed by each "
-                     "tensor's 32-byte digest in the order the header lists them"}
+    return {
+        "algorithm": f"{chunk_hash}-chunked",
+        "chunk_bytes": DIGEST_CHUNK_BYTES,
+        "tensor": f"sha256 of the concatenated {CHUNK_HASH_DOC[chunk_hash]} of its data bytes' chunks "
+        "[i*chunk_bytes, (i+1)*chunk_bytes), the last one shorter; a 0-byte tensor has no chunks",
+        "shard": "sha256 of the 32-byte sha256 of its header bytes [0, 8 + header length) followed by each "
+        "tensor's 32-byte digest in the order the header lists them",
+    }
 
 
 def chunk_hash_of(rule) -> Optional[str]:
     """The chunk hash a manifest's digest rule names ("xxh3-128-chunked" -> "xxh3-128"), or None."""
     algorithm = rule.get("algorithm") if isinstance(rule, dict) else None
-    name = algorithm.removesuffix("-chunked") if isinstance(algorithm, str) and algorithm.endswith("-chunked") else None
+    name = (
+        algorithm.removesuffix("-chunked")
+        if isinstance(algorithm, str) and algorithm.endswith("-chunked")
+        else None
+    )
     return name if name in CHUNK_HASHES else None
 
 
@@ -283,7 +332,9 @@ def tensor_digest(chunk_digests: list) -> str:
 
 def shard_digest(header_sha256: str, tensor_digests: list) -> str:
     """A shard's digest (hex) from its header's sha256 and its tensors' digests (hex) in header order."""
-    return hashlib.sha256(bytes.fromhex(header_sha256) + b"".join(bytes.fromhex(d) for d in tensor_digests)).hexdigest()
+    return hashlib.sha256(
+        bytes.fromhex(header_sha256) + b"".join(bytes.fromhex(d) for d in tensor_digests)
+    ).hexdigest()
 
 
 _CHUNK_BUF = threading.local()  # per thread: a reusable buffer for reading a chunk
@@ -308,7 +359,9 @@ class FileDigests:
     digest: str  # the shard's
 
 
-def file_digests(path: Path, pool, chunk_bytes: Optional[int] = None, chunk_hash: str = DEFAULT_DIGEST) -> FileDigests:
+def file_digests(
+    path: Path, pool, chunk_bytes: Optional[int] = None, chunk_hash: str = DEFAULT_DIGEST
+) -> FileDigests:
     """The digests of a safetensors file (validated by parse_header), its chunks hashed on `pool`'s threads
     (a concurrent.futures executor). chunk_bytes, chunk_hash: the manifest's rule (default: what porter
     writes now). Raises MalformedSafetensors for a file that is not one."""
@@ -320,9 +373,14 @@ def file_digests(path: Path, pool, chunk_bytes: Optional[int] = None, chunk_hash
         pread_into(fd, memoryview(head), 0, path)
         names = list(header)  # header order (json keeps it): the order of the shard digest
         for n in names:
-            at, size = start + header[n]["data_offsets"][0], nbytes(ST_DTYPES[header[n]["dtype"]], header[n]["shape"])
-            jobs[n] = [pool.submit(read_chunk_digest, fd, at + b, k, path, new_hash())
-                       for b, k in chunk_spans(size, chunk_bytes)]
+            at, size = (
+                start + header[n]["data_offsets"][0],
+                nbytes(ST_DTYPES[header[n]["dtype"]], header[n]["shape"]),
+            )
+            jobs[n] = [
+                pool.submit(read_chunk_digest, fd, at + b, k, path, new_hash())
+                for b, k in chunk_spans(size, chunk_bytes)
+            ]
         tensors = {n: tensor_digest([f.result() for f in fs]) for n, fs in jobs.items()}
     finally:  # nothing may read fd after it is closed
         futures.wait([f for fs in jobs.values() for f in fs if not f.cancel()])
@@ -343,10 +401,15 @@ SAMPLE_WINDOWS, SAMPLE_WINDOW_BYTES = 8, 4 << 10  # 4 KiB at 8 evenly spaced off
 def sample_spans(size: int, data_start: int) -> list[tuple[int, int]]:
     """(begin, length) of the bytes `source_sample_digest` reads from a file of `size` bytes."""
     data_len = max(0, size - data_start)
-    spans = [(0, min(size, data_start)), (data_start, min(SAMPLE_EDGE_BYTES, data_len)),
-             (max(data_start, size - SAMPLE_EDGE_BYTES), min(SAMPLE_EDGE_BYTES, data_len))]
-    spans += [(data_start + data_len * k // (SAMPLE_WINDOWS + 1), min(SAMPLE_WINDOW_BYTES, data_len))
-              for k in range(1, SAMPLE_WINDOWS + 1)]
+    spans = [
+        (0, min(size, data_start)),
+        (data_start, min(SAMPLE_EDGE_BYTES, data_len)),
+        (max(data_start, size - SAMPLE_EDGE_BYTES), min(SAMPLE_EDGE_BYTES, data_len)),
+    ]
+    spans += [
+        (data_start + data_len * k // (SAMPLE_WINDOWS + 1), min(SAMPLE_WINDOW_BYTES, data_len))
+        for k in range(1, SAMPLE_WINDOWS + 1)
+    ]
     return [(b, min(n, size - b)) for b, n in spans]
 
 

@@ -3,6 +3,7 @@ cache first (porter.source.hub). Safetensors only, read lazily; never unpickles.
 
 Source layer (docs/architecture.md): knows checkpoint folders and the hub, not any architecture.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,8 +15,13 @@ from porter.source.local import INDEX_NAME, Source, SourceError, open_local
 __all__ = ["INDEX_NAME", "Source", "SourceError", "open_local", "open_source"]
 
 
-def open_source(source: str | Path, revision: Optional[str] = None, headers_only: bool = False,
-                token: Optional[str] = None, cache_dir=None) -> Source:
+def open_source(
+    source: str | Path,
+    revision: Optional[str] = None,
+    headers_only: bool = False,
+    token: Optional[str] = None,
+    cache_dir=None,
+) -> Source:
     """A local dir, or a Hugging Face repo id resolved through the hub cache.
     headers_only: for a repo id, fetch only metadata and shard headers (enough to plan a --dry-run).
     token / cache_dir: for a repo id (None: huggingface_hub's HF_TOKEN / HF_HOME defaults)."""

@@ -4,6 +4,7 @@ Honours --revision, --token and --cache-dir; without the last two, HF_TOKEN (or 
 HF_HOME / HF_HUB_CACHE, read by huggingface_hub itself, as is HF_HUB_OFFLINE. Refuses pickle-only repos
 before downloading weights. tests/test_hub.py runs all of this against a real hub server (docs/hub.md).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,19 @@ from porter.source.local import INDEX_NAME, PICKLE_SUFFIXES, read_header
 
 log = logging.getLogger("porter")
 
-META_PATTERNS = ["config.json", INDEX_NAME, "generation_config.json", "tokenizer*", "special_tokens_map.json",
-                 "chat_template*", "*.jinja", "preprocessor_config.json", "processor_config.json",
-                 "README.md", "LICENSE*"]  # the model card and license travel with the artifact
+META_PATTERNS = [
+    "config.json",
+    INDEX_NAME,
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "chat_template*",
+    "*.jinja",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "README.md",
+    "LICENSE*",
+]  # the model card and license travel with the artifact
 
 
 def _snapshot(repo_id: str, revision, allow_patterns, token=None, cache_dir=None) -> Path:
@@ -25,28 +36,44 @@ def _snapshot(repo_id: str, revision, allow_patterns, token=None, cache_dir=None
     before an interruption stay in the cache and are not fetched again; a file cut mid-body is retried
     with a range request within the run, else fetched anew on the next."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns, token=token,
-                                      cache_dir=cache_dir))
+        return Path(
+            snapshot_download(
+                repo_id, revision=revision, allow_patterns=allow_patterns, token=token, cache_dir=cache_dir
+            )
+        )
     except LocalEntryNotFoundError:
-        raise SourceError(f"{repo_id}: not in the Hugging Face cache ({cache_dir or _cache_dir()}) and the "
-                          "hub cannot be reached (offline?); download it where there is network or pass a "
-                          "local dir") from None
+        raise SourceError(
+            f"{repo_id}: not in the Hugging Face cache ({cache_dir or _cache_dir()}) and the "
+            "hub cannot be reached (offline?); download it where there is network or pass a "
+            "local dir"
+        ) from None
     except GatedRepoError:
-        raise SourceError(f"{repo_id}: gated repo; accept its terms on huggingface.co and pass --token "
-                          "(or set HF_TOKEN)") from None
+        raise SourceError(
+            f"{repo_id}: gated repo; accept its terms on huggingface.co and pass --token (or set HF_TOKEN)"
+        ) from None
     except RepositoryNotFoundError:  # also what a mirror answers for an unknown revision (docs/hub.md)
-        raise SourceError(f"{repo_id}: no such repo{_at(revision)} on the Hugging Face Hub (or it is "
-                          "private: pass --token or set HF_TOKEN)") from None
+        raise SourceError(
+            f"{repo_id}: no such repo{_at(revision)} on the Hugging Face Hub (or it is "
+            "private: pass --token or set HF_TOKEN)"
+        ) from None
     except RevisionNotFoundError:
         raise SourceError(f"{repo_id}: revision {revision!r} not found") from None
     except HfHubHTTPError as e:
         raise SourceError(_http_error_line(repo_id, e)) from None
     except (OSError, *_http_library_errors()) as e:  # network errors
-        raise SourceError(f"{repo_id}: download failed ({type(e).__name__}: {_first_line(e)}); retry — finished "
-                          "files stay in the cache and are not fetched again") from None
+        raise SourceError(
+            f"{repo_id}: download failed ({type(e).__name__}: {_first_line(e)}); retry — finished "
+            "files stay in the cache and are not fetched again"
+        ) from None
 
 
 def _at(revision) -> str:
@@ -58,6 +85,7 @@ def _http_library_errors() -> tuple:
     mid-download raises its RemoteProtocolError, no OSError. With requests (huggingface_hub < 1.0) these
     are OSErrors."""
     from huggingface_hub.errors import HfHubHTTPError
+
     return tuple(c for c in HfHubHTTPError.__mro__[1:] if c.__name__ == "HTTPError")
 
 
@@ -68,23 +96,31 @@ def _first_line(e: BaseException) -> str:
 def _http_error_line(repo_id: str, e) -> str:
     status = getattr(getattr(e, "response", None), "status_code", None)
     if status == 401:
-        return (f"{repo_id}: the Hugging Face Hub refused the credentials (HTTP 401); pass a valid --token "
-                "(or set HF_TOKEN, or run `hf auth login`)")
+        return (
+            f"{repo_id}: the Hugging Face Hub refused the credentials (HTTP 401); pass a valid --token "
+            "(or set HF_TOKEN, or run `hf auth login`)"
+        )
     if status == 403:
-        return (f"{repo_id}: access denied (HTTP 403); your token lacks access to this repo — request it "
-                "on huggingface.co")
-    return (f"{repo_id}: download failed (HTTP {status}: {_first_line(e)}); retry — finished files stay "
-            "in the cache and are not fetched again")
+        return (
+            f"{repo_id}: access denied (HTTP 403); your token lacks access to this repo — request it "
+            "on huggingface.co"
+        )
+    return (
+        f"{repo_id}: download failed (HTTP {status}: {_first_line(e)}); retry — finished files stay "
+        "in the cache and are not fetched again"
+    )
 
 
 def _cache_dir() -> str:
     from huggingface_hub import constants
+
     return constants.HF_HUB_CACHE
 
 
 def _list_files(repo_id: str, revision, token=None) -> list[str]:
     """Files of the repo when the hub is reachable (to spot pickle-only repos); [] offline."""
     from huggingface_hub import HfApi, constants
+
     if constants.HF_HUB_OFFLINE:
         return []
     try:
@@ -116,6 +152,7 @@ def headers_only(repo_id: str, revision=None, token=None, cache_dir=None) -> tup
     """For --dry-run: config/index/tokenizer plus every shard's safetensors header, fetched with HTTP range
     requests (no tensor data). Returns (dir with the metadata files, commit, {file: header dict})."""
     from huggingface_hub import get_safetensors_metadata
+
     meta_dir = _snapshot(repo_id, revision, META_PATTERNS, token, cache_dir)
     commit = meta_dir.name
     local = sorted(meta_dir.glob("*.safetensors"))
@@ -124,8 +161,12 @@ def headers_only(repo_id: str, revision=None, token=None, cache_dir=None) -> tup
     try:
         info = get_safetensors_metadata(repo_id, revision=commit, token=token)
     except Exception as e:  # offline, or no safetensors
-        raise SourceError(f"{repo_id}: cannot read shard headers for --dry-run ({type(e).__name__}: {e}); "
-                          "the dry run needs the hub or a cached snapshot") from None
-    headers = {f: {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in fm.tensors.items()}
-               for f, fm in info.files_metadata.items()}
+        raise SourceError(
+            f"{repo_id}: cannot read shard headers for --dry-run ({type(e).__name__}: {e}); "
+            "the dry run needs the hub or a cached snapshot"
+        ) from None
+    headers = {
+        f: {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in fm.tensors.items()}
+        for f, fm in info.files_metadata.items()
+    }
     return meta_dir, commit, headers

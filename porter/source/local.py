@@ -5,6 +5,7 @@ not any architecture. It hands its caller the raw config.json and every tensor's
 shard headers; resolving that config is the architecture's job (its converter: converters.for_config).
 Never unpickles: a checkpoint that has only `*.bin` / `*.pt` weights is refused.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,10 +17,10 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
+from porter.errors import SourceError
 from porter.format import prequantized
 from porter.format.safe_files import inside, read_json, regular_file
 from porter.format.safetensors_io import ST_DTYPES, nbytes, parse_header
-from porter.errors import SourceError
 
 log = logging.getLogger("porter")
 
@@ -27,11 +28,11 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 INDEX_NAME = "model.safetensors.index.json"
 
 
-
 @dataclass
 class Source:
     """A checkpoint folder: its raw config.json (unresolved), tensor metadata from the shard headers, and
     lazy reads. The caller resolves `raw_config` with its architecture's rules."""
+
     path: Path
     raw_config: dict
     meta: dict  # tensor name -> (torch dtype, shape tuple)
@@ -50,8 +51,9 @@ class Source:
         """One tensor (or its [index] slice along dim 0, read alone) from its shard."""
         if self.prequantized is not None and name in self.prequantized.scales:
             scale = self._read_stored(self.prequantized.scales[name], index)
-            return self.prequantized.dequantize(self._read_stored(name, index), scale,
-                                                f"{self.files[name]}: tensor {name!r}")
+            return self.prequantized.dequantize(
+                self._read_stored(name, index), scale, f"{self.files[name]}: tensor {name!r}"
+            )
         return self._read_stored(name, index)
 
     def _read_stored(self, name: str, index: Optional[int] = None) -> torch.Tensor:
@@ -115,30 +117,42 @@ def weight_files(path: Path) -> list[Path]:
         doc = load_json(index)
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
-            raise SourceError(f"{index}: no weight_map object (tensor name -> shard file); re-download the index")
-        bad = [(k, f) for k, f in weight_map.items()
-               if not isinstance(f, str) or not f.endswith(".safetensors") or Path(f).name != f]
+            raise SourceError(
+                f"{index}: no weight_map object (tensor name -> shard file); re-download the index"
+            )
+        bad = [
+            (k, f)
+            for k, f in weight_map.items()
+            if not isinstance(f, str) or not f.endswith(".safetensors") or Path(f).name != f
+        ]
         if bad:
-            raise SourceError(f"{index}: weight_map[{bad[0][0]!r}] = {bad[0][1]!r} is not a .safetensors file name "
-                              "in this folder; re-download the index")
+            raise SourceError(
+                f"{index}: weight_map[{bad[0][0]!r}] = {bad[0][1]!r} is not a .safetensors file name "
+                "in this folder; re-download the index"
+            )
         files = sorted({inside(path, f, SourceError, INDEX_NAME) for f in weight_map.values()})
         missing = [f for f in files if not os.path.lexists(f)]
         if missing:
             raise SourceError(f"{missing[0]}: listed in {INDEX_NAME} but missing; re-download the checkpoint")
         return [regular_file(f, SourceError, "shard") for f in files]
-    files = [regular_file(inside(path, f.name, SourceError), SourceError, "shard")
-             for f in sorted(path.glob("*.safetensors"))]
+    files = [
+        regular_file(inside(path, f.name, SourceError), SourceError, "shard")
+        for f in sorted(path.glob("*.safetensors"))
+    ]
     if files:
         return files
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
-        raise SourceError(f"{path}: only pickle weights ({', '.join(pickles[:3])}); porter never unpickles. "
-                          "Convert them to safetensors with a trusted tool first")
+        raise SourceError(
+            f"{path}: only pickle weights ({', '.join(pickles[:3])}); porter never unpickles. "
+            "Convert them to safetensors with a trusted tool first"
+        )
     raise SourceError(f"{path}: no *.safetensors weights found")
 
 
-def open_local(path: Path, repo_id: Optional[str] = None, commit: Optional[str] = None,
-               headers: Optional[dict] = None) -> Source:
+def open_local(
+    path: Path, repo_id: Optional[str] = None, commit: Optional[str] = None, headers: Optional[dict] = None
+) -> Source:
     """A checkpoint dir: raw config.json and the tensors its safetensors headers list (nothing resolved,
     no tensor data read). `headers` ({file: safetensors header}) stands in for shards not present locally
     (a --dry-run of a hub repo reads headers only)."""

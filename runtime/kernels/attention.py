@@ -19,6 +19,7 @@ split-K kernel picks them itself, every program ranking the scores (two launches
 scores; faster, docs/runtime-decode.md); past that the index_topk kernel picks them first (three launches,
 bit-equal).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -48,8 +49,9 @@ def key_slots(pos: torch.Tensor, kv_len: int, blocks: Optional[torch.Tensor], bl
     return slots, live & (slots <= pos[:, None, None])
 
 
-def decode_attention_reference(q, k_cache, v_cache, pos, kv_len: int, blocks=None, block: int = 1,
-                               scale: float = 1.0) -> torch.Tensor:
+def decode_attention_reference(
+    q, k_cache, v_cache, pos, kv_len: int, blocks=None, block: int = 1, scale: float = 1.0
+) -> torch.Tensor:
     """q [B, nq, d], k/v_cache [B, nkv, S_max, d], pos [B] -> [B, nq, d] (SDPA, additive mask)."""
     B, nq, d = q.shape
     nkv = k_cache.shape[1]
@@ -59,13 +61,15 @@ def decode_attention_reference(q, k_cache, v_cache, pos, kv_len: int, blocks=Non
     k = k_cache.gather(2, idx)  # [B, nkv, n, d]
     v = v_cache.gather(2, idx)
     bias = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill(~ok, float("-inf"))
-    out = F.scaled_dot_product_attention(q.view(B, nkv, g, d), k, v, attn_mask=bias[:, :, None, :],
-                                         scale=scale)  # [B, nkv, g, d]
+    out = F.scaled_dot_product_attention(
+        q.view(B, nkv, g, d), k, v, attn_mask=bias[:, :, None, :], scale=scale
+    )  # [B, nkv, g, d]
     return out.reshape(B, nq, d)
 
 
-def decode_attention(q, k_cache, v_cache, pos, kv_len: int, blocks=None, block: int = 1,
-                     scale: float = 1.0) -> torch.Tensor:
+def decode_attention(
+    q, k_cache, v_cache, pos, kv_len: int, blocks=None, block: int = 1, scale: float = 1.0
+) -> torch.Tensor:
     """q [B, nq, d], k/v_cache [B, nkv, S_max, d], pos [B] (position of the new token = its slot, already
     written), blocks [B, nkv, nb] or None -> [B, nq, d] in q's dtype."""
     if use_triton(q):
@@ -80,9 +84,18 @@ def top_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return idx[..., :topk].masked_fill(vals[..., :topk] == float("-inf"), scores.shape[-1])
 
 
-def decode_attention_topk(q, k_cache, v_cache, pos, kv_len: int, scores: torch.Tensor, topk: int, block: int,
-                          scale: float = 1.0, rank_blocks: int = RANK_BLOCKS
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_attention_topk(
+    q,
+    k_cache,
+    v_cache,
+    pos,
+    kv_len: int,
+    scores: torch.Tensor,
+    topk: int,
+    block: int,
+    scale: float = 1.0,
+    rank_blocks: int = RANK_BLOCKS,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """decode_attention over the topk best blocks of the indexer's block scores [B, n, nblk] fp32 (n = nkv:
     index head h serves kv head h; n = 1: one serves all; nblk = ceil(kv_len / block) > topk) ->
     (out [B, nq, d], the blocks kept [B, n, topk] as top_blocks picks them). rank_blocks: the split-K kernel
@@ -92,8 +105,9 @@ def decode_attention_topk(q, k_cache, v_cache, pos, kv_len: int, scores: torch.T
     if n not in (1, nkv):  # the kernel would read index heads past n
         raise ValueError(f"decode_attention_topk: {n} index heads for {nkv} kv heads (needs 1 or {nkv})")
     if use_triton(q) and topk < nblk <= min(rank_blocks, RANK_BLOCKS):
-        out, top = _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, None, block, scale, scores=scores,
-                                            topk=topk)
+        out, top = _decode_attention_triton(
+            q, k_cache, v_cache, pos, kv_len, None, block, scale, scores=scores, topk=topk
+        )
         return out, top[:, :n]
     top = fused.index_topk(scores, topk) if use_triton(q) else top_blocks(scores, topk)  # [B, n, topk]
     out = decode_attention(q, k_cache, v_cache, pos, kv_len, top.expand(B, nkv, topk), block, scale)
@@ -109,6 +123,7 @@ def num_splits(n_keys: int, programs: int, block_n: int, target: int = 264) -> i
 def _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, scale, scores=None, topk=0):
     """-> (out [B, nq, d], top [B, nkv, topk] or None). scores: the kernel picks the topk blocks."""
     from runtime.kernels.attention_triton import combine_kernel, decode_kernel
+
     B, nq, d = q.shape
     pos = pos.contiguous()  # the kernels read pos[b] at pos_ptr + b
     nkv = k_cache.shape[1]
@@ -131,15 +146,47 @@ def _decode_attention_triton(q, k_cache, v_cache, pos, kv_len, blocks, block, sc
     top = torch.empty((B, nkv, topk), dtype=torch.int64, device=dev) if scores is not None else None
     nbp = next_pow2(nblk) if scores is not None else 1
     decode_kernel[(B * nkv, splits)](
-        qc, k_cache, v_cache, pos, blk, sc, o, ml[0], ml[1], top if top is not None else pos,
-        n_keys, nblk, nb, tiles_per_split, scale,
-        qc.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        sc.stride(0), sc.stride(1) if scores is not None and scores.shape[1] > 1 else 0,
-        NKV=nkv, G=g, GP=gp, D=d, BLOCK_N=BLOCK_N, KB=block, DENSE=dense, IEEE=q.dtype == torch.float32,
-        TOPK=topk if scores is not None else 0, NBP=nbp, CH=max(1, min(nbp, 4096 // nbp)), num_warps=4, num_stages=2,
-        **pdl(dev))  # CH: the ranking compares [NBP, CH] scores at a time (4096: no spills at NBP 256)
+        qc,
+        k_cache,
+        v_cache,
+        pos,
+        blk,
+        sc,
+        o,
+        ml[0],
+        ml[1],
+        top if top is not None else pos,
+        n_keys,
+        nblk,
+        nb,
+        tiles_per_split,
+        scale,
+        qc.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        sc.stride(0),
+        sc.stride(1) if scores is not None and scores.shape[1] > 1 else 0,
+        NKV=nkv,
+        G=g,
+        GP=gp,
+        D=d,
+        BLOCK_N=BLOCK_N,
+        KB=block,
+        DENSE=dense,
+        IEEE=q.dtype == torch.float32,
+        TOPK=topk if scores is not None else 0,
+        NBP=nbp,
+        CH=max(1, min(nbp, 4096 // nbp)),
+        num_warps=4,
+        num_stages=2,
+        **pdl(dev),
+    )  # CH: the ranking compares [NBP, CH] scores at a time (4096: no spills at NBP 256)
     out = torch.empty((B, nq, d), dtype=q.dtype, device=dev)  # query head h*g + i <- (kv head h, row i)
-    combine_kernel[(B * nkv, g)](o, ml[0], ml[1], out, splits, GP=gp, G=g, D=d, SP=max(2, next_pow2(splits)),
-                                 num_warps=4, **pdl(dev))
+    combine_kernel[(B * nkv, g)](
+        o, ml[0], ml[1], out, splits, GP=gp, G=g, D=d, SP=max(2, next_pow2(splits)), num_warps=4, **pdl(dev)
+    )
     return out, top

@@ -8,6 +8,7 @@ TOPK the kernel picks those blocks itself from the indexer's block scores (the T
 program: no separate top-k launch). Each slice writes its unnormalised output, running max and sum;
 combine_kernel merges the slices.
 """
+
 from __future__ import annotations
 
 import triton
@@ -15,12 +16,44 @@ import triton.language as tl
 
 
 @triton.jit
-def decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, blk_ptr, sc_ptr, o_ptr, m_ptr, l_ptr, top_ptr,
-                  n_keys, nblk, nb, tiles_per_split, scale,
-                  sq_b, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, ss_b, ss_h,
-                  NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, KB: tl.constexpr, DENSE: tl.constexpr, IEEE: tl.constexpr,
-                  TOPK: tl.constexpr = 0, NBP: tl.constexpr = 1, CH: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
+def decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    blk_ptr,
+    sc_ptr,
+    o_ptr,
+    m_ptr,
+    l_ptr,
+    top_ptr,
+    n_keys,
+    nblk,
+    nb,
+    tiles_per_split,
+    scale,
+    sq_b,
+    sk_b,
+    sk_h,
+    sk_s,
+    sv_b,
+    sv_h,
+    sv_s,
+    ss_b,
+    ss_h,
+    NKV: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KB: tl.constexpr,
+    DENSE: tl.constexpr,
+    IEEE: tl.constexpr,
+    TOPK: tl.constexpr = 0,
+    NBP: tl.constexpr = 1,
+    CH: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = False,
+):
     """Grid (B * NKV, splits). Sparse with TOPK > 0: sc_ptr holds block scores [B, *, nblk] fp32 (row
     stride ss_b, head stride ss_h: 0 when one index head serves every kv head; NBP >= nblk, ranked CH
     columns at a time); slice 0 of each (row, kv head) also writes the picked blocks to top
@@ -35,14 +68,18 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, blk_ptr, sc_ptr, o_ptr, m_ptr, l
     p = tl.load(pos_ptr + b)
     rows = tl.arange(0, GP)
     dcol = tl.arange(0, D)
-    q = tl.load(q_ptr + b * sq_b + (h * G + rows)[:, None] * D + dcol[None, :],
-                mask=(rows < G)[:, None], other=0.0)  # [GP, D]
+    q = tl.load(
+        q_ptr + b * sq_b + (h * G + rows)[:, None] * D + dcol[None, :], mask=(rows < G)[:, None], other=0.0
+    )  # [GP, D]
     if TOPK > 0:
         rank, live = _block_ranks(sc_ptr + b * ss_b + h * ss_h, nblk, NBP, CH)  # [NBP] each
         bidx = tl.arange(0, NBP)
         if sp == 0:
-            tl.store(top_ptr + bh * TOPK + rank, tl.where(live, bidx, nblk).to(tl.int64),
-                     mask=(rank < TOPK) & (bidx < nblk))
+            tl.store(
+                top_ptr + bh * TOPK + rank,
+                tl.where(live, bidx, nblk).to(tl.int64),
+                mask=(rank < TOPK) & (bidx < nblk),
+            )
     m_i = tl.full([GP], -1.0e30, tl.float32)  # finite "minus infinity": an empty slice merges with weight 0
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -64,8 +101,9 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, blk_ptr, sc_ptr, o_ptr, m_ptr, l
                     bid = tl.where(tl.sum(hit.to(tl.int32), 0) > 0, tl.sum(tl.where(hit, bidx, 0), 0), nblk)
                 else:
                     hit = live[None, :] & (rank[None, :] == (j // KB)[:, None])  # [BLOCK_N, NBP]
-                    bid = tl.where(tl.sum(hit.to(tl.int32), 1) > 0, tl.sum(tl.where(hit, bidx[None, :], 0), 1),
-                                   nblk)
+                    bid = tl.where(
+                        tl.sum(hit.to(tl.int32), 1) > 0, tl.sum(tl.where(hit, bidx[None, :], 0), 1), nblk
+                    )
             else:
                 bid = tl.load(blk_ptr + bh * nb + j // KB, mask=j < n_keys, other=nblk)
             slot = tl.minimum(bid, nblk - 1) * KB + j % KB
@@ -104,15 +142,28 @@ def _block_ranks(s_row, NBLK, NBP: tl.constexpr, CH: tl.constexpr):
     for c in tl.static_range(0, NBP, CH):
         jj = c + tl.arange(0, CH)
         vj = tl.load(s_row + jj, mask=jj < NBLK, other=float("-inf"))
-        ahead = (vj[None, :] > v[:, None]) | ((vj[None, :] == v[:, None]) & (jj[None, :] < i[:, None]))  # [NBP, CH]
+        ahead = (vj[None, :] > v[:, None]) | (
+            (vj[None, :] == v[:, None]) & (jj[None, :] < i[:, None])
+        )  # [NBP, CH]
         rank += tl.sum(ahead.to(tl.int32), 1)
     return rank, (v > float("-inf")) & (i < NBLK)
 
 
 @triton.jit
-def combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, NSP, GP: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                   SP: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """Merge the slices of (row b, kv head h) for query head h * G + gi: sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s."""
+def combine_kernel(
+    o_ptr,
+    m_ptr,
+    l_ptr,
+    out_ptr,
+    NSP,
+    GP: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    SP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    """Merge the slices of (row b, kv head h) for query head h * G + gi:
+    sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     bh = tl.program_id(0)

@@ -1,5 +1,6 @@
 """Triton kernels of runtime/kernels/fused.py: one launch for what the reference does in 5-10 small torch ops
 (at decode a layer is bound by launches, not bytes, once the weights stream at full speed)."""
+
 from __future__ import annotations
 
 import triton
@@ -7,8 +8,18 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, w_ptr, y_ptr, a_ptr, hout_ptr, N, eps, BLOCK: tl.constexpr, ADD: tl.constexpr = False,
-                    USE_PDL: tl.constexpr = False):
+def rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    a_ptr,
+    hout_ptr,
+    N,
+    eps,
+    BLOCK: tl.constexpr,
+    ADD: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
+):
     """Gemma RMSNorm of one row: fp32, x * rsqrt(mean(x^2) + eps) * (1 + w), stored in y's dtype.
     ADD: x is first the residual add hout = x + a rounded to hout's dtype (the torch add), and the norm is
     taken of that rounded sum, as the unfused ops compute it."""
@@ -43,8 +54,9 @@ def swiglu_oai(g, u, alpha, beta, limit):
 
 
 @triton.jit
-def add_chain_kernel(x0_ptr, x1_ptr, x2_ptr, y_ptr, n, THREE: tl.constexpr, BLOCK: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
+def add_chain_kernel(
+    x0_ptr, x1_ptr, x2_ptr, y_ptr, n, THREE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False
+):
     """y = (x0 + x1) [+ x2], rounded to y's dtype after each add (the torch adds, one kernel)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -63,8 +75,18 @@ def norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, NH, D, R, eps, BLOCK
     reference), then NeoX RoPE on channels [0, R) with the token's cos/sin [R]; the rest pass through."""
     pid = tl.program_id(0)  # token * NH + head
     tok = pid // NH
-    _norm_rope_row(x_ptr + pid * D, w_ptr, cos_ptr + tok * R, sin_ptr + tok * R, y_ptr + pid * D, D, R, eps,
-                   y_ptr.dtype.element_ty, BLOCK)
+    _norm_rope_row(
+        x_ptr + pid * D,
+        w_ptr,
+        cos_ptr + tok * R,
+        sin_ptr + tok * R,
+        y_ptr + pid * D,
+        D,
+        R,
+        eps,
+        y_ptr.dtype.element_ty,
+        BLOCK,
+    )
 
 
 @triton.jit
@@ -104,11 +126,42 @@ def _norm_rope_row(src, w_ptr, cos_row, sin_row, dst, D, R, eps, dt: tl.constexp
 
 
 @triton.jit
-def decode_qkv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, iqn_ptr, ikn_ptr,
-                      q_ptr, kc_ptr, vc_ptr, iq_ptr, ic_ptr,
-                      s_qkv, s_cs, skb, skh, sks, svb, svh, svs, sib, sis,
-                      NQ, NKV, NI, D, DI, R, RI, eps, INDEX: tl.constexpr, BLOCK: tl.constexpr,
-                      USE_PDL: tl.constexpr = False):
+def decode_qkv_kernel(
+    qkv_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    qn_ptr,
+    kn_ptr,
+    iqn_ptr,
+    ikn_ptr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    iq_ptr,
+    ic_ptr,
+    s_qkv,
+    s_cs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sib,
+    sis,
+    NQ,
+    NKV,
+    NI,
+    D,
+    DI,
+    R,
+    RI,
+    eps,
+    INDEX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     """One decode token per row b, one head vector per program (b, slot) of the fused projection row
     [q heads | k heads | v heads | (index q heads | index k)]: q -> qk-norm + RoPE -> q [B, NQ, D];
     k -> qk-norm + RoPE -> k cache slot pos[b]; v -> v cache slot pos[b]; index q -> norm + RoPE ->
@@ -124,11 +177,23 @@ def decode_qkv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, iqn_pt
     cos_row = cos_ptr + b * s_cs
     sin_row = sin_ptr + b * s_cs
     if slot < NQ:
-        _norm_rope_row(row + slot * D, qn_ptr, cos_row, sin_row, q_ptr + (b * NQ + slot) * D, D, R, eps, dt, BLOCK)
+        _norm_rope_row(
+            row + slot * D, qn_ptr, cos_row, sin_row, q_ptr + (b * NQ + slot) * D, D, R, eps, dt, BLOCK
+        )
     elif slot < NQ + NKV:
         h = slot - NQ
-        _norm_rope_row(row + slot * D, kn_ptr, cos_row, sin_row, kc_ptr + b * skb + h * skh + p * sks, D, R, eps,
-                       dt, BLOCK)
+        _norm_rope_row(
+            row + slot * D,
+            kn_ptr,
+            cos_row,
+            sin_row,
+            kc_ptr + b * skb + h * skh + p * sks,
+            D,
+            R,
+            eps,
+            dt,
+            BLOCK,
+        )
     elif slot < NQ + 2 * NKV:
         h = slot - NQ - NKV
         cols = tl.arange(0, BLOCK)
@@ -139,18 +204,54 @@ def decode_qkv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, iqn_pt
             base = row + (NQ + 2 * NKV) * D
             i = slot - NQ - 2 * NKV
             if i < NI:
-                _norm_rope_row(base + i * DI, iqn_ptr, cos_row, sin_row, iq_ptr + (b * NI + i) * DI, DI, RI, eps,
-                               dt, BLOCK)
+                _norm_rope_row(
+                    base + i * DI,
+                    iqn_ptr,
+                    cos_row,
+                    sin_row,
+                    iq_ptr + (b * NI + i) * DI,
+                    DI,
+                    RI,
+                    eps,
+                    dt,
+                    BLOCK,
+                )
             else:
-                _norm_rope_row(base + NI * DI, ikn_ptr, cos_row, sin_row, ic_ptr + b * sib + p * sis, DI, RI, eps,
-                               dt, BLOCK)
+                _norm_rope_row(
+                    base + NI * DI,
+                    ikn_ptr,
+                    cos_row,
+                    sin_row,
+                    ic_ptr + b * sib + p * sis,
+                    DI,
+                    RI,
+                    eps,
+                    dt,
+                    BLOCK,
+                )
 
 
 @triton.jit
-def index_scores_kernel(iq_ptr, ic_ptr, pos_ptr, out_ptr, S, NBLK, sib, sis,
-                        NI: tl.constexpr, NIP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, KB: tl.constexpr,
-                        KBP: tl.constexpr, LOCAL: tl.constexpr, INIT: tl.constexpr, IEEE: tl.constexpr,
-                        USE_PDL: tl.constexpr = False):
+def index_scores_kernel(
+    iq_ptr,
+    ic_ptr,
+    pos_ptr,
+    out_ptr,
+    S,
+    NBLK,
+    sib,
+    sis,
+    NI: tl.constexpr,
+    NIP: tl.constexpr,
+    DI: tl.constexpr,
+    DIP: tl.constexpr,
+    KB: tl.constexpr,
+    KBP: tl.constexpr,
+    LOCAL: tl.constexpr,
+    INIT: tl.constexpr,
+    IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     """Block scores of one decode query per row: program (b, block j) -> out [B, NI, NBLK] fp32 =
     max over the block's visible slots (slot < S, slot <= pos[b]) of iq[b, h] . index_key[slot]; -inf
     when none is visible; +inf for the blocks every query keeps (its own block and the LOCAL-1 before
@@ -168,12 +269,18 @@ def index_scores_kernel(iq_ptr, ic_ptr, pos_ptr, out_ptr, S, NBLK, sib, sis,
     else:
         dcol = tl.arange(0, DIP)
         d_ok = dcol < DI
-        q = tl.load(iq_ptr + (b * NI + hrow)[:, None] * DI + dcol[None, :], mask=(hrow < NI)[:, None] & d_ok[None, :],
-                    other=0.0)
+        q = tl.load(
+            iq_ptr + (b * NI + hrow)[:, None] * DI + dcol[None, :],
+            mask=(hrow < NI)[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         s_idx = j * KB + tl.arange(0, KBP)
         ok = (tl.arange(0, KBP) < KB) & (s_idx < S) & (s_idx <= p)
-        k = tl.load(ic_ptr + b * sib + s_idx[:, None].to(tl.int64) * sis + dcol[None, :],
-                    mask=ok[:, None] & d_ok[None, :], other=0.0)  # [KBP, DIP]
+        k = tl.load(
+            ic_ptr + b * sib + s_idx[:, None].to(tl.int64) * sis + dcol[None, :],
+            mask=ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [KBP, DIP]
         if IEEE:
             sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -185,8 +292,9 @@ def index_scores_kernel(iq_ptr, ic_ptr, pos_ptr, out_ptr, S, NBLK, sib, sis,
 
 
 @triton.jit
-def index_topk_kernel(scores_ptr, out_ptr, NBLK, TOPK: tl.constexpr, NBP: tl.constexpr,
-                      USE_PDL: tl.constexpr = False):
+def index_topk_kernel(
+    scores_ptr, out_ptr, NBLK, TOPK: tl.constexpr, NBP: tl.constexpr, USE_PDL: tl.constexpr = False
+):
     """Program (b, index head): the TOPK best of NBLK block scores, best first; a pick whose score is
     -inf (nothing visible left) is written as NBLK ("none"), as the unfused topk + masked_fill."""
     if USE_PDL:
@@ -202,8 +310,17 @@ def index_topk_kernel(scores_ptr, out_ptr, NBLK, TOPK: tl.constexpr, NBP: tl.con
 
 
 @triton.jit
-def router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):
+def router_select_kernel(
+    logits_ptr,
+    bias_ptr,
+    ids_ptr,
+    w_ptr,
+    E,
+    TOPK: tl.constexpr,
+    KP: tl.constexpr,
+    EP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     """MiniMax-M3 routing of one token from its fp32 router logits [E]: sigmoid scores, top-k of
     score + bias (bias for selection only), weights = the selected scores renormalised to sum 1."""
     if USE_PDL:
@@ -226,8 +343,9 @@ def router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, TOPK: tl.const
 
 
 @triton.jit
-def router_logits_kernel(x_ptr, w_ptr, out_ptr, M, E, K, sxm, BM: tl.constexpr, BK: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):
+def router_logits_kernel(
+    x_ptr, w_ptr, out_ptr, M, E, K, sxm, BM: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr = False
+):
     """Program e: fp32 router logits out[m, e] = x[m] . w[e] for every row m (x in its dtype, taken to
     fp32 exactly; w fp32 [E, K] streamed once, one row per program so E programs share the read). The first
     weight tile is requested before the PDL wait: the weight does not depend on the previous kernel."""
@@ -242,7 +360,9 @@ def router_logits_kernel(x_ptr, w_ptr, out_ptr, M, E, K, sxm, BM: tl.constexpr, 
     acc = tl.zeros([BM, BK], tl.float32)
     for k0 in range(0, K, BK):
         k_ok = (k0 + rk) < K
-        x = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+        )
         acc += x.to(tl.float32) * w[None, :]
         if k0 + BK < K:
             w = tl.load(w_row + k0 + BK + rk, mask=(k0 + BK + rk) < K, other=0.0)

@@ -7,6 +7,7 @@ stays in L1/L2; the weight tile is the stream). MXFP8 weights are dequantized pe
 e4m3 * 2^(byte - 127), built from the byte by an exponent shift (no exp2 per element), which is exact
 in bf16 and fp32 for bytes 1..254; byte 0 (only on all-zero blocks, < 448 * 2^-127) decodes to 0.
 """
+
 from __future__ import annotations
 
 import triton
@@ -16,11 +17,36 @@ from runtime.kernels.fused_triton import swiglu_oai
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, a1_ptr, a2_ptr, M, N, K, sxm, swn, ssn, sym, sa1, sa2,
-                alpha, beta, limit,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, MX: tl.constexpr,
-                IEEE: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, ADDS: tl.constexpr,
-                USE_PDL: tl.constexpr = False):
+def gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    a1_ptr,
+    a2_ptr,
+    M,
+    N,
+    K,
+    sxm,
+    swn,
+    ssn,
+    sym,
+    sa1,
+    sa2,
+    alpha,
+    beta,
+    limit,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    ROWS: tl.constexpr,
+    MX: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    ADDS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     """x [M, K], W [Nw, K] (N output columns; SWIGLU: W = [gate; up], Nw = 2N) -> y [M, N].
 
     SWIGLU: y = SwiGLU-OAI(round(x Wg^T), round(x Wu^T)) (the rounding the unfused gate/up linears do).
@@ -86,9 +112,22 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, a1_ptr, a2_ptr, M, N, K, sxm, swn, s
 
 
 @triton.jit
-def gemv_stream_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
-                       MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                       USE_PDL: tl.constexpr = False):
+def gemv_stream_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    sxm,
+    swn,
+    sym,
+    MP: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     """x [M, K] (M <= MP <= 4), W [N, K] 16-bit -> y [M, N], without MMA: each program streams BN weight
     rows over the whole K straight into registers and keeps [MP, BN, BK] fp32 partial products, summed
     once at the end (no shared-memory staging, no padding of x to 16 rows). With PDL the first weight
@@ -120,8 +159,13 @@ def gemv_stream_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
             if EVEN_K:
                 w = tl.load(w_ptrs, eviction_policy="evict_first")
             else:
-                w = tl.load(w_ptrs, mask=((k0 + BK + rk) < K)[None, :], other=0.0, eviction_policy="evict_first")
+                w = tl.load(
+                    w_ptrs, mask=((k0 + BK + rk) < K)[None, :], other=0.0, eviction_policy="evict_first"
+                )
     y = tl.sum(acc, axis=2)  # [MP, BN]
     cols = pid * BN + tl.arange(0, BN)
-    tl.store(y_ptr + rm[:, None] * sym + cols[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & (cols < N)[None, :])
+    tl.store(
+        y_ptr + rm[:, None] * sym + cols[None, :],
+        y.to(y_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & (cols < N)[None, :],
+    )

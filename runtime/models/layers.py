@@ -1,6 +1,7 @@
 """Building blocks of the runtime's models: linears (stored as is or MXFP8), Gemma RMSNorm, partial NeoX
 RoPE, masked GQA attention and the side stream the shared expert overlaps on. Each op runs its Triton kernel
 on CUDA (runtime.kernels) and a torch reference elsewhere."""
+
 from __future__ import annotations
 
 import contextlib
@@ -53,7 +54,6 @@ def on_device(device: torch.device):
     return contextlib.nullcontext()  # already current (one GPU adds no context switch), or CPU
 
 
-
 def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -86,8 +86,12 @@ class Linear:
 def add_in_order(y: torch.Tensor, add: tuple) -> torch.Tensor:
     """((y + add[0]) + add[1]) ..., rounded after each add; on CUDA up to two same-shape, same-dtype adds in one
     kernel (fused.add_chain, the same rounding)."""
-    if add and len(add) <= 2 and fused.use_triton(y) and all(a.shape == y.shape and a.dtype == y.dtype
-                                                             for a in add):
+    if (
+        add
+        and len(add) <= 2
+        and fused.use_triton(y)
+        and all(a.shape == y.shape and a.dtype == y.dtype for a in add)
+    ):
         return fused.add_chain(y, *add)
     for a in add:
         y = y + a
@@ -103,15 +107,18 @@ def stack_linears(*parts: Linear) -> Optional[Linear]:
     kernel streams them all). Each part keeps a view of its rows, so no weight is stored twice. None when
     they cannot share a kernel (weights not on CUDA, mixed dtypes, devices or quantization)."""
     ws = [p.weight for p in parts]
-    if not all(fused.use_triton(w) for w in ws) or len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 \
-            or len({p.scale is None for p in parts}) != 1:
+    if (
+        not all(fused.use_triton(w) for w in ws)
+        or len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1
+        or len({p.scale is None for p in parts}) != 1
+    ):
         return None
     w = torch.cat(ws)  # [sum N, K]
     s = None if parts[0].scale is None else torch.cat([p.scale for p in parts])  # [sum N, K/32]
     row = 0
     for p in parts:
         n = p.weight.shape[0]
-        p.weight, p.scale = w[row: row + n], None if s is None else s[row: row + n]
+        p.weight, p.scale = w[row : row + n], None if s is None else s[row : row + n]
         row += n
     return Linear(w, s)
 
@@ -123,7 +130,9 @@ class Rope:
         self.inv_freq = self.inv_freq.to(device)
 
     def __call__(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv = self.inv_freq if self.inv_freq.device == positions.device else self.inv_freq.to(positions.device)
+        inv = (
+            self.inv_freq if self.inv_freq.device == positions.device else self.inv_freq.to(positions.device)
+        )
         freqs = positions[..., None].float() * inv  # [B, T, r/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, r]
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -139,7 +148,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([rot, rest], dim=-1)
 
 
-def norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def norm_rope(
+    x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """Per-head qk-norm, then RoPE: x [B, T, n, d] -> [B, T, n, d] (one kernel on CUDA)."""
     if fused.use_triton(x):
         return fused.norm_rope(x, w, eps, cos, sin)
@@ -163,4 +174,3 @@ def gqa_attention(q, k, v, mask, scale) -> torch.Tensor:
     m = mask.expand(B, nkv, T, S)[:, :, None].expand(B, nkv, g, T, S).reshape(B, nkv, g * T, S)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)  # [B, nkv, g*T, d]
     return out.reshape(B, nq, T, d)
-

@@ -19,6 +19,7 @@ Decoding (T = 1 over a cache) has static shapes, so the step can be captured in 
 q/k/v/index, norms + RoPE + cache writes in one, residual adds in the GEMV epilogues) and the shared expert
 on a second stream, concurrently with the router and the routed experts (MoE.__call__).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -31,12 +32,25 @@ from porter.format.layout import scale_name
 from runtime.cache import KVCache, LayerCache, Step
 from runtime.generate import generate
 from runtime.graph import DecodeGraph, why_not
-from runtime.text import GenerationConfig
 from runtime.kernels import fused, gemv
 from runtime.kernels.attention import decode_attention, decode_attention_topk
-from runtime.models.layers import (Getter, Rope, add_in_order, capturing, fork, gqa_attention, join,
-                                   keep_mask, linear, norm_rope, on_device, rms_norm, stack_linears)
+from runtime.models.layers import (
+    Getter,
+    Rope,
+    add_in_order,
+    capturing,
+    fork,
+    gqa_attention,
+    join,
+    keep_mask,
+    linear,
+    norm_rope,
+    on_device,
+    rms_norm,
+    stack_linears,
+)
 from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params, swiglu_oai
+from runtime.text import GenerationConfig
 
 
 class Indexer:
@@ -94,8 +108,15 @@ class Indexer:
             self._dropped = None
         if nblk <= self.cfg.index_topk_blocks:
             return None
-        return fused.index_scores(iq, cache.idx_k, pos, step.kv_len, self.cfg.index_block_size,
-                                  self.cfg.index_local_blocks, self.cfg.index_init_blocks)
+        return fused.index_scores(
+            iq,
+            cache.idx_k,
+            pos,
+            step.kv_len,
+            self.cfg.index_block_size,
+            self.cfg.index_local_blocks,
+            self.cfg.index_init_blocks,
+        )
 
     def kept(self, top: torch.Tensor, step: Step) -> None:
         """The blocks the decode attention kept, top [B, ni, topk] (diagnostics: last_excluded)."""
@@ -140,23 +161,47 @@ class Attention:
         cfg, B = self.cfg, x.shape[0]
         nq, nkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
         if step.kv_len > cache.k.shape[2]:
-            raise ValueError(f"KV cache holds {cache.k.shape[2]} tokens; {step.kv_len} needed (raise max_len)")
+            raise ValueError(
+                f"KV cache holds {cache.k.shape[2]} tokens; {step.kv_len} needed (raise max_len)"
+            )
         cos, sin = step.rope(self.rope, x.dtype)  # [B, 1, r]
         pos = step.pos[:, 0]  # [B]
         qkv = self.qkv(x.reshape(B, -1))  # [B, nq*d + 2*nkv*d (+ ni*di + di)]
         ix, scores = self.indexer, None
         if ix is None:
-            q, _ = fused.decode_qkv(qkv, pos, cos, sin, (self.q_norm, self.k_norm), (nq, nkv, d), cache.k, cache.v,
-                                    eps)
+            q, _ = fused.decode_qkv(
+                qkv, pos, cos, sin, (self.q_norm, self.k_norm), (nq, nkv, d), cache.k, cache.v, eps
+            )
         else:
-            q, iq = fused.decode_qkv(qkv, pos, cos, sin, (self.q_norm, self.k_norm, ix.q_norm, ix.k_norm),
-                                     (nq, nkv, d, ix.ni, ix.di), cache.k, cache.v, eps, cache.idx_k)
-            scores = ix.scores_decode(iq, pos, step, cache)  # [B, ni, nblk] or None; index head h -> kv head h
+            q, iq = fused.decode_qkv(
+                qkv,
+                pos,
+                cos,
+                sin,
+                (self.q_norm, self.k_norm, ix.q_norm, ix.k_norm),
+                (nq, nkv, d, ix.ni, ix.di),
+                cache.k,
+                cache.v,
+                eps,
+                cache.idx_k,
+            )
+            scores = ix.scores_decode(
+                iq, pos, step, cache
+            )  # [B, ni, nblk] or None; index head h -> kv head h
         if scores is None:
-            out = decode_attention(q, cache.k, cache.v, pos, step.kv_len, None, cfg.index_block_size, d ** -0.5)
+            out = decode_attention(q, cache.k, cache.v, pos, step.kv_len, None, cfg.index_block_size, d**-0.5)
         else:
-            out, top = decode_attention_topk(q, cache.k, cache.v, pos, step.kv_len, scores, cfg.index_topk_blocks,
-                                             cfg.index_block_size, d ** -0.5)  # [B, nq, d]
+            out, top = decode_attention_topk(
+                q,
+                cache.k,
+                cache.v,
+                pos,
+                step.kv_len,
+                scores,
+                cfg.index_topk_blocks,
+                cfg.index_block_size,
+                d**-0.5,
+            )  # [B, nq, d]
             ix.kept(top, step)
         return out.reshape(B, 1, nq * d)
 
@@ -175,8 +220,9 @@ class Attention:
         top = self.indexer.select(x, cos, sin, step, cache) if self.indexer is not None else None
         if step.decode:
             blocks = None if top is None else top[:, :, 0].expand(B, nkv, -1)  # index head h -> kv head h
-            out = decode_attention(q[:, 0], cache.k, cache.v, step.pos[:, 0], step.kv_len, blocks,
-                                   cfg.index_block_size, d ** -0.5)  # [B, nq, d]
+            out = decode_attention(
+                q[:, 0], cache.k, cache.v, step.pos[:, 0], step.kv_len, blocks, cfg.index_block_size, d**-0.5
+            )  # [B, nq, d]
             return self.o_proj(out.reshape(B, 1, nq * d))
         S = step.kv_len
         if cache is None:  # fresh, no cache: the new keys are slots 0..T-1
@@ -185,15 +231,18 @@ class Attention:
             keys, vals = cache.k[:, :, :S], cache.v[:, :, :S]  # [B, nkv, S, d]
         q = q.transpose(1, 2)  # [B, nq, T, d]
         if top is None and step.fresh:
-            out = F.scaled_dot_product_attention(q, keys, vals, is_causal=True, scale=d ** -0.5, enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q, keys, vals, is_causal=True, scale=d**-0.5, enable_gqa=True
+            )
         else:
-            causal = lambda: (torch.arange(S, device=x.device) <= step.pos[..., None])[:, None]  # [B, 1, T, S]
+            causal = lambda: (torch.arange(S, device=x.device) <= step.pos[..., None])[
+                :, None
+            ]  # [B, 1, T, S]
             mask = step.memo(("causal", S), causal)  # made once per forward, shared by the layers
             if top is not None:
                 mask = mask & keep_mask(top, S, cfg.index_block_size)  # [B, ni, T, S]
-            out = gqa_attention(q, keys, vals, mask, d ** -0.5)  # [B, nq, T, d]
+            out = gqa_attention(q, keys, vals, mask, d**-0.5)  # [B, nq, T, d]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, nq * d))
-
 
 
 class MLP:
@@ -226,21 +275,27 @@ class MLP:
         return self.down_proj(act, add)
 
 
-
 class MoE:
     """fp32 sigmoid router + routed experts through a runtime.moe backend (rsf applied there) + shared."""
 
     def __init__(self, cfg: TextConfig, get: Getter, p: str, device, make_backend: Callable):
         self.cfg = cfg
-        self.routing = MoeRouting(router_weight=get(p + "gate.weight").float(),  # [E, H] fp32
-                                  e_score_correction_bias=get(p + "e_score_correction_bias").float(),  # [E]
-                                  top_k=cfg.num_experts_per_tok, routed_scaling_factor=cfg.routed_scaling_factor)
+        self.routing = MoeRouting(
+            router_weight=get(p + "gate.weight").float(),  # [E, H] fp32
+            e_score_correction_bias=get(p + "e_score_correction_bias").float(),  # [E]
+            top_k=cfg.num_experts_per_tok,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+        )
         w13, w2 = p + "experts.w13_weight", p + "experts.w2_weight"
         quant = MoeQuantInfo(
-            w13_weight=get(w13), w13_weight_scale=get(scale_name(w13)),  # [E, 2I, H]
-            w2_weight=get(w2), w2_weight_scale=get(scale_name(w2)),  # [E, H, I]
-            **make_swiglu_params(cfg.num_local_experts, cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit,
-                                 device))
+            w13_weight=get(w13),
+            w13_weight_scale=get(scale_name(w13)),  # [E, 2I, H]
+            w2_weight=get(w2),
+            w2_weight_scale=get(scale_name(w2)),  # [E, H, I]
+            **make_swiglu_params(
+                cfg.num_local_experts, cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit, device
+            ),
+        )
         self.experts = make_backend(quant, self.routing)
         # The layer holds the canonical tensors only through its backend: one that makes its own layout at
         # load (TRT-LLM's shuffled tensors, the Triton backend's rebase) keeps none, and the experts are
@@ -256,7 +311,9 @@ class MoE:
         if side is None:
             y = self.routed(flat)
             if self.shared_experts is not None:
-                return self.shared_experts(flat, (y, *add)).view_as(x)  # y + shared expert (unscaled), then add
+                return self.shared_experts(flat, (y, *add)).view_as(
+                    x
+                )  # y + shared expert (unscaled), then add
             for a in add:
                 y = y + a
             return y.view_as(x)
@@ -300,8 +357,13 @@ class DecoderLayer:
         else:
             self.mlp = MLP(cfg, get, p + "mlp.")
 
-    def __call__(self, h: torch.Tensor, positions, cache: Optional[LayerCache] = None,
-                 valid: Optional[torch.Tensor] = None):
+    def __call__(
+        self,
+        h: torch.Tensor,
+        positions,
+        cache: Optional[LayerCache] = None,
+        valid: Optional[torch.Tensor] = None,
+    ):
         """h [B, T, H] residual stream; positions: a Step, or absolute positions [T] / [B, T] (= cache slots)
         with valid [B, T] (False = pad token) -> [B, T, H] on this layer's device."""
         step = positions if isinstance(positions, Step) else Step.of(positions, h.shape[0], cache, valid)
@@ -322,8 +384,13 @@ class DecoderLayer:
 
     def fused_decode(self, h: torch.Tensor, step: Step, cache: Optional[LayerCache]) -> bool:
         """Whether this step runs the fused decode kernels (CUDA, decode over a cache, stacked q/k/v)."""
-        return (step.decode and cache is not None and self.self_attn.qkv is not None
-                and fused.use_triton(h) and gemv.applies(h, self.self_attn.qkv.weight))
+        return (
+            step.decode
+            and cache is not None
+            and self.self_attn.qkv is not None
+            and fused.use_triton(h)
+            and gemv.applies(h, self.self_attn.qkv.weight)
+        )
 
 
 class MiniMaxM3:
@@ -335,11 +402,17 @@ class MiniMaxM3:
     def __init__(self, cfg: TextConfig, top: dict, layers, device, dtype, layer_devices=None):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.tokenizer, self.generation_config = None, GenerationConfig()  # set by runtime.load
-        self.embed_tokens, self.norm = top["model.embed_tokens.weight"], top["model.norm.weight"]  # [V, H], [H]
+        self.embed_tokens, self.norm = (
+            top["model.embed_tokens.weight"],
+            top["model.norm.weight"],
+        )  # [V, H], [H]
         self.lm_head = top.get("lm_head.weight", self.embed_tokens)  # [V, H] (tied if absent)
         self.layers = layers  # list of DecoderLayer, or runtime.loader.LazyLayers
-        self.layer_devices = ([torch.device(d) for d in layer_devices] if layer_devices is not None
-                              else [self.device] * cfg.num_hidden_layers)
+        self.layer_devices = (
+            [torch.device(d) for d in layer_devices]
+            if layer_devices is not None
+            else [self.device] * cfg.num_hidden_layers
+        )
         self.head_device = self.lm_head.device
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -355,9 +428,12 @@ class MiniMaxM3:
         """Caches of max_len slots (rounded up to whole index blocks), each on its layer's device."""
         bs = self.cfg.index_block_size
         slots = -(-max_len // bs) * bs
-        layers = [LayerCache.empty(self.cfg, self.cfg.is_sparse_attention(i), batch, slots, self.dtype,
-                                   self.layer_devices[i])
-                  for i in range(self.cfg.num_hidden_layers)]
+        layers = [
+            LayerCache.empty(
+                self.cfg, self.cfg.is_sparse_attention(i), batch, slots, self.dtype, self.layer_devices[i]
+            )
+            for i in range(self.cfg.num_hidden_layers)
+        ]
         return KVCache(layers, torch.zeros(batch, dtype=torch.long, device=self.embed_tokens.device))
 
     def make_step(self, batch: int, T: int, cache: Optional[KVCache], attention_mask=None) -> Step:
@@ -367,7 +443,11 @@ class MiniMaxM3:
         valid = None if attention_mask is None else attention_mask.to(dev).bool()
         if valid is not None and bool(valid.all()):
             valid = None
-        start = cache.next_pos[:, None] if cache is not None else torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        start = (
+            cache.next_pos[:, None]
+            if cache is not None
+            else torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        )
         if valid is None:
             pos = start + torch.arange(T, device=dev)  # [B, T]
         else:
@@ -381,7 +461,9 @@ class MiniMaxM3:
             kv_len = min(-(-kv_len // self.cfg.index_block_size) * self.cfg.index_block_size, cache.max_len)
         return Step(pos, valid, kv_len, fresh=first and valid is None, decode=decode)
 
-    def run_layers(self, h: torch.Tensor, step: Step, cache: Optional[KVCache], states: Optional[list] = None):
+    def run_layers(
+        self, h: torch.Tensor, step: Step, cache: Optional[KVCache], states: Optional[list] = None
+    ):
         for i in range(len(self.layers)):
             h = self.layers[i](h, step, cache.layers[i] if cache is not None else None)
             if states is not None:
@@ -389,8 +471,13 @@ class MiniMaxM3:
         return h
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, cache: Optional[KVCache] = None, output_hidden_states=False,
-                 attention_mask: Optional[torch.Tensor] = None):
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        cache: Optional[KVCache] = None,
+        output_hidden_states=False,
+        attention_mask: Optional[torch.Tensor] = None,
+    ):
         """input_ids [B, T] -> logits [B, T, V] fp32 (and the residual streams if asked). attention_mask
         [B, T] (1 real, 0 pad; left padding) runs prompts of different lengths together: each row's
         logits at its real tokens are what the row gives alone."""
@@ -404,7 +491,6 @@ class MiniMaxM3:
             cache.next_pos += T if step.valid is None else step.valid.sum(1)
         logits = self.final(h)
         return (logits, states) if output_hidden_states else logits
-
 
     def generate(self, prompt, max_new_tokens=None, **options):
         """Continue prompts: text (a string or a list of them; chat=True applies the chat template) -> the

@@ -11,6 +11,7 @@ Numerics (`moe_numerics`, docs/moe-backends.md "Serving numerics"): the torch re
 output quantized to MXFP8 as FlashInfer's TRT-LLM kernel does). flashinfer-trtllm always computes
 "serving"; triton its own (docs/moe-backends.md). None means the backend's own.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -18,20 +19,37 @@ import logging
 
 import torch
 
-from runtime.moe.contract import (MOE_NUMERICS, TRTLLM_CAPABILITIES, BackendUnavailable, MoeQuantInfo, MoeRouting,
-                                  check_numerics, check_numerics_name)
+from runtime.moe.contract import (
+    MOE_NUMERICS,
+    TRTLLM_CAPABILITIES,
+    BackendUnavailable,
+    MoeQuantInfo,
+    MoeRouting,
+    check_numerics,
+    check_numerics_name,
+)
 from runtime.moe.flashinfer_trtllm import TrtllmMoE
 from runtime.moe.torch_backend import TorchMoE
 from runtime.moe.triton import TritonMoE
 
-__all__ = ["BACKENDS", "MOE_NUMERICS", "BackendUnavailable", "TRTLLM_CAPABILITIES", "check_numerics",
-           "check_numerics_name", "make_moe", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "MOE_NUMERICS",
+    "BackendUnavailable",
+    "TRTLLM_CAPABILITIES",
+    "check_numerics",
+    "check_numerics_name",
+    "make_moe",
+    "resolve_backend",
+]
 
 log = logging.getLogger("porter.runtime")
 
 BACKENDS = ("auto", "torch", "triton", "flashinfer-trtllm")
 TRITON_MIN = (8, 0)  # bf16 MMA; the FP8 prefill path inside the backend needs SM89+ and checks itself
 _CLASSES = {cls.name: cls for cls in (TorchMoE, TritonMoE, TrtllmMoE)}
+
+
 def _backend_class(name: str):
     if name not in _CLASSES:
         raise BackendUnavailable(f"unknown MoE backend {name!r}; choose one of {', '.join(BACKENDS)}")

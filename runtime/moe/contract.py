@@ -1,4 +1,5 @@
-"""The MoE contract: the only things a backend ever sees (weights, scales, SwiGLU-OAI and routing), and\nthe error a backend raises when it cannot run here.
+"""The MoE contract: the only things a backend ever sees (weights, scales, SwiGLU-OAI and routing), and
+the error a backend raises when it cannot run here.
 
 Canonical tensors (what `porter convert` writes; docs/moe-backends.md, docs/artifact-format.md):
   w13_weight        [E, 2I, H] float8_e4m3fn, uninterleaved [gate; up] rows
@@ -8,6 +9,7 @@ Canonical tensors (what `porter convert` writes; docs/moe-backends.md, docs/arti
 With `--quantize none` the weights are bf16/fp32 and both scales are None (torch backend only).
 Backend-specific layouts (TRT-LLM's [up; gate] + shuffles, ...) are made inside that backend at load.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +21,6 @@ from porter.errors import BackendUnavailable, MoeNumericsError
 from porter.format import mxfp8
 
 TRTLLM_CAPABILITIES = ((10, 0), (10, 3), (10, 7))  # the SM versions flashinfer's TRT-LLM MoE kernels ship for
-
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,16 @@ class MoeQuantInfo:
         for name in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"):
             _expect(getattr(self, name), (e,), name, torch.float32)
             if getattr(self, name).device != self.w13_weight.device:
-                raise ValueError(f"MoeQuantInfo.{name} is on {getattr(self, name).device}, "
-                                 f"weights on {self.w13_weight.device}")
+                raise ValueError(
+                    f"MoeQuantInfo.{name} is on {getattr(self, name).device}, "
+                    f"weights on {self.w13_weight.device}"
+                )
 
 
 @dataclass(frozen=True)
 class MoeRouting:
     """MiniMax-M3 routing: sigmoid scores, bias for selection only, renormalised top-k, rsf once."""
+
     router_weight: torch.Tensor  # [E, H] fp32
     e_score_correction_bias: torch.Tensor  # [E] fp32
     top_k: int
@@ -78,14 +82,16 @@ class MoeRouting:
 
 def _expect(t, shape, name, dtype=None):
     if t is None or tuple(t.shape) != tuple(shape):
-        raise ValueError(f"MoeQuantInfo.{name}: expected shape {tuple(shape)}, "
-                         f"got {None if t is None else tuple(t.shape)}")
+        raise ValueError(
+            f"MoeQuantInfo.{name}: expected shape {tuple(shape)}, got {None if t is None else tuple(t.shape)}"
+        )
     if dtype is not None and t.dtype != dtype:
         raise ValueError(f"MoeQuantInfo.{name}: expected {dtype}, got {t.dtype}")
 
 
-def make_swiglu_params(num_experts: int, alpha: float, beta: float, limit: float,
-                       device: torch.device | str) -> dict[str, torch.Tensor]:
+def make_swiglu_params(
+    num_experts: int, alpha: float, beta: float, limit: float, device: torch.device | str
+) -> dict[str, torch.Tensor]:
     """The per-expert fp32 [E] tensors, from the resolved config values (never hard-coded)."""
     full = lambda v: torch.full((num_experts,), float(v), dtype=torch.float32, device=device)
     return {"gemm1_alpha": full(alpha), "gemm1_beta": full(beta), "gemm1_clamp_limit": full(limit)}
@@ -120,20 +126,30 @@ MOE_NUMERICS = ("w8a16", "serving")
 
 def check_numerics_name(numerics) -> None:
     if numerics is not None and numerics not in MOE_NUMERICS:
-        raise MoeNumericsError(f"unknown moe_numerics {numerics!r}; use one of {', '.join(MOE_NUMERICS)} "
-                               f"(or leave it unset for the backend's own)")
+        raise MoeNumericsError(
+            f"unknown moe_numerics {numerics!r}; use one of {', '.join(MOE_NUMERICS)} "
+            f"(or leave it unset for the backend's own)"
+        )
 
 
 def check_numerics(numerics, backend: str, quantized: bool = True) -> None:
     """Refuse a numerics choice the resolved backend does not compute (never a silent substitute)."""
     check_numerics_name(numerics)
     if numerics == "serving" and not quantized:
-        raise MoeNumericsError("moe_numerics='serving' needs MXFP8 experts (the serving kernel's weights); "
-                               "these are unquantized: convert with --quantize experts or use 'w8a16'")
-    if numerics is None or backend in ("torch", "triton") or (backend, numerics) == ("flashinfer-trtllm", "serving"):
+        raise MoeNumericsError(
+            "moe_numerics='serving' needs MXFP8 experts (the serving kernel's weights); "
+            "these are unquantized: convert with --quantize experts or use 'w8a16'"
+        )
+    if (
+        numerics is None
+        or backend in ("torch", "triton")
+        or (backend, numerics) == ("flashinfer-trtllm", "serving")
+    ):
         return
-    raise BackendUnavailable(f"moe_numerics={numerics!r} is not what the {backend} MoE backend computes; "
-                             f"use backend='torch' or 'triton' for it, or leave moe_numerics unset")
+    raise BackendUnavailable(
+        f"moe_numerics={numerics!r} is not what the {backend} MoE backend computes; "
+        f"use backend='torch' or 'triton' for it, or leave moe_numerics unset"
+    )
 
 
 def serving_intermediate(act: torch.Tensor) -> torch.Tensor:

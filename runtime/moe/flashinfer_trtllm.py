@@ -23,6 +23,7 @@ routed_scaling_factor (applied exactly once):
                   postprocess, ref: csrc/fused_moe/trtllm_backend/trtllm_fused_moe_routing_common.cu
                   runPostTopKPipeline), so porter multiplies the fp32 weights by rsf and passes None.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,12 +45,15 @@ KERNEL_ARCHS = ", ".join(f"SM{a}{b}" for a, b in TRTLLM_CAPABILITIES)
 # Load-time weight preparation (pure functions)
 # ---------------------------------------------------------------------------------------------------
 
+
 def _check_dims(hidden: int, inter: int) -> None:
     # prepare.py: "MXFP8 shuffled MajorK preparation requires hidden_size and intermediate_size
     # divisible by 128"; then the 128x4-swizzled scales need no padding.
     if hidden % 128 or inter % 128:
-        raise BackendUnavailable(f"flashinfer-trtllm MXFP8 needs hidden_size and intermediate_size divisible "
-                                 f"by 128, got H={hidden}, I={inter}; use backend='triton' or 'torch'")
+        raise BackendUnavailable(
+            f"flashinfer-trtllm MXFP8 needs hidden_size and intermediate_size divisible "
+            f"by 128, got H={hidden}, I={inter}; use backend='triton' or 'torch'"
+        )
 
 
 def w13_row_permutation(two_i: int) -> torch.Tensor:
@@ -119,6 +123,7 @@ def prepare_w2(w2: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
 # Call-time helpers (pure functions)
 # ---------------------------------------------------------------------------------------------------
 
+
 def quantize_activations(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [T, H] -> (e4m3 [T, H], uint8 [T, H/32] token-major linear UE8M0 scales; the kernel's
     hidden_states_scale, not swizzled).
@@ -129,8 +134,9 @@ def quantize_activations(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if hidden.is_cuda:
         import flashinfer
 
-        x_q, x_sf = flashinfer.mxfp8_quantize(hidden.to(torch.bfloat16).contiguous(),
-                                              is_sf_swizzled_layout=False)
+        x_q, x_sf = flashinfer.mxfp8_quantize(
+            hidden.to(torch.bfloat16).contiguous(), is_sf_swizzled_layout=False
+        )
         return x_q, x_sf.view(torch.uint8).reshape(hidden.shape[0], hidden.shape[1] // mxfp8.BLOCK)
     return mxfp8.quantize_activations(hidden, name="moe hidden_states")
 
@@ -146,21 +152,37 @@ def pack_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tenso
 
 def _enums():
     from flashinfer.fused_moe import ActivationType, Fp8QuantizationType, RoutingMethodType, WeightLayout
+
     return ActivationType, Fp8QuantizationType, RoutingMethodType, WeightLayout
 
 
-def _common_kwargs(gemm1_weights, gemm1_weights_scale, gemm2_weights, gemm2_weights_scale,
-                   hidden_q, hidden_sf, num_experts, top_k, swiglu) -> dict:
+def _common_kwargs(
+    gemm1_weights,
+    gemm1_weights_scale,
+    gemm2_weights,
+    gemm2_weights_scale,
+    hidden_q,
+    hidden_sf,
+    num_experts,
+    top_k,
+    swiglu,
+) -> dict:
     activation, fp8_type, routing_method, layout = _enums()
     _, two_i, _ = gemm1_weights.shape
     return dict(
-        hidden_states=hidden_q, hidden_states_scale=hidden_sf,  # e4m3 [T, H], uint8 [T, H/32]
-        gemm1_weights=gemm1_weights, gemm1_weights_scale=gemm1_weights_scale,  # [E, 2I, H], [E, 2I, H/32]
-        gemm2_weights=gemm2_weights, gemm2_weights_scale=gemm2_weights_scale,  # [E, H, I], [E, H, I/32]
-        num_experts=num_experts, top_k=top_k,
-        n_group=None, topk_group=None,  # no grouped routing in M3
+        hidden_states=hidden_q,
+        hidden_states_scale=hidden_sf,  # e4m3 [T, H], uint8 [T, H/32]
+        gemm1_weights=gemm1_weights,
+        gemm1_weights_scale=gemm1_weights_scale,  # [E, 2I, H], [E, 2I, H/32]
+        gemm2_weights=gemm2_weights,
+        gemm2_weights_scale=gemm2_weights_scale,  # [E, H, I], [E, H, I/32]
+        num_experts=num_experts,
+        top_k=top_k,
+        n_group=None,
+        topk_group=None,  # no grouped routing in M3
         intermediate_size=two_i // 2,
-        local_expert_offset=0, local_num_experts=gemm1_weights.shape[0],  # no expert parallelism
+        local_expert_offset=0,
+        local_num_experts=gemm1_weights.shape[0],  # no expert parallelism
         # routed path: precomputed top-k skips the routing postprocess, so MiniMax2 there only names it
         routing_method_type=int(routing_method.MiniMax2),
         use_shuffled_weight=True,  # launcher: "use_shuffled_weight must be true for MxFp8."
@@ -168,38 +190,85 @@ def _common_kwargs(gemm1_weights, gemm1_weights_scale, gemm2_weights, gemm2_weig
         do_finalize=True,
         fp8_quantization_type=fp8_type.MxFp8,
         activation_type=activation.Swiglu.value,  # integers moved between releases: never a literal
-        gemm1_alpha=swiglu["gemm1_alpha"], gemm1_beta=swiglu["gemm1_beta"],  # fp32 [E] each
+        gemm1_alpha=swiglu["gemm1_alpha"],
+        gemm1_beta=swiglu["gemm1_beta"],  # fp32 [E] each
         gemm1_clamp_limit=swiglu["gemm1_clamp_limit"],
     )
 
 
-def build_moe_kwargs(*, router_logits, routing_bias, hidden_q, hidden_sf, gemm1_weights, gemm1_weights_scale,
-                     gemm2_weights, gemm2_weights_scale, top_k, routed_scaling_factor, swiglu) -> dict:
+def build_moe_kwargs(
+    *,
+    router_logits,
+    routing_bias,
+    hidden_q,
+    hidden_sf,
+    gemm1_weights,
+    gemm1_weights_scale,
+    gemm2_weights,
+    gemm2_weights_scale,
+    top_k,
+    routed_scaling_factor,
+    swiglu,
+) -> dict:
     """All-keyword arguments of trtllm_fp8_block_scale_moe (logits path, MiniMax2 routing in the kernel).
 
     router_logits fp32 [T, E]; routing_bias = e_score_correction_bias [E] (selection only);
     swiglu = {"gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"} fp32 [E]. The kernel applies rsf."""
-    kwargs = _common_kwargs(gemm1_weights, gemm1_weights_scale, gemm2_weights, gemm2_weights_scale,
-                            hidden_q, hidden_sf, router_logits.shape[1], top_k, swiglu)
-    kwargs.update(routing_logits=router_logits.float(), routing_bias=routing_bias.float(),
-                  routed_scaling_factor=float(routed_scaling_factor))
+    kwargs = _common_kwargs(
+        gemm1_weights,
+        gemm1_weights_scale,
+        gemm2_weights,
+        gemm2_weights_scale,
+        hidden_q,
+        hidden_sf,
+        router_logits.shape[1],
+        top_k,
+        swiglu,
+    )
+    kwargs.update(
+        routing_logits=router_logits.float(),
+        routing_bias=routing_bias.float(),
+        routed_scaling_factor=float(routed_scaling_factor),
+    )
     return kwargs
 
 
-def build_routed_moe_kwargs(*, topk_ids, topk_weights, num_experts, hidden_q, hidden_sf, gemm1_weights,
-                            gemm1_weights_scale, gemm2_weights, gemm2_weights_scale, routed_scaling_factor,
-                            swiglu) -> dict:
+def build_routed_moe_kwargs(
+    *,
+    topk_ids,
+    topk_weights,
+    num_experts,
+    hidden_q,
+    hidden_sf,
+    gemm1_weights,
+    gemm1_weights_scale,
+    gemm2_weights,
+    gemm2_weights_scale,
+    routed_scaling_factor,
+    swiglu,
+) -> dict:
     """All-keyword arguments of trtllm_fp8_block_scale_routed_moe (precomputed top-k).
 
     topk_ids [T, k] (any int), topk_weights [T, k] renormalised, without rsf. Passed unpacked as
     (int32 ids, fp32 weights * rsf) (core.py _split_precomputed_routing: UnpackedPrecomputed) so the weights
     keep fp32; routed_scaling_factor=None because the kernel would not apply it (module docstring)."""
-    kwargs = _common_kwargs(gemm1_weights, gemm1_weights_scale, gemm2_weights, gemm2_weights_scale,
-                            hidden_q, hidden_sf, num_experts, topk_ids.shape[1], swiglu)
+    kwargs = _common_kwargs(
+        gemm1_weights,
+        gemm1_weights_scale,
+        gemm2_weights,
+        gemm2_weights_scale,
+        hidden_q,
+        hidden_sf,
+        num_experts,
+        topk_ids.shape[1],
+        swiglu,
+    )
     weights = (topk_weights.float() * float(routed_scaling_factor)).contiguous()  # rsf applied here, once
-    kwargs.update(topk_ids=(topk_ids.to(torch.int32).contiguous(), weights),
-                  routing_bias=None,  # selection already done
-                  routed_scaling_factor=None)
+    kwargs.update(
+        topk_ids=(topk_ids.to(torch.int32).contiguous(), weights),
+        routing_bias=None,  # selection already done
+        routed_scaling_factor=None,
+    )
     return kwargs
 
 
@@ -213,14 +282,17 @@ def _kernel_output(result, dtype: torch.dtype) -> torch.Tensor:
 # Support check
 # ---------------------------------------------------------------------------------------------------
 
+
 def _flashinfer_installed() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
 def _need(what: str) -> str:
-    return (f"flashinfer-trtllm MoE needs an NVIDIA {KERNEL_ARCHS} GPU (compute capability 10.0/10.3/10.7: "
-            f"B200/GB200, B300/GB300, Rubin) and flashinfer-python installed (pip install 'porter[flashinfer]'); "
-            f"{what}")
+    return (
+        f"flashinfer-trtllm MoE needs an NVIDIA {KERNEL_ARCHS} GPU (compute capability 10.0/10.3/10.7: "
+        f"B200/GB200, B300/GB300, Rubin) and flashinfer-python installed (pip install 'porter[flashinfer]'); "
+        f"{what}"
+    )
 
 
 def check_flashinfer_api() -> None:
@@ -228,25 +300,38 @@ def check_flashinfer_api() -> None:
     import inspect
 
     import flashinfer
-    from flashinfer.fused_moe import (Fp8QuantizationType, RoutingMethodType, trtllm_fp8_block_scale_moe,
-                                      trtllm_fp8_block_scale_routed_moe)
+    from flashinfer.fused_moe import (
+        Fp8QuantizationType,
+        RoutingMethodType,
+        trtllm_fp8_block_scale_moe,
+        trtllm_fp8_block_scale_routed_moe,
+    )
 
-    missing = [f"{enum_cls.__name__}.{member}" for enum_cls, member in
-               ((Fp8QuantizationType, "MxFp8"), (RoutingMethodType, "MiniMax2")) if not hasattr(enum_cls, member)]
+    missing = [
+        f"{enum_cls.__name__}.{member}"
+        for enum_cls, member in ((Fp8QuantizationType, "MxFp8"), (RoutingMethodType, "MiniMax2"))
+        if not hasattr(enum_cls, member)
+    ]
     for fn in (trtllm_fp8_block_scale_moe, trtllm_fp8_block_scale_routed_moe):
         params = inspect.signature(fn).parameters  # gemm1_alpha/beta/clamp_limit arrived in v0.6.13
         missing += [f"{fn.__name__}({p}=)" for p in SWIGLU_PARAMS if p not in params]
     if missing:
-        raise BackendUnavailable(_need(f"installed flashinfer {getattr(flashinfer, '__version__', '?')} "
-                                       f"lacks {', '.join(missing)} (porter pins 0.7.2.post1)"))
+        raise BackendUnavailable(
+            _need(
+                f"installed flashinfer {getattr(flashinfer, '__version__', '?')} "
+                f"lacks {', '.join(missing)} (porter pins 0.7.2.post1)"
+            )
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
 # The backend
 # ---------------------------------------------------------------------------------------------------
 
+
 class TrtllmMoE:
     """MoE through trtllm_fp8_block_scale_moe (MxFp8, MiniMax2). Holds only the prepared tensors."""
+
     name = "flashinfer-trtllm"
 
     @classmethod
@@ -260,18 +345,22 @@ class TrtllmMoE:
             raise BackendUnavailable(_need(f"device {device} requested but CUDA is not available"))
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) not in TRTLLM_CAPABILITIES:
-            raise BackendUnavailable(_need(f"device {device} is SM{major}{minor} "
-                                           f"(compute capability {major}.{minor})"))
+            raise BackendUnavailable(
+                _need(f"device {device} is SM{major}{minor} (compute capability {major}.{minor})")
+            )
         if not _flashinfer_installed():
-            raise BackendUnavailable(_need(f"device {device} is SM{major}{minor} but flashinfer-python "
-                                           f"is not installed"))
+            raise BackendUnavailable(
+                _need(f"device {device} is SM{major}{minor} but flashinfer-python is not installed")
+            )
         check_flashinfer_api()
 
     def __init__(self, quant: MoeQuantInfo, routing: MoeRouting):
         quant.validate()
         if not quant.is_mxfp8:
-            raise BackendUnavailable("flashinfer-trtllm MoE needs MXFP8 expert weights (float8_e4m3fn + "
-                                     "uint8 scales); these are unquantized — use the torch backend")
+            raise BackendUnavailable(
+                "flashinfer-trtllm MoE needs MXFP8 expert weights (float8_e4m3fn + "
+                "uint8 scales); these are unquantized — use the torch backend"
+            )
         # The canonical tensors are not kept: only the kernel layout lives on (no second copy).
         self.gemm1_weights, self.gemm1_weights_scale = prepare_w13(quant.w13_weight, quant.w13_weight_scale)
         self.gemm2_weights, self.gemm2_weights_scale = prepare_w2(quant.w2_weight, quant.w2_weight_scale)
@@ -280,9 +369,14 @@ class TrtllmMoE:
         self.num_experts = quant.num_experts
 
     def _weights(self) -> dict:
-        return dict(gemm1_weights=self.gemm1_weights, gemm1_weights_scale=self.gemm1_weights_scale,
-                    gemm2_weights=self.gemm2_weights, gemm2_weights_scale=self.gemm2_weights_scale,
-                    swiglu=self.swiglu, routed_scaling_factor=self.routing.routed_scaling_factor)
+        return dict(
+            gemm1_weights=self.gemm1_weights,
+            gemm1_weights_scale=self.gemm1_weights_scale,
+            gemm2_weights=self.gemm2_weights,
+            gemm2_weights_scale=self.gemm2_weights_scale,
+            swiglu=self.swiglu,
+            routed_scaling_factor=self.routing.routed_scaling_factor,
+        )
 
     def router_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.float() @ self.routing.router_weight.float().t()  # [T, E] fp32 (M3 router is fp32)
@@ -290,16 +384,26 @@ class TrtllmMoE:
     def kernel_kwargs(self, hidden: torch.Tensor) -> dict:
         """hidden [T, H] -> the keyword arguments of trtllm_fp8_block_scale_moe."""
         hidden_q, hidden_sf = quantize_activations(hidden)
-        return build_moe_kwargs(router_logits=self.router_logits(hidden),
-                                routing_bias=self.routing.e_score_correction_bias, hidden_q=hidden_q,
-                                hidden_sf=hidden_sf, top_k=self.routing.top_k, **self._weights())
+        return build_moe_kwargs(
+            router_logits=self.router_logits(hidden),
+            routing_bias=self.routing.e_score_correction_bias,
+            hidden_q=hidden_q,
+            hidden_sf=hidden_sf,
+            top_k=self.routing.top_k,
+            **self._weights(),
+        )
 
     def routed_kernel_kwargs(self, hidden, topk_ids, topk_weights) -> dict:
         """The keyword arguments of trtllm_fp8_block_scale_routed_moe for externally computed top-k."""
         hidden_q, hidden_sf = quantize_activations(hidden)
-        return build_routed_moe_kwargs(topk_ids=topk_ids, topk_weights=topk_weights,
-                                       num_experts=self.num_experts, hidden_q=hidden_q, hidden_sf=hidden_sf,
-                                       **self._weights())
+        return build_routed_moe_kwargs(
+            topk_ids=topk_ids,
+            topk_weights=topk_weights,
+            num_experts=self.num_experts,
+            hidden_q=hidden_q,
+            hidden_sf=hidden_sf,
+            **self._weights(),
+        )
 
     @staticmethod
     @functools.lru_cache(maxsize=None)

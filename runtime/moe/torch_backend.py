@@ -8,12 +8,20 @@ numerics="serving" computes what FlashInfer's TRT-LLM MXFP8 kernel computes (doc
 "Serving numerics"): the layer input and the SwiGLU output (after its clamps) are quantized to MXFP8 with
 porter.format.mxfp8.quantize_activations, GEMMs and the weighted sum run in fp32, the result is cast to the input
 dtype. It loops over experts (host synchronisation: not capturable in a CUDA graph)."""
+
 from __future__ import annotations
 
 import torch
 
 from porter.format import mxfp8
-from runtime.moe.contract import MoeQuantInfo, MoeRouting, check_numerics, route, serving_intermediate, swiglu_oai
+from runtime.moe.contract import (
+    MoeQuantInfo,
+    MoeRouting,
+    check_numerics,
+    route,
+    serving_intermediate,
+    swiglu_oai,
+)
 
 
 class TorchMoE:
@@ -54,9 +62,13 @@ class TorchMoE:
             w13, w2 = self._expert_weights(e, dtype)
             x = hidden_states[tok]  # [n, H]
             gate_up = x @ w13.t()  # [n, 2I]
-            act = swiglu_oai(gate_up[:, :inter], gate_up[:, inter:],
-                             q.gemm1_alpha[e].to(dtype), q.gemm1_beta[e].to(dtype),
-                             q.gemm1_clamp_limit[e].to(dtype))
+            act = swiglu_oai(
+                gate_up[:, :inter],
+                gate_up[:, inter:],
+                q.gemm1_alpha[e].to(dtype),
+                q.gemm1_beta[e].to(dtype),
+                q.gemm1_clamp_limit[e].to(dtype),
+            )
             y = act @ w2.t()  # [n, H]
             # tok holds each token at most once per expert, so a plain indexed add is exact (and, unlike
             # index_add_, not pathologically slow with several CPU threads)
@@ -73,8 +85,13 @@ class TorchMoE:
             tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
             w13, w2 = self._expert_weights(e, torch.float32)
             gate_up = x[tok] @ w13.t()  # [n, 2I]
-            act = swiglu_oai(gate_up[:, :inter], gate_up[:, inter:], q.gemm1_alpha[e], q.gemm1_beta[e],
-                             q.gemm1_clamp_limit[e])  # [n, I]
+            act = swiglu_oai(
+                gate_up[:, :inter],
+                gate_up[:, inter:],
+                q.gemm1_alpha[e],
+                q.gemm1_beta[e],
+                q.gemm1_clamp_limit[e],
+            )  # [n, I]
             act = serving_intermediate(act)  # the FC1 epilogue's
             out[tok] += (act @ w2.t()) * topk_weights[tok, slot].float().unsqueeze(1)
         return (out * self.routing.routed_scaling_factor).to(hidden_states.dtype)
@@ -89,8 +106,13 @@ class TorchMoE:
         gate_up = torch.bmm(x, w13.transpose(1, 2))[:, 0]  # [n, 2I]
         inter = q.intermediate_size
         col = lambda t: t[ids].to(dtype)[:, None]  # per-slot parameter, [n, 1]
-        act = swiglu_oai(gate_up[:, :inter], gate_up[:, inter:], col(q.gemm1_alpha), col(q.gemm1_beta),
-                         col(q.gemm1_clamp_limit))
+        act = swiglu_oai(
+            gate_up[:, :inter],
+            gate_up[:, inter:],
+            col(q.gemm1_alpha),
+            col(q.gemm1_beta),
+            col(q.gemm1_clamp_limit),
+        )
         y = torch.bmm(act[:, None], w2.transpose(1, 2))[:, 0]  # [n, H]
         out = (y.float() * topk_weights.reshape(-1, 1).float()).view(T, k, -1).sum(1)  # [T, H]
         return (out * self.routing.routed_scaling_factor).to(dtype)
@@ -98,4 +120,3 @@ class TorchMoE:
     def __call__(self, hidden_states):
         topk_ids, topk_weights = route(hidden_states, self.routing)
         return self.forward_topk(hidden_states, topk_ids, topk_weights)
-

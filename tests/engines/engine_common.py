@@ -4,6 +4,7 @@ Each harness builds the engine's own MiniMax-M3 model on CPU from porter's confi
 top-level quantization_config), fills every parameter with a sentinel, feeds porter's `--layout hf` tensors
 through the engine's own `load_weights`, and reports what it found as JSON for tests/engines/test_engines.py.
 """
+
 from __future__ import annotations
 
 import enum
@@ -13,9 +14,8 @@ import sys
 import types
 from pathlib import Path
 
-import transformers  # noqa: F401  (import before the torchvision stub: transformers probes torchvision)
-
 import torch
+import transformers  # noqa: F401  (import before the torchvision stub: transformers probes torchvision)
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/: the harnesses run as scripts
 from tensor_checks import load_all, same_bytes  # noqa: E402,F401  (the harnesses use both through this module)
@@ -28,6 +28,7 @@ KV_SCALE_SUFFIXES = ("attn.k_scale", "attn.v_scale", "attn.q_scale", "attn.prob_
 def stub_torchvision() -> None:
     """The PyPI torchvision cannot load beside the CPU torch wheel; the engines' model modules only need
     `torchvision.transforms.InterpolationMode` (and importable submodules) at import time."""
+
     class InterpolationMode(enum.Enum):
         NEAREST = "nearest"
         BILINEAR = "bilinear"
@@ -38,9 +39,14 @@ def stub_torchvision() -> None:
         NEAREST_EXACT = "nearest-exact"
 
     class _Any:
-        def __init__(self, *a, **k): pass
-        def __call__(self, *a, **k): return _Any()
-        def __getattr__(self, k): return _Any()
+        def __init__(self, *a, **k):
+            pass
+
+        def __call__(self, *a, **k):
+            return _Any()
+
+        def __getattr__(self, k):
+            return _Any()
 
     class _Module(types.ModuleType):
         def __getattr__(self, k):
@@ -48,8 +54,16 @@ def stub_torchvision() -> None:
                 raise AttributeError(k)
             return InterpolationMode if k == "InterpolationMode" else _Any
 
-    names = ["torchvision", "torchvision.transforms", "torchvision.transforms.functional", "torchvision.transforms.v2",
-             "torchvision.transforms.v2.functional", "torchvision.io", "torchvision.ops", "torchvision.models"]
+    names = [
+        "torchvision",
+        "torchvision.transforms",
+        "torchvision.transforms.functional",
+        "torchvision.transforms.v2",
+        "torchvision.transforms.v2.functional",
+        "torchvision.io",
+        "torchvision.ops",
+        "torchvision.models",
+    ]
     for name in names:
         m = _Module(name)
         m.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
@@ -62,7 +76,7 @@ def stub_torchvision() -> None:
 
 def text_weights(tensors: dict) -> list:
     """(name without `language_model.`, tensor) for the text model, as the VL wrappers hand them on."""
-    return [(n[len(HF_PREFIX):], t) for n, t in tensors.items() if n.startswith(HF_PREFIX)]
+    return [(n[len(HF_PREFIX) :], t) for n, t in tensors.items() if n.startswith(HF_PREFIX)]
 
 
 def fill_sentinel(model) -> None:
@@ -112,11 +126,19 @@ def engine_modules(cfg: dict, engine_names: dict) -> list:
             roles.append(("index_qk", [a + "index_q_proj", a + "index_k_proj"]))
         roles.append(("o_proj", [a + "o_proj"]))
         if t["moe_layer_freq"][layer]:
-            roles += [("experts", [m + f"experts.{e}.{w}" for e in range(t["num_local_experts"])
-                                   for w in ("w1", "w2", "w3")]),
-                      ("shared_gate_up", [m + "shared_experts.gate_proj", m + "shared_experts.up_proj"]),
-                      ("shared_down", [m + "shared_experts.down_proj"]),
-                      ("gate", [m + "gate"])]
+            roles += [
+                (
+                    "experts",
+                    [
+                        m + f"experts.{e}.{w}"
+                        for e in range(t["num_local_experts"])
+                        for w in ("w1", "w2", "w3")
+                    ],
+                ),
+                ("shared_gate_up", [m + "shared_experts.gate_proj", m + "shared_experts.up_proj"]),
+                ("shared_down", [m + "shared_experts.down_proj"]),
+                ("gate", [m + "gate"]),
+            ]
         else:
             roles += [("gate_up", [p + "mlp.gate_proj", p + "mlp.up_proj"]), ("down", [p + "mlp.down_proj"])]
         layer_out = []
@@ -139,20 +161,31 @@ def ignore_records(cfg: dict, engine_names: dict, excluded, excluded_all_listed,
     out = []
     for prefix, members in engine_modules(cfg, engine_names):
         w = weight(prefix)
-        out.append({"module": prefix, "engine_excluded": excluded(prefix),
-                    "porter_listed": [m in listed for m in members],
-                    "engine_excluded_all_listed": excluded_all_listed(prefix),
-                    "engine_dtype": str(w.dtype) if w is not None else None})
+        out.append(
+            {
+                "module": prefix,
+                "engine_excluded": excluded(prefix),
+                "porter_listed": [m in listed for m in members],
+                "engine_excluded_all_listed": excluded_all_listed(prefix),
+                "engine_dtype": str(w.dtype) if w is not None else None,
+            }
+        )
     return out
 
 
-def write_report(path: Path, head: dict, params: dict, sentinel: dict, tensors: dict, ignore: list,
-                 rows: tuple[int, list]) -> None:
+def write_report(
+    path: Path, head: dict, params: dict, sentinel: dict, tensors: dict, ignore: list, rows: tuple[int, list]
+) -> None:
     """The JSON report tests/engines/test_engines.py asserts on: `head` (engine name and its own counts), then
     the fields both engines report."""
     checked, bad_rows = rows
-    report = {**head, "kv_scale_params": sorted(n for n in params if is_kv_scale(n)),
-              "sentinel_left": {n: c for n, c in sentinel.items() if c}, "ignore": ignore,
-              "rows_checked": checked, "rows_mismatched": bad_rows,
-              "fed_tensors": sum(1 for n in tensors if n.startswith(HF_PREFIX))}
+    report = {
+        **head,
+        "kv_scale_params": sorted(n for n in params if is_kv_scale(n)),
+        "sentinel_left": {n: c for n, c in sentinel.items() if c},
+        "ignore": ignore,
+        "rows_checked": checked,
+        "rows_mismatched": bad_rows,
+        "fed_tensors": sum(1 for n in tensors if n.startswith(HF_PREFIX)),
+    }
     path.write_text(json.dumps(report, indent=1))

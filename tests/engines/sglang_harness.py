@@ -9,6 +9,7 @@ then feeds every artifact tensor to the class's own `load_weights`. Nothing in s
 `vllm._custom_ops` stand-in is installed only because sglang's RoPE imports it off-CUDA. Checks cover the
 text model (`model.*`, `lm_head.*` parameters); the tiny vision tensors are random and not checked.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,17 +38,22 @@ from sglang.srt.models.minimax_m3_vl import MiniMaxM3SparseForConditionalGenerat
 
 
 def init_dist(port: int) -> None:
-    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                     LOCAL_RANK="0").items():
+    for k, v in dict(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    ).items():
         os.environ.setdefault(k, v)
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs
+
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     reset_context()
-    publish(ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1, device="cpu"), role="test",
-            ranks=SpawnRanks(world_rank=0))
+    publish(
+        ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1, device="cpu"),
+        role="test",
+        ranks=SpawnRanks(world_rank=0),
+    )
     if parallel_state._WORLD is not None:
         get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")
@@ -63,22 +69,42 @@ def quant_config(qcfg: dict) -> Fp8Config:
 
 
 # The tiny checkpoint's vision_config is a stand-in with a few keys; sglang's CLIP config needs all of these.
-TINY_VISION_DEFAULTS = {"intermediate_size": 64, "num_channels": 3, "image_size": 28, "hidden_act": "gelu",
-                        "layer_norm_eps": 1e-5, "img_token_compression_config": {}, "position_embedding_type": "rope",
-                        "rope_mode": "3d", "rope_theta": 10000.0, "vision_segment_max_frames": None}
+TINY_VISION_DEFAULTS = {
+    "intermediate_size": 64,
+    "num_channels": 3,
+    "image_size": 28,
+    "hidden_act": "gelu",
+    "layer_norm_eps": 1e-5,
+    "img_token_compression_config": {},
+    "position_embedding_type": "rope",
+    "rope_mode": "3d",
+    "rope_theta": 10000.0,
+    "vision_segment_max_frames": None,
+}
 
 
 def hf_config(cfg: dict) -> PretrainedConfig:
     top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config", "quantization_config")}
-    return PretrainedConfig(**top, text_config=PretrainedConfig(**cfg["text_config"]),
-                            vision_config=TINY_VISION_DEFAULTS | cfg["vision_config"], encoder_only=False)
+    return PretrainedConfig(
+        **top,
+        text_config=PretrainedConfig(**cfg["text_config"]),
+        vision_config=TINY_VISION_DEFAULTS | cfg["vision_config"],
+        encoder_only=False,
+    )
 
 
 # sglang's module for each role of engine_common.engine_modules (under `model.layers.{i}.`)
-ENGINE_NAMES = {"qkv": "self_attn.qkv_proj", "index_qk": "self_attn.index_qkv_proj", "o_proj": "self_attn.o_proj",
-                "experts": "mlp.experts", "shared_gate_up": "mlp.shared_experts.gate_up_proj",
-                "shared_down": "mlp.shared_experts.down_proj", "gate": "mlp.gate",
-                "gate_up": "mlp.gate_up_proj", "down": "mlp.down_proj"}
+ENGINE_NAMES = {
+    "qkv": "self_attn.qkv_proj",
+    "index_qk": "self_attn.index_qkv_proj",
+    "o_proj": "self_attn.o_proj",
+    "experts": "mlp.experts",
+    "shared_gate_up": "mlp.shared_experts.gate_up_proj",
+    "shared_down": "mlp.shared_experts.down_proj",
+    "gate": "mlp.gate",
+    "gate_up": "mlp.gate_up_proj",
+    "down": "mlp.down_proj",
+}
 
 
 def excluded(qc: Fp8Config, prefix: str) -> bool:
@@ -97,7 +123,7 @@ def row_checks(model, tensors: dict, cfg: dict) -> tuple[int, list]:
         row = 0
         for name, want in parts:
             checked += 1
-            if not common.same_bytes(fused[row:row + want.shape[0]], want):
+            if not common.same_bytes(fused[row : row + want.shape[0]], want):
                 bad.append(f"{label} rows of {name}")
             row += want.shape[0]
         checked += 1
@@ -113,8 +139,11 @@ def row_checks(model, tensors: dict, cfg: dict) -> tuple[int, list]:
             if src + "self_attn.q_proj" + suffix not in tensors:
                 continue
             qkv = [(x, tensors[src + f"self_attn.{x}_proj" + suffix]) for x in ("q", "k", "v")]
-            idx = [(x, tensors[src + f"self_attn.{x}_proj" + suffix]) for x in ("index_q", "index_k")] \
-                if sparse[layer] else []
+            idx = (
+                [(x, tensors[src + f"self_attn.{x}_proj" + suffix]) for x in ("index_q", "index_k")]
+                if sparse[layer]
+                else []
+            )
             if fused_holder is not None and idx:  # sglang fused qkv and index rows after loading
                 cmp(f"{p}self_attn.fused_qkv_index_proj.{attr}", getattr(fused_holder, attr), qkv + idx)
             else:
@@ -129,8 +158,11 @@ def row_checks(model, tensors: dict, cfg: dict) -> tuple[int, list]:
                     continue
                 w13, w2 = getattr(experts, "w13" + attr).data, getattr(experts, "w2" + attr).data
                 for e in range(t["num_local_experts"]):
-                    cmp(f"{p}mlp.experts.w13{attr}[{e}]", w13[e],
-                        [("w1", tensors[m + f"{e}.w1" + suffix]), ("w3", tensors[m + f"{e}.w3" + suffix])])
+                    cmp(
+                        f"{p}mlp.experts.w13{attr}[{e}]",
+                        w13[e],
+                        [("w1", tensors[m + f"{e}.w1" + suffix]), ("w3", tensors[m + f"{e}.w3" + suffix])],
+                    )
                     cmp(f"{p}mlp.experts.w2{attr}[{e}]", w2[e], [("w2", tensors[m + f"{e}.w2" + suffix])])
     return checked, bad
 
@@ -145,15 +177,27 @@ def main(art: Path, report_path: Path, all_listed: list) -> None:
     model.load_weights(iter(tensors.items()))  # returns nothing: "written" is judged by the sentinel
     params = {n: p for n, p in model.named_parameters() if n.startswith(("model.", "lm_head."))}
     sentinel = {n: common.sentinel_left(p) for n, p in params.items() if not common.is_kv_scale(n)}
-    qc_all = quant_config({**cfg["quantization_config"], "ignored_layers": all_listed,
-                           "modules_to_not_convert": all_listed})
+    qc_all = quant_config(
+        {**cfg["quantization_config"], "ignored_layers": all_listed, "modules_to_not_convert": all_listed}
+    )
     mods = dict(model.named_modules())
 
     def weight(prefix):
         module = mods.get(prefix.removeprefix("language_model."))
-        return getattr(module, "w13_weight", None) if prefix.endswith("experts") else getattr(module, "weight", None)
-    ignore = common.ignore_records(cfg, ENGINE_NAMES, lambda p: excluded(qc, p), lambda p: excluded(qc_all, p), weight)
-    head = {"engine": "sglang", "params": len(params), "written": sum(1 for n, c in sentinel.items() if c == 0)}
+        return (
+            getattr(module, "w13_weight", None)
+            if prefix.endswith("experts")
+            else getattr(module, "weight", None)
+        )
+
+    ignore = common.ignore_records(
+        cfg, ENGINE_NAMES, lambda p: excluded(qc, p), lambda p: excluded(qc_all, p), weight
+    )
+    head = {
+        "engine": "sglang",
+        "params": len(params),
+        "written": sum(1 for n, c in sentinel.items() if c == 0),
+    }
     common.write_report(report_path, head, params, sentinel, tensors, ignore, row_checks(model, tensors, cfg))
 
 

@@ -10,11 +10,13 @@ Equal: every scale byte, and every element of every block whose byte is not 0. B
 elements there (inverse scale 0), the engines' torch fallbacks scale by 2^127 (exactly porter's weight
 rule, mxfp8.quantize, which is asserted too).
 """
+
 import pytest
 import torch
 from sglang.kernels.ops.quantization.mxfp8_amd_gfx95 import _mxfp8_e4m3_quantize_torch as sglang_quantize
 from vllm.model_executor.layers.quantization.utils.mxfp8_utils import (
-    _mxfp8_e4m3_quantize_torch as vllm_quantize)
+    _mxfp8_e4m3_quantize_torch as vllm_quantize,
+)
 
 from porter.format import mxfp8
 
@@ -36,9 +38,9 @@ def cases() -> dict:
     out["outlier"] = x
     # e4m3 subnormals (elements below 2^-6 of the scale) and bf16/fp32 subnormals (below 2^-126)
     x = _blocks(g, 64, -14, 0)
-    x[:, 1::3] *= 2.0 ** -12
+    x[:, 1::3] *= 2.0**-12
     y = _blocks(g, 64, -120, -112)
-    y[:, 2::4] = torch.randn(64, K // 4, generator=g) * 2.0 ** -130
+    y[:, 2::4] = torch.randn(64, K // 4, generator=g) * 2.0**-130
     out["subnormal"] = torch.cat([x, y])
     # byte 0 and byte 1: amax <= 448 * 2^-127 and just above it (all-zero blocks included)
     x = torch.randn(32, K, generator=g) * 2.0 ** torch.randint(-134, -116, (32, 1), generator=g).float()

@@ -6,6 +6,7 @@ engine's MiniMax-M3 model from porter's config.json with the real MXFP8 quantiza
 parameter with a sentinel, feed the artifact through the engine's own load_weights and report; this file
 asserts on the reports.
 """
+
 import importlib.util
 import json
 import os
@@ -18,11 +19,11 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tiny_checkpoint import build_tiny_checkpoint
 
 import converters
 from porter.cli import main as cli
 from porter.source import open_local
-from tiny_checkpoint import build_tiny_checkpoint
 
 arch = converters.get("minimax_m3_vl")  # the MiniMax-M3 converter
 
@@ -48,10 +49,15 @@ def run_harness(name: str, art: Path, out: Path, all_listed: Path) -> dict:
     script, version, port = ENGINES[name]
     assert importlib.util.find_spec(name) is not None, f"{name} is not installed; run tests/engines/run.sh"
     from importlib.metadata import version as installed
+
     assert installed(name) == version, f"{name} {installed(name)} installed, the suite pins {version}"
-    proc = subprocess.run([sys.executable, str(HERE / script), str(art), str(out), str(all_listed)],
-                          capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PORTER_ENGINE_PORT": str(port)})
+    proc = subprocess.run(
+        [sys.executable, str(HERE / script), str(art), str(out), str(all_listed)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PORTER_ENGINE_PORT": str(port)},
+    )
     assert proc.returncode == 0, f"{name} harness failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     rep = json.loads(out.read_text())
     rep["config"] = json.loads((art / "config.json").read_text())
@@ -60,15 +66,18 @@ def run_harness(name: str, art: Path, out: Path, all_listed: Path) -> dict:
 
 @pytest.fixture(scope="module", params=list(ENGINES))
 def report(request, artifact):
-    return run_harness(request.param, artifact / "hf", artifact / f"{request.param}.json",
-                       artifact / "all_listed.json")
+    return run_harness(
+        request.param, artifact / "hf", artifact / f"{request.param}.json", artifact / "all_listed.json"
+    )
 
 
 def test_every_parameter_written_no_sentinel_left(report):
     assert report["fed_tensors"] > 200  # the tiny artifact's text tensors, all fed
     assert report["sentinel_left"] == {}, f"{report['engine']}: parameters not (fully) written"
-    assert all(n.endswith(("attn.k_scale", "attn.v_scale", "attn.q_scale", "attn.prob_scale"))
-               for n in report["kv_scale_params"])
+    assert all(
+        n.endswith(("attn.k_scale", "attn.v_scale", "attn.q_scale", "attn.prob_scale"))
+        for n in report["kv_scale_params"]
+    )
     if report["engine"] == "vllm":  # vLLM's load_weights returns the names it wrote
         assert report["not_loaded"] == []
         assert report["loaded"] == report["params"] - len(report["kv_scale_params"])
@@ -110,14 +119,17 @@ def test_stacked_experts_are_caught(engine, artifact, tmp_path):
     per_expert = [k for k in tensors if k.startswith(m)]
     for suffix, scale in ((".weight", ""), (".weight_scale_inv", "_scale")):
         tensors[m + "w13_weight" + scale] = torch.stack(
-            [torch.cat([tensors[m + f"{e}.w1{suffix}"], tensors[m + f"{e}.w3{suffix}"]]) for e in range(8)])
+            [torch.cat([tensors[m + f"{e}.w1{suffix}"], tensors[m + f"{e}.w3{suffix}"]]) for e in range(8)]
+        )
         tensors[m + "w2_weight" + scale] = torch.stack([tensors[m + f"{e}.w2{suffix}"] for e in range(8)])
     for k in per_expert:
         del tensors[k]
     bad = tmp_path / "stacked"
     bad.mkdir()
     save_file(tensors, str(bad / "model.safetensors"))
-    (bad / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "model.safetensors" for k in tensors}}))
+    (bad / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: "model.safetensors" for k in tensors}})
+    )
     (bad / "config.json").write_text((src / "config.json").read_text())
     rep = run_harness(engine, bad, tmp_path / "report.json", artifact / "all_listed.json")
     left = [n for n in rep["sentinel_left"] if "layers.1." in n and "experts" in n]

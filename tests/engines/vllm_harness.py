@@ -11,6 +11,7 @@ skipped by prefix. What is patched (engine internals that need a GPU, none of th
 `select_linear_kernel` (no MXFP8 linear kernel exists on CPU) and `ModelOptMxFp8FusedMoE.__init__` (skips
 the GPU MoE backend choice; parameter registration is untouched).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,14 +25,14 @@ import engine_common as common  # noqa: E402  (imports transformers first)
 
 common.stub_torchvision()
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
-from transformers import PretrainedConfig  # noqa: E402
 
+import torch  # noqa: E402
+import vllm.model_executor.layers.quantization.modelopt as modelopt  # noqa: E402
+from torch import nn  # noqa: E402
+from transformers import PretrainedConfig  # noqa: E402
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment  # noqa: E402
-import vllm.model_executor.layers.quantization.modelopt as modelopt  # noqa: E402
 from vllm.model_executor.layers.quantization.modelopt import ModelOptMxFp8Config  # noqa: E402
 
 VISION_PREFIXES = ["vision_tower.", "multi_modal_projector.", "patch_merge_mlp."]
@@ -39,8 +40,12 @@ VISION_PREFIXES = ["vision_tower.", "multi_modal_projector.", "patch_merge_mlp."
 
 class _NoKernel:
     supports_pre_processed_weights = False
-    def process_weights_after_loading(self, layer): pass
-    def input_quant_key(self): return None
+
+    def process_weights_after_loading(self, layer):
+        pass
+
+    def input_quant_key(self):
+        return None
 
 
 def _moe_init(self, quant_config, moe_config):
@@ -61,17 +66,35 @@ def build(config: dict, port: int):
     text = PretrainedConfig(**config["text_config"])
     qc = ModelOptMxFp8Config.from_config(config["quantization_config"])
     vc = VllmConfig()
-    object.__setattr__(vc, "model_config", _ModelConfig(
-        hf_text_config=text, hf_config=text, dtype=torch.bfloat16, use_mla=False, is_moe=True,
-        get_num_layers=lambda *a: text.num_hidden_layers, quantization="mxfp8", multimodal_config=None,
-        max_model_len=256, enforce_eager=True))
+    object.__setattr__(
+        vc,
+        "model_config",
+        _ModelConfig(
+            hf_text_config=text,
+            hf_config=text,
+            dtype=torch.bfloat16,
+            use_mla=False,
+            is_moe=True,
+            get_num_layers=lambda *a: text.num_hidden_layers,
+            quantization="mxfp8",
+            multimodal_config=None,
+            max_model_len=256,
+            enforce_eager=True,
+        ),
+    )
     object.__setattr__(vc, "quant_config", qc)
     with set_current_vllm_config(vc):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            backend="gloo",
+        )
         ensure_model_parallel_initialized(1, 1)
         from vllm.model_executor.model_loader.utils import configure_quant_config
         from vllm.models.minimax_m3.nvidia.model import MiniMaxM3SparseForCausalLM
+
         modelopt.select_linear_kernel = lambda *a, **k: _NoKernel()
         modelopt.ModelOptMxFp8FusedMoE.__init__ = _moe_init
         configure_quant_config(qc, MiniMaxM3SparseForCausalLM)
@@ -83,6 +106,7 @@ def quant_config(qcfg: dict):
     """As vLLM's loader makes it: from_config, then the model class's packed modules."""
     from vllm.model_executor.model_loader.utils import configure_quant_config
     from vllm.models.minimax_m3.nvidia.model import MiniMaxM3SparseForCausalLM
+
     qc = ModelOptMxFp8Config.from_config(qcfg)
     configure_quant_config(qc, MiniMaxM3SparseForCausalLM)
     return qc
@@ -97,15 +121,23 @@ class Wrapper(nn.Module):
 
     def load_weights(self, weights):
         from vllm.model_executor.models.utils import AutoWeightsLoader
+
         return AutoWeightsLoader(self, ignore_unexpected_prefixes=VISION_PREFIXES).load_weights(weights)
 
 
 # vLLM's module for each role of engine_common.engine_modules (under `model.layers.{i}.`): the indexer's q/k
 # rows join qkv_proj
-ENGINE_NAMES = {"qkv": "self_attn.qkv_proj", "index_qk": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj",
-                "experts": "block_sparse_moe.experts", "shared_gate_up": "block_sparse_moe.shared_experts.gate_up_proj",
-                "shared_down": "block_sparse_moe.shared_experts.down_proj", "gate": "block_sparse_moe.gate",
-                "gate_up": "mlp.gate_up_proj", "down": "mlp.down_proj"}
+ENGINE_NAMES = {
+    "qkv": "self_attn.qkv_proj",
+    "index_qk": "self_attn.qkv_proj",
+    "o_proj": "self_attn.o_proj",
+    "experts": "block_sparse_moe.experts",
+    "shared_gate_up": "block_sparse_moe.shared_experts.gate_up_proj",
+    "shared_down": "block_sparse_moe.shared_experts.down_proj",
+    "gate": "block_sparse_moe.gate",
+    "gate_up": "mlp.gate_up_proj",
+    "down": "mlp.down_proj",
+}
 
 
 def row_checks(params: dict, tensors: dict, cfg: dict) -> tuple[int, list]:
@@ -130,11 +162,17 @@ def row_checks(params: dict, tensors: dict, cfg: dict) -> tuple[int, list]:
             row = 0
             for x in qkv:
                 want = tensors[p + f"self_attn.{x}_proj" + suffix]
-                cmp(f"{p}self_attn.qkv_proj{param_suffix} rows of {x}_proj", fused[row:row + want.shape[0]], want)
+                cmp(
+                    f"{p}self_attn.qkv_proj{param_suffix} rows of {x}_proj",
+                    fused[row : row + want.shape[0]],
+                    want,
+                )
                 row += want.shape[0]
             checked += 1
             if row != fused.shape[0]:
-                bad.append(f"{p}self_attn.qkv_proj{param_suffix}: {fused.shape[0]} rows, porter's parts {row}")
+                bad.append(
+                    f"{p}self_attn.qkv_proj{param_suffix}: {fused.shape[0]} rows, porter's parts {row}"
+                )
         if t["moe_layer_freq"][layer]:
             m = p + "block_sparse_moe.experts."
             for suffix, param_suffix in ((".weight", "_weight"), (".weight_scale_inv", "_weight_scale")):
@@ -163,11 +201,21 @@ def main(art: Path, report_path: Path, all_listed: list) -> None:
     qc_all = quant_config({**cfg["quantization_config"], "ignored_layers": all_listed})
 
     def weight(prefix):
-        return params.get(prefix + ".routed_experts.w13_weight" if prefix.endswith("experts") else prefix + ".weight")
-    ignore = common.ignore_records(cfg, ENGINE_NAMES, lambda p: bool(qc.is_layer_excluded(p)),
-                                   lambda p: bool(qc_all.is_layer_excluded(p)), weight)
+        return params.get(
+            prefix + ".routed_experts.w13_weight" if prefix.endswith("experts") else prefix + ".weight"
+        )
+
+    ignore = common.ignore_records(
+        cfg,
+        ENGINE_NAMES,
+        lambda p: bool(qc.is_layer_excluded(p)),
+        lambda p: bool(qc_all.is_layer_excluded(p)),
+        weight,
+    )
     head = {"engine": "vllm", "params": len(params), "loaded": len(loaded), "not_loaded": not_loaded}
-    common.write_report(report_path, head, params, sentinel, tensors, ignore, row_checks(params, tensors, cfg))
+    common.write_report(
+        report_path, head, params, sentinel, tensors, ignore, row_checks(params, tensors, cfg)
+    )
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ Steps (one module each; what each proves and what it does not: docs/verify.md):
 Exit codes (CLI): 0 faithful, 1 not faithful, 2 bad input (VerifyInputError and other PorterErrors),
 3 internal error.
 """
+
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -27,23 +27,55 @@ from typing import Optional
 import torch
 
 import converters
-from porter.errors import PorterError
-from porter.format.safe_files import read_json_object
-from porter.format.safetensors_io import dtype_name
 from porter.commands.verify import generation as gen
 from porter.commands.verify.exact import rederive
-from porter.commands.verify.inputs import (DEFAULT_PROMPT, check_output_paths, encode_prompts, open_artifact,
-                                        reference_path, source_quantization, tokenizer)
+from porter.commands.verify.inputs import (
+    DEFAULT_PROMPT,
+    check_output_paths,
+    encode_prompts,
+    open_artifact,
+    reference_path,
+    source_quantization,
+    tokenizer,
+)
 from porter.commands.verify.integrity import check_integrity
 from porter.commands.verify.mapping import ArtifactReader, Mapping, ReferenceStore, SourceShards
 from porter.commands.verify.numerics import compare_models
 from porter.commands.verify.report import format_table, write_outputs
-from porter.commands.verify.verdict import (NUMERICS, SCOPE_DEFAULTS, SERVING_DEFAULTS, Failure, LayerRow,
-                                         NumericsRun, Report, StreamingInfo, Thresholds, VerifyInputError,
-                                         VerifyResult, conclude, judge_exact, judge_numerics, numerics_runs)
+from porter.commands.verify.verdict import (
+    NUMERICS,
+    SCOPE_DEFAULTS,
+    SERVING_DEFAULTS,
+    Failure,
+    LayerRow,
+    NumericsRun,
+    Report,
+    StreamingInfo,
+    Thresholds,
+    VerifyInputError,
+    VerifyResult,
+    conclude,
+    judge_exact,
+    judge_numerics,
+    numerics_runs,
+)
+from porter.errors import PorterError
+from porter.format.safe_files import read_json_object
+from porter.format.safetensors_io import dtype_name
 
-__all__ = ["verify", "Thresholds", "VerifyResult", "VerifyInputError", "Report", "Failure", "DEFAULT_PROMPT",
-           "SCOPE_DEFAULTS", "SERVING_DEFAULTS", "NUMERICS", "format_table"]
+__all__ = [
+    "verify",
+    "Thresholds",
+    "VerifyResult",
+    "VerifyInputError",
+    "Report",
+    "Failure",
+    "DEFAULT_PROMPT",
+    "SCOPE_DEFAULTS",
+    "SERVING_DEFAULTS",
+    "NUMERICS",
+    "format_table",
+]
 
 log = logging.getLogger("porter")
 DEFAULT_MAX_NEW_TOKENS = gen.DEFAULT_MAX_NEW_TOKENS
@@ -60,11 +92,24 @@ class _Inputs:
     source_quantization: tuple = (None, None)  # (prequantized.Scheme or None, kept MXFP8 scales rule)
 
 
-def verify(artifact, prompts=None, reference=None, backend: str = "auto", device="cpu",
-           max_new_tokens: Optional[int] = None, report=None, plot=None, thresholds=None, streaming="auto",
-           dtype: Optional[torch.dtype] = None, progress: bool = False,
-           device_map: Optional[str] = "auto", token: Optional[str] = None, cache_dir=None,
-           numerics: str = "w8a16") -> VerifyResult:
+def verify(
+    artifact,
+    prompts=None,
+    reference=None,
+    backend: str = "auto",
+    device="cpu",
+    max_new_tokens: Optional[int] = None,
+    report=None,
+    plot=None,
+    thresholds=None,
+    streaming="auto",
+    dtype: Optional[torch.dtype] = None,
+    progress: bool = False,
+    device_map: Optional[str] = "auto",
+    token: Optional[str] = None,
+    cache_dir=None,
+    numerics: str = "w8a16",
+) -> VerifyResult:
     """Verify a porter artifact against its reference checkpoint; mirrors `porter verify`.
 
     prompts: list of strings (default: DEFAULT_PROMPT). reference: dir or repo id (default: porter.json's
@@ -88,20 +133,35 @@ def verify(artifact, prompts=None, reference=None, backend: str = "auto", device
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
         return _finish(rep, list(rep.integrity.issues), report, plot, t0)
     shards, reader = SourceShards(inp.ref_path, *inp.source_quantization), ArtifactReader(inp.art, inp.man)
-    mapping = Mapping(shards, interleaved=_interleaved(inp.man, inp.ref_config),
-                      rounding=inp.man.get("options", {}).get("scale_rounding"))
-    rep.exact = rederive(reader, mapping, inp.man.get("options", {}).get("scale_rounding"), inp.device, progress)
+    mapping = Mapping(
+        shards,
+        interleaved=_interleaved(inp.man, inp.ref_config),
+        rounding=inp.man.get("options", {}).get("scale_rounding"),
+    )
+    rep.exact = rederive(
+        reader, mapping, inp.man.get("options", {}).get("scale_rounding"), inp.device, progress
+    )
     failures = judge_exact(rep.exact, rep.thresholds)
     if any(t.problem for t in rep.exact.tensors):
         log.info("verify: numerics skipped: some artifact tensors have no comparable source (see above)")
         return _finish(rep, failures, report, plot, t0)
-    _numerics(rep, inp, ReferenceStore(mapping, reader, inp.ref_config), backend, streaming, max_new_tokens,
-              dtype, progress, device_map)
+    _numerics(
+        rep,
+        inp,
+        ReferenceStore(mapping, reader, inp.ref_config),
+        backend,
+        streaming,
+        max_new_tokens,
+        dtype,
+        progress,
+        device_map,
+    )
     return _finish(rep, failures + judge_numerics(rep, rep.thresholds), report, plot, t0)
 
 
-def _open(artifact, prompts, reference, backend, device, thresholds, token=None,
-          cache_dir=None, runs=("w8a16",)) -> tuple[_Inputs, Report]:
+def _open(
+    artifact, prompts, reference, backend, device, thresholds, token=None, cache_dir=None, runs=("w8a16",)
+) -> tuple[_Inputs, Report]:
     art, man = open_artifact(artifact)
     scope = man.get("options", {}).get("quantize", "experts")
     overrides = vars(thresholds) if isinstance(thresholds, Thresholds) else thresholds
@@ -118,8 +178,19 @@ def _open(artifact, prompts, reference, backend, device, thresholds, token=None,
     source_q = source_quantization(man, raw, ref_path)  # a pre-quantized reference is read as converted
     tok, tok_path = tokenizer(art, ref_path)
     prompts = list(prompts) if prompts else [DEFAULT_PROMPT]
-    rep = Report(str(art.resolve()), str(ref_path), str(tok_path), man.get("porter_version"), backend, str(device),
-                 scope, man.get("options", {}).get("scale_rounding"), th, prompts, 0)
+    rep = Report(
+        str(art.resolve()),
+        str(ref_path),
+        str(tok_path),
+        man.get("porter_version"),
+        backend,
+        str(device),
+        scope,
+        man.get("options", {}).get("scale_rounding"),
+        th,
+        prompts,
+        0,
+    )
     rep.numerics_mode = "both" if len(runs) > 1 else runs[0]
     rep.numerics = {n: NumericsRun(n, backend, "", t) for n, t in by_run.items()}
     return _Inputs(art, man, ref_path, ref_config, tok, torch.device(device), source_q), rep
@@ -128,8 +199,10 @@ def _open(artifact, prompts, reference, backend, device, thresholds, token=None,
 def _check_serving(art: Path, scope: str, backend: str) -> None:
     """Serving numerics need MXFP8 experts (every MoE backend computes them: docs/moe-backends.md)."""
     if scope == "none":
-        raise VerifyInputError(f"{art}: --numerics serving needs MXFP8 experts; this artifact was converted "
-                               "with --quantize none (use --numerics w8a16)")
+        raise VerifyInputError(
+            f"{art}: --numerics serving needs MXFP8 experts; this artifact was converted "
+            "with --quantize none (use --numerics w8a16)"
+        )
 
 
 def _interleaved(man: dict, ref_config) -> bool:
@@ -138,11 +211,21 @@ def _interleaved(man: dict, ref_config) -> bool:
     return ref_config.gate_up_interleaved if opt == "auto" else opt == "interleaved"
 
 
-def _numerics(rep: Report, inp: _Inputs, ref_store: ReferenceStore, backend, streaming, max_new_tokens, dtype,
-              progress, device_map: Optional[str] = "auto") -> None:
+def _numerics(
+    rep: Report,
+    inp: _Inputs,
+    ref_store: ReferenceStore,
+    backend,
+    streaming,
+    max_new_tokens,
+    dtype,
+    progress,
+    device_map: Optional[str] = "auto",
+) -> None:
     """One teacher-forced comparison per numerics run (rep.numerics); the first run also generates and
     fills the report's top-level layers / logits."""
     import runtime
+
     conv_bytes = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values())
     ref_bytes = sum(ref_store.mapping.shards.nbytes(n) for n in ref_store.mapping.shards.meta)
     plan = gen.plan_runs(streaming, max_new_tokens, inp.device, conv_bytes, ref_bytes, device_map)
@@ -152,13 +235,15 @@ def _numerics(rep: Report, inp: _Inputs, ref_store: ReferenceStore, backend, str
     seqs = None
     for k, run in enumerate(rep.numerics.values()):
         moe_numerics = "serving" if run.numerics == "serving" else None  # None: the backend's own, w8a16
-        load = lambda lazy: runtime.load(inp.art, device=inp.device, dtype=dtype, backend=run.backend,
-                                         lazy=lazy, moe_numerics=moe_numerics)
+        load = lambda lazy, run=run, moe_numerics=moe_numerics: runtime.load(
+            inp.art, device=inp.device, dtype=dtype, backend=run.backend, lazy=lazy, moe_numerics=moe_numerics
+        )
         shared = None if plan.stream or plan.device_map else load(False)  # one resident model for both
         if k == 0:
             conts = _generate(shared, inp, plan, ids, run.backend, dtype, moe_numerics)
-            rep.streaming = StreamingInfo(plan.stream, plan.stream_reason, conv_bytes, ref_bytes,
-                                          plan.generation)
+            rep.streaming = StreamingInfo(
+                plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation
+            )
             seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
         conv = shared if shared is not None else load(plan.stream)
         rep.dtype = dtype_name(conv.dtype)
@@ -169,8 +254,9 @@ def _numerics(rep: Report, inp: _Inputs, ref_store: ReferenceStore, backend, str
         if k == 0:
             rep.backend, rep.embeddings = run.backend, run.embeddings
             rep.logits, rep.layers = run.logits, run.layers
-            rep.generation = [gen.score(p, c, tr, tc, inp.tok)
-                              for p, c, (tr, tc) in zip(rep.prompts, conts, res.tails) if c]
+            rep.generation = [
+                gen.score(p, c, tr, tc, inp.tok) for p, c, (tr, tc) in zip(rep.prompts, conts, res.tails) if c
+            ]
         del conv, ref, shared, res
         gc.collect()
 
@@ -181,14 +267,22 @@ def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype
     if not plan.new_tokens:
         return [[] for _ in ids]
     import runtime
+
     if shared is not None:
         model = shared
     elif plan.device_map:  # spread over the visible GPUs
-        model = runtime.load(inp.art, dtype=dtype, backend=backend, device_map=plan.device_map,
-                             moe_numerics=moe_numerics)
+        model = runtime.load(
+            inp.art, dtype=dtype, backend=backend, device_map=plan.device_map, moe_numerics=moe_numerics
+        )
     else:  # resident on the device while the pass streams, or layer-streamed when asked for
-        model = runtime.load(inp.art, device=inp.device, dtype=dtype, backend=backend,
-                             lazy=plan.generation == "streaming", moe_numerics=moe_numerics)
+        model = runtime.load(
+            inp.art,
+            device=inp.device,
+            dtype=dtype,
+            backend=backend,
+            lazy=plan.generation == "streaming",
+            moe_numerics=moe_numerics,
+        )
     eos = model.cfg.eos_token_id if isinstance(model.cfg.eos_token_id, int) else None
     out = gen.greedy_all(model, ids, plan.new_tokens, eos)
     if len(ids) > 1:
@@ -209,7 +303,9 @@ def _layer_row(rep: Report, cfg, i: int, s) -> LayerRow:
     worst = max(mine, key=lambda t: t.weight_error) if mine else None
     if worst is None:
         return LayerRow(i, kind, s.cosine, s.rel_error, s.layer_error, 0.0, None, None)
-    return LayerRow(i, kind, s.cosine, s.rel_error, s.layer_error, worst.weight_error, worst.worst_label, worst.shard)
+    return LayerRow(
+        i, kind, s.cosine, s.rel_error, s.layer_error, worst.weight_error, worst.worst_label, worst.shard
+    )
 
 
 def _finish(rep: Report, failures: list[Failure], report, plot, t0) -> VerifyResult:

@@ -12,6 +12,7 @@ bytes where the conversion kept them (porter.json options.source_quantization). 
 Streaming, tensor by tensor and expert by expert, in row chunks of bounded size: on the verify device
 when it is a GPU, else on every CPU core (one single-threaded worker per core).
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,11 +27,11 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from porter.format import mxfp8
-from porter.format.layout import layer_of
-from porter.cores import available_cores
 from porter.commands.verify.mapping import ArtifactReader, Derivation, Mapping
 from porter.commands.verify.verdict import ExactResult, TensorCheck
+from porter.cores import available_cores
+from porter.format import mxfp8
+from porter.format.layout import layer_of
 
 log = logging.getLogger("porter")
 
@@ -41,6 +42,7 @@ READ_GBPS = 2.0  # disk read rate assumed by the cost estimate (NVMe class; a ne
 @dataclass
 class UnitResult:
     """One expert (or a whole plain tensor): counts of compared and differing blocks (or elements)."""
+
     expert: Optional[int]
     compared: int = 0
     mismatched: int = 0
@@ -52,11 +54,20 @@ class UnitResult:
 
     @property
     def weight_error(self) -> float:
-        return math.sqrt(self.err_sq / self.ref_sq) if self.ref_sq > 0 else (0.0 if self.err_sq == 0 else math.inf)
+        return (
+            math.sqrt(self.err_sq / self.ref_sq)
+            if self.ref_sq > 0
+            else (0.0 if self.err_sq == 0 else math.inf)
+        )
 
 
-def rederive(reader: ArtifactReader, mapping: Mapping, rounding: Optional[str], device: torch.device,
-             progress: bool = False) -> ExactResult:
+def rederive(
+    reader: ArtifactReader,
+    mapping: Mapping,
+    rounding: Optional[str],
+    device: torch.device,
+    progress: bool = False,
+) -> ExactResult:
     t0 = time.time()
     jobs = [(n, mapping.derive(reader.canonical(n), reader.experts(n))) for n in reader.weights()]
     src_bytes = sum(mapping.shards.nbytes(s) for _, d in jobs if d for s in d.sources)
@@ -64,16 +75,29 @@ def rederive(reader: ArtifactReader, mapping: Mapping, rounding: Optional[str], 
     workers = 2 if device.type == "cuda" else available_cores()  # the cores this process may run on
     bar = tqdm(total=src_bytes, unit="B", unit_scale=True, desc="exact bytes", disable=not progress)
     with _pool(workers) as pool:
-        log.info("verify: exact re-derivation reads %.3f GB (source %.3f GB + artifact %.3f GB); estimated %s on %s",
-                 (src_bytes + art_bytes) / 1e9, src_bytes / 1e9, art_bytes / 1e9,
-                 _estimate(jobs, mapping, src_bytes + art_bytes, device, workers), _where(device, workers))
+        log.info(
+            "verify: exact re-derivation reads %.3f GB (source %.3f GB + artifact %.3f GB); estimated %s on %s",
+            (src_bytes + art_bytes) / 1e9,
+            src_bytes / 1e9,
+            art_bytes / 1e9,
+            _estimate(jobs, mapping, src_bytes + art_bytes, device, workers),
+            _where(device, workers),
+        )
         checks = _run_window(jobs, reader, mapping, rounding, device, pool, 2 * workers, bar)
     bar.close()
     used = {s for _, d in jobs if d for s in d.sources}
     unmapped = sorted(set(mapping.shards.meta) - used)
     passed = all(c.exact for c in checks) and not unmapped
-    return ExactResult(passed, mapping.layout, rounding if any(c.quantized for c in checks) else None, str(device),
-                       src_bytes + art_bytes, round(time.time() - t0, 3), checks, unmapped)
+    return ExactResult(
+        passed,
+        mapping.layout,
+        rounding if any(c.quantized for c in checks) else None,
+        str(device),
+        src_bytes + art_bytes,
+        round(time.time() - t0, 3),
+        checks,
+        unmapped,
+    )
 
 
 def _run_window(jobs, reader, mapping, rounding, device, pool, window: int, bar) -> list[TensorCheck]:
@@ -90,7 +114,9 @@ def _run_window(jobs, reader, mapping, rounding, device, pool, window: int, bar)
 
     for n, d in jobs:
         units = range(d.experts) if d and d.experts is not None else [None]
-        pending.append((n, d, [pool.submit(_unit, reader, d, n, e, rounding, device) for e in units] if d else []))
+        pending.append(
+            (n, d, [pool.submit(_unit, reader, d, n, e, rounding, device) for e in units] if d else [])
+        )
         while sum(len(fs) for _, _, fs in pending) > window:
             finish_oldest()
     while pending:
@@ -114,8 +140,10 @@ def _estimate(jobs, mapping: Mapping, read_bytes: int, device: torch.device, wor
     rate = w.numel() / max(time.perf_counter() - t, 1e-9)  # elements/s of one worker
     compute = elems / (rate * (1 if device.type == "cuda" else workers))
     disk = read_bytes / (READ_GBPS * 1e9)
-    return f"~{compute + disk:.1f} s (compare ~{compute:.1f} s at {rate / 1e6:.0f} M elem/s per worker, " \
-           f"reads ~{disk:.1f} s at an assumed {READ_GBPS:g} GB/s)"
+    return (
+        f"~{compute + disk:.1f} s (compare ~{compute:.1f} s at {rate / 1e6:.0f} M elem/s per worker, "
+        f"reads ~{disk:.1f} s at an assumed {READ_GBPS:g} GB/s)"
+    )
 
 
 @contextmanager
@@ -136,15 +164,21 @@ def _unit(reader: ArtifactReader, d: Derivation, name: str, e: Optional[int], ro
     q, s = reader.get(name, e)
     label = f"{name}" + (f"[expert {e}]" if e is not None else "")
     if tuple(q.shape) != tuple(src.shape):
-        return UnitResult(e, problem=f"{label}: shape {list(q.shape)} but re-derived from {_srcs(d)} "
-                                     f"{list(src.shape)}")
+        return UnitResult(
+            e, problem=f"{label}: shape {list(q.shape)} but re-derived from {_srcs(d)} {list(src.shape)}"
+        )
     if s is None:
         if q.dtype != src.dtype:
-            return UnitResult(e, problem=f"{label}: dtype {q.dtype} but its source {_srcs(d)} is {src.dtype} "
-                                         "(an unquantized tensor must be carried bit-identical)")
+            return UnitResult(
+                e,
+                problem=f"{label}: dtype {q.dtype} but its source {_srcs(d)} is {src.dtype} "
+                "(an unquantized tensor must be carried bit-identical)",
+            )
         return _compare_carried(src, q, e)
     if q.dtype != torch.float8_e4m3fn or s.dtype != torch.uint8:
-        return UnitResult(e, problem=f"{label}: values {q.dtype} / scale {s.dtype}, MXFP8 needs float8_e4m3fn / uint8")
+        return UnitResult(
+            e, problem=f"{label}: values {q.dtype} / scale {s.dtype}, MXFP8 needs float8_e4m3fn / uint8"
+        )
     return _compare_quantized(src, q, s, rounding, device, e, name, d.kept(e))
 
 
@@ -161,12 +195,14 @@ def _compare_quantized(src, q, s, rounding, device, e, name, kept=None) -> UnitR
     kept2 = None if kept is None else kept.reshape(-1, k // mxfp8.BLOCK)
     step = max(1, CHUNK_ELEMENTS // k)
     for r0 in range(0, src2.shape[0], step):
-        w = src2[r0:r0 + step].to(device)
-        keep = None if kept2 is None else kept2[r0:r0 + step].to(device)
+        w = src2[r0 : r0 + step].to(device)
+        keep = None if kept2 is None else kept2[r0 : r0 + step].to(device)
         qr, sr = mxfp8.quantize(w, rounding, name, keep_scale=keep)
-        qa, sa = q2[r0:r0 + step].to(device), s2[r0:r0 + step].to(device)
+        qa, sa = q2[r0 : r0 + step].to(device), s2[r0 : r0 + step].to(device)
         scale_bad = sa != sr
-        bad = (qa.view(torch.uint8) != qr.view(torch.uint8)).reshape(*sa.shape, mxfp8.BLOCK).any(-1) | scale_bad
+        bad = (qa.view(torch.uint8) != qr.view(torch.uint8)).reshape(*sa.shape, mxfp8.BLOCK).any(
+            -1
+        ) | scale_bad
         n_bad = int(bad.sum())
         res.scale_mismatched += int(scale_bad.sum())
         if n_bad and res.first is None:
@@ -185,8 +221,10 @@ def _compare_carried(src: torch.Tensor, art: torch.Tensor, e) -> UnitResult:
     res = UnitResult(e)
     a, b = src.reshape(-1), art.reshape(-1)
     for i in range(0, a.numel(), CHUNK_ELEMENTS):
-        ca, cb = a[i:i + CHUNK_ELEMENTS], b[i:i + CHUNK_ELEMENTS]
-        diff = (ca.view(torch.uint8).reshape(ca.numel(), -1) != cb.view(torch.uint8).reshape(cb.numel(), -1)).any(-1)
+        ca, cb = a[i : i + CHUNK_ELEMENTS], b[i : i + CHUNK_ELEMENTS]
+        diff = (
+            ca.view(torch.uint8).reshape(ca.numel(), -1) != cb.view(torch.uint8).reshape(cb.numel(), -1)
+        ).any(-1)
         n = int(diff.sum())
         if n and res.first is None:
             res.first = _element(i + int(diff.nonzero()[0]), src.shape, e)
@@ -208,10 +246,18 @@ def _element(flat: int, shape, e) -> str:
     return (f"expert {e}, " if e is not None else "") + f"element {list(reversed(idx))}"
 
 
-def _aggregate(name: str, d: Optional[Derivation], reader: ArtifactReader, units: list, layout: str) -> TensorCheck:
+def _aggregate(
+    name: str, d: Optional[Derivation], reader: ArtifactReader, units: list, layout: str
+) -> TensorCheck:
     rec = reader.tensors[name]
-    tc = TensorCheck(name, rec.get("shard"), layer_of(reader.canonical(name)), bool(rec.get("scale")),
-                     d.sources if d else [], units=len(units))
+    tc = TensorCheck(
+        name,
+        rec.get("shard"),
+        layer_of(reader.canonical(name)),
+        bool(rec.get("scale")),
+        d.sources if d else [],
+        units=len(units),
+    )
     if d is None:
         tc.problem = f"no source tensor for it in the {layout} mapping table (see docs/verify.md)"
         return tc

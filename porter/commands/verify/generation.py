@@ -7,6 +7,7 @@ KL(ref || conv), top-1 agreement, and the first position where the reference's a
 token the converted model chose. On a causal model the logits at position t of one pass over the whole
 sequence are the logits a token-by-token run gives at step t (tested on the tiny model).
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,9 +17,9 @@ from typing import Optional
 
 import torch
 
-from porter.errors import VerifyInputError
 from porter.commands.verify.numerics import kl_per_position
 from porter.commands.verify.verdict import GenerationRow
+from porter.errors import VerifyInputError
 
 log = logging.getLogger("porter")
 
@@ -61,8 +62,14 @@ def generation_budget(device: torch.device, device_map: Optional[str] = "auto") 
     return memory_available(device), None
 
 
-def plan_runs(streaming, max_new_tokens: Optional[int], device: torch.device, conv_bytes: int,
-              ref_bytes: int, device_map: Optional[str] = "auto") -> RunPlan:
+def plan_runs(
+    streaming,
+    max_new_tokens: Optional[int],
+    device: torch.device,
+    conv_bytes: int,
+    ref_bytes: int,
+    device_map: Optional[str] = "auto",
+) -> RunPlan:
     avail = memory_available(device)
     gb = lambda b: f"{b / 1e9:.2f} GB"
     need = f"both models need ~{gb(conv_bytes + ref_bytes)}, {gb(avail)} available on {device}"
@@ -77,12 +84,18 @@ def plan_runs(streaming, max_new_tokens: Optional[int], device: torch.device, co
     fits = conv_bytes <= STREAM_FRACTION * gen_avail
     n = max_new_tokens if max_new_tokens is not None else (DEFAULT_MAX_NEW_TOKENS if fits else 0)
     if n == 0:
-        mode = ("skipped: --max-new-tokens 0" if max_new_tokens == 0 else
-                f"skipped: the converted model ({gb(conv_bytes)}) does not fit {gb(gen_avail)} on {where}; "
-                f"--max-new-tokens N generates anyway with layer streaming (reads {gb(conv_bytes)} per token)")
+        mode = (
+            "skipped: --max-new-tokens 0"
+            if max_new_tokens == 0
+            else f"skipped: the converted model ({gb(conv_bytes)}) does not fit {gb(gen_avail)} on {where}; "
+            f"--max-new-tokens N generates anyway with layer streaming (reads {gb(conv_bytes)} per token)"
+        )
     else:
-        mode = ("resident" + (" over the visible GPUs (device_map auto)" if device_map else "")) if fits \
+        mode = (
+            ("resident" + (" over the visible GPUs (device_map auto)" if device_map else ""))
+            if fits
             else "streaming"
+        )
     plan = RunPlan(stream, why, n, mode, device_map if fits else None)
     _log_costs(plan, conv_bytes, ref_bytes)
     return plan
@@ -94,17 +107,26 @@ def _log_costs(plan: RunPlan, conv_bytes: int, ref_bytes: int) -> None:
     score_bytes = conv_bytes + ref_bytes
     est = lambda b: f"~{b / (READ_GBPS * 1e9):.1f} s at an assumed {READ_GBPS:g} GB/s"
     if plan.new_tokens:
-        log.info("verify: generation (%d tokens, converted model %s) reads %.3f GB (%s)", plan.new_tokens,
-                 plan.generation, gen_bytes / 1e9, est(gen_bytes))
+        log.info(
+            "verify: generation (%d tokens, converted model %s) reads %.3f GB (%s)",
+            plan.new_tokens,
+            plan.generation,
+            gen_bytes / 1e9,
+            est(gen_bytes),
+        )
     else:
         log.info("verify: generation %s", plan.generation)
-    log.info("verify: teacher-forced pass (reference + converted, %s) reads %.3f GB (%s)",
-             "layer-streaming" if plan.stream else "full load", score_bytes / 1e9, est(score_bytes))
+    log.info(
+        "verify: teacher-forced pass (reference + converted, %s) reads %.3f GB (%s)",
+        "layer-streaming" if plan.stream else "full load",
+        score_bytes / 1e9,
+        est(score_bytes),
+    )
 
 
 def greedy(model, ids: torch.Tensor, n: int, eos) -> list:
     """The converted model's greedy continuation of ids [1, P] (new token ids)."""
-    return model.generate(ids, max_new_tokens=n, eos_token_id=eos)[0, ids.shape[1]:].tolist()
+    return model.generate(ids, max_new_tokens=n, eos_token_id=eos)[0, ids.shape[1] :].tolist()
 
 
 def greedy_all(model, ids: list, n: int, eos) -> list:
@@ -116,10 +138,10 @@ def greedy_all(model, ids: list, n: int, eos) -> list:
     batch = torch.zeros(len(ids), width, dtype=torch.long)  # [B, P], left padding (token 0, masked)
     mask = torch.zeros_like(batch)
     for i, x in enumerate(ids):
-        batch[i, width - x.shape[1]:], mask[i, width - x.shape[1]:] = x[0], 1
+        batch[i, width - x.shape[1] :], mask[i, width - x.shape[1] :] = x[0], 1
     rows = model.generate(batch, max_new_tokens=n, eos_token_id=eos, attention_mask=mask)[:, width:].tolist()
     # a row that met eos keeps going until every row has: cut it where a lone run would have stopped
-    return [row[:row.index(eos) + 1] if eos is not None and eos in row else row for row in rows]
+    return [row[: row.index(eos) + 1] if eos is not None and eos in row else row for row in rows]
 
 
 def teacher_forced_input(ids: torch.Tensor, continuation: list) -> torch.Tensor:
@@ -129,11 +151,21 @@ def teacher_forced_input(ids: torch.Tensor, continuation: list) -> torch.Tensor:
     return torch.cat([ids, torch.tensor([continuation[:-1]], dtype=ids.dtype)], dim=1)
 
 
-def score(prompt: str, continuation: list, ref_tail: torch.Tensor, conv_tail: torch.Tensor, tok) -> GenerationRow:
+def score(
+    prompt: str, continuation: list, ref_tail: torch.Tensor, conv_tail: torch.Tensor, tok
+) -> GenerationRow:
     """ref_tail / conv_tail [n, V]: logits at positions P-1 .. P+n-2 of the teacher-forced pass."""
     n = len(continuation)
     lr, lc = ref_tail[:n], conv_tail[:n]
     ref_arg = lr.argmax(-1).tolist()
     first = next((j for j, (a, b) in enumerate(zip(ref_arg, continuation)) if a != b), None)
-    return GenerationRow(prompt, continuation, tok.decode(continuation), ref_arg, tok.decode(ref_arg),
-                         kl_per_position(lr, lc).tolist(), (lr.argmax(-1) == lc.argmax(-1)).double().tolist(), first)
+    return GenerationRow(
+        prompt,
+        continuation,
+        tok.decode(continuation),
+        ref_arg,
+        tok.decode(ref_arg),
+        kl_per_position(lr, lc).tolist(),
+        (lr.argmax(-1) == lc.argmax(-1)).double().tolist(),
+        first,
+    )

@@ -1,4 +1,5 @@
 """What `porter verify` is given: the artifact, its reference checkpoint, the tokenizer and the prompts."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,13 +7,15 @@ from typing import Optional
 
 import torch
 
+from porter.errors import PorterError, VerifyInputError
 from porter.format import manifest as manifest_mod
 from porter.format import prequantized
 from porter.format.safe_files import inside, present
-from porter.errors import PorterError, VerifyInputError
 
-DEFAULT_PROMPT = ("The quick brown fox jumps over the lazy dog. MiniMax-M3 is a mixture of experts language "
-                  "model: each token is routed to a few experts, and a shared expert sees every token.")
+DEFAULT_PROMPT = (
+    "The quick brown fox jumps over the lazy dog. MiniMax-M3 is a mixture of experts language "
+    "model: each token is routed to a few experts, and a shared expert sees every token."
+)
 
 
 def open_artifact(path) -> tuple[Path, dict]:
@@ -29,8 +32,9 @@ def open_artifact(path) -> tuple[Path, dict]:
         raise VerifyInputError(str(e)) from None
     for key in ("source", "options", "tensors", "shards", "resolved_config", "swiglu"):
         if not isinstance(man.get(key, {}), dict):
-            raise VerifyInputError(f"{p / manifest_mod.MANIFEST}: {key!r} must be a JSON object; "
-                                   "reconvert or restore this file")
+            raise VerifyInputError(
+                f"{p / manifest_mod.MANIFEST}: {key!r} must be a JSON object; reconvert or restore this file"
+            )
     _check_shard_names(p, man)
     return p, man
 
@@ -60,12 +64,16 @@ def reference_path(man: dict, reference, token: Optional[str] = None, cache_dir=
             return p
         if src.get("repo_id"):
             return _from_hub(src["repo_id"], src.get("commit"), token, cache_dir)
-        raise VerifyInputError(f"reference checkpoint {p} (from porter.json) not found; pass --reference DIR|REPO_ID")
+        raise VerifyInputError(
+            f"reference checkpoint {p} (from porter.json) not found; pass --reference DIR|REPO_ID"
+        )
     p = Path(str(reference)).expanduser()
     if p.exists():
         if manifest_mod.is_artifact(p) and _layout(p) != "hf":  # an hf-layout artifact is an MXFP8 checkpoint
-            raise VerifyInputError(f"{p}: --reference is a porter artifact (porter layout); give the checkpoint it "
-                                   "was converted from")
+            raise VerifyInputError(
+                f"{p}: --reference is a porter artifact (porter layout); give the checkpoint it "
+                "was converted from"
+            )
         if not (p / "config.json").exists():
             raise VerifyInputError(f"{p}: --reference has no config.json; not a MiniMax-M3 checkpoint dir")
         return p
@@ -81,7 +89,9 @@ def _layout(p: Path) -> Optional[str]:
         return None
 
 
-def source_quantization(man: dict, raw: dict, ref_path: Path) -> tuple[Optional[prequantized.Scheme], Optional[str]]:
+def source_quantization(
+    man: dict, raw: dict, ref_path: Path
+) -> tuple[Optional[prequantized.Scheme], Optional[str]]:
     """(scheme, keep_scales): how to read the reference — its quantization (porter.format.prequantized, from
     its config.json), which must be the one porter.json records the artifact was converted from
     (options.source_quantization, absent for a bf16 source); keep_scales: which MXFP8 scale bytes were
@@ -93,22 +103,33 @@ def source_quantization(man: dict, raw: dict, ref_path: Path) -> tuple[Optional[
         raise VerifyInputError(f"reference {e}") from None
     rec = man.get("options", {}).get("source_quantization")
     found = None if scheme is None else scheme.record()
-    what = lambda r: "an unquantized checkpoint" if r is None else \
-        f"a pre-quantized {r.get('method')} checkpoint (block {r.get('weight_block_size')})"
-    if (rec is None) != (found is None) or (rec is not None and any(
-            rec.get(k) != found[k] for k in ("method", "weight_block_size"))):
-        raise VerifyInputError(f"reference {ref_path}: {what(found)}, but porter.json options.source_quantization "
-                               f"says the artifact was converted from {what(rec)}; pass that checkpoint with "
-                               "--reference")
-    if rec is not None and (rec.get("dequantized_dtype") != found["dequantized_dtype"]
-                            or rec.get("scale_bytes") not in (prequantized.KEPT_ROWS, "kept", "rederived")):
-        raise VerifyInputError(f"porter.json options.source_quantization {rec} is not a rule this porter "
-                               f"re-derives (it reads {found}); verify with the porter that converted it")
+    what = lambda r: (
+        "an unquantized checkpoint"
+        if r is None
+        else f"a pre-quantized {r.get('method')} checkpoint (block {r.get('weight_block_size')})"
+    )
+    if (rec is None) != (found is None) or (
+        rec is not None and any(rec.get(k) != found[k] for k in ("method", "weight_block_size"))
+    ):
+        raise VerifyInputError(
+            f"reference {ref_path}: {what(found)}, but porter.json options.source_quantization "
+            f"says the artifact was converted from {what(rec)}; pass that checkpoint with "
+            "--reference"
+        )
+    if rec is not None and (
+        rec.get("dequantized_dtype") != found["dequantized_dtype"]
+        or rec.get("scale_bytes") not in (prequantized.KEPT_ROWS, "kept", "rederived")
+    ):
+        raise VerifyInputError(
+            f"porter.json options.source_quantization {rec} is not a rule this porter "
+            f"re-derives (it reads {found}); verify with the porter that converted it"
+        )
     return scheme, None if rec is None or rec["scale_bytes"] == "rederived" else rec["scale_bytes"]
 
 
 def _from_hub(repo_id: str, commit: Optional[str], token=None, cache_dir=None) -> Path:
     from porter.source import hub
+
     try:
         return hub.download(repo_id, commit, token, cache_dir)[0]
     except PorterError as e:
@@ -117,14 +138,17 @@ def _from_hub(repo_id: str, commit: Optional[str], token=None, cache_dir=None) -
 
 def tokenizer(art: Path, ref: Path):
     from tokenizers import Tokenizer
+
     for d in (art, ref):
         path = d / "tokenizer.json"
         if present(path, VerifyInputError, "tokenizer"):  # stat first: a FIFO would block the open
             try:
                 return Tokenizer.from_file(str(path)), path
             except Exception as e:  # tokenizers raises its own Exception subclass for any malformed file
-                raise VerifyInputError(f"{path}: not a tokenizer file the tokenizers library can read ({e}); "
-                                       "replace it with the checkpoint's own") from None
+                raise VerifyInputError(
+                    f"{path}: not a tokenizer file the tokenizers library can read ({e}); "
+                    "replace it with the checkpoint's own"
+                ) from None
     raise VerifyInputError(f"{art}: no tokenizer.json in the artifact or the reference {ref}")
 
 
@@ -156,11 +180,14 @@ def check_output_paths(report, plot) -> None:
             continue
         p = Path(path)
         if str(path) == "-":
-            raise VerifyInputError(f"{option} -: this writes a file; `porter verify --report -` prints the "
-                                   "JSON report (from Python: result.report.to_dict())")
+            raise VerifyInputError(
+                f"{option} -: this writes a file; `porter verify --report -` prints the "
+                "JSON report (from Python: result.report.to_dict())"
+            )
         if not p.parent.is_dir():
-            raise VerifyInputError(f"{option} {p}: folder {p.parent} does not exist; create it or give "
-                                   "another path")
+            raise VerifyInputError(
+                f"{option} {p}: folder {p.parent} does not exist; create it or give another path"
+            )
         if p.is_dir():
             raise VerifyInputError(f"{option} {p}: is a folder; give a file path")
     check_plot_path(plot)
@@ -169,5 +196,6 @@ def check_output_paths(report, plot) -> None:
 def check_plot_path(plot) -> None:
     if plot is not None and str(plot).lower().endswith(".png"):
         from porter.commands.verify.plot import png_available
+
         if not png_available():
             raise VerifyInputError(f"{plot}: PNG needs matplotlib (not installed); use an .svg path")

@@ -8,11 +8,12 @@ field by field against porter.json's resolved_config; the reference's resolved c
 This proves the files were not changed after conversion; it cannot prove the conversion was right
 (porter.json is written by the same converter): that is the exact re-derivation's job (exact.py).
 """
+
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,22 +21,35 @@ import torch
 from tqdm import tqdm
 
 import converters
-from porter.format import manifest, mxfp8, prequantized
-from porter.errors import PorterError, VerifyInputError
+from porter.commands.verify.verdict import Failure, IntegrityResult
 from porter.cores import available_cores
+from porter.errors import PorterError, VerifyInputError
+from porter.format import manifest, mxfp8, prequantized
 from porter.format.digest import CHUNK_HASHES
 from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import DTYPE_NAMES, chunk_hash_of, dtype_name, file_digests
-from porter.commands.verify.verdict import Failure, IntegrityResult
 
 INDEX = "model.safetensors.index.json"
 _HEADER_DTYPES = {dtype_name(dt): name for dt, name in DTYPE_NAMES.items()}  # porter.json -> header spelling
 
 # fields of the resolved config that fix tensor shapes: a reference that differs here is not the source
-STRUCTURAL = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "intermediate_size", "dense_intermediate_size", "shared_intermediate_size",
-              "n_shared_experts", "num_local_experts", "layer_types", "mlp_layer_types", "index_n_heads",
-              "index_head_dim")
+STRUCTURAL = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "dense_intermediate_size",
+    "shared_intermediate_size",
+    "n_shared_experts",
+    "num_local_experts",
+    "layer_types",
+    "mlp_layer_types",
+    "index_n_heads",
+    "index_head_dim",
+)
 
 
 def check_integrity(art: Path, man: dict, ref_config=None, progress: bool = False) -> IntegrityResult:
@@ -65,25 +79,35 @@ def _digest_rule(man: dict) -> tuple[int, str]:
     refused)."""
     v = man.get("format_version")
     if v != manifest.FORMAT_VERSION:
-        raise VerifyInputError(f"porter.json format_version {v!r}: this porter verifies version "
-                               f"{manifest.FORMAT_VERSION} (chunked digests); reconvert the artifact with it")
+        raise VerifyInputError(
+            f"porter.json format_version {v!r}: this porter verifies version "
+            f"{manifest.FORMAT_VERSION} (chunked digests); reconvert the artifact with it"
+        )
     rule = man.get("digest")
     n = rule.get("chunk_bytes") if isinstance(rule, dict) else None
     chunk_hash = chunk_hash_of(rule)
     # bounds: a 1-byte chunk would queue one hash per byte, a huge one a buffer per core of that size
     if chunk_hash is None or type(n) is not int or not MIN_CHUNK_BYTES <= n <= MAX_CHUNK_BYTES:
         names = " or ".join(f"{h}-chunked" for h in CHUNK_HASHES)
-        raise VerifyInputError(f"porter.json digest {rule!r} is not {names} with chunk_bytes in "
-                               f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]; restore porter.json or reconvert")
+        raise VerifyInputError(
+            f"porter.json digest {rule!r} is not {names} with chunk_bytes in "
+            f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]; restore porter.json or reconvert"
+        )
     return n, chunk_hash
 
 
-def _check_shards(art: Path, tensors: dict, shards: dict, by_shard: dict, chunk_bytes: int, chunk_hash: str,
-                  progress: bool) -> tuple[dict, list[Failure]]:
+def _check_shards(
+    art: Path, tensors: dict, shards: dict, by_shard: dict, chunk_bytes: int, chunk_hash: str, progress: bool
+) -> tuple[dict, list[Failure]]:
     """Reads every header and hashes every shard, chunks on every core; returns ({shard: header}, failures)."""
     issues, headers = [], {}
-    bar = tqdm(total=sum(r.get("bytes", 0) for r in shards.values()), unit="B", unit_scale=True, desc=chunk_hash,
-               disable=not progress)
+    bar = tqdm(
+        total=sum(r.get("bytes", 0) for r in shards.values()),
+        unit="B",
+        unit_scale=True,
+        desc=chunk_hash,
+        disable=not progress,
+    )
     with ThreadPoolExecutor(available_cores(), thread_name_prefix="porter-digest") as pool:
         for f, rec in shards.items():
             p = art / f
@@ -92,7 +116,10 @@ def _check_shards(art: Path, tensors: dict, shards: dict, by_shard: dict, chunk_
                 continue
             try:
                 got = file_digests(p, pool, chunk_bytes, chunk_hash)
-            except (PorterError, OSError) as e:  # malformed, or unreadable (EIO, permissions): named, not fatal
+            except (
+                PorterError,
+                OSError,
+            ) as e:  # malformed, or unreadable (EIO, permissions): named, not fatal
                 issues.append(Failure("integrity", f"shard {f}: {e}", shard=f))
                 continue
             headers[f] = got.header
@@ -105,14 +132,33 @@ def _check_shards(art: Path, tensors: dict, shards: dict, by_shard: dict, chunk_
 
 def _locate_change(f: str, got, names: list, tensors: dict, rec: dict) -> list[Failure]:
     changed = [n for n in names if n in got.tensors and got.tensors[n] != tensors[n].get("digest")]
-    out = [Failure("integrity", f"tensor {n} in shard {f}: digest differs from porter.json "
-                   "(the data changed after conversion)", tensor=n, shard=f) for n in changed]
+    out = [
+        Failure(
+            "integrity",
+            f"tensor {n} in shard {f}: digest differs from porter.json (the data changed after conversion)",
+            tensor=n,
+            shard=f,
+        )
+        for n in changed
+    ]
     if got.header_sha256 != rec.get("header_sha256"):
-        out.append(Failure("integrity", f"shard {f}: header sha256 {got.header_sha256[:12]}… differs from "
-                           f"porter.json {str(rec.get('header_sha256'))[:12]}… (the header changed)", shard=f))
+        out.append(
+            Failure(
+                "integrity",
+                f"shard {f}: header sha256 {got.header_sha256[:12]}… differs from "
+                f"porter.json {str(rec.get('header_sha256'))[:12]}… (the header changed)",
+                shard=f,
+            )
+        )
     if not out:
-        out.append(Failure("integrity", f"shard {f}: digest {got.digest[:12]}… differs from porter.json "
-                           f"{str(rec.get('digest'))[:12]}…", shard=f))
+        out.append(
+            Failure(
+                "integrity",
+                f"shard {f}: digest {got.digest[:12]}… differs from porter.json "
+                f"{str(rec.get('digest'))[:12]}…",
+                shard=f,
+            )
+        )
     return out
 
 
@@ -120,13 +166,21 @@ def _check_headers(headers: dict, tensors: dict, shards: dict, by_shard: dict) -
     out = []
     for f, header in headers.items():
         for n in sorted(set(header) - set(by_shard.get(f, []))):
-            out.append(Failure("integrity", f"tensor {n} in shard {f} is not in porter.json", tensor=n, shard=f))
+            out.append(
+                Failure("integrity", f"tensor {n} in shard {f} is not in porter.json", tensor=n, shard=f)
+            )
     for name, rec in tensors.items():
         f = rec.get("shard")
         if f not in headers:
             if f not in shards:
-                out.append(Failure("integrity", f"tensor {name}: shard {f} is not listed in porter.json",
-                                   tensor=name, shard=f))
+                out.append(
+                    Failure(
+                        "integrity",
+                        f"tensor {name}: shard {f} is not listed in porter.json",
+                        tensor=name,
+                        shard=f,
+                    )
+                )
             continue
         info = headers[f].get(name)
         if info is None:
@@ -134,8 +188,15 @@ def _check_headers(headers: dict, tensors: dict, shards: dict, by_shard: dict) -
             continue
         want = _HEADER_DTYPES.get(rec.get("dtype"))
         if info.get("dtype") != want or list(info.get("shape", [])) != list(rec.get("shape", [])):
-            out.append(Failure("integrity", f"tensor {name} in shard {f}: header says {info.get('dtype')} "
-                               f"{info.get('shape')}, porter.json {want} {rec.get('shape')}", tensor=name, shard=f))
+            out.append(
+                Failure(
+                    "integrity",
+                    f"tensor {name} in shard {f}: header says {info.get('dtype')} "
+                    f"{info.get('shape')}, porter.json {want} {rec.get('shape')}",
+                    tensor=name,
+                    shard=f,
+                )
+            )
     return out
 
 
@@ -155,24 +216,39 @@ def _check_index(art: Path, tensors: dict) -> list[Failure]:
         out.append(Failure("integrity", f"tensor {n} is in the {where}", tensor=n, shard=wm.get(n)))
     for n in sorted(set(wm) & set(tensors)):
         if wm[n] != tensors[n].get("shard"):
-            out.append(Failure("integrity", f"tensor {n}: index says shard {wm[n]}, porter.json "
-                               f"{tensors[n].get('shard')}", tensor=n, shard=wm[n]))
+            out.append(
+                Failure(
+                    "integrity",
+                    f"tensor {n}: index says shard {wm[n]}, porter.json {tensors[n].get('shard')}",
+                    tensor=n,
+                    shard=wm[n],
+                )
+            )
     return out
 
 
 def _check_scales(art: Path, tensors: dict, headers: dict) -> list[Failure]:
     from safetensors import safe_open
+
     out, handles = [], {}
     for w, rec in tensors.items():
         s = rec.get("scale")
         if rec.get("dtype") == "float8_e4m3fn" and not s:
-            out.append(Failure("integrity", f"tensor {w}: float8 values without a scale in porter.json", tensor=w,
-                               shard=rec.get("shard")))
+            out.append(
+                Failure(
+                    "integrity",
+                    f"tensor {w}: float8 values without a scale in porter.json",
+                    tensor=w,
+                    shard=rec.get("shard"),
+                )
+            )
         if not s:
             continue
         srec, f = tensors.get(s), rec.get("shard")
         if srec is None:
-            out.append(Failure("integrity", f"tensor {w}: its scale {s} is not in porter.json", tensor=w, shard=f))
+            out.append(
+                Failure("integrity", f"tensor {w}: its scale {s} is not in porter.json", tensor=w, shard=f)
+            )
             continue
         sf = srec.get("shard")
         if f not in headers or sf not in headers or w not in headers[f] or s not in headers[sf]:
@@ -189,10 +265,16 @@ def _check_scales(art: Path, tensors: dict, headers: dict) -> list[Failure]:
 
 def _scale_shape_problem(rec: dict, srec: dict):
     shape, sshape = list(rec["shape"]), list(srec["shape"])
-    if srec.get("dtype") != "uint8" or rec.get("dtype") != "float8_e4m3fn" or shape[-1] % mxfp8.BLOCK or \
-            sshape != shape[:-1] + [shape[-1] // mxfp8.BLOCK]:
-        return (f"{srec.get('dtype')} {sshape} does not fit MXFP8 values {rec.get('dtype')} {shape} "
-                "(want uint8 [..., K/32])")
+    if (
+        srec.get("dtype") != "uint8"
+        or rec.get("dtype") != "float8_e4m3fn"
+        or shape[-1] % mxfp8.BLOCK
+        or sshape != shape[:-1] + [shape[-1] // mxfp8.BLOCK]
+    ):
+        return (
+            f"{srec.get('dtype')} {sshape} does not fit MXFP8 values {rec.get('dtype')} {shape} "
+            "(want uint8 [..., K/32])"
+        )
     return None
 
 
@@ -220,17 +302,37 @@ def _check_config(art: Path, man: dict, ref_config) -> list[Failure]:
         have = json.loads(json.dumps(converters.for_config(raw).resolve_config(raw).to_dict()))
     except PorterError as e:
         return [Failure("integrity", f"config.json: {e}")]
-    out = [Failure("integrity", f"config.json resolves {k} = {have.get(k)!r} but porter.json resolved_config "
-                   f"says {want.get(k)!r}", field=k) for k in sorted(set(have) | set(want))
-           if not _same(have.get(k), want.get(k))]
+    out = [
+        Failure(
+            "integrity",
+            f"config.json resolves {k} = {have.get(k)!r} but porter.json resolved_config "
+            f"says {want.get(k)!r}",
+            field=k,
+        )
+        for k in sorted(set(have) | set(want))
+        if not _same(have.get(k), want.get(k))
+    ]
     sw = man.get("swiglu", {})
-    out += [Failure("integrity", f"porter.json swiglu.{k} = {sw.get(k)!r} but resolved_config swiglu_{k} = "
-                    f"{want.get(f'swiglu_{k}')!r}", field=f"swiglu_{k}") for k in ("alpha", "beta", "limit")
-            if not _same(sw.get(k), want.get(f"swiglu_{k}"))]
+    out += [
+        Failure(
+            "integrity",
+            f"porter.json swiglu.{k} = {sw.get(k)!r} but resolved_config swiglu_{k} = "
+            f"{want.get(f'swiglu_{k}')!r}",
+            field=f"swiglu_{k}",
+        )
+        for k in ("alpha", "beta", "limit")
+        if not _same(sw.get(k), want.get(f"swiglu_{k}"))
+    ]
     qc, scope = raw.get("quantization_config") or {}, man.get("options", {}).get("quantize")
     if scope and qc.get("scope") not in (None, scope):
-        out.append(Failure("integrity", f"config.json quantization_config.scope = {qc.get('scope')!r} but "
-                           f"porter.json options.quantize = {scope!r}", field="quantization_config.scope"))
+        out.append(
+            Failure(
+                "integrity",
+                f"config.json quantization_config.scope = {qc.get('scope')!r} but "
+                f"porter.json options.quantize = {scope!r}",
+                field="quantization_config.scope",
+            )
+        )
     return out + (_check_reference_config(want, ref_config) if ref_config is not None else [])
 
 
@@ -240,8 +342,16 @@ def _check_reference_config(want: dict, ref_config) -> list[Failure]:
         if _same(ref.get(k), want.get(k)):
             continue
         if k in STRUCTURAL:
-            raise VerifyInputError(f"the reference is not the source of this artifact: {k} is "
-                                   f"{ref.get(k)!r} there, {want.get(k)!r} in porter.json")
-        out.append(Failure("integrity", f"the reference resolves {k} = {ref.get(k)!r} but the artifact "
-                           f"(porter.json) says {want.get(k)!r}", field=k))
+            raise VerifyInputError(
+                f"the reference is not the source of this artifact: {k} is "
+                f"{ref.get(k)!r} there, {want.get(k)!r} in porter.json"
+            )
+        out.append(
+            Failure(
+                "integrity",
+                f"the reference resolves {k} = {ref.get(k)!r} but the artifact "
+                f"(porter.json) says {want.get(k)!r}",
+                field=k,
+            )
+        )
     return out

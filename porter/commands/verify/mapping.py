@@ -23,6 +23,7 @@ scale rows as to the value rows (a scale row belongs to its value row), rows of 
 the rounding rule; "kept" (earlier porters) — only a value that is whole source weights (copy,
 experts_rows). Every other value is re-quantized with the recorded rounding rule.
 """
+
 from __future__ import annotations
 
 import re
@@ -53,37 +54,71 @@ _TOP = (Rule(r"lm_head\.(?P<rest>.+)", ("{h}{rest}",)), Rule(r"model\.(?P<rest>.
 
 # MiniMaxAI release: `language_model.` prefix, per-expert w1 (gate), w3 (up), w2 (down).
 VENDOR = (
-    Rule(_W13, ("{m}layers.{L}.block_sparse_moe.experts.{E}.w1.weight",
-                "{m}layers.{L}.block_sparse_moe.experts.{E}.w3.weight"), "experts_rows"),
+    Rule(
+        _W13,
+        (
+            "{m}layers.{L}.block_sparse_moe.experts.{E}.w1.weight",
+            "{m}layers.{L}.block_sparse_moe.experts.{E}.w3.weight",
+        ),
+        "experts_rows",
+    ),
     Rule(_W2, ("{m}layers.{L}.block_sparse_moe.experts.{E}.w2.weight",), "experts_rows"),
 ) + _TOP
+
 
 # transformers 5.23: fused experts gate_up_proj [E, 2I, H] (gate first) / down_proj [E, H, I], `mlp.` names,
 # fused dense/shared gate_up_proj.weight [2N, H], `self_attn.indexer.*`.
 def transformers_rules(interleaved: bool) -> tuple:
     return (
-        Rule(_W13, ("{m}layers.{L}.mlp.experts.gate_up_proj",),
-             "expert_slice_interleaved" if interleaved else "expert_slice"),
+        Rule(
+            _W13,
+            ("{m}layers.{L}.mlp.experts.gate_up_proj",),
+            "expert_slice_interleaved" if interleaved else "expert_slice",
+        ),
         Rule(_W2, ("{m}layers.{L}.mlp.experts.down_proj",), "expert_slice"),
         # one expert's 2-D weight (an artifact in the hf layout): rows of the fused tensor's expert E
-        Rule(_L + r"block_sparse_moe\.experts\.(?P<E>\d+)\.w(?P<w>[13])\.weight", ("{m}layers.{L}.mlp.experts.gate_up_proj",),
-             "index_w{w}" + ("_interleaved" if interleaved else "")),
-        Rule(_L + r"block_sparse_moe\.experts\.(?P<E>\d+)\.w2\.weight", ("{m}layers.{L}.mlp.experts.down_proj",), "index"),
+        Rule(
+            _L + r"block_sparse_moe\.experts\.(?P<E>\d+)\.w(?P<w>[13])\.weight",
+            ("{m}layers.{L}.mlp.experts.gate_up_proj",),
+            "index_w{w}" + ("_interleaved" if interleaved else ""),
+        ),
+        Rule(
+            _L + r"block_sparse_moe\.experts\.(?P<E>\d+)\.w2\.weight",
+            ("{m}layers.{L}.mlp.experts.down_proj",),
+            "index",
+        ),
         Rule(_L + r"block_sparse_moe\.gate\.weight", ("{m}layers.{L}.mlp.gate.weight",)),
-        Rule(_L + r"block_sparse_moe\.e_score_correction_bias", ("{m}layers.{L}.mlp.gate.e_score_correction_bias",)),
-        Rule(_L + r"block_sparse_moe\.shared_experts\.(?P<part>gate|up)_proj\.weight",
-             ("{m}layers.{L}.mlp.shared_experts.gate_up_proj.weight",), "{part}_half"),
-        Rule(_L + r"block_sparse_moe\.shared_experts\.(?P<rest>.+)", ("{m}layers.{L}.mlp.shared_experts.{rest}",)),
-        Rule(_L + r"mlp\.(?P<part>gate|up)_proj\.weight", ("{m}layers.{L}.mlp.gate_up_proj.weight",), "{part}_half"),
-        Rule(_L + r"self_attn\.index_(?P<x>[qk])_(?P<y>proj|norm)\.weight",
-             ("{m}layers.{L}.self_attn.indexer.{x}_{y}.weight",)),
+        Rule(
+            _L + r"block_sparse_moe\.e_score_correction_bias",
+            ("{m}layers.{L}.mlp.gate.e_score_correction_bias",),
+        ),
+        Rule(
+            _L + r"block_sparse_moe\.shared_experts\.(?P<part>gate|up)_proj\.weight",
+            ("{m}layers.{L}.mlp.shared_experts.gate_up_proj.weight",),
+            "{part}_half",
+        ),
+        Rule(
+            _L + r"block_sparse_moe\.shared_experts\.(?P<rest>.+)",
+            ("{m}layers.{L}.mlp.shared_experts.{rest}",),
+        ),
+        Rule(
+            _L + r"mlp\.(?P<part>gate|up)_proj\.weight",
+            ("{m}layers.{L}.mlp.gate_up_proj.weight",),
+            "{part}_half",
+        ),
+        Rule(
+            _L + r"self_attn\.index_(?P<x>[qk])_(?P<y>proj|norm)\.weight",
+            ("{m}layers.{L}.self_attn.indexer.{x}_{y}.weight",),
+        ),
     ) + _TOP
 
 
 CARRIED = Rule(r"(?P<name>.+)", ("{name}",))  # tensors outside the text model keep their source names
 MODEL_ROOTS = ("language_model.model.", "model.language_model.", "model.")
 HEAD_ROOTS = ("language_model.lm_head.", "lm_head.")
-PER_EXPERT = re.compile(r"model\.layers\.(?P<L>\d+)\.block_sparse_moe\.experts\.(?P<E>\d+)\.w(?P<w>[123])\.weight")
+PER_EXPERT = re.compile(
+    r"model\.layers\.(?P<L>\d+)\.block_sparse_moe\.experts\.(?P<E>\d+)\.w(?P<w>[123])\.weight"
+)
 STACKED = re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.(w13|w2)_weight")
 
 
@@ -101,7 +136,10 @@ class SourceShards:
         for f in weight_files(self.path):
             for name, info in read_header(f).items():
                 self.files[name], self.stored[name] = f, (ST_DTYPES[info["dtype"]], tuple(info["shape"]))
-        self.scheme, self.keep_scales = scheme, keep_scales if scheme is not None and scheme.keeps_scales else None
+        self.scheme, self.keep_scales = (
+            scheme,
+            keep_scales if scheme is not None and scheme.keeps_scales else None,
+        )
         self.scales = {}  # quantized weight -> its scale tensor
         self.meta = self.stored  # name -> (dtype, shape) of what read() returns
         if scheme is not None:
@@ -119,8 +157,11 @@ class SourceShards:
     def read(self, name: str, row: Optional[int] = None) -> torch.Tensor:
         """The tensor (or its [row] along dim 0); a quantized source weight dequantized by its scheme."""
         if name in self.scales:
-            return self.scheme.dequantize(self._stored(name, row), self._stored(self.scales[name], row),
-                                          f"{self.files[name]}: tensor {name!r}")
+            return self.scheme.dequantize(
+                self._stored(name, row),
+                self._stored(self.scales[name], row),
+                f"{self.files[name]}: tensor {name!r}",
+            )
         return self._stored(name, row)
 
     def kept_scale(self, name: str, row: Optional[int] = None) -> Optional[torch.Tensor]:
@@ -131,7 +172,9 @@ class SourceShards:
 
     def nbytes(self, name: str) -> int:
         """Bytes read from disk for this tensor (a quantized weight: values and scale)."""
-        return nbytes(*self.stored[name]) + (nbytes(*self.stored[self.scales[name]]) if name in self.scales else 0)
+        return nbytes(*self.stored[name]) + (
+            nbytes(*self.stored[self.scales[name]]) if name in self.scales else 0
+        )
 
     def close(self) -> None:
         self._handles.clear()
@@ -141,12 +184,15 @@ class SourceShards:
 class Derivation:
     """How artifact tensor `tensor` is re-derived: value(None) for a plain tensor, value(e) -> expert e
     ([N, K]) for a stacked [E, N, K] one."""
+
     tensor: str
     rule: Rule
     sources: list  # every source tensor read
     experts: Optional[int]
     value: Callable[[Optional[int]], torch.Tensor]
-    kept: Callable[[Optional[int]], Optional[torch.Tensor]] = lambda e: None  # scale bytes to re-quantize with
+    kept: Callable[[Optional[int]], Optional[torch.Tensor]] = lambda e: (
+        None
+    )  # scale bytes to re-quantize with
 
 
 class Mapping:
@@ -164,9 +210,13 @@ class Mapping:
             self.layout, self.rules = "vendor", VENDOR
         if shards.scheme is not None:
             kept = {"kept-rows": "scale bytes kept", "kept": "scale bytes of whole weights kept"}.get(
-                shards.keep_scales, f"{self.rounding} scales re-derived")
+                shards.keep_scales, f"{self.rounding} scales re-derived"
+            )
             self.layout += f", pre-quantized {shards.scheme.method} source ({kept})"
-        self.roots = {"m": _root(names, MODEL_ROOTS, "embed_tokens.weight"), "h": _root(names, HEAD_ROOTS, "weight")}
+        self.roots = {
+            "m": _root(names, MODEL_ROOTS, "embed_tokens.weight"),
+            "h": _root(names, HEAD_ROOTS, "weight"),
+        }
 
     def derive(self, tensor: str, experts: Optional[int]) -> Optional[Derivation]:
         """None when no rule finds this tensor's sources (the caller reports it)."""
@@ -182,13 +232,22 @@ class Mapping:
             srcs = [t.format(**{**fields, "E": e}) for e in units for t in rule.sources]
             if srcs and all(s in self.shards.meta for s in srcs):
                 op = rule.op.format(**fields)
-                return Derivation(tensor, rule, list(dict.fromkeys(srcs)), experts if per_expert else None,
-                                  self._reader(op, rule.sources, fields), self._kept(op, rule.sources, fields, srcs))
+                return Derivation(
+                    tensor,
+                    rule,
+                    list(dict.fromkeys(srcs)),
+                    experts if per_expert else None,
+                    self._reader(op, rule.sources, fields),
+                    self._kept(op, rule.sources, fields, srcs),
+                )
         return None
 
     def _reader(self, op: str, templates: tuple, fields: dict, read: Optional[Callable] = None) -> Callable:
         """value(e) by op; with `read` a reader of scale rows, the scale rows of the same value."""
-        read, src = read or self.shards.read, lambda e=None: [t.format(**{**fields, "E": e}) for t in templates]
+        read, src = (
+            read or self.shards.read,
+            lambda e=None: [t.format(**{**fields, "E": e}) for t in templates],
+        )
         if op == "copy":
             return lambda e: read(src()[0])
         if op in ("gate_half", "up_half"):
@@ -200,8 +259,13 @@ class Mapping:
         if op == "expert_slice_interleaved":
             return lambda e: _deinterleave(read(src()[0], e))
         if op.startswith("index"):  # expert E named in the tensor's own name
-            pick = {"index": lambda w: w, "index_w1": lambda w: _half(w, False), "index_w3": lambda w: _half(w, True),
-                    "index_w1_interleaved": lambda w: w[0::2], "index_w3_interleaved": lambda w: w[1::2]}[op]
+            pick = {
+                "index": lambda w: w,
+                "index_w1": lambda w: _half(w, False),
+                "index_w3": lambda w: _half(w, True),
+                "index_w1_interleaved": lambda w: w[0::2],
+                "index_w3_interleaved": lambda w: w[1::2],
+            }[op]
             return lambda e: pick(read(src()[0], int(fields["E"])))
         raise ValueError(f"mapping table: unknown op {op!r}")
 
@@ -222,15 +286,21 @@ class Mapping:
     def _scale_rows(self, name: str, row: Optional[int] = None) -> torch.Tensor:
         """A source tensor's (or its [row]'s) scale rows: an MXFP8 weight's own, else the rounding rule's."""
         kept = self.shards.kept_scale(name, row)
-        return kept if kept is not None else mxfp8.quantize(self.shards.read(name, row), self.rounding, name)[1]
+        return (
+            kept if kept is not None else mxfp8.quantize(self.shards.read(name, row), self.rounding, name)[1]
+        )
 
     def _rows_kept(self, names: list) -> Optional[torch.Tensor]:
         """Row parts' scales concatenated; a part that was not an MXFP8 weight gets its rounding-rule bytes."""
         parts = [self.shards.kept_scale(n) for n in names]
         if all(p is None for p in parts):
             return None
-        return torch.cat([p if p is not None else mxfp8.quantize(self.shards.read(n), self.rounding, n)[1]
-                          for n, p in zip(names, parts)])
+        return torch.cat(
+            [
+                p if p is not None else mxfp8.quantize(self.shards.read(n), self.rounding, n)[1]
+                for n, p in zip(names, parts)
+            ]
+        )
 
 
 def _open(handles: dict, f: Path):
@@ -266,10 +336,13 @@ class ArtifactReader:
 
     def __init__(self, art: Path, man: dict):
         from porter.errors import VerifyInputError
+
         self.layout = man.get("options", {}).get("layout", "porter")
         if self.layout not in self.LAYOUTS:
-            raise VerifyInputError(f"{art}: artifact layout {self.layout!r} (porter.json options.layout) cannot be "
-                                   f"verified by this porter; it verifies {', '.join(self.LAYOUTS)}")
+            raise VerifyInputError(
+                f"{art}: artifact layout {self.layout!r} (porter.json options.layout) cannot be "
+                f"verified by this porter; it verifies {', '.join(self.LAYOUTS)}"
+            )
         self.art, self.tensors = Path(art), man.get("tensors", {})
         self._handles: dict = {}
 
@@ -284,7 +357,7 @@ class ArtifactReader:
     def canonical(self, name: str) -> str:
         """The canonical (porter) name the mapping table is written for."""
         if self.layout == "hf" and name.startswith(self.HF_PREFIX):
-            return name[len(self.HF_PREFIX):]
+            return name[len(self.HF_PREFIX) :]
         return name
 
     def text_model(self) -> dict:
@@ -298,7 +371,9 @@ class ArtifactReader:
             if m is None:
                 out[c] = self.experts(n)
                 continue
-            stacked = f"model.layers.{m['L']}.block_sparse_moe.experts.{'w2' if m['w'] == '2' else 'w13'}_weight"
+            stacked = (
+                f"model.layers.{m['L']}.block_sparse_moe.experts.{'w2' if m['w'] == '2' else 'w13'}_weight"
+            )
             out[stacked] = max(out.get(stacked) or 0, int(m["E"]) + 1)
         return out
 

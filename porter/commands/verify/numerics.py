@@ -10,6 +10,7 @@ Final logits over the prompt positions: KL(ref || conv) (mean per position, nats
 top-5 overlap, max |logit difference|. The logits at the continuation positions are handed back for
 the teacher-forced scoring of the continuation: one pass of the reference over prompt + continuation.
 """
+
 from __future__ import annotations
 
 import math
@@ -95,8 +96,10 @@ def _final(ref, conv, h_ref, h_conv, prompt_lens) -> tuple[LogitStats, list]:
         lr = ref.final(a)[0]
         lc = conv.final(b)[0].to(lr.device)
         s = kl_top(lr[:p], lc[:p])
-        sums = s if sums is None else {k: (max(sums[k], s[k]) if k == "max_abs" else sums[k] + s[k]) for k in s}
-        tails.append((lr[p - 1:], lc[p - 1:]))
+        sums = (
+            s if sums is None else {k: (max(sums[k], s[k]) if k == "max_abs" else sums[k] + s[k]) for k in s}
+        )
+        tails.append((lr[p - 1 :], lc[p - 1 :]))
     n = sums["n"]
     return LogitStats(sums["kl"] / n, sums["top1"] / n, sums["top5"] / n, sums["max_abs"], n), tails
 
@@ -114,5 +117,10 @@ def kl_top(lr: torch.Tensor, lc: torch.Tensor) -> dict:
     k = min(5, lr.shape[-1])
     t5r, t5c = lr.topk(k, -1).indices, lc.topk(k, -1).indices
     overlap = (t5r[:, :, None] == t5c[:, None, :]).any(-1).double().sum(-1) / k
-    return {"kl": float(kl.sum()), "top1": float(top1.sum()), "top5": float(overlap.sum()),
-            "max_abs": float((lr.double() - lc.double()).abs().max()), "n": lr.shape[0]}
+    return {
+        "kl": float(kl.sum()),
+        "top1": float(top1.sum()),
+        "top5": float(overlap.sum()),
+        "max_abs": float((lr.double() - lc.double()).abs().max()),
+        "n": lr.shape[0],
+    }

@@ -7,18 +7,23 @@ residual-stream cosine as 1 - cosine (log scale) with the cosine threshold. Each
 with the series it bounds and its value. The first failing layer is marked red. With `--numerics both`,
 the serving run adds its layer output error and 1 - cosine (dotted) with its own labelled thresholds.
 """
+
 from __future__ import annotations
 
 import math
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-SERIES = (("rel_error", "residual rel. error (end to end; info)", "#1f77b4"),
-          ("layer_error", "layer output error (layer alone)", "#ff7f0e"),
-          ("weight_error", "weight error (max tensor/expert)", "#2ca02c"))
+SERIES = (
+    ("rel_error", "residual rel. error (end to end; info)", "#1f77b4"),
+    ("layer_error", "layer output error (layer alone)", "#ff7f0e"),
+    ("weight_error", "weight error (max tensor/expert)", "#2ca02c"),
+)
 COSINE = ("1 - cosine (residual stream)", "#9467bd")
-SERVING = (("layer_error", "serving: layer output error", "#d4a017"),
-           ("cosine", "serving: 1 - cosine", "#8c564b"))
+SERVING = (
+    ("layer_error", "serving: layer output error", "#d4a017"),
+    ("cosine", "serving: 1 - cosine", "#8c564b"),
+)
 FLOOR = 1e-7
 LABEL_GAP = 12  # px between two threshold labels, so lines close together keep readable labels
 
@@ -35,25 +40,45 @@ def threshold_lines(th: dict, serving: dict = None) -> tuple[list, list]:
     left, right = _threshold_lines(th)
     if serving is not None:
         lim = serving["max_layer_error"]
-        left.append((lim, f"serving layer output error <= {lim:g} (--max-layer-error, serving)",
-                     SERVING[0][2]))
-        right.append((1.0 - serving["min_cosine"], f"serving 1 - cosine <= {1.0 - serving['min_cosine']:.3g} "
-                      "(--min-cosine, serving)", SERVING[1][2]))
+        left.append(
+            (lim, f"serving layer output error <= {lim:g} (--max-layer-error, serving)", SERVING[0][2])
+        )
+        right.append(
+            (
+                1.0 - serving["min_cosine"],
+                f"serving 1 - cosine <= {1.0 - serving['min_cosine']:.3g} (--min-cosine, serving)",
+                SERVING[1][2],
+            )
+        )
     return left, right
 
 
 def _threshold_lines(th: dict) -> tuple[list, list]:
-    left = [(th["max_layer_error"], f"layer output error <= {th['max_layer_error']:g} (--max-layer-error)",
-             "#ff7f0e"),
-            (th["max_weight_error"], f"weight error <= {th['max_weight_error']:g} (--max-weight-error)",
-             "#2ca02c")]
-    right = [(1.0 - th["min_cosine"], f"1 - cosine <= {1.0 - th['min_cosine']:.3g} "
-              f"(cosine >= {th['min_cosine']:g}, --min-cosine)", COSINE[1])]
+    left = [
+        (
+            th["max_layer_error"],
+            f"layer output error <= {th['max_layer_error']:g} (--max-layer-error)",
+            "#ff7f0e",
+        ),
+        (
+            th["max_weight_error"],
+            f"weight error <= {th['max_weight_error']:g} (--max-weight-error)",
+            "#2ca02c",
+        ),
+    ]
+    right = [
+        (
+            1.0 - th["min_cosine"],
+            f"1 - cosine <= {1.0 - th['min_cosine']:.3g} (cosine >= {th['min_cosine']:g}, --min-cosine)",
+            COSINE[1],
+        )
+    ]
     return left, right
 
 
 def png_available() -> bool:
     import importlib.util
+
     return importlib.util.find_spec("matplotlib") is not None
 
 
@@ -94,36 +119,52 @@ def _panel(x0, y0, w, h, layers, series, thresholds, title, fail):
     px = lambda i: x0 + (w * (i + 0.5) / n)
     py = lambda v: y0 + h - h * (math.log10(max(v, FLOOR)) - lo) / (hi - lo)
     out.append(f'<rect x="{x0}" y="{y0}" width="{w}" height="{h}" fill="white" stroke="#444"/>')
-    out.append(f'<text x="{x0 + w / 2}" y="{y0 - 8}" text-anchor="middle" font-size="13">{escape(title)}</text>')
+    out.append(
+        f'<text x="{x0 + w / 2}" y="{y0 - 8}" text-anchor="middle" font-size="13">{escape(title)}</text>'
+    )
     for e in range(lo, hi + 1):
-        y = py(10.0 ** e)
+        y = py(10.0**e)
         out.append(f'<line x1="{x0}" y1="{y:.1f}" x2="{x0 + w}" y2="{y:.1f}" stroke="#ddd"/>')
         out.append(f'<text x="{x0 - 4}" y="{y + 4:.1f}" text-anchor="end" font-size="10">1e{e}</text>')
     step = max(1, n // 20)
     for i, layer in enumerate(layers):
         if i % step == 0 or i == n - 1:
-            out.append(f'<text x="{px(i):.1f}" y="{y0 + h + 14}" text-anchor="middle" font-size="10">{layer}</text>')
+            out.append(
+                f'<text x="{px(i):.1f}" y="{y0 + h + 14}" text-anchor="middle" font-size="10">{layer}</text>'
+            )
     if fail is not None and fail in layers:
         i = layers.index(fail)
-        out.append(f'<rect x="{px(i) - w / n / 2:.1f}" y="{y0}" width="{w / n:.1f}" height="{h}" '
-                   f'fill="#d62728" fill-opacity="0.15"/>')
+        out.append(
+            f'<rect x="{px(i) - w / n / 2:.1f}" y="{y0}" width="{w / n:.1f}" height="{h}" '
+            f'fill="#d62728" fill-opacity="0.15"/>'
+        )
     last = -math.inf
     for t, label, color in sorted(thresholds, key=lambda x: -x[0]):  # top line first
         y = py(t)
-        out.append(f'<line x1="{x0}" y1="{y:.1f}" x2="{x0 + w}" y2="{y:.1f}" stroke="{color}" '
-                   f'stroke-dasharray="6,4"><title>{escape(label)}</title></line>')
+        out.append(
+            f'<line x1="{x0}" y1="{y:.1f}" x2="{x0 + w}" y2="{y:.1f}" stroke="{color}" '
+            f'stroke-dasharray="6,4"><title>{escape(label)}</title></line>'
+        )
         # above its line (below it at the panel's top edge), and clear of the label before it
         last = max(y - 3 if y - 3 > y0 + LABEL_GAP else y + LABEL_GAP, last + LABEL_GAP)
-        out.append(f'<text class="threshold" x="{x0 + w - 4}" y="{last:.1f}" text-anchor="end" '
-                   f'font-size="10" fill="{color}">{escape(label)}</text>')
+        out.append(
+            f'<text class="threshold" x="{x0 + w - 4}" y="{last:.1f}" text-anchor="end" '
+            f'font-size="10" fill="{color}">{escape(label)}</text>'
+        )
     for vals, label, color in series:
-        pts = " ".join(f"{px(i):.1f},{py(v):.1f}" for i, v in enumerate(vals) if v is not None and math.isfinite(v))
+        pts = " ".join(
+            f"{px(i):.1f},{py(v):.1f}" for i, v in enumerate(vals) if v is not None and math.isfinite(v)
+        )
         out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"/>')
         for i, v in enumerate(vals):
             if v is not None and math.isfinite(v):
-                out.append(f'<circle cx="{px(i):.1f}" cy="{py(v):.1f}" r="3" fill="{color}">'
-                           f'<title>layer {layers[i]}: {escape(label)} {v:.4g}</title></circle>')
-    out.append(f'<text x="{x0 + w / 2}" y="{y0 + h + 30}" text-anchor="middle" font-size="11">decoder layer</text>')
+                out.append(
+                    f'<circle cx="{px(i):.1f}" cy="{py(v):.1f}" r="3" fill="{color}">'
+                    f"<title>layer {layers[i]}: {escape(label)} {v:.4g}</title></circle>"
+                )
+    out.append(
+        f'<text x="{x0 + w / 2}" y="{y0 + h + 30}" text-anchor="middle" font-size="11">decoder layer</text>'
+    )
     return out
 
 
@@ -133,11 +174,14 @@ def svg(rep: dict) -> str:
     th = rep["thresholds"]
     fail = rep.get("failing_layer")
     W, H = 980, 440
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif">',
-             f'<rect width="{W}" height="{H}" fill="#fafafa"/>',
-             f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15" font-weight="bold">'
-             f'porter verify: {escape(Path(rep["artifact"]).name)} — {"PASS" if rep["passed"] else "FAIL"}'
-             + (f" (first failing layer {fail})" if fail is not None else "") + f"; {bytes_line(rep)}</text>"]
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif">',
+        f'<rect width="{W}" height="{H}" fill="#fafafa"/>',
+        f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15" font-weight="bold">'
+        f"porter verify: {escape(Path(rep['artifact']).name)} — {'PASS' if rep['passed'] else 'FAIL'}"
+        + (f" (first failing layer {fail})" if fail is not None else "")
+        + f"; {bytes_line(rep)}</text>",
+    ]
     series = [([r[k] for r in rows], label, color) for k, label, color in SERIES]
     cos = [([1.0 - r["cosine"] for r in rows], *COSINE)]
     sv = second_run(rep)
@@ -154,17 +198,21 @@ def svg(rep: dict) -> str:
         y = 392 + (i // 4) * 16
         parts.append(f'<line x1="{x}" y1="{y}" x2="{x + 20}" y2="{y}" stroke="{color}" stroke-width="3"/>')
         parts.append(f'<text x="{x + 26}" y="{y + 4}" font-size="11">{escape(label)}</text>')
-    parts.append(f'<text x="60" y="{y + 18}" font-size="10" fill="#555">{escape(numerics_line(rep))}; '
-                 'dashed: thresholds that decide the verdict (labelled with the series they bound); info: no threshold; '
-                 f'red band: first failing layer</text>')
+    parts.append(
+        f'<text x="60" y="{y + 18}" font-size="10" fill="#555">{escape(numerics_line(rep))}; '
+        "dashed: thresholds that decide the verdict (labelled with the series they bound); info: no threshold; "
+        f"red band: first failing layer</text>"
+    )
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
 
 
 def _write_png(rep: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     rows = rep["layers"]
     layers = [r["layer"] for r in rows]
     th = rep["thresholds"]
@@ -174,10 +222,20 @@ def _write_png(rep: dict, path: Path) -> None:
     b.semilogy(layers, [max(1 - r["cosine"], FLOOR) for r in rows], "o-", color=COSINE[1], label=COSINE[0])
     sv = second_run(rep)
     if sv:
-        a.semilogy(layers, [max(r["layer_error"], FLOOR) for r in sv["layers"]], "s:", color=SERVING[0][2],
-                   label=SERVING[0][1])
-        b.semilogy(layers, [max(1 - r["cosine"], FLOOR) for r in sv["layers"]], "s:", color=SERVING[1][2],
-                   label=SERVING[1][1])
+        a.semilogy(
+            layers,
+            [max(r["layer_error"], FLOOR) for r in sv["layers"]],
+            "s:",
+            color=SERVING[0][2],
+            label=SERVING[0][1],
+        )
+        b.semilogy(
+            layers,
+            [max(1 - r["cosine"], FLOOR) for r in sv["layers"]],
+            "s:",
+            color=SERVING[1][2],
+            label=SERVING[1][1],
+        )
     left, right = threshold_lines(th, sv and sv["thresholds"])
     for ax, lines in ((a, left), (b, right)):
         for value, label, color in lines:
@@ -188,8 +246,10 @@ def _write_png(rep: dict, path: Path) -> None:
     for ax in (a, b):
         ax.set_xlabel("decoder layer")
         ax.legend(fontsize=8)
-    fig.suptitle(f"porter verify: {Path(rep['artifact']).name} — {'PASS' if rep['passed'] else 'FAIL'}; "
-                 f"{bytes_line(rep)}; {numerics_line(rep)}")
+    fig.suptitle(
+        f"porter verify: {Path(rep['artifact']).name} — {'PASS' if rep['passed'] else 'FAIL'}; "
+        f"{bytes_line(rep)}; {numerics_line(rep)}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

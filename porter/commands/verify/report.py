@@ -2,6 +2,7 @@
 
 Every figure says whether it decides the verdict (its threshold and flag beside it) or is information
 only; the JSON report's `figures` says the same per key (verdict.FIGURES)."""
+
 from __future__ import annotations
 
 import logging
@@ -12,7 +13,8 @@ SHOWN = 20  # lines of a cut list (integrity issues, differing tensors) before "
 LAYER_LEGEND = [
     "  decides: cosine (--min-cosine), layer.err (--max-layer-error), weight.err (--max-weight-error);",
     "  info: rel.err. cosine, rel.err: residual stream after the layer, end to end (grows with depth);",
-    "  layer.err: the layer alone on the reference's input; weight.err: worst quantized tensor of the layer"]
+    "  layer.err: the layer alone on the reference's input; weight.err: worst quantized tensor of the layer",
+]
 
 log = logging.getLogger("porter")
 
@@ -35,10 +37,14 @@ def _integrity_lines(rep: Report) -> list[str]:
     if integ is None:
         return []
     if integ.passed:
-        return [f"integrity: ok ({integ.shards} shard digests, {integ.tensors} tensors, headers, index, scales, config)"]
-    return ([f"integrity: FAILED ({len(integ.issues)} issue(s); any issue fails)"]
-            + [f"  - {i.message}" for i in integ.issues[:SHOWN]]
-            + more_line(len(integ.issues), SHOWN, "issue(s)"))
+        return [
+            f"integrity: ok ({integ.shards} shard digests, {integ.tensors} tensors, headers, index, scales, config)"
+        ]
+    return (
+        [f"integrity: FAILED ({len(integ.issues)} issue(s); any issue fails)"]
+        + [f"  - {i.message}" for i in integ.issues[:SHOWN]]
+        + more_line(len(integ.issues), SHOWN, "issue(s)")
+    )
 
 
 def _exact_lines(rep: Report) -> list[str]:
@@ -47,16 +53,25 @@ def _exact_lines(rep: Report) -> list[str]:
         return []
     q = [t for t in ex.tensors if t.quantized]
     bad = [t for t in ex.tensors if not t.exact]
-    head = (f"exact bytes ({ex.layout} layout, {ex.rounding or 'no'} scales, {ex.device}, "
-            f"{ex.bytes_read / 1e9:.3f} GB read in {ex.seconds:.1f} s): ")
+    head = (
+        f"exact bytes ({ex.layout} layout, {ex.rounding or 'no'} scales, {ex.device}, "
+        f"{ex.bytes_read / 1e9:.3f} GB read in {ex.seconds:.1f} s): "
+    )
     worst = max((t.weight_error for t in q), default=0.0)
-    second = (f"  weight error (second opinion) max {worst:.4g} "
-              f"[{threshold_rule(rep.thresholds, 'max_weight_error')}, {option_name('max_weight_error')}]")
+    second = (
+        f"  weight error (second opinion) max {worst:.4g} "
+        f"[{threshold_rule(rep.thresholds, 'max_weight_error')}, {option_name('max_weight_error')}]"
+    )
     if not bad and not ex.unmapped_sources:
-        return [head + f"identical — {len(q)} quantized tensor(s) re-derived, {len(ex.tensors) - len(q)} carried "
-                "bit-identical [decides: any differing byte fails]", second]
-    lines = [head + f"{len(bad)} of {len(ex.tensors)} tensor(s) differ [decides: any differing byte fails]",
-             second]
+        return [
+            head + f"identical — {len(q)} quantized tensor(s) re-derived, {len(ex.tensors) - len(q)} carried "
+            "bit-identical [decides: any differing byte fails]",
+            second,
+        ]
+    lines = [
+        head + f"{len(bad)} of {len(ex.tensors)} tensor(s) differ [decides: any differing byte fails]",
+        second,
+    ]
     lines += [f"  - {t.tensor}: {t.problem or _mismatch(t)}" for t in bad[:SHOWN]]
     lines += more_line(len(bad), SHOWN, "differing tensor(s) (all in the JSON report: exact.tensors)")
     lines += [f"  - source tensor {n}: not in the artifact" for n in ex.unmapped_sources[:SHOWN]]
@@ -74,57 +89,74 @@ def _layer_lines(rep: Report) -> list[str]:
     rule = lambda name: threshold_rule(th, name).replace(" ", "")
     first = next(iter(rep.numerics.values()), None)
     name = first.numerics if first else "w8a16"
-    lines = [f"numerics {name} ({NUMERICS_MEANING[name]}): backend {rep.backend}, {rep.device} {rep.dtype}, "
-             f"{'layer-streaming' if st and st.enabled else 'full load'}, "
-             f"{sum(rep.prompt_tokens)} prompt token(s) in {len(rep.prompt_tokens)} prompt(s)"
-             + (f"; {first.note}" if first and first.note else ""),
-             f"{'layer':>5}  {'type':<12} {'cosine':>10} {'rel.err':>9} {'layer.err':>10} {'weight.err':>10}  status",
-             f"{'decides:':<19} {rule('min_cosine'):>10} {'info':>9} "
-             f"{rule('max_layer_error'):>10} {rule('max_weight_error'):>10}"]
+    lines = [
+        f"numerics {name} ({NUMERICS_MEANING[name]}): backend {rep.backend}, {rep.device} {rep.dtype}, "
+        f"{'layer-streaming' if st and st.enabled else 'full load'}, "
+        f"{sum(rep.prompt_tokens)} prompt token(s) in {len(rep.prompt_tokens)} prompt(s)"
+        + (f"; {first.note}" if first and first.note else ""),
+        f"{'layer':>5}  {'type':<12} {'cosine':>10} {'rel.err':>9} {'layer.err':>10} {'weight.err':>10}  status",
+        f"{'decides:':<19} {rule('min_cosine'):>10} {'info':>9} "
+        f"{rule('max_layer_error'):>10} {rule('max_weight_error'):>10}",
+    ]
     bad = {f.layer for f in rep.failures if f.layer is not None}
     for r in rep.layers:
         mark = "FAIL" if r.layer in bad else "ok"
         if r.layer == rep.failing_layer:
             mark += "  <- first failing layer"
-        lines.append(f"{r.layer:>5}  {r.kind:<12} {r.cosine:>10.6f} {r.rel_error:>9.4f} "
-                     f"{r.layer_error:>10.4f} {r.weight_error:>10.4f}  {mark}")
+        lines.append(
+            f"{r.layer:>5}  {r.kind:<12} {r.cosine:>10.6f} {r.rel_error:>9.4f} "
+            f"{r.layer_error:>10.4f} {r.weight_error:>10.4f}  {mark}"
+        )
     lines += LAYER_LEGEND
     lg = rep.logits
-    lines += [f"logits ({lg.positions} prompt positions; [<= / >=]: decides, with --max-kl, --min-top1, "
-              "--min-top5):",
-              f"  KL(ref||conv) {lg.kl:.3g} [{threshold_rule(th, 'max_kl')}]"
-              f"  top-1 {lg.top1:.1%} [{threshold_rule(th, 'min_top1', True)}]"
-              f"  top-5 overlap {lg.top5:.1%} [{threshold_rule(th, 'min_top5', True)}]"
-              f"  max|diff| {lg.max_abs_diff:.3g} [info]",
-              "  top-1: share of positions with the same argmax token; top-5 overlap: "
-              "|top-5(ref) & top-5(conv)| / 5 (a fraction)"]
+    lines += [
+        f"logits ({lg.positions} prompt positions; [<= / >=]: decides, with --max-kl, --min-top1, "
+        "--min-top5):",
+        f"  KL(ref||conv) {lg.kl:.3g} [{threshold_rule(th, 'max_kl')}]"
+        f"  top-1 {lg.top1:.1%} [{threshold_rule(th, 'min_top1', True)}]"
+        f"  top-5 overlap {lg.top5:.1%} [{threshold_rule(th, 'min_top5', True)}]"
+        f"  max|diff| {lg.max_abs_diff:.3g} [info]",
+        "  top-1: share of positions with the same argmax token; top-5 overlap: "
+        "|top-5(ref) & top-5(conv)| / 5 (a fraction)",
+    ]
     return lines
 
 
-NUMERICS_MEANING = {"w8a16": "MXFP8 weights, activations as given",
-                    "serving": "MXFP8 weights, MoE input and SwiGLU output as MXFP8, as served"}
+NUMERICS_MEANING = {
+    "w8a16": "MXFP8 weights, activations as given",
+    "serving": "MXFP8 weights, MoE input and SwiGLU output as MXFP8, as served",
+}
 
 
 def _side_by_side(rep: Report) -> list[str]:
     """Every run's deciding figures in one column each, with that run's threshold beside each figure."""
     runs = list(rep.numerics.values())
     width = 28
+
     def cell(v, th, name, pct=False):
         return (f"{v:.1%}" if pct else f"{v:.4g}") + f" [{threshold_rule(th, name, pct)}]"
-    rows = [("KL(ref||conv)", lambda r: cell(r.logits.kl, r.thresholds, "max_kl")),
-            ("top-1", lambda r: cell(r.logits.top1, r.thresholds, "min_top1", True)),
-            ("top-5 overlap", lambda r: cell(r.logits.top5, r.thresholds, "min_top5", True)),
-            ("layer.err (max)", lambda r: cell(max(x.layer_error for x in r.layers), r.thresholds,
-                                               "max_layer_error")),
-            ("cosine (min)", lambda r: cell(min(x.cosine for x in r.layers), r.thresholds, "min_cosine")),
-            ("rel.err (last layer)", lambda r: f"{r.layers[-1].rel_error:.4g} [info]"),
-            ("max|logit diff|", lambda r: f"{r.logits.max_abs_diff:.3g} [info]")]
+
+    rows = [
+        ("KL(ref||conv)", lambda r: cell(r.logits.kl, r.thresholds, "max_kl")),
+        ("top-1", lambda r: cell(r.logits.top1, r.thresholds, "min_top1", True)),
+        ("top-5 overlap", lambda r: cell(r.logits.top5, r.thresholds, "min_top5", True)),
+        (
+            "layer.err (max)",
+            lambda r: cell(max(x.layer_error for x in r.layers), r.thresholds, "max_layer_error"),
+        ),
+        ("cosine (min)", lambda r: cell(min(x.cosine for x in r.layers), r.thresholds, "min_cosine")),
+        ("rel.err (last layer)", lambda r: f"{r.layers[-1].rel_error:.4g} [info]"),
+        ("max|logit diff|", lambda r: f"{r.logits.max_abs_diff:.3g} [info]"),
+    ]
     done = [r for r in runs if r.logits is not None and r.layers]
-    lines = ["numerics side by side (figure [its run's threshold: decides] or [info]):",
-             f"  {'':<20} " + " ".join(f"{r.numerics + ' (' + r.backend + ')':<{width}}" for r in done)]
+    lines = [
+        "numerics side by side (figure [its run's threshold: decides] or [info]):",
+        f"  {'':<20} " + " ".join(f"{r.numerics + ' (' + r.backend + ')':<{width}}" for r in done),
+    ]
     lines += [f"  {label:<20} " + " ".join(f"{fn(r):<{width}}" for r in done) for label, fn in rows]
-    lines += [f"  {r.numerics}: {NUMERICS_MEANING[r.numerics]}" + (f"; {r.note}" if r.note else "")
-              for r in done]
+    lines += [
+        f"  {r.numerics}: {NUMERICS_MEANING[r.numerics]}" + (f"; {r.note}" if r.note else "") for r in done
+    ]
     return lines
 
 
@@ -132,12 +164,15 @@ def _generation_lines(rep: Report, g) -> list[str]:
     d, need = g.first_divergence, rep.thresholds.min_matching_tokens
     mean_kl = sum(g.kl) / len(g.kl) if g.kl else 0.0
     rule = f">= {need} matching, --min-matching-tokens" if need else "info; --min-matching-tokens N decides"
-    agree = ("reference agrees on every token" if d is None
-             else f"reference's choice differs first at token {d}")
-    return [f"generation ({len(g.converted_tokens)} tokens by the converted model, reference teacher-forced):",
-            f"  {agree} [{rule}]; mean KL {mean_kl:.3g} [info]",
-            f"  converted: {g.converted_text!r}",
-            f"  reference argmax: {g.reference_text!r}"]
+    agree = (
+        "reference agrees on every token" if d is None else f"reference's choice differs first at token {d}"
+    )
+    return [
+        f"generation ({len(g.converted_tokens)} tokens by the converted model, reference teacher-forced):",
+        f"  {agree} [{rule}]; mean KL {mean_kl:.3g} [info]",
+        f"  converted: {g.converted_text!r}",
+        f"  reference argmax: {g.reference_text!r}",
+    ]
 
 
 def write_outputs(rep: Report, report_path, plot_path) -> None:
@@ -146,5 +181,6 @@ def write_outputs(rep: Report, report_path, plot_path) -> None:
         log.info("verify: JSON report written to %s", report_path)
     if plot_path is not None and rep.layers:
         from porter.commands.verify.plot import write_plot
+
         write_plot(rep.to_dict(), plot_path)
         log.info("verify: per-layer plot written to %s", plot_path)

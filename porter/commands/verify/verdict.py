@@ -2,6 +2,7 @@
 
 Threshold defaults and how they were calibrated: docs/verify.md ("Thresholds").
 """
+
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from porter.errors import VerifyInputError
 @dataclass
 class Thresholds:
     """max_* fail above, min_* below. Defaults depend on the artifact's quantize scope: SCOPE_DEFAULTS."""
+
     max_weight_error: float = 0.06
     max_layer_error: float = 0.08
     min_cosine: float = 0.90
@@ -25,8 +27,9 @@ class Thresholds:
     min_matching_tokens: int = 0  # greedy tokens the reference must agree on (0: report only)
 
     @classmethod
-    def build(cls, overrides: Optional[dict] = None, scope: str = "experts",
-              numerics: str = "w8a16") -> "Thresholds":
+    def build(
+        cls, overrides: Optional[dict] = None, scope: str = "experts", numerics: str = "w8a16"
+    ) -> "Thresholds":
         defaults = SCOPE_DEFAULTS.get(scope, {})
         if numerics == "serving":
             defaults = defaults | SERVING_DEFAULTS.get(scope, {})
@@ -43,9 +46,15 @@ class Thresholds:
 
 # The values a threshold may take: fractions in [0, 1], cosine in [-1, 1], errors and counts >= 0. NaN
 # compares false with everything, so a NaN threshold would pass every check: it is refused like inf.
-THRESHOLD_RANGES = {"max_weight_error": (0.0, None), "max_layer_error": (0.0, None),
-                    "min_cosine": (-1.0, 1.0), "max_kl": (0.0, None), "min_top1": (0.0, 1.0),
-                    "min_top5": (0.0, 1.0), "min_matching_tokens": (0, None)}
+THRESHOLD_RANGES = {
+    "max_weight_error": (0.0, None),
+    "max_layer_error": (0.0, None),
+    "min_cosine": (-1.0, 1.0),
+    "max_kl": (0.0, None),
+    "min_top1": (0.0, 1.0),
+    "min_top5": (0.0, 1.0),
+    "min_matching_tokens": (0, None),
+}
 
 
 def threshold_range_text(name: str) -> str:
@@ -80,8 +89,14 @@ def threshold_rule(th: "Thresholds", name: str, percent: bool = False) -> str:
 SCOPE_DEFAULTS = {
     "experts": {},
     "all": {"max_layer_error": 0.5, "min_cosine": 0.75, "max_kl": 0.3, "min_top1": 0.30, "min_top5": 0.45},
-    "none": {"max_weight_error": 0.0, "max_layer_error": 1e-6, "min_cosine": 0.999999, "max_kl": 1e-6,
-             "min_top1": 1.0, "min_top5": 1.0},
+    "none": {
+        "max_weight_error": 0.0,
+        "max_layer_error": 1e-6,
+        "min_cosine": 0.999999,
+        "max_kl": 1e-6,
+        "min_top1": 1.0,
+        "min_top5": 1.0,
+    },
 }
 
 
@@ -90,8 +105,13 @@ SCOPE_DEFAULTS = {
 # measurements (docs/verify.md, "Thresholds"); with --quantize all the attention error dominates and the
 # "all" defaults keep their margin. Weight error: the same weights, unchanged.
 SERVING_DEFAULTS = {
-    "experts": {"max_layer_error": 0.12, "min_cosine": 0.88, "max_kl": 0.15, "min_top1": 0.45,
-                "min_top5": 0.65},
+    "experts": {
+        "max_layer_error": 0.12,
+        "min_cosine": 0.88,
+        "max_kl": 0.15,
+        "min_top1": 0.45,
+        "min_top5": 0.65,
+    },
     "all": {},
 }
 NUMERICS = ("w8a16", "serving", "both")
@@ -107,6 +127,7 @@ def numerics_runs(numerics: str) -> list[str]:
 @dataclass(frozen=True)
 class Figure:
     """One figure of the report: where it is in the JSON, what it measures, and what decides on it."""
+
     key: str  # path in the JSON report ([] = every element of a list)
     measures: str
     threshold: Optional[str] = None  # the Thresholds field it is compared against
@@ -114,40 +135,88 @@ class Figure:
 
 
 FIGURES = (
-    Figure("integrity.issues", "the files against porter.json: shard digests, headers, index, scale bytes, "
-           "config", rule="any issue fails (and stops verify)"),
-    Figure("exact.tensors[].mismatched", "32-blocks (quantized tensors) or elements (carried tensors) that "
-           "differ from the re-derivation from the reference", rule="any differing block or element fails"),
-    Figure("exact.tensors[].problem", "why a tensor could not be compared (no source, shape, dtype)",
-           rule="any problem fails"),
-    Figure("exact.unmapped_sources", "reference tensors no artifact tensor was derived from",
-           rule="any unmapped source tensor fails"),
-    Figure("exact.tensors[].weight_error", "relative weight error ||deq(Q) - W|| / ||W|| of the tensor "
-           "(its worst expert)", "max_weight_error"),
-    Figure("layers[].weight_error", "the largest weight_error of the layer's quantized tensors",
-           "max_weight_error"),
-    Figure("layers[].cosine", "cosine of the residual stream after the layer, each model fed its own "
-           "previous output (end to end)", "min_cosine"),
-    Figure("layers[].rel_error", "relative error of the residual stream after the layer, end to end (it "
-           "grows with depth; layer_error names the layer)"),
-    Figure("layers[].layer_error", "the layer alone, both models fed the reference input: "
-           "||d_conv - d_ref|| / ||d_ref|| of the layer's update", "max_layer_error"),
+    Figure(
+        "integrity.issues",
+        "the files against porter.json: shard digests, headers, index, scale bytes, config",
+        rule="any issue fails (and stops verify)",
+    ),
+    Figure(
+        "exact.tensors[].mismatched",
+        "32-blocks (quantized tensors) or elements (carried tensors) that "
+        "differ from the re-derivation from the reference",
+        rule="any differing block or element fails",
+    ),
+    Figure(
+        "exact.tensors[].problem",
+        "why a tensor could not be compared (no source, shape, dtype)",
+        rule="any problem fails",
+    ),
+    Figure(
+        "exact.unmapped_sources",
+        "reference tensors no artifact tensor was derived from",
+        rule="any unmapped source tensor fails",
+    ),
+    Figure(
+        "exact.tensors[].weight_error",
+        "relative weight error ||deq(Q) - W|| / ||W|| of the tensor (its worst expert)",
+        "max_weight_error",
+    ),
+    Figure(
+        "layers[].weight_error",
+        "the largest weight_error of the layer's quantized tensors",
+        "max_weight_error",
+    ),
+    Figure(
+        "layers[].cosine",
+        "cosine of the residual stream after the layer, each model fed its own previous output (end to end)",
+        "min_cosine",
+    ),
+    Figure(
+        "layers[].rel_error",
+        "relative error of the residual stream after the layer, end to end (it "
+        "grows with depth; layer_error names the layer)",
+    ),
+    Figure(
+        "layers[].layer_error",
+        "the layer alone, both models fed the reference input: "
+        "||d_conv - d_ref|| / ||d_ref|| of the layer's update",
+        "max_layer_error",
+    ),
     Figure("embeddings", "cosine and relative error of the embedding output"),
     Figure("logits.kl", "KL(ref || conv) of the final logits, mean per prompt position (nats)", "max_kl"),
-    Figure("logits.top1", "top-1 agreement: the fraction of prompt positions where both models' argmax token "
-           "is the same", "min_top1"),
-    Figure("logits.top5", "top-5 overlap: the overlap of the two models' top-5 token sets as a fraction "
-           "(|top5(ref) & top5(conv)| / 5), mean over prompt positions", "min_top5"),
+    Figure(
+        "logits.top1",
+        "top-1 agreement: the fraction of prompt positions where both models' argmax token is the same",
+        "min_top1",
+    ),
+    Figure(
+        "logits.top5",
+        "top-5 overlap: the overlap of the two models' top-5 token sets as a fraction "
+        "(|top5(ref) & top5(conv)| / 5), mean over prompt positions",
+        "min_top5",
+    ),
     Figure("logits.max_abs_diff", "the largest |logit difference| over prompt positions and vocabulary"),
-    Figure("generation[].first_divergence", "the first generated token where the reference's argmax differs "
-           "from the converted model's greedy token (null: none)", "min_matching_tokens"),
+    Figure(
+        "generation[].first_divergence",
+        "the first generated token where the reference's argmax differs "
+        "from the converted model's greedy token (null: none)",
+        "min_matching_tokens",
+    ),
     Figure("generation[].kl", "KL(ref || conv) per generated token"),
     Figure("generation[].top1", "1.0 where both argmaxes agree, per generated token"),
 )
 
 
-RUN_FIGURES = ("layers[].cosine", "layers[].rel_error", "layers[].layer_error", "embeddings", "logits.kl",
-               "logits.top1", "logits.top5", "logits.max_abs_diff")
+RUN_FIGURES = (
+    "layers[].cosine",
+    "layers[].rel_error",
+    "layers[].layer_error",
+    "embeddings",
+    "logits.kl",
+    "logits.top1",
+    "logits.top5",
+    "logits.max_abs_diff",
+)
 
 
 def figure_table(th: "Thresholds", runs: Optional[dict] = None) -> dict:
@@ -156,8 +225,11 @@ def figure_table(th: "Thresholds", runs: Optional[dict] = None) -> dict:
     also each run's figures under numerics.<name>., against that run's thresholds."""
     out = _figures(FIGURES, th)
     for name, run in (runs or {}).items():
-        per = [Figure(f"numerics.{name}.{f.key}", f"{name} numerics: {f.measures}", f.threshold, f.rule)
-               for f in FIGURES if f.key in RUN_FIGURES]
+        per = [
+            Figure(f"numerics.{name}.{f.key}", f"{name} numerics: {f.measures}", f.threshold, f.rule)
+            for f in FIGURES
+            if f.key in RUN_FIGURES
+        ]
         out |= _figures(per, run.thresholds)
     return out
 
@@ -172,11 +244,16 @@ def _figures(figs, th: "Thresholds") -> dict:
             limit = getattr(th, f.threshold)
             # min_matching_tokens 0 asks for no matching token: the figure is then reported only
             d["decides"] = not (f.threshold == "min_matching_tokens" and limit == 0)
-            d |= {"threshold": f.threshold, "option": option_name(f.threshold), "limit": limit,
-                  "fails_when": ("above " if f.threshold.startswith("max_") else "below ") + f"{limit:g}"}
+            d |= {
+                "threshold": f.threshold,
+                "option": option_name(f.threshold),
+                "limit": limit,
+                "fails_when": ("above " if f.threshold.startswith("max_") else "below ") + f"{limit:g}",
+            }
         if not d["decides"]:
             d["fails_when"] = "never: information only" + (
-                f" (decides with {option_name(f.threshold)} N > 0)" if f.threshold else "")
+                f" (decides with {option_name(f.threshold)} N > 0)" if f.threshold else ""
+            )
         out[f.key] = d
     return out
 
@@ -206,6 +283,7 @@ class IntegrityResult:
 @dataclass
 class TensorCheck:
     """Exact re-derivation of one artifact tensor (all its experts) from the source."""
+
     tensor: str
     shard: Optional[str]
     layer: Optional[int]
@@ -269,6 +347,7 @@ class GenerationRow:
     """Greedy continuation by the converted model, scored by one teacher-forced reference pass.
     Per continuation position j: the reference's KL(ref||conv) and its argmax at the position that
     predicts converted token j; first_divergence = first j where that argmax differs from token j."""
+
     prompt: str
     converted_tokens: list
     converted_text: str
@@ -293,6 +372,7 @@ class NumericsRun:
     """One teacher-forced comparison of the converted model, computed with `numerics`, against the reference.
     w8a16: the weights as MXFP8, activations as given; serving: also the MoE input and SwiGLU output
     quantized to MXFP8, as serving engines compute (docs/moe-backends.md, "Serving numerics")."""
+
     numerics: str
     backend: str  # the MoE backend that computed it
     note: str  # why that backend, when it is not the one asked for ("" otherwise)
@@ -337,8 +417,9 @@ class Report:
         return "pass" if self.passed else "fail"
 
     def to_dict(self) -> dict:
-        return _jsonable(asdict(self) | {"verdict": self.verdict,
-                                         "figures": figure_table(self.thresholds, self.numerics)})
+        return _jsonable(
+            asdict(self) | {"verdict": self.verdict, "figures": figure_table(self.thresholds, self.numerics)}
+        )
 
     def write_json(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))
@@ -347,6 +428,7 @@ class Report:
 @dataclass
 class VerifyResult:
     """What verify() returns: the concluded report, with its verdict at hand."""
+
     report: Report
 
     @property
@@ -381,19 +463,41 @@ def _jsonable(x):
 
 def judge_exact(ex: ExactResult, th: Thresholds) -> list[Failure]:
     """Bytes first (any mismatch fails), then the statistical weight error as a second opinion."""
-    out = [Failure("mapping", f"source tensor {n} was not carried into the artifact (no artifact tensor is "
-                   "derived from it)", tensor=n) for n in ex.unmapped_sources]
+    out = [
+        Failure(
+            "mapping",
+            f"source tensor {n} was not carried into the artifact (no artifact tensor is derived from it)",
+            tensor=n,
+        )
+        for n in ex.unmapped_sources
+    ]
     for t in ex.tensors:
         if t.problem:
-            out.append(Failure("exact", f"tensor {t.tensor} (shard {t.shard}): {t.problem}", layer=t.layer,
-                               tensor=t.tensor, shard=t.shard))
+            out.append(
+                Failure(
+                    "exact",
+                    f"tensor {t.tensor} (shard {t.shard}): {t.problem}",
+                    layer=t.layer,
+                    tensor=t.tensor,
+                    shard=t.shard,
+                )
+            )
         elif t.mismatched:
             out.append(_mismatch_failure(t))
         if t.quantized and t.weight_error > th.max_weight_error:
-            out.append(Failure("weights", f"tensor {t.worst_label} (shard {t.shard}): weight error {t.weight_error:.4g} "
-                               f"vs the reference > {th.max_weight_error}", layer=t.layer, tensor=t.tensor,
-                               shard=t.shard, expert=t.worst_expert, value=t.weight_error,
-                               threshold=th.max_weight_error))
+            out.append(
+                Failure(
+                    "weights",
+                    f"tensor {t.worst_label} (shard {t.shard}): weight error {t.weight_error:.4g} "
+                    f"vs the reference > {th.max_weight_error}",
+                    layer=t.layer,
+                    tensor=t.tensor,
+                    shard=t.shard,
+                    expert=t.worst_expert,
+                    value=t.weight_error,
+                    threshold=th.max_weight_error,
+                )
+            )
     return out
 
 
@@ -412,21 +516,35 @@ def _mismatch_failure(t: TensorCheck) -> Failure:
         what += f" ({t.scale_mismatched} with a different scale byte)"
     what += experts_text(t)
     first = min(t.mismatched_by_expert) if t.mismatched_by_expert else None
-    return Failure("exact", f"tensor {t.tensor} (shard {t.shard}): {what}; first at {t.first_mismatch}",
-                   layer=t.layer, tensor=t.tensor, shard=t.shard, expert=first, value=t.mismatched)
+    return Failure(
+        "exact",
+        f"tensor {t.tensor} (shard {t.shard}): {what}; first at {t.first_mismatch}",
+        layer=t.layer,
+        tensor=t.tensor,
+        shard=t.shard,
+        expert=first,
+        value=t.mismatched,
+    )
 
 
 def judge_numerics(rep: Report, th: Thresholds) -> list[Failure]:
     """Each numerics run against its own thresholds (`th` for a report without runs), then generation."""
-    runs = list(rep.numerics.values()) or [NumericsRun("w8a16", rep.backend, "", th, rep.embeddings,
-                                                       rep.layers, rep.logits)]
+    runs = list(rep.numerics.values()) or [
+        NumericsRun("w8a16", rep.backend, "", th, rep.embeddings, rep.layers, rep.logits)
+    ]
     out = [f for run in runs for f in judge_run(run, tag=len(runs) > 1 or run.numerics != "w8a16")]
     for g in rep.generation:
         d = g.first_divergence
         if th.min_matching_tokens and d is not None and d < th.min_matching_tokens:
-            out.append(Failure("generation", f"the reference's greedy choice differs from the converted model's "
-                               f"at generated token {d} < {th.min_matching_tokens}", value=d,
-                               threshold=th.min_matching_tokens))
+            out.append(
+                Failure(
+                    "generation",
+                    f"the reference's greedy choice differs from the converted model's "
+                    f"at generated token {d} < {th.min_matching_tokens}",
+                    value=d,
+                    threshold=th.min_matching_tokens,
+                )
+            )
     return out
 
 
@@ -437,20 +555,44 @@ def judge_run(run: NumericsRun, tag: bool = False) -> list[Failure]:
     for row in run.layers:
         i = row.layer
         if row.layer_error > th.max_layer_error:
-            out.append(Failure("layer", f"{pre}layer {i} ({row.kind}): output error of the layer alone "
-                               f"{row.layer_error:.4g} > {th.max_layer_error}", layer=i,
-                               value=row.layer_error, threshold=th.max_layer_error, numerics=run.numerics))
+            out.append(
+                Failure(
+                    "layer",
+                    f"{pre}layer {i} ({row.kind}): output error of the layer alone "
+                    f"{row.layer_error:.4g} > {th.max_layer_error}",
+                    layer=i,
+                    value=row.layer_error,
+                    threshold=th.max_layer_error,
+                    numerics=run.numerics,
+                )
+            )
         if row.cosine < th.min_cosine:
-            out.append(Failure("cosine", f"{pre}layer {i} ({row.kind}): residual-stream cosine "
-                               f"{row.cosine:.6f} < {th.min_cosine}", layer=i, value=row.cosine, threshold=th.min_cosine,
-                               numerics=run.numerics))
+            out.append(
+                Failure(
+                    "cosine",
+                    f"{pre}layer {i} ({row.kind}): residual-stream cosine {row.cosine:.6f} < {th.min_cosine}",
+                    layer=i,
+                    value=row.cosine,
+                    threshold=th.min_cosine,
+                    numerics=run.numerics,
+                )
+            )
     lg = run.logits
-    for value, bad, thr, what in ((lg.kl, lg.kl > th.max_kl, th.max_kl, "KL(ref||conv)"),
-                                  (lg.top1, lg.top1 < th.min_top1, th.min_top1, "top-1 agreement"),
-                                  (lg.top5, lg.top5 < th.min_top5, th.min_top5, "top-5 overlap")):
+    for value, bad, thr, what in (
+        (lg.kl, lg.kl > th.max_kl, th.max_kl, "KL(ref||conv)"),
+        (lg.top1, lg.top1 < th.min_top1, th.min_top1, "top-1 agreement"),
+        (lg.top5, lg.top5 < th.min_top5, th.min_top5, "top-5 overlap"),
+    ):
         if bad:
-            out.append(Failure("logits", f"{pre}final logits: {what} {value:.4g} crosses {thr}", value=value,
-                               threshold=thr, numerics=run.numerics))
+            out.append(
+                Failure(
+                    "logits",
+                    f"{pre}final logits: {what} {value:.4g} crosses {thr}",
+                    value=value,
+                    threshold=thr,
+                    numerics=run.numerics,
+                )
+            )
     return out
 
 
@@ -494,5 +636,7 @@ def other_checkpoint_hint(ex: Optional[ExactResult], reference: str) -> Optional
     bad = sum(not t.exact for t in ex.tensors)
     if 2 * bad <= len(ex.tensors):
         return None
-    return (f"{bad} of {len(ex.tensors)} re-derived tensors differ: the reference {reference} may be a "
-            "different checkpoint than the one converted; pass that one with --reference DIR|REPO_ID")
+    return (
+        f"{bad} of {len(ex.tensors)} re-derived tensors differ: the reference {reference} may be a "
+        "different checkpoint than the one converted; pass that one with --reference DIR|REPO_ID"
+    )

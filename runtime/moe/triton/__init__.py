@@ -3,6 +3,7 @@
 config (tile tables, named kernel modes) -> prepare (load-time guards and rebase) -> launch (path choice
 and launches) -> kernels (Triton; imported on first launch, so this package imports without triton).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -10,8 +11,14 @@ import importlib.util
 import torch
 
 from porter.format import mxfp8
-from runtime.moe.contract import (BackendUnavailable, MoeQuantInfo, MoeRouting, check_numerics, route,
-                                  serving_intermediate)
+from runtime.moe.contract import (
+    BackendUnavailable,
+    MoeQuantInfo,
+    MoeRouting,
+    check_numerics,
+    route,
+    serving_intermediate,
+)
 from runtime.moe.triton.config import MoeConfig
 from runtime.moe.triton.launch import fused_moe
 from runtime.moe.triton.prepare import prepare as prepare_weights
@@ -24,38 +31,62 @@ class TritonMoE:
     (prepare); False keeps the stored MXFP8 layout.
     numerics: "w8a16" (activations as given) or "serving": the input and the SwiGLU output MXFP8-quantized as
     the TRT-LLM kernel does (contract.serving_intermediate), then the W8A16 GEMMs on those exact values."""
+
     name = "triton"
 
     @classmethod
     def check_supported(cls, device: torch.device) -> None:
         device = torch.device(device)
         if device.type != "cuda":
-            raise BackendUnavailable(f"triton MoE backend needs a CUDA device with capability >= 8.0 "
-                                     f"(SM80+); got device type {device.type!r}")
+            raise BackendUnavailable(
+                f"triton MoE backend needs a CUDA device with capability >= 8.0 "
+                f"(SM80+); got device type {device.type!r}"
+            )
         if not torch.cuda.is_available():
-            raise BackendUnavailable("triton MoE backend needs CUDA (capability >= 8.0), but "
-                                     "torch.cuda.is_available() is False")
+            raise BackendUnavailable(
+                "triton MoE backend needs CUDA (capability >= 8.0), but torch.cuda.is_available() is False"
+            )
         cap = torch.cuda.get_device_capability(device)
         if cap < (8, 0):
-            raise BackendUnavailable(f"triton MoE backend needs compute capability >= 8.0 (SM80+); "
-                                     f"{torch.cuda.get_device_name(device)} is SM{cap[0]}{cap[1]}")
+            raise BackendUnavailable(
+                f"triton MoE backend needs compute capability >= 8.0 (SM80+); "
+                f"{torch.cuda.get_device_name(device)} is SM{cap[0]}{cap[1]}"
+            )
         if importlib.util.find_spec("triton") is None:
-            raise BackendUnavailable("triton MoE backend needs the 'triton' package (capability "
-                                     f"SM{cap[0]}{cap[1]} is fine); pip install triton")
+            raise BackendUnavailable(
+                "triton MoE backend needs the 'triton' package (capability "
+                f"SM{cap[0]}{cap[1]} is fine); pip install triton"
+            )
 
-    def __init__(self, quant: MoeQuantInfo, routing: MoeRouting, *, fp8_prefill: bool = True,
-                 rebase: bool = True, numerics: str = "w8a16"):
+    def __init__(
+        self,
+        quant: MoeQuantInfo,
+        routing: MoeRouting,
+        *,
+        fp8_prefill: bool = True,
+        rebase: bool = True,
+        numerics: str = "w8a16",
+    ):
         quant.validate()
         check_numerics(numerics, self.name, quant.is_mxfp8)
         self.numerics = numerics or "w8a16"
         if not quant.is_mxfp8:
-            raise BackendUnavailable("triton MoE backend runs MXFP8 weights only (float8_e4m3fn + uint8 "
-                                     "UE8M0 scales); these weights are unquantized: use backend='torch'")
+            raise BackendUnavailable(
+                "triton MoE backend runs MXFP8 weights only (float8_e4m3fn + uint8 "
+                "UE8M0 scales); these weights are unquantized: use backend='torch'"
+            )
         self.check_supported(quant.w13_weight.device)
         self.routing, self.fp8_prefill = routing, fp8_prefill
-        self.prepared = prepare_weights(quant.w13_weight, quant.w13_weight_scale, quant.w2_weight,
-                                        quant.w2_weight_scale, quant.gemm1_alpha, quant.gemm1_beta,
-                                        quant.gemm1_clamp_limit, rebase=rebase)
+        self.prepared = prepare_weights(
+            quant.w13_weight,
+            quant.w13_weight_scale,
+            quant.w2_weight,
+            quant.w2_weight_scale,
+            quant.gemm1_alpha,
+            quant.gemm1_beta,
+            quant.gemm1_clamp_limit,
+            rebase=rebase,
+        )
         # Rebased at load, the backend holds its own copy of the experts: it keeps no reference to the
         # MXFP8 tensors (quant None), so a caller that drops its own has each layer's experts resident once.
         self.quant = None if self.prepared.rebased else quant
@@ -72,10 +103,25 @@ class TritonMoE:
             return torch.zeros_like(hidden_states)
         if self.numerics == "serving":  # e4m3 x 2^k values are exact in bf16: the W8A16 GEMMs read them as is
             x = mxfp8.fake_quantize_activations(hidden_states, name="moe hidden_states")
-            return fused_moe(self.prepared, x, topk_ids, topk_weights, self.routing.routed_scaling_factor,
-                             config, fp8_prefill=False, act_quant=serving_intermediate)
-        return fused_moe(self.prepared, hidden_states, topk_ids, topk_weights,
-                         self.routing.routed_scaling_factor, config, fp8_prefill=self.fp8_prefill)
+            return fused_moe(
+                self.prepared,
+                x,
+                topk_ids,
+                topk_weights,
+                self.routing.routed_scaling_factor,
+                config,
+                fp8_prefill=False,
+                act_quant=serving_intermediate,
+            )
+        return fused_moe(
+            self.prepared,
+            hidden_states,
+            topk_ids,
+            topk_weights,
+            self.routing.routed_scaling_factor,
+            config,
+            fp8_prefill=self.fp8_prefill,
+        )
 
     def __call__(self, hidden_states):
         topk_ids, topk_weights = route(hidden_states, self.routing)

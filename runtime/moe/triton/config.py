@@ -1,4 +1,5 @@
 """Tile tables and named kernel modes of the Triton MoE (measurements behind them: docs/moe-backends.md)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -7,6 +8,7 @@ from enum import IntEnum
 
 class WMode(IntEnum):
     """How GEMM1/GEMM2 read their weights (the kernels' WMODE constexpr; runtime/moe/triton/kernels.py)."""
+
     BF16_WEIGHTS = 0  # 16-bit weights as stored, no scales (the benchmark's baseline)
     FP16 = 1  # e4m3 * fp16(2^(s-127)): every scale byte in the fp16-exact window
     FP16_OFFSET = 2  # FP16 with a per-expert power-of-two offset folded out of the bytes
@@ -18,6 +20,7 @@ class WMode(IntEnum):
 
 class Quant(IntEnum):
     """How the prep / act kernels store an MMA activation operand (the kernels' QUANT constexpr)."""
+
     NONE = 0  # as given (bf16 GEMM)
     FP16 = 1  # fp16 with a per-token power-of-two scale
     E4M3 = 2  # one e4m3 term with a per-token power-of-two scale
@@ -41,6 +44,7 @@ FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scra
 class MoeConfig:
     """Tile shapes. GEMM1 tiles are BN1 gate + BN1 matching up rows of w13 (one [2*BN1, BK1] weight
     tile and one MMA per K step); GEMM2 tiles BN2 rows of w2."""
+
     bm: int
     bn1: int
     bk1: int
@@ -76,6 +80,7 @@ def default_config(num_tokens: int, fp8_prefill: bool = False) -> MoeConfig:
 
 def fit_config(cfg: MoeConfig, hidden: int, inter: int) -> MoeConfig:
     """Shrink tiles so BN divides N and BK divides K (no masks in the weight stream)."""
+
     def div(b, n):  # n is a multiple of 32 (MXFP8), so this stops at >= 32 for b >= 32
         while n % b:
             b //= 2
@@ -84,9 +89,16 @@ def fit_config(cfg: MoeConfig, hidden: int, inter: int) -> MoeConfig:
     if cfg.fp8 and (hidden % FP8_BLOCK_K or inter % FP8_BLOCK_K):
         cfg = replace(cfg, fp8=0)  # the rebased weight blocks need K % 128 == 0: W8A16 instead
     if cfg.fp8:  # one K step per rebased weight block
-        return replace(cfg, bn1=div(cfg.bn1, inter), bk1=FP8_BLOCK_K, bn2=div(cfg.bn2, hidden), bk2=FP8_BLOCK_K)
-    return replace(cfg, bn1=div(cfg.bn1, inter), bk1=div(cfg.bk1, hidden), bn2=div(cfg.bn2, hidden),
-                   bk2=div(cfg.bk2, inter))
+        return replace(
+            cfg, bn1=div(cfg.bn1, inter), bk1=FP8_BLOCK_K, bn2=div(cfg.bn2, hidden), bk2=FP8_BLOCK_K
+        )
+    return replace(
+        cfg,
+        bn1=div(cfg.bn1, inter),
+        bk1=div(cfg.bk1, hidden),
+        bn2=div(cfg.bn2, hidden),
+        bk2=div(cfg.bk2, inter),
+    )
 
 
 def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:

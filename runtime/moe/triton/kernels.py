@@ -41,6 +41,7 @@ fp16 range guards of the W8A16 path (fp16 is exact for every e4m3 * 2^(s-127) on
     else (e.g. limit = inf) act is stored in bf16 and GEMM2 runs in bf16.
 Byte 0 decodes to 0 here (not 2^-127): such a block is below 448 * 2^-127 and cannot matter.
 """
+
 from __future__ import annotations
 
 import triton
@@ -48,8 +49,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _align(topk_ids_ptr, sorted_ptr, expert_ids_ptr, cursor_ptr, N, E, MAXB,
-           BM: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, CB: tl.constexpr):
+def _align(
+    topk_ids_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    cursor_ptr,
+    N,
+    E,
+    MAXB,
+    BM: tl.constexpr,
+    EP: tl.constexpr,
+    C: tl.constexpr,
+    CB: tl.constexpr,
+):
     """One program: stable counting sort of the N routed slots by expert, each expert padded to BM.
 
     sorted_ptr [MAXB*BM] gets slot ids (token*k + j), N on padding; expert_ids_ptr [MAXB] gets the
@@ -122,10 +134,31 @@ def _quant_row(x, q_ptr, lo_ptr, scale_ptr, offs, mask, QUANT: tl.constexpr):
 
 
 @triton.jit
-def prep_kernel(hidden_ptr, xq_ptr, xlo_ptr, xscale_ptr, out_ptr, topk_ids_ptr, sorted_ptr, expert_ids_ptr,
-                cursor_ptr, T, H, N, E, MAXB, stride_h,
-                DO_ALIGN: tl.constexpr, QUANT: tl.constexpr, ZERO_OUT: tl.constexpr, HP: tl.constexpr,
-                BM: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, CB: tl.constexpr):
+def prep_kernel(
+    hidden_ptr,
+    xq_ptr,
+    xlo_ptr,
+    xscale_ptr,
+    out_ptr,
+    topk_ids_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    cursor_ptr,
+    T,
+    H,
+    N,
+    E,
+    MAXB,
+    stride_h,
+    DO_ALIGN: tl.constexpr,
+    QUANT: tl.constexpr,
+    ZERO_OUT: tl.constexpr,
+    HP: tl.constexpr,
+    BM: tl.constexpr,
+    EP: tl.constexpr,
+    C: tl.constexpr,
+    CB: tl.constexpr,
+):
     """With DO_ALIGN: program 0 aligns the tokens and programs 1..T handle tokens 0..T-1; without it
     programs 0..T-1 do. Per token: its MMA operand row with its power-of-two scale (QUANT > 0, see
     _quant_row) and its fp32 output row zeroed for GEMM2's atomics (ZERO_OUT; the fused-output path
@@ -149,8 +182,18 @@ def prep_kernel(hidden_ptr, xq_ptr, xlo_ptr, xscale_ptr, out_ptr, topk_ids_ptr, 
 
 
 @triton.jit
-def quant_rows_kernel(src_ptr, q_ptr, lo_ptr, scale_ptr, sorted_ptr, N, D,
-                      QUANT: tl.constexpr, DP: tl.constexpr, USE_PDL: tl.constexpr = False):
+def quant_rows_kernel(
+    src_ptr,
+    q_ptr,
+    lo_ptr,
+    scale_ptr,
+    sorted_ptr,
+    N,
+    D,
+    QUANT: tl.constexpr,
+    DP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     """FP8 path, between the GEMMs: row p of act [MAXP, D] (sorted order) -> e4m3 term(s) + 2^m.
     Padding rows (slot id N) are skipped: GEMM2 masks them."""
     p = tl.program_id(0).to(tl.int64)
@@ -204,7 +247,6 @@ def _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE: tl.constexpr, BN: tl.constexpr,
     return wd
 
 
-
 @triton.jit
 def _fence_gpu():
     """fence.acq_rel.gpu in every thread (__threadfence())."""
@@ -234,8 +276,9 @@ def _block_rows(sorted_ptr, expert_ids_ptr, pid_m, N, BM: tl.constexpr, NOSORT: 
 
 
 @triton.jit
-def _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM: tl.constexpr, NOSORT: tl.constexpr,
-                  USE_PDL: tl.constexpr):
+def _program_tile(
+    sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM: tl.constexpr, NOSORT: tl.constexpr, USE_PDL: tl.constexpr
+):
     """(N tile, expert, rows, slot ids, valid mask, has work) of this program; grid order: N tile
     fastest, so neighbouring programs stream adjacent rows of one expert (DRAM locality). No work:
     a block past the last used one (the grid is sized for the worst case: no host sync) or, NOSORT,
@@ -250,8 +293,21 @@ def _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM: tl.constexpr, NOS
 
 
 @triton.jit
-def _operand_ptrs(a_ptr, a_rows, stride_a, w_ptr, s_ptr, e64, w_rows, stride_we, stride_wn, stride_se,
-                  stride_sn, WMODE: tl.constexpr, BK: tl.constexpr):
+def _operand_ptrs(
+    a_ptr,
+    a_rows,
+    stride_a,
+    w_ptr,
+    s_ptr,
+    e64,
+    w_rows,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    WMODE: tl.constexpr,
+    BK: tl.constexpr,
+):
     """Pointers of the first K step: A and W tiles [*, BK]; scale pointers [ROWS, BK/32] (MXFP8 bytes)
     or, for WMODE 4 / 5 / 7 (rebased weights), [ROWS] (one fp32 scale per row and 128 K / per row)."""
     offs_k = tl.arange(0, BK)
@@ -276,9 +332,22 @@ def _dot_w(w, a, acc, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _mma_loop(a_ptrs, alo_off, amask, w_ptrs, s_ptrs, sh_ptr, k_len, a_dtype: tl.constexpr,
-              WMODE: tl.constexpr, TERMS: tl.constexpr, SWAP: tl.constexpr, ROWS: tl.constexpr,
-              BM: tl.constexpr, BK: tl.constexpr):
+def _mma_loop(
+    a_ptrs,
+    alo_off,
+    amask,
+    w_ptrs,
+    s_ptrs,
+    sh_ptr,
+    k_len,
+    a_dtype: tl.constexpr,
+    WMODE: tl.constexpr,
+    TERMS: tl.constexpr,
+    SWAP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+):
     """acc [BM, ROWS] fp32 = A W^T over k_len (the K loop of both GEMMs). A rows outside amask read 0.
 
     WMODE 0..3: the weight tile is dequantized (_dequant_tile) and one 16-bit MMA runs per BK step;
@@ -335,27 +404,70 @@ def _mma_loop(a_ptrs, alo_off, amask, w_ptrs, s_ptrs, sh_ptr, k_len, a_dtype: tl
 
 
 @triton.jit
-def _gemm1_tile(x_ptr, xlo_off, xscale_ptr, stride_xm, w_ptr, s_ptr, shift_ptr, epi_ptr, alpha_ptr, beta_ptr,
-                limit_ptr, act_ptr, pid_n, e, rows, tok, tmask, K, INTER,
-                stride_we, stride_wn, stride_se, stride_sn,
-                TOPK: tl.constexpr, WMODE: tl.constexpr, PRESCALED: tl.constexpr, TERMS: tl.constexpr,
-                SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _gemm1_tile(
+    x_ptr,
+    xlo_off,
+    xscale_ptr,
+    stride_xm,
+    w_ptr,
+    s_ptr,
+    shift_ptr,
+    epi_ptr,
+    alpha_ptr,
+    beta_ptr,
+    limit_ptr,
+    act_ptr,
+    pid_n,
+    e,
+    rows,
+    tok,
+    tmask,
+    K,
+    INTER,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    TOPK: tl.constexpr,
+    WMODE: tl.constexpr,
+    PRESCALED: tl.constexpr,
+    TERMS: tl.constexpr,
+    SWAP: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     """act[rows, n..n+BN) = SwiGLU-OAI(x W_gate^T, x W_up^T) of one program's tile (see
     gemm1_swiglu_kernel)."""
     e64 = e.to(tl.int64)
     xrow = tok // TOPK
     r = tl.arange(0, 2 * BN)
     wrow = pid_n * BN + (r % BN) + (r // BN) * INTER  # [gate rows; up rows] of this tile
-    x_ptrs, w_ptrs, s_ptrs = _operand_ptrs(x_ptr, xrow, stride_xm, w_ptr, s_ptr, e64, wrow, stride_we,
-                                           stride_wn, stride_se, stride_sn, WMODE, BK)
+    x_ptrs, w_ptrs, s_ptrs = _operand_ptrs(
+        x_ptr, xrow, stride_xm, w_ptr, s_ptr, e64, wrow, stride_we, stride_wn, stride_se, stride_sn, WMODE, BK
+    )
     if WMODE == 0:
         mma_dtype: tl.constexpr = w_ptr.dtype.element_ty
     elif WMODE == 3:
         mma_dtype: tl.constexpr = tl.bfloat16
     else:
         mma_dtype: tl.constexpr = tl.float16
-    acc = _mma_loop(x_ptrs, xlo_off, tmask, w_ptrs, s_ptrs, shift_ptr + e, K, mma_dtype,
-                    WMODE, TERMS, SWAP, 2 * BN, BM, BK)  # [BM, 2BN]
+    acc = _mma_loop(
+        x_ptrs,
+        xlo_off,
+        tmask,
+        w_ptrs,
+        s_ptrs,
+        shift_ptr + e,
+        K,
+        mma_dtype,
+        WMODE,
+        TERMS,
+        SWAP,
+        2 * BN,
+        BM,
+        BK,
+    )  # [BM, 2BN]
     acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
     # undo the operand scales: 2^d_e of the weights (WMODE 2), per-token 2^m of x
     rs = tl.full((BM, 1), 1.0, dtype=tl.float32)
@@ -377,41 +489,155 @@ def _gemm1_tile(x_ptr, xlo_off, xscale_ptr, stride_xm, w_ptr, s_ptr, shift_ptr, 
 
 
 @triton.jit
-def gemm1_swiglu_kernel(x_ptr, xlo_off, xscale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr,
-                        alpha_ptr, beta_ptr, limit_ptr, sorted_ptr, expert_ids_ptr, act_ptr,
-                        N, K, INTER, E, NUM_N,
-                        stride_xm, stride_we, stride_wn, stride_se, stride_sn,
-                        TOPK: tl.constexpr, WMODE: tl.constexpr, PRESCALED: tl.constexpr,
-                        TERMS: tl.constexpr, SWAP: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        NOSORT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+def gemm1_swiglu_kernel(
+    x_ptr,
+    xlo_off,
+    xscale_ptr,
+    w_ptr,
+    s_ptr,
+    shift_ptr,
+    epi_ptr,
+    alpha_ptr,
+    beta_ptr,
+    limit_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    act_ptr,
+    N,
+    K,
+    INTER,
+    E,
+    NUM_N,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    TOPK: tl.constexpr,
+    WMODE: tl.constexpr,
+    PRESCALED: tl.constexpr,
+    TERMS: tl.constexpr,
+    SWAP: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    NOSORT: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
+):
     """act[p, n] = SwiGLU-OAI(x W_gate^T, x W_up^T) for sorted row p, columns [n, n+BN) of I.
 
     One [2BN, K] weight slab per program (BN gate rows then the BN matching up rows), one MMA per K
     step, split in the epilogue. Grid (MAXB * I/BN,)."""
-    pid_n, e, rows, tok, tmask, has_work = _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT,
-                                                          USE_PDL)
+    pid_n, e, rows, tok, tmask, has_work = _program_tile(
+        sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT, USE_PDL
+    )
     if not has_work:
         return
-    _gemm1_tile(x_ptr, xlo_off, xscale_ptr, stride_xm, w_ptr, s_ptr, shift_ptr, epi_ptr, alpha_ptr, beta_ptr,
-                limit_ptr, act_ptr, pid_n, e, rows, tok, tmask, K, INTER, stride_we, stride_wn, stride_se, stride_sn,
-                TOPK, WMODE, PRESCALED, TERMS, SWAP, BM, BN, BK)
+    _gemm1_tile(
+        x_ptr,
+        xlo_off,
+        xscale_ptr,
+        stride_xm,
+        w_ptr,
+        s_ptr,
+        shift_ptr,
+        epi_ptr,
+        alpha_ptr,
+        beta_ptr,
+        limit_ptr,
+        act_ptr,
+        pid_n,
+        e,
+        rows,
+        tok,
+        tmask,
+        K,
+        INTER,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        TOPK,
+        WMODE,
+        PRESCALED,
+        TERMS,
+        SWAP,
+        BM,
+        BN,
+        BK,
+    )
 
 
 @triton.jit
-def _gemm2_tile(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, topk_w_ptr, out_ptr,
-                pid_n, e, rows, tok, tmask, K, HID, rsf, NUM_N,
-                stride_we, stride_wn, stride_se, stride_sn,
-                TOPK: tl.constexpr, WMODE: tl.constexpr, TERMS: tl.constexpr, SWAP: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, y_ptr, count_ptr, FUSED_OUT: tl.constexpr):
+def _gemm2_tile(
+    act_ptr,
+    alo_off,
+    ascale_ptr,
+    w_ptr,
+    s_ptr,
+    shift_ptr,
+    epi_ptr,
+    topk_w_ptr,
+    out_ptr,
+    pid_n,
+    e,
+    rows,
+    tok,
+    tmask,
+    K,
+    HID,
+    rsf,
+    NUM_N,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    TOPK: tl.constexpr,
+    WMODE: tl.constexpr,
+    TERMS: tl.constexpr,
+    SWAP: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    y_ptr,
+    count_ptr,
+    FUSED_OUT: tl.constexpr,
+):
     """One program's tile of gemm2_reduce_kernel: GEMM2, routing weight and the top-k reduce by atomics
     (FUSED_OUT: plus the last arriver's output write, see gemm2_reduce_kernel)."""
     e64 = e.to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    a_ptrs, w_ptrs, s_ptrs = _operand_ptrs(act_ptr, rows.to(tl.int64), K, w_ptr, s_ptr, e64, offs_n,
-                                           stride_we, stride_wn, stride_se, stride_sn, WMODE, BK)
-    acc = _mma_loop(a_ptrs, alo_off, tmask, w_ptrs, s_ptrs, shift_ptr + e, K, act_ptr.dtype.element_ty,
-                    WMODE, TERMS, SWAP, BN, BM, BK)  # [BM, BN]
+    a_ptrs, w_ptrs, s_ptrs = _operand_ptrs(
+        act_ptr,
+        rows.to(tl.int64),
+        K,
+        w_ptr,
+        s_ptr,
+        e64,
+        offs_n,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        WMODE,
+        BK,
+    )
+    acc = _mma_loop(
+        a_ptrs,
+        alo_off,
+        tmask,
+        w_ptrs,
+        s_ptrs,
+        shift_ptr + e,
+        K,
+        act_ptr.dtype.element_ty,
+        WMODE,
+        TERMS,
+        SWAP,
+        BN,
+        BM,
+        BK,
+    )  # [BM, BN]
     row_scale = tl.load(topk_w_ptr + tok, mask=tmask, other=0.0).to(tl.float32) * rsf  # [BM]
     if WMODE == 2:
         row_scale = row_scale * tl.load(epi_ptr + e)
@@ -438,13 +664,41 @@ def _gemm2_tile(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, 
 
 
 @triton.jit
-def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, topk_w_ptr, out_ptr,
-                        sorted_ptr, expert_ids_ptr, N, K, HID, E, rsf, NUM_N,
-                        stride_we, stride_wn, stride_se, stride_sn,
-                        TOPK: tl.constexpr, WMODE: tl.constexpr, TERMS: tl.constexpr, SWAP: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        y_ptr=None, count_ptr=None, NOSORT: tl.constexpr = False,
-                        FUSED_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+def gemm2_reduce_kernel(
+    act_ptr,
+    alo_off,
+    ascale_ptr,
+    w_ptr,
+    s_ptr,
+    shift_ptr,
+    epi_ptr,
+    topk_w_ptr,
+    out_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    N,
+    K,
+    HID,
+    E,
+    rsf,
+    NUM_N,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    TOPK: tl.constexpr,
+    WMODE: tl.constexpr,
+    TERMS: tl.constexpr,
+    SWAP: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    y_ptr=None,
+    count_ptr=None,
+    NOSORT: tl.constexpr = False,
+    FUSED_OUT: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
+):
     """out[token, n] += rsf * w_route * (act W2^T)[p, n] by fp32 atomics: the top-k reduce happens
     in the atomics. Grid (MAXB * H/BN,). SWAP, WMODE, TERMS as in GEMM1; WMODE 4 / 5 read act as e4m3
     term(s) with the per-row scale 2^m at ascale_ptr.
@@ -457,10 +711,42 @@ def gemm2_reduce_kernel(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, e
     again, reads the finished fp32 row tile from L2 (.cg), stores it to y in y's dtype and re-zeroes
     the scratch tile and the counter for the next call. Calls sharing the scratch must be
     stream-ordered (they are: one stream, one forward at a time)."""
-    pid_n, e, rows, tok, tmask, has_work = _program_tile(sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT,
-                                                          USE_PDL)
+    pid_n, e, rows, tok, tmask, has_work = _program_tile(
+        sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT, USE_PDL
+    )
     if not has_work:
         return
-    _gemm2_tile(act_ptr, alo_off, ascale_ptr, w_ptr, s_ptr, shift_ptr, epi_ptr, topk_w_ptr, out_ptr,
-                pid_n, e, rows, tok, tmask, K, HID, rsf, NUM_N, stride_we, stride_wn, stride_se, stride_sn,
-                TOPK, WMODE, TERMS, SWAP, BM, BN, BK, y_ptr, count_ptr, FUSED_OUT)
+    _gemm2_tile(
+        act_ptr,
+        alo_off,
+        ascale_ptr,
+        w_ptr,
+        s_ptr,
+        shift_ptr,
+        epi_ptr,
+        topk_w_ptr,
+        out_ptr,
+        pid_n,
+        e,
+        rows,
+        tok,
+        tmask,
+        K,
+        HID,
+        rsf,
+        NUM_N,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        TOPK,
+        WMODE,
+        TERMS,
+        SWAP,
+        BM,
+        BN,
+        BK,
+        y_ptr,
+        count_ptr,
+        FUSED_OUT,
+    )

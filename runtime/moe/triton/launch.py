@@ -6,6 +6,7 @@ Paths (launches), runtime/moe/triton/kernels.py has the details:
   * sorted: prep (align in kernel or in torch, prescale or e4m3 quantize, zeroing), GEMM1,
     [FP8: act quantize], GEMM2 (atomics), cast.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -14,9 +15,19 @@ from typing import Optional
 import torch
 
 from runtime.kernels.fused import next_pow2, pdl_supported
-from runtime.moe.triton.config import (ALIGN_IN_KERNEL_MAX_SLOTS, FP8_BLOCK_K, FP8_ROW_SCALE, FUSED_OUT_MAX_TOKENS,
-                                       NOSORT_MAX_SLOTS, MoeConfig, Quant, WMode, default_config, fit_config,
-                                       max_blocks)
+from runtime.moe.triton.config import (
+    ALIGN_IN_KERNEL_MAX_SLOTS,
+    FP8_BLOCK_K,
+    FP8_ROW_SCALE,
+    FUSED_OUT_MAX_TOKENS,
+    NOSORT_MAX_SLOTS,
+    MoeConfig,
+    Quant,
+    WMode,
+    default_config,
+    fit_config,
+    max_blocks,
+)
 from runtime.moe.triton.prepare import PreparedMoE
 
 _out_scratch: dict = {}
@@ -31,6 +42,7 @@ def fp8_prefill_supported(device: torch.device) -> bool:
 class Plan:
     """The path of one call: tiles, whether routed slots skip the sort, whether GEMM2 writes the output
     itself (fused_out) and whether the prep kernel aligns the tokens."""
+
     cfg: MoeConfig
     nosort: bool
     fused_out: bool
@@ -41,8 +53,17 @@ class Plan:
         return self.cfg.fp8 > 0
 
 
-def plan(p: PreparedMoE, t: int, k: int, h: int, cfg: Optional[MoeConfig], nosort: Optional[bool],
-         fused_out: Optional[bool], fp8_prefill: bool, device: torch.device) -> Plan:
+def plan(
+    p: PreparedMoE,
+    t: int,
+    k: int,
+    h: int,
+    cfg: Optional[MoeConfig],
+    nosort: Optional[bool],
+    fused_out: Optional[bool],
+    fp8_prefill: bool,
+    device: torch.device,
+) -> Plan:
     inter, n = p.w2.shape[2], t * k
     cfg = cfg or default_config(t, fp8_prefill and p.w_fp8 and fp8_prefill_supported(device))
     if cfg.fp8 and (h % FP8_BLOCK_K or inter % FP8_BLOCK_K or not p.fp8_weights_fit()):
@@ -87,6 +108,7 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """The in-kernel alignment alone (prep program 0); same outputs as align_tokens (tests)."""
     from runtime.moe.triton import kernels as K
+
     n = topk_ids.numel()
     nblk = max_blocks(n, num_experts, block_m)
     ep = next_pow2(num_experts + 1)
@@ -95,9 +117,32 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     expert_ids = torch.empty(nblk, dtype=torch.int32, device=dev)
     cursor = torch.empty(ep, dtype=torch.int32, device=dev)
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
-    K.prep_kernel[(1,)](dummy, dummy, dummy, dummy, dummy, topk_ids.contiguous(), sorted_ids, expert_ids, cursor,
-                        0, 1, n, num_experts, nblk, 1, DO_ALIGN=True, QUANT=int(Quant.NONE), ZERO_OUT=False,
-                        HP=16, BM=block_m, EP=ep, C=64, CB=128, num_warps=8)
+    K.prep_kernel[(1,)](
+        dummy,
+        dummy,
+        dummy,
+        dummy,
+        dummy,
+        topk_ids.contiguous(),
+        sorted_ids,
+        expert_ids,
+        cursor,
+        0,
+        1,
+        n,
+        num_experts,
+        nblk,
+        1,
+        DO_ALIGN=True,
+        QUANT=int(Quant.NONE),
+        ZERO_OUT=False,
+        HP=16,
+        BM=block_m,
+        EP=ep,
+        C=64,
+        CB=128,
+        num_warps=8,
+    )
     return sorted_ids, expert_ids
 
 
@@ -109,8 +154,10 @@ def _fused_out_scratch(device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]
     key = (str(device), hidden)
     buf = _out_scratch.get(key)
     if buf is None:
-        buf = (torch.zeros(FUSED_OUT_MAX_TOKENS * hidden, dtype=torch.float32, device=device),
-               torch.zeros(FUSED_OUT_MAX_TOKENS * ((hidden + 15) // 16), dtype=torch.int32, device=device))
+        buf = (
+            torch.zeros(FUSED_OUT_MAX_TOKENS * hidden, dtype=torch.float32, device=device),
+            torch.zeros(FUSED_OUT_MAX_TOKENS * ((hidden + 15) // 16), dtype=torch.int32, device=device),
+        )
         _out_scratch[key] = buf
     return buf
 
@@ -122,8 +169,13 @@ def _alignment(pl: Plan, topk_ids: torch.Tensor, e: int, ep: int):
         return n, bm, topk_ids, topk_ids, topk_ids
     nblk = max_blocks(n, e, bm)
     if pl.in_kernel_align:  # filled by the prep kernel
-        return (nblk, nblk * bm, torch.empty(nblk * bm, dtype=torch.int32, device=dev),
-                torch.empty(nblk, dtype=torch.int32, device=dev), torch.empty(ep, dtype=torch.int32, device=dev))
+        return (
+            nblk,
+            nblk * bm,
+            torch.empty(nblk * bm, dtype=torch.int32, device=dev),
+            torch.empty(nblk, dtype=torch.int32, device=dev),
+            torch.empty(ep, dtype=torch.int32, device=dev),
+        )
     sorted_ids, expert_ids = align_tokens(topk_ids, e, bm)
     return nblk, nblk * bm, sorted_ids, expert_ids, sorted_ids
 
@@ -137,10 +189,19 @@ def _weights(p: PreparedMoE, pl: Plan, fp8_row_scale: bool):
     return w13, s13, w2, s2, mode, mode
 
 
-def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-              routed_scaling_factor: float, cfg: MoeConfig | None = None, nosort: bool | None = None,
-              fused_out: bool | None = None, fp8_prefill: bool = True,
-              fp8_row_scale: bool = FP8_ROW_SCALE, act_quant=None) -> torch.Tensor:
+def fused_moe(
+    p: PreparedMoE,
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    routed_scaling_factor: float,
+    cfg: MoeConfig | None = None,
+    nosort: bool | None = None,
+    fused_out: bool | None = None,
+    fp8_prefill: bool = True,
+    fp8_row_scale: bool = FP8_ROW_SCALE,
+    act_quant=None,
+) -> torch.Tensor:
     """hidden [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in hidden's dtype.
 
     cfg / nosort / fused_out override the path choice (tests, benchmarks; cfg.fp8 runs the sorted path);
@@ -148,6 +209,7 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     scale per row, else per (row, 128 K). act_quant: a function applied to GEMM1's output rows before GEMM2
     reads them (the serving numerics' MXFP8 intermediate; W8A16 path only)."""
     from runtime.moe.triton import kernels as K
+
     (t, h), k, e, dev = hidden.shape, topk_ids.shape[1], p.num_experts, hidden.device
     inter, n = p.w2.shape[2], t * topk_ids.shape[1]
     pl = plan(p, t, k, h, cfg, nosort, fused_out, fp8_prefill, dev)
@@ -173,10 +235,31 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     xscale = torch.empty(t, dtype=torch.float32, device=dev)
     if pl.in_kernel_align or quant_x != Quant.NONE or not pl.fused_out:
         K.prep_kernel[(t + int(pl.in_kernel_align),)](
-            hidden, xq, xq[-1], xscale, out, topk_ids, sorted_ids, expert_ids, cursor,
-            t, h, n, e, nblk, hidden.stride(0),
-            DO_ALIGN=pl.in_kernel_align, QUANT=int(quant_x), ZERO_OUT=not pl.fused_out, HP=next_pow2(h),
-            BM=cfg.bm, EP=ep, C=64, CB=128, num_warps=8)
+            hidden,
+            xq,
+            xq[-1],
+            xscale,
+            out,
+            topk_ids,
+            sorted_ids,
+            expert_ids,
+            cursor,
+            t,
+            h,
+            n,
+            e,
+            nblk,
+            hidden.stride(0),
+            DO_ALIGN=pl.in_kernel_align,
+            QUANT=int(quant_x),
+            ZERO_OUT=not pl.fused_out,
+            HP=next_pow2(h),
+            BM=cfg.bm,
+            EP=ep,
+            C=64,
+            CB=128,
+            num_warps=8,
+        )
     w13, s13, w2, s2, wmode1, wmode2 = _weights(p, pl, fp8_row_scale)
     ss13 = (s13.stride(0), s13.stride(1)) if p.w_fp8 else (0, 0)
     ss2 = (s2.stride(0), s2.stride(1)) if p.w_fp8 else (0, 0)
@@ -185,12 +268,42 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     act = torch.empty((maxp, inter), dtype=act_dtype, device=dev)
     n1 = inter // cfg.bn1
     K.gemm1_swiglu_kernel[(nblk * n1,)](
-        xq, t * h, xscale, w13, s13, p.shift13, p.epi13, p.alpha, p.beta, p.limit,
-        sorted_ids, expert_ids, act, n, h, inter, e, n1,
-        xq.stride(1), w13.stride(0), w13.stride(1), *ss13,
-        TOPK=k, WMODE=int(wmode1), PRESCALED=quant_x != Quant.NONE, TERMS=cfg.fp8, SWAP=cfg.swap1 and not pl.fp8,
-        BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, NOSORT=pl.nosort, USE_PDL=bool(pdl),
-        num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl)
+        xq,
+        t * h,
+        xscale,
+        w13,
+        s13,
+        p.shift13,
+        p.epi13,
+        p.alpha,
+        p.beta,
+        p.limit,
+        sorted_ids,
+        expert_ids,
+        act,
+        n,
+        h,
+        inter,
+        e,
+        n1,
+        xq.stride(1),
+        w13.stride(0),
+        w13.stride(1),
+        *ss13,
+        TOPK=k,
+        WMODE=int(wmode1),
+        PRESCALED=quant_x != Quant.NONE,
+        TERMS=cfg.fp8,
+        SWAP=cfg.swap1 and not pl.fp8,
+        BM=cfg.bm,
+        BN=cfg.bn1,
+        BK=cfg.bk1,
+        NOSORT=pl.nosort,
+        USE_PDL=bool(pdl),
+        num_warps=cfg.warps1,
+        num_stages=cfg.stages1,
+        **pdl,
+    )
     if act_quant is not None:
         if pl.fp8:
             raise ValueError("act_quant runs on the W8A16 path only (the FP8 path quantizes act itself)")
@@ -198,19 +311,59 @@ def fused_moe(p: PreparedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk
     if pl.fp8:  # act -> [terms, MAXP, I] e4m3 + per-row 2^m
         aq = torch.empty((cfg.fp8, maxp, inter), dtype=torch.float8_e4m3fn, device=dev)
         ascale = torch.empty(maxp, dtype=torch.float32, device=dev)
-        K.quant_rows_kernel[(maxp,)](act, aq, aq[-1], ascale, sorted_ids, n, inter,
-                                     QUANT=int(Quant.e4m3(cfg.fp8)), DP=next_pow2(inter), USE_PDL=bool(pdl),
-                                     num_warps=8, **pdl)
+        K.quant_rows_kernel[(maxp,)](
+            act,
+            aq,
+            aq[-1],
+            ascale,
+            sorted_ids,
+            n,
+            inter,
+            QUANT=int(Quant.e4m3(cfg.fp8)),
+            DP=next_pow2(inter),
+            USE_PDL=bool(pdl),
+            num_warps=8,
+            **pdl,
+        )
         act = aq
     else:
         act, ascale = act[None], xscale
     n2 = h // cfg.bn2
     K.gemm2_reduce_kernel[(nblk * n2,)](
-        act, maxp * inter, ascale, w2, s2, p.shift2, p.epi2, topk_w, out, sorted_ids, expert_ids,
-        n, inter, h, e, float(routed_scaling_factor), n2,
-        w2.stride(0), w2.stride(1), *ss2,
-        TOPK=k, WMODE=int(wmode2), TERMS=cfg.fp8, SWAP=cfg.swap2 and not pl.fp8,
-        BM=cfg.bm, BN=cfg.bn2, BK=cfg.bk2, y_ptr=y if pl.fused_out else out,
-        count_ptr=out_counts if pl.fused_out else out, NOSORT=pl.nosort, FUSED_OUT=pl.fused_out,
-        USE_PDL=bool(pdl), num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl)
+        act,
+        maxp * inter,
+        ascale,
+        w2,
+        s2,
+        p.shift2,
+        p.epi2,
+        topk_w,
+        out,
+        sorted_ids,
+        expert_ids,
+        n,
+        inter,
+        h,
+        e,
+        float(routed_scaling_factor),
+        n2,
+        w2.stride(0),
+        w2.stride(1),
+        *ss2,
+        TOPK=k,
+        WMODE=int(wmode2),
+        TERMS=cfg.fp8,
+        SWAP=cfg.swap2 and not pl.fp8,
+        BM=cfg.bm,
+        BN=cfg.bn2,
+        BK=cfg.bk2,
+        y_ptr=y if pl.fused_out else out,
+        count_ptr=out_counts if pl.fused_out else out,
+        NOSORT=pl.nosort,
+        FUSED_OUT=pl.fused_out,
+        USE_PDL=bool(pdl),
+        num_warps=cfg.warps2,
+        num_stages=cfg.stages2,
+        **pdl,
+    )
     return y if pl.fused_out else out.to(hidden.dtype)

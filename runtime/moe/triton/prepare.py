@@ -2,6 +2,7 @@
 and the rebase to one power-of-two scale per row that replaces the MXFP8 tensors where it is exact enough.
 Why each guard exists: the docstring of runtime/moe/triton/kernels.py; measurements: docs/moe-backends.md.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,6 @@ def weight_shifts(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return torch.tensor(shifts, dtype=torch.int32), fp16_ok
 
 
-
-
 ROW_SCALE_MAX_OCTAVES = 13  # see row_scale_ok
 
 
@@ -65,7 +64,9 @@ def row_scale_ok(scale: torch.Tensor) -> bool:
     return True
 
 
-def rebase_fp8(q: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK_K) -> tuple[torch.Tensor, torch.Tensor]:
+def rebase_fp8(
+    q: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK_K
+) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 (q [E, N, K] e4m3, scale [E, N, K/32] uint8) -> block FP8 for the fp8 MMA: (q' [E, N, K]
     e4m3, sc [E, N, K/block] fp32) with sc = 2^(S-127), S the largest of the block's scale bytes,
     and q' = rne_e4m3(q * 2^(s-S)). The shift is exact wherever the shifted value stays in e4m3's normal
@@ -94,13 +95,14 @@ def act_fp16_ok(alpha: torch.Tensor, beta: torch.Tensor, limit: torch.Tensor) ->
     if not bool((a > 0).all()):
         return False
     bound = torch.maximum(lim, 0.2785 / a) * (lim + b.abs())
-    return bool((bound < 2.0 ** ACT_FP16_MAX_LOG2).all())
+    return bool((bound < 2.0**ACT_FP16_MAX_LOG2).all())
 
 
 @dataclass
 class PreparedMoE:
     """Device tensors the kernels read: the caller's tensors, or (rebased) the experts rebased at load to
     one power-of-two scale per row, which replace them (the caller's copy can then be freed)."""
+
     w13: torch.Tensor  # [E, 2I, H] float8_e4m3fn (or bf16 for the benchmark baseline)
     w13_scale: torch.Tensor  # [E, 2I, H/32] uint8 (dummy for bf16); rebased: [E, 2I, 1] fp32 row scales
     w2: torch.Tensor  # [E, H, I]
@@ -137,11 +139,17 @@ class PreparedMoE:
             self.fp8_blocks = None  # switching row_scale frees the other copy first
             rows = row_scale and row_scale_ok(self.w13_scale) and row_scale_ok(self.w2_scale)
             if row_scale and not rows:
-                log.info("FP8 prefill: a weight row spans more than %d octaves of MXFP8 scales; this layer "
-                         "keeps one scale per 128 K", ROW_SCALE_MAX_OCTAVES)
+                log.info(
+                    "FP8 prefill: a weight row spans more than %d octaves of MXFP8 scales; this layer "
+                    "keeps one scale per 128 K",
+                    ROW_SCALE_MAX_OCTAVES,
+                )
             b13 = self.w13.shape[2] if rows else FP8_BLOCK_K
             b2 = self.w2.shape[2] if rows else FP8_BLOCK_K
-            self.fp8_blocks = (*rebase_fp8(self.w13, self.w13_scale, b13), *rebase_fp8(self.w2, self.w2_scale, b2))
+            self.fp8_blocks = (
+                *rebase_fp8(self.w13, self.w13_scale, b13),
+                *rebase_fp8(self.w2, self.w2_scale, b2),
+            )
             self.fp8_row_scale, self.fp8_requested = rows, row_scale
         return self.fp8_blocks
 
@@ -152,9 +160,14 @@ class PreparedMoE:
         if self.fp8_blocks is not None or self.rebased:
             return True
         need = (self.w13.numel() + self.w2.numel()) * (1 + 4 / FP8_BLOCK_K)  # e4m3 + fp32 per 128
-        return has_room(self.w13.device, need, FP8_COPY_MARGIN, _FP8_NO_ROOM_WARNED,
-                        "FP8 prefill path off: its rebased expert copy needs %.1f GB per layer, %.1f GB "
-                        "free; prefill runs on the W8A16 path (same results, slower)")
+        return has_room(
+            self.w13.device,
+            need,
+            FP8_COPY_MARGIN,
+            _FP8_NO_ROOM_WARNED,
+            "FP8 prefill path off: its rebased expert copy needs %.1f GB per layer, %.1f GB "
+            "free; prefill runs on the W8A16 path (same results, slower)",
+        )
 
     @staticmethod
     def _wmode(w_fp8: bool, fp16: bool, shift: torch.Tensor) -> WMode:
@@ -204,9 +217,14 @@ def rebase_fits(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the device has room for the rebase (rebase_bytes, REBASE_MARGIN): until the layer drops the
     stored tensors both copies are resident, so a GPU packed to its weight budget could otherwise run out
     of memory at load. Without room the layer keeps the stored layout (same results, slower decode)."""
-    return has_room(w13.device, rebase_bytes(w13, w2), REBASE_MARGIN, _REBASE_NO_ROOM_WARNED,
-                    f"MoE experts kept as stored on {w13.device}: rebasing a layer at load needs %.1f GB free "
-                    "for a moment, %.1f GB are; decode runs on the stored layout (same results, slower)")
+    return has_room(
+        w13.device,
+        rebase_bytes(w13, w2),
+        REBASE_MARGIN,
+        _REBASE_NO_ROOM_WARNED,
+        f"MoE experts kept as stored on {w13.device}: rebasing a layer at load needs %.1f GB free "
+        "for a moment, %.1f GB are; decode runs on the stored layout (same results, slower)",
+    )
 
 
 def prepare(w13, w13_scale, w2, w2_scale, alpha, beta, limit, rebase: bool = True) -> PreparedMoE:
@@ -218,13 +236,40 @@ def prepare(w13, w13_scale, w2, w2_scale, alpha, beta, limit, rebase: bool = Tru
     moment (rebase_fits). Otherwise (or rebase=False) it keeps references to the stored tensors."""
     dev, e = w13.device, w13.shape[0]
     w_fp8 = w13_scale is not None
-    if (w_fp8 and rebase and act_fp16_ok(alpha, beta, limit) and row_scale_ok(w13_scale)
-            and row_scale_ok(w2_scale) and rebase_fits(w13, w2)):
+    if (
+        w_fp8
+        and rebase
+        and act_fp16_ok(alpha, beta, limit)
+        and row_scale_ok(w13_scale)
+        and row_scale_ok(w2_scale)
+        and rebase_fits(w13, w2)
+    ):
         w13, s13 = rebase_fp8(w13, w13_scale, w13.shape[2])  # [E, 2I, H] e4m3, [E, 2I, 1] fp32
         w2, s2 = rebase_fp8(w2, w2_scale, w2.shape[2])
-        zero, one = torch.zeros(e, dtype=torch.int32, device=dev), torch.ones(e, dtype=torch.float32, device=dev)
-        return PreparedMoE(w13, s13, w2, s2, alpha, beta, limit, True, True, True, zero, zero, one, one,
-                           WMode.REBASED, WMode.REBASED, fp8_row_scale=True, rebased=True)
+        zero, one = (
+            torch.zeros(e, dtype=torch.int32, device=dev),
+            torch.ones(e, dtype=torch.float32, device=dev),
+        )
+        return PreparedMoE(
+            w13,
+            s13,
+            w2,
+            s2,
+            alpha,
+            beta,
+            limit,
+            True,
+            True,
+            True,
+            zero,
+            zero,
+            one,
+            one,
+            WMode.REBASED,
+            WMode.REBASED,
+            fp8_row_scale=True,
+            rebased=True,
+        )
     if w_fp8:
         d13, ok13 = weight_shifts(w13_scale)
         d2, ok2 = weight_shifts(w2_scale)
@@ -236,6 +281,21 @@ def prepare(w13, w13_scale, w2, w2_scale, alpha, beta, limit, rebase: bool = Tru
     d13 = d13 if ok13 else torch.zeros_like(d13)  # the bf16 path decodes the raw bytes
     d2 = d2 if ok2 else torch.zeros_like(d2)
     pow2 = lambda t: torch.ldexp(torch.ones(e, dtype=torch.float32), t.float()).to(dev)
-    return PreparedMoE(w13, w13_scale, w2, w2_scale, alpha, beta, limit, w_fp8, ok13, ok2,
-                       d13.to(dev), d2.to(dev), pow2(d13), pow2(d2),
-                       PreparedMoE._wmode(w_fp8, ok13, d13), PreparedMoE._wmode(w_fp8, ok2, d2))
+    return PreparedMoE(
+        w13,
+        w13_scale,
+        w2,
+        w2_scale,
+        alpha,
+        beta,
+        limit,
+        w_fp8,
+        ok13,
+        ok2,
+        d13.to(dev),
+        d2.to(dev),
+        pow2(d13),
+        pow2(d2),
+        PreparedMoE._wmode(w_fp8, ok13, d13),
+        PreparedMoE._wmode(w_fp8, ok2, d2),
+    )

@@ -5,6 +5,7 @@ MiniMax-M3 converter providing every protocol member, and callers using nothing 
 import ast
 import inspect
 import json
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -70,9 +71,8 @@ def test_missing_model_type_and_non_object_config():
 def test_convert_refuses_an_unknown_architecture_with_exit_2(tiny_vendor, tmp_path):
     src = tmp_path / "llama"
     src.mkdir()
-    for f in tiny_vendor.iterdir():
-        (src / f.name).symlink_to(f)
-    (src / "config.json").unlink()
+    for f in tiny_vendor.iterdir():  # copies: a symlink pointing out of the folder is refused on its own
+        shutil.copy(f, src / f.name)
     (src / "config.json").write_text(json.dumps({**vendor_config(), "model_type": "llama"}))
     res = CliRunner().invoke(cli, ["convert", str(src), "--output", str(tmp_path / "out")])
     assert res.exit_code == 2, res.output

@@ -41,11 +41,14 @@ def present(path: Path, error: Type[PorterError], what: str = "file") -> bool:
 
 def inside(folder: Path, name, error: Type[PorterError], named_by: str = "") -> Path:
     """folder / name, refused unless it resolves to a path inside the resolved `folder` (no `..`, no
-    absolute path, no symlink pointing out)."""
+    absolute path, no symlink pointing out). A Hugging Face cache snapshot (.../snapshots/<commit>/) holds
+    symlinks into its repo's blobs/: there the repo's cache folder is the bound."""
     by = f" (named in {named_by})" if named_by else ""
     if not isinstance(name, str) or not name or "\x00" in name:
         raise error(f"{folder}: file name {name!r}{by} is not a file name; re-create that file")
     root = Path(folder).resolve()
+    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
+        root = root.parent.parent
     p = Path(folder) / name
     try:
         target = p.resolve(strict=False)

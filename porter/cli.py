@@ -321,7 +321,7 @@ class FiniteFloat(click.ParamType):
 
 def _threshold_help(name: str) -> str:
     from porter.commands.verify import SCOPE_DEFAULTS, Thresholds
-    from porter.commands.verify.verdict import threshold_range_text
+    from porter.commands.verify.thresholds import threshold_range_text
 
     per = ", ".join(f"{getattr(Thresholds.build(None, sc), name):g} ({sc})" for sc in SCOPE_DEFAULTS)
     serving = ", ".join(
@@ -340,7 +340,7 @@ def _threshold_options(f):
     from dataclasses import fields
 
     from porter.commands.verify import Thresholds
-    from porter.commands.verify.verdict import THRESHOLD_RANGES
+    from porter.commands.verify.thresholds import THRESHOLD_RANGES
 
     for t in reversed([t for t in fields(Thresholds) if t.type in (float, "float")]):
         f = click.option(

@@ -21,7 +21,7 @@ import porter
 from porter.cli import FiniteFloat, main
 from porter.cli import verify as verify_command
 from porter.commands.verify import Thresholds, VerifyInputError, verify
-from porter.commands.verify.verdict import figure_table
+from porter.commands.verify.thresholds import figure_table
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 

@@ -23,6 +23,7 @@ from porter.source import INDEX_NAME
 
 log = logging.getLogger("porter")
 
+
 JOURNAL = ".porter-journal.json"
 
 

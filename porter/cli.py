@@ -13,86 +13,22 @@ import traceback
 
 import click
 
-from porter.devices import DEVICE_HELP, resolve_device
+from porter.cli_options import (
+    VERIFY_HELP,
+    _common,
+    _device_option,
+    _echo_error,
+    _hub_options,
+    _setup_logging,
+    _threshold_options,
+)
+from porter.devices import resolve_device
 from porter.errors import EXIT_INTERNAL, PorterError
 from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
 
 log = logging.getLogger("porter")
 
 EXIT_INTERRUPTED = 130
-
-
-class _AboveBars(logging.StreamHandler):
-    """Log lines go above any progress bar (tqdm.write), never glued onto its end."""
-
-    def emit(self, record):
-        from tqdm import tqdm
-
-        try:
-            tqdm.write(self.format(record), file=sys.stderr)
-        except Exception:  # noqa: BLE001 — logging must never raise
-            self.handleError(record)
-
-
-def _setup_logging(verbose: int, quiet: bool) -> None:
-    level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO)
-    handler = _AboveBars(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s" if verbose else "%(message)s"))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
-    if quiet:  # huggingface_hub's download bars as well as porter's
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
-
-
-def _close_bars() -> None:
-    """Progress bars still open when a command fails are closed before its message is printed."""
-    from tqdm import tqdm
-
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
-
-
-def _echo_error(text: str) -> None:
-    _close_bars()
-    click.echo(text, err=True)
-
-
-def _verbosity(ctx, param, value):
-    """-v / -q given after a subcommand's name count the same as before it."""
-    root = ctx.find_root()
-    root.obj = root.obj or {"verbose": 0, "quiet": False}
-    if param.name == "verbose" and value:
-        root.obj["verbose"] += value
-    elif param.name == "quiet" and value:
-        root.obj["quiet"] = True
-    else:
-        return
-    _setup_logging(root.obj["verbose"], root.obj["quiet"])
-
-
-def _common(f):
-    """Options every subcommand takes, in either position."""
-    f = click.option(
-        "-q",
-        "--quiet",
-        is_flag=True,
-        expose_value=False,
-        callback=_verbosity,
-        help="Only warnings and errors; no progress bars.",
-    )(f)
-    return click.option(
-        "-v",
-        "--verbose",
-        count=True,
-        expose_value=False,
-        callback=_verbosity,
-        help="More logging; show tracebacks on errors.",
-    )(f)
-
-
-def _device_option(what: str):
-    return click.option("--device", default="auto", show_default=True, help=f"{what}: {DEVICE_HELP}.")
 
 
 def _one_line(e: BaseException) -> str:
@@ -137,23 +73,6 @@ def main(ctx, verbose, quiet):
     Exit codes: 0 ok, 1 not faithful (verify), 2 bad input, 3 internal error."""
     ctx.obj = {"verbose": verbose, "quiet": quiet}
     _setup_logging(verbose, quiet)
-
-
-def _hub_options(f):
-    """--token and --cache-dir, for every command that reads the Hugging Face Hub."""
-    f = click.option(
-        "--cache-dir",
-        type=click.Path(file_okay=False),
-        default=None,
-        help="Hugging Face cache folder for repo ids [default: HF_HUB_CACHE, else HF_HOME/hub].",
-    )(f)
-    return click.option(
-        "--token",
-        default=None,
-        metavar="TOKEN",
-        help="Hugging Face token for gated or private repos [default: HF_TOKEN, else the "
-        "stored login]. On a shared machine prefer HF_TOKEN: arguments show in `ps`.",
-    )(f)
 
 
 @main.command()
@@ -288,90 +207,6 @@ def inspect_command(ctx, path, as_json):
 
     report = _run(ctx, lambda: inspect(path))
     click.echo(json.dumps(report, indent=1) if as_json else render(report))
-
-
-class FiniteFloat(click.ParamType):
-    """A finite float in [lo, hi] (hi None: no upper bound). click.FloatRange lets nan and inf through,
-    and a nan threshold compares false with everything: every check would pass."""
-
-    name = "float"
-
-    def __init__(self, lo: float, hi=None):
-        self.lo, self.hi = lo, hi
-
-    def convert(self, value, param, ctx):
-        import math
-
-        try:
-            x = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number", param, ctx)
-        if not math.isfinite(x) or x < self.lo or (self.hi is not None and x > self.hi):
-            want = (
-                f"a finite number >= {self.lo:g}"
-                if self.hi is None
-                else f"a number in [{self.lo:g}, {self.hi:g}]"
-            )
-            self.fail(f"{value!r} is not {want}", param, ctx)
-        return x
-
-    def __repr__(self) -> str:
-        return f"FiniteFloat({self.lo}, {self.hi})"
-
-
-def _threshold_help(name: str) -> str:
-    from porter.commands.verify import SCOPE_DEFAULTS, Thresholds
-    from porter.commands.verify.verdict import threshold_range_text
-
-    per = ", ".join(f"{getattr(Thresholds.build(None, sc), name):g} ({sc})" for sc in SCOPE_DEFAULTS)
-    serving = ", ".join(
-        f"{getattr(Thresholds.build(None, sc, 'serving'), name):g} ({sc})"
-        for sc in SCOPE_DEFAULTS
-        if sc != "none"
-    )
-    return (
-        f"Default by the artifact's quantize scope: {per}; with --numerics serving: {serving}; "
-        f"{threshold_range_text(name)}."
-    )
-
-
-def _threshold_options(f):
-    """One --max-*/--min-* flag per float field of Thresholds (in field order), its defaults in the help."""
-    from dataclasses import fields
-
-    from porter.commands.verify import Thresholds
-    from porter.commands.verify.verdict import THRESHOLD_RANGES
-
-    for t in reversed([t for t in fields(Thresholds) if t.type in (float, "float")]):
-        f = click.option(
-            "--" + t.name.replace("_", "-"),
-            type=FiniteFloat(*THRESHOLD_RANGES[t.name]),
-            default=None,
-            help=_threshold_help(t.name),
-        )(f)
-    return f
-
-
-VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
-
-    \b
-    What it proves:
-    1. integrity: the files are what porter.json says (chunked shard digests, headers, index, scale bytes, config);
-    2. bytes: every tensor re-derived from the source (verify's own source->artifact mapping table, not the
-       converter's plan) with porter.format.mxfp8 and the recorded scale rule: e4m3 and scale bytes identical,
-       unquantized tensors bit-identical; mismatching 32-blocks named per tensor and expert;
-    3. numerics with the same runtime: per-layer agreement of the residual stream, logits KL/top-1/top-5 on
-       the prompts; the converted model's greedy continuation scored by one teacher-forced reference pass.
-
-    \b
-    What it does not prove: that porter's runtime computes MiniMax-M3 correctly (both models run through
-    it; that is checked by the oracle tests against transformers), nor that the source checkpoint is right.
-
-    The table and the JSON report mark which figures decide the verdict (with their threshold) and which
-    are information only: docs/verify.md, "Reading the report".
-
-    Exit 0 faithful, 1 not faithful (the tensor, expert or layer is named), 2 bad input, 3 internal error.
-    """
 
 
 @main.command("verify", help=VERIFY_HELP)

@@ -57,7 +57,7 @@ def sibling_of(module: str, layer_: int):
 
 
 def layer(module: str) -> int:
-    if module in ("porter", "porter.cli", "porter.__main__"):
+    if module in ("porter", "porter.cli", "porter.cli_options", "porter.__main__"):
         return CLI
     if module in BASE_MODULES:
         return BASE

@@ -358,7 +358,7 @@ def test_index_kernels_equal_the_torch_indexer():
 
     from runtime.cache import Step
     from runtime.kernels import fused
-    from runtime.models.minimax_m3 import Indexer
+    from runtime.models.indexer import Indexer
 
     g = torch.Generator(device="cuda").manual_seed(4)
     B, ni, di, S, block, topk = 3, 4, 128, 8192, 128, 16

@@ -18,10 +18,11 @@ from tiny_checkpoint import build_tiny_checkpoint
 from verify_tamper import copy_artifact, flip_byte
 
 import porter
-from porter.cli import FiniteFloat, main
+from porter.cli import main
 from porter.cli import verify as verify_command
+from porter.cli_options import FiniteFloat
 from porter.commands.verify import Thresholds, VerifyInputError, verify
-from porter.commands.verify.verdict import figure_table
+from porter.commands.verify.thresholds import figure_table
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 

@@ -26,7 +26,7 @@ from porter.source import INDEX_NAME
 from porter.source.local import read_header, weight_files
 
 WORST = 10
-JOURNAL = ".porter-journal.json"  # an interrupted `porter convert` (porter.commands.convert.JOURNAL)
+JOURNAL = ".porter-journal.json"  # an interrupted `porter convert` (porter.commands.convert.output.JOURNAL)
 _SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
 _SCALE = re.compile(r"(\.weight|_weight)_scale(_inv)?$")
 _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})(/|$)")

@@ -10,7 +10,7 @@ Steps (one module each; what each proves and what it does not: docs/verify.md):
    error as a second opinion.
 3. generation.py + numerics.py — the converted model generates; one teacher-forced pass of both models
    (same runtime) gives per-layer agreement, logits agreement and the continuation's scores.
-4. verdict.py — thresholds, failures, the report (report.py: table, JSON, plot).
+4. thresholds.py, verdict.py — thresholds, failures, the report (report.py: table, JSON, plot).
 Exit codes (CLI): 0 faithful, 1 not faithful, 2 bad input (VerifyInputError and other PorterErrors),
 3 internal error.
 """
@@ -42,24 +42,25 @@ from porter.commands.verify.integrity import check_integrity
 from porter.commands.verify.mapping import ArtifactReader, Mapping, ReferenceStore, SourceShards
 from porter.commands.verify.numerics import compare_models
 from porter.commands.verify.report import format_table, write_outputs
-from porter.commands.verify.verdict import (
+from porter.commands.verify.thresholds import (
     NUMERICS,
     SCOPE_DEFAULTS,
     SERVING_DEFAULTS,
+    Thresholds,
+    numerics_runs,
+)
+from porter.commands.verify.verdict import (
     Failure,
     LayerRow,
     NumericsRun,
     Report,
     StreamingInfo,
-    Thresholds,
-    VerifyInputError,
     VerifyResult,
     conclude,
     judge_exact,
     judge_numerics,
-    numerics_runs,
 )
-from porter.errors import PorterError
+from porter.errors import PorterError, VerifyInputError
 from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import dtype_name
 
@@ -115,7 +116,7 @@ def verify(
     prompts: list of strings (default: DEFAULT_PROMPT). reference: dir or repo id (default: porter.json's
     source). max_new_tokens: greedy tokens of the converted model (None: 16 when it fits the device, else 0).
     report / plot: file paths (their folders must exist). thresholds: Thresholds or {name: value} (finite,
-    in range: verdict.THRESHOLD_RANGES). streaming: "auto" | True | False (layer streaming of the
+    in range: thresholds.THRESHOLD_RANGES). streaming: "auto" | True | False (layer streaming of the
     teacher-forced pass). device_map: "auto" spreads the converted model over every visible GPU when
     device is a bare "cuda" and there are several; None keeps it on `device`. token / cache_dir: Hugging Face
     token and cache folder when the reference is a repo id (None: HF_TOKEN / HF_HOME).

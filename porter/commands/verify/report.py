@@ -1,13 +1,14 @@
 """Terminal table of a `porter verify` report, and the optional JSON / plot outputs.
 
 Every figure says whether it decides the verdict (its threshold and flag beside it) or is information
-only; the JSON report's `figures` says the same per key (verdict.FIGURES)."""
+only; the JSON report's `figures` says the same per key (thresholds.FIGURES)."""
 
 from __future__ import annotations
 
 import logging
 
-from porter.commands.verify.verdict import Report, experts_text, more_line, option_name, threshold_rule
+from porter.commands.verify.thresholds import option_name, threshold_rule
+from porter.commands.verify.verdict import Report, experts_text, more_line
 
 SHOWN = 20  # lines of a cut list (integrity issues, differing tensors) before "... and N more"
 LAYER_LEGEND = [

@@ -1,0 +1,235 @@
+"""The output folder of `porter convert`: what may be reused or replaced, the journal that lets `--resume` skip
+finished shards, and the checks that a finished shard is intact."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+from porter.commands.convert.plan import COPY_FILES, Plan, fingerprint
+from porter.engine import fault_point, output_guard
+from porter.errors import ConvertError, MalformedSafetensors, PorterError
+from porter.format import manifest, model_card
+from porter.format.safe_files import read_json_object
+from porter.format.safetensors_io import (
+    SHARD_METADATA,
+    atomic_write_text,
+    file_digests,
+    header_bytes,
+)
+from porter.source import INDEX_NAME
+
+log = logging.getLogger("porter")
+
+
+JOURNAL = ".porter-journal.json"
+
+
+def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: int = 1) -> Optional[dict]:
+    """Returns the shards already complete (for --resume) as {file: journal record}; None when --resume
+    finds this very conversion already complete (nothing to do)."""
+    fp = fingerprint(plan)
+    journal = _read_journal(out)
+    if output_guard.has_content(out):
+        if resume and _complete_fingerprint(out) == fp:
+            done = _intact_finished_shards(out, plan, workers)
+            if len(done) == len(plan.shards):
+                (out / JOURNAL).unlink(missing_ok=True)  # a crash after the index, before this cleanup
+                log.info(
+                    "resume: %s is already complete (same source, options and porter version; every "
+                    "shard matches porter.json's digest); nothing to do",
+                    out,
+                )
+                return None
+            # journal first, then drop the index: the output reads as interrupted, never as complete
+            _write_journal(out, {**_new_journal(plan, fp), "shards": done})
+            (out / INDEX_NAME).unlink()
+            return done
+        if resume and journal.get("fingerprint") == fp:
+            return _verified_done(out, journal, workers, plan.digest)
+        if (
+            resume
+            and not journal
+            and all(
+                p.is_file() and p.name == JOURNAL + ".tmp"
+                for p in out.iterdir()
+                if p.name != output_guard.LOCK_NAME
+            )
+        ):
+            # killed before the first journal write: nothing finished, start over in place
+            log.info("resume: %s holds no finished shard yet; starting from the beginning", out)
+            (out / (JOURNAL + ".tmp")).unlink(missing_ok=True)
+            out.mkdir(parents=True, exist_ok=True)
+            _write_journal(out, _new_journal(plan, fp))
+            return {}
+        if resume:
+            raise ConvertError(_resume_mismatch(out, plan, journal))
+        if not force:
+            hint = (
+                f" (an interrupted conversion of this source is there: {len(journal.get('shards', {}))} of "
+                f"{len(plan.shards)} shards done; add --resume)"
+                if journal.get("fingerprint") == fp
+                else ""
+            )
+            foreign = output_guard.foreign_files(out, JOURNAL, _carried_names(out))
+            if foreign:  # --force would refuse too: say so now
+                raise ConvertError(
+                    f"{out}: output folder is not empty ({out / foreign[0]} was not written "
+                    "by porter); choose an empty or new --output folder"
+                )
+            raise ConvertError(f"{out}: output folder is not empty{hint}; use --force to overwrite")
+        output_guard.clear_for_force(
+            out, JOURNAL, _carried_names(out)
+        )  # only what porter wrote, else refused
+    out.mkdir(parents=True, exist_ok=True)
+    _write_journal(out, _new_journal(plan, fp))
+    return {}
+
+
+def _new_journal(plan: Plan, fp: str) -> dict:
+    """A journal with no finished shard; `source` keeps the per-file digests so a refusal can name a file."""
+    src = plan.source
+    return {
+        "fingerprint": fp,
+        "source": plan.source_digests,
+        "source_path": src.repo_id or str(src.path),
+        "shards": {},
+        "files": _planned_files(plan),
+    }
+
+
+def _resume_mismatch(out: Path, plan: Plan, journal: dict) -> str:
+    """Why --resume refuses: the first source file whose digest differs from the one the output recorded
+    (journal, or a complete artifact's index), else other options or porter version."""
+    recorded = journal.get("source")
+    if not isinstance(recorded, dict):
+        try:
+            recorded = json.loads((out / INDEX_NAME).read_text())["metadata"]["porter_source"]
+        except (OSError, ValueError, KeyError, TypeError):
+            recorded = None
+    if isinstance(recorded, dict):
+        now = plan.source_digests
+        for name in sorted(set(recorded) | set(now)):
+            if recorded.get(name) != now.get(name):
+                what = (
+                    "is new"
+                    if name not in recorded
+                    else "is gone"
+                    if now.get(name) is None
+                    else "changed (its header or sampled bytes differ)"
+                )
+                return (
+                    f"{plan.source.path / name}: --resume into {out}, but this source file {what} since "
+                    "that output was started; use --force to start over"
+                )
+    what = "options or porter version" if isinstance(recorded, dict) else "source, options or porter version"
+    return f"{out}: --resume, but what is there was made with different {what}; use --force to start over"
+
+
+def _intact_finished_shards(out: Path, plan: Plan, workers: int) -> dict:
+    """A complete artifact's shards whose size and digest still match porter.json, as journal records
+    ({file: {"header_sha256", "digest", "tensors"}}); each missing or altered shard is logged by name."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        man = manifest.read(out)
+        recorded, tensors = man["shards"], man["tensors"]
+    except (PorterError, KeyError, TypeError):
+        recorded, tensors = {}, {}
+    done = {}
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for f, _ in plan.shards:
+            rec, path = recorded.get(f) if isinstance(recorded, dict) else None, out / f
+            why = (
+                "missing"
+                if not path.is_file()
+                else "not in porter.json"
+                if not isinstance(rec, dict)
+                else None
+            )
+            if why is None and path.stat().st_size != rec.get("bytes"):
+                why = f"{path.stat().st_size} bytes, porter.json says {rec.get('bytes')}"
+            if why is None:
+                try:
+                    ok = file_digests(path, pool, chunk_hash=plan.digest).digest == rec.get("digest")
+                except (OSError, MalformedSafetensors):
+                    ok = False
+                why = None if ok else "its digest differs from porter.json's"
+            if why:
+                log.warning(
+                    "resume: %s is %s; it will be rewritten",
+                    path,
+                    why if why == "missing" else f"altered ({why})",
+                )
+                continue
+            done[f] = {
+                "header_sha256": rec["header_sha256"],
+                "digest": rec["digest"],
+                "tensors": {n: r for n, r in tensors.items() if isinstance(r, dict) and r.get("shard") == f},
+            }
+    return done
+
+
+def _planned_files(plan: Plan) -> list:
+    """Every file this conversion may write (the journal keeps the list: what --force may remove later)."""
+    copied = [n for n in COPY_FILES if (plan.source.path / n).exists()]
+    card = [model_card.CARD] + [p.name for p in model_card.license_files(plan.source.path)]
+    return [f for f, _ in plan.shards] + copied + card + ["config.json", manifest.MANIFEST, INDEX_NAME]
+
+
+def _carried_names(out: Path) -> tuple:
+    """Names a complete porter output may hold beside its shards: the copied files, model card and licenses."""
+    return (*COPY_FILES, *(p.name for p in out.iterdir() if model_card.is_card_file(p.name)))
+
+
+def _planned_bytes(plan: Plan) -> int:
+    """Disk space the output needs: every shard with its header, the copied files, and room for the JSON
+    files (porter.json holds a record of ~300 bytes per tensor)."""
+    shards = sum(len(header_bytes(es, SHARD_METADATA)) + sum(e.nbytes for e in es) for _, es in plan.shards)
+    copied = sum(
+        (plan.source.path / n).stat().st_size for n in COPY_FILES if (plan.source.path / n).is_file()
+    )
+    return shards + copied + (1 << 20) + 1024 * len(plan.tensors)
+
+
+def _complete_fingerprint(out: Path) -> Optional[str]:
+    """The fingerprint recorded in a complete artifact's index (written last); its shards are checked
+    apart (_intact_finished_shards)."""
+    try:
+        return read_json_object(out / INDEX_NAME, ConvertError, "index")["metadata"]["porter_fingerprint"]
+    except (PorterError, KeyError, TypeError):  # unreadable, not a regular file, not an artifact's index
+        return None
+
+
+def _read_journal(out: Path) -> dict:
+    try:
+        return read_json_object(out / JOURNAL, ConvertError, "journal")
+    except PorterError:  # unreadable, not a regular file or not an object: as if absent
+        return {}
+
+
+def _write_journal(out: Path, journal: dict) -> None:
+    atomic_write_text(out / JOURNAL, json.dumps(journal), before_rename=lambda: fault_point("journal-tmp"))
+    fault_point("journal")
+
+
+def _verified_done(out: Path, journal: dict, workers: int, chunk_hash: str) -> dict:
+    """The journaled shards whose bytes still hash to the digest the journal says (chunks re-hashed on every
+    worker: a shard torn by a power loss, or edited, is rewritten)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shards, done = journal.get("shards", {}), {}
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for f, rec in shards.items():
+            try:
+                intact = file_digests(out / f, pool, chunk_hash=chunk_hash).digest == rec.get("digest")
+            except (OSError, MalformedSafetensors):
+                intact = False
+            if intact:
+                done[f] = rec
+            else:
+                log.warning("resume: %s is missing or changed; it will be rewritten", f)
+    log.info("resume: %d shard(s) already complete and verified", len(done))
+    return done

@@ -2,7 +2,7 @@
 # Engine proof: vLLM and sglang load porter's `--layout hf` output through their own `load_weights`, on CPU.
 #
 # Creates its own venv (default .venv-engines, override with ENGINES_VENV) beside the project's, installs
-# CPU torch, porter with its test extra, the two engines with --no-deps (their wheels pin CUDA torch and
+# CPU torch, porter with the test tools its engine tests use, the two engines with --no-deps (their wheels pin CUDA torch and
 # other transformers versions) plus only the light dependencies their model/loader modules import, and runs
 # tests/engines (one subprocess per engine). See docs/serving-engines.md.
 set -euo pipefail
@@ -11,7 +11,7 @@ VENV="${ENGINES_VENV:-.venv-engines}"
 TORCH=torch==2.13.0
 VLLM=vllm==0.33.0
 SGLANG=sglang==0.5.23
-# every package of this venv, pinned; after changing a pin or porter's test extra, regenerate it with
+# every package of this venv, pinned; after changing a pin or porter's dependencies, regenerate it with
 #   .venv-engines/bin/pip freeze --exclude-editable | sed 's/+cpu$//'   (keep the two header lines)
 PINS=tests/engines/constraints.txt
 STAMP="$VENV/.porter-engines-installed"
@@ -22,7 +22,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   . "$VENV/bin/activate"
   # torch first and pinned throughout: an engine dependency must never swap in a CUDA build
   pip install -q -c "$PINS" "$TORCH"
-  pip install -q -c "$PINS" -e ".[test]"
+  # porter and the test tools the engine tests use (not the whole test extra: the local hub server's
+  # dependencies conflict with the engines' pins, and lint has no business here)
+  pip install -q -c "$PINS" -e . pytest "transformers==5.23.0" psutil hypothesis
   pip install -q -c "$PINS" --no-deps "$VLLM" "$SGLANG"
   # vLLM's model, config and loader modules
   pip install -q -c "$PINS" numpy safetensors psutil pyzmq urllib3 cbor2 aiohttp requests openai-harmony \

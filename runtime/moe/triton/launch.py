@@ -265,7 +265,9 @@ def fused_moe(
     ss2 = (s2.stride(0), s2.stride(1)) if p.w_fp8 else (0, 0)
     # act rows in sorted (or slot) order; bf16 before the FP8 path's quantize kernel
     act_dtype = torch.float16 if p.fp16_2 and not pl.fp8 else torch.bfloat16
-    act = torch.empty((maxp, inter), dtype=act_dtype, device=dev)
+    # act_quant rounds GEMM1's fp32 output to bf16 itself (the serving kernel's order), so it is stored so
+    store_dtype = torch.bfloat16 if act_quant is not None else act_dtype
+    act = torch.empty((maxp, inter), dtype=store_dtype, device=dev)
     n1 = inter // cfg.bn1
     K.gemm1_swiglu_kernel[(nblk * n1,)](
         xq,
@@ -307,7 +309,7 @@ def fused_moe(
     if act_quant is not None:
         if pl.fp8:
             raise ValueError("act_quant runs on the W8A16 path only (the FP8 path quantizes act itself)")
-        act.copy_(act_quant(act))  # padded rows hold junk: quantized too, never read
+        act = act_quant(act).to(act_dtype)  # e4m3 x 2^k: exact in 16 bits; padded rows junk, never read
     if pl.fp8:  # act -> [terms, MAXP, I] e4m3 + per-row 2^m
         aq = torch.empty((cfg.fp8, maxp, inter), dtype=torch.float8_e4m3fn, device=dev)
         ascale = torch.empty(maxp, dtype=torch.float32, device=dev)

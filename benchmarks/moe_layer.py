@@ -43,7 +43,7 @@ from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params  #
 from runtime.moe.torch_backend import TorchMoE  # noqa: E402
 from runtime.moe.triton import TritonMoE  # noqa: E402
 from runtime.moe.triton import config as tc  # noqa: E402
-from runtime.moe.triton import launch as tl
+from runtime.moe.triton import launch as moe_launch
 from runtime.moe.triton import prepare as tp
 
 E, H, I, TOPK = 128, 6144, 3072, 4
@@ -295,7 +295,7 @@ def main():
         cfg = paths[shipped]
         us_first, err = per_path[shipped]["us"], per_path[shipped]["rel_err_vs_torch"]
         fn = lambda: moe.forward_topk(x, ids, w, cfg)
-        twin = lambda: tl.fused_moe(bf16, x, ids, w, RSF, w8)
+        twin = lambda: moe_launch.fused_moe(bf16, x, ids, w, RSF, w8)
         us_eager = eager_time_us(fn)
         us, us_bf16, us_q, us_bf16_q, rounds = timed_rounds(fn, twin)
         us_gmm = time_any(lambda: grouped_mm_moe(x, ids, w, b13t, b2t, limit_t))
@@ -370,7 +370,7 @@ def profile_kernels(moe, bf16, t, dev):
     w = torch.full((t, TOPK), 1.0 / TOPK, device=dev)
     for name, fn in (
         ("mxfp8", lambda: moe.forward_topk(x, ids, w, tc.default_config(t, True))),
-        ("bf16", lambda: tl.fused_moe(bf16, x, ids, w, RSF, tc.default_config(t, False))),
+        ("bf16", lambda: moe_launch.fused_moe(bf16, x, ids, w, RSF, tc.default_config(t, False))),
     ):
         for _ in range(3):
             fn()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 
@@ -50,8 +49,3 @@ def resolve_dtype(spec, device: torch.device) -> torch.dtype:
     if isinstance(spec, str) and spec.lower().removeprefix("torch.") in DTYPES:
         return DTYPES[spec.lower().removeprefix("torch.")]
     raise DeviceError(f"dtype {spec!r} is not a compute dtype porter runs; use auto, {', '.join(DTYPES)}")
-
-
-def parse_device(spec: Optional[str]) -> str:
-    """The CLI's --device value, checked at once (the commands take the string on)."""
-    return str(resolve_device(spec if spec is not None else "auto"))

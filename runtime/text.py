@@ -15,8 +15,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional, Sequence
 
-import torch
-
 from porter.errors import TextError
 from porter.format.safe_files import present, read_json_object, read_text
 
@@ -124,20 +122,6 @@ class Tokenizer:
     @property
     def pad_token_id(self) -> Optional[int]:
         return None if self.pad_token is None else self.backend.token_to_id(self.pad_token)
-
-    def batch(self, texts: Sequence[str], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded ids [B, T] and attention mask [B, T] (1 real, 0 pad)."""
-        rows = [self.encode(t) for t in texts]
-        for t, r in zip(texts, rows):
-            if not r:
-                raise TextError(f"prompt {t!r} tokenizes to nothing")
-        T = max(len(r) for r in rows)
-        ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-        mask = torch.zeros(len(rows), T, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, T - len(r) :] = torch.tensor(r, dtype=torch.long)
-            mask[i, T - len(r) :] = 1
-        return ids, mask
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         """The conversation rendered by the checkpoint's chat template (jinja2 sandbox, as transformers)."""

@@ -119,3 +119,12 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.layers[0].k.shape[2]
+
+    def reset(self) -> None:
+        """Empty, in place (a captured decode step keeps these tensors): as a new cache of this size."""
+        for lc in self.layers:
+            for t in (lc.k, lc.v, lc.idx_k):
+                if t is not None:
+                    t.zero_()
+        self.next_pos.zero_()
+        self.length = 0

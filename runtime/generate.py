@@ -97,20 +97,40 @@ def _last_logits(logits: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Te
     return logits[torch.arange(B, device=logits.device), cols.argmax(1)]
 
 
-class Decoder:
-    """The decode step of one generate call: a captured graph (CUDA) or the eager forward."""
+def cache_slots(tokens: int, block: int) -> int:
+    """Slots of a reusable decode cache for `tokens` positions: rounded up to eighths of an octave (so
+    prompts of similar length share one captured step, reading at most 1/8 more cache than they need) and
+    to whole index blocks."""
+    step = max(block, 1 << max(tokens.bit_length() - 4, 0))
+    return -(-tokens // step) * step
 
-    def __init__(self, model, cache, cuda_graph: Optional[bool]):
-        self.model, self.cache, self.graph = model, cache, None
+
+class Decoder:
+    """The decode step of one generate call: a captured graph (CUDA) or the eager forward.
+
+    The cache and the graph captured over it are kept on the model (`model.decode_state`) and reused by
+    the next call with the same batch and cache size: capturing costs two eager steps plus the capture,
+    which a short call would otherwise pay again every time (docs/runtime.md)."""
+
+    def __init__(self, model, batch: int, tokens: int, cuda_graph: Optional[bool]):
+        self.model, self.graph = model, None
         wanted = model.device.type == "cuda" if cuda_graph is None else cuda_graph
-        if wanted:
-            why = model.why_no_graph()
-            if why is None:
-                self.graph = model.decode_graph(cache)
-            elif cuda_graph:
+        why = model.why_no_graph() if wanted else None
+        if wanted and why is not None:
+            if cuda_graph:
                 raise ValueError(f"cuda_graph=True: {why}")
-            else:
-                log.info("decoding eagerly: %s", why)
+            log.info("decoding eagerly: %s", why)
+        if not wanted or why is not None:
+            self.cache = model.new_cache(batch, tokens)
+            return
+        key = (batch, cache_slots(tokens, model.cfg.index_block_size))
+        state = model.decode_state
+        if state is None or state[0] != key:
+            model.decode_state = None  # free the old cache and graph before allocating the new ones
+            cache = model.new_cache(*key)
+            state = model.decode_state = (key, cache, model.decode_graph(cache))
+        self.cache, self.graph = state[1], state[2]
+        self.cache.reset()
 
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:
         """tok [B, 1] -> logits [B, V]."""
@@ -169,9 +189,8 @@ def _decode(model, ids, mask, cfg: GenerationConfig, pad_id: int, seed, texts: R
     if n == 0:
         return out
     B, T = out.shape
-    cache = model.new_cache(B, T + n)
-    last = _last_logits(model(out, cache, attention_mask=mask), mask)
-    decoder = Decoder(model, cache, cuda_graph) if n > 1 else None
+    decoder = Decoder(model, B, T + n, cuda_graph if n > 1 else False)
+    last = _last_logits(model(out, decoder.cache, attention_mask=mask), mask)
     gen = None if cfg.greedy else generator_for(seed, last.device)
     eos = torch.tensor(cfg.eos_token_ids or [-1], device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)

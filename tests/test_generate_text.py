@@ -258,3 +258,26 @@ def test_verbosity_flags_in_either_position(artifact, where):
         assert res.exit_code == 0, res.output
         args = ["-v", *cmd] if where == "before" else [*cmd, "-v"]
         assert CliRunner().invoke(cli, args).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "tokens, slots", [(1, 128), (128, 128), (129, 256), (1057, 1152), (8225, 9216), (65536, 65536)]
+)
+def test_reusable_cache_sizes(tokens, slots):
+    """Eighths of an octave, whole index blocks (128): at most 1/8 more cache read than needed, at least
+    the tokens asked for."""
+    from runtime.generate import cache_slots
+
+    assert cache_slots(tokens, 128) == slots
+    assert tokens <= slots <= max(128, tokens * 9 // 8 + 128)
+
+
+def test_cache_reset_equals_a_new_cache(model):
+    used = model.new_cache(2, 12)
+    model(torch.tensor([[5, 6, 7], [8, 9, 10]]), used)
+    used.reset()
+    fresh = model.new_cache(2, 12)
+    assert used.length == 0 and int(used.next_pos.abs().sum()) == 0
+    for a, b in zip(used.layers, fresh.layers):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+        assert (a.idx_k is None) == (b.idx_k is None) and (a.idx_k is None or torch.equal(a.idx_k, b.idx_k))

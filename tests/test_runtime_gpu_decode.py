@@ -59,6 +59,25 @@ def test_cuda_graph_decode_equals_eager(artifacts, backend):
     assert torch.equal(out_graph, out_eager)
 
 
+def test_generate_reuses_its_captured_step(artifacts):
+    """A second generate call of the same batch and cache size replays the step captured by the first
+    (no second capture) over the emptied cache, and its tokens equal a fresh eager run; another batch size
+    captures anew."""
+    model = runtime.load(artifacts["experts"], device="cuda", backend="triton")
+    first, _ = _left_pad([5, 12, 30], seed=3)
+    second, mask = _left_pad([9, 20, 30], seed=4)  # the same width: the same cache size
+    model.generate(first.cuda(), 16)
+    key, cache, graph = model.decode_state
+    got = model.generate(second.cuda(), 16, attention_mask=mask)
+    assert model.decode_state[1] is cache and model.decode_state[2] is graph
+    assert torch.equal(got, model.generate(second.cuda(), 16, attention_mask=mask, cuda_graph=False))
+    single = model.generate(second[:1].cuda(), 16)
+    assert model.decode_state[0] == (1, key[1]) and model.decode_state[2] is not graph
+    assert torch.equal(single, model.generate(second[:1].cuda(), 16, cuda_graph=False))
+    model.release_decode_state()
+    assert model.decode_state is None
+
+
 def test_cuda_graph_segments_hand_off_the_residual(artifacts):
     """The hand-off between per-device graphs, exercised on one GPU by cutting after layers 0 and 2: the
     same logits as one graph, step after step (same kernels in the same order)."""

@@ -848,3 +848,45 @@ def test_serving_numerics_decode_is_capturable():
     g.replay()
     torch.cuda.synchronize()
     assert rel(out, eager) <= 1e-3
+
+
+def _hostile_rows(dtype) -> torch.Tensor:
+    """Rows of 96 (three MXFP8 blocks) covering the quantizer's cases: random at every magnitude,
+    outliers, all-zero blocks, fp32 subnormal amax (byte 0 and the 2^-127 boundary), values near the
+    fp32 and bf16 maximum, e4m3 rounding ties and carries, NaN and Inf."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(80, 96, generator=g) * torch.logspace(-30, 30, 80)[:, None]
+    x[0] = 0
+    x[1, :32] = 0
+    x[2, 5] = float("nan")
+    x[3, 40] = float("inf")
+    x[4] = torch.randn(96, generator=g) * 2.0**-130
+    x[5, :32] = 448 * 2.0**-127 * (1 + torch.arange(32) / 1e6)
+    x[6] = torch.randn(96, generator=g).clamp(-5, 5) * 6e37  # up to 3e38, finite
+    x[7, :32] = 448 * 2.0**-127
+    x[8, :32] = torch.nextafter(torch.tensor(448 * 2.0**-127), torch.tensor(1.0))
+    x[9, :32] = torch.tensor([448.0] + [1.0625, 17.0, 100.0, 127.4, 0.0029296875 * 2**-6] * 6 + [-1.0])
+    x[10, 32:64] = torch.randn(32, generator=g) * 1e4
+    x[10, 40] = 3e6  # an outlier inside a block
+    return x.to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_mxfp8_rounding_is_bit_identical_to_the_activation_quantizer(dtype):
+    """The serving kernels' in-register MXFP8 rounding (kernels._mxfp8_round) returns exactly
+    porter.format.mxfp8.fake_quantize_activations computed on the CPU (the quantizer proven bit-identical
+    to FlashInfer's and the engines' quantizers), NaN where it gives NaN, +0 where it gives +0."""
+    from runtime.moe.triton import kernels as K
+
+    x = _hostile_rows(dtype)
+    y = torch.empty_like(x, device="cuda")
+    K.mxfp8_round_kernel[(x.shape[0],)](x.cuda(), y, x.shape[1], CP=128)
+    want, got = mxfp8.fake_quantize_activations(x), y.cpu()
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    same = (got.view(bits) == want.view(bits)) | (got.isnan() & want.isnan())
+    assert bool(same.all()), [
+        (r, c, float(x[r, c]), float(got[r, c]), float(want[r, c])) for r, c in (~same).nonzero()[:5].tolist()
+    ]
+    assert int(want.isnan().sum()) == 64  # the two rows' bad blocks, NaN in full

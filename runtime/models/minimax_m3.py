@@ -323,6 +323,8 @@ class MiniMaxM3:
             else [self.device] * cfg.num_hidden_layers
         )
         self.head_device = self.lm_head.device
+        # (key, cache, DecodeGraph) of the last generate call on CUDA, reused by the next one of that key
+        self.decode_state = None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.to(self.embed_tokens.device)
@@ -417,3 +419,7 @@ class MiniMaxM3:
 
     def decode_graph(self, cache):
         return DecodeGraph(self, cache)
+
+    def release_decode_state(self) -> None:
+        """Free the KV cache and captured decode step that generate keeps for its next call."""
+        self.decode_state = None

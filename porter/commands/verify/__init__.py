@@ -286,6 +286,7 @@ def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype
         )
     eos = model.cfg.eos_token_id if isinstance(model.cfg.eos_token_id, int) else None
     out = gen.greedy_all(model, ids, plan.new_tokens, eos)
+    model.release_decode_state()  # the teacher-forced pass needs that memory more than a next generate
     if len(ids) > 1:
         plan.generation += f", one padded batch of {len(ids)} prompts"
     if model is not shared:

@@ -10,14 +10,12 @@ import importlib.util
 
 import torch
 
-from porter.format import mxfp8
 from runtime.moe.contract import (
     BackendUnavailable,
     MoeQuantInfo,
     MoeRouting,
     check_numerics,
     route,
-    serving_intermediate,
 )
 from runtime.moe.triton.config import MoeConfig
 from runtime.moe.triton.launch import fused_moe
@@ -29,8 +27,9 @@ class TritonMoE:
     faster, layer error vs the torch reference about 6e-3 instead of 4e-3; docs/moe-backends.md).
     rebase: keep the experts rebased to one power-of-two scale per row where that is exact enough
     (prepare); False keeps the stored MXFP8 layout.
-    numerics: "w8a16" (activations as given) or "serving": the input and the SwiGLU output MXFP8-quantized as
-    the TRT-LLM kernel does (contract.serving_intermediate), then the W8A16 GEMMs on those exact values."""
+    numerics: "w8a16" (activations as given) or "serving": the input and the SwiGLU output rounded inside the
+    kernels to the MXFP8 values the TRT-LLM kernel computes (contract.serving_intermediate, bit for bit),
+    then the GEMMs on those values (W8A16; with fp8_prefill, one e4m3 term per row on the FP8 path)."""
 
     name = "triton"
 
@@ -101,18 +100,6 @@ class TritonMoE:
         routed_scaling_factor applied once (in GEMM2's epilogue)."""
         if hidden_states.shape[0] == 0:
             return torch.zeros_like(hidden_states)
-        if self.numerics == "serving":  # e4m3 x 2^k values are exact in bf16: the W8A16 GEMMs read them as is
-            x = mxfp8.fake_quantize_activations(hidden_states, name="moe hidden_states")
-            return fused_moe(
-                self.prepared,
-                x,
-                topk_ids,
-                topk_weights,
-                self.routing.routed_scaling_factor,
-                config,
-                fp8_prefill=False,
-                act_quant=serving_intermediate,
-            )
         return fused_moe(
             self.prepared,
             hidden_states,
@@ -121,6 +108,7 @@ class TritonMoE:
             self.routing.routed_scaling_factor,
             config,
             fp8_prefill=self.fp8_prefill,
+            mxfp8_act=self.numerics == "serving",
         )
 
     def __call__(self, hidden_states):

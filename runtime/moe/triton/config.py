@@ -15,6 +15,7 @@ class WMode(IntEnum):
     BF16 = 3  # the scale bytes span more than fp16's exact window: dequantize to bf16
     FP8_BLOCKS = 4  # FP8 MMA on weights rebased to one scale per (row, 128 K)
     FP8_ROWS = 5  # FP8 MMA on weights rebased to one scale per row
+    FP8_ROWS_PROMOTED = 6  # FP8_ROWS with each 128-K partial added in fp32 (the serving numerics)
     REBASED = 7  # fp16 MMA on weights rebased at load to one scale per row
 
 
@@ -25,6 +26,7 @@ class Quant(IntEnum):
     FP16 = 1  # fp16 with a per-token power-of-two scale
     E4M3 = 2  # one e4m3 term with a per-token power-of-two scale
     E4M3_TWO_TERMS = 3  # hi + lo e4m3 terms
+    BF16 = 4  # bf16 as given, scale 1 (rows already rounded to MXFP8 values; the serving numerics)
 
     @classmethod
     def e4m3(cls, terms: int) -> "Quant":

@@ -112,15 +112,52 @@ def _pow2_shift(amax, TOP: tl.constexpr):
 
 
 @triton.jit
+def _mxfp8_round(x, R: tl.constexpr, C: tl.constexpr):
+    """fp32 x [R, C] (C % 32 == 0) -> the values the serving kernel's GEMM reads after quantizing x to
+    MXFP8 along C (porter.format.mxfp8.quantize_activations, then dequantized), bit for bit: per 32
+    values the UE8M0 byte is the round-up of fl(amax / 448) (byte 0 when that quotient is at most
+    2^-127: the block becomes zeros), the values x * 2^(127 - byte) rounded to e4m3 (RNE); a block
+    holding NaN or Inf becomes NaN."""
+    b = tl.reshape(x, (R, C // 32, 32))
+    bad = tl.max(((b != b) | (tl.abs(b) == float("inf"))).to(tl.int32), axis=2) > 0  # [R, C/32]
+    amax = tl.max(tl.where(b == b, tl.abs(b), 0.0), axis=2)
+    q = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)).to(tl.int32, bitcast=True)
+    expo, mant = (q >> 23) & 0xFF, q & 0x7FFFFF
+    byte = tl.where(expo == 0, (mant > 0x400000).to(tl.int32), expo + (mant != 0).to(tl.int32))
+    byte = tl.minimum(byte, 253)  # finite fp32 amax stays below 247
+    inv = tl.where(byte == 0, 0, (254 - byte) << 23).to(tl.float32, bitcast=True)  # 2^(127-byte), 0 for 0
+    scale = (byte << 23).to(tl.float32, bitcast=True)  # 2^(byte-127) (byte 0: its values are 0 anyway)
+    e4m3 = (b * inv[:, :, None]).to(tl.float8e4nv).to(tl.float32)
+    out = tl.where((byte == 0)[:, :, None], 0.0, e4m3 * scale[:, :, None])  # +0, as the zeroed codes
+    out = tl.where(bad[:, :, None], float("nan"), out)
+    return tl.reshape(out, (R, C))
+
+
+@triton.jit
+def mxfp8_round_kernel(x_ptr, y_ptr, C, CP: tl.constexpr):
+    """One row per program: y = _mxfp8_round(x) (tests; the MoE kernels apply it in their prologue and
+    epilogue)."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, CP)
+    x = tl.load(x_ptr + r * C + offs, mask=offs < C, other=0.0).to(tl.float32)
+    y = tl.reshape(_mxfp8_round(tl.reshape(x, (1, CP)), 1, CP), (CP,))
+    tl.store(y_ptr + r * C + offs, y.to(y_ptr.dtype.element_ty), mask=offs < C)
+
+
+@triton.jit
 def _quant_row(x, q_ptr, lo_ptr, scale_ptr, offs, mask, QUANT: tl.constexpr):
     """Store one fp32 row x as the MMA operand, with its power-of-two scale 2^m at scale_ptr.
 
     QUANT 1: fp16 x * 2^-m, amax in [2^14, 2^15) (exact; keeps fp16 MMA operands in range).
     QUANT 2: e4m3 hi = rne(x * 2^-m), amax in [2^7, 2^8) (e4m3 max 448).
     QUANT 3: QUANT 2 plus a second e4m3 term lo = rne(x * 2^-m - hi) at lo_ptr: hi + lo carries ~8
-    significant bits (e4m3 alone 4), so a bf16 row is nearly exact."""
+    significant bits (e4m3 alone 4), so a bf16 row is nearly exact.
+    QUANT 4: bf16 x with scale 1 (a row already rounded to MXFP8 values: exact in bf16)."""
     amax = tl.max(tl.abs(x), axis=0)
-    if QUANT == 1:
+    if QUANT == 4:
+        down, up = 1.0, 1.0
+        tl.store(q_ptr + offs, x.to(tl.bfloat16), mask=mask)
+    elif QUANT == 1:
         down, up = _pow2_shift(amax, 14)
         tl.store(q_ptr + offs, (x * down).to(tl.float16), mask=mask)
     else:
@@ -158,11 +195,13 @@ def prep_kernel(
     EP: tl.constexpr,
     C: tl.constexpr,
     CB: tl.constexpr,
+    MXFP8_ACT: tl.constexpr = False,
 ):
     """With DO_ALIGN: program 0 aligns the tokens and programs 1..T handle tokens 0..T-1; without it
     programs 0..T-1 do. Per token: its MMA operand row with its power-of-two scale (QUANT > 0, see
     _quant_row) and its fp32 output row zeroed for GEMM2's atomics (ZERO_OUT; the fused-output path
-    keeps a persistent zeroed scratch instead). Launched without PDL: it made the one-token layer slower
+    keeps a persistent zeroed scratch instead). MXFP8_ACT (serving numerics): the row is first rounded to
+    the MXFP8 values the serving kernel reads (_mxfp8_round). Launched without PDL: it made the one-token layer slower
     (docs/moe-backends.md)."""
     pid = tl.program_id(0)
     if DO_ALIGN:
@@ -178,6 +217,8 @@ def prep_kernel(
         tl.store(out_ptr + t * H + offs, tl.zeros([HP], dtype=tl.float32), mask=m)
     if QUANT > 0:
         x = tl.load(hidden_ptr + t * stride_h + offs, mask=m, other=0.0).to(tl.float32)
+        if MXFP8_ACT:
+            x = tl.reshape(_mxfp8_round(tl.reshape(x, (1, HP)), 1, HP), (HP,))
         _quant_row(x, xq_ptr + t * H, xlo_ptr + t * H, xscale_ptr + t, offs, m, QUANT)
 
 
@@ -358,22 +399,26 @@ def _mma_loop(
     row (exact) and added to the accumulator. A's per-row power-of-two scale is the caller's.
     WMODE 5 (FP8, one scale per weight row): the fp8 MMAs chain into the accumulator over the whole K
     and the row scales multiply it once at the end.
+    WMODE 6 (FP8, one scale per weight row, promoted): as WMODE 4 with the row scale at every K step, so
+    each 128-wide partial leaves the fp8 MMA's narrower accumulator for fp32 (the serving numerics: its
+    MXFP8 rounding of GEMM1's output turns small accumulation errors into whole e4m3 steps).
     WMODE 7 (16-bit MMA on the rebased weights with one scale per row): the e4m3 tile converts to fp16
     (exact) without any scale multiply, the row scales multiply the accumulator once at the end."""
-    if WMODE == 4 or WMODE == 5:
+    if WMODE == 4 or WMODE == 5 or WMODE == 6:
         acc = tl.zeros((ROWS, BM) if SWAP else (BM, ROWS), dtype=tl.float32)
         for _ in range(0, k_len, BK):
             w = tl.load(w_ptrs)  # [ROWS, BK] e4m3
             a = tl.load(a_ptrs, mask=amask[:, None], other=0.0)  # [BM, BK] e4m3
             if TERMS == 2:
                 a_lo = tl.load(a_ptrs + alo_off, mask=amask[:, None], other=0.0)
-            if WMODE == 4:
+            if WMODE == 4 or WMODE == 6:
                 part = _dot_w(w, a, None, SWAP)
                 if TERMS == 2:
                     part = _dot_w(w, a_lo, part, SWAP)
-                s = tl.load(s_ptrs)  # [ROWS] fp32 block scales
+                s = tl.load(s_ptrs)  # [ROWS] fp32 block scales (WMODE 6: the row scales, every step)
                 acc += part * (s[:, None] if SWAP else s[None, :])
-                s_ptrs += 1
+                if WMODE == 4:
+                    s_ptrs += 1
             else:
                 acc = _dot_w(w, a, acc, SWAP)
                 if TERMS == 2:
@@ -436,6 +481,7 @@ def _gemm1_tile(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    MXFP8_ACT: tl.constexpr,
 ):
     """act[rows, n..n+BN) = SwiGLU-OAI(x W_gate^T, x W_up^T) of one program's tile (see
     gemm1_swiglu_kernel)."""
@@ -483,6 +529,8 @@ def _gemm1_tile(
     gate = tl.minimum(gate, limit)
     up = tl.maximum(tl.minimum(up, limit), -limit)
     act = gate * tl.sigmoid(alpha * gate) * (up + beta)
+    if MXFP8_ACT:  # the serving kernel's FC1 epilogue: bf16, then MXFP8 along I (BN % 32 == 0)
+        act = _mxfp8_round(act.to(tl.bfloat16).to(tl.float32), BM, BN)
     offs_n = pid_n * BN + tl.arange(0, BN)
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * INTER + offs_n[None, :]
     tl.store(a_ptrs, act.to(act_ptr.dtype.element_ty), mask=tmask[:, None])
@@ -523,11 +571,13 @@ def gemm1_swiglu_kernel(
     BK: tl.constexpr,
     NOSORT: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
+    MXFP8_ACT: tl.constexpr = False,
 ):
     """act[p, n] = SwiGLU-OAI(x W_gate^T, x W_up^T) for sorted row p, columns [n, n+BN) of I.
 
     One [2BN, K] weight slab per program (BN gate rows then the BN matching up rows), one MMA per K
-    step, split in the epilogue. Grid (MAXB * I/BN,)."""
+    step, split in the epilogue. Grid (MAXB * I/BN,). MXFP8_ACT (serving numerics): act is stored as the
+    MXFP8 values the serving kernel's GEMM2 reads (bf16 rounding, then _mxfp8_round along I)."""
     pid_n, e, rows, tok, tmask, has_work = _program_tile(
         sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT, USE_PDL
     )
@@ -565,6 +615,7 @@ def gemm1_swiglu_kernel(
         BM,
         BN,
         BK,
+        MXFP8_ACT,
     )
 
 
@@ -641,7 +692,7 @@ def _gemm2_tile(
     row_scale = tl.load(topk_w_ptr + tok, mask=tmask, other=0.0).to(tl.float32) * rsf  # [BM]
     if WMODE == 2:
         row_scale = row_scale * tl.load(epi_ptr + e)
-    if WMODE == 4 or WMODE == 5:
+    if WMODE == 4 or WMODE == 5 or WMODE == 6:
         row_scale = row_scale * tl.load(ascale_ptr + rows, mask=tmask, other=1.0)
     acc = acc * row_scale[:, None]
     trow = (tok // TOPK).to(tl.int64)

@@ -180,12 +180,14 @@ def _alignment(pl: Plan, topk_ids: torch.Tensor, e: int, ep: int):
     return nblk, nblk * bm, sorted_ids, expert_ids, sorted_ids
 
 
-def _weights(p: PreparedMoE, pl: Plan, fp8_row_scale: bool):
-    """-> (w13, s13, w2, s2, wmode1, wmode2) the GEMMs read on this path."""
+def _weights(p: PreparedMoE, pl: Plan, fp8_row_scale: bool, promote: bool):
+    """-> (w13, s13, w2, s2, wmode1, wmode2) the GEMMs read on this path; promote: FP8 row scales with
+    fp32 accumulation of every 128-K partial."""
     if not pl.fp8:
         return p.w13, p.w13_scale, p.w2, p.w2_scale, p.wmode1, p.wmode2
     w13, s13, w2, s2 = p.fp8_weights(fp8_row_scale)
-    mode = WMode.FP8_ROWS if p.fp8_row_scale else WMode.FP8_BLOCKS
+    rows = WMode.FP8_ROWS_PROMOTED if promote else WMode.FP8_ROWS
+    mode = rows if p.fp8_row_scale else WMode.FP8_BLOCKS
     return w13, s13, w2, s2, mode, mode
 
 
@@ -200,20 +202,26 @@ def fused_moe(
     fused_out: bool | None = None,
     fp8_prefill: bool = True,
     fp8_row_scale: bool = FP8_ROW_SCALE,
-    act_quant=None,
+    mxfp8_act: bool = False,
 ) -> torch.Tensor:
     """hidden [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in hidden's dtype.
 
     cfg / nosort / fused_out override the path choice (tests, benchmarks; cfg.fp8 runs the sorted path);
     fp8_prefill: the FP8 path from FP8_PREFILL_MIN_TOKENS on (SM89+); fp8_row_scale: its weights with one
-    scale per row, else per (row, 128 K). act_quant: a function applied to GEMM1's output rows before GEMM2
-    reads them (the serving numerics' MXFP8 intermediate; W8A16 path only)."""
+    scale per row, else per (row, 128 K). mxfp8_act: the serving numerics: the prep kernel rounds each
+    input row, GEMM1's epilogue its SwiGLU output, to the MXFP8 values the serving kernel reads
+    (kernels._mxfp8_round); the W8A16 GEMMs multiply those exact values, the FP8 path re-expresses them as
+    one e4m3 term per row (exact but for values below 2^-6 of their row's scale, docs/moe-backends.md)."""
     from runtime.moe.triton import kernels as K
 
     (t, h), k, e, dev = hidden.shape, topk_ids.shape[1], p.num_experts, hidden.device
     inter, n = p.w2.shape[2], t * topk_ids.shape[1]
     pl = plan(p, t, k, h, cfg, nosort, fused_out, fp8_prefill, dev)
+    if mxfp8_act and pl.fp8:  # MXFP8 values are e4m3 already: one term carries them (docs/moe-backends.md)
+        pl = replace(pl, cfg=replace(pl.cfg, fp8=1))
     cfg = pl.cfg
+    if mxfp8_act and cfg.bn1 % 32:
+        raise ValueError("mxfp8_act needs GEMM1 tiles of whole 32-column blocks (BN1 % 32 == 0)")
     pdl = {"launch_pdl": True} if pdl_supported(dev) else {}
     hidden, topk_ids = hidden.contiguous(), topk_ids.contiguous()
     topk_w = topk_weights.reshape(-1).float().contiguous()  # [N]
@@ -228,10 +236,16 @@ def fused_moe(
         y = out_counts = None
     # GEMM1's activation operand: [terms, T, H] e4m3 (FP8), [1, T, H] fp16 (W8A16 with guards) or hidden
     quant_x = Quant.e4m3(cfg.fp8) if pl.fp8 else (Quant.FP16 if p.fp16_1 else Quant.NONE)
+    if mxfp8_act and quant_x == Quant.NONE:
+        quant_x = Quant.BF16  # the prep kernel writes the rounded rows
     if pl.fp8:
         xq = torch.empty((cfg.fp8, t, h), dtype=torch.float8_e4m3fn, device=dev)
+    elif quant_x != Quant.NONE:
+        xq = torch.empty(
+            (1, t, h), dtype=torch.float16 if quant_x == Quant.FP16 else torch.bfloat16, device=dev
+        )
     else:
-        xq = torch.empty((1, t, h), dtype=torch.float16, device=dev) if p.fp16_1 else hidden[None]
+        xq = hidden[None]
     xscale = torch.empty(t, dtype=torch.float32, device=dev)
     if pl.in_kernel_align or quant_x != Quant.NONE or not pl.fused_out:
         K.prep_kernel[(t + int(pl.in_kernel_align),)](
@@ -253,6 +267,7 @@ def fused_moe(
             DO_ALIGN=pl.in_kernel_align,
             QUANT=int(quant_x),
             ZERO_OUT=not pl.fused_out,
+            MXFP8_ACT=mxfp8_act,
             HP=next_pow2(h),
             BM=cfg.bm,
             EP=ep,
@@ -260,14 +275,12 @@ def fused_moe(
             CB=128,
             num_warps=8,
         )
-    w13, s13, w2, s2, wmode1, wmode2 = _weights(p, pl, fp8_row_scale)
+    w13, s13, w2, s2, wmode1, wmode2 = _weights(p, pl, fp8_row_scale, promote=mxfp8_act)
     ss13 = (s13.stride(0), s13.stride(1)) if p.w_fp8 else (0, 0)
     ss2 = (s2.stride(0), s2.stride(1)) if p.w_fp8 else (0, 0)
     # act rows in sorted (or slot) order; bf16 before the FP8 path's quantize kernel
     act_dtype = torch.float16 if p.fp16_2 and not pl.fp8 else torch.bfloat16
-    # act_quant rounds GEMM1's fp32 output to bf16 itself (the serving kernel's order), so it is stored so
-    store_dtype = torch.bfloat16 if act_quant is not None else act_dtype
-    act = torch.empty((maxp, inter), dtype=store_dtype, device=dev)
+    act = torch.empty((maxp, inter), dtype=act_dtype, device=dev)
     n1 = inter // cfg.bn1
     K.gemm1_swiglu_kernel[(nblk * n1,)](
         xq,
@@ -302,14 +315,11 @@ def fused_moe(
         BK=cfg.bk1,
         NOSORT=pl.nosort,
         USE_PDL=bool(pdl),
+        MXFP8_ACT=mxfp8_act,
         num_warps=cfg.warps1,
         num_stages=cfg.stages1,
         **pdl,
     )
-    if act_quant is not None:
-        if pl.fp8:
-            raise ValueError("act_quant runs on the W8A16 path only (the FP8 path quantizes act itself)")
-        act = act_quant(act).to(act_dtype)  # e4m3 x 2^k: exact in 16 bits; padded rows junk, never read
     if pl.fp8:  # act -> [terms, MAXP, I] e4m3 + per-row 2^m
         aq = torch.empty((cfg.fp8, maxp, inter), dtype=torch.float8_e4m3fn, device=dev)
         ascale = torch.empty(maxp, dtype=torch.float32, device=dev)

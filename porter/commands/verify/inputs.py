@@ -10,7 +10,7 @@ import torch
 from porter.errors import PorterError, VerifyInputError
 from porter.format import manifest as manifest_mod
 from porter.format import prequantized
-from porter.format.safe_files import inside, present
+from porter.format.safe_files import inside
 
 DEFAULT_PROMPT = (
     "The quick brown fox jumps over the lazy dog. MiniMax-M3 is a mixture of experts language "
@@ -137,18 +137,16 @@ def _from_hub(repo_id: str, commit: Optional[str], token=None, cache_dir=None) -
 
 
 def tokenizer(art: Path, ref: Path):
-    from tokenizers import Tokenizer
+    """(the tokenizers.Tokenizer, its path) of the artifact, else of the reference: the runtime's loader."""
+    from runtime.text import TextError, load_tokenizer
 
     for d in (art, ref):
-        path = d / "tokenizer.json"
-        if present(path, VerifyInputError, "tokenizer"):  # stat first: a FIFO would block the open
-            try:
-                return Tokenizer.from_file(str(path)), path
-            except Exception as e:  # tokenizers raises its own Exception subclass for any malformed file
-                raise VerifyInputError(
-                    f"{path}: not a tokenizer file the tokenizers library can read ({e}); "
-                    "replace it with the checkpoint's own"
-                ) from None
+        try:
+            tok = load_tokenizer(d)
+        except TextError as e:
+            raise VerifyInputError(str(e)) from None
+        if tok is not None:
+            return tok.backend, tok.path
     raise VerifyInputError(f"{art}: no tokenizer.json in the artifact or the reference {ref}")
 
 

@@ -26,6 +26,9 @@ Launches per forward (see launch.fused_moe):
     GEMM2 (atomics), cast.
   On SM90 the GEMMs are launched with programmatic dependent launch (griddepcontrol.wait first
   thing in the kernel), which hides most of the launch gap between kernels.
+Serving numerics (MXFP8_ACT; docs/moe-backends.md, "On the Triton backend"): the prep kernel rounds each input
+row and GEMM1's epilogue its bf16 SwiGLU output to MXFP8 values (_mxfp8_round, FlashInfer's rule bit for
+bit); the W8A16 GEMMs multiply them exactly, the FP8 path as one e4m3 term per row with WMODE 6.
 No split-K: one program owns each output tile for the whole K (split-K does not pay once the dequant is
 hoisted; docs/moe-backends.md), so no partial-sum hand-off.
 
@@ -201,8 +204,8 @@ def prep_kernel(
     programs 0..T-1 do. Per token: its MMA operand row with its power-of-two scale (QUANT > 0, see
     _quant_row) and its fp32 output row zeroed for GEMM2's atomics (ZERO_OUT; the fused-output path
     keeps a persistent zeroed scratch instead). MXFP8_ACT (serving numerics): the row is first rounded to
-    the MXFP8 values the serving kernel reads (_mxfp8_round). Launched without PDL: it made the one-token layer slower
-    (docs/moe-backends.md)."""
+    the MXFP8 values the serving kernel reads (_mxfp8_round). Launched without PDL: it made the one-token
+    layer slower (docs/moe-backends.md)."""
     pid = tl.program_id(0)
     if DO_ALIGN:
         if pid == 0:

@@ -266,8 +266,8 @@ def inspect_command(ctx, path, as_json):
     default="w8a16",
     show_default=True,
     help="w8a16: MXFP8 weights, activations as given (the cost of quantizing the weights); "
-    "serving: also the MoE input and SwiGLU output as MXFP8, what serving engines compute "
-    "(torch MoE backend, its own thresholds: docs/verify.md); both: two runs side by side. "
+    "serving: also the MoE input, the SwiGLU output and every MXFP8 linear's input as MXFP8, what serving "
+    "engines compute (its own thresholds: docs/verify.md); both: two runs side by side. "
     "The --max-*/--min-* flags apply to every run.",
 )
 @click.option(

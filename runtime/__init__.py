@@ -61,8 +61,9 @@ def load(
     A model that does not fit is refused before any weight is read (PlacementError, one line).
     moe_fp8_prefill: the Triton MoE backend runs prefills of 512+ tokens with e4m3 activations (SM89+;
     faster, slightly larger error: docs/moe-backends.md); False keeps them on the W8A16 path.
-    moe_numerics: "w8a16" | "serving" for the torch MoE backend (default: its own, w8a16; "serving" quantizes
-    the MoE input and SwiGLU output to MXFP8 as the TRT-LLM kernel does, docs/moe-backends.md).
+    moe_numerics: "w8a16" | "serving" (default: the MoE backend's own, w8a16 for torch and triton; "serving"
+    quantizes the MoE input and SwiGLU output to MXFP8 as the TRT-LLM kernel does, and the input of every
+    MXFP8 linear (`--quantize all`) as the engines' W8A8 MXFP8 linear does; docs/moe-backends.md).
     """
     check_numerics_name(moe_numerics)  # before anything is opened
     resolve_device(device)  # a device or dtype this machine cannot honour fails before any file is read
@@ -100,7 +101,9 @@ def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_p
     make_backend = lambda quant, routing: make_moe(
         name, quant, routing, moe_numerics, fp8_prefill=moe_fp8_prefill
     )
-    model = build_model(store, device, dtype, make_backend, lazy, placement)
+    model = build_model(
+        store, device, dtype, make_backend, lazy, placement, mxfp8_act=moe_numerics == "serving"
+    )
     model.placement = placement
     model.tokenizer = load_tokenizer(store.path)
     model.generation_config = load_generation_config(store.path, model.tokenizer)

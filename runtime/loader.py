@@ -286,10 +286,17 @@ class LazyLayers:
 
 
 def build_model(
-    store, device: torch.device, dtype: torch.dtype, make_backend: Callable, lazy: bool, placement=None
+    store,
+    device: torch.device,
+    dtype: torch.dtype,
+    make_backend: Callable,
+    lazy: bool,
+    placement=None,
+    mxfp8_act: bool = False,
 ) -> MiniMaxM3:
     """placement (runtime.placement.Placement): decoder layer i on placement.layers[i], embeddings on
-    placement.embed, final norm + lm_head on placement.head; None = everything on `device`."""
+    placement.embed, final norm + lm_head on placement.head; None = everything on `device`.
+    mxfp8_act: every MXFP8 linear rounds its input to MXFP8 first (the serving numerics, Linear.input)."""
     cfg, names = store.config, store.names()
     n = cfg.num_hidden_layers
     if placement is None:
@@ -302,6 +309,12 @@ def build_model(
     top = {nm: getters[embed_dev if nm == TOP_NAMES[0] else head_dev](nm) for nm in TOP_NAMES if nm in names}
     if "lm_head.weight" not in top and head_dev != embed_dev:  # tied: lm_head needs the embedding there too
         top["lm_head.weight"] = getters[head_dev](TOP_NAMES[0])
-    build = lambda i: DecoderLayer(cfg, getters[where[i]], i, ropes[where[i]], where[i], make_backend)
+
+    def build(i: int) -> DecoderLayer:
+        layer = DecoderLayer(cfg, getters[where[i]], i, ropes[where[i]], where[i], make_backend)
+        for lin in layer.linears():
+            lin.mxfp8_act = mxfp8_act
+        return layer
+
     layers = LazyLayers(n, build, store.close) if lazy else [build(i) for i in range(n)]
     return MiniMaxM3(cfg, top, layers, embed_dev, dtype, layer_devices=where)

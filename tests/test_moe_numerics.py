@@ -92,3 +92,56 @@ def test_serving_reaches_every_moe_layer_and_changes_the_logits(art):
     # measured 4.0e-2: MXFP8 activations in three MoE layers of a tiny random model, which amplifies any
     # perturbation (its MXFP8 weights alone move these logits 18 % from the source's)
     assert 1e-2 <= err <= 1e-1, err
+
+
+@pytest.fixture(scope="module")
+def art_all(tmp_path_factory, tiny_vendor):
+    out = tmp_path_factory.mktemp("numerics-all") / "mxfp8"
+    convert(tiny_vendor, out, quantize="all", progress=False)
+    return out
+
+
+def test_serving_rounds_the_inputs_of_mxfp8_linears(art_all, art):
+    """In the serving numerics every MXFP8 linear (`--quantize all`) multiplies its input rounded to MXFP8
+    along K, as the engines' W8A8 MXFP8 linear: o_proj equals the closed form F.linear(fake_quant(x),
+    dequant(W)) to fp32 summation order, and w8a16 keeps x as given. With `--quantize experts` no linear is
+    MXFP8, so the flag changes nothing there."""
+    w8a16, serving = runtime.load(art_all), runtime.load(art_all, moe_numerics="serving")
+    quantized = [lin for layer in serving.layers for lin in layer.linears() if lin.scale is not None]
+    assert quantized and all(lin.mxfp8_act for lin in quantized)
+    assert not any(lin.mxfp8_act for layer in w8a16.layers for lin in layer.linears())
+    lin = serving.layers[1].self_attn.o_proj
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, lin.weight.shape[1], generator=g) * torch.logspace(
+        -3, 3, lin.weight.shape[1] // 32
+    ).repeat_interleave(32)
+    w = mxfp8.dequantize(lin.weight, lin.scale, torch.float32)  # [N, K]
+    want = torch.nn.functional.linear(mxfp8.fake_quantize_activations(x), w)
+    assert fx.rel(lin(x), want) <= 1e-6
+    plain = w8a16.layers[1].self_attn.o_proj(x)
+    assert fx.rel(plain, torch.nn.functional.linear(x, w)) <= 1e-6
+    assert fx.rel(lin(x), plain) >= 1e-2  # the activation rounding is visible (4 significant bits)
+    ids = fx.prompt(fx.SHORT)
+    with torch.no_grad():
+        moe_only = runtime.load(art, moe_numerics="serving")
+        assert not any(lin.scale is not None for layer in moe_only.layers for lin in layer.linears())
+        err = fx.rel(serving(ids), w8a16(ids))
+    # the MoE rounding alone moves the tiny model's logits 4.0e-2 (above); with every linear as well, more
+    assert 2e-2 <= err <= 3e-1, err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_serving_decode_path_equals_the_reference_loop(dtype):
+    """At decode sizes (T*k <= E) the torch backend's serving numerics run batched per routed slot with no
+    host sync (so a decode step can be captured); they equal the per-expert loop to fp32 summation order."""
+    quant, routing = _small_layer(e=8)
+    moe = TorchMoE(quant, routing, numerics="serving")
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(3, 64, generator=g) * torch.tensor([1.0, 30.0, 0.01])[:, None]).to(dtype)
+    ids = torch.tensor([[0, 5], [5, 7], [2, 3]])
+    w = torch.rand(3, 2, generator=g) + 0.1
+    w = w / w.sum(-1, keepdim=True)
+    fast = moe.forward_topk(x, ids, w)  # 6 slots <= 8 experts: the batched path
+    loop = moe._forward_serving(x, ids, w)
+    assert fast.dtype == dtype and fx.rel(fast, loop) <= (1e-6 if dtype == torch.float32 else 8e-3)
+    assert fx.rel(fast, TorchMoE(quant, routing).forward_topk(x, ids, w)) >= 1e-2  # not the w8a16 numerics

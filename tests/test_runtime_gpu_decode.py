@@ -95,18 +95,26 @@ def test_cuda_graph_segments_hand_off_the_residual(artifacts):
         assert fx.rel(lb, la) <= 1e-3, (step, fx.rel(lb, la))
 
 
-def test_cuda_decode_matches_cpu_step_by_step(artifacts):
-    """fp32 on both: Triton decode attention + MXFP8 linears (quantize all) vs the CPU reference path."""
-    cpu = runtime.load(artifacts["all"], device="cpu", backend="torch")
-    gpu = runtime.load(artifacts["all"], device="cuda", dtype=torch.float32, backend="torch")
+@pytest.mark.parametrize("numerics, bound", [(None, 1e-4), ("serving", 1e-2)])
+def test_cuda_decode_matches_cpu_step_by_step(artifacts, numerics, bound):
+    """fp32 on both: Triton decode attention + MXFP8 linears (quantize all) vs the CPU reference path. In the
+    serving numerics every linear's input is rounded to MXFP8 (on CUDA before the GEMV kernels), where an fp32
+    difference of 1e-6 can move a value across an e4m3 rounding boundary: hence the looser bound."""
+    cpu = runtime.load(artifacts["all"], device="cpu", backend="torch", moe_numerics=numerics)
+    gpu = runtime.load(
+        artifacts["all"], device="cuda", dtype=torch.float32, backend="torch", moe_numerics=numerics
+    )
     ids, mask = _left_pad([7, 20])
     cc, gc = cpu.new_cache(2, 40), gpu.new_cache(2, 40)
     lc, lg = cpu(ids, cc, attention_mask=mask)[:, -1], gpu(ids.cuda(), gc, attention_mask=mask)[:, -1]
-    assert fx.rel(lg.cpu(), lc) <= 1e-4
+    assert fx.rel(lg.cpu(), lc) <= bound
     for step in range(16):
         tok = lc.argmax(-1, keepdim=True)
         lc, lg = cpu(tok, cc)[:, -1], gpu(tok.cuda(), gc)[:, -1]
-        assert fx.rel(lg.cpu(), lc) <= 1e-4, step
+        assert fx.rel(lg.cpu(), lc) <= bound, step
+    if numerics == "serving":  # the captured step computes the same serving numerics as the eager one
+        out = gpu.generate(ids.cuda(), 8, attention_mask=mask, cuda_graph=True)
+        assert torch.equal(out, gpu.generate(ids.cuda(), 8, attention_mask=mask, cuda_graph=False))
 
 
 @pytest.mark.parametrize("sparse", [False, True])

@@ -21,6 +21,9 @@ class Indexer:
         self.cfg, self.ni, self.di = cfg, cfg.index_n_heads, cfg.index_head_dim
         self._dropped: Optional[torch.Tensor] = None  # 0-dim count behind last_excluded, left on the device
 
+    def linears(self) -> list:
+        return [self.q_proj, self.k_proj]
+
     @property
     def last_excluded(self) -> int:
         """Visible (query, index head, block) triples the last call dropped (diagnostics: read on demand, so

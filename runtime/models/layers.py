@@ -64,12 +64,23 @@ class Linear:
     in registers (16-bit weights too where gemv.runs says it pays); elsewhere the weight is cast or
     dequantized per call, then multiplied; a 16-bit weight against one row runs runtime.kernels.gemv.gemv_stream
     (faster than cuBLAS there). add: tensors [..., N] added to the output in order, in its
-    dtype (residual adds; fused into the GEMV's epilogue when it runs)."""
+    dtype (residual adds; fused into the GEMV's epilogue when it runs).
+
+    mxfp8_act (the serving numerics, set by runtime.load): an MXFP8 weight's input is first rounded to MXFP8
+    along K as the engines' W8A8 MXFP8 linear quantizes it (docs/moe-backends.md, "Serving numerics")."""
 
     def __init__(self, weight: torch.Tensor, scale: Optional[torch.Tensor] = None):
         self.weight, self.scale = weight, scale
+        self.mxfp8_act = False
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as this linear multiplies it: rounded to MXFP8 values in the serving numerics, else as given."""
+        if self.mxfp8_act and self.scale is not None:
+            return mxfp8.fake_quantize_activations(x, name="linear input")
+        return x
 
     def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:
+        x = self.input(x)
         if len(add) <= 2 and gemv.runs(x, self.weight):  # the epilogue takes two adds
             return gemv.gemv(x, self.weight, self.scale, add=add)
         if gemv.streams(x, self.weight):

@@ -64,6 +64,10 @@ class Attention:
         # [q; k; v (; index q; index k)] rows: one kernel at decode
         self.qkv = stack_linears(self.q_proj, self.k_proj, self.v_proj, *idx)
 
+    def linears(self) -> list:
+        own = [self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.qkv]
+        return [lin for lin in own if lin is not None] + (self.indexer.linears() if self.indexer else [])
+
     def decode(self, x: torch.Tensor, step: Step, cache: LayerCache) -> torch.Tensor:
         """The decode step of __call__ (T = 1 over a cache, CUDA) up to o_proj: x [B, 1, H] -> [B, 1, nq*d].
         Kernels: the stacked projection, norms + RoPE + cache writes, [indexer scores, top-k], attention."""
@@ -167,9 +171,14 @@ class MLP:
         self.params = (cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit)  # floats for the fused kernel
         self.alpha, self.beta, self.limit = (torch.tensor(float(v), device=dev) for v in self.params)
 
+    def linears(self) -> list:
+        own = [self.gate_proj, self.up_proj, self.down_proj, self.gate_up]
+        return [lin for lin in own if lin is not None]
+
     def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:
         """x [..., H] -> [..., H]; add: tensors added to the output in order (fused into down's GEMV)."""
         if self.gate_up is not None and gemv.runs(x, self.gate_up.weight):
+            x = self.gate_up.input(x)
             act = gemv.gemv(x, self.gate_up.weight, self.gate_up.scale, swiglu=self.params)
         elif self.gate_up is not None and gemv.applies(x, self.gate_up.weight):  # one GEMV, then SwiGLU
             both = self.gate_up(x)  # [..., 2I]
@@ -211,6 +220,9 @@ class MoE:
         # resident once.
         self.quant = getattr(self.experts, "quant", None)
         self.shared_experts = MLP(cfg, get, p + "shared_experts.") if cfg.n_shared_experts else None
+
+    def linears(self) -> list:
+        return self.shared_experts.linears() if self.shared_experts is not None else []
 
     def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:
         """x [..., H] -> routed + shared [..., H], then + each of add in order."""
@@ -265,6 +277,10 @@ class DecoderLayer:
             self.mlp = MoE(cfg, get, p + "block_sparse_moe.", device, make_backend)
         else:
             self.mlp = MLP(cfg, get, p + "mlp.")
+
+    def linears(self) -> list:
+        """Every Linear of the layer (stacked ones too): the router and the routed experts are not Linears."""
+        return self.self_attn.linears() + self.mlp.linears()
 
     def __call__(
         self,

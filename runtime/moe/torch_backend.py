@@ -49,10 +49,11 @@ class TorchMoE:
     def forward_topk(self, hidden_states, topk_ids, topk_weights):
         """hidden [T, H], topk_ids [T, k], topk_weights [T, k] (renormalised) -> routed output [T, H],
         routed_scaling_factor applied here, once."""
-        if self.numerics == "serving":
+        serving = self.numerics == "serving"
+        if topk_ids.numel() <= self.quant.num_experts:  # decode sizes: no host sync (CUDA graphs)
+            return self._forward_gathered(hidden_states, topk_ids, topk_weights, serving)
+        if serving:
             return self._forward_serving(hidden_states, topk_ids, topk_weights)
-        if topk_ids.numel() <= self.quant.num_experts:
-            return self._forward_gathered(hidden_states, topk_ids, topk_weights)
         q = self.quant
         dtype = hidden_states.dtype
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
@@ -96,13 +97,18 @@ class TorchMoE:
             out[tok] += (act @ w2.t()) * topk_weights[tok, slot].float().unsqueeze(1)
         return (out * self.routing.routed_scaling_factor).to(hidden_states.dtype)
 
-    def _forward_gathered(self, hidden_states, topk_ids, topk_weights):
-        """Each routed slot (token, j) with its own copy of expert topk_ids[t, j]: [n = T*k] batched."""
-        q, dtype = self.quant, hidden_states.dtype
+    def _forward_gathered(self, hidden_states, topk_ids, topk_weights, serving: bool = False):
+        """Each routed slot (token, j) with its own copy of expert topk_ids[t, j]: [n = T*k] batched.
+        serving: _forward_serving's math (fp32, MXFP8 input and SwiGLU output) without its host syncs."""
+        q, dtype = self.quant, torch.float32 if serving else hidden_states.dtype
         T, k = topk_ids.shape
         ids = topk_ids.reshape(-1)  # [n]
         w13, w2 = self._expert_weights(ids, dtype)  # [n, 2I, H], [n, H, I]
-        x = hidden_states.repeat_interleave(k, dim=0)[:, None]  # [n, 1, H]
+        if serving:
+            hidden = mxfp8.fake_quantize_activations(hidden_states, torch.float32, "moe hidden_states")
+        else:
+            hidden = hidden_states
+        x = hidden.repeat_interleave(k, dim=0)[:, None]  # [n, 1, H]
         gate_up = torch.bmm(x, w13.transpose(1, 2))[:, 0]  # [n, 2I]
         inter = q.intermediate_size
         col = lambda t: t[ids].to(dtype)[:, None]  # per-slot parameter, [n, 1]
@@ -113,9 +119,11 @@ class TorchMoE:
             col(q.gemm1_beta),
             col(q.gemm1_clamp_limit),
         )
+        if serving:
+            act = serving_intermediate(act)  # the FC1 epilogue's
         y = torch.bmm(act[:, None], w2.transpose(1, 2))[:, 0]  # [n, H]
         out = (y.float() * topk_weights.reshape(-1, 1).float()).view(T, k, -1).sum(1)  # [T, H]
-        return (out * self.routing.routed_scaling_factor).to(dtype)
+        return (out * self.routing.routed_scaling_factor).to(hidden_states.dtype)
 
     def __call__(self, hidden_states):
         topk_ids, topk_weights = route(hidden_states, self.routing)

@@ -121,8 +121,8 @@ def verify(
     device is a bare "cuda" and there are several; None keeps it on `device`. token / cache_dir: Hugging Face
     token and cache folder when the reference is a repo id (None: HF_TOKEN / HF_HOME).
     numerics: "w8a16" (weights MXFP8, activations as given: the cost of quantizing the weights), "serving"
-    (also the MoE input and SwiGLU output as MXFP8, what a serving engine computes; torch MoE backend, with
-    its own thresholds: SERVING_DEFAULTS) or "both" (two runs, side by side in the report).
+    (also the MoE input, the SwiGLU output and every MXFP8 linear's input as MXFP8, what a serving engine
+    computes; with its own thresholds: SERVING_DEFAULTS) or "both" (two runs, side by side in the report).
     Raises PorterError subclasses for bad input; returns the result otherwise.
     """
     t0 = time.time()

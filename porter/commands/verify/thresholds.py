@@ -99,10 +99,10 @@ SCOPE_DEFAULTS = {
 }
 
 
-# The serving numerics (MoE input and SwiGLU output also quantized to MXFP8, as the TRT-LLM kernel serves)
-# add activation error to the weight error: looser activation thresholds with --quantize experts, set from
-# measurements (docs/verify.md, "Thresholds"); with --quantize all the attention error dominates and the
-# "all" defaults keep their margin. Weight error: the same weights, unchanged.
+# The serving numerics (MoE input and SwiGLU output, and with --quantize all every MXFP8 linear's input, also
+# quantized to MXFP8, as the engines serve) add activation error to the weight error: looser activation
+# thresholds, set from measurements (docs/verify.md, "Thresholds"); with --quantize all only the top-k
+# agreements needed room (worst faithful top-1 0.37, top-5 0.475). Weight error: the same weights, unchanged.
 SERVING_DEFAULTS = {
     "experts": {
         "max_layer_error": 0.12,
@@ -111,7 +111,7 @@ SERVING_DEFAULTS = {
         "min_top1": 0.45,
         "min_top5": 0.65,
     },
-    "all": {},
+    "all": {"min_top1": 0.25, "min_top5": 0.40},
 }
 NUMERICS = ("w8a16", "serving", "both")
 

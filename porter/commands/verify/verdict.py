@@ -123,8 +123,8 @@ class StreamingInfo:
 @dataclass
 class NumericsRun:
     """One teacher-forced comparison of the converted model, computed with `numerics`, against the reference.
-    w8a16: the weights as MXFP8, activations as given; serving: also the MoE input and SwiGLU output
-    quantized to MXFP8, as serving engines compute (docs/moe-backends.md, "Serving numerics")."""
+    w8a16: the weights as MXFP8, activations as given; serving: also the MoE input, the SwiGLU output and
+    every MXFP8 linear's input quantized to MXFP8, as serving engines compute (docs/moe-backends.md)."""
 
     numerics: str
     backend: str  # the MoE backend that computed it

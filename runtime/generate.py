@@ -114,23 +114,27 @@ class Decoder:
 
     def __init__(self, model, batch: int, tokens: int, cuda_graph: Optional[bool]):
         self.model, self.graph = model, None
-        wanted = model.device.type == "cuda" if cuda_graph is None else cuda_graph
-        why = model.why_no_graph() if wanted else None
-        if wanted and why is not None:
+        if model.device.type == "cuda" if cuda_graph is None else cuda_graph:
+            why = model.why_no_graph()
+            if why is None:
+                self.cache, self.graph = self._kept(model, batch, tokens)
+                return
             if cuda_graph:
                 raise ValueError(f"cuda_graph=True: {why}")
             log.info("decoding eagerly: %s", why)
-        if not wanted or why is not None:
-            self.cache = model.new_cache(batch, tokens)
-            return
+        self.cache = model.new_cache(batch, tokens)
+
+    @staticmethod
+    def _kept(model, batch: int, tokens: int):
+        """(cache, graph) kept on the model for this batch and cache size, the cache emptied in place."""
         key = (batch, cache_slots(tokens, model.cfg.index_block_size))
-        state = model.decode_state
-        if state is None or state[0] != key:
+        if model.decode_state is None or model.decode_state[0] != key:
             model.decode_state = None  # free the old cache and graph before allocating the new ones
             cache = model.new_cache(*key)
-            state = model.decode_state = (key, cache, model.decode_graph(cache))
-        self.cache, self.graph = state[1], state[2]
-        self.cache.reset()
+            model.decode_state = (key, cache, model.decode_graph(cache))
+        _, cache, graph = model.decode_state
+        cache.reset()
+        return cache, graph
 
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:
         """tok [B, 1] -> logits [B, V]."""

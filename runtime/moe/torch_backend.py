@@ -52,62 +52,52 @@ class TorchMoE:
         serving = self.numerics == "serving"
         if topk_ids.numel() <= self.quant.num_experts:  # decode sizes: no host sync (CUDA graphs)
             return self._forward_gathered(hidden_states, topk_ids, topk_weights, serving)
+        return self._forward_looped(hidden_states, topk_ids, topk_weights, serving)
+
+    @staticmethod
+    def _operands(hidden_states: torch.Tensor, serving: bool) -> tuple[torch.Tensor, torch.dtype]:
+        """(the GEMM1 input, the compute dtype): as given in w8a16; serving (W8A8 as the TRT-LLM kernel):
+        the MXFP8 input in fp32, the kernel's accumulation precision."""
         if serving:
-            return self._forward_serving(hidden_states, topk_ids, topk_weights)
+            return mxfp8.fake_quantize_activations(
+                hidden_states, torch.float32, "moe hidden_states"
+            ), torch.float32
+        return hidden_states, hidden_states.dtype
+
+    def _forward_looped(self, hidden_states, topk_ids, topk_weights, serving: bool = False):
+        """One batch per used expert (host sync: the reference for larger calls). serving: MXFP8 input,
+        fp32 accumulation, MXFP8 SwiGLU output for GEMM2."""
         q = self.quant
-        dtype = hidden_states.dtype
-        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+        x, dtype = self._operands(hidden_states, serving)  # [T, H]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         inter = q.intermediate_size
         for e in torch.unique(topk_ids).tolist():
             tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
             w13, w2 = self._expert_weights(e, dtype)
-            x = hidden_states[tok]  # [n, H]
-            gate_up = x @ w13.t()  # [n, 2I]
+            gate_up = x[tok] @ w13.t()  # [n, 2I]
             act = swiglu_oai(
                 gate_up[:, :inter],
                 gate_up[:, inter:],
                 q.gemm1_alpha[e].to(dtype),
                 q.gemm1_beta[e].to(dtype),
                 q.gemm1_clamp_limit[e].to(dtype),
-            )
+            )  # [n, I]
+            if serving:
+                act = serving_intermediate(act)  # the FC1 epilogue's
             y = act @ w2.t()  # [n, H]
             # tok holds each token at most once per expert, so a plain indexed add is exact (and, unlike
             # index_add_, not pathologically slow with several CPU threads)
             out[tok] += y.float() * topk_weights[tok, slot].float().unsqueeze(1)
-        return (out * self.routing.routed_scaling_factor).to(dtype)
-
-    def _forward_serving(self, hidden_states, topk_ids, topk_weights):
-        """W8A8 as the TRT-LLM kernel: MXFP8 input, fp32 accumulation, MXFP8 SwiGLU output for GEMM2."""
-        q = self.quant
-        x = mxfp8.fake_quantize_activations(hidden_states, torch.float32, "moe hidden_states")  # [T, H]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        inter = q.intermediate_size
-        for e in torch.unique(topk_ids).tolist():
-            tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-            w13, w2 = self._expert_weights(e, torch.float32)
-            gate_up = x[tok] @ w13.t()  # [n, 2I]
-            act = swiglu_oai(
-                gate_up[:, :inter],
-                gate_up[:, inter:],
-                q.gemm1_alpha[e],
-                q.gemm1_beta[e],
-                q.gemm1_clamp_limit[e],
-            )  # [n, I]
-            act = serving_intermediate(act)  # the FC1 epilogue's
-            out[tok] += (act @ w2.t()) * topk_weights[tok, slot].float().unsqueeze(1)
         return (out * self.routing.routed_scaling_factor).to(hidden_states.dtype)
 
     def _forward_gathered(self, hidden_states, topk_ids, topk_weights, serving: bool = False):
         """Each routed slot (token, j) with its own copy of expert topk_ids[t, j]: [n = T*k] batched.
-        serving: _forward_serving's math (fp32, MXFP8 input and SwiGLU output) without its host syncs."""
-        q, dtype = self.quant, torch.float32 if serving else hidden_states.dtype
+        serving: _forward_looped's serving math without its host syncs."""
+        q = self.quant
+        hidden, dtype = self._operands(hidden_states, serving)
         T, k = topk_ids.shape
         ids = topk_ids.reshape(-1)  # [n]
         w13, w2 = self._expert_weights(ids, dtype)  # [n, 2I, H], [n, H, I]
-        if serving:
-            hidden = mxfp8.fake_quantize_activations(hidden_states, torch.float32, "moe hidden_states")
-        else:
-            hidden = hidden_states
         x = hidden.repeat_interleave(k, dim=0)[:, None]  # [n, 1, H]
         gate_up = torch.bmm(x, w13.transpose(1, 2))[:, 0]  # [n, 2I]
         inter = q.intermediate_size

@@ -6,6 +6,8 @@ top-2), index block 4, top-2 blocks -> dense/sparse threshold at 8 keys.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from tiny_checkpoint import TINY_TEXT, build_tiny_checkpoint, transformers_config
 
@@ -21,6 +23,17 @@ THRESHOLD = (
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
+
+
+def dequantized(quant):
+    """The same MoE layer with its MXFP8 experts dequantized to fp32 and no scales (an unquantized layer)."""
+    return replace(
+        quant,
+        w13_weight=mxfp8.dequantize(quant.w13_weight, quant.w13_weight_scale),
+        w13_weight_scale=None,
+        w2_weight=mxfp8.dequantize(quant.w2_weight, quant.w2_weight_scale),
+        w2_weight_scale=None,
+    )
 
 
 def prompt(n: int, batch: int = 2, seed: int = 7) -> torch.Tensor:

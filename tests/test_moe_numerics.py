@@ -57,15 +57,7 @@ def test_backend_pairs():
     quant, routing = _small_layer()
     with pytest.raises(MoeNumericsError, match="'w8a8'"):
         TorchMoE(quant, routing, numerics="w8a8")
-    plain = MoeQuantInfo(
-        mxfp8.dequantize(quant.w13_weight, quant.w13_weight_scale),
-        None,
-        mxfp8.dequantize(quant.w2_weight, quant.w2_weight_scale),
-        None,
-        quant.gemm1_alpha,
-        quant.gemm1_beta,
-        quant.gemm1_clamp_limit,
-    )
+    plain = fx.dequantized(quant)
     with pytest.raises(MoeNumericsError, match="unquantized"):
         TorchMoE(plain, routing, numerics="serving")
 

@@ -9,7 +9,7 @@ helpers (alignment, fp16 range-guard analysis, config fitting) and the backend's
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -47,6 +47,11 @@ def make_quant(e, h, i, device, weight_scale=0.03, swiglu=None, row_gain=None):
             "gemm1_clamp_limit": torch.empty(e, device=device).uniform_(3.0, 9.0),
         }
     return MoeQuantInfo(q13, s13, q2, s2, **swiglu)
+
+
+def prepared(q: MoeQuantInfo, **options):
+    """runtime.moe.triton.prepare on a MoeQuantInfo's tensors, in its field order."""
+    return tp.prepare(*(getattr(q, f.name) for f in fields(q)), **options)
 
 
 def skewed_routing(t, e, k, device, empty_experts=2):
@@ -674,16 +679,7 @@ def test_row_scale_falls_back_to_128_blocks_past_13_octaves():
     than ROW_SCALE_MAX_OCTAVES (byte-0 groups ignored) keeps one per 128 K instead, and fp8_row_scale says so.
     Within the limit, every value of the per-row rebase is within half an e4m3 ulp at its group's amax."""
     q = make_quant(2, 256, 128, "cpu")
-    p = tp.prepare(
-        q.w13_weight,
-        q.w13_weight_scale,
-        q.w2_weight,
-        q.w2_weight_scale,
-        q.gemm1_alpha,
-        q.gemm1_beta,
-        q.gemm1_clamp_limit,
-        rebase=False,
-    )  # the copy made on request
+    p = prepared(q, rebase=False)  # the copy made on request
     s13 = p.w13_scale.int()
     spread = int((s13.amax(-1) - s13.masked_fill(s13 == 0, 255).amin(-1)).max())
     assert spread <= tp.ROW_SCALE_MAX_OCTAVES and tp.row_scale_ok(p.w13_scale) and tp.row_scale_ok(p.w2_scale)
@@ -784,16 +780,7 @@ def test_fp8_prefill_copy_is_skipped_when_it_does_not_fit(monkeypatch):
     """A resident model leaves no room for the FP8 path's rebased copy of the experts: the check says
     no (prefill then stays on W8A16) instead of allocating it and dying out of memory."""
     q = make_quant(4, 256, 128, "cpu")
-    p = tp.prepare(
-        q.w13_weight,
-        q.w13_weight_scale,
-        q.w2_weight,
-        q.w2_weight_scale,
-        q.gemm1_alpha,
-        q.gemm1_beta,
-        q.gemm1_clamp_limit,
-        rebase=False,
-    )  # the copy would be a second one
+    p = prepared(q, rebase=False)  # the copy would be a second one
     need = (p.w13.numel() + p.w2.numel()) * (1 + 4 / tc.FP8_BLOCK_K)  # 4*256*256 + 4*256*128 elements
     assert need == (4 * 256 * 256 + 4 * 256 * 128) * (1 + 4 / 128)
     monkeypatch.setattr(tp, "device_free_bytes", lambda dev: int(need))

@@ -15,9 +15,11 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
+import runtime_fixtures as fx
 import torch
 
 from porter.format import mxfp8
@@ -599,15 +601,7 @@ def test_calling_on_cpu_raises_instead_of_launching(layer, backend):
 
 def test_unquantized_weights_rejected(layer):
     quant, routing, _ = layer
-    plain = MoeQuantInfo(
-        mxfp8.dequantize(quant.w13_weight, quant.w13_weight_scale),
-        None,
-        mxfp8.dequantize(quant.w2_weight, quant.w2_weight_scale),
-        None,
-        quant.gemm1_alpha,
-        quant.gemm1_beta,
-        quant.gemm1_clamp_limit,
-    )
+    plain = fx.dequantized(quant)
     with pytest.raises(BackendUnavailable, match="MXFP8"):
         TrtllmMoE(plain, routing)
 
@@ -649,21 +643,20 @@ def test_cpu_swizzle_equals_shuffle_matrix_sf_a_on_gpu(layer, backend):
         assert torch.equal(ref2.cpu().reshape(-1), backend.gemm2_weights_scale[e].reshape(-1))
 
 
+def _on_cuda(quant: MoeQuantInfo, routing: MoeRouting) -> tuple[MoeQuantInfo, MoeRouting]:
+    moved = {f.name: getattr(quant, f.name).cuda() for f in fields(quant)}
+    return MoeQuantInfo(**moved), replace(
+        routing,
+        router_weight=routing.router_weight.cuda(),
+        e_score_correction_bias=routing.e_score_correction_bias.cuda(),
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _blackwell(), reason="needs an SM100/103/107 GPU")
 def test_kernel_on_blackwell_matches_emulation(layer):
     quant, routing, hidden = layer
-    fields = (
-        "w13_weight",
-        "w13_weight_scale",
-        "w2_weight",
-        "w2_weight_scale",
-        "gemm1_alpha",
-        "gemm1_beta",
-        "gemm1_clamp_limit",
-    )
-    quant_gpu = MoeQuantInfo(*(getattr(quant, f).cuda() for f in fields))
-    routing_gpu = MoeRouting(routing.router_weight.cuda(), routing.e_score_correction_bias.cuda(), TOP_K, RSF)
+    quant_gpu, routing_gpu = _on_cuda(quant, routing)
     moe = TrtllmMoE(quant_gpu, routing_gpu)
     x = hidden.cuda().to(torch.bfloat16)
     kw = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in moe.kernel_kwargs(x).items()}
@@ -717,17 +710,7 @@ def test_kernel_on_blackwell_matches_torch_serving_numerics(layer, monkeypatch):
     before its quantization (FlashInfer's MoE reference, which porter follows) or not moves the layer by
     1.4-1.5e-2 on CPU, so this also tells which of the two the FC1 epilogue does."""
     quant, routing, hidden = layer
-    fields = (
-        "w13_weight",
-        "w13_weight_scale",
-        "w2_weight",
-        "w2_weight_scale",
-        "gemm1_alpha",
-        "gemm1_beta",
-        "gemm1_clamp_limit",
-    )
-    quant_gpu = MoeQuantInfo(*(getattr(quant, f).cuda() for f in fields))
-    routing_gpu = MoeRouting(routing.router_weight.cuda(), routing.e_score_correction_bias.cuda(), TOP_K, RSF)
+    quant_gpu, routing_gpu = _on_cuda(quant, routing)
     x = hidden.cuda().to(torch.bfloat16)
     ids, weights = route(x.float(), routing_gpu)
     kernel = TrtllmMoE(quant_gpu, routing_gpu).forward_topk(x, ids, weights).float()

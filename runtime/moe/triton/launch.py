@@ -63,7 +63,10 @@ def plan(
     fused_out: Optional[bool],
     fp8_prefill: bool,
     device: torch.device,
+    mxfp8_act: bool = False,
 ) -> Plan:
+    """mxfp8_act (the serving numerics): the FP8 path with one e4m3 term (MXFP8 values are e4m3 already,
+    docs/moe-backends.md); GEMM1 tiles of whole 32-column blocks (its epilogue rounds per block)."""
     inter, n = p.w2.shape[2], t * k
     cfg = cfg or default_config(t, fp8_prefill and p.w_fp8 and fp8_prefill_supported(device))
     if cfg.fp8 and (h % FP8_BLOCK_K or inter % FP8_BLOCK_K or not p.fp8_weights_fit()):
@@ -77,8 +80,13 @@ def plan(
     fused_out = fused_out and nosort and t <= FUSED_OUT_MAX_TOKENS
     if nosort:
         cfg = replace(cfg, bm=max(16, next_pow2(n)))
+    if mxfp8_act and cfg.fp8:
+        cfg = replace(cfg, fp8=1)
     in_kernel_align = not nosort and n <= ALIGN_IN_KERNEL_MAX_SLOTS
-    return Plan(fit_config(cfg, h, inter), nosort, fused_out, in_kernel_align)
+    cfg = fit_config(cfg, h, inter)
+    if mxfp8_act and cfg.bn1 % 32:
+        raise ValueError("mxfp8_act needs GEMM1 tiles of whole 32-column blocks (BN1 % 32 == 0)")
+    return Plan(cfg, nosort, fused_out, in_kernel_align)
 
 
 def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,12 +224,8 @@ def fused_moe(
 
     (t, h), k, e, dev = hidden.shape, topk_ids.shape[1], p.num_experts, hidden.device
     inter, n = p.w2.shape[2], t * topk_ids.shape[1]
-    pl = plan(p, t, k, h, cfg, nosort, fused_out, fp8_prefill, dev)
-    if mxfp8_act and pl.fp8:  # MXFP8 values are e4m3 already: one term carries them (docs/moe-backends.md)
-        pl = replace(pl, cfg=replace(pl.cfg, fp8=1))
+    pl = plan(p, t, k, h, cfg, nosort, fused_out, fp8_prefill, dev, mxfp8_act)
     cfg = pl.cfg
-    if mxfp8_act and cfg.bn1 % 32:
-        raise ValueError("mxfp8_act needs GEMM1 tiles of whole 32-column blocks (BN1 % 32 == 0)")
     pdl = {"launch_pdl": True} if pdl_supported(dev) else {}
     hidden, topk_ids = hidden.contiguous(), topk_ids.contiguous()
     topk_w = topk_weights.reshape(-1).float().contiguous()  # [N]

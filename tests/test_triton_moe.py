@@ -321,6 +321,38 @@ def test_nosort_path_matches_torch(t, k, e):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or not pdl_supported(torch.device("cuda")), reason="needs PDL (SM90+)")
+@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("mxfp8_act", [False, True])
+def test_nosort_weight_prefetch_changes_no_value(t, mxfp8_act):
+    """GEMM1 prefetches its first weight lines before waiting on the prep kernel (which hands over at its
+    start): a hint, so the output is bit-identical to the launch without it, eager and captured, at
+    MiniMax-M3's dims; every extent rounds to whole lines within H."""
+    assert [tl._prefetch_cols(b, h) for b, h in ((512, 6144), (512, 256), (512, 96), (0, 6144))] == [
+        512,
+        256,
+        0,
+        0,
+    ]
+    quant = make_quant(8, 6144, 3072, "cuda", weight_scale=0.02)
+    x = torch.randn(t, 6144, device="cuda").to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, device="cuda")[:4] for _ in range(t)])
+    w = torch.full((t, 4), 0.25, device="cuda")
+    p = prepared(quant)
+    run = lambda pf: tl.fused_moe(p, x, ids, w, 2.5, mxfp8_act=mxfp8_act, weight_prefetch=pf)
+    want = run(False)
+    assert torch.equal(run(True), want)
+    graph = torch.cuda.CUDAGraph()
+    run(True)  # compiled before capture
+    with torch.cuda.graph(graph):
+        out = run(True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
 @pytest.mark.parametrize(
     "t,cfg",

@@ -39,6 +39,7 @@ FP8_BLOCK_K = 128  # the FP8 path's K step, and the K extent of one rebased weig
 FP8_ROW_SCALE = True  # FP8 path: one rebased weight scale per row (faster) rather than per 128 K
 ALIGN_IN_KERNEL_MAX_SLOTS = 1024  # above this the torch sort is cheaper than one-program alignment
 NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per routed slot (BM 16)
+NOSORT_PREFETCH_BYTES = 512  # NOSORT, serving numerics: bytes per weight row GEMM1 prefetches during prep
 FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scratch of T x H
 
 

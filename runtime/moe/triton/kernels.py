@@ -122,8 +122,10 @@ def _mxfp8_round(x, R: tl.constexpr, C: tl.constexpr):
     2^-127: the block becomes zeros), the values x * 2^(127 - byte) rounded to e4m3 (RNE); a block
     holding NaN or Inf becomes NaN."""
     b = tl.reshape(x, (R, C // 32, 32))
-    bad = tl.max(((b != b) | (tl.abs(b) == float("inf"))).to(tl.int32), axis=2) > 0  # [R, C/32]
-    amax = tl.max(tl.where(b == b, tl.abs(b), 0.0), axis=2)
+    # one reduction per block: NaN and Inf count as +Inf, so a block holding one has amax == Inf (and a
+    # finite block a finite amax)
+    amax = tl.max(tl.where((b != b) | (tl.abs(b) == float("inf")), float("inf"), tl.abs(b)), axis=2)
+    bad = amax == float("inf")  # [R, C/32]
     q = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)).to(tl.int32, bitcast=True)
     expo, mant = (q >> 23) & 0xFF, q & 0x7FFFFF
     byte = tl.where(expo == 0, (mant > 0x400000).to(tl.int32), expo + (mant != 0).to(tl.int32))
@@ -199,13 +201,17 @@ def prep_kernel(
     C: tl.constexpr,
     CB: tl.constexpr,
     MXFP8_ACT: tl.constexpr = False,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
     """With DO_ALIGN: program 0 aligns the tokens and programs 1..T handle tokens 0..T-1; without it
     programs 0..T-1 do. Per token: its MMA operand row with its power-of-two scale (QUANT > 0, see
     _quant_row) and its fp32 output row zeroed for GEMM2's atomics (ZERO_OUT; the fused-output path
     keeps a persistent zeroed scratch instead). MXFP8_ACT (serving numerics): the row is first rounded to
     the MXFP8 values the serving kernel reads (_mxfp8_round). Launched without PDL: it made the one-token
-    layer slower (docs/moe-backends.md)."""
+    layer slower (docs/moe-backends.md). LAUNCH_DEPENDENTS: GEMM1 (launched with PDL) may start at once; it
+    prefetches weights, then waits for this grid to finish (griddepcontrol.wait) before reading its output."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     if DO_ALIGN:
         if pid == 0:
@@ -295,6 +301,30 @@ def _dequant_tile(w_ptrs, s_ptrs, sh_ptr, WMODE: tl.constexpr, BN: tl.constexpr,
 def _fence_gpu():
     """fence.acq_rel.gpu in every thread (__threadfence())."""
     tl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """prefetch.global.L2 of the line at each pointer (a hint: never faults, changes no value)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _prefetch_slab(
+    w_ptr, expert_ids_ptr, E, INTER, NUM_N, stride_we, stride_wn, BN: tl.constexpr, COLS: tl.constexpr
+):
+    """NOSORT: the first COLS elements (bytes for e4m3) of each row of this program's [gate; up] weight slab
+    into L2. Runs before the wait on the prep kernel, which hands over at its start (LAUNCH_DEPENDENTS), so
+    the weight stream starts while the input row is still being prepared. The expert id is the router's
+    (written before the prep kernel started); it is clamped, so a stale id can only prefetch the wrong lines."""
+    pid = tl.program_id(0)
+    e = tl.minimum(tl.maximum(tl.load(expert_ids_ptr + pid // NUM_N).to(tl.int64), 0), E - 1)
+    r = tl.arange(0, 2 * BN)
+    wrow = (pid % NUM_N) * BN + (r % BN) + (r // BN) * INTER  # [2BN]
+    cols = tl.arange(0, COLS // 128) * 128  # one pointer per 128-byte line
+    _prefetch_l2(w_ptr + e * stride_we + wrow[:, None] * stride_wn + cols[None, :])
 
 
 @triton.jit
@@ -575,12 +605,16 @@ def gemm1_swiglu_kernel(
     NOSORT: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     MXFP8_ACT: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
 ):
     """act[p, n] = SwiGLU-OAI(x W_gate^T, x W_up^T) for sorted row p, columns [n, n+BN) of I.
 
     One [2BN, K] weight slab per program (BN gate rows then the BN matching up rows), one MMA per K
     step, split in the epilogue. Grid (MAXB * I/BN,). MXFP8_ACT (serving numerics): act is stored as the
-    MXFP8 values the serving kernel's GEMM2 reads (bf16 rounding, then _mxfp8_round along I)."""
+    MXFP8 values the serving kernel's GEMM2 reads (bf16 rounding, then _mxfp8_round along I). PREFETCH
+    (NOSORT only): elements of each weight row prefetched before the wait on the prep kernel (_prefetch_slab)."""
+    if PREFETCH > 0:
+        _prefetch_slab(w_ptr, expert_ids_ptr, E, INTER, NUM_N, stride_we, stride_wn, BN, PREFETCH)
     pid_n, e, rows, tok, tmask, has_work = _program_tile(
         sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT, USE_PDL
     )

@@ -21,6 +21,7 @@ from runtime.moe.triton.config import (
     FP8_ROW_SCALE,
     FUSED_OUT_MAX_TOKENS,
     NOSORT_MAX_SLOTS,
+    NOSORT_PREFETCH_BYTES,
     MoeConfig,
     Quant,
     WMode,
@@ -188,6 +189,12 @@ def _alignment(pl: Plan, topk_ids: torch.Tensor, e: int, ep: int):
     return nblk, nblk * bm, sorted_ids, expert_ids, sorted_ids
 
 
+def _prefetch_cols(prefetch: int, h: int) -> int:
+    """GEMM1's NOSORT prefetch extent along K: a power of two of whole 128-element lines, within H (0: none)."""
+    cols = min(prefetch, 1 << (h.bit_length() - 1))
+    return cols if cols >= 128 else 0
+
+
 def _weights(p: PreparedMoE, pl: Plan, fp8_row_scale: bool, promote: bool):
     """-> (w13, s13, w2, s2, wmode1, wmode2) the GEMMs read on this path; promote: FP8 row scales with
     fp32 accumulation of every 128-K partial."""
@@ -211,6 +218,7 @@ def fused_moe(
     fp8_prefill: bool = True,
     fp8_row_scale: bool = FP8_ROW_SCALE,
     mxfp8_act: bool = False,
+    weight_prefetch: bool | None = None,
 ) -> torch.Tensor:
     """hidden [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in hidden's dtype.
 
@@ -219,7 +227,9 @@ def fused_moe(
     scale per row, else per (row, 128 K). mxfp8_act: the serving numerics: the prep kernel rounds each
     input row, GEMM1's epilogue its SwiGLU output, to the MXFP8 values the serving kernel reads
     (kernels._mxfp8_round); the W8A16 GEMMs multiply those exact values, the FP8 path re-expresses them as
-    one e4m3 term per row (exact but for values below 2^-6 of their row's scale, docs/moe-backends.md)."""
+    one e4m3 term per row (exact but for values below 2^-6 of their row's scale, docs/moe-backends.md).
+    weight_prefetch (NOSORT, SM90): GEMM1 prefetches its first weight lines while the prep kernel runs; None:
+    with mxfp8_act only (measured: it hides the serving prep kernel's rounding, and gains nothing in w8a16)."""
     from runtime.moe.triton import kernels as K
 
     (t, h), k, e, dev = hidden.shape, topk_ids.shape[1], p.num_experts, hidden.device
@@ -251,7 +261,13 @@ def fused_moe(
     else:
         xq = hidden[None]
     xscale = torch.empty(t, dtype=torch.float32, device=dev)
-    if pl.in_kernel_align or quant_x != Quant.NONE or not pl.fused_out:
+    prep = pl.in_kernel_align or quant_x != Quant.NONE or not pl.fused_out
+    # NOSORT with PDL: GEMM1 starts streaming its weights while the prep kernel runs (kernels._prefetch_slab);
+    # by default in the serving numerics only, whose prep kernel also rounds (docs/moe-backends.md)
+    wants_prefetch = mxfp8_act if weight_prefetch is None else weight_prefetch
+    prefetch = _prefetch_cols(NOSORT_PREFETCH_BYTES, h) if wants_prefetch else 0
+    early = prep and pl.nosort and bool(pdl) and prefetch > 0
+    if prep:
         K.prep_kernel[(t + int(pl.in_kernel_align),)](
             hidden,
             xq,
@@ -272,6 +288,7 @@ def fused_moe(
             QUANT=int(quant_x),
             ZERO_OUT=not pl.fused_out,
             MXFP8_ACT=mxfp8_act,
+            LAUNCH_DEPENDENTS=early,
             HP=next_pow2(h),
             BM=cfg.bm,
             EP=ep,
@@ -320,6 +337,7 @@ def fused_moe(
         NOSORT=pl.nosort,
         USE_PDL=bool(pdl),
         MXFP8_ACT=mxfp8_act,
+        PREFETCH=prefetch if early else 0,
         num_warps=cfg.warps1,
         num_stages=cfg.stages1,
         **pdl,

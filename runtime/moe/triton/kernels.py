@@ -25,7 +25,9 @@ Launches per forward (see launch.fused_moe):
   * larger T: prep (align + prescale/quantize + zero the fp32 output), GEMM1, [FP8: act quantize],
     GEMM2 (atomics), cast.
   On SM90 the GEMMs are launched with programmatic dependent launch (griddepcontrol.wait first
-  thing in the kernel), which hides most of the launch gap between kernels.
+  thing in the kernel), which hides most of the launch gap between kernels. In serving numerics at
+  T*k <= 16 the prep kernel hands over at its start and GEMM1 prefetches weight lines before its wait
+  (_prefetch_slab).
 Serving numerics (MXFP8_ACT; docs/moe-backends.md, "On the Triton backend"): the prep kernel rounds each input
 row and GEMM1's epilogue its bf16 SwiGLU output to MXFP8 values (_mxfp8_round, FlashInfer's rule bit for
 bit); the W8A16 GEMMs multiply them exactly, the FP8 path as one e4m3 term per row with WMODE 6.
@@ -305,7 +307,7 @@ def _fence_gpu():
 
 @triton.jit
 def _prefetch_l2(ptrs):
-    """prefetch.global.L2 of the line at each pointer (a hint: never faults, changes no value)."""
+    """prefetch.global.L2 of the line at each pointer (a hint: changes no value; callers pass in-bounds lines)."""
     tl.inline_asm_elementwise(
         "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
     )

@@ -328,12 +328,8 @@ def test_nosort_weight_prefetch_changes_no_value(t, mxfp8_act):
     """GEMM1 prefetches its first weight lines before waiting on the prep kernel (which hands over at its
     start): a hint, so the output is bit-identical to the launch without it, eager and captured, at
     MiniMax-M3's dims; every extent rounds to whole lines within H."""
-    assert [tl._prefetch_cols(b, h) for b, h in ((512, 6144), (512, 256), (512, 96), (0, 6144))] == [
-        512,
-        256,
-        0,
-        0,
-    ]
+    extents = {(512, 6144): 512, (512, 256): 256, (512, 96): 0, (0, 6144): 0}  # (asked, H): lines kept
+    assert {c: tl._prefetch_cols(*c) for c in extents} == extents
     quant = make_quant(8, 6144, 3072, "cuda", weight_scale=0.02)
     x = torch.randn(t, 6144, device="cuda").to(torch.bfloat16)
     ids = torch.stack([torch.randperm(8, device="cuda")[:4] for _ in range(t)])

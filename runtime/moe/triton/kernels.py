@@ -314,6 +314,13 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def _w13_rows(pid_n, INTER, BN: tl.constexpr):
+    """The w13 rows of GEMM1's N tile pid_n: its BN gate rows, then the BN matching up rows [2BN]."""
+    r = tl.arange(0, 2 * BN)
+    return pid_n * BN + (r % BN) + (r // BN) * INTER
+
+
+@triton.jit
 def _prefetch_slab(
     w_ptr, expert_ids_ptr, E, INTER, NUM_N, stride_we, stride_wn, BN: tl.constexpr, COLS: tl.constexpr
 ):
@@ -323,8 +330,7 @@ def _prefetch_slab(
     (written before the prep kernel started); it is clamped, so a stale id can only prefetch the wrong lines."""
     pid = tl.program_id(0)
     e = tl.minimum(tl.maximum(tl.load(expert_ids_ptr + pid // NUM_N).to(tl.int64), 0), E - 1)
-    r = tl.arange(0, 2 * BN)
-    wrow = (pid % NUM_N) * BN + (r % BN) + (r // BN) * INTER  # [2BN]
+    wrow = _w13_rows(pid % NUM_N, INTER, BN)  # [2BN]
     cols = tl.arange(0, COLS // 128) * 128  # one pointer per 128-byte line
     _prefetch_l2(w_ptr + e * stride_we + wrow[:, None] * stride_wn + cols[None, :])
 
@@ -522,8 +528,7 @@ def _gemm1_tile(
     gemm1_swiglu_kernel)."""
     e64 = e.to(tl.int64)
     xrow = tok // TOPK
-    r = tl.arange(0, 2 * BN)
-    wrow = pid_n * BN + (r % BN) + (r // BN) * INTER  # [gate rows; up rows] of this tile
+    wrow = _w13_rows(pid_n, INTER, BN)  # [gate rows; up rows] of this tile
     x_ptrs, w_ptrs, s_ptrs = _operand_ptrs(
         x_ptr, xrow, stride_xm, w_ptr, s_ptr, e64, wrow, stride_we, stride_wn, stride_se, stride_sn, WMODE, BK
     )

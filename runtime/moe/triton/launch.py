@@ -265,8 +265,8 @@ def fused_moe(
     # NOSORT with PDL: GEMM1 starts streaming its weights while the prep kernel runs (kernels._prefetch_slab);
     # by default in the serving numerics only, whose prep kernel also rounds (docs/moe-backends.md)
     wants_prefetch = mxfp8_act if weight_prefetch is None else weight_prefetch
-    prefetch = _prefetch_cols(NOSORT_PREFETCH_BYTES, h) if wants_prefetch else 0
-    early = prep and pl.nosort and bool(pdl) and prefetch > 0
+    early = prep and pl.nosort and bool(pdl) and wants_prefetch
+    prefetch = _prefetch_cols(NOSORT_PREFETCH_BYTES, h) if early else 0  # 0: GEMM1 waits first
     if prep:
         K.prep_kernel[(t + int(pl.in_kernel_align),)](
             hidden,
@@ -288,7 +288,7 @@ def fused_moe(
             QUANT=int(quant_x),
             ZERO_OUT=not pl.fused_out,
             MXFP8_ACT=mxfp8_act,
-            LAUNCH_DEPENDENTS=early,
+            LAUNCH_DEPENDENTS=prefetch > 0,
             HP=next_pow2(h),
             BM=cfg.bm,
             EP=ep,
@@ -337,7 +337,7 @@ def fused_moe(
         NOSORT=pl.nosort,
         USE_PDL=bool(pdl),
         MXFP8_ACT=mxfp8_act,
-        PREFETCH=prefetch if early else 0,
+        PREFETCH=prefetch,
         num_warps=cfg.warps1,
         num_stages=cfg.stages1,
         **pdl,

@@ -15,12 +15,12 @@ import click
 
 from porter.cli_options import (
     VERIFY_HELP,
-    _common,
-    _device_option,
-    _echo_error,
-    _hub_options,
-    _setup_logging,
-    _threshold_options,
+    common_options,
+    device_option,
+    echo_error,
+    hub_options,
+    setup_logging,
+    threshold_options,
 )
 from porter.devices import resolve_device
 from porter.errors import EXIT_INTERNAL, PorterError
@@ -45,17 +45,17 @@ def _run(ctx, fn):
     except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
         raise
     except KeyboardInterrupt:
-        _echo_error("porter: interrupted (finished shards are kept; rerun with --resume)")
+        echo_error("porter: interrupted (finished shards are kept; rerun with --resume)")
         sys.exit(EXIT_INTERRUPTED)
     except PorterError as e:
         if verbose:
             traceback.print_exc()
-        _echo_error(f"porter: error: {_one_line(e)}")
+        echo_error(f"porter: error: {_one_line(e)}")
         sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 — anything that is not a PorterError is a bug in porter
         if verbose:
             traceback.print_exc()
-        _echo_error(
+        echo_error(
             f"porter: internal error: {type(e).__name__}: {_one_line(e)} "
             "(please report; -v shows the traceback)"
         )
@@ -72,7 +72,7 @@ def main(ctx, verbose, quiet):
 
     Exit codes: 0 ok, 1 not faithful (verify), 2 bad input, 3 internal error."""
     ctx.obj = {"verbose": verbose, "quiet": quiet}
-    _setup_logging(verbose, quiet)
+    setup_logging(verbose, quiet)
 
 
 @main.command()
@@ -131,7 +131,7 @@ def main(ctx, verbose, quiet):
 @click.option(
     "--max-memory", default=None, help="Memory budget, e.g. 16GB [default: half the available RAM]."
 )
-@_device_option("Where to quantize (the output is byte-identical either way)")
+@device_option("Where to quantize (the output is byte-identical either way)")
 @click.option(
     "--digest",
     type=click.Choice(list(CHUNK_HASHES)),
@@ -140,8 +140,8 @@ def main(ctx, verbose, quiet):
     help="Chunk hash of the shard digests in porter.json: xxh3-128 (fast checksum, like rsync's) or "
     "sha256 (for a manifest that is signed or published apart from the shards).",
 )
-@_hub_options
-@_common
+@hub_options
+@common_options
 @click.pass_context
 def convert(
     ctx,
@@ -195,7 +195,7 @@ def convert(
 @main.command("inspect")
 @click.argument("path", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@_common
+@common_options
 @click.pass_context
 def inspect_command(ctx, path, as_json):
     """What PATH (a porter artifact or a checkpoint folder) holds: source and commit, resolved config with
@@ -224,7 +224,7 @@ def inspect_command(ctx, path, as_json):
     type=click.Choice(["auto", "torch", "triton", "flashinfer-trtllm"]),
     help="MoE backend of the artifact.",
 )
-@_device_option("Where both models run (the byte re-derivation runs there too; on cpu it uses every core)")
+@device_option("Where both models run (the byte re-derivation runs there too; on cpu it uses every core)")
 @click.option(
     "--dtype",
     type=click.Choice(["auto", "float32", "bfloat16"]),
@@ -277,15 +277,15 @@ def inspect_command(ctx, path, as_json):
     help="Force layer streaming of the teacher-forced pass on/off (default: on when both models "
     "would not fit in memory).",
 )
-@_threshold_options
+@threshold_options
 @click.option(
     "--min-matching-tokens",
     type=click.IntRange(0),
     default=None,
     help="Generated tokens the reference's argmax must agree on. Default 0 (reported only).",
 )
-@_hub_options
-@_common
+@hub_options
+@common_options
 @click.pass_context
 def verify(
     ctx,
@@ -366,7 +366,7 @@ def verify(
 @click.option("--top-k", type=click.IntRange(0), default=None, help="Sample among the k most likely tokens.")
 @click.option("--seed", type=int, default=None, help="Seed of the sampler (reproducible output).")
 @click.option("--stop", multiple=True, help="Stop before this text (repeatable).")
-@_device_option("Where the model runs")
+@device_option("Where the model runs")
 @click.option(
     "--backend",
     default="auto",
@@ -374,7 +374,7 @@ def verify(
     type=click.Choice(["auto", "torch", "triton", "flashinfer-trtllm"]),
     help="MoE backend.",
 )
-@_common
+@common_options
 @click.pass_context
 def generate_command(
     ctx, path, prompt, chat, max_new_tokens, temperature, top_p, top_k, seed, stop, device, backend

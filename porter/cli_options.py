@@ -23,7 +23,7 @@ class _AboveBars(logging.StreamHandler):
             self.handleError(record)
 
 
-def _setup_logging(verbose: int, quiet: bool) -> None:
+def setup_logging(verbose: int, quiet: bool) -> None:
     level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO)
     handler = _AboveBars(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s" if verbose else "%(message)s"))
@@ -42,7 +42,7 @@ def _close_bars() -> None:
         bar.close()
 
 
-def _echo_error(text: str) -> None:
+def echo_error(text: str) -> None:
     _close_bars()
     click.echo(text, err=True)
 
@@ -57,10 +57,10 @@ def _verbosity(ctx, param, value):
         root.obj["quiet"] = True
     else:
         return
-    _setup_logging(root.obj["verbose"], root.obj["quiet"])
+    setup_logging(root.obj["verbose"], root.obj["quiet"])
 
 
-def _common(f):
+def common_options(f):
     """Options every subcommand takes, in either position."""
     f = click.option(
         "-q",
@@ -80,11 +80,11 @@ def _common(f):
     )(f)
 
 
-def _device_option(what: str):
+def device_option(what: str):
     return click.option("--device", default="auto", show_default=True, help=f"{what}: {DEVICE_HELP}.")
 
 
-def _hub_options(f):
+def hub_options(f):
     """--token and --cache-dir, for every command that reads the Hugging Face Hub."""
     f = click.option(
         "--cache-dir",
@@ -146,7 +146,7 @@ def _threshold_help(name: str) -> str:
     )
 
 
-def _threshold_options(f):
+def threshold_options(f):
     """One --max-*/--min-* flag per float field of Thresholds (in field order), its defaults in the help."""
     from dataclasses import fields
 

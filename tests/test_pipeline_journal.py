@@ -10,7 +10,7 @@ import porter.engine.run as pp
 
 def test_journal_is_written_outside_the_pipeline_lock(tiny_vendor, tmp_path, monkeypatch):
     engines, free = [], []
-    real_init, real_write = pp.Pipeline.__init__, conversion._write_journal
+    real_init, real_write = pp.Pipeline.__init__, conversion.write_journal
 
     def init(self, *args, **kwargs):
         engines.append(self)
@@ -32,7 +32,7 @@ def test_journal_is_written_outside_the_pipeline_lock(tiny_vendor, tmp_path, mon
         real_write(out, journal)
 
     monkeypatch.setattr(pp.Pipeline, "__init__", init)
-    monkeypatch.setattr(conversion, "_write_journal", write)
+    monkeypatch.setattr(conversion, "write_journal", write)
     out = porter.convert(
         tiny_vendor, tmp_path / "out", max_shard_size="300KB", progress=False, workers=3, device="cpu"
     )

@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import converters
+from porter.engine.output_guard import JOURNAL
 from porter.errors import InspectError, PorterError
 from porter.format import manifest as manifest_mod
 from porter.format import prequantized
@@ -26,7 +27,6 @@ from porter.source import INDEX_NAME
 from porter.source.local import read_header, weight_files
 
 WORST = 10
-JOURNAL = ".porter-journal.json"  # an interrupted `porter convert` (porter.commands.convert.output.JOURNAL)
 _SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
 _SCALE = re.compile(r"(\.weight|_weight)_scale(_inv)?$")
 _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})(/|$)")

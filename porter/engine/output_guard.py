@@ -26,6 +26,7 @@ from porter.format.safe_files import read_json_object
 log = logging.getLogger("porter")
 
 LOCK_NAME = ".porter.lock"
+JOURNAL = ".porter-journal.json"  # an interrupted conversion's record (porter.commands.convert.output)
 MANIFEST = "porter.json"  # porter.format.manifest.MANIFEST (not imported: this module stays import-light)
 MANIFEST_FORMAT = "porter-mxfp8"
 INDEX = "model.safetensors.index.json"
@@ -75,16 +76,16 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def porter_written(out: Path, journal_name: str, copy_files: Iterable[str]) -> set:
+def porter_written(out: Path, copy_files: Iterable[str]) -> set:
     """Names of the files in `out` that an earlier porter run into it wrote, as its journal (an interrupted
     run: the files it planned) or its porter.json and index (a complete one) say. Empty when neither is
     there: then nothing in the folder is porter's."""
-    journal = _read_json(out / journal_name)
+    journal = _read_json(out / JOURNAL)
     manifest = _read_json(out / MANIFEST)
     index = _read_json(out / INDEX)
     owned = set()
     if journal.get("fingerprint"):
-        owned |= {journal_name, *journal.get("files", []), *journal.get("shards", {})}
+        owned |= {JOURNAL, *journal.get("files", []), *journal.get("shards", {})}
     if manifest.get("format") == MANIFEST_FORMAT:
         owned |= {*FIXED_FILES, *copy_files, *manifest.get("shards", {})}
         weight_map = index.get("weight_map")
@@ -92,13 +93,13 @@ def porter_written(out: Path, journal_name: str, copy_files: Iterable[str]) -> s
             owned |= set(weight_map.values())
     owned = {n for n in owned if isinstance(n, str) and "/" not in n}
     owned |= {n + suffix for n in owned for suffix in (".partial", ".tmp")}
-    owned.add(journal_name + ".tmp")  # a run killed before its first journal write leaves only this
+    owned.add(JOURNAL + ".tmp")  # a run killed before its first journal write leaves only this
     return owned
 
 
-def foreign_files(out: Path, journal_name: str, copy_files: Iterable[str]) -> list:
+def foreign_files(out: Path, copy_files: Iterable[str]) -> list:
     """Entries of `out` porter did not write (sorted): folders, symlinks, files no earlier run names."""
-    owned = porter_written(out, journal_name, copy_files) | {LOCK_NAME}
+    owned = porter_written(out, copy_files) | {LOCK_NAME}
     return sorted(p.name for p in out.iterdir() if p.is_symlink() or not p.is_file() or p.name not in owned)
 
 
@@ -107,10 +108,10 @@ def has_content(out: Path) -> bool:
     return out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir())
 
 
-def clear_for_force(out: Path, journal_name: str, copy_files: Iterable[str]) -> None:
+def clear_for_force(out: Path, copy_files: Iterable[str]) -> None:
     """--force: remove what earlier porter runs wrote into `out`; refuse (removing nothing) when anything
     else is there."""
-    foreign = foreign_files(out, journal_name, copy_files)
+    foreign = foreign_files(out, copy_files)
     if foreign:
         entries = "1 such entry" if len(foreign) == 1 else f"{len(foreign)} such entries"
         raise OutputFolderError(

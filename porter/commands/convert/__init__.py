@@ -22,15 +22,15 @@ from tqdm import tqdm
 import converters
 from porter import engine
 from porter.commands.convert.output import (
-    JOURNAL,
-    _planned_bytes,
-    _prepare_output,
-    _read_journal,
-    _write_journal,
+    planned_bytes,
+    prepare_output,
+    read_journal,
+    write_journal,
 )
 from porter.commands.convert.plan import COPY_FILES, Plan, entries_for, fingerprint, make_plan, parse_size
 from porter.cores import available_cores
 from porter.engine import fault_point, output_guard
+from porter.engine.output_guard import JOURNAL
 from porter.errors import ConvertError
 from porter.format import manifest, model_card
 from porter.format.digest import DEFAULT_DIGEST
@@ -87,9 +87,9 @@ def convert(
         return describe_plan(plan, out, estimate)
     # one writer per output folder; a full disk is a one-line error that leaves the output resumable
     with output_guard.OutputLock(out), output_guard.disk_full_is_bad_input(out):
-        reusable = output_guard.porter_written(out, JOURNAL, COPY_FILES) if (force or resume) else ()
-        output_guard.check_free_space(out, _planned_bytes(plan), reusable)
-        done = _prepare_output(out, plan, force, resume, workers)
+        reusable = output_guard.porter_written(out, COPY_FILES) if (force or resume) else ()
+        output_guard.check_free_space(out, planned_bytes(plan), reusable)
+        done = prepare_output(out, plan, force, resume, workers)
         if done is None:
             return {
                 "output": str(out),
@@ -216,11 +216,11 @@ def describe_plan(plan: Plan, out: Path, estimate: dict) -> dict:
 def _produce(plan: Plan, out: Path, done: dict, progress: bool, workers: int, max_memory: int, dev) -> dict:
     """Make, hash and write every tensor (porter.engine); returns per-tensor manifest records."""
     stats = {n: r for rec in done.values() for n, r in rec["tensors"].items()}
-    journal = _read_journal(out)
+    journal = read_journal(out)
 
     def shard_done(f: str, record: dict) -> None:  # called one at a time (the pipeline's journal lock)
         journal["shards"][f] = record
-        _write_journal(out, journal)
+        write_journal(out, journal)
 
     skip = lambda t: all(plan.shard_of[e.name] in done for e in entries_for(t))  # noqa: E731
     units = engine.make_units(plan.tensors, plan.source.stored_meta, skip, dev, workers)
@@ -287,7 +287,7 @@ def _finish(plan: Plan, out: Path, stats: dict) -> float:
     log.debug("fsync of %d shard(s): %.2f s", len(plan.shards), secs)
     _write_final(out / "config.json", json.dumps(cfg, indent=2))
     shard_digests = {
-        f: {k: rec[k] for k in ("header_sha256", "digest")} for f, rec in _read_journal(out)["shards"].items()
+        f: {k: rec[k] for k in ("header_sha256", "digest")} for f, rec in read_journal(out)["shards"].items()
     }
     manifest.write(
         out, plan, stats, shard_digests, before_rename=lambda: fault_point(f"tmp:{manifest.MANIFEST}")

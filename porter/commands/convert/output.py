@@ -10,6 +10,7 @@ from typing import Optional
 
 from porter.commands.convert.plan import COPY_FILES, Plan, fingerprint
 from porter.engine import fault_point, output_guard
+from porter.engine.output_guard import JOURNAL
 from porter.errors import ConvertError, MalformedSafetensors, PorterError
 from porter.format import manifest, model_card
 from porter.format.safe_files import read_json_object
@@ -24,14 +25,11 @@ from porter.source import INDEX_NAME
 log = logging.getLogger("porter")
 
 
-JOURNAL = ".porter-journal.json"
-
-
-def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: int = 1) -> Optional[dict]:
+def prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: int = 1) -> Optional[dict]:
     """Returns the shards already complete (for --resume) as {file: journal record}; None when --resume
     finds this very conversion already complete (nothing to do)."""
     fp = fingerprint(plan)
-    journal = _read_journal(out)
+    journal = read_journal(out)
     if output_guard.has_content(out):
         if resume and _complete_fingerprint(out) == fp:
             done = _intact_finished_shards(out, plan, workers)
@@ -44,7 +42,7 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
                 )
                 return None
             # journal first, then drop the index: the output reads as interrupted, never as complete
-            _write_journal(out, {**_new_journal(plan, fp), "shards": done})
+            write_journal(out, {**_new_journal(plan, fp), "shards": done})
             (out / INDEX_NAME).unlink()
             return done
         if resume and journal.get("fingerprint") == fp:
@@ -62,7 +60,7 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
             log.info("resume: %s holds no finished shard yet; starting from the beginning", out)
             (out / (JOURNAL + ".tmp")).unlink(missing_ok=True)
             out.mkdir(parents=True, exist_ok=True)
-            _write_journal(out, _new_journal(plan, fp))
+            write_journal(out, _new_journal(plan, fp))
             return {}
         if resume:
             raise ConvertError(_resume_mismatch(out, plan, journal))
@@ -73,18 +71,16 @@ def _prepare_output(out: Path, plan: Plan, force: bool, resume: bool, workers: i
                 if journal.get("fingerprint") == fp
                 else ""
             )
-            foreign = output_guard.foreign_files(out, JOURNAL, _carried_names(out))
+            foreign = output_guard.foreign_files(out, _carried_names(out))
             if foreign:  # --force would refuse too: say so now
                 raise ConvertError(
                     f"{out}: output folder is not empty ({out / foreign[0]} was not written "
                     "by porter); choose an empty or new --output folder"
                 )
             raise ConvertError(f"{out}: output folder is not empty{hint}; use --force to overwrite")
-        output_guard.clear_for_force(
-            out, JOURNAL, _carried_names(out)
-        )  # only what porter wrote, else refused
+        output_guard.clear_for_force(out, _carried_names(out))  # only what porter wrote, else refused
     out.mkdir(parents=True, exist_ok=True)
-    _write_journal(out, _new_journal(plan, fp))
+    write_journal(out, _new_journal(plan, fp))
     return {}
 
 
@@ -184,7 +180,7 @@ def _carried_names(out: Path) -> tuple:
     return (*COPY_FILES, *(p.name for p in out.iterdir() if model_card.is_card_file(p.name)))
 
 
-def _planned_bytes(plan: Plan) -> int:
+def planned_bytes(plan: Plan) -> int:
     """Disk space the output needs: every shard with its header, the copied files, and room for the JSON
     files (porter.json holds a record of ~300 bytes per tensor)."""
     shards = sum(len(header_bytes(es, SHARD_METADATA)) + sum(e.nbytes for e in es) for _, es in plan.shards)
@@ -203,14 +199,14 @@ def _complete_fingerprint(out: Path) -> Optional[str]:
         return None
 
 
-def _read_journal(out: Path) -> dict:
+def read_journal(out: Path) -> dict:
     try:
         return read_json_object(out / JOURNAL, ConvertError, "journal")
     except PorterError:  # unreadable, not a regular file or not an object: as if absent
         return {}
 
 
-def _write_journal(out: Path, journal: dict) -> None:
+def write_journal(out: Path, journal: dict) -> None:
     atomic_write_text(out / JOURNAL, json.dumps(journal), before_rename=lambda: fault_point("journal-tmp"))
     fault_point("journal")
 

@@ -5,7 +5,8 @@ resolution, the output plan, tensor names, the hf layout). `MODEL_TYPES` maps ea
 reads to its converter module's name, imported on first use (as mlx-lm's MODEL_REMAPPING or llama.cpp's
 TEXT_MODEL_MAP). Callers never import a converter module directly:
 
-    conv = converters.for_config(raw_config)
+    conv, cfg = converters.resolve(raw_config, tensors, where)  # sizes checked against the files first
+    conv = converters.for_config(raw_config)                    # without the files: the config alone
     cfg = conv.resolve_config(raw_config)
 
 Adding an architecture: docs/architecture.md.
@@ -16,8 +17,9 @@ from __future__ import annotations
 import importlib
 from functools import lru_cache
 
-from converters.base import Converter, conformance_problems
+from converters.base import Converter, ResolvedConfig, conformance_problems
 from porter.errors import ConfigError
+from porter.format import sizes
 
 # config.json model_type -> converter module under converters/.
 # MiniMax-M3: the vendor VL wrapper (text model in `text_config`), transformers' text-only layout, and
@@ -50,6 +52,16 @@ def for_config(raw, where: str = "config.json") -> Converter:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must hold a JSON object")
     return get(raw.get("model_type"), where)
+
+
+def resolve(raw, tensors: dict, where: str = "config.json") -> tuple[Converter, ResolvedConfig]:
+    """The converter and resolved config of a raw config.json whose files hold `tensors` ({name: (dtype,
+    shape, ...)} from the safetensors headers): its size fields are checked against those tensors first
+    (the converter's SIZE_RULES, porter/format/sizes.py), so that no absurd size reaches a loop or an
+    allocation; ConfigError names the field, its value and what the files hold."""
+    converter = for_config(raw, where)
+    sizes.check(converter.SIZE_RULES, converter.config_sizes(raw), tensors, converter.canonical_name, where)
+    return converter, converter.resolve_config(raw)
 
 
 @lru_cache(maxsize=None)

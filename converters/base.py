@@ -40,11 +40,17 @@ class Converter(Protocol):
     LAYOUTS: tuple  # output layouts plan_tensors writes: "porter" and, if it has one, "hf"
     DEFAULT_SCOPE: dict  # layout -> the --quantize scope used when none is given
     HF_ARCHITECTURES: list  # config.json `architectures` of the hf layout
+    SIZE_RULES: tuple  # porter.format.sizes rules: what in the files each config size field must match
 
     # config
     def resolve_config(self, raw: dict) -> ResolvedConfig:
         """config.json (raw) -> the resolved config, each field with its provenance; ConfigError names a
         bad field."""
+
+    def config_sizes(self, raw: dict) -> dict:
+        """The size fields SIZE_RULES speak of, {field: (value, config key)}, read from config.json (raw)
+        without building anything from them (no per-layer or per-expert list): converters.resolve checks
+        them against the files before resolve_config runs."""
 
     def manifest_facts(self, cfg: ResolvedConfig) -> dict:
         """What porter.json records beyond the resolved config: {"architecture": name, ...}."""

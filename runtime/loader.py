@@ -51,9 +51,7 @@ class ArtifactStore:
         except ValueError as e:
             raise LoadError(str(e)) from None
         raw = _json(path / "config.json")
-        self.converter = converters.for_config(raw, str(path / "config.json"))
-        self.config = self.converter.resolve_config(raw)
-        index = path / "model.safetensors.index.json"
+        index = self.index = path / "model.safetensors.index.json"
         if not index.exists() and not index.is_symlink():  # porter writes the index last: no index, no finish
             raise LoadError(
                 f"{index}: missing — the conversion did not finish; rerun "
@@ -63,6 +61,10 @@ class ArtifactStore:
         self._handles: dict = {}
         self._headers: dict = {}  # shard -> parsed safetensors header (nbytes)
         self._check_shards(index)
+        meta = {
+            n: (self._headers[f][n]["dtype"], self._headers[f][n]["shape"]) for n, f in self.files.items()
+        }
+        self.converter, self.config = converters.resolve(raw, meta, str(path / "config.json"))
         # hf layout (vendor names, per-expert tensors): canonical name -> hf name, or per expert the hf
         # row parts that stack to [E, N, K] when the model touches them (the converter's hf_canonical_map)
         options = self.manifest.get("options")
@@ -170,8 +172,9 @@ class SourceStore:
 
         self.source = source.open_source(path)
         self.path = self.source.path
-        self.converter = converters.for_config(self.source.raw_config, str(self.path / "config.json"))
-        self.config = self.converter.resolve_config(self.source.raw_config)
+        self.converter, self.config = converters.resolve(
+            self.source.raw_config, self.source.meta, str(self.path / "config.json")
+        )
         plan = self.converter.plan_tensors(self.config, self.source.meta, quantize="none")
         self.plan = {t.name: t for t in plan if not t.carried}
         self._carried = {t.name for t in plan if t.carried}
@@ -240,6 +243,11 @@ def _weight_map(folder: Path, index: Path) -> dict:
     return files
 
 
+def listing(store) -> Path:
+    """The file that lists a store's tensors: an artifact's index, else the checkpoint folder."""
+    return getattr(store, "index", store.path)
+
+
 def getter(store, names: set, device: torch.device) -> Callable[[str], Optional[torch.Tensor]]:
     """name -> tensor on device (None when absent: e.g. no weight_scale for an unquantized linear)."""
 
@@ -247,7 +255,9 @@ def getter(store, names: set, device: torch.device) -> Callable[[str], Optional[
         if name not in names:
             if name.endswith("_scale"):
                 return None
-            raise LoadError(f"tensor {name!r} is missing from {store.path}")
+            raise LoadError(
+                f"tensor {name!r} is missing from {listing(store)}; reconvert, or restore the file"
+            )
         t = store.get(name)
         return t if t.device == device else t.to(device)
 
@@ -299,6 +309,12 @@ def build_model(
     mxfp8_act: every MXFP8 linear rounds its input to MXFP8 first (the serving numerics, Linear.input)."""
     cfg, names = store.config, store.names()
     n = cfg.num_hidden_layers
+    tied = getattr(cfg, "tie_word_embeddings", False)  # else lm_head is a tensor of its own
+    for name in TOP_NAMES[:2] if tied else TOP_NAMES:
+        if name not in names:
+            raise LoadError(
+                f"tensor {name!r} is missing from {listing(store)}; reconvert, or restore the file"
+            )
     if placement is None:
         where, embed_dev, head_dev = [device] * n, device, device
     else:

@@ -91,9 +91,11 @@ def test_protocol_members():
         "LAYOUTS",
         "DEFAULT_SCOPE",
         "HF_ARCHITECTURES",
+        "SIZE_RULES",
     }
     assert {n for n, k in members.items() if k == "function"} == {
         "resolve_config",
+        "config_sizes",
         "manifest_facts",
         "plan_tensors",
         "canonical_name",

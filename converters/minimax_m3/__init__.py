@@ -27,7 +27,8 @@ and a top-level mxfp8 `quantization_config` (`hf_config_json`).
 
 This package is the MiniMax-M3 converter (the `converters.base.Converter` protocol): callers reach it
 through the registry, `converters.for_config(raw_config)`. Modules: config.py (TextConfig,
-resolve_config), names.py (canonical names), plan.py (plan_tensors, expert stacking), hf_layout.py.
+resolve_config), names.py (canonical names), plan.py (plan_tensors, expert stacking), hf_layout.py,
+sizes.py (SIZE_RULES: what in the files each config size field must match).
 """
 
 from converters.minimax_m3.config import (
@@ -38,6 +39,7 @@ from converters.minimax_m3.config import (
     MOE_MLP,
     SPARSE_ATTN,
     TextConfig,
+    config_sizes,
     manifest_facts,
     resolve_config,
     text_config_dict,
@@ -62,6 +64,7 @@ from converters.minimax_m3.names import (
     is_stacked_experts,
 )
 from converters.minimax_m3.plan import interleave_gate_up, plan_tensors, uninterleave_gate_up
+from converters.minimax_m3.sizes import SIZE_RULES
 
 __all__ = [
     "ARCHITECTURE",
@@ -69,12 +72,14 @@ __all__ = [
     "LAYOUTS",
     "DEFAULT_SCOPE",
     "HF_ARCHITECTURES",
+    "SIZE_RULES",
     "SPARSE_ATTN",
     "FULL_ATTN",
     "MOE_MLP",
     "DENSE_MLP",
     "TextConfig",
     "resolve_config",
+    "config_sizes",
     "text_config_dict",
     "manifest_facts",
     "plan_tensors",

@@ -45,7 +45,7 @@ def inspect(path) -> dict:
     raw = read_json_object(path / "config.json", InspectError, "config")
     man = _manifest(path) if manifest_mod.is_artifact(path) else None
     tensors = _tensor_meta(path)
-    cfg = converters.for_config(raw, str(path / "config.json")).resolve_config(raw)
+    cfg = converters.resolve(raw, tensors, str(path / "config.json"))[1]
     qc = prequantized.quantization_config_of(raw)
     quantized, unquantized = _modules(tensors)
     ignored = list((qc or {}).get("ignored_layers") or [])

@@ -116,8 +116,7 @@ def make_plan(
         raise ConvertError(f"--scale-rounding must be one of {mxfp8.ROUNDING_MODES}")
     if digest not in CHUNK_HASHES:
         raise ConvertError(f"--digest {digest!r}: give one of {', '.join(CHUNK_HASHES)}")
-    converter = converters.for_config(source.raw_config, str(source.path / "config.json"))
-    config = converter.resolve_config(source.raw_config)
+    converter, config = converters.resolve(source.raw_config, source.meta, str(source.path / "config.json"))
     if layout == "hf":
         converter.check_hf_source(source.raw_config, str(source.path / "config.json"))
     tensors = converter.plan_tensors(config, source.meta, quantize, gate_up, layout)

@@ -63,6 +63,7 @@ from porter.commands.verify.verdict import (
 from porter.errors import PorterError, VerifyInputError
 from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import dtype_name
+from porter.source.local import read_header, weight_files
 
 __all__ = [
     "verify",
@@ -173,7 +174,7 @@ def _open(
     ref_path = reference_path(man, reference, token, cache_dir)
     try:
         raw = read_json_object(ref_path / "config.json", VerifyInputError, "config")
-        ref_config = converters.for_config(raw).resolve_config(raw)
+        ref_config = converters.resolve(raw, reference_meta(ref_path), str(ref_path / "config.json"))[1]
     except PorterError as e:
         raise VerifyInputError(f"reference {ref_path / 'config.json'}: {e}") from None
     source_q = source_quantization(man, raw, ref_path)  # a pre-quantized reference is read as converted
@@ -195,6 +196,12 @@ def _open(
     rep.numerics_mode = "both" if len(runs) > 1 else runs[0]
     rep.numerics = {n: NumericsRun(n, backend, "", t) for n, t in by_run.items()}
     return _Inputs(art, man, ref_path, ref_config, tok, torch.device(device), source_q), rep
+
+
+def reference_meta(ref_path: Path) -> dict:
+    """{name: (dtype, shape)} of the reference's tensors, from its shard headers (its config's sizes are
+    checked against them: converters.resolve)."""
+    return {n: (i["dtype"], i["shape"]) for f in weight_files(ref_path) for n, i in read_header(f).items()}
 
 
 def _check_serving(art: Path, scope: str, backend: str) -> None:

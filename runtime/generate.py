@@ -190,11 +190,13 @@ def generate(
     return _result(kind, out, ids.shape[1], cfg, texts, mask)
 
 
-def check_token_ids(model, ids: torch.Tensor, pad_id: int, from_tokenizer: bool) -> None:
-    """Every id the embedding will look up (the prompt's, the pad id) inside the vocabulary."""
+def check_token_ids(model, ids, pad_id: Optional[int] = None, from_tokenizer: bool = False) -> None:
+    """Every id the embedding will look up (the prompt's [B, T] or list, the pad id) inside the vocabulary;
+    from_tokenizer: the ids are the checkpoint tokenizer's encoding of text."""
     vocab = model.embed_tokens.shape[0]
     where = "config.json vocab_size"
-    if not 0 <= pad_id < vocab:
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    if pad_id is not None and not 0 <= pad_id < vocab:
         raise TextError(
             f"pad token id {pad_id} (generation_config.json pad_token_id, else the tokenizer's pad or EOS "
             f"token) is outside the model's vocabulary of {vocab} ({where}); fix generation_config.json"
@@ -274,9 +276,13 @@ def check_cache_fits(model, batch: int, tokens: int) -> None:
         free = free_bytes(torch.device(dev))
         if free is not None and b > free + kept:
             raise TextError(
-                f"the KV cache for {batch} x {tokens:,} tokens needs {b / 2**30:.2f} GiB on {dev}, which has "
-                f"{(free + kept) / 2**30:.2f} GiB free; ask for fewer new tokens, a shorter prompt or a smaller batch"
+                f"the KV cache for {batch} x {tokens:,} tokens needs {_human(b)} on {dev}, which has "
+                f"{_human(free + kept)} free; ask for fewer new tokens, a shorter prompt or a smaller batch"
             )
+
+
+def _human(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _cache_bytes(cache) -> int:

@@ -321,7 +321,7 @@ def _sandbox_class():
 
         def check_bits(self, bits: int) -> None:
             if bits > INT_BITS:
-                raise TemplateLimit(f"an integer of {bits:,} bits is over the limit of {INT_BITS:,}")
+                raise TemplateLimit(f"an integer of up to {bits:,} bits, over the limit of {INT_BITS:,}")
 
         def check_args(self, args, kwargs) -> None:
             for a in list(args) + list(kwargs.values()):

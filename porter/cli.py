@@ -129,7 +129,9 @@ def main(ctx, verbose, quiet):
     help="Worker threads for read/quantize/hash/write [default: the cores available + 1].",
 )
 @click.option(
-    "--max-memory", default=None, help="Memory budget, e.g. 16GB [default: half the available RAM]."
+    "--max-memory",
+    default=None,
+    help="Memory budget, e.g. 16GB [default: this process's memory + half the available RAM].",
 )
 @device_option("Where to quantize (the output is byte-identical either way)")
 @click.option(

@@ -67,8 +67,9 @@ def convert(
     """Convert; returns a summary dict. Mirrors `porter convert` (see `porter convert --help`).
     quantize=None: the layout's default scope (the converter's DEFAULT_SCOPE). workers=None: the available
     cores + 1; max_memory=None: this process's memory + half the available RAM; device: auto (the GPU when
-    there is one), cpu or cuda; digest: the chunk hash of the shard digests, xxh3-128 or sha256 (docs/artifact-format.md).
-    token / cache_dir: Hugging Face token and cache folder for a repo id (None: HF_TOKEN / HF_HOME)."""
+    there is one), cpu or cuda; digest: the chunk hash of the shard digests, xxh3-128 or sha256
+    (docs/artifact-format.md). token / cache_dir: Hugging Face token and cache folder for a repo id (None:
+    HF_TOKEN / HF_HUB_CACHE)."""
     t0 = time.time()
     out = output_guard.check_output_option(output)  # "" would be the current directory
     engine.arm_faults()

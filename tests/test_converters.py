@@ -220,3 +220,29 @@ def test_callers_use_only_protocol_members_and_never_import_a_converter_module()
                 bad.append(f"{rel}:{node.lineno}: imports a converter module; use converters.for_config")
     assert not bad, "\n".join(bad)
     assert {"resolve_config", "plan_tensors", "hf_canonical_map", "check_hf_source", "manifest_facts"} <= used
+
+
+@pytest.mark.parametrize("model_type", sorted(converters.MODEL_TYPES))
+def test_size_rules_are_declared_over_the_fields_config_sizes_reads(model_type):
+    """Every registered converter declares its size rules (porter/format/sizes.py) as Dim / Count rules with
+    patterns that compile, over fields its config_sizes reads (docs/architecture.md)."""
+    import re
+
+    from porter.format.sizes import Count, Dim
+
+    conv = converters.get(model_type)
+    assert conv.SIZE_RULES and all(isinstance(r, (Dim, Count)) for r in conv.SIZE_RULES)
+    for rule in conv.SIZE_RULES:
+        pattern = re.compile(rule.pattern)
+        assert isinstance(rule, Dim) or 1 <= pattern.groups <= 2, rule
+        assert not re.search(r"(^|\\\.)\d", rule.pattern), f"{rule}: match numeric name parts with \\d+"
+    m3 = converters.get("minimax_m3_vl")
+    fields = {f for r in m3.SIZE_RULES for f in (r.fields if isinstance(r, Dim) else (r.field,))}
+    assert fields == set(m3.config_sizes(vendor_config()))
+    assert {
+        "num_hidden_layers",
+        "num_local_experts",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+    } <= fields

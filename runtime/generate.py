@@ -18,7 +18,6 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from runtime.cache import LayerCache
 from runtime.sampling import RowText, choose, generator_for
 from runtime.text import GenerationConfig, TextError, Tokenizer
 
@@ -184,7 +183,8 @@ def generate(
         mask = attention_mask
     check_token_ids(model, ids, pad_id, from_tokenizer=kind in ("text", "texts", "messages"))
     cfg = fit_context(model, ids.shape[1], cfg, given=max_new_tokens is not None)
-    check_cache_fits(model, ids.shape[0], ids.shape[1] + cfg.max_new_tokens)
+    if cfg.max_new_tokens:  # no new token, no cache
+        check_cache_fits(model, ids.shape[0], ids.shape[1] + cfg.max_new_tokens)
     texts = RowText(model.tokenizer, ids.shape[0], stop, stream)
     out = _decode(model, ids, mask, cfg, pad_id, seed, texts, cuda_graph)  # [B, T + n]
     return _result(kind, out, ids.shape[1], cfg, texts, mask)
@@ -264,19 +264,13 @@ def free_bytes(device: torch.device) -> Optional[int]:
 def check_cache_fits(model, batch: int, tokens: int) -> None:
     """The KV cache of `tokens` positions for `batch` rows fits the memory its devices have free (a cache
     generate keeps from an earlier call is counted as free: it is replaced)."""
-    cfg, bs = model.cfg, model.cfg.index_block_size
-    slots = -(-cache_slots(tokens, bs) // bs) * bs  # the larger of the two sizes a Decoder may allocate
-    need: dict = {}
-    for i, dev in enumerate(model.layer_devices):
-        need[dev] = need.get(dev, 0) + LayerCache.nbytes(
-            cfg, cfg.is_sparse_attention(i), batch, slots, model.dtype
-        )
+    slots = cache_slots(tokens, model.cfg.index_block_size)  # the larger of the two sizes a Decoder makes
     kept = 0 if model.decode_state is None else _cache_bytes(model.decode_state[1])
-    for dev, b in need.items():
+    for dev, need in model.cache_nbytes(batch, slots).items():
         free = free_bytes(torch.device(dev))
-        if free is not None and b > free + kept:
+        if free is not None and need > free + kept:
             raise TextError(
-                f"the KV cache for {batch} x {tokens:,} tokens needs {_human(b)} on {dev}, which has "
+                f"the KV cache for {batch} x {tokens:,} tokens needs {_human(need)} on {dev}, which has "
                 f"{_human(free + kept)} free; ask for fewer new tokens, a shorter prompt or a smaller batch"
             )
 

@@ -136,6 +136,17 @@ def test_each_limit_is_named(source, limit):
     assert seconds < SMALL.seconds + SLACK_S and peak < PEAK_BYTES
 
 
+def test_a_template_stops_at_its_deadline_in_any_thread():
+    """No signal reaches a worker thread: there the hooks alone stop a template that never ends."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}"
+    with ThreadPoolExecutor(1) as pool:
+        out, seconds, peak = pool.submit(render_measured, endless).result()
+    assert isinstance(out, TextError) and "longer than its budget of 0.3 s" in str(out), out
+    assert seconds < SMALL.seconds + SLACK_S and peak < PEAK_BYTES
+
+
 def test_a_library_loop_is_interrupted_on_the_main_thread():
     """Time spent inside a function's own Python loop passes no hook: SIGALRM stops it at the deadline, and
     the handler and timer are as they were afterwards."""

@@ -351,10 +351,22 @@ class MiniMaxM3:
             h = rms_norm(h.to(self.norm.device), self.norm, self.cfg.rms_norm_eps)
         return F.linear(h.to(self.lm_head.device), self.lm_head.to(h.dtype)).float()  # [B, T, V]
 
+    def cache_slots(self, max_len: int) -> int:
+        """Slots of a cache for max_len positions: rounded up to whole index blocks."""
+        bs = self.cfg.index_block_size
+        return -(-max_len // bs) * bs
+
+    def cache_nbytes(self, batch: int, max_len: int) -> dict:
+        """{device: bytes} new_cache(batch, max_len) allocates (nothing is allocated)."""
+        slots, out = self.cache_slots(max_len), {}
+        for i, dev in enumerate(self.layer_devices):
+            sparse = self.cfg.is_sparse_attention(i)
+            out[dev] = out.get(dev, 0) + LayerCache.nbytes(self.cfg, sparse, batch, slots, self.dtype)
+        return out
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """Caches of max_len slots (rounded up to whole index blocks), each on its layer's device."""
-        bs = self.cfg.index_block_size
-        slots = -(-max_len // bs) * bs
+        slots = self.cache_slots(max_len)
         layers = [
             LayerCache.empty(
                 self.cfg, self.cfg.is_sparse_attention(i), batch, slots, self.dtype, self.layer_devices[i]

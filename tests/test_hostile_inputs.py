@@ -541,3 +541,26 @@ def test_device_map_values_are_refused_in_one_line(artifact, device_map, max_mem
     with pytest.raises(PorterError) as e:
         runtime.load(artifact, device_map=device_map, max_memory=max_memory)
     assert culprit in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_verify_checks_both_configs_sizes_against_their_files(artifact, tiny_vendor, tmp_path):
+    """The reference's config is input (exit 2); the artifact's is what verify judges (exit 1, the field
+    named). Neither is resolved into per-layer lists of a billion entries first: the artifact's config here
+    has no per-layer lists, so resolving it unchecked would build two lists of 10**9 (16 GB)."""
+    ref = copy(tiny_vendor, tmp_path / "r")
+    set_config(ref, "text_config.num_local_experts", 10**9)
+    code, out = cli("verify", artifact, "--reference", ref, "--max-new-tokens", "0")
+    assert (
+        code == EXIT_BAD_INPUT and "'text_config.num_local_experts' = 1,000,000,000" in out and one_error(out)
+    )
+    art = copy(artifact, tmp_path / "a")
+    doc = json.loads((art / "config.json").read_text())
+    text = doc["text_config"]
+    text.pop("moe_layer_freq")
+    text["sparse_attention_config"].pop("sparse_attention_freq")
+    text["num_hidden_layers"] = 10**9
+    (art / "config.json").write_text(json.dumps(doc))
+    t0 = time.monotonic()
+    code, out = cli("verify", art, "--reference", tiny_vendor, "--max-new-tokens", "0")
+    assert code == 1 and "'text_config.num_hidden_layers' = 1,000,000,000, but the files hold 4 layers" in out
+    assert time.monotonic() - t0 < 30

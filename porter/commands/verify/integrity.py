@@ -60,7 +60,7 @@ def check_integrity(art: Path, man: dict, ref_config=None, progress: bool = Fals
     issues += _check_headers(headers, tensors, shards, by_shard)
     issues += _check_index(art, tensors)
     issues += _check_scales(art, tensors, headers)
-    issues += _check_config(art, man, ref_config)
+    issues += _check_config(art, man, ref_config, headers)
     return IntegrityResult(not issues, len(shards), len(tensors), issues)
 
 
@@ -293,13 +293,15 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _check_config(art: Path, man: dict, ref_config) -> list[Failure]:
+def _check_config(art: Path, man: dict, ref_config, headers: dict) -> list[Failure]:
     want = man.get("resolved_config", {})
     try:
         if not os.path.lexists(art / "config.json"):
             return [Failure("integrity", "config.json is missing from the artifact")]
         raw = read_json_object(art / "config.json", VerifyInputError, "config")
-        have = json.loads(json.dumps(converters.for_config(raw).resolve_config(raw).to_dict()))
+        meta = {n: (i.get("dtype"), i.get("shape", ())) for h in headers.values() for n, i in h.items()}
+        resolved = converters.resolve(raw, meta)[1]  # its sizes checked against the shards first
+        have = json.loads(json.dumps(resolved.to_dict()))
     except PorterError as e:
         return [Failure("integrity", f"config.json: {e}")]
     out = [

@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 import converters
 from porter.errors import LoadError, PorterError
-from porter.format import manifest
+from porter.format import journal, manifest
 from porter.format.safe_files import inside, read_json_object, regular_file
 from porter.format.safetensors_io import parse_header
 from runtime.models.layers import Rope
@@ -214,6 +214,9 @@ def open_store(path) -> ArtifactStore | SourceStore:
     path = Path(path).expanduser()
     if not path.is_dir():
         raise LoadError(f"{path}: not a directory (give a porter artifact or a checkpoint folder)")
+    unfinished = journal.interrupted(path)  # a porter output whose conversion did not finish
+    if unfinished is not None:
+        raise LoadError(str(unfinished))
     if manifest.is_artifact(path):
         return ArtifactStore(path)
     if (path / "config.json").exists() or (path / "config.json").is_symlink():

@@ -162,7 +162,11 @@ def test_resume_on_complete_output_is_a_noop(tiny_vendor, tmp_path, caplog):
     assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()} == before
     # other options -> a different conversion: refused, not silently mixed
     res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--resume"])
-    assert res.exit_code == 2 and "different options" in res.output
+    assert res.exit_code == 2, res.output
+    assert (
+        "--resume with --max-shard-size 5GB, but this output was made with --max-shard-size 300000"
+        in res.output
+    )
 
 
 KILL_SCRIPT = """

@@ -152,15 +152,19 @@ def test_finished_shard_truncated_or_missing_is_rewritten(tiny_vendor, reference
 
 
 @pytest.mark.parametrize(
-    "option",
+    "option, then",
     [
-        ["--scale-rounding", "floor"],
-        ["--quantize", "all"],
-        ["--gate-up", "interleaved"],
-        ["--max-shard-size", "200KB"],
+        (["--scale-rounding", "floor"], "--scale-rounding rceil"),
+        (["--quantize", "all"], "--quantize experts"),
+        (["--gate-up", "interleaved"], "--gate-up auto"),
+        (["--max-shard-size", "200KB"], f"--max-shard-size {SHARD_CAP}"),
+        (["--digest", "sha256"], "--digest xxh3-128"),
+        (["--layout", "hf"], "--quantize experts"),  # hf's default scope (all) differs first
     ],
 )
-def test_resume_with_other_options_is_refused(tiny_vendor, crashed, tmp_path, option):
+def test_resume_with_other_options_is_refused_naming_the_option(tiny_vendor, crashed, tmp_path, option, then):
+    """The option that differs is named with both values, and the exact command that resumes is given;
+    running that command then finishes the conversion."""
     out, journal = interrupted_copy(crashed, tmp_path)
     before = {p.name: sha256(p) for p in out.iterdir() if p.is_file()}
     args = [
@@ -175,9 +179,36 @@ def test_resume_with_other_options_is_refused(tiny_vendor, crashed, tmp_path, op
     ]
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 2, res.output
-    assert "--resume" in res.output and "different" in res.output and "--force" in res.output
+    line = res.output.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line
+    now = " ".join(option) if option[0] != "--layout" else "--quantize all"
+    assert f"--resume with {now}, but this conversion was started with {then}" in line, line
+    command = f"porter convert {tiny_vendor} --output {out} --max-shard-size {SHARD_CAP} --resume"
+    assert f"resume with {command} (or --force to start over)" in line
     assert {p.name: sha256(p) for p in out.iterdir() if p.is_file()} == before  # nothing touched
     assert not (out / INDEX).exists()
+
+
+def test_the_printed_resume_command_resumes(tiny_vendor, reference, crashed, tmp_path):
+    """The command an interrupted output prints (inspect, a plain rerun, the journal) is the one that
+    resumes it: run word for word (shell-split), it ends in the reference's bytes."""
+    import shlex
+
+    ref_out, ref_man, _ = reference
+    out, _ = interrupted_copy(crashed, tmp_path)
+    plain = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out)])
+    assert plain.exit_code == 2 and "interrupted conversion (" in plain.output, plain.output
+    command = (
+        plain.output.strip()
+        .split("resume with ", 1)[1]
+        .removesuffix("; or add --force to start over with these options")
+    )
+    argv = shlex.split(command)
+    assert argv[:2] == ["porter", "convert"] and argv[-1] == "--resume"
+    assert argv[argv.index("--output") + 1] == str(out)  # the folder where it is now, not where it was made
+    res = CliRunner().invoke(cli, [*argv[1:], "-q"])
+    assert res.exit_code == 0, res.output
+    assert_same_artifact(out, ref_out, ref_man)
 
 
 @pytest.mark.parametrize("garbage", [b"\xff\xfe\x00binary", b'{"fingerprint": "x", "sha'])
@@ -316,8 +347,8 @@ def test_inspect_says_an_interrupted_output_is_incomplete(tiny_vendor, reference
     total, done = len(reference[1]["shards"]), len(journal["shards"])
     res = CliRunner().invoke(cli, ["inspect", str(out)])
     want = (
-        f"incomplete (interrupted conversion: {done} of {total} shards done; run porter convert "
-        f"{tiny_vendor} --output {out} --resume)"
+        f"{out}: interrupted conversion ({done} of {total} shards done): resume with porter convert "
+        f"{tiny_vendor} --output {out} --max-shard-size {SHARD_CAP} --resume"
     )
     assert res.exit_code == 2 and want in res.output and len(res.output.strip().splitlines()) == 1, res.output
     # killed after config.json and porter.json, before the index: still incomplete, not "porter artifact"
@@ -328,5 +359,7 @@ def test_inspect_says_an_interrupted_output_is_incomplete(tiny_vendor, reference
     (out2 / JOURNAL).write_text(json.dumps({**journal, "shards": {f: {} for f in reference[1]["shards"]}}))
     res = CliRunner().invoke(cli, ["inspect", str(out2)])
     assert res.exit_code == 0, res.output
-    assert f"porter output, incomplete (interrupted conversion: {total} of {total} shards done" in res.output
+    assert (
+        f"porter output, interrupted conversion ({total} of {total} shards done): resume with" in res.output
+    )
     assert "porter artifact" not in res.output

@@ -21,9 +21,9 @@ from typing import Optional
 
 import torch
 
-from porter.errors import MalformedSafetensors
+from porter.errors import MalformedSafetensors, OutputFolderError
 from porter.format.digest import CHUNK_HASH_DOC, CHUNK_HASHES, DEFAULT_DIGEST
-from porter.format.safe_files import regular_file
+from porter.format.safe_files import atomic_write, regular_file
 
 DTYPE_NAMES = {  # torch dtype -> safetensors header dtype
     torch.float64: "F64",
@@ -278,16 +278,9 @@ class TensorReader:
 
 
 def atomic_write_text(path: Path, text: str, before_rename=None) -> None:
-    """Write a small file so that it is either absent/old or complete: temp file, fsync, rename."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    if before_rename is not None:
-        before_rename()
-    os.replace(tmp, path)
+    """Write a small file so that it is either absent/old or complete: a new temp file (never through a
+    link planted at its name), fsync, rename (porter.format.safe_files.atomic_write)."""
+    atomic_write(path, text.encode("utf-8"), OutputFolderError, before_rename)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ from porter.commands.verify.exact import rederive
 from porter.commands.verify.inputs import (
     DEFAULT_PROMPT,
     check_output_paths,
+    check_outputs_apart,
+    check_reference_commit,
     encode_prompts,
     open_artifact,
     reference_path,
@@ -129,6 +131,7 @@ def verify(
     check_output_paths(report, plot)  # before any work: a path that cannot be written is bad input
     runs = numerics_runs(numerics)
     inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, token, cache_dir, runs)
+    check_outputs_apart(report, plot, inp.art, inp.ref_path)  # never over the artifact or the reference
     rep.max_new_tokens = max_new_tokens
     rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
@@ -171,6 +174,7 @@ def _open(
     by_run = {n: Thresholds.build(overrides, scope, n) for n in runs}
     th = by_run[runs[0]]
     ref_path = reference_path(man, reference, token, cache_dir)
+    check_reference_commit(man, ref_path)
     try:
         raw = read_json_object(ref_path / "config.json", VerifyInputError, "config")
         ref_config = converters.for_config(raw).resolve_config(raw)

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Optional
 
+from porter.engine.faults import fault_point
 from porter.errors import OutputFolderError
 from porter.format import journal as journal_file
 from porter.format.journal import JOURNAL
@@ -159,6 +160,7 @@ def remove_listed(out: Path, names: list) -> None:
     for name in names:
         try:
             (out / name).unlink(missing_ok=True)
+            fault_point("remove")
         except OSError as e:
             raise OutputFolderError(
                 f"{out / name}: cannot remove it ({e.strerror}); the earlier output is partly removed "
@@ -269,6 +271,11 @@ class OutputLock:
             except OSError as e:  # not writable, a file in the way, .porter.lock a symlink (O_NOFOLLOW)
                 if e.errno in DISK_FULL:
                     raise
+                if e.errno == errno.ELOOP:
+                    raise OutputFolderError(
+                        f"{self.path}: a symlink at the name of porter's lock file; porter did not make it "
+                        "and will not follow it: move it away, then rerun"
+                    ) from None
                 raise OutputFolderError(
                     f"{self.path}: cannot create porter's lock file there "
                     f"({e.strerror}); give a writable --output folder"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import threading
 import unicodedata
 from concurrent import futures
@@ -268,13 +269,32 @@ class TensorReader:
     def _fd(self, path) -> int:
         fd = self._fds.get(path)
         if fd is None:
-            fd = self._fds.setdefault(path, os.open(path, os.O_RDONLY))
+            fd = self._fds.setdefault(path, _open_source_file(path))
         return fd
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def _open_source_file(path) -> int:
+    """A read descriptor of a source shard that was a regular file when the plan was made; gone or turned
+    into something else since (deleted, replaced by a FIFO mid-run) is one line naming it, never a hang."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise MalformedSafetensors(
+            f"{path}: cannot be read ({e.strerror}); it changed or went away during the conversion: restore "
+            "the source, then convert again"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise MalformedSafetensors(
+            f"{path}: no longer a regular file (replaced during the conversion); restore the source, then "
+            "convert again"
+        )
+    return fd
 
 
 def atomic_write_text(path: Path, text: str, before_rename=None) -> None:

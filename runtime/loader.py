@@ -65,10 +65,10 @@ class ArtifactStore:
         self._check_shards(index)
         # hf layout (vendor names, per-expert tensors): canonical name -> hf name, or per expert the hf
         # row parts that stack to [E, N, K] when the model touches them (the converter's hf_canonical_map)
-        options = self.manifest.get("options")
-        if options is not None and not isinstance(options, dict):
-            raise LoadError(f"{path / manifest.MANIFEST}: 'options' must be a JSON object; reconvert")
-        hf = (options or {}).get("layout") == "hf"
+        try:
+            hf = manifest.read_options(self.manifest, str(path / manifest.MANIFEST)).layout == "hf"
+        except PorterError as e:
+            raise LoadError(str(e)) from None
         self._hf = self.converter.hf_canonical_map(self.files) if hf else None
 
     def _check_shards(self, index: Path) -> None:

@@ -144,14 +144,14 @@ def _source(path: Path, man) -> dict:
             "commit": src.get("commit"),
             "porter_version": man.get("porter_version"),
             "created": man.get("created"),
-            "options": man.get("options"),
+            "options": manifest_mod.read_options(man).record(),
         }
     return {"repo_id": None, "path": str(path.resolve()), "commit": snapshot_commit(path)}
 
 
 def _layout(raw: dict, man, tensors: dict) -> str:
     if man:
-        return (man.get("options") or {}).get("layout", "porter")
+        return manifest_mod.read_options(man).layout
     qc = prequantized.quantization_config_of(raw)
     kind = "transformers" if raw.get("model_type") == "minimax_m3_vl_text" else "vendor"
     if qc and qc.get("quant_method") not in (None, "none"):

@@ -89,7 +89,7 @@ def reference_path(man: dict, reference, token: Optional[str] = None, cache_dir=
 
 def _layout(p: Path) -> Optional[str]:
     try:
-        return (manifest_mod.read(p).get("options") or {}).get("layout", "porter")
+        return manifest_mod.read_options(manifest_mod.read(p)).layout
     except (PorterError, ValueError):
         return None
 
@@ -106,7 +106,7 @@ def source_quantization(
         scheme = prequantized.detect(raw, ref_path / "config.json")
     except PorterError as e:
         raise VerifyInputError(f"reference {e}") from None
-    rec = man.get("options", {}).get("source_quantization")
+    rec = manifest_mod.read_options(man).source_quantization
     found = None if scheme is None else scheme.record()
     what = lambda r: (
         "an unquantized checkpoint"

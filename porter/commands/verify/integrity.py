@@ -323,7 +323,7 @@ def _check_config(art: Path, man: dict, ref_config) -> list[Failure]:
         for k in ("alpha", "beta", "limit")
         if not _same(sw.get(k), want.get(f"swiglu_{k}"))
     ]
-    qc, scope = raw.get("quantization_config") or {}, man.get("options", {}).get("quantize")
+    qc, scope = raw.get("quantization_config") or {}, manifest.read_options(man).quantize
     if scope and qc.get("scope") not in (None, scope):
         out.append(
             Failure(

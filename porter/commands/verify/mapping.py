@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import torch
 from safetensors import safe_open
 
-from porter.format import mxfp8
+from porter.format import manifest, mxfp8
 from porter.format.layout import HF_LAYOUT_PREFIX
 from porter.format.safetensors_io import ST_DTYPES, nbytes
 from porter.source.local import read_header, weight_files
@@ -337,7 +337,7 @@ class ArtifactReader:
     def __init__(self, art: Path, man: dict):
         from porter.errors import VerifyInputError
 
-        self.layout = man.get("options", {}).get("layout", "porter")
+        self.layout = manifest.read_options(man).layout
         if self.layout not in self.LAYOUTS:
             raise VerifyInputError(
                 f"{art}: artifact layout {self.layout!r} (porter.json options.layout) cannot be "

@@ -8,6 +8,7 @@ Exit codes (porter/errors.py; docs/architecture.md): 0 success, 1 `verify` says 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -62,9 +63,16 @@ class _Interrupts:
         self.seen = True
 
     def __exit__(self, *exc):
-        if self.previous is not None and not self.seen:
+        # After a Ctrl-C the `porter` program keeps ignoring further presses until it has exited (exit 130);
+        # called in-process (porter.cli.main from Python, tests) the caller's handler comes back.
+        if self.previous is not None and not (self.seen and _is_the_porter_program()):
             signal.signal(signal.SIGINT, self.previous)
-        # after a Ctrl-C further presses stay ignored until the process exits (exit 130)
+
+
+def _is_the_porter_program() -> bool:
+    """This process is `porter ...` or `python -m porter.cli ...`, not a Python program calling main()."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(spec, "name", None) == "porter.cli" or os.path.basename(sys.argv[0] or "") == "porter"
 
 
 def _run(ctx, fn, interrupted=None):

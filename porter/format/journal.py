@@ -83,13 +83,17 @@ class Interrupted:
 
 
 def interrupted(path: Path) -> Optional[Interrupted]:
-    """The interrupted conversion in folder `path` (a porter journal and no index), else None."""
+    """The interrupted conversion in folder `path` (porter's journal and no index), else None."""
     path = Path(path)
     if os.path.lexists(path / INDEX) or not os.path.lexists(path / JOURNAL):
         return None
     journal = read(path)
-    if not journal.get("fingerprint"):  # not porter's journal (or unreadable): the folder says nothing more
-        return Interrupted(path, None, None, None)
+    if not journal.get("fingerprint"):  # not porter's journal (or unreadable): nothing porter can resume
+        return None
     shards, total = journal.get("shards"), journal.get("shard_count")
     done = len(shards) if isinstance(shards, dict) else None
-    return Interrupted(path, done, total if type(total) is int else None, resume_command(journal, path))
+    command = resume_command(journal, path)
+    source = journal.get("source_path")
+    if command is None and isinstance(source, str):  # a journal from before porter kept the command
+        command = shlex.join(["porter", "convert", source, "--output", os.path.abspath(path), "--resume"])
+    return Interrupted(path, done, total if type(total) is int else None, command)

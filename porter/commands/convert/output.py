@@ -31,7 +31,8 @@ def prepare_output(out: Path, plan: Plan, run: "Run", workers: int = 1) -> Optio
     fp, opts = run.journal["fingerprint"], run.options
     journal = read_journal(out)
     if output_guard.has_content(out):
-        output_guard.check_own_names(out, own_names(plan))  # nothing planted where porter writes or reads
+        if opts.resume:  # nothing planted where a resume writes or reads back (--force: foreign_files)
+            output_guard.check_own_names(out, own_names(plan))
         if opts.resume and _complete_fingerprint(out) == fp:
             done = _intact_finished_shards(out, plan, workers)
             if len(done) == len(plan.shards):
@@ -118,7 +119,7 @@ def own_names(plan: Plan) -> list:
 def _not_empty(out: Path, plan: Plan, run: Run, journal: dict) -> str:
     """Why a plain run (no --resume, no --force) refuses a folder that is not empty, and what to do."""
     state = porter_journal.interrupted(out)
-    if state is not None and state.command:
+    if state is not None:
         same = journal.get("fingerprint") == run.journal["fingerprint"]
         return f"{out}: {state.state()}" + (
             "" if same else "; or add --force to start over with these options"

@@ -160,7 +160,7 @@ def test_finished_shard_truncated_or_missing_is_rewritten(tiny_vendor, reference
         (["--gate-up", "interleaved"], "--gate-up auto"),
         (["--max-shard-size", "200KB"], f"--max-shard-size {SHARD_CAP}"),
         (["--digest", "sha256"], "--digest xxh3-128"),
-        (["--layout", "hf"], "--quantize experts"),  # hf's default scope (all) differs first
+        (["--layout", "hf"], "--layout porter"),  # named, not the --quantize default it implies
     ],
 )
 def test_resume_with_other_options_is_refused_naming_the_option(tiny_vendor, crashed, tmp_path, option, then):
@@ -182,7 +182,7 @@ def test_resume_with_other_options_is_refused_naming_the_option(tiny_vendor, cra
     assert res.exit_code == 2, res.output
     line = res.output.strip()
     assert len(line.splitlines()) == 1 and "Traceback" not in line
-    now = " ".join(option) if option[0] != "--layout" else "--quantize all"
+    now = " ".join(option)
     assert f"--resume with {now}, but this conversion was started with {then}" in line, line
     command = f"porter convert {tiny_vendor} --output {out} --max-shard-size {SHARD_CAP} --resume"
     assert f"resume with {command} (or --force to start over)" in line

@@ -175,8 +175,9 @@ def _resume_mismatch(out: Path, plan: Plan, run: Run, journal: dict) -> str:
 
 
 def _option_differs(out: Path, plan: Plan, run: Run, journal: dict) -> Optional[tuple]:
-    """(field, 'FLAG now', 'FLAG then') of the first option (in ConvertOptions order) whose effect on the
-    output differs from what the journal (or a complete artifact's porter.json) recorded; None if none does."""
+    """(field, 'FLAG now', 'FLAG then') of an option whose effect on the output differs from what the journal
+    (or a complete artifact's porter.json) recorded, preferring one given differently (a changed --layout,
+    rather than the --quantize default it implies); None if none differs."""
     then = journal.get("plan_options")
     given = ConvertOptions.from_record(journal.get("options"))
     if not isinstance(then, dict):  # a complete artifact: porter.json's options and digest rule
@@ -188,14 +189,23 @@ def _option_differs(out: Path, plan: Plan, run: Run, journal: dict) -> Optional[
             return None
         given = None
     now = {**plan.options.record(), "digest": plan.digest}
-    for name in [f.name for f in fields(ConvertOptions)]:
-        if name in now and then.get(name, now[name]) != now[name]:
-            shown_now = getattr(run.options, name)
-            shown_then = getattr(given, name) if given is not None else None
-            shown_now = now[name] if shown_now is None else shown_now
-            shown_then = then[name] if shown_then is None else shown_then
-            return name, f"{flag(name)} {shown_now}", f"{flag(name)} {shown_then}"
-    return None
+    differ = [
+        f.name
+        for f in fields(ConvertOptions)
+        if f.name in now and then.get(f.name, now[f.name]) != now[f.name]
+    ]
+    if not differ:
+        return None
+    if given is not None:
+        changed = {
+            f.name for f in fields(ConvertOptions) if getattr(given, f.name) != getattr(run.options, f.name)
+        }
+        differ.sort(key=lambda n: n not in changed)  # stable: field order among the rest
+    name = differ[0]
+    shown_now, shown_then = getattr(run.options, name), getattr(given, name) if given is not None else None
+    shown_now = now[name] if shown_now is None else shown_now
+    shown_then = then[name] if shown_then is None else shown_then
+    return name, f"{flag(name)} {shown_now}", f"{flag(name)} {shown_then}"
 
 
 def _manifest_version(out: Path) -> Optional[str]:

@@ -14,7 +14,8 @@ from converters.minimax_m3.config import TextConfig, resolve_config
 from converters.minimax_m3.names import PER_EXPERT, expert_name, experts_w2_name, experts_w13_name
 from porter.errors import ConfigError, LayoutError
 from porter.format import mxfp8
-from porter.format.layout import HF_LAYOUT_PREFIX as HF_PREFIX
+
+HF_PREFIX = "language_model."  # the hf layout's text-model names: this prefix + the canonical name
 
 LAYOUTS = ("porter", "hf")
 # --quantize default per layout: the hf layout's groups (shared + routed experts) must share one format,
@@ -38,7 +39,7 @@ def to_hf_layout(cfg: TextConfig, out: list, quantize: str) -> list:
     _check_format_groups(cfg, out, quantize)
     for t in out:
         if not t.carried:
-            t.name = hf_name(t.name)
+            t.name, t.layout = hf_name(t.name), "hf"
     return out
 
 

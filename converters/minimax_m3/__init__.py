@@ -31,6 +31,7 @@ resolve_config), names.py (canonical names), plan.py (plan_tensors, expert stack
 hf_layout capability), verify_rules.py (the verify_rules capability: verify's own source table).
 """
 
+from converters.experts import interleave_gate_up, uninterleave_gate_up
 from converters.minimax_m3 import hf_layout, verify_rules
 from converters.minimax_m3.config import (
     ARCHITECTURE,
@@ -53,7 +54,7 @@ from converters.minimax_m3.names import (
     experts_w13_name,
     is_stacked_experts,
 )
-from converters.minimax_m3.plan import interleave_gate_up, plan_tensors, uninterleave_gate_up
+from converters.minimax_m3.plan import plan_tensors
 
 __all__ = [
     "ARCHITECTURE",

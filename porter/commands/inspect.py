@@ -19,7 +19,6 @@ import converters
 from porter.errors import InspectError, PorterError
 from porter.format import journal, prequantized
 from porter.format import manifest as manifest_mod
-from porter.format.layout import HF_LAYOUT_PREFIX
 from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import ST_DTYPES, nbytes
 from porter.source import INDEX_NAME
@@ -44,12 +43,8 @@ def inspect(path) -> dict:
     raw = read_json_object(path / "config.json", InspectError, "config")
     man = _manifest(path) if manifest_mod.is_artifact(path) else None
     tensors = _tensor_meta(path)
-    arch = _architecture(raw)
-    cfg = (
-        converters.for_config(raw, str(path / "config.json")).resolve_config(raw)
-        if arch["converts"]
-        else None
-    )
+    converter = _converter(raw, path)  # None: an architecture porter does not convert (headers only)
+    cfg = converter.resolve_config(raw) if converter else None
     qc = prequantized.quantization_config_of(raw)
     quantized, unquantized = _modules(tensors)
     ignored = list((qc or {}).get("ignored_layers") or [])
@@ -61,9 +56,12 @@ def inspect(path) -> dict:
         else "porter artifact"
         if man
         else "checkpoint",
-        "architecture": arch,
         "source": _source(path, man),
-        "layout": _layout(raw, man, tensors) if arch["converts"] else "checkpoint",
+        "layout": _layout(raw, man, tensors, converter) if converter else "checkpoint",
+        "architecture": converter.ARCHITECTURE if converter else None,
+        "model_type": raw.get("model_type"),
+        "not_converted": None if converter else _not_converted(raw),
+        "activation": _activation(man, converter, cfg) if converter else {},
         "quantization": {
             "quant_method": (qc or {}).get("quant_method"),
             "scope": options.quantize if options else None,
@@ -73,7 +71,7 @@ def inspect(path) -> dict:
             "ignored_layers": ignored,
             "modules_to_not_convert_equal": (qc or {}).get("modules_to_not_convert")
             == (qc or {}).get("ignored_layers"),
-            "contract": _contract(quantized, unquantized, ignored, qc),
+            "contract": _contract(quantized, unquantized, ignored, qc, converter),
         },
         "config": {k: {"value": v, "from": cfg.provenance.get(k)} for k, v in cfg.to_dict().items()}
         if cfg
@@ -85,19 +83,20 @@ def inspect(path) -> dict:
     return report
 
 
-def _architecture(raw: dict) -> dict:
-    """config.json's model_type, and whether porter converts it. An architecture porter does not convert is
-    still inspected from its headers (files, tensors, dtypes, sizes); only its config is not resolved."""
+def _converter(raw: dict, path: Path):
+    """The converter of config.json's model_type, or None when porter does not convert that architecture
+    (inspect still reports the files, tensors, dtypes and sizes from the headers)."""
     model_type = raw.get("model_type")
-    converts = isinstance(model_type, str) and model_type in converters.supported()
-    note = (
-        None
-        if converts
-        else f"model_type {model_type!r} is not an architecture porter converts "
-        f"(porter converts: {', '.join(converters.supported())}); files, tensors and sizes are read from the "
-        "safetensors headers"
+    if not isinstance(model_type, str) or model_type not in converters.supported():
+        return None
+    return converters.for_config(raw, str(path / "config.json"))
+
+
+def _not_converted(raw: dict) -> str:
+    return (
+        f"model_type {raw.get('model_type')!r} is not an architecture porter converts (porter converts: "
+        f"{', '.join(converters.supported())}); files, tensors and sizes are read from the safetensors headers"
     )
-    return {"model_type": model_type, "converts": converts, "note": note}
 
 
 def _manifest(path: Path) -> dict:
@@ -149,11 +148,11 @@ def _source(path: Path, man) -> dict:
     return {"repo_id": None, "path": str(path.resolve()), "commit": snapshot_commit(path)}
 
 
-def _layout(raw: dict, man, tensors: dict) -> str:
+def _layout(raw: dict, man, tensors: dict, converter) -> str:
     if man:
         return manifest_mod.read_options(man).layout
     qc = prequantized.quantization_config_of(raw)
-    kind = "transformers" if raw.get("model_type") == "minimax_m3_vl_text" else "vendor"
+    kind = converter.source_layout(raw, tensors)
     if qc and qc.get("quant_method") not in (None, "none"):
         return f"{kind} checkpoint, pre-quantized ({qc.get('quant_method')}, block {qc.get('weight_block_size')})"
     return f"{kind} checkpoint"
@@ -187,20 +186,32 @@ def _summarize(modules: list) -> dict:
     return dict(sorted(pat.items()))
 
 
-def _contract(quantized: list, plain: list, ignored: list, qc) -> dict:
+def _activation(man, converter, cfg) -> dict:
+    """The activation and where each of its values came from: porter.json's record for an artifact, the
+    converter's resolution of config.json for a checkpoint."""
+    record = (man or {}).get("activation")
+    if isinstance(record, dict):
+        return record
+    return converter.manifest_facts(cfg).get("activation") or {}
+
+
+def _contract(quantized: list, plain: list, ignored: list, qc, converter) -> dict:
     """Each text-model linear must be quantized or listed, not both and not neither (both engines load
     either mistake without an error)."""
     if not qc or qc.get("quant_method") in (None, "none"):
         return {"checked": False, "why": "no quantization_config"}
     listed = set(ignored)
     both = sorted(m for m in quantized if m in listed)
-    neither = sorted(m for m in plain if m not in listed and _is_text_linear(m))
+    if converter is None:  # which modules are the text model's linears is the architecture's knowledge
+        return {"checked": False, "why": "an architecture porter does not convert"}
+    neither = sorted(m for m in plain if m not in listed and _is_text_linear(m, converter))
     return {"checked": True, "both": both, "neither": neither, "ok": not both and not neither}
 
 
-def _is_text_linear(module: str) -> bool:
-    m = module.removeprefix(HF_LAYOUT_PREFIX)
-    return m.startswith("model.layers.") or m == "lm_head"
+def _is_text_linear(module: str, converter) -> bool:
+    """A linear of the decoder layers or the lm_head, by its canonical name (any layout's spelling)."""
+    c = converter.canonical_name(module + ".weight")
+    return c is not None and (c.startswith("model.layers.") or c == "lm_head.weight")
 
 
 def _files(tensors: dict) -> list:
@@ -250,8 +261,8 @@ def render(rep: dict) -> str:
         f"{rep['path']}: {rep['kind']}, layout {rep['layout']}",
         f"source: {src.get('repo_id') or src.get('path')}  commit: {src.get('commit') or 'unknown'}",
     ]
-    if rep["architecture"]["note"]:
-        lines.append(f"architecture: {rep['architecture']['note']}")
+    if rep.get("not_converted"):
+        lines.append(f"architecture: {rep['not_converted']}")
     if src.get("options"):
         lines.append("options: " + ", ".join(f"{k}={v}" for k, v in src["options"].items()))
     lines.append(
@@ -284,6 +295,13 @@ def render(rep: dict) -> str:
             "each linear quantized xor listed: "
             + ("yes" if c["ok"] else f"NO (both: {c['both'][:3]}, neither: {c['neither'][:3]})")
         )
+    act = rep.get("activation") or {}
+    if act:
+        values = {k: v for k, v in act.items() if k not in ("name", "formula", "provenance")}
+        prov = act.get("provenance") or {}
+        lines.append(f"activation: {act.get('name')}  {act.get('formula', '')}".rstrip())
+        for k, v in values.items():
+            lines.append(f"  {k:26s} {json.dumps(v):60s} <- {prov.get(k, '?')}")
     if rep["config"]:
         lines.append("resolved config (value  <- from):")
     for k, v in rep["config"].items():

@@ -1,4 +1,4 @@
-"""`porter convert`: a MiniMax-M3 checkpoint -> MXFP8 porter artifact, tensor at a time.
+"""`porter convert`: a checkpoint -> MXFP8 porter artifact, tensor at a time.
 
 Order of work: resolve the source and its config, plan every output tensor (names, dtypes, shapes,
 shards) from the safetensors headers alone, then run the plan through porter.engine: every core (or
@@ -277,10 +277,9 @@ def _finish(plan: Plan, out: Path, stats: dict) -> float:
             copy_into(src.path / name, out / name, ConvertError)  # never through a link planted in `out`
     model_card.write(src.path, out, plan.options, src.repo_id, src.commit)
     if plan.options.layout == "hf":  # vendor config, top-level quantization_config the engines read
-        qc = plan.converter.hf_quantization_config(
-            plan.tensors, plan.options.quantize, plan.options.scale_rounding
-        )
-        cfg = plan.converter.hf_config_json(src.raw_config, qc)
+        hf = plan.converter.hf_layout
+        qc = hf.hf_quantization_config(plan.tensors, plan.options.quantize, plan.options.scale_rounding)
+        cfg = hf.hf_config_json(src.raw_config, qc)
     else:
         cfg = dict(src.raw_config)
         cfg["quantization_config"] = manifest.quantization_config(plan)

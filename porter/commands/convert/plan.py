@@ -18,7 +18,7 @@ from porter.commands.convert.options import ConvertOptions
 from porter.errors import ConvertError
 from porter.format import manifest, mxfp8
 from porter.format.digest import DEFAULT_DIGEST
-from porter.format.layout import OutTensor, scale_name
+from porter.format.layout import OutTensor
 from porter.format.safetensors_io import (
     DTYPE_NAMES,
     Entry,
@@ -104,7 +104,7 @@ def entries_for(t: OutTensor) -> list[Entry]:
     scale_shape = tuple(t.shape[:-1]) + (t.shape[-1] // mxfp8.BLOCK,)
     return [
         Entry(t.name, torch.float8_e4m3fn, tuple(t.shape)),
-        Entry(scale_name(t.name), torch.uint8, scale_shape),
+        Entry(t.scale, torch.uint8, scale_shape),
     ]
 
 
@@ -118,7 +118,12 @@ def make_plan(source: Source, options: Optional[ConvertOptions] = None, converte
     pre = source.prequantized  # how its values were read and re-quantized: verify's rule too
     opts = options.artifact_options(converter.DEFAULT_SCOPE, None if pre is None else pre.record())
     if opts.layout == "hf":
-        converter.check_hf_source(source.raw_config, where)
+        if converter.hf_layout is None:
+            raise ConvertError(
+                f"{where}: --layout hf: porter has no hf layout for architecture "
+                f"{converter.ARCHITECTURE!r}; use --layout porter"
+            )
+        converter.hf_layout.check_hf_source(source.raw_config, where)
     tensors = converter.plan_tensors(config, source.meta, opts.quantize, opts.gate_up, opts.layout)
     for t in tensors:  # e.g. F8_E8M0 scale bytes in a source whose config declares no quantization
         if not t.quantize and t.dtype not in DTYPE_NAMES:

@@ -153,7 +153,9 @@ def test_architecture_porter_does_not_convert_is_still_inspected(tmp_path, model
     rep = report(d)
     assert rep["kind"] == "checkpoint" and rep["layout"] == "checkpoint" and rep["config"] == {}
     assert rep["architecture"] is None and rep["model_type"] == model_type and rep["activation"] == {}
-    assert rep["not_converted"].startswith(f"model_type {model_type!r} is not an architecture porter converts")
+    assert rep["not_converted"].startswith(
+        f"model_type {model_type!r} is not an architecture porter converts"
+    )
     assert rep["files"] == [
         {"file": "model-00001-of-00002.safetensors", "tensors": 1, "bytes": 100 * 64 * 2},
         {"file": "model-00002-of-00002.safetensors", "tensors": 2, "bytes": 128 * 64 * 2 + 64 * 4},

@@ -62,10 +62,17 @@ class MoeConfig:
     fp8: int = 0  # 0: W8A16 (weights dequantized to fp16); 1 / 2: e4m3 activations in 1 / 2 terms, fp8 MMA
 
 
-def default_config(num_tokens: int, fp8_prefill: bool = False) -> MoeConfig:
+def default_config(
+    num_tokens: int,
+    fp8_prefill: bool = False,
+    top_k: int | None = None,
+    hidden: int | None = None,
+    inter: int | None = None,
+) -> MoeConfig:
     """The H200-tuned tiles for T tokens (docs/moe-backends.md, tile choice). Decode: BM16 with one fused
     [gate; up] tile of 2 x 32 rows, BK 256, 4 warps; BM grows with T so each weight tile streams about once
-    per expert; fp8_prefill: the FP8 path from FP8_PREFILL_MIN_TOKENS on."""
+    per expert; fp8_prefill: the FP8 path from FP8_PREFILL_MIN_TOKENS on. top_k / hidden / inter: the
+    layer's shape (None: MiniMax-M3's tiles)."""
     if fp8_prefill and num_tokens >= FP8_PREFILL_MIN_TOKENS:
         return MoeConfig(64, 64, 128, 4, 3, 128, 128, 4, 3, fp8=FP8_TERMS)
     if num_tokens <= 4:

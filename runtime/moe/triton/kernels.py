@@ -117,6 +117,27 @@ def _pow2_shift(amax, TOP: tl.constexpr):
 
 
 @triton.jit
+def _act_shift(xscale, e, bound_ptr, alpha_ptr, beta_ptr, limit_ptr):
+    """(2^-k, 2^k) per routed row [BM], exact fp32 powers of two with |SwiGLU-OAI| * 2^-k < 2^15, for
+    configs whose parameters do not bound act (prepare.act_bounds: plain SwiGLU, limit = inf). xscale [BM]:
+    the rows' prep scales 2^m (|x| < 2^(m+15)). GEMM1 and GEMM2 both call this on the same values and get
+    the same k (exact min / max / products; one explicit fma), so GEMM2 undoes exactly GEMM1's scaling."""
+    xb = xscale * 32768.0
+    b = bound_ptr + e * 4  # [G, Gb, U, Ub] of expert e
+    gate_b = tl.fma(xb, tl.load(b), tl.load(b + 1))
+    up_b = tl.fma(xb, tl.load(b + 2), tl.load(b + 3))
+    alpha = tl.load(alpha_ptr + e)
+    lim = tl.abs(tl.load(limit_ptr + e))
+    neg = tl.where(alpha > 0, 0.2785 / alpha, float("inf"))  # bound of |g sigmoid(alpha g)| at g < 0
+    bound = tl.minimum(gate_b, tl.maximum(lim, neg)) * (tl.minimum(up_b, lim) + tl.abs(tl.load(beta_ptr + e)))
+    expo = ((bound.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 bound) (0: -127)
+    k = tl.minimum(tl.maximum(expo - 14, 0), 100)
+    down = ((127 - k) << 23).to(tl.float32, bitcast=True)
+    up = ((127 + k) << 23).to(tl.float32, bitcast=True)
+    return down, up
+
+
+@triton.jit
 def _mxfp8_round(x, R: tl.constexpr, C: tl.constexpr):
     """fp32 x [R, C] (C % 32 == 0) -> the values the serving kernel's GEMM reads after quantizing x to
     MXFP8 along C (porter.format.mxfp8.quantize_activations, then dequantized), bit for bit: per 32
@@ -502,6 +523,8 @@ def _gemm1_tile(
     alpha_ptr,
     beta_ptr,
     limit_ptr,
+    bias_ptr,
+    bound_ptr,
     act_ptr,
     pid_n,
     e,
@@ -523,6 +546,8 @@ def _gemm1_tile(
     BN: tl.constexpr,
     BK: tl.constexpr,
     MXFP8_ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT_SCALE: tl.constexpr,
 ):
     """act[rows, n..n+BN) = SwiGLU-OAI(x W_gate^T, x W_up^T) of one program's tile (see
     gemm1_swiglu_kernel)."""
@@ -560,9 +585,15 @@ def _gemm1_tile(
     if WMODE == 2:
         rs = rs * tl.load(epi_ptr + e)
     if PRESCALED:
-        rs = rs * tl.load(xscale_ptr + xrow, mask=tmask, other=1.0)[:, None]  # [BM, 1]
+        xs = tl.load(xscale_ptr + xrow, mask=tmask, other=1.0)  # [BM]
+        rs = rs * xs[:, None]  # [BM, 1]
     gate = acc_g * rs
     up = acc_u * rs
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    if HAS_BIAS:  # [gate; up] bias row of expert e, added before the activation
+        b_ptrs = bias_ptr + e.to(tl.int64) * 2 * INTER + offs_n
+        gate += tl.load(b_ptrs)[None, :]
+        up += tl.load(b_ptrs + INTER)[None, :]
     alpha = tl.load(alpha_ptr + e)
     beta = tl.load(beta_ptr + e)
     limit = tl.load(limit_ptr + e)
@@ -571,7 +602,9 @@ def _gemm1_tile(
     act = gate * tl.sigmoid(alpha * gate) * (up + beta)
     if MXFP8_ACT:  # the serving kernel's FC1 epilogue: bf16, then MXFP8 along I (BN % 32 == 0)
         act = _mxfp8_round(act.to(tl.bfloat16).to(tl.float32), BM, BN)
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    if ACT_SCALE:  # into fp16's range by the row's power of two (PRESCALED); GEMM2 multiplies it back
+        down, _ = _act_shift(xs, e, bound_ptr, alpha_ptr, beta_ptr, limit_ptr)
+        act = act * down[:, None]
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * INTER + offs_n[None, :]
     tl.store(a_ptrs, act.to(act_ptr.dtype.element_ty), mask=tmask[:, None])
 
@@ -613,13 +646,19 @@ def gemm1_swiglu_kernel(
     USE_PDL: tl.constexpr = False,
     MXFP8_ACT: tl.constexpr = False,
     PREFETCH: tl.constexpr = 0,
+    bias_ptr=None,
+    bound_ptr=None,
+    HAS_BIAS: tl.constexpr = False,
+    ACT_SCALE: tl.constexpr = False,
 ):
     """act[p, n] = SwiGLU-OAI(x W_gate^T, x W_up^T) for sorted row p, columns [n, n+BN) of I.
 
     One [2BN, K] weight slab per program (BN gate rows then the BN matching up rows), one MMA per K
     step, split in the epilogue. Grid (MAXB * I/BN,). MXFP8_ACT (serving numerics): act is stored as the
     MXFP8 values the serving kernel's GEMM2 reads (bf16 rounding, then _mxfp8_round along I). PREFETCH
-    (NOSORT only): elements of each weight row prefetched before the wait on the prep kernel (_prefetch_slab)."""
+    (NOSORT only): elements of each weight row prefetched before the wait on the prep kernel (_prefetch_slab).
+    HAS_BIAS: bias_ptr [E, 2I] fp32 is added to the [gate; up] outputs before the activation. ACT_SCALE
+    (PRESCALED only): act is stored times the row's power of two from _act_shift (bound_ptr [E, 4])."""
     if PREFETCH > 0:
         _prefetch_slab(w_ptr, expert_ids_ptr, E, INTER, NUM_N, stride_we, stride_wn, BN, PREFETCH)
     pid_n, e, rows, tok, tmask, has_work = _program_tile(
@@ -639,6 +678,8 @@ def gemm1_swiglu_kernel(
         alpha_ptr,
         beta_ptr,
         limit_ptr,
+        bias_ptr,
+        bound_ptr,
         act_ptr,
         pid_n,
         e,
@@ -660,6 +701,8 @@ def gemm1_swiglu_kernel(
         BN,
         BK,
         MXFP8_ACT,
+        HAS_BIAS,
+        ACT_SCALE,
     )
 
 
@@ -697,6 +740,13 @@ def _gemm2_tile(
     y_ptr,
     count_ptr,
     FUSED_OUT: tl.constexpr,
+    bias_ptr,
+    bound_ptr,
+    alpha_ptr,
+    beta_ptr,
+    limit_ptr,
+    HAS_BIAS: tl.constexpr,
+    ACT_SCALE: tl.constexpr,
 ):
     """One program's tile of gemm2_reduce_kernel: GEMM2, routing weight and the top-k reduce by atomics
     (FUSED_OUT: plus the last arriver's output write, see gemm2_reduce_kernel)."""
@@ -733,13 +783,20 @@ def _gemm2_tile(
         BM,
         BK,
     )  # [BM, BN]
-    row_scale = tl.load(topk_w_ptr + tok, mask=tmask, other=0.0).to(tl.float32) * rsf  # [BM]
+    route_w = tl.load(topk_w_ptr + tok, mask=tmask, other=0.0).to(tl.float32) * rsf  # [BM]
+    row_scale = route_w
     if WMODE == 2:
         row_scale = row_scale * tl.load(epi_ptr + e)
     if WMODE == 4 or WMODE == 5 or WMODE == 6:
         row_scale = row_scale * tl.load(ascale_ptr + rows, mask=tmask, other=1.0)
-    acc = acc * row_scale[:, None]
     trow = (tok // TOPK).to(tl.int64)
+    if ACT_SCALE:  # act was stored times 2^-k (GEMM1's _act_shift of the token's prep scale at ascale_ptr)
+        xs = tl.load(ascale_ptr + trow, mask=tmask, other=1.0)
+        _, up = _act_shift(xs, e, bound_ptr, alpha_ptr, beta_ptr, limit_ptr)
+        row_scale = row_scale * up
+    acc = acc * row_scale[:, None]
+    if HAS_BIAS:  # expert e's output bias, scaled by the routing weight like the product
+        acc += route_w[:, None] * tl.load(bias_ptr + e64 * HID + offs_n)[None, :]
     o_ptrs = out_ptr + trow[:, None] * HID + offs_n[None, :]
     tl.atomic_add(o_ptrs, acc, mask=tmask[:, None], sem="relaxed")
     if FUSED_OUT:
@@ -793,6 +850,13 @@ def gemm2_reduce_kernel(
     NOSORT: tl.constexpr = False,
     FUSED_OUT: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
+    bias_ptr=None,
+    bound_ptr=None,
+    alpha_ptr=None,
+    beta_ptr=None,
+    limit_ptr=None,
+    HAS_BIAS: tl.constexpr = False,
+    ACT_SCALE: tl.constexpr = False,
 ):
     """out[token, n] += rsf * w_route * (act W2^T)[p, n] by fp32 atomics: the top-k reduce happens
     in the atomics. Grid (MAXB * H/BN,). SWAP, WMODE, TERMS as in GEMM1; WMODE 4 / 5 read act as e4m3
@@ -805,7 +869,11 @@ def gemm2_reduce_kernel(
     that brings a row's counter to TOPK (the last contribution) crosses a CTA barrier and a fence
     again, reads the finished fp32 row tile from L2 (.cg), stores it to y in y's dtype and re-zeroes
     the scratch tile and the counter for the next call. Calls sharing the scratch must be
-    stream-ordered (they are: one stream, one forward at a time)."""
+    stream-ordered (they are: one stream, one forward at a time).
+
+    HAS_BIAS: bias_ptr [E, H] fp32 times the routing weight (and rsf) joins each row. ACT_SCALE: act rows
+    were stored times 2^-k (gemm1_swiglu_kernel); ascale_ptr then holds the tokens' prep scales, and
+    _act_shift recomputes the same k from them (bound_ptr, alpha / beta / limit)."""
     pid_n, e, rows, tok, tmask, has_work = _program_tile(
         sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT, USE_PDL
     )
@@ -844,4 +912,11 @@ def gemm2_reduce_kernel(
         y_ptr,
         count_ptr,
         FUSED_OUT,
+        bias_ptr,
+        bound_ptr,
+        alpha_ptr,
+        beta_ptr,
+        limit_ptr,
+        HAS_BIAS,
+        ACT_SCALE,
     )

@@ -69,9 +69,9 @@ def plan(
     """mxfp8_act (the serving numerics): the FP8 path with one e4m3 term (MXFP8 values are e4m3 already,
     docs/moe-backends.md); GEMM1 tiles of whole 32-column blocks (its epilogue rounds per block)."""
     inter, n = p.w2.shape[2], t * k
-    cfg = cfg or default_config(t, fp8_prefill and p.w_fp8 and fp8_prefill_supported(device))
+    cfg = cfg or default_config(t, fp8_prefill and p.w_fp8 and fp8_prefill_supported(device), k, h, inter)
     if cfg.fp8 and (h % FP8_BLOCK_K or inter % FP8_BLOCK_K or not p.fp8_weights_fit()):
-        cfg = default_config(t, False)  # K % 128 == 0 for the rebased blocks, and room for them
+        cfg = default_config(t, False, k, h, inter)  # K % 128 == 0 for the rebased blocks, and room for them
     if cfg.fp8 and not p.w_fp8:
         raise ValueError("MoeConfig.fp8 needs MXFP8 weights (float8_e4m3fn + uint8 scales)")
     nosort = (n <= NOSORT_MAX_SLOTS if nosort is None else nosort) and n <= 64 and not cfg.fp8
@@ -302,6 +302,18 @@ def fused_moe(
     # act rows in sorted (or slot) order; bf16 before the FP8 path's quantize kernel
     act_dtype = torch.float16 if p.fp16_2 and not pl.fp8 else torch.bfloat16
     act = torch.empty((maxp, inter), dtype=act_dtype, device=dev)
+    # act stored scaled per row when the SwiGLU-OAI parameters do not bound it (prepare.act_bounds); the FP8
+    # path's act is bf16 and re-scaled per row by its quantize kernel instead
+    act_scale = p.act_bound is not None and not pl.fp8
+    if act_scale and quant_x != Quant.FP16:
+        raise ValueError("act scaling needs GEMM1's fp16 prescaled tokens (PreparedMoE.fp16_1)")
+    extras = dict(
+        alpha_ptr=p.alpha,
+        beta_ptr=p.beta,
+        limit_ptr=p.limit,
+        bound_ptr=p.act_bound if act_scale else xscale,  # (a dummy pointer when unused)
+        ACT_SCALE=act_scale,
+    )
     n1 = inter // cfg.bn1
     K.gemm1_swiglu_kernel[(nblk * n1,)](
         xq,
@@ -338,6 +350,10 @@ def fused_moe(
         USE_PDL=bool(pdl),
         MXFP8_ACT=mxfp8_act,
         PREFETCH=prefetch,
+        bias_ptr=p.w13_bias if p.w13_bias is not None else xscale,
+        bound_ptr=extras["bound_ptr"],
+        HAS_BIAS=p.w13_bias is not None,
+        ACT_SCALE=act_scale,
         num_warps=cfg.warps1,
         num_stages=cfg.stages1,
         **pdl,
@@ -396,6 +412,9 @@ def fused_moe(
         NOSORT=pl.nosort,
         FUSED_OUT=pl.fused_out,
         USE_PDL=bool(pdl),
+        bias_ptr=p.w2_bias if p.w2_bias is not None else xscale,
+        HAS_BIAS=p.w2_bias is not None,
+        **extras,
         num_warps=cfg.warps2,
         num_stages=cfg.stages2,
         **pdl,

@@ -18,15 +18,15 @@ or as stored with one UE8M0 byte per 32 along K (WMODE 1..4). Two ways to multip
     scale is applied in the epilogue either way). One fp8 MMA per 32-wide MXFP8 group is slower than
     W8A16, hence the rebase. Error and speed of each mode: docs/moe-backends.md, docs/performance.md.
 Launches per forward (see launch.fused_moe):
-  * T*k <= 16 (NOSORT): prescale (T programs), GEMM1 (+ SwiGLU-OAI), GEMM2 (+ routing weight,
+  * T <= 8 tokens (NOSORT): prescale (T programs), GEMM1 (+ SwiGLU-OAI), GEMM2 (+ routing weight,
     top-k reduce by atomics; for one token into a persistent zeroed fp32 scratch with the bf16
     output written by the last arriver per (token, N tile): no alignment, no zeroing, no cast
-    kernel; for 2..4 tokens into an fp32 output zeroed by the prescale kernel, then a cast).
+    kernel; for 2..8 tokens into an fp32 output zeroed by the prescale kernel, then a cast).
   * larger T: prep (align + prescale/quantize + zero the fp32 output), GEMM1, [FP8: act quantize],
     GEMM2 (atomics), cast.
   On SM90 the GEMMs are launched with programmatic dependent launch (griddepcontrol.wait first
   thing in the kernel), which hides most of the launch gap between kernels. In serving numerics at
-  T*k <= 16 the prep kernel hands over at its start and GEMM1 prefetches weight lines before its wait
+  NOSORT the prep kernel hands over at its start and GEMM1 prefetches weight lines before its wait
   (_prefetch_slab).
 Serving numerics (MXFP8_ACT; docs/moe-backends.md, "On the Triton backend"): the prep kernel rounds each input
 row and GEMM1's epilogue its bf16 SwiGLU output to MXFP8 values (_mxfp8_round, FlashInfer's rule bit for
@@ -357,20 +357,28 @@ def _prefetch_slab(
 
 
 @triton.jit
-def _block_rows(sorted_ptr, expert_ids_ptr, pid_m, N, BM: tl.constexpr, NOSORT: tl.constexpr):
+def _block_rows(
+    sorted_ptr, expert_ids_ptr, pid_m, N, BM: tl.constexpr, NOSORT: tl.constexpr, TOPK: tl.constexpr
+):
     """(expert, rows, slot ids, valid mask, is_active) of BM block pid_m.
 
     Sorted path: rows pid_m*BM.. of the aligned order, slot ids from sorted_ptr (N on padding).
-    NOSORT (N <= BM, tiny batches, no alignment kernel): expert_ids_ptr is topk_ids itself; block m
-    is the routed slot m's expert, and only the first slot of each distinct expert is active. Its BM
-    rows are all N slots (row = slot id), masked to the slots routed to that expert, so each slot is
-    computed exactly once and each expert's weights are streamed once."""
+    NOSORT (T = N / TOPK <= BM tokens, tiny batches, no alignment kernel): expert_ids_ptr is topk_ids
+    itself; block m is the routed slot m's expert, and only the first slot of each distinct expert is
+    active. Row r is token r: its slot routed to that expert (a token's top-k experts are distinct, as
+    top-k selection gives them), masked where it has none, so each slot is computed exactly once, each
+    expert's weights are streamed once, and the rows of an expert's block do not grow with top_k. A row's
+    act row is its slot id."""
     if NOSORT:
-        rows = tl.arange(0, BM)
-        ids = tl.load(expert_ids_ptr + rows, mask=rows < N, other=-1).to(tl.int32)
+        tok_rows = tl.arange(0, BM)
         e = tl.load(expert_ids_ptr + pid_m).to(tl.int32)
-        first = tl.min(tl.where(ids == e, rows, BM), axis=0)
-        return e, rows, rows, ids == e, first == pid_m
+        slot = tl.full([BM], N, dtype=tl.int32)
+        for j in tl.static_range(TOPK):  # each token's slot of expert e (N: none)
+            s = tok_rows * TOPK + j
+            ids = tl.load(expert_ids_ptr + s, mask=s < N, other=-1).to(tl.int32)
+            slot = tl.where(ids == e, tl.minimum(slot, s), slot)
+        first = tl.min(slot, axis=0)  # the expert's first slot
+        return e, slot, slot, slot < N, first == pid_m
     else:
         e = tl.load(expert_ids_ptr + pid_m)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -380,7 +388,15 @@ def _block_rows(sorted_ptr, expert_ids_ptr, pid_m, N, BM: tl.constexpr, NOSORT: 
 
 @triton.jit
 def _program_tile(
-    sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM: tl.constexpr, NOSORT: tl.constexpr, USE_PDL: tl.constexpr
+    sorted_ptr,
+    expert_ids_ptr,
+    N,
+    E,
+    NUM_N,
+    BM: tl.constexpr,
+    NOSORT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    TOPK: tl.constexpr,
 ):
     """(N tile, expert, rows, slot ids, valid mask, has work) of this program; grid order: N tile
     fastest, so neighbouring programs stream adjacent rows of one expert (DRAM locality). No work:
@@ -391,7 +407,7 @@ def _program_tile(
     pid = tl.program_id(0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    e, rows, tok, tmask, active = _block_rows(sorted_ptr, expert_ids_ptr, pid // NUM_N, N, BM, NOSORT)
+    e, rows, tok, tmask, active = _block_rows(sorted_ptr, expert_ids_ptr, pid // NUM_N, N, BM, NOSORT, TOPK)
     return pid % NUM_N, e, rows, tok, tmask, active & (e < E)
 
 
@@ -662,7 +678,7 @@ def gemm1_swiglu_kernel(
     if PREFETCH > 0:
         _prefetch_slab(w_ptr, expert_ids_ptr, E, INTER, NUM_N, stride_we, stride_wn, BN, PREFETCH)
     pid_n, e, rows, tok, tmask, has_work = _program_tile(
-        sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT, USE_PDL
+        sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT, USE_PDL, TOPK
     )
     if not has_work:
         return
@@ -875,7 +891,7 @@ def gemm2_reduce_kernel(
     were stored times 2^-k (gemm1_swiglu_kernel); ascale_ptr then holds the tokens' prep scales, and
     _act_shift recomputes the same k from them (bound_ptr, alpha / beta / limit)."""
     pid_n, e, rows, tok, tmask, has_work = _program_tile(
-        sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT, USE_PDL
+        sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT, USE_PDL, TOPK
     )
     if not has_work:
         return

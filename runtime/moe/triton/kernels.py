@@ -18,10 +18,10 @@ or as stored with one UE8M0 byte per 32 along K (WMODE 1..4). Two ways to multip
     scale is applied in the epilogue either way). One fp8 MMA per 32-wide MXFP8 group is slower than
     W8A16, hence the rebase. Error and speed of each mode: docs/moe-backends.md, docs/performance.md.
 Launches per forward (see launch.fused_moe):
-  * T <= 8 tokens (NOSORT): prescale (T programs), GEMM1 (+ SwiGLU-OAI), GEMM2 (+ routing weight,
+  * T <= 4 tokens (NOSORT): prescale (T programs), GEMM1 (+ SwiGLU-OAI), GEMM2 (+ routing weight,
     top-k reduce by atomics; for one token into a persistent zeroed fp32 scratch with the bf16
     output written by the last arriver per (token, N tile): no alignment, no zeroing, no cast
-    kernel; for 2..8 tokens into an fp32 output zeroed by the prescale kernel, then a cast).
+    kernel; for 2..4 tokens into an fp32 output zeroed by the prescale kernel, then a cast).
   * larger T: prep (align + prescale/quantize + zero the fp32 output), GEMM1, [FP8: act quantize],
     GEMM2 (atomics), cast.
   On SM90 the GEMMs are launched with programmatic dependent launch (griddepcontrol.wait first

@@ -339,7 +339,7 @@ def measure_layer(d: LayerDims, tokens, profile, bw, torch_reps, dev) -> dict:
         touched = distinct * d.expert_bytes
         ref = ref_moe.forward_topk(x, ids, w).float()
         relerr = lambda out: float((out.float() - ref).norm() / ref.norm())
-        w8 = tc.default_config(t, False, d.TOPK, d.H, d.I)
+        w8 = tc.default_config(t, False)
         paths = {"w8a16": w8}
         if t >= 256:
             tile = replace(tc.default_config(4096, True), fp8=2)
@@ -440,10 +440,9 @@ def profile_kernels(d: LayerDims, moe, bf16, t, dev):
 
     x, ids, _ = decode_problem(d, t, dev)
     w = torch.full((t, d.TOPK), 1.0 / d.TOPK, device=dev)
-    shape = (d.TOPK, d.H, d.I)
     for name, fn in (
-        ("mxfp8", lambda: moe.forward_topk(x, ids, w, tc.default_config(t, True, *shape))),
-        ("bf16", lambda: moe_launch.fused_moe(bf16, x, ids, w, d.RSF, tc.default_config(t, False, *shape))),
+        ("mxfp8", lambda: moe.forward_topk(x, ids, w, tc.default_config(t, True))),
+        ("bf16", lambda: moe_launch.fused_moe(bf16, x, ids, w, d.RSF, tc.default_config(t, False))),
     ):
         for _ in range(3):
             fn()

@@ -39,8 +39,8 @@ FP8_BLOCK_K = 128  # the FP8 path's K step, and the K extent of one rebased weig
 FP8_ROW_SCALE = True  # FP8 path: one rebased weight scale per row (faster) rather than per 128 K
 ALIGN_IN_KERNEL_MAX_SLOTS = 1024  # above this the torch sort is cheaper than one-program alignment
 # T up to here: no alignment, one block per routed slot whose BM = 16 rows are the tokens, so top_k does not
-# widen it (MiniMax-M2's top-8 at T=4: 32 slots in BM 16; as slots it took BM 32 and was 13 % slower than the
-# sorted path); above, the sorted path, measured the faster at T=8 for both families (docs/moe-backends.md).
+# widen it (top-8 at T=4: 32 slots in BM 16; as slots they took BM 32, 13 % slower than the sorted path on the
+# H200); above, the sorted path, measured the faster at T=8 at both measured layer shapes (docs/moe-backends.md).
 NOSORT_MAX_TOKENS = 4
 NOSORT_PREFETCH_BYTES = 512  # NOSORT, serving numerics: bytes per weight row GEMM1 prefetches during prep
 FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scratch of T x H
@@ -65,17 +65,10 @@ class MoeConfig:
     fp8: int = 0  # 0: W8A16 (weights dequantized to fp16); 1 / 2: e4m3 activations in 1 / 2 terms, fp8 MMA
 
 
-def default_config(
-    num_tokens: int,
-    fp8_prefill: bool = False,
-    top_k: int | None = None,
-    hidden: int | None = None,
-    inter: int | None = None,
-) -> MoeConfig:
+def default_config(num_tokens: int, fp8_prefill: bool = False) -> MoeConfig:
     """The H200-tuned tiles for T tokens (docs/moe-backends.md, tile choice). Decode: BM16 with one fused
     [gate; up] tile of 2 x 32 rows, BK 256, 4 warps; BM grows with T so each weight tile streams about once
-    per expert; fp8_prefill: the FP8 path from FP8_PREFILL_MIN_TOKENS on. top_k / hidden / inter: the
-    layer's shape (None: MiniMax-M3's tiles)."""
+    per expert; fp8_prefill: the FP8 path from FP8_PREFILL_MIN_TOKENS on."""
     if fp8_prefill and num_tokens >= FP8_PREFILL_MIN_TOKENS:
         return MoeConfig(64, 64, 128, 4, 3, 128, 128, 4, 3, fp8=FP8_TERMS)
     if num_tokens <= 4:

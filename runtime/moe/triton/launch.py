@@ -69,9 +69,9 @@ def plan(
     """mxfp8_act (the serving numerics): the FP8 path with one e4m3 term (MXFP8 values are e4m3 already,
     docs/moe-backends.md); GEMM1 tiles of whole 32-column blocks (its epilogue rounds per block)."""
     inter, n = p.w2.shape[2], t * k
-    cfg = cfg or default_config(t, fp8_prefill and p.w_fp8 and fp8_prefill_supported(device), k, h, inter)
+    cfg = cfg or default_config(t, fp8_prefill and p.w_fp8 and fp8_prefill_supported(device))
     if cfg.fp8 and (h % FP8_BLOCK_K or inter % FP8_BLOCK_K or not p.fp8_weights_fit()):
-        cfg = default_config(t, False, k, h, inter)  # K % 128 == 0 for the rebased blocks, and room for them
+        cfg = default_config(t, False)  # K % 128 == 0 for the rebased blocks, and room for them
     if cfg.fp8 and not p.w_fp8:
         raise ValueError("MoeConfig.fp8 needs MXFP8 weights (float8_e4m3fn + uint8 scales)")
     nosort = (t <= NOSORT_MAX_TOKENS if nosort is None else nosort) and t <= 64 and not cfg.fp8

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 from functools import lru_cache
+from typing import Optional
 
 from converters.base import Converter, ResolvedConfig, conformance_problems
 from porter.errors import ConfigError
@@ -54,14 +55,22 @@ def for_config(raw, where: str = "config.json") -> Converter:
     return get(raw.get("model_type"), where)
 
 
-def resolve(raw, tensors: dict, where: str = "config.json") -> tuple[Converter, ResolvedConfig]:
-    """The converter and resolved config of a raw config.json whose files hold `tensors` ({name: (dtype,
-    shape, ...)} from the safetensors headers): its size fields are checked against those tensors first
-    (the converter's SIZE_RULES, porter/format/sizes.py), so that no absurd size reaches a loop or an
-    allocation; ConfigError names the field, its value and what the files hold."""
-    converter = for_config(raw, where)
-    sizes.check(converter.SIZE_RULES, converter.config_sizes(raw), tensors, converter.canonical_name, where)
+def resolve(
+    raw, tensors: dict, where: str = "config.json", converter: Optional[Converter] = None
+) -> tuple[Converter, ResolvedConfig]:
+    """The converter (given, or the one for_config picks) and resolved config of a raw config.json whose
+    files hold `tensors` ({name: (dtype, shape, ...)} from the safetensors headers): its size fields are
+    checked against those tensors first (check_sizes), so that no absurd size reaches a loop or an
+    allocation."""
+    converter = converter or for_config(raw, where)
+    check_sizes(converter, raw, tensors, where)
     return converter, converter.resolve_config(raw)
+
+
+def check_sizes(converter: Converter, raw, tensors: dict, where: str = "config.json") -> None:
+    """ConfigError, naming the field, its value and what the files hold, unless the size fields of `raw`
+    (the converter's config_sizes) match `tensors` as the converter's SIZE_RULES say (porter/format/sizes.py)."""
+    sizes.check(converter.SIZE_RULES, converter.config_sizes(raw), tensors, converter.canonical_name, where)
 
 
 @lru_cache(maxsize=None)

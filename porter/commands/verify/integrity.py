@@ -23,7 +23,7 @@ from tqdm import tqdm
 import converters
 from porter.commands.verify.verdict import Failure, IntegrityResult
 from porter.cores import available_cores
-from porter.errors import PorterError, VerifyInputError
+from porter.errors import ConfigError, PorterError, VerifyInputError
 from porter.format import manifest, mxfp8, prequantized
 from porter.format.digest import CHUNK_HASHES
 from porter.format.safe_files import read_json_object
@@ -31,25 +31,6 @@ from porter.format.safetensors_io import DTYPE_NAMES, chunk_hash_of, dtype_name,
 
 INDEX = "model.safetensors.index.json"
 _HEADER_DTYPES = {dtype_name(dt): name for dt, name in DTYPE_NAMES.items()}  # porter.json -> header spelling
-
-# fields of the resolved config that fix tensor shapes: a reference that differs here is not the source
-STRUCTURAL = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-    "dense_intermediate_size",
-    "shared_intermediate_size",
-    "n_shared_experts",
-    "num_local_experts",
-    "layer_types",
-    "mlp_layer_types",
-    "index_n_heads",
-    "index_head_dim",
-)
 
 
 def check_integrity(art: Path, man: dict, ref_config=None, progress: bool = False) -> IntegrityResult:
@@ -290,6 +271,8 @@ def _same(a, b) -> bool:
         return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return a == b
 
 
@@ -299,9 +282,12 @@ def _check_config(art: Path, man: dict, ref_config, headers: dict) -> list[Failu
         if not os.path.lexists(art / "config.json"):
             return [Failure("integrity", "config.json is missing from the artifact")]
         raw = read_json_object(art / "config.json", VerifyInputError, "config")
-        meta = {n: (i.get("dtype"), i.get("shape", ())) for h in headers.values() for n, i in h.items()}
-        resolved = converters.resolve(raw, meta)[1]  # its sizes checked against the shards first
+        conv = converters.for_config(raw)
+        if not _sizes_match_shards(conv, raw, headers):
+            return _size_findings(conv, raw, want)
+        resolved = conv.resolve_config(raw)
         have = json.loads(json.dumps(resolved.to_dict()))
+        facts = json.loads(json.dumps(conv.manifest_facts(resolved)))
     except PorterError as e:
         return [Failure("integrity", f"config.json: {e}")]
     out = [
@@ -314,18 +300,18 @@ def _check_config(art: Path, man: dict, ref_config, headers: dict) -> list[Failu
         for k in sorted(set(have) | set(want))
         if not _same(have.get(k), want.get(k))
     ]
-    sw = man.get("swiglu", {})
+    # the architecture's records (its name, its activation) as the artifact's config.json resolves them;
+    # their provenance is the source's (an hf-layout config.json spells out defaults the engines need)
     out += [
         Failure(
             "integrity",
-            f"porter.json swiglu.{k} = {sw.get(k)!r} but resolved_config swiglu_{k} = "
-            f"{want.get(f'swiglu_{k}')!r}",
-            field=f"swiglu_{k}",
+            f"porter.json {k} = {_values(man.get(k))!r} but config.json resolves it to {_values(v)!r}",
+            field=k,
         )
-        for k in ("alpha", "beta", "limit")
-        if not _same(sw.get(k), want.get(f"swiglu_{k}"))
+        for k, v in facts.items()
+        if not _same(_values(man.get(k)), _values(v))
     ]
-    qc, scope = raw.get("quantization_config") or {}, man.get("options", {}).get("quantize")
+    qc, scope = raw.get("quantization_config") or {}, manifest.read_options(man).quantize
     if scope and qc.get("scope") not in (None, scope):
         out.append(
             Failure(
@@ -338,12 +324,44 @@ def _check_config(art: Path, man: dict, ref_config, headers: dict) -> list[Failu
     return out + (_check_reference_config(want, ref_config) if ref_config is not None else [])
 
 
+def _sizes_match_shards(conv, raw: dict, headers: dict) -> bool:
+    """Whether config.json's size fields match the shards (converters.check_sizes). When they do not,
+    resolving it could build per-layer lists of any length (a config of 10**9 layers without its own
+    lists), so it is not resolved: its sizes are compared with porter.json, and the shapes are judged by
+    the header checks and the re-derivation."""
+    meta = {n: (i.get("dtype"), i.get("shape", ())) for h in headers.values() for n, i in h.items()}
+    try:
+        converters.check_sizes(conv, raw, meta)
+    except ConfigError:
+        return False
+    return True
+
+
+def _size_findings(conv, raw: dict, want: dict) -> list[Failure]:
+    return [
+        Failure(
+            "integrity",
+            f"config.json resolves {k} = {v!r} but porter.json resolved_config says {want.get(k)!r}",
+            field=k,
+        )
+        for k, (v, _) in sorted(conv.config_sizes(raw).items())
+        if not _same(v, want.get(k))
+    ]
+
+
+def _values(record):
+    """A porter.json record without its provenance entries (nested)."""
+    if isinstance(record, dict):
+        return {k: _values(v) for k, v in record.items() if k != "provenance"}
+    return record
+
+
 def _check_reference_config(want: dict, ref_config) -> list[Failure]:
     ref, out = json.loads(json.dumps(ref_config.to_dict())), []
     for k in sorted(set(ref) | set(want)):
         if _same(ref.get(k), want.get(k)):
             continue
-        if k in STRUCTURAL:
+        if k in getattr(ref_config, "STRUCTURAL", ()):
             raise VerifyInputError(
                 f"the reference is not the source of this artifact: {k} is "
                 f"{ref.get(k)!r} there, {want.get(k)!r} in porter.json"

@@ -1,8 +1,10 @@
-"""Conversion throughput and memory at MiniMax-M3's real layer dims, CPU and GPU, against a plain copy.
+"""Conversion throughput and memory at a family's real layer dims, CPU and GPU, against a plain copy.
 
-For each checkpoint size (synthetic vendor-layout MiniMax-M3 with H 6144, I 3072, 64 q / 4 kv heads of
-128, indexer 4x128, 8 experts per layer instead of 128; random bf16 weights), from a warm page cache and
-(--cache cold) from disk, each run in a fresh process:
+For each checkpoint size (--family m3: synthetic vendor-layout MiniMax-M3 with H 6144, I 3072, 64 q / 4 kv
+heads of 128, indexer 4x128; m2-fp8: MiniMax-M2's FP8-block release format, H 3072, I 1536, 48 q / 8 kv heads
+of 128, e4m3 weights with a float32 scale per 128x128 block, which porter dequantizes and re-quantizes;
+m2-bf16: the same M2 layers in bf16; --experts per layer instead of the real 128 / 256; random weights), from
+a warm page cache and (--cache cold) from disk, each run in a fresh process:
 
 - baselines (the floor): safetensors `load_file` + `save_file` of every shard (what any converter pays to
   read and write the bytes), a raw file copy (`shutil.copyfile`, the I/O floor), each also with fsync of
@@ -187,16 +189,29 @@ class _PooledRandn:
         return getattr(self._torch, name)
 
 
-def build_checkpoint(out: Path, layers: int, experts: int) -> Path:
+# family -> (real-dims layers per GB of checkpoint at 8 experts, the dims in words)
+FAMILIES = {
+    "m3": (0.85, "H 6144, I 3072"),
+    "m2-fp8": (5.7, "H 3072, I 1536, FP8 e4m3 + 128x128 block scales"),
+    "m2-bf16": (3.0, "H 3072, I 1536, bf16"),
+}
+
+
+def build_checkpoint(out: Path, layers: int, experts: int, family: str = "m3") -> Path:
+    import minimax_m2_tiny_checkpoint as m2
     import tiny_checkpoint
 
-    real = tiny_checkpoint.torch
-    tiny_checkpoint.torch = _PooledRandn(real)
+    module = tiny_checkpoint if family == "m3" else m2
+    real = module.torch
+    module.torch = _PooledRandn(real)
     try:
-        overrides = tiny_checkpoint.real_dims_overrides(layers, experts)
-        return tiny_checkpoint.build_tiny_checkpoint(out, text_overrides=overrides, max_shard_tensors=40)
+        if family == "m3":
+            overrides = tiny_checkpoint.real_dims_overrides(layers, experts)
+            return tiny_checkpoint.build_tiny_checkpoint(out, text_overrides=overrides, max_shard_tensors=40)
+        layout = "fp8" if family == "m2-fp8" else "vendor"
+        return m2.build_m2_checkpoint(out, layout, overrides=m2.real_dims_overrides(layers, experts))
     finally:
-        tiny_checkpoint.torch = real
+        module.torch = real
 
 
 def evict(path: Path) -> str:
@@ -259,10 +274,11 @@ def bench_size(
     caches: tuple = ("warm",),
     max_shard_size: str = "512MB",
     copies: tuple = COPIES,
+    family: str = "m3",
 ) -> dict:
-    layers = max(2, round(target_gb * layers_per_gb))
+    layers = max(2, round(target_gb * (layers_per_gb or FAMILIES[family][0])))
     t0 = time.time()
-    src = build_checkpoint(tmp / f"src{target_gb}", layers, experts)
+    src = build_checkpoint(tmp / f"src{target_gb}", layers, experts, family)
     build_s = time.time() - t0
     gb = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
     print(f"# {gb:.2f} GB checkpoint ({layers} layers) built in {build_s:.0f} s", flush=True)
@@ -314,6 +330,7 @@ def bench_size(
             x["output_shards"] = len(x["shard_digests"])
     shutil.rmtree(src, ignore_errors=True)
     return {
+        "family": family,
         "source_gb": gb,
         "layers": layers,
         "experts_per_layer": experts,
@@ -326,8 +343,8 @@ def summary_lines(result: dict) -> list:
     lines = [environment_line(result["machine"])]
     for s in result["sizes"]:
         lines.append(
-            f"{s['source_gb']:.2f} GB ({s['layers']} layers at H 6144, I 3072, "
-            f"{s['experts_per_layer']} experts):"
+            f"{s['source_gb']:.2f} GB ({s.get('family', 'm3')}: {s['layers']} layers at "
+            f"{FAMILIES[s.get('family', 'm3')][1]}, {s['experts_per_layer']} experts):"
         )
         for x in s["runs"]:
             what = x["kind"] if x["kind"] != "convert" else f"convert {x['device']} workers={x['workers']}"
@@ -378,7 +395,12 @@ def main():
         default=",".join(COPIES),
         help="baseline copies to run (comma list of " + ", ".join(COPIES) + "; empty: none)",
     )
-    ap.add_argument("--layers-per-gb", type=float, default=0.85, help="real-dims layers per GB of checkpoint")
+    ap.add_argument(
+        "--family", default="m3", choices=list(FAMILIES), help="checkpoint family and format (see above)"
+    )
+    ap.add_argument(
+        "--layers-per-gb", type=float, default=None, help="real-dims layers per GB (default: the family's)"
+    )
     ap.add_argument("--tmp", default=str(ROOT / "benchmarks"), help="where to build the checkpoints")
     ap.add_argument("--out", default=str(DEFAULT_OUT / "convert.json"))
     args = ap.parse_args()
@@ -400,6 +422,7 @@ def main():
                     tuple(args.cache.split(",")),
                     args.max_shard_size,
                     tuple(c for c in args.copies.split(",") if c),
+                    args.family,
                 )
             )
     result["summary"] = summary_lines(result)

@@ -29,7 +29,7 @@ import torch
 
 from porter.devices import resolve_device, resolve_dtype
 from porter.errors import BackendUnavailable, LoadError, PlacementError
-from runtime.loader import build_model, open_store
+from runtime.loader import build_model, loading, open_store
 from runtime.moe import check_numerics, check_numerics_name, make_moe, resolve_backend
 from runtime.placement import resolve as resolve_placement
 from runtime.text import load_generation_config, load_tokenizer
@@ -49,6 +49,7 @@ def load(
     max_memory: Optional[dict] = None,
     moe_fp8_prefill: bool = True,
     moe_numerics: Optional[str] = None,
+    progress: bool = False,
 ):
     """Load a porter artifact dir (porter.json) or an original MiniMax-M3 HF checkpoint dir (or an already
     opened store from runtime.loader.open_store, which the caller keeps, e.g. to read weights or close()).
@@ -64,6 +65,11 @@ def load(
     moe_numerics: "w8a16" | "serving" (default: the MoE backend's own, w8a16 for torch and triton; "serving"
     quantizes the MoE input and SwiGLU output to MXFP8 as the TRT-LLM kernel does, and the input of every
     MXFP8 linear (`--quantize all`) as the engines' W8A8 MXFP8 linear does; docs/moe-backends.md).
+    progress: a progress bar on stderr (bytes, GB/s, ETA) while weights are read onto the GPUs.
+
+    An artifact loaded onto GPUs is read at the disk's and the bus's speed and each tensor checked against
+    porter.json's digest on the way (runtime/staging.py): a truncated or changed shard raises LoadError
+    naming it, and no model is returned.
     """
     check_numerics_name(moe_numerics)  # before anything is opened
     resolve_device(device)  # a device or dtype this machine cannot honour fails before any file is read
@@ -72,7 +78,16 @@ def load(
     store = open_store(path) if opened else path
     try:
         return _load(
-            store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill, moe_numerics
+            store,
+            device,
+            dtype,
+            backend,
+            lazy,
+            device_map,
+            max_memory,
+            moe_fp8_prefill,
+            moe_numerics,
+            progress,
         )
     except BaseException:
         if opened:  # a refused load (PlacementError, BackendUnavailable, ...) leaves no shard handle open
@@ -80,7 +95,9 @@ def load(
         raise
 
 
-def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill, moe_numerics):
+def _load(
+    store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill, moe_numerics, progress=False
+):
     placement = None
     if device_map is not None:
         if lazy:
@@ -101,9 +118,17 @@ def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_p
     make_backend = lambda quant, routing: make_moe(
         name, quant, routing, moe_numerics, fp8_prefill=moe_fp8_prefill
     )
-    model = build_model(
-        store, device, dtype, make_backend, lazy, placement, mxfp8_act=moe_numerics == "serving"
-    )
+    with loading(store, device, placement, lazy, progress) as bar:  # staged onto GPUs, checked
+        model = build_model(
+            store,
+            device,
+            dtype,
+            make_backend,
+            lazy,
+            placement,
+            mxfp8_act=moe_numerics == "serving",
+            progress=bar,
+        )
     model.placement = placement
     model.tokenizer = load_tokenizer(store.path)
     model.generation_config = load_generation_config(store.path, model.tokenizer)

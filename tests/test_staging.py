@@ -1,0 +1,252 @@
+"""The staged loader (runtime/staging.py, ArtifactStore.stage) on the CPU: the bytes it hands out are the
+mapped shards' bytes, its buffers are reused (host memory bounded by threads x buffer_bytes, whatever the
+model's size), a truncated or changed shard is a LoadError naming it and nothing from it is handed out, and
+its progress bar shows only when asked. The CUDA path: tests/test_load_gpu.py."""
+
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import porter
+import runtime
+from porter.cli import main as cli
+from porter.errors import LoadError
+from porter.format.digest import CHUNK_HASHES
+from porter.format.safetensors_io import file_digests, parse_header
+from runtime import staging
+from runtime.loader import ArtifactStore, open_store
+from runtime.staging import DigestRule, Span, Staging
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_vendor, tmp_path_factory):
+    out = tmp_path_factory.mktemp("staging") / "art"
+    porter.convert(tiny_vendor, out, progress=False, max_shard_size="300KB")  # several shards
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_artifact(tiny_vendor, tmp_path_factory):
+    out = tmp_path_factory.mktemp("staging-hf") / "art"
+    porter.convert(tiny_vendor, out, progress=False, layout="hf")
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _mapped(store) -> dict:
+    return {n: store.get(n).clone() for n in store.names() - store.carried_names()}
+
+
+def _staged(store, **kw) -> dict:
+    s = store.stage(lambda n: CPU, **kw)
+    try:
+        out = {n: store.get(n) for n in store.names() - store.carried_names()}
+        s.finish()
+    finally:
+        store.unstage()
+    return out
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        assert a[n].dtype == b[n].dtype and a[n].shape == b[n].shape, n
+        assert torch.equal(_bytes(a[n]), _bytes(b[n])), n
+
+
+@pytest.mark.parametrize(
+    "buffer_bytes, threads",
+    [(staging.BUFFER_BYTES, 1), (4096, 3), (1000, 2)],  # one item; chunks cut into pieces of two sizes
+)
+def test_staged_bytes_equal_mapped_bytes(artifact, buffer_bytes, threads):
+    store = open_store(artifact)
+    assert len({store.files[n] for n in store.names()}) > 1
+    _same(_staged(store, buffer_bytes=buffer_bytes, threads=threads), _mapped(store))
+
+
+def test_hf_layout_stages_the_per_expert_parts(hf_artifact):
+    store = open_store(hf_artifact)
+    assert store._hf is not None
+    _same(_staged(store, buffer_bytes=8192, threads=2), _mapped(store))
+
+
+def _spans(art: Path, chunk: int) -> list:
+    """Every tensor of the artifact's shards with its digest under a chunk of `chunk` bytes."""
+    spans = []
+    with ThreadPoolExecutor(2) as pool:
+        for f in sorted(art.glob("*.safetensors")):
+            start, header = parse_header(f)
+            digests = file_digests(f, pool, chunk, "xxh3-128").tensors
+            for name, info in header.items():
+                b, e = info["data_offsets"]
+                spans.append(Span(name, f, start + b, e - b, torch.uint8, (e - b,), CPU, digests[name]))
+    return spans
+
+
+def test_whole_chunks_hashed_as_read(artifact, monkeypatch):
+    """Chunks smaller than the buffer: many items of whole chunks, every digest checked, buffers reused."""
+    spans = _spans(artifact, 4096)
+    made = []
+    new = Staging._new_buffer
+    monkeypatch.setattr(Staging, "_new_buffer", lambda self: made.append(self.buffer_bytes) or new(self))
+    s = Staging(spans, DigestRule(4096, CHUNK_HASHES["xxh3-128"]), threads=3, buffer_bytes=3 * 4096).start()
+    got = {sp.name: s.take(sp.name).clone() for sp in spans}
+    s.finish()
+    for sp in spans:
+        with open(sp.path, "rb") as f:
+            f.seek(sp.offset)
+            assert got[sp.name].numpy().tobytes() == f.read(sp.nbytes), sp.name
+    total = sum(sp.nbytes for sp in spans)
+    assert len(s._items) > 10 * 3 and total > 20 * 3 * 4096  # many stages per buffer
+    assert made == [3 * 4096] * len(made) and 1 <= len(made) <= 3  # one buffer per thread, reused
+
+
+def _data_offset(shard: Path, name: str) -> int:
+    start, header = parse_header(shard)
+    return start + header[name]["data_offsets"][0]
+
+
+def _copy(art: Path, tmp: Path) -> Path:
+    d = tmp / "copy"
+    shutil.copytree(art, d)
+    return d
+
+
+def _big_tensor(store) -> tuple[str, Path]:
+    name = max(store.names() - store.carried_names(), key=store.nbytes)
+    return name, store.files[name]
+
+
+@pytest.mark.parametrize("buffer_bytes", [4096, 1000, staging.BUFFER_BYTES])
+def test_changed_byte_is_named_and_nothing_is_handed_out(artifact, tmp_path, buffer_bytes):
+    d = _copy(artifact, tmp_path)
+    store = open_store(d)
+    name, shard = _big_tensor(store)
+    at = _data_offset(shard, name) + store.nbytes(name) - 1  # the tensor's last byte
+    with open(shard, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 1]))
+    s = store.stage(lambda n: CPU, buffer_bytes=buffer_bytes, threads=2)
+    with pytest.raises(LoadError) as e:
+        for n in sorted(store.names() - store.carried_names()):
+            store.get(n)
+        s.finish()
+    msg = str(e.value)
+    assert str(shard) in msg and repr(name) in msg and "porter.json" in msg and "\n" not in msg
+    with pytest.raises(LoadError):  # the staging stays failed: nothing more comes out of it
+        s.finish()
+    store.unstage()
+
+
+def test_failure_of_a_tensor_never_taken_fails_finish(artifact, tmp_path):
+    """No partial model: the build may not ask for a tensor at all, yet its shard's fault is raised."""
+    d = _copy(artifact, tmp_path)
+    store = open_store(d)
+    name, shard = _big_tensor(store)
+    with open(shard, "r+b") as f:
+        f.seek(_data_offset(shard, name))
+        b = f.read(1)
+        f.seek(_data_offset(shard, name))
+        f.write(bytes([b[0] ^ 0x80]))
+    s = store.stage(lambda n: CPU, buffer_bytes=4096, threads=2)
+    with pytest.raises(LoadError, match=repr(name)):
+        s.finish()
+    store.unstage()
+
+
+def test_truncated_shard_is_named(artifact, tmp_path):
+    d = _copy(artifact, tmp_path)
+    store = open_store(d)  # headers checked here, then the file is cut
+    name, shard = _big_tensor(store)
+    spans = [  # for the second half: offsets from the intact header
+        Span(n, shard, _data_offset(shard, n), store.nbytes(n), torch.uint8, (store.nbytes(n),), CPU)
+        for n in store.names() - store.carried_names()
+        if store.files[n] == shard
+    ]
+    os.truncate(shard, shard.stat().st_size - 100)
+    with pytest.raises(LoadError) as e:
+        store.stage(lambda n: CPU)
+    assert str(shard) in str(e.value) and "porter.json" in str(e.value)
+    # cut while being read (the size check passed before): the read names the file
+    s = Staging(spans, None, threads=2, buffer_bytes=4096).start()
+    with pytest.raises(LoadError) as e:
+        s.finish()
+    assert str(shard) in str(e.value) and "truncated" in str(e.value)
+
+
+def test_changed_header_is_named(artifact, tmp_path):
+    d = _copy(artifact, tmp_path)
+    man = json.loads((d / "porter.json").read_text())
+    shard = sorted(man["shards"])[0]
+    man["shards"][shard]["header_sha256"] = "0" * 64
+    (d / "porter.json").write_text(json.dumps(man))
+    with pytest.raises(LoadError, match=f"{shard}: header differs"):
+        open_store(d).stage(lambda n: CPU)
+
+
+def test_staging_without_digests_still_loads(artifact, tmp_path, caplog):
+    d = _copy(artifact, tmp_path)
+    man = json.loads((d / "porter.json").read_text())
+    man.pop("digest")
+    (d / "porter.json").write_text(json.dumps(man))
+    store = open_store(d)
+    _same(_staged(store, buffer_bytes=4096), _mapped(store))
+    assert "no digest rule" in caplog.text
+
+
+class _Item:
+    def __init__(self, dev, n):
+        self.device, self.length = dev, n
+
+
+def test_devices_are_fed_together():
+    """Two devices' items interleave in proportion to their bytes (a device_map's GPUs load at once)."""
+    a = [_Item("a", 10) for _ in range(4)]
+    b = [_Item("b", 5) for _ in range(8)]
+    order = [i.device for i in staging._interleave([a, b])]
+    assert sorted(order) == ["a"] * 4 + ["b"] * 8
+    assert order[:6] == ["a", "b", "b", "a", "b", "b"]
+
+
+def test_progress_bar_only_when_asked(artifact, capsys):
+    store = open_store(artifact)
+    _staged(store)
+    assert capsys.readouterr().err == ""
+    _staged(store, progress=True)
+    err = capsys.readouterr().err
+    assert "load" in err and "B/s" in err and "100%" in err
+    runtime.load(artifact)  # library use: quiet
+    assert capsys.readouterr().err == ""
+
+
+def test_generate_shows_the_load_bar_unless_quiet(artifact, monkeypatch):
+    seen = []
+    real = runtime.load
+    monkeypatch.setattr(runtime, "load", lambda *a, **kw: seen.append(kw.get("progress")) or real(*a, **kw))
+    for args in ([], ["-q"]):
+        res = CliRunner().invoke(
+            cli, ["generate", str(artifact), "--prompt", "x", "--max-new-tokens", "1", *args]
+        )
+        assert res.exit_code == 0, res.output
+    assert seen == [True, False]
+
+
+def test_store_api_keeps_working_after_staging(artifact):
+    store = open_store(artifact)
+    assert isinstance(store, ArtifactStore)
+    _staged(store, buffer_bytes=4096)
+    name = next(iter(store.names() - store.carried_names()))
+    assert store.get(name).device == CPU  # mapped again once unstaged

@@ -394,7 +394,8 @@ def loading(store, device: torch.device, placement=None, lazy: bool = False, pro
         finally:
             store.unstage()
         return
-    total = sum(store.nbytes(n) for n in store.names() if device_of(n) is not None)
+    sized = hasattr(store, "nbytes")  # verify's reference store gives no sizes: a bar without a total
+    total = sum(store.nbytes(n) for n in store.names() if device_of(n) is not None) if sized else None
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="load", disable=not progress)
     try:
         yield bar

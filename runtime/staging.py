@@ -25,8 +25,10 @@ by `take` and `finish` as a LoadError naming the shard and the tensor, so no mod
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -38,7 +40,9 @@ from porter.cores import available_cores
 from porter.errors import LoadError, PorterError
 from porter.format.safetensors_io import pread_into, tensor_digest
 
-READ_BLOCK = 1 << 20  # bytes per read call: a piece hashed while it is still in the CPU's cache
+log = logging.getLogger("porter.runtime")
+
+READ_BLOCK = 4 << 20  # bytes per read call, hashed right after it while still in the CPU's caches
 BUFFER_BYTES = 32 << 20  # per thread; two 16 MiB digest chunks
 MAX_THREADS = 16  # past this page-cache copies stop scaling on a 16-core host (docs/performance.md)
 
@@ -149,6 +153,9 @@ class Staging:
         self._fds: dict = {}
         self._workers: list = []
         self.total_bytes = sum(s.nbytes for s in spans)
+        # seconds: wall from start(); summed over threads in reads, hashing, copies; the caller blocked in take
+        self.stats = {"wall": 0.0, "read": 0.0, "hash": 0.0, "copy": 0.0, "waited": 0.0}
+        self._t0 = 0.0
         for t in self._tensors.values():
             if t.span.nbytes == 0:
                 self._complete(t)
@@ -188,6 +195,7 @@ class Staging:
 
     # -- running ------------------------------------------------------------------------------------------
     def start(self) -> "Staging":
+        self._t0 = time.perf_counter()
         self.progress = tqdm(
             total=self.total_bytes, unit="B", unit_scale=True, desc="load", disable=not self.show_progress
         )
@@ -202,8 +210,10 @@ class Staging:
         if name not in self._tensors or name in self._taken:
             raise KeyError(f"{name!r} is not staged (or was taken)")
         with self._cond:
+            t = time.perf_counter()
             while name not in self._ready and self._error is None and not self._stop:
                 self._cond.wait()
+            self.stats["waited"] += time.perf_counter() - t
             self._raise()
             if name not in self._ready:
                 raise LoadError(f"{self._tensors[name].span.path}: loading stopped before {name!r} was read")
@@ -216,10 +226,27 @@ class Staging:
     def finish(self) -> None:
         """Wait until every tensor is read and checked; raise the first failure."""
         with self._cond:
+            t = time.perf_counter()
             while self._error is None and len(self._ready) + len(self._taken) < len(self._tensors):
                 self._cond.wait()
+            self.stats["waited"] += time.perf_counter() - t
         self.close()
         self._raise()
+        st = self.stats
+        st["wall"] = time.perf_counter() - self._t0
+        log.info(
+            "staged %.2f GB in %.2f s (%.1f GB/s) on %d thread(s) x %d MiB buffers: thread time in reads "
+            "%.2f s, digests %.2f s, copies %.2f s; the model build waited %.2f s for bytes",
+            self.total_bytes / 1e9,
+            st["wall"],
+            self.total_bytes / 1e9 / max(st["wall"], 1e-9),
+            self.threads,
+            self.buffer_bytes >> 20,
+            st["read"],
+            st["hash"],
+            st["copy"],
+            st["waited"],
+        )
 
     def close(self) -> None:
         """Stop the threads (each finishes the item in hand), close the shards, drop tensors not taken."""
@@ -250,7 +277,7 @@ class Staging:
             self._cond.notify_all()
 
     def _work(self) -> None:
-        buf, streams = None, {}
+        buf, streams, clock = None, {}, {"read": 0.0, "hash": 0.0, "copy": 0.0}
         try:
             while True:
                 with self._cond:
@@ -260,28 +287,34 @@ class Staging:
                     self._next += 1
                 if buf is None:
                     buf = self._new_buffer()
-                self._stage(item, buf, streams)
+                self._stage(item, buf, streams, clock)
         except _Stopped:
             return
         except PorterError as e:
             self._fail(LoadError(str(e)))
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread, raised there
             self._fail(e)
+        finally:
+            with self._cond:
+                for k, v in clock.items():
+                    self.stats[k] += v
 
     def _new_buffer(self) -> torch.Tensor:
         """This thread's staging buffer, page-locked when a destination is a GPU (asynchronous copies)."""
         return torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self._pin)
 
-    def _stage(self, item: _Item, buf: torch.Tensor, streams: dict) -> None:
+    def _stage(self, item: _Item, buf: torch.Tensor, streams: dict, clock: dict) -> None:
         fd = self._fd(item.path)
         data = memoryview(buf.numpy())
         hashers = [None if p.shared else self.rule.new_hash() for p in item.pieces]
         if hasattr(os, "posix_fadvise"):  # a cold file: the whole item in flight at once
             os.posix_fadvise(fd, item.offset, item.length, os.POSIX_FADV_WILLNEED)
-        p = 0
+        p, t = 0, time.perf_counter()
         for at in range(0, item.length, READ_BLOCK):
             end = min(at + READ_BLOCK, item.length)
             pread_into(fd, data[at:end], item.offset + at, item.path)
+            t1 = time.perf_counter()
+            clock["read"] += t1 - t
             while p < len(item.pieces) and item.pieces[p].at < end:  # hash what this block completed
                 piece = item.pieces[p]
                 if hashers[p] is not None:
@@ -290,10 +323,14 @@ class Staging:
                 if piece.at + piece.length > end:
                     break
                 p += 1
+            t = time.perf_counter()
+            clock["hash"] += t - t1
         digests = [
             self._hash_shared(pc, data) if h is None else h.digest() for pc, h in zip(item.pieces, hashers)
         ]
+        t = time.perf_counter()
         self._copy(item, buf, streams)
+        clock["copy"] += time.perf_counter() - t
         with self._cond:
             for piece, d in zip(item.pieces, digests):
                 if d is not None:
@@ -317,8 +354,9 @@ class Staging:
         c.hasher.update(data[piece.at : piece.at + piece.length])
         with self._cond:
             c.next_piece += 1
+            last = c.next_piece == c.pieces  # no thread touches the hasher after its last piece
             self._cond.notify_all()
-        return c.hasher.digest() if c.next_piece == c.pieces else None
+        return c.hasher.digest() if last else None
 
     def _copy(self, item: _Item, buf: torch.Tensor, streams: dict) -> None:
         """The item's segments into their tensors (allocated here on first use); returns when the copy is

@@ -11,9 +11,11 @@
     model = runtime.load(path, lazy=True)                  # one decoder layer resident at a time
     model = runtime.load(path, moe_numerics="serving")     # MoE with the TRT-LLM kernel's W8A8 numerics
     model = runtime.load(path, device_map="auto", max_memory={0: "70GiB", 1: "70GiB"})  # layers over GPUs
+    model = runtime.load(path, device="cuda", progress=True)  # a bar while the shards stream onto the GPU
 
 On CUDA, decode steps replay captured CUDA graphs (one per device's run of layers) unless
-cuda_graph=False. Modules: loader.py (stores, memory model, streaming) · placement.py (device_map) ·
+cuda_graph=False. Modules: loader.py (stores, memory model, streaming) · staging.py (loading onto GPUs at the
+disk's and the bus's speed, digests checked) · placement.py (device_map) ·
 models/minimax_m3.py (the forward pass; building blocks in models/layers.py) · cache.py (positions, KV and
 indexer caches) · text.py (tokenizer, chat template, generation defaults) · sampling.py · generate.py ·
 graph.py (captured decode) · kernels/ (attention, fused decode ops, GEMVs + their Triton kernels) · moe/
@@ -129,6 +131,8 @@ def _load(
             mxfp8_act=moe_numerics == "serving",
             progress=bar,
         )
+    if lazy and device.type == "cuda":
+        model.layers.stream_from(store, device)  # onto a GPU: staged layer reads, the next one read ahead
     model.placement = placement
     model.tokenizer = load_tokenizer(store.path)
     model.generation_config = load_generation_config(store.path, model.tokenizer)

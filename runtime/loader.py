@@ -72,7 +72,7 @@ class ArtifactStore:
         self._handles: dict = {}
         self._headers: dict = {}  # shard -> parsed safetensors header (nbytes)
         self._starts: dict = {}  # shard -> byte offset of its tensor data
-        self._staging: Optional[Staging] = None
+        self._stagings: list = []  # Staging objects in flight (get() takes their tensors)
         self._check_shards(index)
         # hf layout (vendor names, per-expert tensors): canonical name -> hf name, or per expert the hf
         # row parts that stack to [E, N, K] when the model touches them (the converter's hf_canonical_map)
@@ -101,14 +101,19 @@ class ArtifactStore:
         return set(self.files) if self._hf is None else set(self._hf)
 
     def close(self) -> None:
-        """Drop the safe_open handles (each maps a whole shard); tensors still referenced keep theirs."""
+        """Stop staging and drop the safe_open handles; tensors still referenced keep their memory."""
         self.unstage()
+        self.unmap()
+
+    def unmap(self) -> None:
+        """Drop the safe_open handles (each maps a whole shard); tensors still referenced keep theirs."""
         self._handles.clear()
 
     def stage(self, device_of: Callable[[str], Optional[torch.device]], progress=None, **kw) -> Staging:
-        """Start reading every tensor the model uses onto its device (device_of(canonical name), None: not
-        loaded) on background threads; until unstage(), get() hands those out as they arrive. kw: Staging's
-        threads, buffer_bytes."""
+        """Start reading the tensors the model uses onto their devices (device_of(canonical name), None: not
+        staged) on background threads; until unstage(), get() hands those out as they arrive. Several
+        stagings may be in flight (a layer-streaming model reads the next layer while one is in use).
+        kw: Staging's threads, buffer_bytes."""
         devices = {}
         for name in self.names() - self.carried_names():
             dev = device_of(name)
@@ -135,15 +140,17 @@ class ArtifactStore:
                     digest,
                 )
             )
-        self.unstage()
-        self._staging = Staging(spans, rule, progress=progress, **kw).start()
-        return self._staging
+        staging = Staging(spans, rule, progress=progress, **kw)
+        self._stagings.append(staging)
+        return staging.start()
 
-    def unstage(self) -> None:
-        """Stop staging (threads joined, tensors not taken dropped); get() reads the mapped shards again."""
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+    def unstage(self, staging: Optional[Staging] = None) -> None:
+        """Stop one staging (None: all; threads joined, tensors not taken dropped); get() reads the mapped
+        shards again for their tensors."""
+        for s in [staging] if staging is not None else list(self._stagings):
+            s.close()
+            if s in self._stagings:
+                self._stagings.remove(s)
 
     def _file_names(self, name: str) -> list:
         """The shard tensors behind a canonical name (several per-expert parts in the hf layout)."""
@@ -199,9 +206,9 @@ class ArtifactStore:
         f = self.files.get(name)
         if f is None:
             raise LoadError(f"tensor {name!r} is missing from {self.path / 'model.safetensors.index.json'}")
-        staging = self._staging
-        if staging is not None and name in staging:
-            return staging.take(name)  # on its device, checked
+        for staging in list(self._stagings):
+            if name in staging:
+                return staging.take(name)  # on its device, checked
         h = self._handles.get(f)  # one lookup: a close() from another thread between two would KeyError
         try:
             if h is None:
@@ -383,16 +390,17 @@ def loading(store, device: torch.device, placement=None, lazy: bool = False, pro
     where, embed_dev, head_dev = weight_devices(store.config.num_hidden_layers, device, placement)
     on_gpu = any(d.type == "cuda" for d in {*where, embed_dev, head_dev})
     device_of = lambda name: device_of_weight(name, where, embed_dev, head_dev)  # noqa: E731
-    if not on_gpu or lazy:
-        yield None
-        return
-    if isinstance(store, ArtifactStore):
-        staging = store.stage(device_of, progress=progress)
+    if on_gpu and isinstance(store, ArtifactStore):  # lazy: the resident tensors now, layers as they stream
+        resident = (lambda n: None if layer_of(n) is not None else device_of(n)) if lazy else device_of
+        staging = store.stage(resident, progress=progress)
         try:
             yield None
             staging.finish()
         finally:
-            store.unstage()
+            store.unstage(staging)
+        return
+    if not on_gpu or lazy:
+        yield None
         return
     sized = hasattr(store, "nbytes")  # verify's reference store gives no sizes: a bar without a total
     total = sum(store.nbytes(n) for n in store.names() if device_of(n) is not None) if sized else None
@@ -419,7 +427,7 @@ class LazyLayers:
         if not 0 <= i < self._n:
             raise IndexError(i)
         if self._index != i:
-            self.release()
+            self._free()
             self._layer, self._index = self._build(i), i
         return self._layer
 
@@ -427,11 +435,74 @@ class LazyLayers:
         return (self[i] for i in range(self._n))
 
     def release(self) -> None:
+        """Free the resident layer (and a layer being read ahead), unmap the shards."""
+        self._free()
+        if isinstance(self._build, _StagedLayers):
+            self._build.close()
+
+    def _free(self) -> None:
         self._index, self._layer = None, None
         self._on_release()  # e.g. store.close(): unmap the shards the layer (and anything since) touched
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def stream_from(self, store, device: torch.device) -> None:
+        """Build each layer from staged reads of an artifact (ArtifactStore.stage) onto a GPU, and read the
+        next layer's bytes while the one just built is used (when the device has room for both). Other
+        stores keep the plain builder (runtime.load calls this for a GPU; on the CPU mapped tensors need no
+        reading ahead)."""
+        if isinstance(store, ArtifactStore):
+            self._build = _StagedLayers(store, device, self._n, self._build)
+            self._on_release = store.unmap  # a layer's release keeps the next one's reads going
+
+
+PREFETCH_RESERVE = 2 << 30  # free device memory left after a prefetched layer (activations, the caller's)
+
+
+class _StagedLayers:
+    """LazyLayers' builder for a layer-streaming artifact on a GPU: layer i is staged (or taken from the
+    prefetch started when layer i - 1 was built), built, checked (Staging.finish), then layer i + 1 starts
+    reading in the background. At most two layers' bytes are on the device: the one in use, the next."""
+
+    def __init__(self, store, device: torch.device, n: int, build: Callable[[int], DecoderLayer]):
+        self.store, self.device, self.n, self.build = store, device, n, build
+        self.next: Optional[tuple] = None  # (layer index, its Staging)
+
+    def close(self) -> None:
+        if self.next is not None:
+            self.store.unstage(self.next[1])
+            self.next = None
+
+    def __call__(self, i: int) -> DecoderLayer:
+        ahead, self.next = self.next, None
+        if ahead is not None and ahead[0] != i:  # another layer than the next was asked for
+            self.store.unstage(ahead[1])
+            ahead = None
+        staging = ahead[1] if ahead is not None else self._stage(i)
+        try:
+            layer = self.build(i)
+            staging.finish()
+        finally:
+            self.store.unstage(staging)
+        if i + 1 < self.n and self._room(i + 1):
+            self.next = (i + 1, self._stage(i + 1))
+        return layer
+
+    def _stage(self, i: int):
+        # memory taken now, before the caller queues work on the layer just built: the copies then wait
+        # only for work queued before this point (Staging allocate_now)
+        return self.store.stage(
+            lambda name: self.device if layer_of(name) == i else None,
+            allocate_now=True,
+            log_level=logging.DEBUG,
+        )
+
+    def _room(self, i: int) -> bool:
+        if self.device.type != "cuda":
+            return True
+        need = sum(self.store.nbytes(n) for n in self.store.names() if layer_of(n) == i)
+        return torch.cuda.mem_get_info(self.device)[0] >= need + PREFETCH_RESERVE
 
 
 def build_model(

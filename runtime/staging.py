@@ -135,10 +135,13 @@ class Staging:
         threads: Optional[int] = None,
         buffer_bytes: int = BUFFER_BYTES,
         progress: bool = False,
+        allocate_now: bool = False,
+        log_level: int = logging.INFO,
     ):
         if buffer_bytes < 1:
             raise ValueError(f"buffer_bytes must be positive, not {buffer_bytes}")
         self.rule, self.buffer_bytes, self.show_progress = rule, buffer_bytes, progress
+        self.allocate_now, self.log_level = allocate_now, log_level
         self.progress = None
         self.threads = threads or default_threads()
         self._tensors = {s.name: _Tensor(s, 0, s.nbytes) for s in spans}
@@ -156,6 +159,7 @@ class Staging:
         # seconds: wall from start(); summed over threads in reads, hashing, copies; the caller blocked in take
         self.stats = {"wall": 0.0, "read": 0.0, "hash": 0.0, "copy": 0.0, "waited": 0.0}
         self._t0 = 0.0
+        self._allocated: dict = {}  # device -> CUDA event recorded after allocate_now's allocations
         for t in self._tensors.values():
             if t.span.nbytes == 0:
                 self._complete(t)
@@ -195,7 +199,23 @@ class Staging:
 
     # -- running ------------------------------------------------------------------------------------------
     def start(self) -> "Staging":
+        """Start the threads. allocate_now: every tensor's device memory is taken here, on the calling
+        thread, and the copies wait only for work queued on its stream before this point; otherwise each
+        tensor's memory is taken by the thread that first copies into it (the whole model is then not
+        resident before the build has prepared its first layers) and the copy waits for everything queued
+        on that device's default stream by then."""
         self._t0 = time.perf_counter()
+        if self.allocate_now:
+            for t in self._tensors.values():
+                dev = t.span.device
+                if t.flat is None and t.remaining:
+                    with torch.inference_mode(False):  # called inside a forward: the threads write into it
+                        t.flat = torch.empty(t.span.nbytes, dtype=torch.uint8, device=dev)
+                if dev.type == "cuda" and dev not in self._allocated:
+                    self._allocated[dev] = None
+            for dev in self._allocated:
+                self._allocated[dev] = torch.cuda.Event()
+                self._allocated[dev].record(torch.cuda.current_stream(dev))
         self.progress = tqdm(
             total=self.total_bytes, unit="B", unit_scale=True, desc="load", disable=not self.show_progress
         )
@@ -227,14 +247,24 @@ class Staging:
         """Wait until every tensor is read and checked; raise the first failure."""
         with self._cond:
             t = time.perf_counter()
-            while self._error is None and len(self._ready) + len(self._taken) < len(self._tensors):
+            while (
+                self._error is None
+                and not self._stop
+                and len(self._ready) + len(self._taken) < len(self._tensors)
+            ):
                 self._cond.wait()
             self.stats["waited"] += time.perf_counter() - t
+            done = len(self._ready) + len(self._taken) == len(self._tensors)
         self.close()
         self._raise()
+        if not done:
+            raise LoadError(
+                f"loading {self.total_bytes / 1e9:.2f} GB was stopped before every tensor was read"
+            )
         st = self.stats
         st["wall"] = time.perf_counter() - self._t0
-        log.info(
+        log.log(
+            self.log_level,
             "staged %.2f GB in %.2f s (%.1f GB/s) on %d thread(s) x %d MiB buffers: thread time in reads "
             "%.2f s, digests %.2f s, copies %.2f s; the model build waited %.2f s for bytes",
             self.total_bytes / 1e9,
@@ -375,7 +405,9 @@ class Staging:
         stream = streams.get(dev)
         if stream is None:
             stream = streams[dev] = torch.cuda.Stream(device=dev)
-        if fresh:  # memory the caller's stream freed a moment ago may still be read by its queued kernels
+        if dev in self._allocated:  # memory freed before start() may still be read by kernels queued then
+            stream.wait_event(self._allocated[dev])
+        elif fresh:  # memory the caller's stream freed a moment ago may still be read by its queued kernels
             stream.wait_stream(torch.cuda.default_stream(dev))
         with torch.cuda.stream(stream):
             for seg in item.segments:

@@ -103,3 +103,17 @@ def test_device_map_over_two_gpus_equals_one(artifact):
     model = runtime.load(artifact, device_map=split, dtype=torch.float32, backend="torch")
     assert {str(d) for d in model.layer_devices} == {"cuda:0", "cuda:1"}
     assert torch.equal(model(ids.cuda()).cpu(), one)
+
+
+def test_layer_streaming_on_cuda_reads_ahead_and_matches(artifact):
+    ids = torch.randint(0, 384, (1, 24), generator=torch.Generator().manual_seed(5)).cuda()
+    want = runtime.load(artifact, device="cuda", dtype=torch.float32, backend="torch")(ids)
+    store = open_store(artifact)
+    model = runtime.load(store, device="cuda", dtype=torch.float32, backend="torch", lazy=True)
+    for _ in range(2):
+        got = model(ids)
+        assert float((got - want).norm() / want.norm()) <= 1e-6
+    model.layers[0]
+    assert len(store._stagings) == 1  # layer 1 being read while layer 0 is in use
+    model.layers.release()
+    assert store._stagings == []

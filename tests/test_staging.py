@@ -252,3 +252,46 @@ def test_store_api_keeps_working_after_staging(artifact):
     _staged(store, buffer_bytes=4096)
     name = next(iter(store.names() - store.carried_names()))
     assert store.get(name).device == CPU  # mapped again once unstaged
+
+
+def test_layer_streaming_from_staged_reads(artifact):
+    """lazy=True's staged builder (LazyLayers.stream_from; runtime.load uses it on a GPU, here on the CPU):
+    each layer read through a Staging, the next one read ahead, the logits those of the mapped model."""
+    ids = torch.tensor([[5, 9, 13, 2, 7]])
+    want = runtime.load(artifact)(ids)
+    store = open_store(artifact)
+    model = runtime.load(store, lazy=True)
+    model.layers.stream_from(store, CPU)
+    built = []
+    real = store.stage
+    store.stage = lambda device_of, **kw: (
+        built.append(sorted({n for n in store.names() if device_of(n)})) or real(device_of, **kw)
+    )
+    for _ in range(2):  # the second pass starts again at layer 0: the read-ahead of the last layer is dropped
+        assert torch.equal(model(ids), want)
+    n = model.cfg.num_hidden_layers
+    assert len(built) == 2 * n and all(
+        b and {f"model.layers.{i % n}." in x for x in b} == {True} for i, b in enumerate(built)
+    )
+    assert store._stagings == []  # nothing read ahead past the last layer
+    model.layers[1]  # layer 2 is read ahead now; release() stops it
+    assert len(store._stagings) == 1
+    model.layers.release()
+    assert store._stagings == []
+
+
+def test_layer_streaming_names_a_changed_layer(artifact, tmp_path):
+    d = _copy(artifact, tmp_path)
+    store = open_store(d)
+    name, shard = _big_tensor(store)
+    at = _data_offset(shard, name)
+    with open(shard, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 4]))
+    model = runtime.load(store, lazy=True)
+    model.layers.stream_from(store, CPU)
+    with pytest.raises(LoadError, match=repr(name)):
+        model(torch.tensor([[5, 9, 13]]))
+    model.layers.release()

@@ -68,7 +68,7 @@ def _run(ctx, fn):
 @click.version_option(package_name="porter")
 @click.pass_context
 def main(ctx, verbose, quiet):
-    """porter: MiniMax-M3 checkpoints -> MXFP8 artifacts that run fast and provably right.
+    """porter: MoE checkpoints -> MXFP8 artifacts that run fast and provably right.
 
     Exit codes: 0 ok, 1 not faithful (verify), 2 bad input, 3 internal error."""
     ctx.obj = {"verbose": verbose, "quiet": quiet}

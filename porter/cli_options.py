@@ -175,7 +175,7 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
        the prompts; the converted model's greedy continuation scored by one teacher-forced reference pass.
 
     \b
-    What it does not prove: that porter's runtime computes MiniMax-M3 correctly (both models run through
+    What it does not prove: that porter's runtime computes the architecture correctly (both models run through
     it; that is checked by the oracle tests against transformers), nor that the source checkpoint is right.
 
     The table and the JSON report mark which figures decide the verdict (with their threshold) and which

@@ -36,8 +36,8 @@ from porter.format.digest import CHUNK_HASHES
 from porter.format.layout import layer_of
 from porter.format.safe_files import inside, read_json_object, regular_file
 from porter.format.safetensors_io import ST_DTYPES, chunk_hash_of, parse_header
+from runtime import models
 from runtime.models.layers import Rope
-from runtime.models.minimax_m3 import DecoderLayer, MiniMaxM3
 from runtime.staging import DigestRule, Span, Staging
 
 log = logging.getLogger("porter.runtime")
@@ -80,7 +80,11 @@ class ArtifactStore:
         if options is not None and not isinstance(options, dict):
             raise LoadError(f"{path / manifest.MANIFEST}: 'options' must be a JSON object; reconvert")
         hf = (options or {}).get("layout") == "hf"
-        self._hf = self.converter.hf_canonical_map(self.files) if hf else None
+        if hf and self.converter.hf_layout is None:
+            raise LoadError(
+                f"{path}: porter.json says layout hf, which {self.converter.ARCHITECTURE} has not"
+            )
+        self._hf = self.converter.hf_layout.hf_canonical_map(self.files) if hf else None
 
     def _check_shards(self, index: Path) -> None:
         """Every shard is a valid safetensors file of this folder holding the tensors the index gives it
@@ -414,16 +418,14 @@ def loading(store, device: torch.device, placement=None, lazy: bool = False, pro
 class LazyLayers:
     """Sequence of decoder layers built on access; at most one is resident (see module docstring)."""
 
-    def __init__(
-        self, n: int, build: Callable[[int], DecoderLayer], on_release: Callable[[], None] = lambda: None
-    ):
+    def __init__(self, n: int, build: Callable[[int], object], on_release: Callable[[], None] = lambda: None):
         self._n, self._build, self._on_release = n, build, on_release
         self._index, self._layer = None, None
 
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, i: int) -> DecoderLayer:
+    def __getitem__(self, i: int):
         if not 0 <= i < self._n:
             raise IndexError(i)
         if self._index != i:
@@ -465,7 +467,7 @@ class _StagedLayers:
     prefetch started when layer i - 1 was built), built, checked (Staging.finish), then layer i + 1 starts
     reading in the background. At most two layers' bytes are on the device: the one in use, the next."""
 
-    def __init__(self, store, device: torch.device, n: int, build: Callable[[int], DecoderLayer]):
+    def __init__(self, store, device: torch.device, n: int, build: Callable):
         self.store, self.device, self.n, self.build = store, device, n, build
         self.next: Optional[tuple] = None  # (layer index, its Staging)
 
@@ -474,7 +476,7 @@ class _StagedLayers:
             self.store.unstage(self.next[1])
             self.next = None
 
-    def __call__(self, i: int) -> DecoderLayer:
+    def __call__(self, i: int):
         ahead, self.next = self.next, None
         if ahead is not None and ahead[0] != i:  # another layer than the next was asked for
             self.store.unstage(ahead[1])
@@ -514,11 +516,13 @@ def build_model(
     placement=None,
     mxfp8_act: bool = False,
     progress=None,
-) -> MiniMaxM3:
-    """placement (runtime.placement.Placement): decoder layer i on placement.layers[i], embeddings on
+):
+    """The store's model (runtime.models registry, by its converter's architecture).
+    placement (runtime.placement.Placement): decoder layer i on placement.layers[i], embeddings on
     placement.embed, final norm + lm_head on placement.head; None = everything on `device`.
     mxfp8_act: every MXFP8 linear rounds its input to MXFP8 first (the serving numerics, Linear.input).
     progress: the bar `loading` yields (None: none)."""
+    model_module = models.for_store(store)
     cfg, names = store.config, store.names()
     n = cfg.num_hidden_layers
     where, embed_dev, head_dev = weight_devices(n, device, placement)
@@ -529,11 +533,11 @@ def build_model(
     if "lm_head.weight" not in top and head_dev != embed_dev:  # tied: lm_head needs the embedding there too
         top["lm_head.weight"] = getters[head_dev](TOP_NAMES[0])
 
-    def build(i: int) -> DecoderLayer:
-        layer = DecoderLayer(cfg, getters[where[i]], i, ropes[where[i]], where[i], make_backend)
+    def build(i: int):
+        layer = model_module.DecoderLayer(cfg, getters[where[i]], i, ropes[where[i]], where[i], make_backend)
         for lin in layer.linears():
             lin.mxfp8_act = mxfp8_act
         return layer
 
     layers = LazyLayers(n, build, store.close) if lazy else [build(i) for i in range(n)]
-    return MiniMaxM3(cfg, top, layers, embed_dev, dtype, layer_devices=where)
+    return model_module.Model(cfg, top, layers, embed_dev, dtype, layer_devices=where)

@@ -20,7 +20,6 @@ from porter.engine.output_guard import JOURNAL
 from porter.errors import InspectError, PorterError
 from porter.format import manifest as manifest_mod
 from porter.format import prequantized
-from porter.format.layout import HF_LAYOUT_PREFIX
 from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import ST_DTYPES, nbytes
 from porter.source import INDEX_NAME
@@ -45,7 +44,8 @@ def inspect(path) -> dict:
     raw = read_json_object(path / "config.json", InspectError, "config")
     man = _manifest(path) if manifest_mod.is_artifact(path) else None
     tensors = _tensor_meta(path)
-    cfg = converters.for_config(raw, str(path / "config.json")).resolve_config(raw)
+    converter = converters.for_config(raw, str(path / "config.json"))
+    cfg = converter.resolve_config(raw)
     qc = prequantized.quantization_config_of(raw)
     quantized, unquantized = _modules(tensors)
     ignored = list((qc or {}).get("ignored_layers") or [])
@@ -53,7 +53,9 @@ def inspect(path) -> dict:
         "path": str(path.resolve()),
         "kind": f"porter output, {incomplete}" if incomplete else "porter artifact" if man else "checkpoint",
         "source": _source(path, man),
-        "layout": _layout(raw, man, tensors),
+        "layout": _layout(raw, man, tensors, converter),
+        "architecture": converter.ARCHITECTURE,
+        "activation": _activation(man, converter, cfg),
         "quantization": {
             "quant_method": (qc or {}).get("quant_method"),
             "scope": (man or {}).get("options", {}).get("quantize"),
@@ -63,7 +65,7 @@ def inspect(path) -> dict:
             "ignored_layers": ignored,
             "modules_to_not_convert_equal": (qc or {}).get("modules_to_not_convert")
             == (qc or {}).get("ignored_layers"),
-            "contract": _contract(quantized, unquantized, ignored, qc),
+            "contract": _contract(quantized, unquantized, ignored, qc, converter),
         },
         "config": {k: {"value": v, "from": cfg.provenance.get(k)} for k, v in cfg.to_dict().items()},
         "sizes": _sizes(tensors),
@@ -141,11 +143,11 @@ def _source(path: Path, man) -> dict:
     return {"repo_id": None, "path": str(path.resolve()), "commit": m.group(1) if m else None}
 
 
-def _layout(raw: dict, man, tensors: dict) -> str:
+def _layout(raw: dict, man, tensors: dict, converter) -> str:
     if man:
         return (man.get("options") or {}).get("layout", "porter")
     qc = prequantized.quantization_config_of(raw)
-    kind = "transformers" if raw.get("model_type") == "minimax_m3_vl_text" else "vendor"
+    kind = converter.source_layout(raw, tensors)
     if qc and qc.get("quant_method") not in (None, "none"):
         return f"{kind} checkpoint, pre-quantized ({qc.get('quant_method')}, block {qc.get('weight_block_size')})"
     return f"{kind} checkpoint"
@@ -179,20 +181,30 @@ def _summarize(modules: list) -> dict:
     return dict(sorted(pat.items()))
 
 
-def _contract(quantized: list, plain: list, ignored: list, qc) -> dict:
+def _activation(man, converter, cfg) -> dict:
+    """The activation and where each of its values came from: porter.json's record for an artifact, the
+    converter's resolution of config.json for a checkpoint."""
+    record = (man or {}).get("activation")
+    if isinstance(record, dict):
+        return record
+    return converter.manifest_facts(cfg).get("activation") or {}
+
+
+def _contract(quantized: list, plain: list, ignored: list, qc, converter) -> dict:
     """Each text-model linear must be quantized or listed, not both and not neither (both engines load
     either mistake without an error)."""
     if not qc or qc.get("quant_method") in (None, "none"):
         return {"checked": False, "why": "no quantization_config"}
     listed = set(ignored)
     both = sorted(m for m in quantized if m in listed)
-    neither = sorted(m for m in plain if m not in listed and _is_text_linear(m))
+    neither = sorted(m for m in plain if m not in listed and _is_text_linear(m, converter))
     return {"checked": True, "both": both, "neither": neither, "ok": not both and not neither}
 
 
-def _is_text_linear(module: str) -> bool:
-    m = module.removeprefix(HF_LAYOUT_PREFIX)
-    return m.startswith("model.layers.") or m == "lm_head"
+def _is_text_linear(module: str, converter) -> bool:
+    """A linear of the decoder layers or the lm_head, by its canonical name (any layout's spelling)."""
+    c = converter.canonical_name(module + ".weight")
+    return c is not None and (c.startswith("model.layers.") or c == "lm_head.weight")
 
 
 def _sizes(tensors: dict) -> dict:
@@ -259,6 +271,13 @@ def render(rep: dict) -> str:
             "each linear quantized xor listed: "
             + ("yes" if c["ok"] else f"NO (both: {c['both'][:3]}, neither: {c['neither'][:3]})")
         )
+    act = rep.get("activation") or {}
+    if act:
+        values = {k: v for k, v in act.items() if k not in ("name", "formula", "provenance")}
+        prov = act.get("provenance") or {}
+        lines.append(f"activation: {act.get('name')}  {act.get('formula', '')}".rstrip())
+        for k, v in values.items():
+            lines.append(f"  {k:26s} {json.dumps(v):60s} <- {prov.get(k, '?')}")
     lines.append("resolved config (value  <- from):")
     for k, v in rep["config"].items():
         val = json.dumps(v["value"])

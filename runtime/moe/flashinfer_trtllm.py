@@ -13,11 +13,15 @@ flashinfer's swizzle (`block_scale_interleave`) only accepts CUDA tensors, so `s
 is a torch equivalent that runs on any device (tests prove it byte-equal to flashinfer's formula).
 
 Call time: activations -> MXFP8 with token-major linear uint8 [T, H/32] scales, then
-`trtllm_fp8_block_scale_moe` (router logits, MiniMax2 routing) or `trtllm_fp8_block_scale_routed_moe`
+`trtllm_fp8_block_scale_moe` (router logits, the kernel's routing method for the layer's
+runtime.moe.contract.RoutingMethod: `routing_method_type`) or `trtllm_fp8_block_scale_routed_moe`
 (externally computed top-k).
 
+SwiGLU: the per-expert gemm1_alpha / gemm1_beta / gemm1_clamp_limit of the contract; an infinite limit (plain
+SwiGLU, no clamp) is passed as None, the kernel's "no clamp".
+
 routed_scaling_factor (applied exactly once):
-  logits path  -> the kernel applies it (MiniMax2 weights = s / (sum s + 1e-20) * rsf); the output is
+  logits path  -> the kernel applies it (e.g. MiniMax2 weights = s / (sum s + 1e-20) * rsf); the output is
                   not scaled again.
   routed path  -> precomputed weights are used as given (the post-top-k routing pipeline never runs a
                   postprocess, ref: csrc/fused_moe/trtllm_backend/trtllm_fused_moe_routing_common.cu
@@ -32,13 +36,47 @@ import importlib.util
 import torch
 
 from porter.format import mxfp8
-from runtime.moe.contract import TRTLLM_CAPABILITIES, BackendUnavailable, MoeQuantInfo, MoeRouting
+from runtime.moe.contract import (
+    SIGMOID_BIAS_TOPK,
+    SOFTMAX_TOPK,
+    SOFTMAX_TOPK_RENORM,
+    TOPK_SOFTMAX,
+    TRTLLM_CAPABILITIES,
+    BackendUnavailable,
+    MoeQuantInfo,
+    MoeRouting,
+    RoutingMethod,
+)
 
 EPILOGUE_TILE_M = 128  # MXFP8 uses 128 (flashinfer/fused_moe/prepare.py, vLLM, sglang); DeepSeekFp8 64
 SF_ROW_TILE = 128  # 128x4 swizzle: 128 rows x 4 scale columns per 512-byte tile
 SF_COL_TILE = 4
 SWIGLU_PARAMS = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
 KERNEL_ARCHS = ", ".join(f"SM{a}{b}" for a, b in TRTLLM_CAPABILITIES)
+# contract routing -> FlashInfer RoutingMethodType member (flashinfer/fused_moe/core.py; docs/moe-backends.md)
+ROUTING_METHODS = {
+    SIGMOID_BIAS_TOPK: "MiniMax2",  # Sigmoid + bias -> TopK -> ScaledSumNormalize (bias for selection)
+    TOPK_SOFTMAX: "Renormalize",  # TopK -> Softmax
+    SOFTMAX_TOPK: "Default",  # Softmax -> TopK
+    SOFTMAX_TOPK_RENORM: "RenormalizeNaive",  # Softmax -> TopK -> Renormalize
+}
+
+
+def routing_method_name(method: RoutingMethod, has_bias: bool) -> str:
+    """The kernel's RoutingMethodType member for a contract method; BackendUnavailable for one it has not
+    (a selection bias exists only in the sigmoid method, MiniMax2)."""
+    name = ROUTING_METHODS.get(method)
+    if name is None or (has_bias and method != SIGMOID_BIAS_TOPK):
+        raise BackendUnavailable(
+            f"flashinfer-trtllm MoE has no routing method for {method}"
+            f"{' with a selection bias' if has_bias else ''}; use backend='triton' or 'torch'"
+        )
+    return name
+
+
+def routing_method_type(method: RoutingMethod, has_bias: bool) -> int:
+    """The RoutingMethodType value of routing_method_name (an integer of the installed flashinfer)."""
+    return int(getattr(_enums()[2], routing_method_name(method, has_bias)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -166,8 +204,9 @@ def _common_kwargs(
     num_experts,
     top_k,
     swiglu,
+    routing_method,
 ) -> dict:
-    activation, fp8_type, routing_method, layout = _enums()
+    activation, fp8_type, _, layout = _enums()
     _, two_i, _ = gemm1_weights.shape
     return dict(
         hidden_states=hidden_q,
@@ -179,12 +218,12 @@ def _common_kwargs(
         num_experts=num_experts,
         top_k=top_k,
         n_group=None,
-        topk_group=None,  # no grouped routing in M3
+        topk_group=None,  # no grouped routing
         intermediate_size=two_i // 2,
         local_expert_offset=0,
         local_num_experts=gemm1_weights.shape[0],  # no expert parallelism
-        # routed path: precomputed top-k skips the routing postprocess, so MiniMax2 there only names it
-        routing_method_type=int(routing_method.MiniMax2),
+        # routed path: precomputed top-k skips the routing postprocess, so the method there only names it
+        routing_method_type=routing_method,
         use_shuffled_weight=True,  # launcher: "use_shuffled_weight must be true for MxFp8."
         weight_layout=int(layout.MajorK),  # launcher: "weight_layout must be 0 for MxFp8."
         do_finalize=True,
@@ -192,8 +231,13 @@ def _common_kwargs(
         activation_type=activation.Swiglu.value,  # integers moved between releases: never a literal
         gemm1_alpha=swiglu["gemm1_alpha"],
         gemm1_beta=swiglu["gemm1_beta"],  # fp32 [E] each
-        gemm1_clamp_limit=swiglu["gemm1_clamp_limit"],
+        gemm1_clamp_limit=_clamp(swiglu["gemm1_clamp_limit"]),
     )
+
+
+def _clamp(limit: torch.Tensor):
+    """The per-expert clamp, None (the kernel's "no clamp") when every expert's limit is +inf."""
+    return None if bool(torch.isinf(limit).all() and (limit > 0).all()) else limit
 
 
 def build_moe_kwargs(
@@ -209,11 +253,13 @@ def build_moe_kwargs(
     top_k,
     routed_scaling_factor,
     swiglu,
+    method: RoutingMethod = SIGMOID_BIAS_TOPK,
 ) -> dict:
-    """All-keyword arguments of trtllm_fp8_block_scale_moe (logits path, MiniMax2 routing in the kernel).
+    """All-keyword arguments of trtllm_fp8_block_scale_moe (logits path, routing in the kernel).
 
-    router_logits fp32 [T, E]; routing_bias = e_score_correction_bias [E] (selection only);
-    swiglu = {"gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"} fp32 [E]. The kernel applies rsf."""
+    router_logits fp32 [T, E]; routing_bias = e_score_correction_bias [E] (selection only) or None;
+    swiglu = {"gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"} fp32 [E]; method: the contract's routing
+    (routing_method_type). The kernel applies rsf."""
     kwargs = _common_kwargs(
         gemm1_weights,
         gemm1_weights_scale,
@@ -224,10 +270,13 @@ def build_moe_kwargs(
         router_logits.shape[1],
         top_k,
         swiglu,
+        routing_method_type(method, routing_bias is not None),
     )
+    if routing_bias is None and method == SIGMOID_BIAS_TOPK:  # MiniMax2 reads a bias: zeros select alike
+        routing_bias = torch.zeros(router_logits.shape[1], device=router_logits.device)
     kwargs.update(
         routing_logits=router_logits.float(),
-        routing_bias=routing_bias.float(),
+        routing_bias=None if routing_bias is None else routing_bias.float(),
         routed_scaling_factor=float(routed_scaling_factor),
     )
     return kwargs
@@ -246,6 +295,7 @@ def build_routed_moe_kwargs(
     gemm2_weights_scale,
     routed_scaling_factor,
     swiglu,
+    method: RoutingMethod = SIGMOID_BIAS_TOPK,
 ) -> dict:
     """All-keyword arguments of trtllm_fp8_block_scale_routed_moe (precomputed top-k).
 
@@ -262,6 +312,7 @@ def build_routed_moe_kwargs(
         num_experts,
         topk_ids.shape[1],
         swiglu,
+        routing_method_type(method, False),
     )
     weights = (topk_weights.float() * float(routed_scaling_factor)).contiguous()  # rsf applied here, once
     kwargs.update(
@@ -330,7 +381,7 @@ def check_flashinfer_api() -> None:
 
 
 class TrtllmMoE:
-    """MoE through trtllm_fp8_block_scale_moe (MxFp8, MiniMax2). Holds only the prepared tensors."""
+    """MoE through trtllm_fp8_block_scale_moe (MxFp8). Holds only the prepared tensors."""
 
     name = "flashinfer-trtllm"
 
@@ -365,6 +416,7 @@ class TrtllmMoE:
         self.gemm1_weights, self.gemm1_weights_scale = prepare_w13(quant.w13_weight, quant.w13_weight_scale)
         self.gemm2_weights, self.gemm2_weights_scale = prepare_w2(quant.w2_weight, quant.w2_weight_scale)
         self.swiglu = {name: getattr(quant, name) for name in SWIGLU_PARAMS}  # fp32 [E], layer device
+        routing_method_name(routing.method, routing.e_score_correction_bias is not None)  # refused at load
         self.routing = routing
         self.num_experts = quant.num_experts
 
@@ -379,7 +431,7 @@ class TrtllmMoE:
         )
 
     def router_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden.float() @ self.routing.router_weight.float().t()  # [T, E] fp32 (M3 router is fp32)
+        return self.routing.logits(hidden)  # [T, E] fp32
 
     def kernel_kwargs(self, hidden: torch.Tensor) -> dict:
         """hidden [T, H] -> the keyword arguments of trtllm_fp8_block_scale_moe."""
@@ -390,6 +442,7 @@ class TrtllmMoE:
             hidden_q=hidden_q,
             hidden_sf=hidden_sf,
             top_k=self.routing.top_k,
+            method=self.routing.method,
             **self._weights(),
         )
 
@@ -402,6 +455,7 @@ class TrtllmMoE:
             num_experts=self.num_experts,
             hidden_q=hidden_q,
             hidden_sf=hidden_sf,
+            method=self.routing.method,
             **self._weights(),
         )
 

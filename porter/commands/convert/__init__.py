@@ -1,4 +1,4 @@
-"""`porter convert`: a MiniMax-M3 checkpoint -> MXFP8 porter artifact, tensor at a time.
+"""`porter convert`: a checkpoint -> MXFP8 porter artifact, tensor at a time.
 
 Order of work: resolve the source and its config, plan every output tensor (names, dtypes, shapes,
 shards) from the safetensors headers alone, then run the plan through porter.engine: every core (or
@@ -274,9 +274,9 @@ def _finish(plan: Plan, out: Path, stats: dict) -> float:
     model_card.write(src.path, out, plan.options, src.repo_id, src.commit)
     if plan.options["layout"] == "hf":  # vendor config, top-level quantization_config the engines read
         converter = converters.for_config(src.raw_config)
-        cfg = converter.hf_config_json(
+        cfg = converter.hf_layout.hf_config_json(
             src.raw_config,
-            converter.hf_quantization_config(
+            converter.hf_layout.hf_quantization_config(
                 plan.tensors, plan.options["quantize"], plan.options["scale_rounding"]
             ),
         )

@@ -16,7 +16,7 @@ from converters.base import ResolvedConfig
 from porter.errors import ConvertError
 from porter.format import manifest, mxfp8
 from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
-from porter.format.layout import OutTensor, scale_name
+from porter.format.layout import OutTensor
 from porter.format.safetensors_io import (
     DTYPE_NAMES,
     Entry,
@@ -99,7 +99,7 @@ def entries_for(t: OutTensor) -> list[Entry]:
     scale_shape = tuple(t.shape[:-1]) + (t.shape[-1] // mxfp8.BLOCK,)
     return [
         Entry(t.name, torch.float8_e4m3fn, tuple(t.shape)),
-        Entry(scale_name(t.name), torch.uint8, scale_shape),
+        Entry(t.scale, torch.uint8, scale_shape),
     ]
 
 
@@ -119,7 +119,12 @@ def make_plan(
     converter = converters.for_config(source.raw_config, str(source.path / "config.json"))
     config = converter.resolve_config(source.raw_config)
     if layout == "hf":
-        converter.check_hf_source(source.raw_config, str(source.path / "config.json"))
+        if converter.hf_layout is None:
+            raise ConvertError(
+                f"{source.path / 'config.json'}: --layout hf: porter has no hf layout for architecture "
+                f"{converter.ARCHITECTURE!r}; use --layout porter"
+            )
+        converter.hf_layout.check_hf_source(source.raw_config, str(source.path / "config.json"))
     tensors = converter.plan_tensors(config, source.meta, quantize, gate_up, layout)
     for t in tensors:  # e.g. F8_E8M0 scale bytes in a source whose config declares no quantization
         if not t.quantize and t.dtype not in DTYPE_NAMES:

@@ -1,7 +1,7 @@
 """`porter verify`: prove a porter MXFP8 artifact faithful to the checkpoint it came from, or say where not.
 
-    porter verify out/m3-mxfp8                       # reference = the source named in porter.json
-    porter verify out/m3-mxfp8 --reference DIR|REPO --prompt "..." --report r.json --plot r.svg
+    porter verify out/model-mxfp8                       # reference = the source named in porter.json
+    porter verify out/model-mxfp8 --reference DIR|REPO --prompt "..." --report r.json --plot r.svg
 
 Steps (one module each; what each proves and what it does not: docs/verify.md):
 1. integrity.py — the files are what porter.json says (chunked digests, headers, index, scales, config).
@@ -300,7 +300,7 @@ def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype
 
 
 def _layer_row(rep: Report, cfg, i: int, s) -> LayerRow:
-    kind = f"{'sparse' if cfg.is_sparse_attention(i) else 'full'}/{'moe' if cfg.is_moe(i) else 'dense'}"
+    kind = cfg.layer_kind(i)
     mine = [t for t in rep.exact.tensors if t.layer == i and t.quantized]
     worst = max(mine, key=lambda t: t.weight_error) if mine else None
     if worst is None:

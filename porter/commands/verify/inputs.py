@@ -75,7 +75,7 @@ def reference_path(man: dict, reference, token: Optional[str] = None, cache_dir=
                 "was converted from"
             )
         if not (p / "config.json").exists():
-            raise VerifyInputError(f"{p}: --reference has no config.json; not a MiniMax-M3 checkpoint dir")
+            raise VerifyInputError(f"{p}: --reference has no config.json; not a checkpoint dir")
         return p
     if str(reference).count("/") == 1 and not str(reference).startswith((".", "/", "~")):
         return _from_hub(str(reference), None, token, cache_dir)

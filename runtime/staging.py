@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from porter.cores import available_cores
 from porter.errors import LoadError, PorterError
-from porter.format.safetensors_io import pread_into, tensor_digest
+from porter.format.safetensors_io import ST_DTYPES, parse_header, pread_into, tensor_digest
 
 log = logging.getLogger("porter.runtime")
 
@@ -239,6 +239,18 @@ class Staging:
                 raise LoadError(f"{self._tensors[name].span.path}: loading stopped before {name!r} was read")
             self._taken.add(name)
             return self._ready.pop(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor `name` on its device (waits for it), kept for further get()s until close()."""
+        if name not in self._tensors:
+            raise KeyError(f"{name!r} is not staged")
+        with self._cond:
+            while name not in self._ready and self._error is None and not self._stop:
+                self._cond.wait()
+            self._raise()
+            if name not in self._ready:
+                raise LoadError(f"{self._tensors[name].span.path}: reading stopped before {name!r} was read")
+            return self._ready[name]
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors and name not in self._taken
@@ -442,6 +454,30 @@ class Staging:
             if fd is None:
                 fd = self._fds[path] = os.open(path, os.O_RDONLY)
             return fd
+
+
+def file_spans(files: dict, device: torch.device) -> list:
+    """Spans of tensors in safetensors files: {tensor name: file} -> each onto `device` (each file's header
+    parsed once; no digest)."""
+    headers, out = {}, []
+    for name, f in files.items():
+        if f not in headers:
+            headers[f] = parse_header(f)
+        start, header = headers[f]
+        info = header[name]
+        begin, end = info["data_offsets"]
+        out.append(
+            Span(
+                name,
+                Path(f),
+                start + begin,
+                end - begin,
+                ST_DTYPES[info["dtype"]],
+                tuple(info["shape"]),
+                device,
+            )
+        )
+    return out
 
 
 class _Stopped(Exception):

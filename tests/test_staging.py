@@ -295,3 +295,56 @@ def test_layer_streaming_names_a_changed_layer(artifact, tmp_path):
     with pytest.raises(LoadError, match=repr(name)):
         model(torch.tensor([[5, 9, 13]]))
     model.layers.release()
+
+
+@pytest.mark.parametrize("tamper", [False, True])
+def test_exact_pass_reading_layers_ahead_equals_reading_the_mapped_shards(
+    tiny_vendor, tmp_path, monkeypatch, tamper
+):
+    """verify's exact pass with each layer's source and artifact tensors staged ahead (what it does on a
+    GPU; here onto the CPU) reports what it reports reading the mapped shards, tampering found the same."""
+    from verify_tamper import copy_artifact, rewrite_tensor, shift_scales
+
+    from porter.commands.verify import exact
+    from porter.commands.verify.mapping import ArtifactReader, Mapping, SourceShards
+
+    art = tmp_path / "art"
+    porter.convert(tiny_vendor, art, progress=False)
+    if tamper:
+        art = copy_artifact(art, tmp_path / "t")
+        rewrite_tensor(
+            art, "model.layers.2.block_sparse_moe.experts.w13_weight_scale", shift_scales(+1, expert=3)
+        )
+    man = json.loads((art / "porter.json").read_text())
+
+    def run():
+        reader, shards = ArtifactReader(art, man), SourceShards(tiny_vendor)
+        res = exact.rederive(reader, Mapping(shards), man["options"]["scale_rounding"], CPU)
+        return res, reader, shards
+
+    plain, _, _ = run()
+    staged = []
+    real = exact._ReadAhead._stage
+    monkeypatch.setattr(exact, "_reads_ahead", lambda device: True)
+    monkeypatch.setattr(exact._ReadAhead, "_stage", lambda self, g: staged.append(g) or real(self, g))
+    ahead, reader, shards = run()
+    assert staged == list(range(len(staged))) and len(staged) > 4  # every group, in order
+    assert reader.stagings == [] and shards.stagings == []  # each layer left the device after its turn
+    assert ahead.passed == plain.passed == (not tamper)
+    for a, b in zip(plain.tensors, ahead.tensors):
+        assert (
+            a.tensor,
+            a.blocks,
+            a.mismatched,
+            a.scale_mismatched,
+            a.mismatched_by_expert,
+            a.first_mismatch,
+        ) == (
+            b.tensor,
+            b.blocks,
+            b.mismatched,
+            b.scale_mismatched,
+            b.mismatched_by_expert,
+            b.first_mismatch,
+        )
+        assert a.weight_error == b.weight_error

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import converters
 from porter.errors import LoadError, PorterError
-from porter.format import manifest
+from porter.format import journal, manifest
 from porter.format.digest import CHUNK_HASHES
 from porter.format.layout import layer_of
 from porter.format.safe_files import inside, read_json_object, regular_file
@@ -76,10 +76,10 @@ class ArtifactStore:
         self._check_shards(index)
         # hf layout (vendor names, per-expert tensors): canonical name -> hf name, or per expert the hf
         # row parts that stack to [E, N, K] when the model touches them (the converter's hf_canonical_map)
-        options = self.manifest.get("options")
-        if options is not None and not isinstance(options, dict):
-            raise LoadError(f"{path / manifest.MANIFEST}: 'options' must be a JSON object; reconvert")
-        hf = (options or {}).get("layout") == "hf"
+        try:
+            hf = manifest.read_options(self.manifest, str(path / manifest.MANIFEST)).layout == "hf"
+        except PorterError as e:
+            raise LoadError(str(e)) from None
         if hf and self.converter.hf_layout is None:
             raise LoadError(
                 f"{path}: porter.json says layout hf, which {self.converter.ARCHITECTURE} has not"
@@ -320,6 +320,9 @@ def open_store(path) -> ArtifactStore | SourceStore:
     path = Path(path).expanduser()
     if not path.is_dir():
         raise LoadError(f"{path}: not a directory (give a porter artifact or a checkpoint folder)")
+    unfinished = journal.interrupted(path)  # a porter output whose conversion did not finish
+    if unfinished is not None:
+        raise LoadError(str(unfinished))
     if manifest.is_artifact(path):
         return ArtifactStore(path)
     if (path / "config.json").exists() or (path / "config.json").is_symlink():

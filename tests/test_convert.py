@@ -440,12 +440,12 @@ def test_builder_copies_is_found_from_the_builders_themselves(tiny_vendor, tiny_
     """builder_copies: the vendor layout's w1 / w3 reads and an uninterleaved fused gate_up slice are handed on
     as read (no copy); uninterleaving a fused gate_up makes a new tensor, which the estimate then counts on
     top of the slab (src bytes of the unit)."""
-    from porter.commands.convert import make_plan
+    from porter.commands.convert import ConvertOptions, make_plan
     from porter.engine.units import builder_copies, quant_sizes, unit_costs
     from porter.source import open_source
 
     for src in (tiny_vendor, tiny_transformers):
-        plan = make_plan(open_source(src), max_shard_size="300KB", gate_up=gate_up)
+        plan = make_plan(open_source(src), ConvertOptions(max_shard_size="300KB", gate_up=gate_up))
         meta = plan.source.stored_meta
         w13 = next(t for t in plan.tensors if t.name.endswith("w13_weight"))
         w2 = next(t for t in plan.tensors if t.name.endswith("w2_weight"))
@@ -692,7 +692,10 @@ def test_sha256_digests_same_bytes_and_verified(tiny_vendor, converted, tmp_path
         cli,
         ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", "300KB", "--resume", "-q"],
     )  # default digest: another conversion than the one there
-    assert res.exit_code == 2 and "different options" in res.output, res.output
+    assert (
+        res.exit_code == 2
+        and "--resume with --digest xxh3-128, but this output was made with --digest sha256" in res.output
+    ), res.output
     res = CliRunner().invoke(
         cli,
         [
@@ -775,10 +778,10 @@ def test_max_memory_caps_the_workers_or_refuses_in_one_line(tiny_vendor, tmp_pat
     import logging
 
     from porter import engine
-    from porter.commands.convert import make_plan
+    from porter.commands.convert import ConvertOptions, make_plan
     from porter.source import open_source
 
-    plan = make_plan(open_source(tiny_vendor), max_shard_size="300KB")
+    plan = make_plan(open_source(tiny_vendor), ConvertOptions(max_shard_size="300KB"))
     cpu = torch.device("cpu")
     need = {
         w: (lambda e: e["base"] + e["readback"] + e["unit"] + e["scales"])(
@@ -827,11 +830,11 @@ def test_unit_costs_count_the_quantizer_that_runs_and_copies_once(tiny_vendor, m
     C quantizer, 16 with the torch path (no C quantizer, or a source the C loop does not take);
     on the GPU path the same call's memory with its results (a part quantized on the CPU while the CUDA
     context starts); a copied range costs nothing beyond the worker's read slab it lives in."""
-    from porter.commands.convert import make_plan
+    from porter.commands.convert import ConvertOptions, make_plan
     from porter.format import mxfp8_native
     from porter.source import open_source
 
-    plan = make_plan(open_source(tiny_vendor), max_shard_size="300KB")
+    plan = make_plan(open_source(tiny_vendor), ConvertOptions(max_shard_size="300KB"))
     from porter.engine.units import make_units, quant_sizes, unit_costs
 
     meta, cpu = plan.source.stored_meta, torch.device("cpu")

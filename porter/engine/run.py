@@ -67,7 +67,7 @@ class Pipeline:
         progress=None,
     ):
         self.plan, self.workers, self.device, self.progress = plan, workers, device, progress
-        self.rounding = plan.options["scale_rounding"]
+        self.rounding = plan.options.scale_rounding
         self.quant_sizes = quant_sizes(workers)
         self.reader = TensorReader(plan.source.spans)
         self.writer = ShardWriter(plan, out, done, stats, on_shard_done)

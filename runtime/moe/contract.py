@@ -11,6 +11,8 @@ Canonical tensors (what `porter convert` writes; docs/moe-backends.md, docs/arti
   w13_weight_scale  [E, 2I, H/32] uint8 UE8M0 (row r <-> weight row r)
   w2_weight         [E, H, I]  float8_e4m3fn
   w2_weight_scale   [E, H, I/32] uint8
+  w13_bias          [E, 2I] float32 or None (expert biases): added to GEMM1's [gate; up] output before SwiGLU-OAI
+  w2_bias           [E, H] float32 or None: added to GEMM2's output before the routing weight multiplies it
 With `--quantize none` the weights are bf16/fp32 and both scales are None (torch backend only).
 Backend-specific layouts (TRT-LLM's [up; gate] + shuffles, ...) are made inside that backend at load.
 """
@@ -38,6 +40,11 @@ class MoeQuantInfo:
     gemm1_alpha: torch.Tensor
     gemm1_beta: torch.Tensor
     gemm1_clamp_limit: torch.Tensor
+    # Optional per-expert biases, fp32 on the layer's device: fp32 is what FlashInfer's TRT-LLM
+    # MoE takes (gemm1_bias / gemm2_bias), holds the release's bf16 values exactly, and is what the kernels'
+    # fp32 epilogues add. w13_bias rows follow w13's [gate; up] order.
+    w13_bias: Optional[torch.Tensor] = None  # [E, 2I], added before the activation
+    w2_bias: Optional[torch.Tensor] = None  # [E, H], added before the routing weight (so it is scaled by it)
 
     @property
     def num_experts(self) -> int:
@@ -72,6 +79,15 @@ class MoeQuantInfo:
                 raise ValueError(
                     f"MoeQuantInfo.{name} is on {getattr(self, name).device}, "
                     f"weights on {self.w13_weight.device}"
+                )
+        for name, shape in (("w13_bias", (e, two_i)), ("w2_bias", (e, h))):
+            bias = getattr(self, name)
+            if bias is None:
+                continue
+            _expect(bias, shape, name, torch.float32)
+            if bias.device != self.w13_weight.device:
+                raise ValueError(
+                    f"MoeQuantInfo.{name} is on {bias.device}, weights on {self.w13_weight.device}"
                 )
 
 

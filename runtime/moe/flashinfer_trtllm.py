@@ -7,7 +7,8 @@ lazily, inside functions, so that importing this module (or running the CPU/Hopp
 Load time (`TrtllmMoE.__init__`, pure functions `prepare_w13` / `prepare_w2`), per expert:
   w13 [gate; up] -> [up; gate] (gemm1's row order) -> gated-act row interleave -> shuffle_matrix_a rows
   (tile 128); w13 scales: the same row permutation, then the 128x4 swizzle;
-  w2 and its scales: the shuffle_matrix_a row permutation; scales then 128x4-swizzled.
+  w2 and its scales: the shuffle_matrix_a row permutation; scales then 128x4-swizzled;
+  expert biases (fp32, optional): the same row permutations as their weights (`prepare_biases`).
 All row work is one gather with an index composed from flashinfer's own pure-torch index functions.
 flashinfer's swizzle (`block_scale_interleave`) only accepts CUDA tensors, so `swizzle_scales_128x4`
 is a torch equivalent that runs on any device (tests prove it byte-equal to flashinfer's formula).
@@ -19,6 +20,12 @@ runtime.moe.contract.RoutingMethod: `routing_method_type`) or `trtllm_fp8_block_
 
 SwiGLU: the per-expert gemm1_alpha / gemm1_beta / gemm1_clamp_limit of the contract; an infinite limit (plain
 SwiGLU, no clamp) is passed as None, the kernel's "no clamp".
+
+Expert biases: `trtllm_fp8_block_scale_moe(gemm1_bias=, gemm2_bias=)` (keyword-only, fp32 [E, 2I] / [E, H] "in
+the same row layout as" the weights): GEMM1's is added before the gated activation, GEMM2's in GEMM2's run, before
+finalize weights each expert's output (csrc/trtllm_fused_moe_runner.cu). The routed entry point has no such
+parameters in 0.7.2.post1 (core.py passes None: "routed FP8 uses gemm1_lora_delta for MN bias"), so
+`forward_topk` refuses a layer with biases rather than drop them.
 
 routed_scaling_factor (applied exactly once):
   logits path  -> the kernel applies it (e.g. MiniMax2 weights = s / (sum s + 1e-20) * rsf); the output is
@@ -52,6 +59,7 @@ EPILOGUE_TILE_M = 128  # MXFP8 uses 128 (flashinfer/fused_moe/prepare.py, vLLM, 
 SF_ROW_TILE = 128  # 128x4 swizzle: 128 rows x 4 scale columns per 512-byte tile
 SF_COL_TILE = 4
 SWIGLU_PARAMS = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
+BIAS_PARAMS = ("gemm1_bias", "gemm2_bias")
 KERNEL_ARCHS = ", ".join(f"SM{a}{b}" for a, b in TRTLLM_CAPABILITIES)
 # contract routing -> FlashInfer RoutingMethodType member (flashinfer/fused_moe/core.py; docs/moe-backends.md)
 ROUTING_METHODS = {
@@ -157,6 +165,17 @@ def prepare_w2(w2: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
     return _gather_rows(w2, rows), swizzle_scales_128x4(_gather_rows(scale, rows))
 
 
+def prepare_biases(w13_bias, w2_bias) -> tuple:
+    """Canonical fp32 biases ([E, 2I] [gate; up], [E, H], or None) -> the kernel's gemm1_bias / gemm2_bias:
+    the rows of their weights in the same order (w13_row_permutation, w2_row_permutation), contiguous fp32."""
+    gemm1 = gemm2 = None
+    if w13_bias is not None:
+        gemm1 = w13_bias.float().index_select(1, w13_row_permutation(w13_bias.shape[1]).to(w13_bias.device))
+    if w2_bias is not None:
+        gemm2 = w2_bias.float().index_select(1, w2_row_permutation(w2_bias.shape[1]).to(w2_bias.device))
+    return gemm1, gemm2
+
+
 # ---------------------------------------------------------------------------------------------------
 # Call-time helpers (pure functions)
 # ---------------------------------------------------------------------------------------------------
@@ -254,12 +273,15 @@ def build_moe_kwargs(
     routed_scaling_factor,
     swiglu,
     method: RoutingMethod = SIGMOID_BIAS_TOPK,
+    gemm1_bias=None,
+    gemm2_bias=None,
 ) -> dict:
     """All-keyword arguments of trtllm_fp8_block_scale_moe (logits path, routing in the kernel).
 
     router_logits fp32 [T, E]; routing_bias = e_score_correction_bias [E] (selection only) or None;
     swiglu = {"gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"} fp32 [E]; method: the contract's routing
-    (routing_method_type). The kernel applies rsf."""
+    (routing_method_type). The kernel applies rsf. gemm1_bias / gemm2_bias: prepare_biases' fp32 tensors,
+    passed only when the layer has biases."""
     kwargs = _common_kwargs(
         gemm1_weights,
         gemm1_weights_scale,
@@ -279,6 +301,8 @@ def build_moe_kwargs(
         routing_bias=None if routing_bias is None else routing_bias.float(),
         routed_scaling_factor=float(routed_scaling_factor),
     )
+    biases = {"gemm1_bias": gemm1_bias, "gemm2_bias": gemm2_bias}
+    kwargs.update({name: b for name, b in biases.items() if b is not None})
     return kwargs
 
 
@@ -346,8 +370,9 @@ def _need(what: str) -> str:
     )
 
 
-def check_flashinfer_api() -> None:
-    """The installed flashinfer must have MxFp8, MiniMax2 and the per-expert SwiGLU-OAI parameters."""
+def check_flashinfer_api(with_biases: bool = False) -> None:
+    """The installed flashinfer must have MxFp8, MiniMax2 and the per-expert SwiGLU-OAI parameters (and, for
+    a layer with expert biases, the logits path's gemm1_bias / gemm2_bias)."""
     import inspect
 
     import flashinfer
@@ -366,6 +391,8 @@ def check_flashinfer_api() -> None:
     for fn in (trtllm_fp8_block_scale_moe, trtllm_fp8_block_scale_routed_moe):
         params = inspect.signature(fn).parameters  # gemm1_alpha/beta/clamp_limit arrived in v0.6.13
         missing += [f"{fn.__name__}({p}=)" for p in SWIGLU_PARAMS if p not in params]
+    params = inspect.signature(trtllm_fp8_block_scale_moe).parameters  # keyword-only since 0.7.2.post1
+    missing += [f"trtllm_fp8_block_scale_moe({p}=)" for p in BIAS_PARAMS if p not in params and with_biases]
     if missing:
         raise BackendUnavailable(
             _need(
@@ -386,7 +413,7 @@ class TrtllmMoE:
     name = "flashinfer-trtllm"
 
     @classmethod
-    def check_supported(cls, device) -> None:
+    def check_supported(cls, device, with_biases: bool = False) -> None:
         """Raise BackendUnavailable (one line: the device's capability and what is needed) unless the
         kernel can run here. Checked before any flashinfer import or kernel launch."""
         device = torch.device(device)
@@ -403,7 +430,7 @@ class TrtllmMoE:
             raise BackendUnavailable(
                 _need(f"device {device} is SM{major}{minor} but flashinfer-python is not installed")
             )
-        check_flashinfer_api()
+        check_flashinfer_api(with_biases)
 
     def __init__(self, quant: MoeQuantInfo, routing: MoeRouting):
         quant.validate()
@@ -417,8 +444,13 @@ class TrtllmMoE:
         self.gemm2_weights, self.gemm2_weights_scale = prepare_w2(quant.w2_weight, quant.w2_weight_scale)
         self.swiglu = {name: getattr(quant, name) for name in SWIGLU_PARAMS}  # fp32 [E], layer device
         routing_method_name(routing.method, routing.e_score_correction_bias is not None)  # refused at load
+        self.gemm1_bias, self.gemm2_bias = prepare_biases(quant.w13_bias, quant.w2_bias)  # or None
         self.routing = routing
         self.num_experts = quant.num_experts
+
+    @property
+    def has_biases(self) -> bool:
+        return self.gemm1_bias is not None or self.gemm2_bias is not None
 
     def _weights(self) -> dict:
         return dict(
@@ -443,11 +475,19 @@ class TrtllmMoE:
             hidden_sf=hidden_sf,
             top_k=self.routing.top_k,
             method=self.routing.method,
+            gemm1_bias=self.gemm1_bias,
+            gemm2_bias=self.gemm2_bias,
             **self._weights(),
         )
 
     def routed_kernel_kwargs(self, hidden, topk_ids, topk_weights) -> dict:
         """The keyword arguments of trtllm_fp8_block_scale_routed_moe for externally computed top-k."""
+        if self.has_biases:
+            raise BackendUnavailable(
+                "flashinfer-trtllm MoE: this layer has expert biases, which flashinfer 0.7.2.post1's routed entry "
+                "point (trtllm_fp8_block_scale_routed_moe) cannot take; call the backend on the hidden states "
+                "(router logits path, gemm1_bias / gemm2_bias) or use backend='triton' or 'torch'"
+            )
         hidden_q, hidden_sf = quantize_activations(hidden)
         return build_routed_moe_kwargs(
             topk_ids=topk_ids,
@@ -461,12 +501,12 @@ class TrtllmMoE:
 
     @staticmethod
     @functools.lru_cache(maxsize=None)
-    def _checked(device: torch.device) -> None:
-        TrtllmMoE.check_supported(device)
+    def _checked(device: torch.device, with_biases: bool = False) -> None:
+        TrtllmMoE.check_supported(device, with_biases)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> routed output [T, H] (rsf applied by the kernel; shared expert not included)."""
-        self._checked(hidden.device)
+        self._checked(hidden.device, self.has_biases)
         if hidden.shape[0] == 0:
             return torch.zeros_like(hidden)
         from flashinfer.fused_moe import trtllm_fp8_block_scale_moe

@@ -309,7 +309,7 @@ def _check_config(art: Path, man: dict, ref_config) -> list[Failure]:
         for k, v in facts.items()
         if not _same(_values(man.get(k)), _values(v))
     ]
-    qc, scope = raw.get("quantization_config") or {}, man.get("options", {}).get("quantize")
+    qc, scope = raw.get("quantization_config") or {}, manifest.read_options(man).quantize
     if scope and qc.get("scope") not in (None, scope):
         out.append(
             Failure(

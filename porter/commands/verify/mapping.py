@@ -39,7 +39,7 @@ from safetensors import safe_open
 import converters
 from converters.base import Rule
 from porter.errors import PorterError, VerifyInputError
-from porter.format import mxfp8
+from porter.format import manifest, mxfp8
 from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import ST_DTYPES, nbytes
 from porter.source.local import read_header, weight_files
@@ -302,7 +302,7 @@ class ArtifactReader:
     LAYOUTS = ("porter", "hf")
 
     def __init__(self, art: Path, man: dict, rules=None):
-        self.layout = man.get("options", {}).get("layout", "porter")
+        self.layout = manifest.read_options(man).layout
         if self.layout not in self.LAYOUTS:
             raise VerifyInputError(
                 f"{art}: artifact layout {self.layout!r} (porter.json options.layout) cannot be "

@@ -348,3 +348,21 @@ def test_exact_pass_reading_layers_ahead_equals_reading_the_mapped_shards(
             b.first_mismatch,
         )
         assert a.weight_error == b.weight_error
+
+
+def test_verify_projects_its_reads_first_and_passes_progress_to_its_loads(
+    artifact, tiny_vendor, monkeypatch, caplog
+):
+    import logging
+
+    seen = []
+    real = runtime.load
+    monkeypatch.setattr(runtime, "load", lambda *a, **kw: seen.append(kw.get("progress")) or real(*a, **kw))
+    with caplog.at_level(logging.INFO, logger="porter"):
+        res = porter.verify(artifact, reference=tiny_vendor, max_new_tokens=0, progress=True)
+    assert res.passed and seen and all(seen)
+    lines = [r.getMessage() for r in caplog.records]
+    first = next(i for i, m in enumerate(lines) if "reads ~" in m and "in all" in m)
+    assert first < next(i for i, m in enumerate(lines) if "exact re-derivation" in m)
+    art_gb = sum(f.stat().st_size for f in artifact.glob("*.safetensors")) / 1e9
+    assert f"artifact {art_gb:.1f} GB" in lines[first]

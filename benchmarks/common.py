@@ -217,7 +217,9 @@ class _PooledRandn:
         return getattr(self._torch, name)
 
 
-def build_checkpoint(out: Path, layers: int, experts: int, vocab: int | None = None, family: str = "m3") -> Path:
+def build_checkpoint(
+    out: Path, layers: int, experts: int, vocab: int | None = None, family: str = "m3"
+) -> Path:
     """A checkpoint at the family's real layer dims with random weights from a shared pool: family "m3" is
     MiniMax-M3's vendor layout (examples/tiny_checkpoint.py), "m2-fp8" / "m2-bf16" MiniMax-M2's FP8-block /
     bf16 vendor layouts (examples/minimax_m2_tiny_checkpoint.py); vocab: the embedding's rows (None: the

@@ -6,7 +6,6 @@ together: pad tokens (`attention_mask` 0) are never written and get position 0 (
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -84,23 +83,14 @@ class LayerCache:
     v: torch.Tensor  # [B, nkv, S_max, d]
     idx_k: Optional[torch.Tensor] = None  # [B, S_max, di] (sparse layers: the indexer's key cache)
 
-    @staticmethod
-    def shapes(cfg, sparse: bool, batch: int, slots: int) -> list:
-        """Shapes of k, v [B, nkv, slots, d] and, on a sparse (indexer) layer, the index keys [B, slots, di]."""
-        kv = (batch, cfg.num_key_value_heads, slots, cfg.head_dim)
-        return [kv, kv] + ([(batch, slots, cfg.index_head_dim)] if sparse else [])
-
     @classmethod
     def empty(cls, cfg, sparse: bool, batch: int, slots: int, dtype, device) -> "LayerCache":
         """Zeroed k/v [B, nkv, slots, d]; sparse (an indexer layer): also the index keys [B, slots, di]."""
+        kv = (batch, cfg.num_key_value_heads, slots, cfg.head_dim)
+        idx = torch.zeros(batch, slots, cfg.index_head_dim, dtype=dtype, device=device) if sparse else None
         return cls(
-            *(torch.zeros(s, dtype=dtype, device=device) for s in cls.shapes(cfg, sparse, batch, slots))
+            torch.zeros(kv, dtype=dtype, device=device), torch.zeros(kv, dtype=dtype, device=device), idx
         )
-
-    @classmethod
-    def nbytes(cls, cfg, sparse: bool, batch: int, slots: int, dtype) -> int:
-        """Bytes `empty` allocates (nothing is allocated)."""
-        return sum(math.prod(s) for s in cls.shapes(cfg, sparse, batch, slots)) * dtype.itemsize
 
     def put(self, name: str, new: torch.Tensor, step: Step) -> None:
         """new [B, T, ...] (k/v: [B, T, nkv, d]; idx_k: [B, T, di]) -> slots step.pos of its rows."""

@@ -366,40 +366,58 @@ def set_config(d: Path, key: str, value) -> None:
     (d / "config.json").write_text(json.dumps(doc))
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@pytest.fixture(scope="module")
+def m2_sources(tmp_path_factory) -> dict:
+    """MiniMax-M2 fixtures: the FP8-block release layout, bf16 under its names, transformers' fused names,
+    and an artifact converted from the release."""
+    from minimax_m2_tiny_checkpoint import build_m2_checkpoint as build_m2
+
+    root = tmp_path_factory.mktemp("m2")
+    out = {layout: build_m2(root / layout, layout=layout) for layout in ("fp8", "vendor", "transformers")}
+    out["artifact"] = root / "art"
+    porter.convert(out["fp8"], out["artifact"], progress=False)
+    return out
+
+
+TARGETS = [
+    "vendor",
+    "transformers",
+    "artifact",
+    "artifact_hf",
+    "m2:fp8",
+    "m2:vendor",
+    "m2:transformers",
+    "m2:artifact",
+]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
-    field=st.sampled_from(
-        [
-            "num_hidden_layers",
-            "vocab_size",
-            "hidden_size",
-            "head_dim",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "index_head_dim",
-            "index_n_heads",
-            "dense_intermediate_size",
-            "shared_intermediate_size",
-            "num_local_experts",
-            "intermediate_size",
-        ]
-    ),
+    pick=st.integers(0, 63),
     change=st.sampled_from([lambda v: 10**9, lambda v: 10**18, lambda v: v + 1, lambda v: 2 * v]),
-    target=st.sampled_from(["vendor", "transformers", "artifact", "artifact_hf"]),
+    target=st.sampled_from(TARGETS),
 )
-def test_config_sizes_are_checked_against_the_files(request, tmp_path_factory, field, change, target):
-    """Any size field changed (absurdly or by one): runtime.load, inspect and convert (sources) or generate
-    (artifacts) refuse in well under a second with one line naming the field, its value and what the files
-    hold, before anything is planned, allocated or written."""
+def test_config_sizes_are_checked_against_the_files(request, tmp_path_factory, pick, change, target):
+    """Any size field of either family changed (absurdly or by one), in every source and output layout:
+    runtime.load, inspect and convert (sources) or generate (artifacts) refuse in well under a second with
+    one line naming the field, its value and what the files hold, before anything is planned, allocated or
+    written. (A field the files may hold more of, such as M2's MTP module count, bounds nothing and is not
+    changed.)"""
     import converters
 
-    src = request.getfixturevalue(
-        {"vendor": "tiny_vendor", "transformers": "tiny_transformers"}.get(target, target)
-    )
+    if target.startswith("m2:"):
+        src = request.getfixturevalue("m2_sources")[target[3:]]
+    else:
+        src = request.getfixturevalue(
+            {"vendor": "tiny_vendor", "transformers": "tiny_transformers"}.get(target, target)
+        )
     root = tmp_path_factory.mktemp("sz")
     d = copy(src, root)
     raw = json.loads((d / "config.json").read_text())
-    value, key = converters.for_config(raw).config_sizes(raw)[field]
+    conv = converters.for_config(raw)
+    extras = {r.extra for r in conv.SIZE_RULES if getattr(r, "extra", "")}
+    fields = sorted(f for f in conv.config_sizes(raw) if f not in extras)
+    value, key = conv.config_sizes(raw)[fields[pick % len(fields)]]
     set_config(d, key, change(value))
     t0 = time.monotonic()
     msg = load_error(d)
@@ -409,11 +427,12 @@ def test_config_sizes_are_checked_against_the_files(request, tmp_path_factory, f
         and repr(key) in msg
         and "this config.json does not describe these weights" in msg
     ), msg
+    artifact = "artifact" in target
     commands = [["inspect", d]]
     commands.append(
-        ["convert", d, "--output", root / "o"]
-        if target in ("vendor", "transformers")
-        else ["generate", d, "--prompt", "hi", "--max-new-tokens", "1"]
+        ["generate", d, "--prompt", "hi", "--max-new-tokens", "1"]
+        if artifact
+        else ["convert", d, "--output", root / "o"]
     )
     for args in commands:
         code, out = cli(*args)

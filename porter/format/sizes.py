@@ -37,12 +37,15 @@ class Count:
     """`field` equals the number of distinct values the pattern's last group takes among the canonical
     names: the layers the files hold, say. With two groups the count is taken per value of the first (the
     experts of each layer: `per` names what the first group is), and every count must agree; a first
-    group that never matches constrains nothing. `what` names the counted thing."""
+    group that never matches constrains nothing. `what` names the counted thing. `extra`: a field whose
+    value the files may hold beyond it (blocks numbered after the counted ones, such as the
+    multi-token-prediction layers a checkpoint may carry after its decoder layers)."""
 
     field: str
     pattern: str
     what: str
     per: str = ""
+    extra: str = ""
 
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")
@@ -94,13 +97,16 @@ def _check_dim(rule: Dim, sizes: dict, members: list, where: str) -> None:
 
 def _check_count(rule: Count, pattern, sizes: dict, members: list, where: str) -> None:
     value, said = _fields((rule.field,), sizes)
+    extra = sizes[rule.extra][0] if rule.extra else 0
+    if rule.extra:
+        said += f" (+ up to {sizes[rule.extra][1]!r} = {extra:,} more)"
     seen: dict = {}  # first group (None with one group) -> the distinct values of the last group
     for canon, _, _ in members:
         m = pattern.fullmatch(canon)
         outer = m.group(1) if pattern.groups > 1 else None
         seen.setdefault(outer, set()).add(m.group(pattern.groups))
     for outer, found in sorted(seen.items(), key=lambda kv: int(kv[0]) if kv[0] and kv[0].isdigit() else -1):
-        if len(found) != value:
+        if not value <= len(found) <= value + extra:
             scope = f" in {rule.per} {outer}" if outer is not None else ""
             raise ConfigError(
                 f"{where}: {said} = {value:,}, but the files hold {len(found):,} {rule.what}{scope}; "

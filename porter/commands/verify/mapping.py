@@ -122,6 +122,14 @@ PER_EXPERT = re.compile(
 STACKED = re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.(w13|w2)_weight")
 
 
+def stacked_name(name: str) -> str:
+    """A per-expert canonical name (hf layout) -> the stacked tensor it is a part of; any other name as is."""
+    m = PER_EXPERT.fullmatch(name)
+    if m is None:
+        return name
+    return f"model.layers.{m['L']}.block_sparse_moe.experts.{'w2' if m['w'] == '2' else 'w13'}_weight"
+
+
 class SourceShards:
     """A checkpoint's safetensors shards, read by the tensors' own names (no renaming, no plan).
 
@@ -371,9 +379,7 @@ class ArtifactReader:
             if m is None:
                 out[c] = self.experts(n)
                 continue
-            stacked = (
-                f"model.layers.{m['L']}.block_sparse_moe.experts.{'w2' if m['w'] == '2' else 'w13'}_weight"
-            )
+            stacked = stacked_name(c)
             out[stacked] = max(out.get(stacked) or 0, int(m["E"]) + 1)
         return out
 
@@ -411,6 +417,10 @@ class ReferenceStore:
 
     def names(self) -> set:
         return set(self._derivations)
+
+    def derivation(self, name: str) -> Derivation:
+        """How tensor `name` is derived from the source (the rounded reference re-quantizes through it)."""
+        return self._derivations[name]
 
     def get(self, name: str) -> torch.Tensor:
         d = self._derivations[name]

@@ -206,3 +206,53 @@ def test_real_dims_faithful_passes_and_bugs_fail(real, tmp_path, monkeypatch):
             planted = plant(real, tmp_path / str(k), mp, bugs, fp32_inside)
             res, rep = cli(planted, tmp_path / f"r{k}.json", "--dtype", "bfloat16")
         assert_caught(res, rep, bugs, "bfloat16")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The table of docs/verify.md ("Faithfulness: the limit"): python tests/test_verify_depth.py [--real]
+
+
+def margins(art: Path, root: Path, last: int) -> dict:
+    """faith_error / faith_limit: the worst layer of a faithful run, and the planted layer of each bug alone
+    (in `last`), in float32 and in bfloat16 with the other rounding order."""
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        hooks = [fp32_inside] if dtype == "bfloat16" else []
+        for bug in (None, *BUGS):
+            mp = pytest.MonkeyPatch()
+            work = root / f"{dtype}-{bug}"
+            work.mkdir(parents=True, exist_ok=True)
+            planted = plant(art, work, mp, {last: bug} if bug else {}, *hooks)
+            try:
+                _, rep = cli(planted, work / "r.json", "--dtype", dtype)
+            finally:
+                mp.undo()
+            r = ratios(rep)
+            out[(dtype, bug)] = r[last] if bug else max(r.values())
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+    import tempfile
+
+    import torch
+
+    torch.set_num_threads(1)
+    real_dims = "--real" in sys.argv
+    models = (
+        [("real dims (2 MoE layers)", real_dims_overrides(2, experts=2) | {"moe_layer_freq": [1, 1]}, 2)]
+        if real_dims
+        else [(str(n), synthetic_overrides(n, hidden=64, intermediate=64, experts=4), n) for n in DEPTHS]
+    )
+    print(
+        "| layers | faithful, float32 | faithful, bfloat16, other rounding order | " + " | ".join(BUGS) + " |"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, overrides, n in models:
+            root = Path(tmp) / name.split()[0]
+            m = margins(build(root, n, overrides), root, n - 1)
+            bugs = " | ".join(f"{m[('float32', b)]:.2g} / {m[('bfloat16', b)]:.3g}" for b in BUGS)
+            print(
+                f"| {name} | {m[('float32', None)]:.2g} | {m[('bfloat16', None)]:.3g} | {bugs} |", flush=True
+            )

@@ -158,7 +158,7 @@ def generate(
     chat: bool = False,
     cuda_graph: Optional[bool] = None,
 ):
-    """See MiniMaxM3.generate."""
+    """See the models' generate (runtime/models/)."""
     kind = _prompt_kind(prompt)
     cfg = model.generation_config.with_overrides(
         max_new_tokens=max_new_tokens,

@@ -94,8 +94,7 @@ def test_projection_counts_each_kind_of_layer(caplog):
 
     class Cfg:
         num_hidden_layers = 4
-        is_moe = staticmethod(lambda i: i > 0)
-        is_sparse_attention = staticmethod(lambda i: i > 0)
+        layer_kind = staticmethod(lambda i: "sparse/moe" if i else "full/dense")
 
     p = _Projection(Cfg())
     with caplog.at_level(logging.INFO, logger="porter"):

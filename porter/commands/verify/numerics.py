@@ -131,14 +131,13 @@ def _layer(lr, lc, lrr, h_ref: list, h_conv: list, prompt_lens: list, fmt: torch
 
 
 class _Projection:
-    """Times the first layer of each kind (dense / MoE, sparse / full attention) and logs the projected wall
-    time of the whole pass as soon as a kind is first seen; an unseen kind counts as the slowest seen."""
+    """Times the first layer of each kind (cfg.layer_kind: attention and MLP type) and logs the projected wall
+    time of the whole pass as soon as a kind is first seen; a kind not yet run counts as the slowest seen."""
 
     def __init__(self, cfg):
         self.n = cfg.num_hidden_layers
-        self.kinds = [(cfg.is_moe(i), cfg.is_sparse_attention(i)) for i in range(self.n)]
+        self.kinds = [cfg.layer_kind(i) for i in range(self.n)]
         self.seconds: dict = {}
-        self.start = time.perf_counter()
 
     def done(self, i: int, seconds: float) -> None:
         kind = self.kinds[i]
@@ -151,7 +150,7 @@ class _Projection:
             "verify: layer %d (%s) ran in %.2f s (reads and compute, every model); the teacher-forced pass "
             "projects to ~%.1f s for %d layers%s",
             i,
-            f"{'moe' if kind[0] else 'dense'}, {'sparse' if kind[1] else 'full'} attention",
+            kind,
             seconds,
             total,
             self.n,

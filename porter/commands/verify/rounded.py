@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from porter.commands.verify.mapping import ArtifactReader, ReferenceStore, stacked_name
+from porter.commands.verify.mapping import ArtifactReader, ReferenceStore
 from porter.format import mxfp8
 from porter.format.layout import scale_name
 
@@ -26,7 +26,7 @@ class RoundedReferenceStore:
     `name` -> e4m3 values [.., N, K], `scale_name(name)` -> uint8 scales [.., N, K/32]."""
 
     def __init__(self, ref: ReferenceStore, reader: ArtifactReader, rounding: Optional[str]):
-        self.ref, self.config, self.path = ref, ref.config, ref.path
+        self.ref, self.config, self.path, self.converter = ref, ref.config, ref.path, ref.converter
         self.rounding = rounding or "rceil"
         self.quantized = quantized_canonical(reader) & ref.names()
         self.scales = {scale_name(n): n for n in self.quantized}
@@ -68,4 +68,10 @@ class RoundedReferenceStore:
 
 def quantized_canonical(reader: ArtifactReader) -> set:
     """Canonical names of the artifact tensors stored as MXFP8 (per-expert hf tensors as their stacked name)."""
-    return {stacked_name(reader.canonical(n)) for n in reader.weights() if reader.tensors[n].get("scale")}
+    out = set()
+    for n in reader.weights():
+        if reader.tensors[n].get("scale"):
+            c = reader.canonical(n)
+            found = reader.rules.experts_of(c)
+            out.add(c if found is None else found[0])
+    return out

@@ -274,10 +274,17 @@ def test_plot_panels_with_a_threshold_hold_only_what_it_bounds(passed, failed_pl
 
 def test_fail_plot_shows_what_failed(failed_plot):
     root, rep = failed_plot
-    lines = [t.text for t in root.iter(SVG + "text") if t.get("class") == "failure"]
+    failure = [t for t in root.iter(SVG + "text") if t.get("class") == "failure"]
     messages = [f["message"] for f in rep["failures"]]
-    assert len(messages) > 4 and lines[:4] == messages[:4]
-    assert lines[4] == f"... and {len(messages) - 4} more failure(s) (the JSON report lists them all)"
+    assert len(messages) > 4 and len(failure) == 5
+    for t, m in zip(failure, messages[:4]):  # the message, cut to the width; the whole of it as tooltip
+        shown = "".join(t.itertext())[len(m) :]  # itertext: the tooltip first, then the line
+        assert t.find(SVG + "title").text == m and (
+            shown == m or (shown.endswith("…") and m.startswith(shown[:-1]))
+        )
+        assert len(shown) <= 160
+    more = failure[4].find(SVG + "title").text
+    assert more == f"... and {len(messages) - 4} more failure(s) (the JSON report lists them all)"
     verdict = next(t for t in root.iter(SVG + "text") if t.get("class") == "verdict")
     assert "FAIL (first failing layer 2)" in verdict.text and verdict.get("fill") == "#d62728"
     panels = _panels(root)

@@ -153,6 +153,7 @@ def verify(
             ReferenceStore(mapping, reader, inp.ref_config),
             reader,
             inp.options.scale_rounding,
+            inp.device,
         ),
         backend,
         streaming,

@@ -25,6 +25,7 @@ RED = "#d62728"
 SERVING_DASH = "2,3"  # the serving run's series: dotted
 THRESHOLD_DASH = "6,4"
 SHOWN_FAILURES = 4  # failure lines under the title before "... and N more"
+FAILURE_CHARS = 160  # a failure line's characters that fit the picture's width (11 px sans-serif)
 
 
 @dataclass
@@ -250,9 +251,9 @@ def _panel_svg(p: Panel, x0: float, y0: float, w: float, h: float, layers: list,
         f'<text class="zero-axis" x="{x0 - 4}" y="{ax.zero_y + 3:.1f}" text-anchor="end" '
         f'font-size="{FONT}">0 (exact)</text>'
     )
-    step = max(1, n // 15)
+    step = max(1, math.ceil(n / max(1, w // 26)))  # a label per ~26 px at most
     for i, layer in enumerate(layers):
-        if i % step == 0 or i == n - 1:
+        if i % step == 0 or (i == n - 1 and i % step > step // 2):  # the last one when it has room
             out.append(
                 f'<text x="{px(i):.1f}" y="{y0 + h + 12}" text-anchor="middle" font-size="{FONT}">{layer}</text>'
             )
@@ -347,9 +348,11 @@ def svg(rep: dict) -> str:
         + (f" (first failing layer {fail})" if fail is not None else "")
         + f"; {bytes_line(rep)}</text>",
     ]
-    for k, text in enumerate(lines):
+    for k, text in enumerate(lines):  # cut to the picture's width; the whole message in its tooltip
+        shown = text if len(text) <= FAILURE_CHARS else text[: FAILURE_CHARS - 1] + "…"
         parts.append(
-            f'<text class="failure" x="20" y="{42 + 14 * k}" font-size="11" fill="{RED}">{escape(text)}</text>'
+            f'<text class="failure" x="20" y="{42 + 14 * k}" font-size="11" fill="{RED}">'
+            f"<title>{escape(text)}</title>{escape(shown)}</text>"
         )
     ps = panels(rep)
     y1 = top + 48

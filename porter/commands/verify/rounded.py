@@ -23,11 +23,12 @@ from porter.format.layout import scale_name
 
 class RoundedReferenceStore:
     """ReferenceStore's tensors, those the artifact holds as MXFP8 re-quantized as exact.py re-derives them:
-    `name` -> e4m3 values [.., N, K], `scale_name(name)` -> uint8 scales [.., N, K/32]."""
+    `name` -> e4m3 values [.., N, K], `scale_name(name)` -> uint8 scales [.., N, K/32]. device: where the
+    re-quantization runs (a GPU, as exact.py's; the tensors are handed out there)."""
 
-    def __init__(self, ref: ReferenceStore, reader: ArtifactReader, rounding: Optional[str]):
+    def __init__(self, ref: ReferenceStore, reader: ArtifactReader, rounding: Optional[str], device=None):
         self.ref, self.config, self.path, self.converter = ref, ref.config, ref.path, ref.converter
-        self.rounding = rounding or "rceil"
+        self.rounding, self.device = rounding or "rceil", torch.device(device or "cpu")
         self.quantized = quantized_canonical(reader) & ref.names()
         self.scales = {scale_name(n): n for n in self.quantized}
         self._last: tuple = (None, None)  # (name, (q, s)): a weight and its scale are asked for in turn
@@ -52,11 +53,14 @@ class RoundedReferenceStore:
         """(q, scale) of `name`, stacked experts expert by expert: each with its derivation's kept scale
         bytes (an MXFP8 source's own), else the rounding rule — the bytes exact.py compares against."""
         d = self.ref.derivation(name)
+        on = lambda t: None if t is None else t.to(self.device)
+
+        def quantize(e):
+            return mxfp8.quantize(on(d.value(e)), self.rounding, name, keep_scale=on(d.kept(e)))
+
         if d.experts is None:
-            return mxfp8.quantize(d.value(None), self.rounding, name, keep_scale=d.kept(None))
-        parts = [
-            mxfp8.quantize(d.value(e), self.rounding, name, keep_scale=d.kept(e)) for e in range(d.experts)
-        ]
+            return quantize(None)
+        parts = [quantize(e) for e in range(d.experts)]
         return torch.stack([q for q, _ in parts]), torch.stack(
             [s for _, s in parts]
         )  # [E, N, K], [E, N, K/32]

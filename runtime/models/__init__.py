@@ -21,6 +21,7 @@ from porter.errors import LoadError
 # converter ARCHITECTURE -> module under runtime/models/
 MODELS = {
     "minimax_m3": "minimax_m3",
+    "minimax_m2": "minimax_m2",
 }
 MEMBERS = ("Model", "DecoderLayer", "moe_block", "experts_quantized")
 

@@ -131,6 +131,7 @@ def verify(
     inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, token, cache_dir, runs)
     check_outputs_apart(report, plot, inp.art, inp.ref_path)  # never over the artifact or the reference
     rep.max_new_tokens = max_new_tokens
+    _log_projection(inp)
     rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
         return _finish(rep, list(rep.integrity.issues), report, plot, t0)
@@ -163,6 +164,30 @@ def verify(
         device_map,
     )
     return _finish(rep, failures + judge_numerics(rep, rep.thresholds), report, plot, t0)
+
+
+def _log_projection(inp: _Inputs) -> None:
+    """The bytes every step reads and the total time they take at an assumed disk rate, before the first
+    step starts (each step logs its own estimate as it begins)."""
+    from porter.commands.verify.exact import READ_GBPS
+
+    art = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values() if isinstance(r, dict))
+    src = sum(f.stat().st_size for f in inp.ref_path.glob("*.safetensors"))
+    # the numerics read the source twice when something is quantized: the bf16 and the rounded reference
+    twice = any(isinstance(r, dict) and r.get("scale") for r in inp.man.get("tensors", {}).values())
+    total = (
+        3 * art + (3 if twice else 2) * src
+    )  # integrity, exact bytes, numerics; the source in the last two
+    log.info(
+        "verify: reads ~%.1f GB in all (artifact %.1f GB in integrity, exact bytes and numerics; source "
+        "%.1f GB in exact bytes and numerics%s): ~%.1f min at an assumed %g GB/s, compute aside",
+        total / 1e9,
+        art / 1e9,
+        src / 1e9,
+        ", twice there: the bf16 and the rounded reference" if twice else "",
+        total / (READ_GBPS * 1e9) / 60,
+        READ_GBPS,
+    )
 
 
 def _open(
@@ -257,17 +282,25 @@ def _numerics(
             lazy=lazy,
             moe_numerics=moe_numerics,
             moe_fp8_prefill=False,
+            progress=progress,
         )
         shared = None if plan.stream or plan.device_map else load(False)  # one resident model for both
         if k == 0:
-            conts = _generate(shared, inp, plan, ids, run.backend, dtype, moe_numerics)
+            conts = _generate(shared, inp, plan, ids, run.backend, dtype, moe_numerics, progress)
             rep.streaming = StreamingInfo(
                 plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation
             )
             seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
         conv = shared if shared is not None else load(plan.stream)
         rep.dtype = dtype_name(conv.dtype)
-        ref = runtime.load(ref_store, device=inp.device, dtype=conv.dtype, backend="auto", lazy=plan.stream)
+        ref = runtime.load(
+            ref_store,
+            device=inp.device,
+            dtype=conv.dtype,
+            backend="auto",
+            lazy=plan.stream,
+            progress=progress,
+        )
         rref = None
         if rounded:
             rref = runtime.load(
@@ -277,6 +310,7 @@ def _numerics(
                 backend="torch",
                 lazy=plan.stream,
                 moe_numerics=moe_numerics,
+                progress=progress,
             )
         res = compare_models(ref, conv, seqs, rep.prompt_tokens, progress, rounded=rref)
         run.embeddings, run.logits, run.faithfulness = res.embeddings, res.logits, res.faithfulness
@@ -291,7 +325,9 @@ def _numerics(
         gc.collect()
 
 
-def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype, moe_numerics=None) -> list:
+def _generate(
+    shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype, moe_numerics=None, progress=False
+) -> list:
     """Continuations of the converted model (empty lists when generation is skipped). Uses `shared` (the
     resident model of the teacher-forced pass) when there is one, else a model of its own, freed after."""
     if not plan.new_tokens:
@@ -308,6 +344,7 @@ def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype
             device_map=plan.device_map,
             moe_numerics=moe_numerics,
             moe_fp8_prefill=False,
+            progress=progress,
         )
     else:  # resident on the device while the pass streams, or layer-streamed when asked for
         model = runtime.load(
@@ -318,6 +355,7 @@ def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype
             lazy=plan.generation == "streaming",
             moe_numerics=moe_numerics,
             moe_fp8_prefill=False,
+            progress=progress,
         )
     eos = model.cfg.eos_token_id if isinstance(model.cfg.eos_token_id, int) else None
     out = gen.greedy_all(model, ids, plan.new_tokens, eos)

@@ -1,6 +1,7 @@
 """The docs name only switches that exist: every `PORTER_*` environment name and every `--flag` in README.md,
 docs/ and benchmarks/README.md is read by porter's code, is an option of a porter command (click) or of a
-script in benchmarks/ or examples/ (argparse), or is one of the few flags of other tools the docs quote."""
+script in benchmarks/, examples/ or tests/ (argparse), or is one of the few flags of other tools the docs
+quote."""
 
 import re
 from pathlib import Path
@@ -52,9 +53,11 @@ def cli_flags() -> set:
 
 def script_flags() -> set:
     found = set()
-    for folder in ("benchmarks", "examples"):
+    for folder in ("benchmarks", "examples", "tests"):  # scripts run with python (e.g. test_verify_depth.py)
         for p in (ROOT / folder).glob("*.py"):
-            found.update(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", p.read_text()))
+            text = p.read_text()
+            found.update(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", text))
+            found.update(re.findall(r"\"(--[a-z0-9-]+)\" in sys\.argv", text))  # a script's bare switch
     return found
 
 

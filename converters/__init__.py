@@ -26,6 +26,7 @@ MODEL_TYPES = {
     "minimax_m3_vl": "minimax_m3",
     "minimax_m3_vl_text": "minimax_m3",
     "minimax_m3": "minimax_m3",
+    "gpt_oss": "gpt_oss",  # OpenAI gpt-oss (20b, 120b): the MXFP4 release and transformers' bf16 layout
 }
 
 

@@ -21,7 +21,7 @@ from porter.cli import main as cli
 from porter.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-SUPPORTED = "minimax_m3, minimax_m3_vl, minimax_m3_vl_text"
+SUPPORTED = "gpt_oss, minimax_m3, minimax_m3_vl, minimax_m3_vl_text"
 
 
 @pytest.mark.parametrize("model_type", ["minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3"])
@@ -43,8 +43,10 @@ def test_for_config_resolves_both_source_layouts():
 
 
 def test_supported_lists_every_model_type_once():
-    assert converters.supported() == ("minimax_m3", "minimax_m3_vl", "minimax_m3_vl_text")
-    assert set(converters.minimax_m3.MODEL_TYPES) == set(converters.supported())
+    assert converters.supported() == ("gpt_oss", "minimax_m3", "minimax_m3_vl", "minimax_m3_vl_text")
+    assert {t for m in set(converters.MODEL_TYPES.values()) for t in converters.get(m).MODEL_TYPES} == set(
+        converters.supported()
+    )
 
 
 @pytest.mark.parametrize("model_type", ["llama", "minimax_m2", "", None, ["minimax_m3_vl"]])

@@ -16,6 +16,7 @@ closes the store's shard handles, so pages mapped for it stop counting as reside
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 from pathlib import Path
 from typing import Callable, Optional
@@ -30,6 +31,9 @@ from porter.format.safe_files import inside, read_json_object, regular_file
 from porter.format.safetensors_io import parse_header
 from runtime.models.layers import Rope
 from runtime.models.minimax_m3 import DecoderLayer, MiniMaxM3
+
+# converter ARCHITECTURE -> runtime model module under runtime/models/ (Model, DecoderLayer, optional rope)
+MODELS = {"minimax_m3": "minimax_m3", "gpt_oss": "gpt_oss"}
 
 log = logging.getLogger("porter.runtime")
 
@@ -298,6 +302,8 @@ def build_model(
     placement.embed, final norm + lm_head on placement.head; None = everything on `device`.
     mxfp8_act: every MXFP8 linear rounds its input to MXFP8 first (the serving numerics, Linear.input)."""
     cfg, names = store.config, store.names()
+    arch = importlib.import_module(f"runtime.models.{MODELS[store.converter.ARCHITECTURE]}")
+    make_rope = getattr(arch, "rope", lambda cfg, d: Rope(cfg.rotary_dim, cfg.rope_theta, d))
     n = cfg.num_hidden_layers
     if placement is None:
         where, embed_dev, head_dev = [device] * n, device, device
@@ -305,16 +311,16 @@ def build_model(
         where, embed_dev, head_dev = list(placement.layers), placement.embed, placement.head
     getters, ropes = {}, {}
     for d in {*where, embed_dev, head_dev}:  # one getter and one Rope (inv_freq) per device
-        getters[d], ropes[d] = getter(store, names, d), Rope(cfg.rotary_dim, cfg.rope_theta, d)
+        getters[d], ropes[d] = getter(store, names, d), make_rope(cfg, d)
     top = {nm: getters[embed_dev if nm == TOP_NAMES[0] else head_dev](nm) for nm in TOP_NAMES if nm in names}
     if "lm_head.weight" not in top and head_dev != embed_dev:  # tied: lm_head needs the embedding there too
         top["lm_head.weight"] = getters[head_dev](TOP_NAMES[0])
 
     def build(i: int) -> DecoderLayer:
-        layer = DecoderLayer(cfg, getters[where[i]], i, ropes[where[i]], where[i], make_backend)
+        layer = arch.DecoderLayer(cfg, getters[where[i]], i, ropes[where[i]], where[i], make_backend)
         for lin in layer.linears():
             lin.mxfp8_act = mxfp8_act
         return layer
 
     layers = LazyLayers(n, build, store.close) if lazy else [build(i) for i in range(n)]
-    return MiniMaxM3(cfg, top, layers, embed_dev, dtype, layer_devices=where)
+    return arch.Model(cfg, top, layers, embed_dev, dtype, layer_devices=where)

@@ -342,6 +342,11 @@ class MiniMaxM3:
         # (key, cache, DecodeGraph) of the last generate call on CUDA, reused by the next one of that key
         self.decode_state = None
 
+    @property
+    def cache_block(self) -> int:
+        """The KV cache is read in whole index blocks (runtime.generate.cache_slots)."""
+        return self.cfg.index_block_size
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.to(self.embed_tokens.device)
         return F.embedding(ids, self.embed_tokens).to(self.dtype)  # [B, T, H]
@@ -439,3 +444,6 @@ class MiniMaxM3:
     def release_decode_state(self) -> None:
         """Free the KV cache and captured decode step that generate keeps for its next call."""
         self.decode_state = None
+
+
+Model = MiniMaxM3  # the name runtime/loader.py builds

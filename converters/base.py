@@ -10,6 +10,7 @@ architecture: docs/architecture.md.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Optional, Protocol, get_type_hints
 
 import torch
@@ -40,6 +41,8 @@ class Converter(Protocol):
     LAYOUTS: tuple  # output layouts plan_tensors writes: "porter" and, if it has one, "hf"
     DEFAULT_SCOPE: dict  # layout -> the --quantize scope used when none is given
     HF_ARCHITECTURES: list  # config.json `architectures` of the hf layout
+    verify_rules: object  # verify's own source table for this architecture (a module), or None: verify's
+    # built-in MiniMax-M3 tables (porter/commands/verify/mapping.py)
 
     # config
     def resolve_config(self, raw: dict) -> ResolvedConfig:
@@ -95,6 +98,16 @@ class Converter(Protocol):
     def hf_canonical_map(self, names) -> dict:
         """hf-layout tensor names -> {canonical: hf name | [[hf row parts] per expert]} (what the runtime
         reads)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of a verify source table: artifact (canonical) names matching `artifact` (a regex, full
+    match) are derived from `sources` (name templates) by `op` (the ops: porter/commands/verify/mapping.py)."""
+
+    artifact: str
+    sources: tuple
+    op: str = "copy"
 
 
 def protocol_members(proto: type = Converter) -> dict:

@@ -83,6 +83,69 @@ TINY = {
     "use_cache": True,
     "torch_dtype": "bfloat16",
 }
+# openai/gpt-oss-20b's config.json (the release's keys: rope_scaling + rope_theta, experts_per_token and
+# num_experts_per_tok, no swiglu_alpha); benchmarks/whole_model.py builds a random model of this config
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "quantization_config": {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    },
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.55.0.dev0",
+    "use_cache": True,
+    "vocab_size": 201088,
+}
+# o200k_harmony's special tokens at their ids in the release's tokenizer
+HARMONY_IDS = {
+    "<|startoftext|>": 199998,
+    "<|endoftext|>": 199999,
+    "<|return|>": 200002,
+    "<|constrain|>": 200003,
+    "<|channel|>": 200005,
+    "<|start|>": 200006,
+    "<|end|>": 200007,
+    "<|message|>": 200008,
+    "<|call|>": 200012,
+}
 MXFP4_QUANTIZATION = {  # the release's quantization_config
     "quant_method": "mxfp4",
     "modules_to_not_convert": [
@@ -176,6 +239,19 @@ def train_tokenizer(vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    return tok
+
+
+def word_tokenizer(vocab_size: int):
+    """A whitespace word-level tokenizer over the whole vocabulary (`w<id>`), the harmony tokens at their
+    release ids: text for a real-size checkpoint, where a trained BPE would need a real corpus."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    names = {i: f"w{i}" for i in range(vocab_size)} | {i: t for t, i in HARMONY_IDS.items() if i < vocab_size}
+    tok = Tokenizer(models.WordLevel({t: i for i, t in names.items()}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.add_special_tokens([AddedToken(t, special=True) for t, i in HARMONY_IDS.items() if i < vocab_size])
     return tok
 
 

@@ -302,8 +302,9 @@ def build_model(
     placement.embed, final norm + lm_head on placement.head; None = everything on `device`.
     mxfp8_act: every MXFP8 linear rounds its input to MXFP8 first (the serving numerics, Linear.input)."""
     cfg, names = store.config, store.names()
-    arch = importlib.import_module(f"runtime.models.{MODELS[store.converter.ARCHITECTURE]}")
-    make_rope = getattr(arch, "rope", lambda cfg, d: Rope(cfg.rotary_dim, cfg.rope_theta, d))
+    name = store.converter.ARCHITECTURE if getattr(store, "converter", None) is not None else "minimax_m3"
+    family = importlib.import_module(f"runtime.models.{MODELS[name]}")
+    make_rope = getattr(family, "rope", lambda cfg, d: Rope(cfg.rotary_dim, cfg.rope_theta, d))
     n = cfg.num_hidden_layers
     if placement is None:
         where, embed_dev, head_dev = [device] * n, device, device
@@ -317,10 +318,10 @@ def build_model(
         top["lm_head.weight"] = getters[head_dev](TOP_NAMES[0])
 
     def build(i: int) -> DecoderLayer:
-        layer = arch.DecoderLayer(cfg, getters[where[i]], i, ropes[where[i]], where[i], make_backend)
+        layer = family.DecoderLayer(cfg, getters[where[i]], i, ropes[where[i]], where[i], make_backend)
         for lin in layer.linears():
             lin.mxfp8_act = mxfp8_act
         return layer
 
     layers = LazyLayers(n, build, store.close) if lazy else [build(i) for i in range(n)]
-    return arch.Model(cfg, top, layers, embed_dev, dtype, layer_devices=where)
+    return family.Model(cfg, top, layers, embed_dev, dtype, layer_devices=where)

@@ -93,6 +93,7 @@ def test_protocol_members():
         "LAYOUTS",
         "DEFAULT_SCOPE",
         "HF_ARCHITECTURES",
+        "verify_rules",
     }
     assert {n for n, k in members.items() if k == "function"} == {
         "resolve_config",

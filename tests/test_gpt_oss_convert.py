@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpt_oss_tiny_checkpoint import build_tiny_checkpoint
+from gpt_oss_tiny_checkpoint import GPT_OSS_20B, build_tiny_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -20,58 +20,6 @@ from porter.errors import ConfigError, LayoutError, PorterError, PrequantizedErr
 from porter.format import mxfp4, mxfp8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-# openai/gpt-oss-20b config.json (the release's keys: rope_scaling + rope_theta, experts_per_token and
-# num_experts_per_tok, quantization_config mxfp4; no swiglu_alpha)
-GPT_OSS_20B = {
-    "architectures": ["GptOssForCausalLM"],
-    "attention_bias": True,
-    "attention_dropout": 0.0,
-    "eos_token_id": 200002,
-    "experts_per_token": 4,
-    "head_dim": 64,
-    "hidden_act": "silu",
-    "hidden_size": 2880,
-    "initial_context_length": 4096,
-    "initializer_range": 0.02,
-    "intermediate_size": 2880,
-    "layer_types": ["sliding_attention", "full_attention"] * 12,
-    "max_position_embeddings": 131072,
-    "model_type": "gpt_oss",
-    "num_attention_heads": 64,
-    "num_experts_per_tok": 4,
-    "num_hidden_layers": 24,
-    "num_key_value_heads": 8,
-    "num_local_experts": 32,
-    "output_router_logits": False,
-    "pad_token_id": 199999,
-    "quantization_config": {
-        "modules_to_not_convert": [
-            "model.layers.*.self_attn",
-            "model.layers.*.mlp.router",
-            "model.embed_tokens",
-            "lm_head",
-        ],
-        "quant_method": "mxfp4",
-    },
-    "rms_norm_eps": 1e-05,
-    "rope_scaling": {
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "factor": 32.0,
-        "original_max_position_embeddings": 4096,
-        "rope_type": "yarn",
-        "truncate": False,
-    },
-    "rope_theta": 150000,
-    "router_aux_loss_coef": 0.9,
-    "sliding_window": 128,
-    "swiglu_limit": 7.0,
-    "tie_word_embeddings": False,
-    "transformers_version": "4.55.0.dev0",
-    "use_cache": True,
-    "vocab_size": 201088,
-}
 
 
 def _resolve(raw):

@@ -7,6 +7,7 @@ registry: `converters.for_config(raw_config)`.
 """
 
 from converters.gpt_oss import names as _names
+from converters.gpt_oss import verify_rules
 from converters.gpt_oss.config import (
     ARCHITECTURE,
     FULL_ATTN,
@@ -43,6 +44,7 @@ __all__ = [
     "LAYOUTS",
     "DEFAULT_SCOPE",
     "HF_ARCHITECTURES",
+    "verify_rules",
     "SLIDING_ATTN",
     "FULL_ATTN",
     "GptOssConfig",

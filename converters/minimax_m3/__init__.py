@@ -63,12 +63,17 @@ from converters.minimax_m3.names import (
 )
 from converters.minimax_m3.plan import interleave_gate_up, plan_tensors, uninterleave_gate_up
 
+verify_rules = (
+    None  # verify's tables for MiniMax-M3 are its built-in ones (porter/commands/verify/mapping.py)
+)
+
 __all__ = [
     "ARCHITECTURE",
     "MODEL_TYPES",
     "LAYOUTS",
     "DEFAULT_SCOPE",
     "HF_ARCHITECTURES",
+    "verify_rules",
     "SPARSE_ATTN",
     "FULL_ATTN",
     "MOE_MLP",

@@ -91,6 +91,7 @@ class _Inputs:
     tok: object
     device: torch.device
     source_quantization: tuple = (None, None)  # (prequantized.Scheme or None, kept MXFP8 scales rule)
+    converter: object = None  # the reference's converter (converters.for_config)
 
 
 def verify(
@@ -133,11 +134,13 @@ def verify(
     rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
         return _finish(rep, list(rep.integrity.issues), report, plot, t0)
-    shards, reader = SourceShards(inp.ref_path, *inp.source_quantization), ArtifactReader(inp.art, inp.man)
+    shards = SourceShards(inp.ref_path, *inp.source_quantization)
+    reader = ArtifactReader(inp.art, inp.man, inp.converter.verify_rules)
     mapping = Mapping(
         shards,
         interleaved=_interleaved(inp.man, inp.ref_config),
         rounding=inp.man.get("options", {}).get("scale_rounding"),
+        rules=inp.converter.verify_rules,
     )
     rep.exact = rederive(
         reader, mapping, inp.man.get("options", {}).get("scale_rounding"), inp.device, progress
@@ -149,7 +152,7 @@ def verify(
     _numerics(
         rep,
         inp,
-        ReferenceStore(mapping, reader, inp.ref_config),
+        ReferenceStore(mapping, reader, inp.ref_config, inp.converter),
         backend,
         streaming,
         max_new_tokens,
@@ -173,7 +176,8 @@ def _open(
     ref_path = reference_path(man, reference, token, cache_dir)
     try:
         raw = read_json_object(ref_path / "config.json", VerifyInputError, "config")
-        ref_config = converters.for_config(raw).resolve_config(raw)
+        conv = converters.for_config(raw)
+        ref_config = conv.resolve_config(raw)
     except PorterError as e:
         raise VerifyInputError(f"reference {ref_path / 'config.json'}: {e}") from None
     source_q = source_quantization(man, raw, ref_path)  # a pre-quantized reference is read as converted
@@ -194,7 +198,8 @@ def _open(
     )
     rep.numerics_mode = "both" if len(runs) > 1 else runs[0]
     rep.numerics = {n: NumericsRun(n, backend, "", t) for n, t in by_run.items()}
-    return _Inputs(art, man, ref_path, ref_config, tok, torch.device(device), source_q), rep
+    inp = _Inputs(art, man, ref_path, ref_config, tok, torch.device(device), source_q, conv)
+    return inp, rep
 
 
 def _check_serving(art: Path, scope: str, backend: str) -> None:

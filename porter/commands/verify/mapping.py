@@ -36,18 +36,11 @@ from typing import Callable, Optional
 import torch
 from safetensors import safe_open
 
+from converters.base import Rule
 from porter.format import mxfp8
 from porter.format.layout import HF_LAYOUT_PREFIX
 from porter.format.safetensors_io import ST_DTYPES, nbytes
 from porter.source.local import read_header, weight_files
-
-
-@dataclass(frozen=True)
-class Rule:
-    artifact: str  # regex, full match on the artifact (canonical) tensor name
-    sources: tuple  # source-name templates
-    op: str = "copy"
-
 
 _L = r"model\.layers\.(?P<L>\d+)\."
 _W13 = _L + r"block_sparse_moe\.experts\.w13_weight"
@@ -200,10 +193,20 @@ class Derivation:
 class Mapping:
     """The source side: artifact tensor name -> Derivation from `shards`, by one layout's table."""
 
-    def __init__(self, shards: SourceShards, interleaved: bool = False, rounding: Optional[str] = "rceil"):
+    def __init__(
+        self,
+        shards: SourceShards,
+        interleaved: bool = False,
+        rounding: Optional[str] = "rceil",
+        rules=None,
+    ):
+        """rules: the architecture's verify source table (its converter's `verify_rules`: source_rules,
+        roots); None: MiniMax-M3's tables below."""
         self.shards, self.rounding = shards, rounding or "rceil"
         names = set(shards.meta)
-        if any(re.search(r"\.experts\.\d+\.w1\.weight$", n) for n in names):
+        if rules is not None:
+            self.layout, self.rules = rules.source_rules(names, interleaved)
+        elif any(re.search(r"\.experts\.\d+\.w1\.weight$", n) for n in names):
             self.layout, self.rules = "vendor", VENDOR
         elif any(n.endswith("mlp.experts.gate_up_proj") for n in names):
             self.layout = "transformers" + (" (interleaved gate/up)" if interleaved else "")
@@ -215,10 +218,14 @@ class Mapping:
                 shards.keep_scales, f"{self.rounding} scales re-derived"
             )
             self.layout += f", pre-quantized {shards.scheme.method} source ({kept})"
-        self.roots = {
-            "m": _root(names, MODEL_ROOTS, "embed_tokens.weight"),
-            "h": _root(names, HEAD_ROOTS, "weight"),
-        }
+        self.roots = (
+            rules.roots(names)
+            if rules is not None
+            else {
+                "m": _root(names, MODEL_ROOTS, "embed_tokens.weight"),
+                "h": _root(names, HEAD_ROOTS, "weight"),
+            }
+        )
 
     def derive(self, tensor: str, experts: Optional[int]) -> Optional[Derivation]:
         """None when no rule finds this tensor's sources (the caller reports it)."""
@@ -342,7 +349,8 @@ class ArtifactReader:
     LAYOUTS = ("porter", "hf")
     HF_PREFIX = HF_LAYOUT_PREFIX
 
-    def __init__(self, art: Path, man: dict):
+    def __init__(self, art: Path, man: dict, rules=None):
+        """rules: the architecture's verify source table (canonical, experts_of); None: MiniMax-M3's."""
         from porter.errors import VerifyInputError
 
         self.layout = man.get("options", {}).get("layout", "porter")
@@ -351,7 +359,7 @@ class ArtifactReader:
                 f"{art}: artifact layout {self.layout!r} (porter.json options.layout) cannot be "
                 f"verified by this porter; it verifies {', '.join(self.LAYOUTS)}"
             )
-        self.art, self.tensors = Path(art), man.get("tensors", {})
+        self.art, self.tensors, self.rules = Path(art), man.get("tensors", {}), rules
         self._handles: dict = {}
 
     def weights(self) -> list[str]:
@@ -360,10 +368,15 @@ class ArtifactReader:
         return [n for n in self.tensors if n not in scales]
 
     def experts(self, name: str) -> Optional[int]:
+        if self.rules is not None:
+            found = self.rules.experts_of(self.canonical(name))
+            return int(self.tensors[name]["shape"][0]) if found and found[1] is None else None
         return int(self.tensors[name]["shape"][0]) if STACKED.fullmatch(name) else None
 
     def canonical(self, name: str) -> str:
         """The canonical (porter) name the mapping table is written for."""
+        if self.rules is not None:
+            return self.rules.canonical(name, self.layout)
         if self.layout == "hf" and name.startswith(self.HF_PREFIX):
             return name[len(self.HF_PREFIX) :]
         return name
@@ -409,8 +422,9 @@ class ReferenceStore:
     """The reference model's weights for runtime.load, derived through the Mapping (not the converter's
     plan): canonical names, unquantized, stacked experts built expert by expert."""
 
-    def __init__(self, mapping: Mapping, reader: ArtifactReader, config):
+    def __init__(self, mapping: Mapping, reader: ArtifactReader, config, converter=None):
         self.mapping, self.config, self.path = mapping, config, mapping.shards.path
+        self.converter = converter  # the reference's converter: the runtime picks its model by it
         self._derivations = {}
         for n, experts in reader.text_model().items():
             d = mapping.derive(n, experts)

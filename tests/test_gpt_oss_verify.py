@@ -40,7 +40,7 @@ def test_release_artifact_passes_with_exact_bytes(release, tmp_path):
     assert doc["verdict"] == "pass"
     exact = doc["exact"]
     assert exact["passed"] and "gpt-oss release" in exact["layout"] and "scale bytes kept" in exact["layout"]
-    experts = [t for t in exact["tensors"] if t["name"].endswith(("w13_weight", "w2_weight"))]
+    experts = [t for t in exact["tensors"] if t["tensor"].endswith(("w13_weight", "w2_weight"))]
     assert len(experts) == 8 and all(t["mismatched"] == 0 and t["weight_error"] == 0.0 for t in experts)
     assert not exact["unmapped_sources"]
     assert doc["logits"]["kl"] < 1e-6  # the same values on both sides: the runtime agrees with itself
@@ -67,7 +67,7 @@ def test_planted_interleave_bug_fails_with_exit_1(release, tmp_path, monkeypatch
     assert res.exit_code == 1, res.output
     assert "w13_weight" in res.output
     tensors = json.loads(report.read_text())["exact"]["tensors"]
-    wrong = {t["name"].split("experts.")[-1] for t in tensors if t["mismatched"]}
+    wrong = {t["tensor"].split("experts.")[-1] for t in tensors if t["mismatched"]}
     assert wrong == {"w13_weight", "w13_bias"}  # every layer's gate/up, weights and biases; down is right
     assert sum(1 for t in tensors if t["mismatched"]) == 8
 
@@ -85,5 +85,5 @@ def test_one_expert_reordered_is_named(release, tmp_path):
     rewrite_tensor(art, W13 + "_scale", interleave_expert)
     rep = verify(art, max_new_tokens=0).report
     assert not rep.passed
-    bad = next(t for t in rep.exact.tensors if t.name == W13)
+    bad = next(t for t in rep.exact.tensors if t.tensor == W13)
     assert set(bad.mismatched_by_expert) == {3} and bad.mismatched > 0

@@ -1,4 +1,5 @@
-"""One MiniMax-M3 routed-MoE layer on one GPU, Triton MXFP8 backend, against its bytes and FP8 floors.
+"""One routed-MoE layer per family at its real dims (MiniMax-M3, MiniMax-M2) on one GPU, Triton MXFP8
+backend, against its bytes and FP8 floors.
 
 Compared with its own bf16-weight twin (same kernels, weights dequantized to bf16 once), torch._grouped_mm
 on bf16 weights (what a user without porter runs) and the torch reference backend.
@@ -8,19 +9,22 @@ latency included) and queued behind GPU work (GPU time only, as inside a decode 
 bytes the layer touches (distinct routed experts x expert bytes); the bytes floor (touched bytes / bf16
 streaming read bandwidth measured in this run); the FP8 compute floor (2 * T * top_k * 3 * H * I FLOPs at
 the H200 datasheet's dense fp8 rate); speed-ups over the bf16 twin, torch._grouped_mm and torch; for
-T >= 256 both prefill paths (W8A16 and FP8) with their errors. Writes moe_layer_<gpu>.json and .md.
+T >= 256 both prefill paths (W8A16 and FP8) with their errors. Each family's layer (--dims) is built, measured
+and freed in turn, all against the bandwidth measured once at the start (the same floors). Writes
+moe_layer_<gpu>.json and .md.
 
-  python benchmarks/moe_layer.py [--out DIR] [--tokens 1,4,...] [--profile 1,4096]
+  python benchmarks/moe_layer.py [--out DIR] [--dims m3,m2] [--tokens 1,4,...] [--profile 1,4096]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,17 +50,62 @@ from runtime.moe.triton import config as tc  # noqa: E402
 from runtime.moe.triton import launch as moe_launch
 from runtime.moe.triton import prepare as tp
 
-E, H, I, TOPK = 128, 6144, 3072, 4
-ALPHA, BETA, LIMIT, RSF = 1.702, 1.0, 7.0, 2.5
-GOALS = (
-    "T=1 <= 1.15x bytes floor; >= 1.85x bf16 twin for T=1..64; T=4096 <= 2.5 ms and >= 3x "
-    "torch._grouped_mm bf16; FP8 layer rel error <= 2e-2 vs torch"
-)
+
+@dataclass(frozen=True)
+class LayerDims:
+    """A family's routed-MoE layer: experts, hidden, expert width, top-k, its SwiGLU-OAI parameters (plain
+    SwiGLU is alpha 1 / beta 0 / limit inf) and routed_scaling_factor, from the family's config."""
+
+    name: str
+    E: int
+    H: int
+    I: int
+    TOPK: int
+    ALPHA: float
+    BETA: float
+    LIMIT: float
+    RSF: float
+    goals: str
+
+    @property
+    def expert_bytes(self) -> int:
+        """w13 + w2 e4m3 bytes of one expert plus one scale byte per 32 (the stored MXFP8 size)."""
+        return (2 * self.I * self.H + self.H * self.I) * (mxfp8.BLOCK + 1) // mxfp8.BLOCK
+
+
+DIMS = {
+    "m3": LayerDims(
+        "MiniMax-M3",
+        128,
+        6144,
+        3072,
+        4,
+        1.702,
+        1.0,
+        7.0,
+        2.5,
+        "T=1 <= 1.15x bytes floor; >= 1.85x bf16 twin for T=1..64; T=4096 <= 2.5 ms and >= 3x "
+        "torch._grouped_mm bf16; FP8 layer rel error <= 2e-2 vs torch",
+    ),
+    "m2": LayerDims(
+        "MiniMax-M2",
+        256,
+        3072,
+        1536,
+        8,
+        1.0,
+        0.0,
+        math.inf,
+        1.0,
+        "T=1 <= 1.3x and T=4 <= 1.15x bytes floor",
+    ),
+}
 FP8_DENSE_FLOPS = 1979e12  # H200 SXM datasheet, dense fp8 tensor-core rate (the compute floor's rate)
 
 
-def build_weights(dev):
+def build_weights(d: LayerDims, dev):
     """Random MXFP8 experts through porter.format.mxfp8 (rceil), plus their exact bf16 dequantization."""
+    E, H, I = d.E, d.H, d.I
     q13 = torch.empty((E, 2 * I, H), dtype=torch.float8_e4m3fn, device=dev)  # [E, 2I, H]
     s13 = torch.empty((E, 2 * I, H // 32), dtype=torch.uint8, device=dev)
     q2 = torch.empty((E, H, I), dtype=torch.float8_e4m3fn, device=dev)  # [E, H, I]
@@ -93,28 +142,25 @@ def read_kernel():
     return read_reduce
 
 
-EXPERT_BYTES = (
-    (2 * I * H + H * I) * (mxfp8.BLOCK + 1) // mxfp8.BLOCK
-)  # w13 + w2 e4m3 bytes + one scale byte per 32
-
-
-def build_layer(dev):
+def build_layer(d: LayerDims, dev):
     """(TritonMoE on build_weights' experts, its TorchMoE reference, the bf16-weight twin's PreparedMoE,
-    (b13, b2) bf16 weights) with MiniMax-M3's SwiGLU-OAI parameters and a random router."""
-    (q13, s13, q2, s2), (b13, b2) = build_weights(dev)
-    sw = make_swiglu_params(E, ALPHA, BETA, LIMIT, dev)
+    (b13, b2) bf16 weights, the serving pair) with the family's SwiGLU-OAI parameters and a random router."""
+    (q13, s13, q2, s2), (b13, b2) = build_weights(d, dev)
+    sw = make_swiglu_params(d.E, d.ALPHA, d.BETA, d.LIMIT, dev)
     quant = MoeQuantInfo(q13, s13, q2, s2, **sw)
-    routing = MoeRouting(torch.randn(E, H, device=dev) * 0.02, torch.zeros(E, device=dev), TOPK, RSF)
+    routing = MoeRouting(
+        torch.randn(d.E, d.H, device=dev) * 0.02, torch.zeros(d.E, device=dev), d.TOPK, d.RSF
+    )
     bf16 = tp.prepare(b13, None, b2, None, sw["gemm1_alpha"], sw["gemm1_beta"], sw["gemm1_clamp_limit"])
     serving = (TritonMoE(quant, routing, numerics="serving"), TorchMoE(quant, routing, numerics="serving"))
     return TritonMoE(quant, routing), TorchMoE(quant, routing), bf16, (b13, b2), serving
 
 
-def decode_problem(t, dev):
+def decode_problem(d: LayerDims, t, dev):
     """x [t, H] bf16, top-k ids [t, TOPK] (uniform distinct experts), routing weights [t, TOPK] summing to 1."""
-    x = torch.randn(t, H, device=dev).to(torch.bfloat16)
-    ids = torch.rand(t, E, device=dev).topk(TOPK, dim=-1).indices
-    w = torch.rand(t, TOPK, device=dev) + 0.1
+    x = torch.randn(t, d.H, device=dev).to(torch.bfloat16)
+    ids = torch.rand(t, d.E, device=dev).topk(d.TOPK, dim=-1).indices
+    w = torch.rand(t, d.TOPK, device=dev) + 0.1
     return x, ids, w / w.sum(-1, keepdim=True)
 
 
@@ -175,7 +221,7 @@ def eager_time_us(fn, reps=30) -> float:
     return triton.testing.do_bench(fn, warmup=20, rep=max(50, reps), return_mode="median") * 1e3
 
 
-def grouped_mm_moe(x, ids, w, b13t, b2t, limit):
+def grouped_mm_moe(d: LayerDims, x, ids, w, b13t, b2t, limit):
     """The layer as a user without porter runs it: sort, torch._grouped_mm on bf16 weights (b13t
     [E, H, 2I], b2t [E, I, H], transposed views of the stored [N, K] weights), SwiGLU-OAI, scatter."""
     from runtime.moe.contract import swiglu_oai
@@ -183,15 +229,15 @@ def grouped_mm_moe(x, ids, w, b13t, b2t, limit):
     t, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [N] slots by expert
-    counts = torch.histc(flat.float(), bins=E, min=0, max=E - 1)  # no host sync (graph-capturable)
+    counts = torch.histc(flat.float(), bins=d.E, min=0, max=d.E - 1)  # no host sync (graph-capturable)
     offs = torch.cumsum(counts, 0).to(torch.int32)
     tok = order // k
     gu = torch._grouped_mm(x[tok], b13t, offs=offs)  # [N, 2I]
-    act = swiglu_oai(gu[:, :I], gu[:, I:], ALPHA, BETA, limit)  # limit: a device tensor (graph capture)
+    act = swiglu_oai(gu[:, : d.I], gu[:, d.I :], d.ALPHA, d.BETA, limit)  # limit: a device tensor (capture)
     y = torch._grouped_mm(act, b2t, offs=offs)  # [N, H]
-    out = torch.zeros((t, H), dtype=torch.float32, device=x.device)
+    out = torch.zeros((t, d.H), dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, y.float() * w.reshape(-1)[order, None])
-    return (out * RSF).to(x.dtype)
+    return (out * d.RSF).to(x.dtype)
 
 
 def time_any(fn) -> float:
@@ -231,46 +277,66 @@ def fp8_matmul_rate(dev) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="folder for moe_layer_<gpu>.json and .md")
+    ap.add_argument("--dims", default="m3,m2", help=f"families' layer dims, comma list of {', '.join(DIMS)}")
     ap.add_argument("--tokens", default="1,4,16,64,256,1024,4096", help="token counts T, comma list")
     ap.add_argument("--torch-reps", type=int, default=3, help="timed calls of the (slow) torch reference")
     ap.add_argument("--profile", default="", help="comma list of T: per-kernel CUDA times (torch.profiler)")
     args = ap.parse_args()
+    names = [v for v in args.dims.split(",") if v]
+    unknown = [v for v in names if v not in DIMS]
+    if unknown:
+        ap.error(f"unknown --dims {', '.join(unknown)}; choose from {', '.join(DIMS)}")
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
-    meta = {
-        **environment(),
-        "sms": props.multi_processor_count,
-        "shape": {"E": E, "H": H, "I": I, "top_k": TOPK},
-        "goals": GOALS,
-    }
+    meta = {**environment(), "sms": props.multi_processor_count}
     print(environment_line(meta), flush=True)
     bw = stream_bandwidth(dev)
     meta["stream_bandwidth_Bps"] = bw
     print("bandwidth (TB/s): " + ", ".join(f"{k} {v / 1e12:.3f}" for k, v in bw.items()), flush=True)
-    t0 = time.time()
-    moe, ref_moe, bf16, (b13, b2), (srv_moe, srv_ref) = build_layer(dev)
-    print(f"weights built in {time.time() - t0:.1f} s", flush=True)
-    meta["fp16_guards"] = {
-        "gemm1_fp16": moe.prepared.fp16_1,
-        "gemm2_fp16": moe.prepared.fp16_2,
-        "w13_shift_range": [int(moe.prepared.shift13.min()), int(moe.prepared.shift13.max())],
-    }
-    expert_bytes = EXPERT_BYTES
-    expert_bytes_bf16 = (2 * I * H + H * I) * 2
-    for t in [int(v) for v in args.profile.split(",") if v]:
-        profile_kernels(moe, bf16, t, dev)
     try:
         meta["fp8_scaled_mm_Fps"] = fp8_matmul_rate(dev)
         print(f"torch._scaled_mm fp8 8192^3: {meta['fp8_scaled_mm_Fps'] / 1e12:.0f} TFLOP/s", flush=True)
     except Exception as ex:
         print(f"fp8 rate not measured: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+    tokens = [int(v) for v in args.tokens.split(",") if v]
+    profile = [int(v) for v in args.profile.split(",") if v]
+    layers = {}
+    for name in names:  # one family's layer resident at a time
+        layers[name] = measure_layer(DIMS[name], tokens, profile, bw, args.torch_reps, dev)
+        torch.cuda.empty_cache()
+    if any(v["rows"] for v in layers.values()):
+        write_results(args.out, meta, layers)
+
+
+def measure_layer(d: LayerDims, tokens, profile, bw, torch_reps, dev) -> dict:
+    """Build d's layer, time it per T against the floors; -> {"shape", "goals", "fp16_guards", "rows"}."""
+    print(f"=== {d.name}: E={d.E}, H={d.H}, I={d.I}, top-{d.TOPK}", flush=True)
+    t0 = time.time()
+    moe, ref_moe, bf16, (b13, b2), (srv_moe, srv_ref) = build_layer(d, dev)
+    print(f"weights built in {time.time() - t0:.1f} s", flush=True)
+    out = {
+        "shape": {"E": d.E, "H": d.H, "I": d.I, "top_k": d.TOPK},
+        "swiglu": {"alpha": d.ALPHA, "beta": d.BETA, "limit": d.LIMIT},
+        "routed_scaling_factor": d.RSF,
+        "goals": d.goals,
+        "fp16_guards": {
+            "rebased": moe.prepared.rebased,
+            "gemm1_fp16": moe.prepared.fp16_1,
+            "gemm2_fp16": moe.prepared.fp16_2,
+            "act_scaled_per_row": moe.prepared.act_bound is not None,
+            "w13_shift_range": [int(moe.prepared.shift13.min()), int(moe.prepared.shift13.max())],
+        },
+    }
+    expert_bytes_bf16 = (2 * d.I * d.H + d.H * d.I) * 2
+    for t in profile:
+        profile_kernels(d, moe, bf16, t, dev)
     b13t, b2t = b13.transpose(1, 2), b2.transpose(1, 2)  # [E, H, 2I], [E, I, H] views (K-major weights)
-    limit_t = torch.tensor(LIMIT, device=dev)
+    limit_t = torch.tensor(d.LIMIT, device=dev)
     rows = []
-    for t in [int(v) for v in args.tokens.split(",") if v]:
-        x, ids, w = decode_problem(t, dev)
+    for t in tokens:
+        x, ids, w = decode_problem(d, t, dev)
         distinct = int(torch.unique(ids).numel())
-        touched = distinct * expert_bytes
+        touched = distinct * d.expert_bytes
         ref = ref_moe.forward_topk(x, ids, w).float()
         relerr = lambda out: float((out.float() - ref).norm() / ref.norm())
         w8 = tc.default_config(t, False)
@@ -295,14 +361,14 @@ def main():
         cfg = paths[shipped]
         us_first, err = per_path[shipped]["us"], per_path[shipped]["rel_err_vs_torch"]
         fn = lambda: moe.forward_topk(x, ids, w, cfg)
-        twin = lambda: moe_launch.fused_moe(bf16, x, ids, w, RSF, w8)
+        twin = lambda: moe_launch.fused_moe(bf16, x, ids, w, d.RSF, w8)
         us_eager = eager_time_us(fn)
         us, us_bf16, us_q, us_bf16_q, rounds = timed_rounds(fn, twin)
-        us_gmm = time_any(lambda: grouped_mm_moe(x, ids, w, b13t, b2t, limit_t))
-        err_gmm = relerr(grouped_mm_moe(x, ids, w, b13t, b2t, limit_t))
-        us_torch = event_time_us(lambda: ref_moe.forward_topk(x, ids, w), args.torch_reps)
+        us_gmm = time_any(lambda: grouped_mm_moe(d, x, ids, w, b13t, b2t, limit_t))
+        err_gmm = relerr(grouped_mm_moe(d, x, ids, w, b13t, b2t, limit_t))
+        us_torch = event_time_us(lambda: ref_moe.forward_topk(x, ids, w), torch_reps)
         floor_us = touched / bw["used"] * 1e6
-        fp8_floor_us = 2 * t * TOPK * 3 * H * I / FP8_DENSE_FLOPS * 1e6
+        fp8_floor_us = 2 * t * d.TOPK * 3 * d.H * d.I / FP8_DENSE_FLOPS * 1e6
         row = {
             "T": t,
             "distinct_experts": distinct,
@@ -364,20 +430,19 @@ def main():
             f"(x{row['speedup_vs_torch']:.1f}) rel_err {err:.2e} | {alt}",
             flush=True,
         )
-    if rows:
-        write_results(args.out, meta, rows)
+    out["rows"] = rows
+    return out
 
 
-def profile_kernels(moe, bf16, t, dev):
+def profile_kernels(d: LayerDims, moe, bf16, t, dev):
     """Per-kernel device time of prep / GEMM1 / GEMM2 / cast, MXFP8 and bf16 weights (diagnosis)."""
     from torch.profiler import ProfilerActivity, profile
 
-    x = torch.randn(t, H, device=dev).to(torch.bfloat16)
-    ids = torch.rand(t, E, device=dev).topk(TOPK, dim=-1).indices
-    w = torch.full((t, TOPK), 1.0 / TOPK, device=dev)
+    x, ids, _ = decode_problem(d, t, dev)
+    w = torch.full((t, d.TOPK), 1.0 / d.TOPK, device=dev)
     for name, fn in (
         ("mxfp8", lambda: moe.forward_topk(x, ids, w, tc.default_config(t, True))),
-        ("bf16", lambda: moe_launch.fused_moe(bf16, x, ids, w, RSF, tc.default_config(t, False))),
+        ("bf16", lambda: moe_launch.fused_moe(bf16, x, ids, w, d.RSF, tc.default_config(t, False))),
     ):
         for _ in range(3):
             fn()
@@ -386,23 +451,38 @@ def profile_kernels(moe, bf16, t, dev):
             for _ in range(10):
                 fn()
             torch.cuda.synchronize()
-        print(f"--- profile T={t} {name} (10 calls)")
+        print(f"--- profile {d.name} T={t} {name} (10 calls)")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=40))
 
 
-def write_results(out_dir, meta, rows):
+def write_results(out_dir, meta, layers):
     bw = meta["stream_bandwidth_Bps"]["used"] / 1e12
     lines = [
-        f"# MoE layer benchmark: MiniMax-M3 dims (E={E}, H={H}, I={I}, top-{TOPK}), MXFP8 Triton backend",
+        "# MoE layer benchmark: MXFP8 Triton backend at each family's layer dims",
         "",
         environment_line(meta) + ". "
-        f"bf16 streaming read bandwidth (floor rate) {bw:.3f} TB/s. Times: CUDA-graph replay median "
-        "(`µs`: timed from an idle GPU, so it includes the graph launch latency; `µs queued`: the replay "
-        "queued behind GPU work, GPU time only, as the layer runs inside a decode step). The layer and its "
-        f"bf16 twin are timed in {TIMING_ROUNDS} interleaved rounds, each figure the best round's median "
-        "(`us_first_measured` and `timing_rounds` in the JSON: the path choice's single idle timing and every "
-        "round).",
-        f"Goals: {GOALS}.",
+        f"bf16 streaming read bandwidth (floor rate, one measurement for every family) {bw:.3f} TB/s. Times: "
+        "CUDA-graph replay median (`µs`: timed from an idle GPU, so it includes the graph launch latency; "
+        "`µs queued`: the replay queued behind GPU work, GPU time only, as the layer runs inside a decode step). "
+        f"The layer and its bf16 twin are timed in {TIMING_ROUNDS} interleaved rounds, each figure the best "
+        "round's median (`us_first_measured` and `timing_rounds` in the JSON: the path choice's single idle "
+        "timing and every round).",
+    ]
+    for key, layer in layers.items():
+        lines += layer_lines(DIMS[key], layer)
+    write_files(
+        out_dir, "moe_layer_" + meta["gpu"].replace(" ", "_"), {"meta": meta, "layers": layers}, lines
+    )
+
+
+def layer_lines(d: LayerDims, layer) -> list:
+    rows = layer["rows"]
+    lines = [
+        "",
+        f"## {d.name}: E={d.E}, H={d.H}, I={d.I}, top-{d.TOPK}, SwiGLU alpha {d.ALPHA} / beta {d.BETA} / "
+        f"limit {d.LIMIT}",
+        "",
+        f"Goals: {d.goals}.",
         "",
         "| T | experts | touched MB | path | µs | µs eager | TB/s | × bytes floor | µs queued | × floor queued | "
         "bf16 twin µs queued | × vs twin queued | FP8 floor µs | × FP8 floor | "
@@ -452,7 +532,7 @@ def write_results(out_dir, meta, rows):
             f"{r['rel_err_vs_torch']:.1e} | {sv['us_queued']:.1f} | {sv['ratio_to_floor']:.3f} | "
             f"{sv['speedup_vs_grouped_mm']:.2f} | {sv['rel_err_vs_torch_serving']:.1e} |"
         )
-    write_files(out_dir, "moe_layer_" + meta["gpu"].replace(" ", "_"), {"meta": meta, "rows": rows}, lines)
+    return lines
 
 
 if __name__ == "__main__":

@@ -148,6 +148,14 @@ def nbytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
+def expert_bytes(cfg) -> int:
+    """One routed expert as the artifact stores it: e4m3 w13 [2I, H] and w2 [H, I], one scale byte per 32
+    of them, and its biases in fp32 (as the MoE contract holds them)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    values = 2 * i * h + h * i
+    return values + values // 32 + 4 * (2 * i + h)
+
+
 def step_bytes(model, batch: int, slots: int, experts_per_layer: list) -> int:
     """Bytes one decode step reads: per layer its attention weights (+ biases, sinks), norms, router, the
     routed experts' rows (MXFP8 values + scales + biases) and the K/V slots attended (all `slots` on full
@@ -158,14 +166,8 @@ def step_bytes(model, batch: int, slots: int, experts_per_layer: list) -> int:
         a = layer.self_attn
         total += sum(nbytes(lin.weight, lin.scale, lin.bias) for lin in a.linears()) + nbytes(a.sinks)
         total += nbytes(layer.input_layernorm, layer.post_attention_layernorm)
-        total += nbytes(layer.mlp.router_weight, layer.mlp.router_bias)
-        q = layer.mlp.quant
-        per_expert = sum(
-            nbytes(t[0])
-            for t in (q.w13_weight, q.w13_weight_scale, q.w2_weight, q.w2_weight_scale, q.w13_bias, q.w2_bias)
-            if t is not None
-        )
-        total += experts_per_layer[i] * per_expert
+        total += nbytes(layer.mlp.routing.router_weight, layer.mlp.routing.router_bias)
+        total += experts_per_layer[i] * expert_bytes(cfg)
         attended = min(slots, cfg.sliding_window) if cfg.is_sliding(i) else slots
         total += batch * attended * kv_row
     return total + nbytes(model.lm_head) + batch * cfg.hidden_size * model.embed_tokens.element_size()
@@ -333,6 +335,8 @@ def main() -> None:
             torch.cuda.empty_cache()
         if not args.skip_verify:
             t = time.perf_counter()
+            steps["verify"] = {"seconds": float("nan"), "what": "started"}
+            report(doc, args.out)
             rep = porter.verify(art, device=args.device, max_new_tokens=8).report
             doc["verify"] = {
                 "verdict": rep.verdict,

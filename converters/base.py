@@ -1,10 +1,17 @@
-"""What an architecture's converter provides: the `Converter` protocol.
+"""What an architecture's converter provides: a small core (`Converter`) and optional capabilities.
 
 A converter is a module (converters/<arch>/ or converters/<arch>.py) whose top-level names satisfy
 `Converter`; the registry in converters/__init__.py picks it from config.json's `model_type`, and
-porter (convert, inspect, verify) and the runtime's stores use only these names. The resolved config it
-returns satisfies `ResolvedConfig`, the part of it that architecture-free code reads. Adding an
-architecture: docs/architecture.md.
+porter (convert, inspect, verify) and the runtime's stores use only these names. Two capabilities are
+optional, each a module-like object the converter exposes under a core name (None when absent):
+
+- `hf_layout` (`HfLayout`): writing the vendor release's layout that serving engines load (`--layout hf`)
+  and reading it back as canonical names. A converter with one lists "hf" in `LAYOUTS`.
+- `verify_rules` (`VerifyRules`): how `porter verify` re-derives each artifact tensor from the source,
+  written apart from the converter's plan (a bug in the plan must not be on both sides of the check).
+
+The resolved config a converter returns satisfies `ResolvedConfig`, the part of it that architecture-free
+code reads. Adding an architecture: docs/adding-a-model.md.
 """
 
 from __future__ import annotations
@@ -12,8 +19,6 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from typing import Optional, Protocol, get_type_hints
-
-import torch
 
 from porter.format.layout import OutTensor
 
@@ -25,34 +30,39 @@ class ResolvedConfig(Protocol):
     gate_up_interleaved: bool  # a fused source gate_up_proj's rows alternate gate/up
     eos_token_id: object  # int, list of ints or None
     provenance: dict  # field -> "config:<key>" | "legacy:<key>" | "default..."
+    STRUCTURAL: tuple  # fields that fix tensor shapes: a reference differing there is not the source
 
     def to_dict(self) -> dict: ...
 
     def is_moe(self, layer: int) -> bool: ...
 
-    def is_sparse_attention(self, layer: int) -> bool: ...
+    def layer_kind(self, layer: int) -> str:
+        """A short label of one decoder layer's kind for reports, e.g. "full/moe"."""
 
 
 class Converter(Protocol):
-    """Everything callers take from an architecture's converter module."""
+    """The core: everything callers take from an architecture's converter module."""
 
-    ARCHITECTURE: str  # the name porter.json records
+    ARCHITECTURE: str  # the name porter.json records; also the runtime model registry's key
     MODEL_TYPES: tuple  # the config.json model_types it reads (the registry's keys for it)
-    LAYOUTS: tuple  # output layouts plan_tensors writes: "porter" and, if it has one, "hf"
+    LAYOUTS: tuple  # output layouts plan_tensors writes: "porter" and, with the hf_layout capability, "hf"
     DEFAULT_SCOPE: dict  # layout -> the --quantize scope used when none is given
-    HF_ARCHITECTURES: list  # config.json `architectures` of the hf layout
-    verify_rules: object  # verify's own source table for this architecture (a module), or None: verify's
-    # built-in MiniMax-M3 tables (porter/commands/verify/mapping.py)
+    hf_layout: object  # the HfLayout capability, or None
+    verify_rules: object  # the VerifyRules capability, or None
 
-    # config
     def resolve_config(self, raw: dict) -> ResolvedConfig:
         """config.json (raw) -> the resolved config, each field with its provenance; ConfigError names a
         bad field."""
 
     def manifest_facts(self, cfg: ResolvedConfig) -> dict:
-        """What porter.json records beyond the resolved config: {"architecture": name, ...}."""
+        """What porter.json records beyond the resolved config: {"architecture": name, "activation":
+        {"name": ..., parameters..., "provenance": {parameter: where}}, ...}; re-derivable from the config
+        alone (verify recomputes it from the artifact's config.json and compares)."""
 
-    # the plan and names
+    def source_layout(self, raw: dict, names) -> str:
+        """A label of the source checkpoint's layout (e.g. "vendor", "transformers") from its config and
+        tensor names, for reports."""
+
     def plan_tensors(
         self,
         cfg: ResolvedConfig,
@@ -65,21 +75,13 @@ class Converter(Protocol):
         names a missing, unexpected or mis-shaped tensor."""
 
     def canonical_name(self, src: str) -> Optional[str]:
-        """Source tensor name -> canonical name, None for tensors outside the text model (carried)."""
+        """Source (or hf-layout) tensor name -> canonical name, None for tensors outside the text model
+        (carried under their own names)."""
 
-    def experts_w13_name(self, layer: int) -> str:
-        """Canonical name of a layer's stacked [E, 2I, H] gate/up expert weight."""
 
-    def experts_w2_name(self, layer: int) -> str:
-        """Canonical name of a layer's stacked [E, H, I] down expert weight."""
+class HfLayout(Protocol):
+    """The `hf_layout` capability: the vendor release's layout, which vLLM and sglang load."""
 
-    def interleave_gate_up(self, w: torch.Tensor) -> torch.Tensor:
-        """[..., 2I, H] [gate; up] -> rows gate0, up0, gate1, up1, ... (a fused source's other order)."""
-
-    def uninterleave_gate_up(self, w: torch.Tensor) -> torch.Tensor:
-        """Inverse of interleave_gate_up."""
-
-    # the hf layout (the vendor release's, which serving engines load)
     def check_hf_source(self, raw: dict, where: str = "config.json") -> None:
         """ConfigError unless this source can be written in the hf layout."""
 
@@ -88,12 +90,6 @@ class Converter(Protocol):
 
     def hf_quantization_config(self, out: list, quantize: str, scale_rounding: str) -> Optional[dict]:
         """The hf layout's quantization_config for a plan (None when nothing is quantized)."""
-
-    def hf_ignored_layers(self, out: list) -> list:
-        """Module paths of the plan's text-model linears left unquantized, as the engines match them."""
-
-    def hf_name(self, canonical: str) -> str:
-        """Canonical name -> hf-layout name."""
 
     def hf_canonical_map(self, names) -> dict:
         """hf-layout tensor names -> {canonical: hf name | [[hf row parts] per expert]} (what the runtime
@@ -110,6 +106,29 @@ class Rule:
     op: str = "copy"
 
 
+class VerifyRules(Protocol):
+    """The `verify_rules` capability: verify's own source -> artifact table, written independently of the
+    converter's plan (a module that imports nothing of its converter package)."""
+
+    def source_rules(self, names: set, interleaved: bool) -> tuple:
+        """(label of the source layout, the rules in priority order) for a checkpoint's tensor names."""
+
+    def roots(self, names: set) -> dict:
+        """Template fields fixed per checkpoint (e.g. {"m": model root, "h": lm_head root})."""
+
+    def canonical(self, name: str, layout: str) -> str:
+        """An artifact tensor name of `layout` ("porter" | "hf") -> the canonical name the rules are
+        written for."""
+
+    def experts_of(self, canonical: str) -> Optional[tuple]:
+        """(stacked [E, N, K] canonical name, expert index or None) for a routed-expert weight: a stacked
+        tensor gives (itself, None), one expert's 2-D weight (hf layout) (its stacked tensor, e); None for
+        anything else."""
+
+
+CAPABILITIES = {"hf_layout": HfLayout, "verify_rules": VerifyRules}
+
+
 def protocol_members(proto: type = Converter) -> dict:
     """{name: "function" | "constant"} for every member of a protocol class."""
     functions = {
@@ -120,24 +139,40 @@ def protocol_members(proto: type = Converter) -> dict:
 
 
 def conformance_problems(module) -> list[str]:
-    """What `module` lacks of the Converter protocol: missing names, non-callables, and functions whose
-    parameters are not the protocol's (same names in the same order). Empty when it conforms."""
+    """What `module` lacks of the Converter protocol and of each capability it provides: missing names,
+    non-callables, functions whose parameters are not the protocol's (same names in the same order), and
+    LAYOUTS naming "hf" exactly when the hf_layout capability is there. Empty when it conforms."""
+    problems = _members_problems(module, Converter, "")
+    for cap, proto in CAPABILITIES.items():
+        value = getattr(module, cap, None)
+        if value is not None:
+            problems += _members_problems(value, proto, f"{cap}.")
+    layouts = getattr(module, "LAYOUTS", ())
+    if isinstance(layouts, tuple) and ("hf" in layouts) != (getattr(module, "hf_layout", None) is not None):
+        problems.append('LAYOUTS lists "hf" exactly when the hf_layout capability is provided')
+    return problems
+
+
+def _members_problems(obj, proto: type, prefix: str) -> list[str]:
     problems = []
-    for name, kind in protocol_members().items():
-        if not hasattr(module, name):
-            problems.append(f"{name} is missing")
+    hints = get_type_hints(proto)
+    for name, kind in protocol_members(proto).items():
+        if not hasattr(obj, name):
+            problems.append(f"{prefix}{name} is missing")
             continue
-        value = getattr(module, name)
+        value = getattr(obj, name)
         if kind == "constant":
-            want_type = get_type_hints(Converter)[name]
-            if not isinstance(value, want_type):
-                problems.append(f"{name} is a {type(value).__name__}, not a {want_type.__name__}")
+            want_type = hints[name]
+            if want_type is not object and not isinstance(value, want_type):
+                problems.append(f"{prefix}{name} is a {type(value).__name__}, not a {want_type.__name__}")
             continue
         if not callable(value):
-            problems.append(f"{name} is not callable")
+            problems.append(f"{prefix}{name} is not callable")
             continue
-        want = list(inspect.signature(getattr(Converter, name)).parameters)[1:]  # without self
+        want = list(inspect.signature(getattr(proto, name)).parameters)[1:]  # without self
         have = list(inspect.signature(value).parameters)
         if have != want:
-            problems.append(f"{name}{tuple(have)} does not take the protocol's parameters {tuple(want)}")
+            problems.append(
+                f"{prefix}{name}{tuple(have)} does not take the protocol's parameters {tuple(want)}"
+            )
     return problems

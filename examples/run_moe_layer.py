@@ -18,9 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from porter.format.layout import scale_name  # noqa: E402
+from runtime import models  # noqa: E402
 from runtime.loader import getter, open_store  # noqa: E402
-from runtime.models.minimax_m3 import MoE  # noqa: E402
 from runtime.moe import make_moe, resolve_backend  # noqa: E402
 
 
@@ -45,14 +44,14 @@ def main(argv=None) -> int:
         else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     )
     store = open_store(args.artifact)
-    cfg = store.config
+    cfg, runtime_model = store.config, models.for_store(store)  # the architecture's runtime model module
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
     layer = moe_layers[0] if args.layer is None else args.layer
     if layer not in moe_layers:
         ap.error(f"layer {layer} is not a MoE layer; MoE layers: {moe_layers[0]}..{moe_layers[-1]}")
-    p = f"model.layers.{layer}.block_sparse_moe."
-    quantized = scale_name(store.converter.experts_w13_name(layer)) in store.names()
-    name = resolve_backend(args.backend, device, quantized=quantized)
+    name = resolve_backend(
+        args.backend, device, quantized=runtime_model.experts_quantized(cfg, store.names())
+    )
 
     get = getter(store, store.names(), device)
     canonical = []  # the canonical tensors as loaded: a backend that rebases them at load keeps no reference
@@ -61,7 +60,7 @@ def main(argv=None) -> int:
         canonical.append(q)
         return make_moe(name, q, r)
 
-    moe = MoE(cfg, get, p, device, backend)
+    moe = runtime_model.moe_block(cfg, get, layer, device, backend)
     q = canonical[0]
     reference = make_moe("torch", q, moe.routing)
 

@@ -237,10 +237,9 @@ def to_transformers_names(w: dict, text: dict, interleaved: bool = False) -> dic
         gate_up = torch.stack(
             [torch.cat([w[m + f"{x}.w1.weight"], w[m + f"{x}.w3.weight"]]) for x in experts]
         )
-        if interleaved:
-            import converters
-
-            gate_up = converters.get("minimax_m3_vl_text").interleave_gate_up(gate_up)
+        if interleaved:  # rows gate0, up0, gate1, up1, ... (written here, independently of the converter)
+            i = gate_up.shape[-2] // 2
+            gate_up = torch.stack([gate_up[:, :i], gate_up[:, i:]], dim=-2).reshape(gate_up.shape)
         out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up.contiguous()  # [E, 2I, H]
         out[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(
             [w[m + f"{x}.w2.weight"] for x in experts]

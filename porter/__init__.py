@@ -1,4 +1,4 @@
-"""porter: MiniMax-M3 Hugging Face checkpoints -> MXFP8 artifacts, with a runtime and a verifier.
+"""porter: Hugging Face MoE checkpoints -> MXFP8 artifacts, with a runtime and a verifier.
 
 The Python API mirrors the command line: `porter.convert(...)` is `porter convert`, `porter.verify(...)` is
 `porter verify` (docs/architecture.md). The runtime is the separate `runtime` package (`runtime.load`).

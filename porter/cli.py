@@ -8,7 +8,10 @@ Exit codes (porter/errors.py; docs/architecture.md): 0 success, 1 `verify` says 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
+import threading
 import traceback
 
 import click
@@ -16,6 +19,7 @@ import click
 from porter.cli_options import (
     VERIFY_HELP,
     common_options,
+    convert_options,
     device_option,
     echo_error,
     hub_options,
@@ -24,7 +28,6 @@ from porter.cli_options import (
 )
 from porter.devices import resolve_device
 from porter.errors import EXIT_INTERNAL, PorterError
-from porter.format.digest import CHUNK_HASHES, DEFAULT_DIGEST
 
 log = logging.getLogger("porter")
 
@@ -36,30 +39,70 @@ def _one_line(e: BaseException) -> str:
     return text or type(e).__name__
 
 
-def _run(ctx, fn):
+class _Interrupts:
+    """Ctrl-C while a command runs: the first raises KeyboardInterrupt (the command stops, closing what it
+    has open); any further one while it stops is ignored, so a few quick presses still end in the one line
+    and exit 130, never in a traceback from the middle of the clean-up."""
+
+    def __init__(self):
+        self.seen = False
+        self.previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum, frame):
+        if self.seen:
+            return
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def ignore_more(self) -> None:
+        self.seen = True
+
+    def __exit__(self, *exc):
+        # After a Ctrl-C the `porter` program keeps ignoring further presses until it has exited (exit 130);
+        # called in-process (porter.cli.main from Python, tests) the caller's handler comes back.
+        if self.previous is not None and not (self.seen and _is_the_porter_program()):
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _is_the_porter_program() -> bool:
+    """This process is `porter ...` or `python -m porter.cli ...`, not a Python program calling main()."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(spec, "name", None) == "porter.cli" or os.path.basename(sys.argv[0] or "") == "porter"
+
+
+def _run(ctx, fn, interrupted=None):
     """The CLI boundary: run `fn`, turning a `PorterError` into one line + exit 2 and anything else into
-    an internal-error line + exit 3. With `-v` the traceback is printed first; the exit code is the same."""
+    an internal-error line + exit 3. With `-v` the traceback is printed first; the exit code is the same.
+    Ctrl-C: one line (`interrupted()`: what to do next, e.g. the exact command that resumes) and exit 130."""
     verbose = (ctx.obj or {}).get("verbose", 0)
-    try:
-        return fn()
-    except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
-        raise
-    except KeyboardInterrupt:
-        echo_error("porter: interrupted (finished shards are kept; rerun with --resume)")
-        sys.exit(EXIT_INTERRUPTED)
-    except PorterError as e:
-        if verbose:
-            traceback.print_exc()
-        echo_error(f"porter: error: {_one_line(e)}")
-        sys.exit(e.exit_code)
-    except Exception as e:  # noqa: BLE001 — anything that is not a PorterError is a bug in porter
-        if verbose:
-            traceback.print_exc()
-        echo_error(
-            f"porter: internal error: {type(e).__name__}: {_one_line(e)} "
-            "(please report; -v shows the traceback)"
-        )
-        sys.exit(EXIT_INTERNAL)
+    with _Interrupts() as interrupts:
+        try:
+            return fn()
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except KeyboardInterrupt:
+            interrupts.ignore_more()
+            hint = interrupted() if interrupted is not None else None
+            echo_error(f"porter: interrupted: {hint}" if hint else "porter: interrupted")
+            sys.exit(EXIT_INTERRUPTED)
+        except PorterError as e:
+            if verbose:
+                traceback.print_exc()
+            echo_error(f"porter: error: {_one_line(e)}")
+            sys.exit(e.exit_code)
+        except Exception as e:  # noqa: BLE001 — anything that is not a PorterError is a bug in porter
+            if verbose:
+                traceback.print_exc()
+            echo_error(
+                f"porter: internal error: {type(e).__name__}: {_one_line(e)} "
+                "(please report; -v shows the traceback)"
+            )
+            sys.exit(EXIT_INTERNAL)
 
 
 @click.group()
@@ -68,7 +111,7 @@ def _run(ctx, fn):
 @click.version_option(package_name="porter")
 @click.pass_context
 def main(ctx, verbose, quiet):
-    """porter: MiniMax-M3 checkpoints -> MXFP8 artifacts that run fast and provably right.
+    """porter: MoE checkpoints -> MXFP8 artifacts that run fast and provably right.
 
     Exit codes: 0 ok, 1 not faithful (verify), 2 bad input, 3 internal error."""
     ctx.obj = {"verbose": verbose, "quiet": quiet}
@@ -78,118 +121,17 @@ def main(ctx, verbose, quiet):
 @main.command()
 @click.argument("source")
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Output folder.")
-@click.option("--revision", default=None, help="Hub revision (branch, tag or commit) for a repo id.")
-@click.option(
-    "--quantize",
-    type=click.Choice(["experts", "all", "none"]),
-    default=None,
-    help="experts: routed experts; all: every linear but embeddings, lm_head, router and norms; "
-    "none: keep bf16 (exact comparisons). Default: experts (porter layout), all (hf layout).",
-)
-@click.option(
-    "--layout",
-    type=click.Choice(["porter", "hf"]),
-    default="porter",
-    show_default=True,
-    help="porter: stacked experts for porter's runtime; hf: the vendor release's names and per-expert "
-    "tensors, which vLLM and sglang load (docs/serving-engines.md).",
-)
-@click.option(
-    "--gate-up",
-    type=click.Choice(["auto", "interleaved", "uninterleaved"]),
-    default="auto",
-    show_default=True,
-    help="Row order of a fused source gate_up_proj (auto: the config's "
-    "gate_up_interleaved). Output is always [gate; up].",
-)
-@click.option(
-    "--scale-rounding",
-    type=click.Choice(["rceil", "floor"]),
-    default="rceil",
-    show_default=True,
-    help="rceil: smallest power of two that fits (never clips). floor: OCP reference rule, lossier.",
-)
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Shard size cap, e.g. 5GB, 500MB.")
-@click.option(
-    "--force",
-    is_flag=True,
-    help="Replace an earlier porter output in the output folder (only "
-    "files porter wrote; anything else is refused: docs/convert.md).",
-)
-@click.option("--resume", is_flag=True, help="Continue an interrupted conversion into the same folder.")
-@click.option(
-    "--dry-run",
-    is_flag=True,
-    help="Print the plan (reads, quantized tensors, shards, memory); write nothing.",
-)
-@click.option(
-    "--workers",
-    type=int,
-    default=None,
-    help="Worker threads for read/quantize/hash/write [default: the cores available + 1].",
-)
-@click.option(
-    "--max-memory", default=None, help="Memory budget, e.g. 16GB [default: half the available RAM]."
-)
-@device_option("Where to quantize (the output is byte-identical either way)")
-@click.option(
-    "--digest",
-    type=click.Choice(list(CHUNK_HASHES)),
-    default=DEFAULT_DIGEST,
-    show_default=True,
-    help="Chunk hash of the shard digests in porter.json: xxh3-128 (fast checksum, like rsync's) or "
-    "sha256 (for a manifest that is signed or published apart from the shards).",
-)
+@convert_options
 @hub_options
 @common_options
 @click.pass_context
-def convert(
-    ctx,
-    source,
-    output,
-    revision,
-    quantize,
-    layout,
-    gate_up,
-    scale_rounding,
-    max_shard_size,
-    force,
-    resume,
-    dry_run,
-    workers,
-    max_memory,
-    device,
-    digest,
-    token,
-    cache_dir,
-):
+def convert(ctx, source, output, **options):
     """Convert SOURCE (a local dir or a Hugging Face repo id) to a porter MXFP8 artifact."""
+    from porter.commands.convert import ConvertOptions, interrupted_hint
     from porter.commands.convert import convert as do_convert
 
-    _run(ctx, lambda: resolve_device(device))
-    _run(
-        ctx,
-        lambda: do_convert(
-            source,
-            output,
-            revision=revision,
-            quantize=quantize,
-            gate_up=gate_up,
-            scale_rounding=scale_rounding,
-            max_shard_size=max_shard_size,
-            force=force,
-            resume=resume,
-            dry_run=dry_run,
-            progress=not ctx.obj["quiet"],
-            layout=layout,
-            workers=workers,
-            max_memory=max_memory,
-            device=device,
-            digest=digest,
-            token=token,
-            cache_dir=cache_dir,
-        ),
-    )
+    opts = ConvertOptions(**options, progress=not ctx.obj["quiet"])
+    _run(ctx, lambda: do_convert(source, output, opts), interrupted=lambda: interrupted_hint(output))
 
 
 @main.command("inspect")

@@ -84,6 +84,28 @@ def device_option(what: str):
     return click.option("--device", default="auto", show_default=True, help=f"{what}: {DEVICE_HELP}.")
 
 
+def convert_options(f):
+    """One flag per field of porter.commands.convert.ConvertOptions that has CLI metadata, in field order:
+    `--max-shard-size` for `max_shard_size`, its help, choices and default from the field."""
+    from dataclasses import MISSING, fields
+
+    from porter.commands.convert.options import ConvertOptions, flag
+
+    for field in reversed([x for x in fields(ConvertOptions) if "cli" in x.metadata]):
+        cli = field.metadata["cli"]
+        kw = {"help": cli["help"], "default": None if field.default is MISSING else field.default}
+        if cli.get("flag"):
+            kw["is_flag"] = True
+        if cli.get("choices"):
+            kw["type"] = click.Choice(list(cli["choices"]))
+        elif cli.get("type"):
+            kw["type"] = cli["type"]
+        if cli.get("show_default"):
+            kw["show_default"] = True
+        f = click.option(flag(field.name), field.name, **kw)(f)
+    return f
+
+
 def hub_options(f):
     """--token and --cache-dir, for every command that reads the Hugging Face Hub."""
     f = click.option(
@@ -175,7 +197,7 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
        the prompts; the converted model's greedy continuation scored by one teacher-forced reference pass.
 
     \b
-    What it does not prove: that porter's runtime computes MiniMax-M3 correctly (both models run through
+    What it does not prove: that porter's runtime computes the architecture correctly (both models run through
     it; that is checked by the oracle tests against transformers), nor that the source checkpoint is right.
 
     The table and the JSON report mark which figures decide the verdict (with their threshold) and which

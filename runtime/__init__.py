@@ -1,7 +1,7 @@
-"""porter runtime: run a converted MiniMax-M3 artifact (or the original HF checkpoint, as the reference).
+"""porter runtime: run a converted artifact (or the original HF checkpoint, as the reference).
 
     import runtime
-    model = runtime.load("out/m3-mxfp8", device="cuda")    # + its tokenizer and generation_config.json
+    model = runtime.load("out/model-mxfp8", device="cuda")    # + its tokenizer and generation_config.json
     print(model.generate("The capital of France is"))      # text in, text out (greedy; EOS from the config)
     model.generate(["a", "b"], 32, do_sample=True, temperature=0.7, top_p=0.9, seed=0)  # batched, sampled
     model.generate("hi", chat=True, stop=["\n\n"], stream=lambda row, text: print(text, end=""))
@@ -14,10 +14,10 @@
 
 On CUDA, decode steps replay captured CUDA graphs (one per device's run of layers) unless
 cuda_graph=False. Modules: loader.py (stores, memory model, streaming) · placement.py (device_map) ·
-models/minimax_m3.py (the forward pass; building blocks in models/layers.py) · cache.py (positions, KV and
-indexer caches) · text.py (tokenizer, chat template, generation defaults) · sampling.py · generate.py ·
-graph.py (captured decode) · kernels/ (attention, fused decode ops, GEMVs + their Triton kernels) · moe/
-(contract, backends, selection).
+models/ (the registry: one forward pass per architecture; building blocks in models/layers.py) ·
+cache.py (positions, KV and indexer caches) · text.py (tokenizer, chat template, generation defaults) ·
+sampling.py · generate.py · graph.py (captured decode) · kernels/ (attention, fused decode ops, GEMVs +
+their Triton kernels) · moe/ (contract, backends, selection).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 
 from porter.devices import resolve_device, resolve_dtype
 from porter.errors import BackendUnavailable, LoadError, PlacementError
+from runtime import models
 from runtime.loader import build_model, open_store
 from runtime.moe import check_numerics, check_numerics_name, make_moe, resolve_backend
 from runtime.placement import resolve as resolve_placement
@@ -50,7 +51,7 @@ def load(
     moe_fp8_prefill: bool = True,
     moe_numerics: Optional[str] = None,
 ):
-    """Load a porter artifact dir (porter.json) or an original MiniMax-M3 HF checkpoint dir (or an already
+    """Load a porter artifact dir (porter.json) or an original HF checkpoint dir (or an already
     opened store from runtime.loader.open_store, which the caller keeps, e.g. to read weights or close()).
 
     dtype: compute dtype (default float32 on CPU, bfloat16 on CUDA). backend: MoE backend, checked against
@@ -94,7 +95,7 @@ def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_p
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = resolve_dtype(dtype, device)
-    quantized = any(n.endswith("experts.w13_weight_scale") for n in store.names())
+    quantized = models.for_store(store).experts_quantized(store.config, store.names())
     name = resolve_backend(backend, device, quantized=quantized)
     check_numerics(moe_numerics, name, quantized)
     log.info("loading %s on %s (%s, MoE backend %s, lazy=%s)", store.path, device, dtype, name, lazy)

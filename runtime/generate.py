@@ -100,7 +100,8 @@ def _last_logits(logits: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Te
 def cache_slots(tokens: int, block: int) -> int:
     """Slots of a reusable decode cache for `tokens` positions: rounded up to eighths of an octave (so
     prompts of similar length share one captured step, reading at most 1/8 more cache than they need) and
-    to whole blocks of the model's cache (`model.cache_block`: MiniMax-M3's index blocks; 1 for none)."""
+    to whole blocks of the model's cache (a model's `cache_block`, e.g. the blocks a sparse attention reads;
+    1 when it has none)."""
     step = max(block, 1 << max(tokens.bit_length() - 4, 0))
     return -(-tokens // step) * step
 
@@ -127,7 +128,7 @@ class Decoder:
     @staticmethod
     def _kept(model, batch: int, tokens: int):
         """(cache, graph) kept on the model for this batch and cache size, the cache emptied in place."""
-        key = (batch, cache_slots(tokens, model.cache_block))
+        key = (batch, cache_slots(tokens, getattr(model, "cache_block", 1)))
         if model.decode_state is None or model.decode_state[0] != key:
             model.decode_state = None  # free the old cache and graph before allocating the new ones
             cache = model.new_cache(*key)
@@ -158,7 +159,7 @@ def generate(
     chat: bool = False,
     cuda_graph: Optional[bool] = None,
 ):
-    """See MiniMaxM3.generate."""
+    """See the models' generate (runtime/models/)."""
     kind = _prompt_kind(prompt)
     cfg = model.generation_config.with_overrides(
         max_new_tokens=max_new_tokens,

@@ -16,7 +16,6 @@ closes the store's shard handles, so pages mapped for it stop counting as reside
 from __future__ import annotations
 
 import gc
-import importlib
 import logging
 from pathlib import Path
 from typing import Callable, Optional
@@ -26,14 +25,11 @@ from safetensors import SafetensorError, safe_open
 
 import converters
 from porter.errors import LoadError, PorterError
-from porter.format import manifest
+from porter.format import journal, manifest
 from porter.format.safe_files import inside, read_json_object, regular_file
 from porter.format.safetensors_io import parse_header
+from runtime import models
 from runtime.models.layers import Rope
-from runtime.models.minimax_m3 import DecoderLayer, MiniMaxM3
-
-# converter ARCHITECTURE -> runtime model module under runtime/models/ (Model, DecoderLayer, optional rope)
-MODELS = {"minimax_m3": "minimax_m3", "gpt_oss": "gpt_oss"}
 
 log = logging.getLogger("porter.runtime")
 
@@ -69,11 +65,15 @@ class ArtifactStore:
         self._check_shards(index)
         # hf layout (vendor names, per-expert tensors): canonical name -> hf name, or per expert the hf
         # row parts that stack to [E, N, K] when the model touches them (the converter's hf_canonical_map)
-        options = self.manifest.get("options")
-        if options is not None and not isinstance(options, dict):
-            raise LoadError(f"{path / manifest.MANIFEST}: 'options' must be a JSON object; reconvert")
-        hf = (options or {}).get("layout") == "hf"
-        self._hf = self.converter.hf_canonical_map(self.files) if hf else None
+        try:
+            hf = manifest.read_options(self.manifest, str(path / manifest.MANIFEST)).layout == "hf"
+        except PorterError as e:
+            raise LoadError(str(e)) from None
+        if hf and self.converter.hf_layout is None:
+            raise LoadError(
+                f"{path}: porter.json says layout hf, which {self.converter.ARCHITECTURE} has not"
+            )
+        self._hf = self.converter.hf_layout.hf_canonical_map(self.files) if hf else None
 
     def _check_shards(self, index: Path) -> None:
         """Every shard is a valid safetensors file of this folder holding the tensors the index gives it
@@ -218,6 +218,9 @@ def open_store(path) -> ArtifactStore | SourceStore:
     path = Path(path).expanduser()
     if not path.is_dir():
         raise LoadError(f"{path}: not a directory (give a porter artifact or a checkpoint folder)")
+    unfinished = journal.interrupted(path)  # a porter output whose conversion did not finish
+    if unfinished is not None:
+        raise LoadError(str(unfinished))
     if manifest.is_artifact(path):
         return ArtifactStore(path)
     if (path / "config.json").exists() or (path / "config.json").is_symlink():
@@ -261,16 +264,14 @@ def getter(store, names: set, device: torch.device) -> Callable[[str], Optional[
 class LazyLayers:
     """Sequence of decoder layers built on access; at most one is resident (see module docstring)."""
 
-    def __init__(
-        self, n: int, build: Callable[[int], DecoderLayer], on_release: Callable[[], None] = lambda: None
-    ):
+    def __init__(self, n: int, build: Callable[[int], object], on_release: Callable[[], None] = lambda: None):
         self._n, self._build, self._on_release = n, build, on_release
         self._index, self._layer = None, None
 
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, i: int) -> DecoderLayer:
+    def __getitem__(self, i: int):
         if not 0 <= i < self._n:
             raise IndexError(i)
         if self._index != i:
@@ -297,19 +298,21 @@ def build_model(
     lazy: bool,
     placement=None,
     mxfp8_act: bool = False,
-) -> MiniMaxM3:
-    """placement (runtime.placement.Placement): decoder layer i on placement.layers[i], embeddings on
+):
+    """The store's model (runtime.models registry, by its converter's architecture).
+    placement (runtime.placement.Placement): decoder layer i on placement.layers[i], embeddings on
     placement.embed, final norm + lm_head on placement.head; None = everything on `device`.
     mxfp8_act: every MXFP8 linear rounds its input to MXFP8 first (the serving numerics, Linear.input)."""
+    model_module = models.for_store(store)
     cfg, names = store.config, store.names()
-    name = store.converter.ARCHITECTURE if getattr(store, "converter", None) is not None else "minimax_m3"
-    family = importlib.import_module(f"runtime.models.{MODELS[name]}")
-    make_rope = getattr(family, "rope", lambda cfg, d: Rope(cfg.rotary_dim, cfg.rope_theta, d))
     n = cfg.num_hidden_layers
     if placement is None:
         where, embed_dev, head_dev = [device] * n, device, device
     else:
         where, embed_dev, head_dev = list(placement.layers), placement.embed, placement.head
+    make_rope = getattr(model_module, "rope", None) or (
+        lambda cfg, d: Rope(cfg.rotary_dim, cfg.rope_theta, d)
+    )
     getters, ropes = {}, {}
     for d in {*where, embed_dev, head_dev}:  # one getter and one Rope (inv_freq) per device
         getters[d], ropes[d] = getter(store, names, d), make_rope(cfg, d)
@@ -317,11 +320,11 @@ def build_model(
     if "lm_head.weight" not in top and head_dev != embed_dev:  # tied: lm_head needs the embedding there too
         top["lm_head.weight"] = getters[head_dev](TOP_NAMES[0])
 
-    def build(i: int) -> DecoderLayer:
-        layer = family.DecoderLayer(cfg, getters[where[i]], i, ropes[where[i]], where[i], make_backend)
+    def build(i: int):
+        layer = model_module.DecoderLayer(cfg, getters[where[i]], i, ropes[where[i]], where[i], make_backend)
         for lin in layer.linears():
             lin.mxfp8_act = mxfp8_act
         return layer
 
     layers = LazyLayers(n, build, store.close) if lazy else [build(i) for i in range(n)]
-    return family.Model(cfg, top, layers, embed_dev, dtype, layer_devices=where)
+    return model_module.Model(cfg, top, layers, embed_dev, dtype, layer_devices=where)

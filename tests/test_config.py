@@ -4,6 +4,7 @@ import pytest
 from tiny_checkpoint import transformers_config, vendor_config
 
 import converters
+import converters.minimax_m3 as m3
 from porter.errors import ConfigError
 
 arch = converters.get("minimax_m3_vl")  # the MiniMax-M3 converter
@@ -119,9 +120,9 @@ def test_gate_up_round_trip_both_directions():
     import torch
 
     w = torch.randn(3, 2 * 5, 7)
-    assert torch.equal(arch.uninterleave_gate_up(arch.interleave_gate_up(w)), w)
-    assert torch.equal(arch.interleave_gate_up(arch.uninterleave_gate_up(w)), w)
-    inter = arch.interleave_gate_up(w)
+    assert torch.equal(m3.uninterleave_gate_up(m3.interleave_gate_up(w)), w)
+    assert torch.equal(m3.interleave_gate_up(m3.uninterleave_gate_up(w)), w)
+    inter = m3.interleave_gate_up(w)
     assert torch.equal(inter[:, 0], w[:, 0]) and torch.equal(inter[:, 1], w[:, 5])  # gate0, up0, ...
     assert torch.equal(inter[:, 3], w[:, 6])  # up1
 

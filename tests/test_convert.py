@@ -15,6 +15,7 @@ from tensor_checks import chunked_digest, cuda_quantize_path_on_cpu, load_all, s
 from tiny_checkpoint import build_tiny_checkpoint
 
 import converters
+import converters.minimax_m3 as m3
 import porter
 from porter.cli import main as cli
 from porter.format import mxfp8
@@ -36,12 +37,12 @@ def test_experts_equal_quantization_of_source(tiny_vendor, converted):
     cfg = arch.resolve_config(json.loads((tiny_vendor / "config.json").read_text()))
     for layer in range(cfg.num_hidden_layers):
         if not cfg.is_moe(layer):
-            assert arch.experts_w13_name(layer) not in dst
+            assert m3.experts_w13_name(layer) not in dst
             continue
         p = f"language_model.model.layers.{layer}.block_sparse_moe.experts."
-        w13 = dst[arch.experts_w13_name(layer)]
-        w13_s = dst[arch.experts_w13_name(layer).replace("w13_weight", "w13_weight_scale")]
-        w2, w2_s = dst[arch.experts_w2_name(layer)], dst[arch.experts_w2_name(layer) + "_scale"]
+        w13 = dst[m3.experts_w13_name(layer)]
+        w13_s = dst[m3.experts_w13_name(layer).replace("w13_weight", "w13_weight_scale")]
+        w2, w2_s = dst[m3.experts_w2_name(layer)], dst[m3.experts_w2_name(layer) + "_scale"]
         assert w13.dtype == torch.float8_e4m3fn and w13_s.dtype == torch.uint8
         assert tuple(w13.shape) == (8, 128, 64) and tuple(w13_s.shape) == (8, 128, 2)
         assert tuple(w2.shape) == (8, 64, 64) and tuple(w2_s.shape) == (8, 64, 2)
@@ -94,7 +95,9 @@ def test_index_manifest_and_shards_consistent(converted):
                 assert chunked_digest(t.contiguous().view(torch.uint8).numpy().tobytes()) == rec["digest"]
     w13 = doc["tensors"]["model.layers.2.block_sparse_moe.experts.w13_weight"]
     assert 0.005 < w13["rel_fro_error"] < 0.0625 and w13["max_abs_error"] > 0
-    assert doc["swiglu"] == {
+    assert doc["architecture"] == "minimax_m3" and doc["activation"] == {
+        "name": "swiglu_oai",
+        "formula": "min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + beta)",
         "alpha": 1.702,
         "beta": 1.0,
         "limit": 7.0,
@@ -135,7 +138,7 @@ def test_interleaved_gate_up_is_uninterleaved(tiny_transformers, tmp_path, how):
     porter.convert(src, tmp_path / "a", gate_up="interleaved" if how == "flag" else "auto", progress=False)
     porter.convert(tiny_transformers, tmp_path / "b", progress=False)
     a, b = load_all(tmp_path / "a"), load_all(tmp_path / "b")
-    name = arch.experts_w13_name(1)
+    name = m3.experts_w13_name(1)
     assert a[name].view(torch.uint8).equal(b[name].view(torch.uint8))
     if how == "flag":  # without the flag the interleaved rows would be taken as [gate; up]: different
         porter.convert(src, tmp_path / "c", progress=False)
@@ -166,7 +169,7 @@ def test_quantize_all_scope(tiny_vendor, tmp_path):
 def test_quantize_none_keeps_everything_exact(tiny_vendor, tmp_path):
     porter.convert(tiny_vendor, tmp_path / "none", quantize="none", progress=False)
     src, dst = load_all(tiny_vendor), load_all(tmp_path / "none")
-    w13 = dst[arch.experts_w13_name(3)]
+    w13 = dst[m3.experts_w13_name(3)]
     p = "language_model.model.layers.3.block_sparse_moe.experts."
     assert w13.dtype == torch.bfloat16
     assert torch.equal(w13[5], torch.cat([src[p + "5.w1.weight"], src[p + "5.w3.weight"]]))
@@ -437,12 +440,12 @@ def test_builder_copies_is_found_from_the_builders_themselves(tiny_vendor, tiny_
     """builder_copies: the vendor layout's w1 / w3 reads and an uninterleaved fused gate_up slice are handed on
     as read (no copy); uninterleaving a fused gate_up makes a new tensor, which the estimate then counts on
     top of the slab (src bytes of the unit)."""
-    from porter.commands.convert import make_plan
+    from porter.commands.convert import ConvertOptions, make_plan
     from porter.engine.units import builder_copies, quant_sizes, unit_costs
     from porter.source import open_source
 
     for src in (tiny_vendor, tiny_transformers):
-        plan = make_plan(open_source(src), max_shard_size="300KB", gate_up=gate_up)
+        plan = make_plan(open_source(src), ConvertOptions(max_shard_size="300KB", gate_up=gate_up))
         meta = plan.source.stored_meta
         w13 = next(t for t in plan.tensors if t.name.endswith("w13_weight"))
         w2 = next(t for t in plan.tensors if t.name.endswith("w2_weight"))
@@ -689,7 +692,10 @@ def test_sha256_digests_same_bytes_and_verified(tiny_vendor, converted, tmp_path
         cli,
         ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", "300KB", "--resume", "-q"],
     )  # default digest: another conversion than the one there
-    assert res.exit_code == 2 and "different options" in res.output, res.output
+    assert (
+        res.exit_code == 2
+        and "--resume with --digest xxh3-128, but this output was made with --digest sha256" in res.output
+    ), res.output
     res = CliRunner().invoke(
         cli,
         [
@@ -745,7 +751,7 @@ def test_verify_names_the_changed_tensor_and_the_changed_header(converted, tmp_p
     art = tmp_path / "art"
     shutil.copytree(converted, art)
     man = json.loads((art / "porter.json").read_text())
-    w13 = arch.experts_w13_name(2)
+    w13 = m3.experts_w13_name(2)
     shard = art / man["tensors"][w13]["shard"]
     raw = bytearray(shard.read_bytes())
     info = read_header(shard)[w13]
@@ -772,10 +778,10 @@ def test_max_memory_caps_the_workers_or_refuses_in_one_line(tiny_vendor, tmp_pat
     import logging
 
     from porter import engine
-    from porter.commands.convert import make_plan
+    from porter.commands.convert import ConvertOptions, make_plan
     from porter.source import open_source
 
-    plan = make_plan(open_source(tiny_vendor), max_shard_size="300KB")
+    plan = make_plan(open_source(tiny_vendor), ConvertOptions(max_shard_size="300KB"))
     cpu = torch.device("cpu")
     need = {
         w: (lambda e: e["base"] + e["readback"] + e["unit"] + e["scales"])(
@@ -824,11 +830,11 @@ def test_unit_costs_count_the_quantizer_that_runs_and_copies_once(tiny_vendor, m
     C quantizer, 16 with the torch path (no C quantizer, or a source the C loop does not take);
     on the GPU path the same call's memory with its results (a part quantized on the CPU while the CUDA
     context starts); a copied range costs nothing beyond the worker's read slab it lives in."""
-    from porter.commands.convert import make_plan
+    from porter.commands.convert import ConvertOptions, make_plan
     from porter.format import mxfp8_native
     from porter.source import open_source
 
-    plan = make_plan(open_source(tiny_vendor), max_shard_size="300KB")
+    plan = make_plan(open_source(tiny_vendor), ConvertOptions(max_shard_size="300KB"))
     from porter.engine.units import make_units, quant_sizes, unit_costs
 
     meta, cpu = plan.source.stored_meta, torch.device("cpu")

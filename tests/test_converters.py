@@ -16,7 +16,15 @@ from tiny_checkpoint import transformers_config, vendor_config
 
 import converters
 import converters.minimax_m3
-from converters.base import Converter, ResolvedConfig, conformance_problems, protocol_members
+from converters.base import (
+    CAPABILITIES,
+    Converter,
+    HfLayout,
+    ResolvedConfig,
+    VerifyRules,
+    conformance_problems,
+    protocol_members,
+)
 from porter.cli import main as cli
 from porter.errors import ConfigError
 
@@ -44,9 +52,8 @@ def test_for_config_resolves_both_source_layouts():
 
 def test_supported_lists_every_model_type_once():
     assert converters.supported() == ("gpt_oss", "minimax_m3", "minimax_m3_vl", "minimax_m3_vl_text")
-    assert {t for m in set(converters.MODEL_TYPES.values()) for t in converters.get(m).MODEL_TYPES} == set(
-        converters.supported()
-    )
+    by_module = {t for m in set(converters.MODEL_TYPES.values()) for t in converters.get(m).MODEL_TYPES}
+    assert by_module == set(converters.supported())
 
 
 @pytest.mark.parametrize("model_type", ["llama", "minimax_m2", "", None, ["minimax_m3_vl"]])
@@ -86,31 +93,41 @@ def test_convert_refuses_an_unknown_architecture_with_exit_2(tiny_vendor, tmp_pa
 
 
 def test_protocol_members():
+    """A small core, and two optional capabilities (each a module-like object under a core name)."""
     members = protocol_members()
     assert {n for n, k in members.items() if k == "constant"} == {
         "ARCHITECTURE",
         "MODEL_TYPES",
         "LAYOUTS",
         "DEFAULT_SCOPE",
-        "HF_ARCHITECTURES",
+        "hf_layout",
         "verify_rules",
     }
     assert {n for n, k in members.items() if k == "function"} == {
         "resolve_config",
         "manifest_facts",
+        "source_layout",
         "plan_tensors",
         "canonical_name",
-        "experts_w13_name",
-        "experts_w2_name",
-        "interleave_gate_up",
-        "uninterleave_gate_up",
+    }
+    assert set(protocol_members(HfLayout)) == {
         "check_hf_source",
         "hf_config_json",
         "hf_quantization_config",
-        "hf_ignored_layers",
-        "hf_name",
         "hf_canonical_map",
     }
+    assert set(protocol_members(VerifyRules)) == {"source_rules", "roots", "canonical", "experts_of"}
+    assert set(CAPABILITIES) == {"hf_layout", "verify_rules"}
+
+
+def _same_signatures(obj, proto):
+    for name, kind in protocol_members(proto).items():
+        value = getattr(obj, name)
+        if kind != "function":
+            continue
+        want = list(inspect.signature(getattr(proto, name)).parameters.values())[1:]
+        have = list(inspect.signature(value).parameters.values())
+        assert [(p.name, p.default) for p in have] == [(p.name, p.default) for p in want], name
 
 
 def test_minimax_m3_satisfies_the_protocol():
@@ -119,35 +136,82 @@ def test_minimax_m3_satisfies_the_protocol():
     for name, kind in protocol_members().items():
         value = getattr(m3, name)
         assert callable(value) if kind == "function" else not callable(value), name
-        if kind == "function":  # same parameters, same defaults as the protocol states
-            want = list(inspect.signature(getattr(Converter, name)).parameters.values())[1:]
-            have = list(inspect.signature(value).parameters.values())
-            assert [(p.name, p.default) for p in have] == [(p.name, p.default) for p in want], name
+    _same_signatures(m3, Converter)  # same parameters, same defaults as the protocol states
+    _same_signatures(m3.hf_layout, HfLayout)
+    _same_signatures(m3.verify_rules, VerifyRules)
     assert m3.ARCHITECTURE == "minimax_m3" and m3.LAYOUTS == ("porter", "hf")
     assert m3.DEFAULT_SCOPE == {"porter": "experts", "hf": "all"}
+
+
+def test_gpt_oss_satisfies_the_core_and_verify_rules_without_an_hf_layout():
+    oss = converters.get("gpt_oss")
+    assert conformance_problems(oss) == []
+    _same_signatures(oss, Converter)
+    _same_signatures(oss.verify_rules, VerifyRules)
+    assert oss.hf_layout is None and oss.LAYOUTS == ("porter",) and oss.DEFAULT_SCOPE == {"porter": "experts"}
+
+
+def test_verify_rules_import_nothing_of_their_converter():
+    """verify's source table is written apart from the plan: a converter's verify_rules module imports no
+    module of its own package (a layout bug in the plan must not reach both sides of the comparison)."""
+    for module in sorted(set(converters.MODEL_TYPES.values())):
+        rules = converters.get(next(t for t, m in converters.MODEL_TYPES.items() if m == module)).verify_rules
+        if rules is None:
+            continue
+        tree = ast.parse(Path(rules.__file__).read_text())
+        own = [
+            n.module
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(f"converters.{module}")
+        ]
+        own += [
+            a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Import)
+            for a in n.names
+            if a.name.startswith(f"converters.{module}")
+        ]
+        assert own == [], (module, own)
 
 
 def test_resolved_config_provides_what_callers_read():
     cfg = converters.minimax_m3.resolve_config(vendor_config())
     for name in ResolvedConfig.__annotations__:
         assert hasattr(cfg, name), name
-    for name in ("to_dict", "is_moe", "is_sparse_attention"):
+    for name in ("to_dict", "is_moe", "layer_kind"):
         assert callable(getattr(cfg, name)), name
     assert isinstance(cfg.to_dict(), dict) and "provenance" not in cfg.to_dict()
+    assert set(cfg.STRUCTURAL) <= set(cfg.to_dict())
+    assert [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)] == [
+        "full/dense",
+        "sparse/moe",
+        "sparse/moe",
+        "sparse/moe",
+    ]
 
 
 def test_conformance_problems_names_what_is_wrong():
-    broken = types.SimpleNamespace(**{n: getattr(converters.minimax_m3, n) for n in protocol_members()})
-    del broken.hf_name
+    m3 = converters.minimax_m3
+    broken = types.SimpleNamespace(**{n: getattr(m3, n) for n in protocol_members()})
+    del broken.source_layout
     broken.LAYOUTS = ["porter"]
     broken.canonical_name = "not a function"
     broken.plan_tensors = lambda cfg, meta: []
+    broken.hf_layout = types.SimpleNamespace(
+        **{n: getattr(m3.hf_layout, n) for n in protocol_members(HfLayout) if n != "hf_config_json"}
+    )
     assert conformance_problems(broken) == [
         "LAYOUTS is a list, not a tuple",
+        "source_layout is missing",
         "plan_tensors('cfg', 'meta') does not take the protocol's parameters "
         "('cfg', 'src_meta', 'quantize', 'gate_up', 'layout')",
         "canonical_name is not callable",
-        "hf_name is missing",
+        "hf_layout.hf_config_json is missing",
+    ]
+    broken = types.SimpleNamespace(**{n: getattr(m3, n) for n in protocol_members()})
+    broken.hf_layout = None  # LAYOUTS still names "hf"
+    assert conformance_problems(broken) == [
+        'LAYOUTS lists "hf" exactly when the hf_layout capability is provided'
     ]
 
 
@@ -167,29 +231,38 @@ def test_registry_refuses_an_incomplete_converter_module(monkeypatch):
 
 def _converter_attributes(tree) -> list[tuple[int, str]]:
     """(line, attribute) for every attribute taken from a converter: `converter.X`, `<...>.converter.X`,
-    `converters.for_config(...).X` / `converters.get(...).X`, and the tests' `arch.X`."""
+    `converters.for_config(...).X` / `converters.get(...).X`, and the tests' `arch.X`; a capability's
+    member as "capability.X" (`<converter>.hf_layout.X`, a local `hf = <converter>.hf_layout`'s `hf.X`)."""
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Attribute):
             continue
         v = node.value
-        if (
-            (isinstance(v, ast.Name) and v.id in ("converter", "arch"))
-            or (isinstance(v, ast.Attribute) and v.attr == "converter")
-            or (
-                isinstance(v, ast.Call)
-                and isinstance(v.func, ast.Attribute)
-                and v.func.attr in ("for_config", "get")
-                and isinstance(v.func.value, ast.Name)
-                and v.func.value.id == "converters"
-            )
-        ):
+        if isinstance(v, ast.Attribute) and v.attr in CAPABILITIES and _is_converter(v.value):
+            found.append((node.lineno, f"{v.attr}.{node.attr}"))
+        elif _is_converter(v):
             found.append((node.lineno, node.attr))
     return found
 
 
+def _is_converter(v) -> bool:
+    return (
+        (isinstance(v, ast.Name) and v.id in ("converter", "arch"))
+        or (isinstance(v, ast.Attribute) and v.attr == "converter")
+        or (
+            isinstance(v, ast.Call)
+            and isinstance(v.func, ast.Attribute)
+            and v.func.attr in ("for_config", "get")
+            and isinstance(v.func.value, ast.Name)
+            and v.func.value.id == "converters"
+        )
+    )
+
+
 def test_callers_use_only_protocol_members_and_never_import_a_converter_module():
-    members = set(protocol_members())
+    members = set(protocol_members()) | {
+        f"{cap}.{n}" for cap, proto in CAPABILITIES.items() for n in protocol_members(proto)
+    }
     files = [
         p
         for d in ("porter", "runtime", "examples", "tests")
@@ -214,10 +287,36 @@ def test_callers_use_only_protocol_members_and_never_import_a_converter_module()
             )
             # runtime/models/<arch>.py takes its own config class; tests may test a converter's internals
             if (
-                any(n.startswith("converters.minimax_m3") for n in names)
+                any(n.startswith("converters.") and n != "converters.base" for n in names)
                 and rel.parts[0] != "tests"
                 and rel.parts[:2] != ("runtime", "models")
             ):
                 bad.append(f"{rel}:{node.lineno}: imports a converter module; use converters.for_config")
     assert not bad, "\n".join(bad)
-    assert {"resolve_config", "plan_tensors", "hf_canonical_map", "check_hf_source", "manifest_facts"} <= used
+    assert {
+        "resolve_config",
+        "plan_tensors",
+        "hf_layout.hf_canonical_map",
+        "hf_layout.check_hf_source",
+        "manifest_facts",
+        "source_layout",
+    } <= used
+
+
+def test_every_converter_has_a_runtime_model_and_the_registry_refuses_others():
+    """runtime/models/__init__.py maps each converter's ARCHITECTURE to its model module (loaded, checked
+    for the members the loader uses); an architecture without one is a LoadError naming it."""
+    from porter.errors import LoadError
+    from runtime import models
+
+    for model_type in converters.supported():
+        arch = converters.get(model_type).ARCHITECTURE
+        module = models.get(arch)
+        assert models.conformance_problems(module) == [], arch
+    with pytest.raises(LoadError, match=r"the runtime has no model for architecture 'llama' \(it runs: "):
+        models.get("llama")
+    assert models.conformance_problems(types.SimpleNamespace(Model=int)) == [
+        "DecoderLayer is missing",
+        "moe_block is missing",
+        "experts_quantized is missing",
+    ]

@@ -130,7 +130,7 @@ def test_interrupt_exit_130(tmp_path, monkeypatch):
 
     monkeypatch.setattr(porter.commands.convert, "convert", interrupted)
     res = invoke("convert", tmp_path, "--output", tmp_path / "o")
-    assert res.exit_code == 130 and "--resume" in res.output
+    assert res.exit_code == 130 and res.output.strip() == "porter: interrupted"  # nothing written to resume
 
 
 def test_convert_device_errors_are_bad_input(tiny_vendor, tmp_path, monkeypatch):
@@ -146,8 +146,29 @@ def test_convert_device_errors_are_bad_input(tiny_vendor, tmp_path, monkeypatch)
     assert res.exit_code == 2, res.output
     assert "no CUDA GPU" in res.output and len(res.output.strip().splitlines()) == 1
     assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
-    with pytest.raises(PorterError, match="auto, cpu or cuda"):
+    with pytest.raises(PorterError, match="auto .*, cpu, cuda or cuda:N"):
         porter.convert(tiny_vendor, tmp_path / "o2", device="tpu", progress=False)
+
+
+def test_device_has_one_rule_in_convert_and_runtime(tiny_vendor, tmp_path, monkeypatch):
+    """`--device` is checked by porter.devices.resolve_device everywhere: cuda:N is a device in convert as
+    in runtime.load, and an index past the machine's GPUs is refused by both with the same line."""
+    import porter
+    import runtime
+    from porter.errors import DeviceError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    messages = []
+    for call in (
+        lambda: porter.convert(tiny_vendor, tmp_path / "o", device="cuda:2", progress=False),
+        lambda: runtime.load(tiny_vendor, device="cuda:2"),
+    ):
+        with pytest.raises(DeviceError) as e:
+            call()
+        messages.append(str(e.value))
+    assert messages[0] == messages[1] == "device 'cuda:2': this machine has 2 CUDA device(s), cuda:0..cuda:1"
+    assert not (tmp_path / "o").exists()
 
 
 def test_every_user_facing_error_class_is_defined_in_porter_errors():

@@ -162,7 +162,11 @@ def test_resume_on_complete_output_is_a_noop(tiny_vendor, tmp_path, caplog):
     assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()} == before
     # other options -> a different conversion: refused, not silently mixed
     res = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out), "--resume"])
-    assert res.exit_code == 2 and "different options" in res.output
+    assert res.exit_code == 2, res.output
+    assert (
+        "--resume with --max-shard-size 5GB, but this output was made with --max-shard-size 300000"
+        in res.output
+    )
 
 
 KILL_SCRIPT = """
@@ -238,6 +242,39 @@ def test_sigkill_anywhere_then_resume_is_byte_identical(tiny_vendor, tmp_path):
         )  # in this process: one torch import per kill point, not two
         got = artifact_bytes(out)
         assert got.keys() == want.keys() and all(got[k] == want[k] for k in want), point
+
+
+def test_quick_ctrl_c_presses_end_in_exit_130_and_the_resume_command(tiny_vendor, tmp_path):
+    """Three SIGINTs 50 ms apart while the conversion is inside its work (a worker held at a unit by the
+    test-only stall): exit 130, one line with the command that resumes, no traceback; that command then
+    finishes the conversion."""
+    import signal
+    import time
+
+    out, log = tmp_path / "out", tmp_path / "events.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PORTER_FAULT": f"stall=unit:3,log={log}"}
+    argv = [sys.executable, "-m", "porter.cli", "convert", str(tiny_vendor), "--output", str(out), "-q"]
+    proc = subprocess.Popen(
+        [*argv, "--max-shard-size", "300KB", "--device", "cpu"], env=env, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not (log.exists() and "unit:3" in log.read_text().split()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.02)
+    for _ in range(3):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    command = f"porter convert {tiny_vendor} --output {out} --max-shard-size 300KB --device cpu --resume"
+    assert lines[0].startswith(f"porter: interrupted: {out}: interrupted conversion (") and lines[0].endswith(
+        f"shards done): resume with {command}"
+    ), lines[0]
+    assert not (out / INDEX).exists() and not (out / ".porter.lock").exists()
+    res = convert_cli(tiny_vendor, out, *command.split()[5:])
+    assert res.exit_code == 0 and (out / INDEX).exists(), res.output
 
 
 # ---------------------------------------------------------------------------------------------------

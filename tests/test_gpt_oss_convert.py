@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 import converters
 from porter import convert
-from porter.errors import ConfigError, LayoutError, PorterError, PrequantizedError
+from porter.errors import ConfigError, ConvertError, LayoutError, PorterError, PrequantizedError
 from porter.format import mxfp4, mxfp8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -42,7 +42,7 @@ def test_gpt_oss_20b_config_resolves_with_provenance():
     assert cfg.rope_attention_factor == pytest.approx(0.1 * torch.log(torch.tensor(32.0)).item() + 1.0)
     assert cfg.gate_up_interleaved and cfg.eos_token_id == 200002
     facts = converters.for_config(GPT_OSS_20B).manifest_facts(cfg)
-    assert facts["architecture"] == "gpt_oss" and facts["swiglu"]["limit"] == 7.0
+    assert facts["architecture"] == "gpt_oss" and facts["activation"]["limit"] == 7.0
 
 
 def test_config_keys_of_transformers_and_defaults():
@@ -174,7 +174,7 @@ def _copy(src: Path, dst: Path) -> Path:
 def test_bad_sources_refused(release, tmp_path):
     with pytest.raises(PorterError, match="--gate-up uninterleaved"):
         convert(release, tmp_path / "a", gate_up="uninterleaved", progress=False)
-    with pytest.raises(ConfigError, match="--layout hf is not available for gpt-oss"):
+    with pytest.raises(ConvertError, match="--layout hf: porter has no hf layout for architecture 'gpt_oss'"):
         convert(release, tmp_path / "b", layout="hf", progress=False)
     no_q = _copy(release, tmp_path / "no_q")  # the blocks without the config that says they are MXFP4
     cfg = json.loads((no_q / "config.json").read_text())

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from gpt_oss_tiny_checkpoint import build_tiny_checkpoint
 from verify_tamper import copy_artifact, rewrite_tensor
 
+from converters import experts
 from converters.gpt_oss import names
 from porter import convert, verify
 from porter.cli import main
@@ -58,7 +59,8 @@ def test_planted_interleave_bug_fails_with_exit_1(release, tmp_path, monkeypatch
     """A converter that forgets to uninterleave gate/up: its own output looks consistent, verify's
     independent table says which tensors are wrong."""
     src, _ = release
-    monkeypatch.setattr(names, "uninterleave_gate_up", lambda w, dim=-2: w)
+    monkeypatch.setattr(experts, "uninterleave_gate_up", lambda w: w)
+    monkeypatch.setattr(names, "uninterleave_bias", lambda b: b)
     art = tmp_path / "buggy"
     convert(src, art, progress=False)
     monkeypatch.undo()
@@ -78,7 +80,7 @@ def test_one_expert_reordered_is_named(release, tmp_path):
 
     def interleave_expert(t):
         t = t.clone()
-        t[3] = names.interleave_gate_up(t[3])
+        t[3] = experts.interleave_gate_up(t[3])
         return t
 
     rewrite_tensor(art, W13, interleave_expert)  # integrity resealed: only the bytes check can catch it

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from tensor_checks import load_all, same_bytes
 
 import converters
+import converters.minimax_m3 as m3
 import porter
 import runtime
 from converters.minimax_m3.hf_layout import _check_format_groups
@@ -106,8 +107,8 @@ def test_same_mxfp8_bytes_as_porter_layout(hf_art, porter_all):
     hf, pl = load_all(hf_art), load_all(porter_all)
     compared = 0
     for layer in (1, 2, 3):
-        w13, w13s = pl[arch.experts_w13_name(layer)], pl[arch.experts_w13_name(layer) + "_scale"]
-        w2, w2s = pl[arch.experts_w2_name(layer)], pl[arch.experts_w2_name(layer) + "_scale"]
+        w13, w13s = pl[m3.experts_w13_name(layer)], pl[m3.experts_w13_name(layer) + "_scale"]
+        w2, w2s = pl[m3.experts_w2_name(layer)], pl[m3.experts_w2_name(layer) + "_scale"]
         for e in range(E):
             p = f"language_model.model.layers.{layer}.block_sparse_moe.experts.{e}."
             assert same_bytes(torch.cat([hf[p + "w1.weight"], hf[p + "w3.weight"]]), w13[e])  # [gate; up]
@@ -122,9 +123,9 @@ def test_same_mxfp8_bytes_as_porter_layout(hf_art, porter_all):
         if "experts.w" in name:
             continue
         hf_name = (
-            arch.hf_name(name[: -len("_scale")] + "_scale_inv")
+            m3.hf_layout.hf_name(name[: -len("_scale")] + "_scale_inv")
             if name.endswith("weight_scale")
-            else (arch.hf_name(name) if name.startswith(("model.", "lm_head.")) else name)
+            else (m3.hf_layout.hf_name(name) if name.startswith(("model.", "lm_head.")) else name)
         )
         assert same_bytes(hf[hf_name], value), name
         compared += 1
@@ -144,7 +145,7 @@ def test_quantize_none_hf_is_plain_bf16(tiny_vendor, tmp_path):
     out = tmp_path / "none"
     porter.convert(tiny_vendor, out, layout="hf", quantize="none", progress=False)
     cfg = json.loads((out / "config.json").read_text())
-    assert "quantization_config" not in cfg and cfg["architectures"] == arch.HF_ARCHITECTURES
+    assert "quantization_config" not in cfg and cfg["architectures"] == m3.hf_layout.HF_ARCHITECTURES
     t = load_all(out)
     assert not [n for n in t if t[n].dtype == torch.float8_e4m3fn or n.endswith("_scale_inv")]
     src = load_all(tiny_vendor)
@@ -189,9 +190,9 @@ def test_hf_canonical_map_refuses_missing_expert():
         for e in range(2)
         for w in ("w1", "w2", "w3")
     ]
-    assert arch.hf_canonical_map(names)[arch.experts_w13_name(1)] == [
+    assert arch.hf_layout.hf_canonical_map(names)[m3.experts_w13_name(1)] == [
         [names[0], names[2]],
         [names[3], names[5]],
     ]
     with pytest.raises(LayoutError, match="experts.0.w3"):
-        arch.hf_canonical_map([n for n in names if not n.endswith("0.w3.weight")])
+        arch.hf_layout.hf_canonical_map([n for n in names if not n.endswith("0.w3.weight")])

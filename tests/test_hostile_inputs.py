@@ -333,3 +333,94 @@ def test_convert_refuses_non_regular_source_files(tiny_vendor, tmp_path, kind):
     code, out = cli("convert", d, "--output", tmp_path / "o")
     assert code == EXIT_BAD_INPUT and "generation_config.json" in out and out.count("\n") == 1, out
     assert not (tmp_path / "o" / "porter.json").exists()
+
+
+def _as_snapshot(artifact: Path, root: Path, sha: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """The artifact laid out as a Hugging Face cache keeps it: repo/snapshots/<sha>/<file> -> repo/blobs/<file>."""
+    repo = root / "models--o--r"
+    snap, blobs = repo / "snapshots" / sha, repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for f in artifact.iterdir():
+        shutil.copy2(f, blobs / f.name)
+        (snap / f.name).symlink_to(Path("../../blobs") / f.name)
+    return snap
+
+
+@pytest.mark.parametrize(
+    "entry", ["../../outside.safetensors", "../other/x.safetensors", "../../blobs/../outside.safetensors"]
+)
+def test_snapshot_folder_index_cannot_escape(artifact, tmp_path, entry):
+    """A folder under .../snapshots/<sha>/ may name only its own files (which may link into the repo's
+    blobs/), never another path in the cache: `../` out of the snapshot is refused."""
+    snap = _as_snapshot(artifact, tmp_path)
+    assert runtime.load(snap).cfg.num_hidden_layers == 4  # links into blobs/ are the snapshot's own files
+    repo = snap.parent.parent
+    shard = sorted(artifact.glob("model-*.safetensors"))[0]
+    for target in (repo / "outside.safetensors", snap.parent / "other" / "x.safetensors"):
+        target.parent.mkdir(exist_ok=True)
+        shutil.copy2(shard, target)
+    index = json.loads((snap / INDEX).read_text())
+    index["weight_map"] = {n: (entry if f == shard.name else f) for n, f in index["weight_map"].items()}
+    (snap / INDEX).unlink()
+    (snap / INDEX).write_text(json.dumps(index))
+    msg = load_error(snap)
+    assert "points outside" in msg and entry in msg
+
+
+# ---------------------------------------------------------------------------------------------------
+# porter verify writes its report and picture only outside the artifact and the reference
+
+
+def _hashes(*folders) -> dict:
+    return {str(p): p.read_bytes() for d in folders for p in sorted(Path(d).rglob("*")) if p.is_file()}
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    option=st.sampled_from(["--report", "--plot"]),
+    where=st.sampled_from(
+        ["artifact/porter.json", f"artifact/{INDEX}", "artifact/new.svg", "reference/config.json", "link.svg"]
+    ),
+)
+def test_verify_never_writes_into_the_artifact_or_the_reference(
+    artifact, tiny_vendor, tmp_path_factory, option, where
+):
+    """--report / --plot naming a file inside the artifact or the reference (spelled out, or through a
+    symlink elsewhere that points in): exit 2 naming the option, every file of both folders unchanged."""
+    root = tmp_path_factory.mktemp("reportpath")
+    art, ref = (
+        Path(shutil.copytree(artifact, root / "artifact")),
+        Path(shutil.copytree(tiny_vendor, root / "reference")),
+    )
+    if where == "link.svg":
+        (root / "link.svg").symlink_to(art / "porter.json")
+    before = _hashes(art, ref)
+    path = root / where
+    code, out = cli("verify", art, "--reference", ref, option, path, "--max-new-tokens", 0)
+    assert code == EXIT_BAD_INPUT and len(out.strip().splitlines()) == 1, out
+    assert f"{option} {path}: inside the" in out and "Traceback" not in out
+    assert _hashes(art, ref) == before
+
+
+def test_verify_refuses_a_reference_of_another_commit(artifact, tiny_vendor, tmp_path):
+    """porter.json names the source commit: a reference that is another commit (a snapshot folder names
+    its own), or a folder that cannot show any commit, is refused naming both; the same commit passes."""
+    from porter.commands.verify.inputs import check_reference_commit
+
+    art = Path(shutil.copytree(artifact, tmp_path / "art"))
+    a, b = "a" * 40, "b" * 40
+    doc = json.loads((art / "porter.json").read_text())
+    doc["source"]["commit"] = a
+    (art / "porter.json").write_text(json.dumps(doc))
+    other = tmp_path / "models--o--r" / "snapshots" / b
+    shutil.copytree(tiny_vendor, other)
+    for ref, want in (
+        (other, f"is commit {b}, but porter.json says the artifact was converted from commit {a}"),
+        (tiny_vendor, "not a Hugging Face snapshot that shows its commit"),
+    ):
+        code, out = cli("verify", art, "--reference", ref, "--max-new-tokens", 0)
+        assert code == EXIT_BAD_INPUT and want in out and len(out.strip().splitlines()) == 1, out
+    same = tmp_path / "models--o--r" / "snapshots" / a
+    shutil.copytree(tiny_vendor, same)
+    check_reference_commit(doc, same)  # the named commit: no objection

@@ -128,3 +128,45 @@ def test_bad_input_one_line_exit_2(tmp_path):
     (tmp_path / "empty").mkdir()
     code, out = run(tmp_path / "empty")
     assert code == 2 and "config.json" in out and len(out.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("model_type", ["llama", None])
+def test_architecture_porter_does_not_convert_is_still_inspected(tmp_path, model_type):
+    """A checkpoint of another architecture (a Llama here, or none named): exit 0, its files, tensors,
+    dtypes and sizes from the headers, and one line saying porter does not convert it."""
+    import torch
+    from safetensors.torch import save_file
+
+    d = tmp_path / "llama"
+    d.mkdir()
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2}
+    if model_type:
+        cfg["model_type"] = model_type
+    (d / "config.json").write_text(json.dumps(cfg))
+    a = {"model.embed_tokens.weight": torch.zeros(100, 64, dtype=torch.bfloat16)}
+    b = {
+        "model.layers.0.mlp.up_proj.weight": torch.zeros(128, 64, dtype=torch.bfloat16),
+        "model.norm.weight": torch.zeros(64),
+    }
+    save_file(a, str(d / "model-00001-of-00002.safetensors"))
+    save_file(b, str(d / "model-00002-of-00002.safetensors"))
+    rep = report(d)
+    assert rep["kind"] == "checkpoint" and rep["layout"] == "checkpoint" and rep["config"] == {}
+    assert rep["architecture"] is None and rep["model_type"] == model_type and rep["activation"] == {}
+    assert rep["not_converted"].startswith(
+        f"model_type {model_type!r} is not an architecture porter converts"
+    )
+    assert rep["files"] == [
+        {"file": "model-00001-of-00002.safetensors", "tensors": 1, "bytes": 100 * 64 * 2},
+        {"file": "model-00002-of-00002.safetensors", "tensors": 2, "bytes": 128 * 64 * 2 + 64 * 4},
+    ]
+    assert rep["sizes"] == {
+        "tensors": 3,
+        "shards": 2,
+        "bytes": tensor_bytes(d),
+        "bytes_by_dtype": {"BF16": (100 + 128) * 64 * 2, "F32": 64 * 4},
+    }
+    code, text = run(d)
+    assert code == 0, text
+    assert f"model_type {model_type!r} is not an architecture porter converts (porter converts: " in text
+    assert "model-00002-of-00002.safetensors  2 tensors, 16.64 KB" in text and "resolved config" not in text

@@ -15,6 +15,7 @@ backend, and nothing unpickles.
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -380,3 +381,85 @@ def test_repository_stands_alone(path):
     for pattern in (r"\.\./shared/", r"/work/shared", r"\bissues? #\d+", r"\(#\d+\)"):
         hits = [] if this_file else re.findall(pattern, text)
         assert not hits, f"{path.relative_to(ROOT)}: {hits[:3]}"
+
+
+# Family knowledge lives in converters/<family>/ and runtime/models/; elsewhere a family's name is allowed
+# only where it must remain, each with its reason: (file, a regex of the allowed text, why).
+FAMILY_NAME = re.compile(r"minimax|(?<![\w.])m[1-9](?![\w])|gpt[-_ ]?oss", re.IGNORECASE)
+FAMILY_NAME_ALLOWED = [
+    (
+        "converters/__init__.py",
+        r"minimax[-\w]*",
+        "the registry: config.json model_type -> converter package, by name",
+    ),
+    (
+        "converters/__init__.py",
+        r"gpt[-_ ]?oss",
+        "the registry: config.json model_type -> converter package, by name",
+    ),
+    (
+        "runtime/moe/flashinfer_trtllm.py",
+        "MiniMax2",
+        "FlashInfer's own RoutingMethodType member that the contract's sigmoid + bias routing maps to",
+    ),
+    (
+        "porter/commands/verify/inputs.py",
+        "MiniMax-M3 is a mixture",
+        "the text of verify's default prompt: changing it changes the documented verify figures",
+    ),
+    (
+        "runtime/kernels/gemv.py",
+        "MiniMax-M3's decode shapes",
+        "names the shapes a measured tile sweep was made at (docs/performance.md)",
+    ),
+    (
+        "runtime/moe/triton/kernels.py",
+        "MiniMax-M3",
+        "a bound worked out for one family's measured parameters, beside the general rule",
+    ),
+    (
+        "runtime/moe/triton/prepare.py",
+        "MiniMax-M3",
+        "a measured per-layer figure of one family, beside the general rule",
+    ),
+]
+
+
+def family_name_files() -> list[Path]:
+    out = []
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")) + sorted((ROOT / pkg).rglob("*.c")):
+            rel = f.relative_to(ROOT).as_posix()
+            if rel.startswith("runtime/models/") or (
+                rel.startswith("converters/") and rel.count("/") > 1  # converters/<family>/...
+            ):
+                continue
+            out.append(f)
+    return out
+
+
+@pytest.mark.parametrize("path", family_name_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_family_names_outside_their_homes(path):
+    """One architecture = one plug-in: no module outside converters/<family>/ and runtime/models/ names a
+    model family (MiniMax, M2/M3, gpt-oss), in code, strings or comments, except the allow-listed texts."""
+    rel = path.relative_to(ROOT).as_posix()
+    allowed = [text for f, text, _ in FAMILY_NAME_ALLOWED if f == rel]
+    bad = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        rest = line
+        for text in allowed:
+            rest = re.sub(text, "", rest, flags=re.IGNORECASE)
+        if FAMILY_NAME.search(rest):
+            bad.append(f"{rel}:{n}: {line.strip()}")
+    assert not bad, "\n".join(bad)
+
+
+def test_family_name_check_finds_names():
+    """The pattern is not vacuous, and not so broad that it flags ordinary words."""
+    for text in ("MiniMaxM3", "minimax_m2", "an M3 layer", "gpt-oss", "GptOss", "gpt_oss"):
+        assert FAMILY_NAME.search(text), text
+    for text in ("mxfp8", "bf16", "x.m2", "sm90", "m_tile", "PM3"):
+        assert not FAMILY_NAME.search(text), text
+    assert {f for f, _, _ in FAMILY_NAME_ALLOWED} <= {
+        p.relative_to(ROOT).as_posix() for p in family_name_files()
+    }

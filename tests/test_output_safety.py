@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import porter
 from porter.cli import main as cli
@@ -170,8 +173,14 @@ def test_output_that_is_a_file_or_unwritable_is_one_line(tiny_vendor, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / output_guard.LOCK_NAME).symlink_to(tmp_path / "file")  # never followed, never written through
-    one_error_line(convert_cli(tiny_vendor, out), out / output_guard.LOCK_NAME, "cannot create porter's lock")
+    one_error_line(
+        convert_cli(tiny_vendor, out), out / output_guard.LOCK_NAME, "a symlink at the name of porter's lock"
+    )
     assert (tmp_path / "file").read_text() == "x"
+    (out / output_guard.LOCK_NAME).unlink()
+    os.mkfifo(out / output_guard.LOCK_NAME)  # a FIFO: never waited on, never taken for the lock
+    one_error_line(convert_cli(tiny_vendor, out), out / output_guard.LOCK_NAME, "not a regular file (a FIFO")
+    assert stat.S_ISFIFO(os.lstat(out / output_guard.LOCK_NAME).st_mode) and not (out / INDEX).exists()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -326,3 +335,206 @@ def test_lock_file_is_no_shard_and_verify_inspect_accept_it(clean, tmp_path):
     report = check_integrity(out, manifest.read(out))
     assert report.passed and report.issues == [], report
     assert report.shards == len(list(out.glob("model-*.safetensors")))
+
+
+# ---------------------------------------------------------------------------------------------------
+# nothing planted at porter's own names is followed, written through or replaced
+
+
+class Crash(BaseException):
+    """Ends a conversion in this process as a kill would (no `except Exception` handler catches it)."""
+
+
+@pytest.fixture(scope="module")
+def interrupted(tiny_vendor, tmp_path_factory) -> Path:
+    """An interrupted conversion: the last shard's last quantize call never returns."""
+    from porter.format import mxfp8
+
+    out = tmp_path_factory.mktemp("planted") / "out"
+    real, calls = mxfp8.quantize_with_error, []
+
+    def quantize(w, *a, **k):
+        calls.append(1)
+        if len(calls) == 72:  # the tiny checkpoint's last quantize call (72 at 2 workers)
+            raise RuntimeError("simulated crash")
+        return real(w, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mxfp8, "quantize_with_error", quantize)
+        res = convert_cli(tiny_vendor, out)
+    assert res.exit_code == 3 and not (out / INDEX).exists(), res.output
+    journal = json.loads((out / JOURNAL).read_text())
+    assert 1 <= len(journal["shards"]) < journal["shard_count"]
+    return out
+
+
+def _not_done(out: Path) -> str:
+    journal = json.loads((out / JOURNAL).read_text())
+    return next(f for f in journal["files"] if f.startswith("model-") and f not in journal["shards"])
+
+
+def _plant(at: Path, kind: str, victim: Path) -> None:
+    if at.is_dir() and not at.is_symlink():
+        shutil.rmtree(at)
+    elif os.path.lexists(at):
+        at.unlink()
+    if kind == "link to a file":
+        at.symlink_to(victim)
+    elif kind == "link to a folder":
+        at.symlink_to(victim.parent)
+    elif kind == "dangling link":
+        at.symlink_to(victim.parent / "nowhere")
+    elif kind == "fifo":
+        os.mkfifo(at)
+    else:
+        at.mkdir()
+
+
+PLANTED_NAMES = [
+    "{shard}.partial",  # a shard still to do: written from scratch
+    "{shard}",
+    "{done}",  # a finished shard: re-hashed by --resume
+    ".porter-journal.json",
+    ".porter-journal.json.tmp",
+    "model.safetensors.index.json.tmp",
+    "porter.json.tmp",
+    "config.json.tmp",
+    "README.md.tmp",
+    "tokenizer.json",  # copied from the source at the end
+    "tokenizer.json.tmp",
+]
+PLANTED_KINDS = ["link to a file", "link to a folder", "dangling link", "fifo", "folder"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(name=st.sampled_from(PLANTED_NAMES), kind=st.sampled_from(PLANTED_KINDS))
+def test_resume_never_follows_what_is_planted_at_porters_names(
+    tiny_vendor, interrupted, tmp_path_factory, name, kind
+):
+    """A symlink, FIFO or folder at any name --resume writes or reads back: exit 2 naming it, before any
+    file is touched; the link's target is unchanged and nothing looks complete."""
+    base = tmp_path_factory.mktemp("plant")
+    victim = base / "victim.txt"
+    victim.write_text("not porter's")
+    out = Path(shutil.copytree(interrupted, base / "out", symlinks=True))
+    journal = json.loads((out / JOURNAL).read_text())
+    planted = out / name.format(shard=_not_done(out), done=sorted(journal["shards"])[0])
+    _plant(planted, kind, victim)
+    before = {p.name: os.lstat(p).st_mtime_ns for p in out.iterdir()}
+    res = convert_cli(tiny_vendor, out, "--resume")
+    one_error_line(res, planted)
+    assert victim.read_text() == "not porter's" and not (out / INDEX).exists()
+    assert {p.name: os.lstat(p).st_mtime_ns for p in out.iterdir()} == before
+
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(PLANTED_KINDS), how=st.sampled_from(["create_new", "atomic_write", "copy_into"]))
+def test_writes_never_go_through_a_planted_entry(tmp_path_factory, kind, how):
+    """The primitives every porter write goes through: a planted entry at the file's or its temporary's name
+    is an error naming it; the entry and its target are as they were."""
+    from porter.errors import OutputFolderError
+    from porter.format import safe_files
+
+    d = tmp_path_factory.mktemp("prim")
+    victim, src = d / "victim", d / "src.txt"
+    victim.write_text("keep")
+    src.write_text("new")
+    target = d / "out.json"
+    for planted in (target, d / "out.json.tmp") if how != "create_new" else (target,):
+        _plant(planted, kind, victim)
+        with pytest.raises(OutputFolderError, match="porter did not make it"):
+            if how == "create_new":
+                safe_files.create_new(target, OutputFolderError)
+            elif how == "atomic_write":
+                safe_files.atomic_write(target, b"new", OutputFolderError)
+            else:
+                safe_files.copy_into(src, target, OutputFolderError)
+        assert victim.read_text() == "keep" and os.path.lexists(planted)
+        assert not os.path.isdir(planted) or kind in ("folder", "link to a folder")
+        _plant(planted, "folder", victim)
+        shutil.rmtree(planted)
+    safe_files.atomic_write(target, b"new", OutputFolderError)  # nothing planted: written
+    assert target.read_bytes() == b"new" and victim.read_text() == "keep"
+
+
+# ---------------------------------------------------------------------------------------------------
+# --force: crash-safe removal of an earlier output
+
+
+def _removals_then_crash(at: int):
+    """output_guard.fault_point that ends the run at its `at`-th removal, as a SIGKILL would."""
+    count = []
+
+    def point(event):
+        if event == "remove":
+            count.append(1)
+            if len(count) == at:
+                raise Crash()
+
+    return point
+
+
+def _convert_api(src, out, **kw):
+    return porter.convert(src, out, max_shard_size=SHARD_CAP, workers=2, device="cpu", progress=False, **kw)
+
+
+@pytest.mark.parametrize("at", [1, 2, 3, 6, 10])
+def test_force_killed_while_removing_never_looks_complete(tiny_vendor, clean, tmp_path, monkeypatch, at):
+    """--force into a complete output (another plan), killed after `at` removals: the index goes first, so
+    the folder is an interrupted conversion that verify and runtime.load refuse, naming how to resume; a
+    second --force (or --resume) finishes the removal and the conversion."""
+    import runtime
+    from porter.errors import PorterError
+
+    out = Path(shutil.copytree(clean, tmp_path / "out"))
+    with monkeypatch.context() as mp:
+        mp.setattr(output_guard, "fault_point", _removals_then_crash(at))
+        with pytest.raises(Crash):
+            porter.convert(tiny_vendor, out, max_shard_size="200KB", force=True, progress=False)
+    assert not (out / INDEX).exists()
+    assert (at > 1) <= (not (out / "porter.json").exists())  # porter.json goes second
+    journal = json.loads((out / JOURNAL).read_text())
+    assert journal["removing"] and not journal["shards"]
+    for call in (lambda: runtime.load(out), lambda: porter.verify(out)):
+        with pytest.raises(
+            PorterError, match=r"interrupted conversion \(0 of \d+ shards done\): resume with"
+        ):
+            call()
+    flag = "--force" if at % 2 else "--resume"
+    res = convert_cli(tiny_vendor, out, flag, "--max-shard-size", "200KB")
+    assert res.exit_code == 0, res.output
+    fresh = tmp_path / "fresh"
+    assert convert_cli(tiny_vendor, fresh, "--max-shard-size", "200KB").exit_code == 0
+    assert artifact_bytes(out) == artifact_bytes(fresh)
+
+
+def test_force_that_cannot_remove_a_file_is_one_line_and_finishes_later(
+    tiny_vendor, clean, tmp_path, monkeypatch
+):
+    out = Path(shutil.copytree(clean, tmp_path / "out"))
+    stuck = sorted(out.glob("model-*.safetensors"))[1]
+    real = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self.name == stuck.name:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+        return real(self, missing_ok=missing_ok)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Path, "unlink", unlink)
+        line = one_error_line(convert_cli(tiny_vendor, out, "--force"), stuck, "cannot remove it", "--force")
+    assert "Operation not permitted" in line
+    assert not (out / INDEX).exists() and not (out / "porter.json").exists() and stuck.exists()
+    assert json.loads((out / JOURNAL).read_text())["removing"]  # what is left is still porter's to remove
+    assert convert_cli(tiny_vendor, out, "--force").exit_code == 0
+    assert artifact_bytes(out) == artifact_bytes(clean)
+
+
+def test_force_checks_that_it_can_remove_before_removing_anything(tiny_vendor, clean, tmp_path, monkeypatch):
+    out = Path(shutil.copytree(clean, tmp_path / "out"))
+    before = hashes(out)
+    real = os.access
+    read_only = lambda path, mode, **kw: (mode & os.W_OK == 0 or Path(path) != out) and real(path, mode, **kw)  # noqa: E731
+    monkeypatch.setattr(os, "access", read_only)  # a read-only folder (root is let through by the kernel)
+    one_error_line(convert_cli(tiny_vendor, out, "--force"), out, "cannot remove files from this folder")
+    assert hashes(out) == before

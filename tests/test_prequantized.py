@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from tensor_checks import cuda_quantize_path_on_cpu, load_all, same_bytes
 
 import converters
+import converters.minimax_m3 as m3
 import porter
 from porter.cli import main as cli
 from porter.format import mxfp8
@@ -118,7 +119,7 @@ def stacked_expert_value(out: dict, vendor: str) -> torch.Tensor:
         r"language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", vendor
     )
     layer, e, w = int(m.group(1)), int(m.group(2)), m.group(3)
-    name = arch.experts_w2_name(layer) if w == "w2" else arch.experts_w13_name(layer)
+    name = m3.experts_w2_name(layer) if w == "w2" else m3.experts_w13_name(layer)
     full = mxfp8.dequantize(out[name][e], out[name + "_scale"][e])
     half = full.shape[0] // 2
     return {"w1": full[:half], "w3": full[half:], "w2": full}[w]
@@ -172,7 +173,7 @@ def kept_source_bytes(src: dict, out: dict) -> int:
         )
         if m:
             layer, e, w = int(m.group(1)), int(m.group(2)), m.group(3)
-            c = arch.experts_w2_name(layer) if w == "w2" else arch.experts_w13_name(layer)
+            c = m3.experts_w2_name(layer) if w == "w2" else m3.experts_w13_name(layer)
             rows = slice(q.shape[0], None) if w == "w3" else slice(0, q.shape[0])  # [w1; w3]
             got_q, got_s = out[c][e][rows], out[scale_name(c)][e][rows]
         else:

@@ -9,6 +9,7 @@ depend on how the conversion cuts tensors into calls.
 import hashlib
 import json
 import math
+import os
 import shutil
 import threading
 
@@ -152,15 +153,19 @@ def test_finished_shard_truncated_or_missing_is_rewritten(tiny_vendor, reference
 
 
 @pytest.mark.parametrize(
-    "option",
+    "option, then",
     [
-        ["--scale-rounding", "floor"],
-        ["--quantize", "all"],
-        ["--gate-up", "interleaved"],
-        ["--max-shard-size", "200KB"],
+        (["--scale-rounding", "floor"], "--scale-rounding rceil"),
+        (["--quantize", "all"], "--quantize experts"),
+        (["--gate-up", "interleaved"], "--gate-up auto"),
+        (["--max-shard-size", "200KB"], f"--max-shard-size {SHARD_CAP}"),
+        (["--digest", "sha256"], "--digest xxh3-128"),
+        (["--layout", "hf"], "--layout porter"),  # named, not the --quantize default it implies
     ],
 )
-def test_resume_with_other_options_is_refused(tiny_vendor, crashed, tmp_path, option):
+def test_resume_with_other_options_is_refused_naming_the_option(tiny_vendor, crashed, tmp_path, option, then):
+    """The option that differs is named with both values, and the exact command that resumes is given;
+    running that command then finishes the conversion."""
     out, journal = interrupted_copy(crashed, tmp_path)
     before = {p.name: sha256(p) for p in out.iterdir() if p.is_file()}
     args = [
@@ -175,9 +180,36 @@ def test_resume_with_other_options_is_refused(tiny_vendor, crashed, tmp_path, op
     ]
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 2, res.output
-    assert "--resume" in res.output and "different" in res.output and "--force" in res.output
+    line = res.output.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line
+    now = " ".join(option)
+    assert f"--resume with {now}, but this conversion was started with {then}" in line, line
+    command = f"porter convert {tiny_vendor} --output {out} --max-shard-size {SHARD_CAP} --resume"
+    assert f"resume with {command} (or --force to start over)" in line
     assert {p.name: sha256(p) for p in out.iterdir() if p.is_file()} == before  # nothing touched
     assert not (out / INDEX).exists()
+
+
+def test_the_printed_resume_command_resumes(tiny_vendor, reference, crashed, tmp_path):
+    """The command an interrupted output prints (inspect, a plain rerun, the journal) is the one that
+    resumes it: run word for word (shell-split), it ends in the reference's bytes."""
+    import shlex
+
+    ref_out, ref_man, _ = reference
+    out, _ = interrupted_copy(crashed, tmp_path)
+    plain = CliRunner().invoke(cli, ["convert", str(tiny_vendor), "--output", str(out)])
+    assert plain.exit_code == 2 and "interrupted conversion (" in plain.output, plain.output
+    command = (
+        plain.output.strip()
+        .split("resume with ", 1)[1]
+        .removesuffix("; or add --force to start over with these options")
+    )
+    argv = shlex.split(command)
+    assert argv[:2] == ["porter", "convert"] and argv[-1] == "--resume"
+    assert argv[argv.index("--output") + 1] == str(out)  # the folder where it is now, not where it was made
+    res = CliRunner().invoke(cli, [*argv[1:], "-q"])
+    assert res.exit_code == 0, res.output
+    assert_same_artifact(out, ref_out, ref_man)
 
 
 @pytest.mark.parametrize("garbage", [b"\xff\xfe\x00binary", b'{"fingerprint": "x", "sha'])
@@ -316,8 +348,8 @@ def test_inspect_says_an_interrupted_output_is_incomplete(tiny_vendor, reference
     total, done = len(reference[1]["shards"]), len(journal["shards"])
     res = CliRunner().invoke(cli, ["inspect", str(out)])
     want = (
-        f"incomplete (interrupted conversion: {done} of {total} shards done; run porter convert "
-        f"{tiny_vendor} --output {out} --resume)"
+        f"{out}: interrupted conversion ({done} of {total} shards done): resume with porter convert "
+        f"{tiny_vendor} --output {out} --max-shard-size {SHARD_CAP} --resume"
     )
     assert res.exit_code == 2 and want in res.output and len(res.output.strip().splitlines()) == 1, res.output
     # killed after config.json and porter.json, before the index: still incomplete, not "porter artifact"
@@ -328,5 +360,115 @@ def test_inspect_says_an_interrupted_output_is_incomplete(tiny_vendor, reference
     (out2 / JOURNAL).write_text(json.dumps({**journal, "shards": {f: {} for f in reference[1]["shards"]}}))
     res = CliRunner().invoke(cli, ["inspect", str(out2)])
     assert res.exit_code == 0, res.output
-    assert f"porter output, incomplete (interrupted conversion: {total} of {total} shards done" in res.output
+    assert (
+        f"porter output, interrupted conversion ({total} of {total} shards done): resume with" in res.output
+    )
     assert "porter artifact" not in res.output
+
+
+# ---- every command recognises an interrupted output ------------------------------------------------------
+
+
+def test_every_command_names_an_interrupted_output_and_its_resume_command(tiny_vendor, crashed, tmp_path):
+    """generate, verify, inspect, runtime.load and a plain rerun of convert: one line (exit 2 / a porter
+    error) saying how many shards are done and the exact command that resumes."""
+    import runtime
+    from porter.errors import PorterError
+
+    out, journal = interrupted_copy(crashed, tmp_path)
+    state = (
+        f"{out}: interrupted conversion ({len(journal['shards'])} of {journal['shard_count']} shards done)"
+    )
+    command = f"resume with porter convert {tiny_vendor} --output {out} --max-shard-size {SHARD_CAP} --resume"
+    for args in (
+        ["generate", str(out), "--prompt", "hi"],
+        ["verify", str(out)],
+        ["inspect", str(out)],
+        ["convert", str(tiny_vendor), "--output", str(out), "--max-shard-size", SHARD_CAP],
+    ):
+        res = CliRunner().invoke(cli, args)
+        assert res.exit_code == 2, (args, res.output)
+        line = res.output.strip()
+        assert len(line.splitlines()) == 1 and f"{state}: {command}" in line, (args, line)
+    with pytest.raises(PorterError) as e:
+        runtime.load(out)
+    assert str(e.value) == f"{state}: {command}"
+
+
+def test_journal_keeps_the_options_but_never_the_token(tiny_vendor, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        convert_counting(
+            tiny_vendor, out, crash_at=2, token="hf_not_to_be_kept", workers=1, scale_rounding="floor"
+        )
+    text = (out / JOURNAL).read_text()
+    journal = json.loads(text)
+    assert "hf_not_to_be_kept" not in text
+    assert (
+        journal["options"]["scale_rounding"] == "floor" and journal["options"]["max_shard_size"] == SHARD_CAP
+    )
+    assert journal["command"] == [
+        "porter",
+        "convert",
+        str(tiny_vendor),
+        "--output",
+        str(out),
+        "--scale-rounding",
+        "floor",
+        "--max-shard-size",
+        SHARD_CAP,
+        "--workers",
+        "1",
+        "--resume",
+    ]
+
+
+# ---- a source that changes while it is converted ----------------------------------------------------------
+
+
+def _rewrite_in_place(shard):
+    """One data byte flipped, size and mtime as they were (ctime moves: the kernel sets it)."""
+    st = shard.stat()
+    _flip_byte(shard, shard.stat().st_size - 1)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _replace(shard):
+    """Another file with the same bytes renamed over it (a re-download)."""
+    tmp = shard.with_name("incoming")
+    shutil.copy2(shard, tmp)
+    os.replace(tmp, shard)
+
+
+CHANGES = {"rewritten": _rewrite_in_place, "replaced by another file": _replace, "deleted": os.unlink}
+
+
+@pytest.mark.parametrize("when", ["before its reads", "after its reads"])
+@pytest.mark.parametrize("how", sorted(CHANGES))
+def test_source_changed_during_the_run_is_one_line_and_nothing_complete(tiny_vendor, tmp_path, how, when):
+    """A source shard rewritten in place (even with its mtime put back), replaced or deleted while porter
+    converts: exit 2 naming it, and no config.json, porter.json or index (the output stays unfinished)."""
+    import porter.engine.run as pipeline_module
+    from porter import engine
+
+    src = _source_copy(tiny_vendor, tmp_path)
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    out = tmp_path / "out"
+    where = (pipeline_module.Pipeline, "run") if when == "before its reads" else (engine, "sync_files")
+    real = getattr(*where)
+
+    def change_then(*args, **kwargs):
+        CHANGES[how](shard)
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(*where, change_then)
+        res = CliRunner().invoke(
+            cli, ["convert", str(src), "--output", str(out), "--max-shard-size", SHARD_CAP, "-q"]
+        )
+    assert res.exit_code == 2, res.output
+    line = res.output.strip()
+    assert len(line.splitlines()) == 1 and str(shard) in line and "Traceback" not in line, line
+    if when == "after its reads":
+        assert f"{shard} was {how} while porter converted it" in line
+    assert not any((out / f).exists() for f in (INDEX, "porter.json", "config.json"))

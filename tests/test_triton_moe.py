@@ -8,8 +8,13 @@ helpers (alignment, fp16 range-guard analysis, config fitting) and the backend's
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import fields, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,8 +37,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def make_quant(e, h, i, device, weight_scale=0.03, swiglu=None, row_gain=None):
-    """Random MXFP8 expert weights (quantized with porter.format.mxfp8) and per-expert SwiGLU params."""
+def make_quant(e, h, i, device, weight_scale=0.03, swiglu=None, row_gain=None, biases=False):
+    """Random MXFP8 expert weights (quantized with porter.format.mxfp8) and per-expert SwiGLU params;
+    biases: gpt-oss-like fp32 expert biases (w13_bias [E, 2I] ~ N(0, 0.5), w2_bias [E, H] ~ N(0, 0.05))."""
     w13 = torch.randn(e, 2 * i, h, device=device) * weight_scale  # [E, 2I, H]
     w2 = torch.randn(e, h, i, device=device) * weight_scale  # [E, H, I]
     if row_gain is not None:  # [E, 2I, 1] per-row power-of-two gains (scale-byte spread)
@@ -46,7 +52,13 @@ def make_quant(e, h, i, device, weight_scale=0.03, swiglu=None, row_gain=None):
             "gemm1_beta": torch.empty(e, device=device).uniform_(0.0, 1.5),
             "gemm1_clamp_limit": torch.empty(e, device=device).uniform_(3.0, 9.0),
         }
-    return MoeQuantInfo(q13, s13, q2, s2, **swiglu)
+    bias = {}
+    if biases:
+        bias = {
+            "w13_bias": torch.randn(e, 2 * i, device=device) * 0.5,
+            "w2_bias": torch.randn(e, h, device=device) * 0.05,
+        }
+    return MoeQuantInfo(q13, s13, q2, s2, **swiglu, **bias)
 
 
 def prepared(q: MoeQuantInfo, **options):
@@ -301,11 +313,13 @@ def test_fp8_activation_quantization_is_rne_with_pow2_scale(terms):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("t,k,e", [(1, 4, 16), (2, 4, 6), (4, 4, 8), (3, 4, 128), (16, 1, 8)])
+@pytest.mark.parametrize(
+    "t,k,e", [(1, 4, 16), (2, 4, 6), (4, 4, 8), (3, 4, 128), (16, 1, 8), (4, 8, 32), (8, 8, 256), (8, 8, 12)]
+)
 def test_nosort_path_matches_torch(t, k, e):
-    """Tiny batches (T*k <= 16): no alignment kernel, one block per routed slot, duplicate experts
-    (e=6, 8: slots of different tokens share experts) computed once by the first slot's block."""
-    assert t * k <= tc.NOSORT_MAX_SLOTS
+    """Tiny batches (T <= NOSORT_MAX_TOKENS by default; explicitly up to 16 here): no alignment kernel, one
+    block per routed slot whose rows are the tokens, so top-8 (T * k up to 64 slots) keeps BM 16; duplicate
+    experts (e=6, 8, 12: slots of different tokens share experts) computed once by the first slot's block."""
     quant = make_quant(e, 768, 384, "cuda")
     routing = MoeRouting(torch.randn(e, 768, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 2.5)
     x = torch.randn(t, 768, device="cuda").to(torch.bfloat16)
@@ -494,11 +508,106 @@ def test_activations_outside_fp16_range(x_scale):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
-@pytest.mark.parametrize("limit,x_scale", [(math.inf, 30.0), (1e4, 1e-4), (1e4, 300.0)])
-def test_large_swiglu_bound_runs_gemm2_in_bf16(limit, x_scale):
+@pytest.mark.parametrize("limit,x_scale", [(math.inf, 30.0), (1e4, 1e-4), (1e4, 300.0), (math.inf, 3e3)])
+@pytest.mark.parametrize("rebase", [True, False])
+def test_large_swiglu_bound_scales_act_per_row(limit, x_scale, rebase):
+    """A SwiGLU-OAI bound past fp16 (limit 1e4 or inf): act is stored in fp16 times each row's power of two
+    (prepare.act_bounds, kernels._act_shift) and GEMM2 stays an fp16 GEMM; at x * 3e3 plain act reaches
+    ~1e6, far past fp16's 65504, so an unscaled fp16 act would overflow to inf."""
     quant = make_quant(8, 512, 256, "cuda", swiglu=make_swiglu_params(8, 1.702, 1.0, limit, "cuda"))
-    moe, *_ = check_against_torch(quant, 16, 4, 512, x_scale=x_scale)
-    assert moe.prepared.fp16_1 and not moe.prepared.fp16_2
+    moe, *_ = check_against_torch(quant, 16, 4, 512, x_scale=x_scale, rebase=rebase)
+    p = moe.prepared
+    assert p.rebased == rebase and p.fp16_1 and p.fp16_2 and p.act_bound is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+def test_large_swiglu_bound_with_gemm1_in_bf16_runs_gemm2_in_bf16():
+    """Weights kept as stored with a 24-octave spread run GEMM1 in bf16 (no prescaled fp16 tokens): act is
+    then stored in bf16 unscaled and GEMM2 runs in bf16, as before the per-row scaling."""
+    e, h, i = 8, 512, 256
+    gain = torch.ones(e, 2 * i, 1, device="cuda")
+    gain[:, ::2] = 2.0**24
+    quant = make_quant(
+        e,
+        h,
+        i,
+        "cuda",
+        weight_scale=0.03 * 2.0**-12,
+        row_gain=gain,
+        swiglu=make_swiglu_params(e, 1.0, 0.0, math.inf, "cuda"),
+    )
+    moe, *_ = check_against_torch(quant, 16, 4, h, rebase=False)
+    p = moe.prepared
+    assert not p.fp16_1 and not p.fp16_2 and p.act_bound is None
+
+
+M2_DIMS = (256, 3072, 1536, 8)  # MiniMax-M2's routed layer: E, H, I, top-k (plain SwiGLU)
+
+
+@pytest.fixture(scope="module")
+def m2_quant():
+    if not CUDA:
+        pytest.skip("needs a CUDA GPU (SM80+)")
+    e, h, i, _ = M2_DIMS
+    return make_quant(
+        e, h, i, "cuda", weight_scale=0.02, swiglu=make_swiglu_params(e, 1.0, 0.0, math.inf, "cuda")
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize(
+    "t,x_scale,rebase",
+    [(t, 1.0, True) for t in (1, 2, 4, 8, 16, 64)]
+    + [(1, 300.0, True), (4, 300.0, True), (1, 300.0, False), (4, 1.0, False), (16, 1.0, False)],
+)
+def test_m2_dims_plain_swiglu_matches_torch(m2_quant, t, x_scale, rebase):
+    """MiniMax-M2's layer at its real dims (E 256, H 3072, I 1536, top-8) with plain SwiGLU as alpha 1 / beta 0
+    / limit inf, on the default path for each T (NOSORT and sorted), rebased at load and as stored; x * 300
+    drives act far past fp16 (act scaled per row)."""
+    e, h, _, k = M2_DIMS
+    moe, *_ = check_against_torch(m2_quant, t, k, h, rsf=1.0, x_scale=x_scale, rebase=rebase)
+    assert moe.prepared.act_bound is not None and moe.prepared.fp16_2
+
+
+GPT_OSS_DIMS = (32, 2880, 2880, 4)  # gpt-oss-20b's routed layer: E, H, I, top-k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("t", [1, 4, 64, 600])
+@pytest.mark.parametrize("swiglu", [(1.702, 1.0, 7.0), (1.0, 0.0, math.inf)])
+def test_expert_biases_match_torch_at_gpt_oss_dims(t, swiglu):
+    """Per-expert biases (w13_bias before the activation, w2_bias before the routing weight) at gpt-oss-20b's
+    layer dims (E 32, H 2880, I 2880, top-4; K = 2880 is not a multiple of 128, so GEMM1 / GEMM2 step K by 64
+    and prefill stays on W8A16), gpt-oss's SwiGLU-OAI and plain SwiGLU (act scaled per row, the bias in its
+    bound): Triton within 1e-2 of the torch reference, and the biases move the output far more than that."""
+    e, h, i, k = GPT_OSS_DIMS
+    quant = make_quant(
+        e, h, i, "cuda", weight_scale=0.02, swiglu=make_swiglu_params(e, *swiglu, "cuda"), biases=True
+    )
+    moe, x, ids, w, out = check_against_torch(quant, t, k, h, rsf=1.0)
+    without = replace(quant, w13_bias=None, w2_bias=None)
+    plain = tl.fused_moe(TritonMoE(without, moe.routing).prepared, x, ids, w, 1.0)
+    assert rel(plain, out) > 10 * REL_TOL  # the biases are really added
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (SM80+)")
+@pytest.mark.parametrize("t", [1, 4, 64])
+def test_expert_biases_in_serving_numerics(t):
+    """numerics="serving" with biases: the bias joins GEMM1's output before the SwiGLU and its MXFP8 rounding,
+    in Triton and in the torch reference alike (within 5e-3, as the serving test without biases)."""
+    e, h, i, k = 16, 1536, 768, 4
+    quant = make_quant(e, h, i, "cuda", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cuda"), biases=True)
+    routing = MoeRouting(torch.randn(e, h, device="cuda") * 0.05, torch.zeros(e, device="cuda"), k, 1.0)
+    x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
+    ids, w = skewed_routing(t, e, k, "cuda")
+    ref = TorchMoE(quant, routing, numerics="serving").forward_topk(x, ids, w)
+    poison_allocator()
+    out = TritonMoE(quant, routing, numerics="serving").forward_topk(x, ids, w)
+    assert torch.isfinite(out).all() and rel(out, ref) <= 5e-3
 
 
 def decode_tile_variants(t):
@@ -584,6 +693,93 @@ def test_align_tokens_invariants(t, e, k, bm):
     used = expert_ids[expert_ids < e]
     assert torch.equal(used, torch.sort(used).values)
     assert set(used.tolist()) == set(flat.tolist())  # experts without tokens get no block
+
+
+@pytest.mark.slow
+def test_kernels_in_the_triton_interpreter_match_torch():
+    """The kernels in Triton's CPU interpreter (tests/moe_interpreter_cases.py, a child process: the
+    interpreter is chosen when the kernels are imported) at tiny dims: MiniMax-M2's top-8 plain SwiGLU
+    (NOSORT and sorted, rebased and stored, activations past fp16 that only the per-row act scaling keeps
+    finite) and gpt-oss's SwiGLU-OAI with expert biases. Each within 4e-3 of the torch reference (the bf16
+    output's rounding is ~1.7e-3)."""
+    pytest.importorskip("triton")
+    script = Path(__file__).with_name("moe_interpreter_cases.py")
+    root = str(Path(__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 11
+    for r in rows:
+        assert r["finite"] and r["rel_err"] <= 4e-3, r
+        if "past fp16" in r["case"]:
+            assert r["act_scaled"] and r["act_max"] > 65504, r  # would overflow an unscaled fp16 act
+        if r["case"].startswith("gpt-oss"):
+            assert not r["act_scaled"] and r["rel_without_biases"] > 0.1, r  # the biases are added
+        assert r["rebased"] == ("stored" not in r["case"]), r
+    assert {r["nosort"] for r in rows} == {True, False}
+
+
+def test_bias_fields_are_validated():
+    e, h, i = 4, 64, 32
+    q = make_quant(e, h, i, "cpu", biases=True)
+    q.validate()
+    for name, bad in (
+        ("w13_bias", torch.zeros(e, i)),  # [E, I]: the up half missing
+        ("w2_bias", torch.zeros(e, h, dtype=torch.bfloat16)),  # fp32 only
+    ):
+        with pytest.raises(ValueError, match=name):
+            replace(q, **{name: bad}).validate()
+
+
+def test_act_bounds_are_the_largest_row_l1_norms():
+    """act_bounds' [E, 4]: the largest L1 norm of a gate row and of an up row of the weights GEMM1 reads
+    (rebased or as stored: the same values within the rebase's 1e-5), and the largest |bias| of each half."""
+    q = make_quant(4, 256, 128, "cpu", biases=True)
+    deq = mxfp8.dequantize(q.w13_weight, q.w13_weight_scale).abs().sum(-1)  # [E, 2I]
+    stored = tp.act_bounds(q.w13_weight, q.w13_weight_scale, q.w13_bias, rebased=False)
+    assert torch.equal(stored[:, 0], deq[:, :128].amax(1)) and torch.equal(stored[:, 2], deq[:, 128:].amax(1))
+    assert torch.equal(stored[:, 1], q.w13_bias[:, :128].abs().amax(1))
+    assert torch.equal(stored[:, 3], q.w13_bias[:, 128:].abs().amax(1))
+    r13, rs13 = tp.rebase_fp8(q.w13_weight, q.w13_weight_scale, 256)
+    rebased = tp.act_bounds(r13, rs13, None, rebased=True)
+    assert rel(rebased[:, [0, 2]], stored[:, [0, 2]]) <= 1e-5 and rebased[:, [1, 3]].eq(0).all()
+
+
+def test_torch_reference_biases_match_transformers_gpt_oss_experts():
+    """The torch reference with w13_bias / w2_bias against transformers' GptOssExperts (test-only oracle) on
+    the same dequantized weights in its layout (gate / up interleaved along the last dim, [E, H, 2I] and
+    [E, I, H]): the bias joins GEMM1 before the clamps, and GEMM2's bias is scaled by the routing weight.
+    Both the gathered (decode) and the looped path, fp32, within 1e-5."""
+    from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    e, h, i, k = 8, 64, 32, 4
+    torch.manual_seed(0)
+    q = make_quant(e, h, i, "cpu", swiglu=make_swiglu_params(e, 1.702, 1.0, 7.0, "cpu"), biases=True)
+    w13 = mxfp8.dequantize(q.w13_weight, q.w13_weight_scale)  # [E, 2I, H] [gate; up]
+    w2 = mxfp8.dequantize(q.w2_weight, q.w2_weight_scale)  # [E, H, I]
+    experts = GptOssExperts(GptOssConfig(num_local_experts=e, hidden_size=h, intermediate_size=i))
+    inter = torch.stack([w13[:, :i], w13[:, i:]], dim=2).reshape(e, 2 * i, h)  # rows g0, u0, g1, u1, ...
+    b_inter = torch.stack([q.w13_bias[:, :i], q.w13_bias[:, i:]], dim=2).reshape(e, 2 * i)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(inter.transpose(1, 2))
+        experts.gate_up_proj_bias.copy_(b_inter)
+        experts.down_proj.copy_(w2.transpose(1, 2))
+        experts.down_proj_bias.copy_(q.w2_bias)
+    routing = MoeRouting(torch.zeros(e, h), torch.zeros(e), k, 1.0)
+    for t in (1, 9):  # T*k <= E: gathered; else looped
+        x = torch.randn(t, h)
+        ids = torch.rand(t, e).topk(k, dim=-1).indices
+        w = torch.softmax(torch.randn(t, k), -1)
+        with torch.no_grad():
+            want = experts(x, router_indices=ids, routing_weights=w)
+        got = TorchMoE(q, routing).forward_topk(x, ids, w)
+        assert rel(got, want) <= 1e-5, t
 
 
 def test_fp16_window_is_exact_for_every_e4m3_value():
@@ -731,8 +927,8 @@ def test_row_scale_falls_back_to_128_blocks_past_13_octaves():
 def test_prepare_rebases_at_load_where_row_scales_hold():
     """prepare (rebase=True, the default) keeps the experts as e4m3 with one fp32 power-of-two scale per
     row (WMODE 7 on both GEMMs), within 1e-5 relative of the MXFP8 values, and the FP8 path reads those
-    same tensors; a row spanning more than ROW_SCALE_MAX_OCTAVES, a SwiGLU bound past fp16 (GEMM2 then
-    runs in bf16) or rebase=False keep the weights as stored."""
+    same tensors; a row spanning more than ROW_SCALE_MAX_OCTAVES or rebase=False keep the weights as stored.
+    A SwiGLU bound past fp16 (limit inf) is rebased too, with act scaled per row (act_bound)."""
     q = make_quant(4, 256, 128, "cpu", swiglu=make_swiglu_params(4, 1.702, 1.0, 7.0, "cpu"))
     args = (q.w13_weight, q.w13_weight_scale, q.w2_weight, q.w2_weight_scale)
     swiglu = (q.gemm1_alpha, q.gemm1_beta, q.gemm1_clamp_limit)
@@ -755,9 +951,11 @@ def test_prepare_rebases_at_load_where_row_scales_hold():
     wide[0, 5, 0] = int(wide[0, 5].max()) - tp.ROW_SCALE_MAX_OCTAVES - 1
     assert not tp.prepare(args[0], wide, *args[2:], *swiglu).rebased
     inf_limit = make_swiglu_params(4, 1.702, 1.0, math.inf, "cpu")
-    assert not tp.prepare(
+    unbounded = tp.prepare(
         *args, inf_limit["gemm1_alpha"], inf_limit["gemm1_beta"], inf_limit["gemm1_clamp_limit"]
-    ).rebased
+    )
+    assert unbounded.rebased and unbounded.fp16_2 and unbounded.act_bound.shape == (4, 4)
+    assert p.act_bound is None  # M3's parameters bound act: stored as it is
     kept = tp.prepare(*args, *swiglu, rebase=False)
     assert not kept.rebased and kept.w13 is args[0] and kept.wmode1 == 1
 
@@ -801,7 +999,7 @@ def test_prefill_path_choice():
 def test_pdl_and_fused_output_gates_on_cpu():
     assert not pdl_supported(torch.device("cpu"))
     assert not tl.fp8_prefill_supported(torch.device("cpu"))
-    assert tc.FUSED_OUT_MAX_TOKENS >= 256 and tc.NOSORT_MAX_SLOTS >= 4
+    assert tc.FUSED_OUT_MAX_TOKENS >= 256 and tc.NOSORT_MAX_TOKENS >= 4
 
 
 def test_fp8_prefill_copy_is_skipped_when_it_does_not_fit(monkeypatch):

@@ -6,7 +6,8 @@ elsewhere). What is proven on CPU (docs/moe-backends.md; kernel API of flashinfe
   (b) the kwargs bind against the installed signatures, with the right enums and per-expert tensors;
   (c) an emulation of the kernel's documented math, reading the *prepared* tensors the way the kernel
       does (closed forms written here from the C++/doc, not from porter's code), equals TorchMoE;
-  (d) non-default per-expert alpha/beta/limit reach the kwargs and change the math;
+  (d) non-default per-expert alpha/beta/limit reach the kwargs and change the math; expert biases (gpt-oss)
+      reach the logits path in their weights' row layout and are refused by the routed one;
   (e) unsupported devices raise BackendUnavailable naming the capability, without importing flashinfer.
 """
 
@@ -60,11 +61,17 @@ def _mxfp8_weights(shape, gen) -> tuple[torch.Tensor, torch.Tensor]:
     return mxfp8.quantize((w.reshape(*shape[:-1], -1, 32) * mags).reshape(shape))
 
 
-def make_layer(seed=0, swiglu=None, rsf=RSF):
+def make_layer(seed=0, swiglu=None, rsf=RSF, biases=False):
     gen = torch.Generator().manual_seed(seed)
     w13, s13 = _mxfp8_weights((E, 2 * I, H), gen)
     w2, s2 = _mxfp8_weights((E, H, I), gen)
     params = swiglu if swiglu is not None else make_swiglu_params(E, **M3_SWIGLU, device="cpu")
+    if biases:  # gpt-oss's: fp32 [E, 2I] ([gate; up]) and [E, H]
+        params = {
+            **params,
+            "w13_bias": torch.randn(E, 2 * I, generator=gen),
+            "w2_bias": torch.randn(E, H, generator=gen),
+        }
     quant = MoeQuantInfo(w13, s13, w2, s2, **params)
     routing = MoeRouting(
         router_weight=torch.randn(E, H, generator=gen) * H**-0.5,
@@ -203,17 +210,25 @@ def emulate_kernel(kw, quantize_intermediate=True, out_dtype=torch.bfloat16):
     limit = (
         kw["gemm1_clamp_limit"] if kw["gemm1_clamp_limit"] is not None else torch.full((n_local,), torch.inf)
     )
+    # expert biases, fp32 in their weights' row layout: GEMM1's joins the (up, gate) pair before the gated
+    # activation, GEMM2's is added in GEMM2's run, before finalize weights each expert's output
+    # (csrc/trtllm_fused_moe_runner.cu: ptrBias of PermuteGemm1 and of the GEMM2 run)
+    zero = torch.zeros(n_local, 1)
+    b1 = kw.get("gemm1_bias")
+    up_b, gate_b = (zero, zero) if b1 is None else (unshuffle_rows(b1)[:, 0::2], unshuffle_rows(b1)[:, 1::2])
+    b2 = zero if kw.get("gemm2_bias") is None else unshuffle_rows(kw["gemm2_bias"])
     out = torch.zeros(x.shape[0], down.shape[1])
     for e in range(n_local):
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        act = gated_act(x[tok] @ up[e].t(), x[tok] @ gate[e].t(), alpha[e], beta[e], limit[e])  # [n, I]
+        x1, x2 = x[tok] @ up[e].t() + up_b[e], x[tok] @ gate[e].t() + gate_b[e]
+        act = gated_act(x1, x2, alpha[e], beta[e], limit[e])  # [n, I]
         if quantize_intermediate:  # FC1 epilogue re-quantizes to MXFP8 for GEMM2, from bf16 as FlashInfer's
             act = flashinfer_mxfp8_fake_quantize(
                 act.to(torch.bfloat16).float()
             )  # reference (run_moe_dequant)
-        out.index_add_(0, tok, (act @ down[e].t()) * weights[tok, slot].unsqueeze(1))
+        out.index_add_(0, tok, (act @ down[e].t() + b2[e]) * weights[tok, slot].unsqueeze(1))
     return out.to(out_dtype)
 
 
@@ -724,3 +739,60 @@ def test_kernel_on_blackwell_matches_torch_serving_numerics(layer, monkeypatch):
     )  # the other reading: no bf16 rounding before the quantizer
     fp32_first = TorchMoE(quant_gpu, routing_gpu, numerics="serving").forward_topk(x, ids, weights).float()
     assert rel(kernel, serving) <= 5e-3, (rel(kernel, serving), rel(kernel, fp32_first))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Expert biases (gpt-oss): the logits path's gemm1_bias / gemm2_bias
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_biases_take_their_weights_row_layout():
+    """gemm1_bias / gemm2_bias are fp32 in the kernel's row order of their weights ("must be in the same row
+    layout", core.py): undoing the shuffle pairs each up bias with its up row and gate bias with its gate row
+    (as kernel_gemm1 pairs the weights), and gemm2's bias undoes to the canonical one exactly."""
+    quant, routing, _ = make_layer(biases=True)
+    moe = TrtllmMoE(quant, routing)
+    assert moe.has_biases and moe.gemm1_bias.dtype == moe.gemm2_bias.dtype == torch.float32
+    assert moe.gemm1_bias.shape == (E, 2 * I) and moe.gemm2_bias.shape == (E, H)
+    b1 = unshuffle_rows(moe.gemm1_bias)
+    assert torch.equal(b1[:, 0::2], quant.w13_bias[:, I:]) and torch.equal(b1[:, 1::2], quant.w13_bias[:, :I])
+    assert torch.equal(unshuffle_rows(moe.gemm2_bias), quant.w2_bias)
+    assert not TrtllmMoE(*make_layer()[:2]).has_biases
+
+
+def test_biased_kwargs_bind_and_equal_serving_numerics():
+    """The logits path carries the biases (keyword-only arguments of the installed signature); the kernel's
+    math on them equals TorchMoE(numerics="serving") with the kernel's bf16 routing weights to fp32 summation
+    order, and the biases change the output (gpt-oss: bias before the activation; GEMM2's scaled by the
+    routing weight)."""
+    quant, routing, hidden = make_layer(seed=3, biases=True)
+    moe = TrtllmMoE(quant, routing)
+    kw = moe.kernel_kwargs(hidden)
+    _bind(fim.trtllm_fp8_block_scale_moe, kw)
+    assert kw["gemm1_bias"] is moe.gemm1_bias and kw["gemm2_bias"] is moe.gemm2_bias
+    emulated = emulate_kernel(kw, out_dtype=torch.float32)
+    ids, w_kernel = minimax2_routing(kw["routing_logits"], kw["routing_bias"], TOP_K, RSF)
+    serving = TorchMoE(quant, routing, numerics="serving").forward_topk(
+        hidden, ids, w_kernel / RSF
+    )  # RSF = 2
+    assert rel(serving, emulated) <= REL_SERVING
+    unbiased = replace(quant, w13_bias=None, w2_bias=None)
+    assert "gemm1_bias" not in TrtllmMoE(unbiased, routing).kernel_kwargs(hidden)  # absent: not passed
+    assert (
+        rel(
+            emulate_kernel(TrtllmMoE(unbiased, routing).kernel_kwargs(hidden), out_dtype=torch.float32),
+            emulated,
+        )
+        > 0.1
+    )
+
+
+def test_routed_path_refuses_biases():
+    """flashinfer 0.7.2.post1's routed entry point has no per-expert bias arguments (core.py passes None):
+    forward_topk's kwargs refuse a layer with biases in one line instead of dropping them."""
+    quant, routing, hidden = make_layer(biases=True)
+    assert "gemm1_bias" not in inspect.signature(fim.trtllm_fp8_block_scale_routed_moe).parameters
+    ids, weights = route(hidden, routing)
+    with pytest.raises(BackendUnavailable, match="expert biases.*routed") as err:
+        TrtllmMoE(quant, routing).routed_kernel_kwargs(hidden, ids, weights)
+    assert "\n" not in str(err.value)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 from porter.errors import ConfigError
 
@@ -52,6 +52,18 @@ class GptOssConfig:
     eos_token_id: object
     provenance: dict = field(default_factory=dict)
 
+    # fields that fix tensor shapes: a verify reference that differs here is not the source
+    STRUCTURAL: ClassVar[tuple] = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "num_local_experts",
+    )
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("provenance")
@@ -60,11 +72,11 @@ class GptOssConfig:
     def is_moe(self, layer: int) -> bool:
         return True  # every gpt-oss layer's MLP is the routed experts
 
-    def is_sparse_attention(self, layer: int) -> bool:
-        return False  # no block-sparse (indexer) attention; sliding windows are is_sliding
-
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == SLIDING_ATTN
+
+    def layer_kind(self, layer: int) -> str:
+        return f"{'sliding' if self.is_sliding(layer) else 'full'}/moe"
 
     @property
     def rotary_dim(self) -> int:
@@ -72,16 +84,29 @@ class GptOssConfig:
 
 
 def manifest_facts(cfg: GptOssConfig) -> dict:
-    """porter.json's architecture records: the name and the SwiGLU-OAI parameters with their provenance."""
+    """porter.json's architecture records: the name and the experts' activation, SwiGLU-OAI with its
+    parameters and their provenance (docs/artifact-format.md)."""
     return {
         "architecture": ARCHITECTURE,
-        "swiglu": {
+        "activation": {
+            "name": "swiglu_oai",
+            "formula": "min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + beta)",
             "alpha": cfg.swiglu_alpha,
             "beta": cfg.swiglu_beta,
             "limit": cfg.swiglu_limit,
             "provenance": {k: cfg.provenance[f"swiglu_{k}"] for k in ("alpha", "beta", "limit")},
         },
     }
+
+
+def source_layout(raw: dict, names) -> str:
+    """release (OpenAI's MXFP4 experts) or transformers (bf16 experts, [E, in, out])."""
+    q = raw.get("quantization_config")
+    return (
+        "release (MXFP4 experts)"
+        if isinstance(q, dict) and q.get("quant_method") == "mxfp4"
+        else "transformers"
+    )
 
 
 # field -> (keys in order of preference: (key, "config" | "legacy"), default, kind). Defaults are

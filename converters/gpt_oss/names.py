@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from converters.experts import uninterleave_gate_up
 from porter.format.prequantized import DEQUANTIZED_DTYPE
 
 EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\w+)$")
@@ -60,15 +61,7 @@ def experts_w2_bias_name(layer: int) -> str:
     return experts_prefix(layer) + "w2_bias"
 
 
-def uninterleave_gate_up(w: torch.Tensor, dim: int = -2) -> torch.Tensor:
-    """Along `dim` (2I): gate0, up0, gate1, up1, ... -> [gate; up]. dim -2: rows of [..., 2I, H] (it only
-    picks rows, so scale rows follow their value rows); dim -1: a bias [..., 2I]."""
-    x = w.movedim(dim, 0)
-    return torch.cat([x[0::2], x[1::2]]).movedim(0, dim)
-
-
-def interleave_gate_up(w: torch.Tensor, dim: int = -2) -> torch.Tensor:
-    """[gate; up] along `dim` -> gate0, up0, gate1, up1, ... (uninterleave_gate_up's inverse)."""
-    x = w.movedim(dim, 0)
-    half = x.shape[0] // 2
-    return torch.stack([x[:half], x[half:]], dim=1).flatten(0, 1).movedim(0, dim)
+def uninterleave_bias(b: torch.Tensor) -> torch.Tensor:
+    """A gate_up bias [..., 2I], entries gate0, up0, ... -> [gate; up]: the rows rule (converters.experts)
+    applied to its entries as rows."""
+    return uninterleave_gate_up(b.unsqueeze(-1)).squeeze(-1)

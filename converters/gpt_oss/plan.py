@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+from converters import experts
 from converters.gpt_oss import names as N
 from converters.gpt_oss.config import GptOssConfig
 from porter.errors import LayoutError, PorterError
@@ -136,7 +137,7 @@ def _experts(cfg: GptOssConfig, layer: int, found: dict, src_meta: dict, quantiz
             (e, 2 * i, h),
             src_meta[gu][0],
             [gu],
-            read_expert_rows=lambda read, x: [N.uninterleave_gate_up(orient(read(gu, x)))],  # [2I, H]
+            read_expert_rows=lambda read, x: [experts.uninterleave_gate_up(orient(read(gu, x)))],  # [2I, H]
             quantize=q,
         ),
         OutTensor(
@@ -152,7 +153,7 @@ def _experts(cfg: GptOssConfig, layer: int, found: dict, src_meta: dict, quantiz
             (e, 2 * i),
             src_meta[gub][0],
             [gub],
-            lambda read: N.uninterleave_gate_up(read(gub), dim=-1),  # [E, 2I] [gate; up]
+            lambda read: N.uninterleave_bias(read(gub)),  # [E, 2I] [gate; up]
         ),
         OutTensor(N.experts_w2_bias_name(layer), (e, h), src_meta[dnb][0], [dnb], _read_one(dnb)),
     ]

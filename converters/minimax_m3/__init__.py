@@ -27,9 +27,12 @@ and a top-level mxfp8 `quantization_config` (`hf_config_json`).
 
 This package is the MiniMax-M3 converter (the `converters.base.Converter` protocol): callers reach it
 through the registry, `converters.for_config(raw_config)`. Modules: config.py (TextConfig,
-resolve_config), names.py (canonical names), plan.py (plan_tensors, expert stacking), hf_layout.py.
+resolve_config), names.py (canonical names), plan.py (plan_tensors, expert stacking), hf_layout.py (the
+hf_layout capability), verify_rules.py (the verify_rules capability: verify's own source table).
 """
 
+from converters.experts import interleave_gate_up, uninterleave_gate_up
+from converters.minimax_m3 import hf_layout, verify_rules
 from converters.minimax_m3.config import (
     ARCHITECTURE,
     DENSE_MLP,
@@ -40,20 +43,10 @@ from converters.minimax_m3.config import (
     TextConfig,
     manifest_facts,
     resolve_config,
+    source_layout,
     text_config_dict,
 )
-from converters.minimax_m3.hf_layout import (
-    DEFAULT_SCOPE,
-    HF_ARCHITECTURES,
-    LAYOUTS,
-    check_hf_source,
-    hf_canonical_map,
-    hf_config_json,
-    hf_ignored_layers,
-    hf_name,
-    hf_quantization_config,
-    to_hf_layout,
-)
+from converters.minimax_m3.hf_layout import DEFAULT_SCOPE, LAYOUTS
 from converters.minimax_m3.names import (
     canonical_name,
     expert_name,
@@ -61,18 +54,14 @@ from converters.minimax_m3.names import (
     experts_w13_name,
     is_stacked_experts,
 )
-from converters.minimax_m3.plan import interleave_gate_up, plan_tensors, uninterleave_gate_up
-
-verify_rules = (
-    None  # verify's tables for MiniMax-M3 are its built-in ones (porter/commands/verify/mapping.py)
-)
+from converters.minimax_m3.plan import plan_tensors
 
 __all__ = [
     "ARCHITECTURE",
     "MODEL_TYPES",
     "LAYOUTS",
     "DEFAULT_SCOPE",
-    "HF_ARCHITECTURES",
+    "hf_layout",
     "verify_rules",
     "SPARSE_ATTN",
     "FULL_ATTN",
@@ -82,6 +71,7 @@ __all__ = [
     "resolve_config",
     "text_config_dict",
     "manifest_facts",
+    "source_layout",
     "plan_tensors",
     "canonical_name",
     "experts_w13_name",
@@ -90,11 +80,4 @@ __all__ = [
     "is_stacked_experts",
     "interleave_gate_up",
     "uninterleave_gate_up",
-    "to_hf_layout",
-    "hf_name",
-    "hf_canonical_map",
-    "hf_ignored_layers",
-    "hf_quantization_config",
-    "hf_config_json",
-    "check_hf_source",
 ]

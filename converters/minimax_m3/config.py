@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 from porter.errors import ConfigError
 
@@ -54,6 +54,25 @@ class TextConfig:
     eos_token_id: object
     provenance: dict = field(default_factory=dict)
 
+    # fields that fix tensor shapes: a verify reference that differs here is not the source
+    STRUCTURAL: ClassVar[tuple] = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "dense_intermediate_size",
+        "shared_intermediate_size",
+        "n_shared_experts",
+        "num_local_experts",
+        "layer_types",
+        "mlp_layer_types",
+        "index_n_heads",
+        "index_head_dim",
+    )
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("provenance")
@@ -65,19 +84,30 @@ class TextConfig:
     def is_sparse_attention(self, layer: int) -> bool:
         return self.layer_types[layer] == SPARSE_ATTN
 
+    def layer_kind(self, layer: int) -> str:
+        attn = "sparse" if self.is_sparse_attention(layer) else "full"
+        return f"{attn}/{'moe' if self.is_moe(layer) else 'dense'}"
+
 
 def manifest_facts(cfg: TextConfig) -> dict:
-    """What porter.json records about this architecture beyond the resolved config: its name and the
-    SwiGLU-OAI parameters with their provenance (verify compares them; docs/artifact-format.md)."""
+    """What porter.json records about this architecture beyond the resolved config: its name and its
+    activation, SwiGLU-OAI with its parameters and their provenance (docs/artifact-format.md)."""
     return {
         "architecture": ARCHITECTURE,
-        "swiglu": {
+        "activation": {
+            "name": "swiglu_oai",
+            "formula": "min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + beta)",
             "alpha": cfg.swiglu_alpha,
             "beta": cfg.swiglu_beta,
             "limit": cfg.swiglu_limit,
             "provenance": {k: cfg.provenance[f"swiglu_{k}"] for k in ("alpha", "beta", "limit")},
         },
     }
+
+
+def source_layout(raw: dict, names) -> str:
+    """vendor (VL wrapper, legacy keys, per-expert tensors) or transformers (flat text config, fused)."""
+    return "transformers" if raw.get("model_type") == "minimax_m3_vl_text" else "vendor"
 
 
 # field -> (flat key, legacy key path inside text_config, default, kind)

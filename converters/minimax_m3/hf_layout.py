@@ -10,11 +10,13 @@ import json
 import re
 from typing import Optional
 
+from converters import experts
 from converters.minimax_m3.config import TextConfig, resolve_config
-from converters.minimax_m3.names import PER_EXPERT, expert_name, experts_w2_name, experts_w13_name
+from converters.minimax_m3.names import EXPERTS, expert_name
 from porter.errors import ConfigError, LayoutError
 from porter.format import mxfp8
-from porter.format.layout import HF_LAYOUT_PREFIX as HF_PREFIX
+
+HF_PREFIX = "language_model."  # the hf layout's text-model names: this prefix + the canonical name
 
 LAYOUTS = ("porter", "hf")
 # --quantize default per layout: the hf layout's groups (shared + routed experts) must share one format,
@@ -38,7 +40,7 @@ def to_hf_layout(cfg: TextConfig, out: list, quantize: str) -> list:
     _check_format_groups(cfg, out, quantize)
     for t in out:
         if not t.carried:
-            t.name = hf_name(t.name)
+            t.name, t.layout = hf_name(t.name), "hf"
     return out
 
 
@@ -145,29 +147,6 @@ def hf_config_json(raw: dict, qconfig: Optional[dict]) -> dict:
 
 
 def hf_canonical_map(names) -> dict:
-    """hf-layout tensor names -> the canonical view the runtime reads: {canonical: hf name} for plain
-    tensors and scales (`weight_scale_inv` -> `weight_scale`), {canonical: [[hf row parts] per expert]} for
-    the stacked experts (w13 = [w1; w3], w2), built by the loader when touched."""
-    out, experts = {}, {}
-    for n in names:
-        if not n.startswith(HF_PREFIX):
-            continue  # vision tower, projector: not read by the text runtime
-        c = n[len(HF_PREFIX) :]
-        is_scale = c.endswith(".weight_scale_inv")
-        weight = c[: -len("_scale_inv")] if is_scale else c
-        if m := PER_EXPERT.match(weight):
-            layer, e, w = int(m.group(1)), int(m.group(2)), m.group(3)
-            experts.setdefault((layer, is_scale), {})[(e, w)] = n
-            continue
-        out[c[: -len("_inv")] if is_scale else c] = n
-    for (layer, is_scale), found in experts.items():
-        count = 1 + max(e for e, _ in found)
-        suffix = "_scale" if is_scale else ""
-        for stacked, parts in ((experts_w13_name(layer), ("w1", "w3")), (experts_w2_name(layer), ("w2",))):
-            missing = [f"{e}.{w}" for e in range(count) for w in parts if (e, w) not in found]
-            if missing:
-                raise LayoutError(
-                    f"hf-layout artifact lacks expert tensor experts.{missing[0]} of layer {layer}"
-                )
-            out[stacked + suffix] = [[found[(e, w)] for w in parts] for e in range(count)]
-    return out
+    """hf-layout tensor names -> the canonical view the runtime reads (converters.experts.hf_canonical_map):
+    the text model's names under the `language_model.` prefix, experts stacked when touched."""
+    return experts.hf_canonical_map(names, EXPERTS, HF_PREFIX)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from converters.experts import ExpertNames
+
 # one routed expert's 2-D weight (vendor layout, hf layout): layer, expert, w1 | w2 | w3
 PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _STACKED_EXPERTS = re.compile(r"^model\.layers\.\d+\.block_sparse_moe\.experts\.(w13|w2)_weight$")
@@ -57,3 +59,6 @@ def expert_name(layer: int, e: int, w: str) -> str:
 def is_stacked_experts(name: str) -> bool:
     """A canonical stacked expert tensor ([E, 2I, H] w13 or [E, H, I] w2)."""
     return bool(_STACKED_EXPERTS.match(name))
+
+
+EXPERTS = ExpertNames(experts_w13_name, experts_w2_name, expert_name, PER_EXPERT)

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import re
 
-import torch
-
+from converters.experts import (
+    read_one,
+    slice_fused_experts,
+    split_vendor_experts,
+    stack_vendor_experts,
+)
 from converters.minimax_m3.config import TextConfig
 from converters.minimax_m3.hf_layout import LAYOUTS, to_hf_layout
-from converters.minimax_m3.names import (
-    PER_EXPERT,
-    canonical_name,
-    expert_name,
-    experts_w2_name,
-    experts_w13_name,
-)
+from converters.minimax_m3.names import EXPERTS, PER_EXPERT, canonical_name
 from porter.errors import LayoutError, PorterError
 from porter.format.layout import OutTensor, layer_of
 
@@ -31,17 +29,6 @@ _ALL_SCOPE = re.compile(
     r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o|index_q|index_k)_proj"
     r"|mlp\.(gate|up|down)_proj|block_sparse_moe\.shared_experts\.(gate|up|down)_proj)\.weight$"
 )
-
-
-def uninterleave_gate_up(w: torch.Tensor) -> torch.Tensor:
-    """[..., 2I, H] rows gate0, up0, gate1, up1, ... (GPT-OSS) -> [gate; up]."""
-    return torch.cat([w[..., 0::2, :], w[..., 1::2, :]], dim=-2)
-
-
-def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
-    """[..., 2I, H] [gate; up] -> rows gate0, up0, gate1, up1, ... (inverse of uninterleave_gate_up)."""
-    i = w.shape[-2] // 2
-    return torch.stack([w[..., :i, :], w[..., i:, :]], dim=-2).reshape(w.shape)
 
 
 def plan_tensors(
@@ -91,12 +78,14 @@ def plan_tensors(
     for layer in range(cfg.num_hidden_layers):
         for c in sorted(by_layer.pop(layer, [])):
             out.extend(_plain_or_split(c, canon[c], src_meta, quantize))
+        dims, q = (cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size), quantize != "none"
         if layer in experts:
-            make = _stack_experts if layout == "porter" else _split_vendor_experts
-            out.extend(make(cfg, layer, experts[layer], src_meta, quantize))
+            make = stack_vendor_experts if layout == "porter" else split_vendor_experts
+            out.extend(make(EXPERTS, layer, experts[layer], src_meta, dims, q))
         elif layer in fused:
-            make = _fused_experts if layout == "porter" else _split_fused_experts
-            out.extend(make(cfg, layer, fused[layer], src_meta, quantize, interleaved))
+            if layout != "porter":
+                _refuse_hf_from_fused(fused[layer])
+            out.extend(slice_fused_experts(EXPERTS, layer, fused[layer], src_meta, dims, q, interleaved))
     if by_layer:
         extra = sorted(by_layer)
         raise LayoutError(
@@ -105,7 +94,7 @@ def plan_tensors(
         )
     for src in sorted(carried):
         dtype, shape = src_meta[src]
-        out.append(OutTensor(src, tuple(shape), dtype, [src], _read_one(src), carried=True))
+        out.append(OutTensor(src, tuple(shape), dtype, [src], read_one(src), carried=True))
     _check_out(cfg, out)
     return out if layout == "porter" else to_hf_layout(cfg, out, quantize)
 
@@ -114,14 +103,10 @@ def _top_order(name):
     return {"model.embed_tokens.weight": 0, "model.norm.weight": 1, "lm_head.weight": 2}.get(name, 3), name
 
 
-def _read_one(src):
-    return lambda read: read(src)
-
-
 def _plain(c, src, src_meta, quantize):
     dtype, shape = src_meta[src]
     q = quantize == "all" and bool(_ALL_SCOPE.match(c))
-    return OutTensor(c, tuple(shape), dtype, [src], _read_one(src), quantize=q)
+    return OutTensor(c, tuple(shape), dtype, [src], read_one(src), quantize=q)
 
 
 def _plain_or_split(c, src, src_meta, quantize):
@@ -146,107 +131,7 @@ def _plain_or_split(c, src, src_meta, quantize):
     return outs
 
 
-def _stack_experts(cfg, layer, found, src_meta, quantize):
-    _check_vendor_experts(cfg, layer, found, src_meta)
-    e_count, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-    dtype = src_meta[found[(0, "w1")]][0]
-    q = quantize != "none"
-    w13_src = [found[(e, w)] for e in range(e_count) for w in ("w1", "w3")]
-    w2_src = [found[(e, "w2")] for e in range(e_count)]
-    # w1 = gate, w3 = up -> [gate; up]. Experts are built one at a time, as row parts (no concat copy).
-    w13 = OutTensor(
-        experts_w13_name(layer),
-        (e_count, 2 * i, h),
-        dtype,
-        w13_src,
-        read_expert_rows=lambda read, e: [read(found[(e, "w1")]), read(found[(e, "w3")])],
-        quantize=q,
-    )
-    w2 = OutTensor(
-        experts_w2_name(layer),
-        (e_count, h, i),
-        dtype,
-        w2_src,
-        read_expert_rows=lambda read, e: [read(found[(e, "w2")])],
-        quantize=q,
-    )
-    return [w13, w2]
-
-
-def _check_vendor_experts(cfg, layer, found, src_meta):
-    e_count = cfg.num_local_experts
-    missing = [f"experts.{e}.{w}" for e in range(e_count) for w in ("w1", "w2", "w3") if (e, w) not in found]
-    extra = [f"experts.{e}.{w}" for (e, w) in found if e >= e_count]
-    if missing or extra:
-        what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
-        raise LayoutError(f"layer {layer}: expert tensors {what} (config num_local_experts={e_count})")
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    for (_, w), src in found.items():
-        want = (h, i) if w == "w2" else (i, h)
-        if tuple(src_meta[src][1]) != want:
-            raise LayoutError(f"{src}: shape {tuple(src_meta[src][1])}, expected {want} from the config")
-
-
-def _check_fused_experts(cfg, layer, found, src_meta) -> dict:
-    e_count, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-    want = {"gate_up_proj": (e_count, 2 * i, h), "down_proj": (e_count, h, i)}
-    for part, shape in want.items():
-        if part not in found:
-            raise LayoutError(f"layer {layer}: missing mlp.experts.{part}")
-        if tuple(src_meta[found[part]][1]) != shape:
-            raise LayoutError(
-                f"{found[part]}: shape {tuple(src_meta[found[part]][1])}, expected {shape} from the config"
-            )
-    return want
-
-
-def _fused_experts(cfg, layer, found, src_meta, quantize, interleaved):
-    want = _check_fused_experts(cfg, layer, found, src_meta)
-    gu, dn = found["gate_up_proj"], found["down_proj"]
-    fix = uninterleave_gate_up if interleaved else (lambda w: w)
-    q = quantize != "none"
-    # read(name, e) reads only expert e's slice of the fused tensor
-    w13 = OutTensor(
-        experts_w13_name(layer),
-        want["gate_up_proj"],
-        src_meta[gu][0],
-        [gu],
-        read_expert_rows=lambda read, e: [fix(read(gu, e))],
-        quantize=q,
-    )
-    w2 = OutTensor(
-        experts_w2_name(layer),
-        want["down_proj"],
-        src_meta[dn][0],
-        [dn],
-        read_expert_rows=lambda read, e: [read(dn, e)],
-        quantize=q,
-    )
-    return [w13, w2]
-
-
-def _split_vendor_experts(cfg, layer, found, src_meta, quantize):
-    """hf layout: each expert's w1 (gate), w3 (up), w2 (down) as its own 2-D tensor, never stacked."""
-    _check_vendor_experts(cfg, layer, found, src_meta)
-    out = []
-    for e in range(cfg.num_local_experts):
-        for w in ("w1", "w2", "w3"):
-            src = found[(e, w)]
-            dtype, shape = src_meta[src]
-            out.append(
-                OutTensor(
-                    expert_name(layer, e, w),
-                    tuple(shape),
-                    dtype,
-                    [src],
-                    _read_one(src),
-                    quantize=quantize != "none",
-                )
-            )
-    return out
-
-
-def _split_fused_experts(cfg, layer, found, src_meta, quantize, interleaved):
+def _refuse_hf_from_fused(found):
     raise LayoutError(
         f"{found.get('gate_up_proj') or found.get('down_proj')}: --layout hf writes the vendor "
         "release's layout (VL config with text_config, vision tower), which a transformers-layout "

@@ -16,20 +16,18 @@ from collections import Counter
 from pathlib import Path
 
 import converters
-from porter.engine.output_guard import JOURNAL
 from porter.errors import InspectError, PorterError
+from porter.format import journal, prequantized
 from porter.format import manifest as manifest_mod
-from porter.format import prequantized
-from porter.format.layout import HF_LAYOUT_PREFIX
 from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import ST_DTYPES, nbytes
 from porter.source import INDEX_NAME
+from porter.source.hub import snapshot_commit
 from porter.source.local import read_header, weight_files
 
 WORST = 10
-_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+FILES_SHOWN = 8  # the text report lists this many weight files (--json: all)
 _SCALE = re.compile(r"(\.weight|_weight)_scale(_inv)?$")
-_SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})(/|$)")
 
 
 def inspect(path) -> dict:
@@ -37,57 +35,67 @@ def inspect(path) -> dict:
     path = Path(path).expanduser()
     if not path.is_dir():
         raise InspectError(f"{path}: not a directory (give a porter artifact or a checkpoint folder)")
-    incomplete = _interrupted(path)
+    incomplete = journal.interrupted(path)
     if not os.path.lexists(path / "config.json"):
         if incomplete:
-            raise InspectError(f"{path}: porter output, {incomplete}")
+            raise InspectError(str(incomplete))
         raise InspectError(f"{path / 'config.json'}: missing; not a checkpoint or porter artifact")
     raw = read_json_object(path / "config.json", InspectError, "config")
     man = _manifest(path) if manifest_mod.is_artifact(path) else None
     tensors = _tensor_meta(path)
-    cfg = converters.for_config(raw, str(path / "config.json")).resolve_config(raw)
+    converter = _converter(raw, path)  # None: an architecture porter does not convert (headers only)
+    cfg = converter.resolve_config(raw) if converter else None
     qc = prequantized.quantization_config_of(raw)
     quantized, unquantized = _modules(tensors)
     ignored = list((qc or {}).get("ignored_layers") or [])
+    options = manifest_mod.read_options(man, str(path / manifest_mod.MANIFEST)) if man else None
     report = {
         "path": str(path.resolve()),
-        "kind": f"porter output, {incomplete}" if incomplete else "porter artifact" if man else "checkpoint",
+        "kind": f"porter output, {incomplete.state()}"
+        if incomplete
+        else "porter artifact"
+        if man
+        else "checkpoint",
         "source": _source(path, man),
-        "layout": _layout(raw, man, tensors),
+        "layout": _layout(raw, man, tensors, converter) if converter else "checkpoint",
+        "architecture": converter.ARCHITECTURE if converter else None,
+        "model_type": raw.get("model_type"),
+        "not_converted": None if converter else _not_converted(raw),
+        "activation": _activation(man, converter, cfg) if converter else {},
         "quantization": {
             "quant_method": (qc or {}).get("quant_method"),
-            "scope": (man or {}).get("options", {}).get("quantize"),
-            "scale_rounding": (man or {}).get("options", {}).get("scale_rounding"),
+            "scope": options.quantize if options else None,
+            "scale_rounding": options.scale_rounding if options else None,
             "quantized_modules": len(quantized),
             "quantized": _summarize(quantized),
             "ignored_layers": ignored,
             "modules_to_not_convert_equal": (qc or {}).get("modules_to_not_convert")
             == (qc or {}).get("ignored_layers"),
-            "contract": _contract(quantized, unquantized, ignored, qc),
+            "contract": _contract(quantized, unquantized, ignored, qc, converter),
         },
-        "config": {k: {"value": v, "from": cfg.provenance.get(k)} for k, v in cfg.to_dict().items()},
+        "config": {k: {"value": v, "from": cfg.provenance.get(k)} for k, v in cfg.to_dict().items()}
+        if cfg
+        else {},
+        "files": _files(tensors),
         "sizes": _sizes(tensors),
         "worst_tensors": _worst(man),
     }
     return report
 
 
-def _interrupted(path: Path):
-    """ "incomplete (interrupted conversion: N of M shards done; run ...)" for a porter output with a journal
-    and no index (the index is written last, the journal removed after it), else None."""
-    if (path / INDEX_NAME).exists() or not (path / JOURNAL).exists():
+def _converter(raw: dict, path: Path):
+    """The converter of config.json's model_type, or None when porter does not convert that architecture
+    (inspect still reports the files, tensors, dtypes and sizes from the headers)."""
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or model_type not in converters.supported():
         return None
-    try:
-        journal = read_json_object(path / JOURNAL, InspectError, "journal")
-        done, files = len(journal["shards"]), journal["files"]
-    except (InspectError, KeyError, TypeError):
-        journal, done, files = {}, "?", []
-    total = sum(1 for f in files if isinstance(f, str) and _SHARD.fullmatch(f)) or "?"
-    source = journal.get("source_path") if isinstance(journal, dict) else None
-    files = files if isinstance(files, list) else []
+    return converters.for_config(raw, str(path / "config.json"))
+
+
+def _not_converted(raw: dict) -> str:
     return (
-        f"incomplete (interrupted conversion: {done} of {total} shards done; run porter convert "
-        f"{source or 'SOURCE'} --output {path} --resume)"
+        f"model_type {raw.get('model_type')!r} is not an architecture porter converts (porter converts: "
+        f"{', '.join(converters.supported())}); files, tensors and sizes are read from the safetensors headers"
     )
 
 
@@ -135,17 +143,16 @@ def _source(path: Path, man) -> dict:
             "commit": src.get("commit"),
             "porter_version": man.get("porter_version"),
             "created": man.get("created"),
-            "options": man.get("options"),
+            "options": manifest_mod.read_options(man).record(),
         }
-    m = _SNAPSHOT.search(str(path.resolve()))  # a Hugging Face cache snapshot folder names its commit
-    return {"repo_id": None, "path": str(path.resolve()), "commit": m.group(1) if m else None}
+    return {"repo_id": None, "path": str(path.resolve()), "commit": snapshot_commit(path)}
 
 
-def _layout(raw: dict, man, tensors: dict) -> str:
+def _layout(raw: dict, man, tensors: dict, converter) -> str:
     if man:
-        return (man.get("options") or {}).get("layout", "porter")
+        return manifest_mod.read_options(man).layout
     qc = prequantized.quantization_config_of(raw)
-    kind = "transformers" if raw.get("model_type") == "minimax_m3_vl_text" else "vendor"
+    kind = converter.source_layout(raw, tensors)
     if qc and qc.get("quant_method") not in (None, "none"):
         return f"{kind} checkpoint, pre-quantized ({qc.get('quant_method')}, block {qc.get('weight_block_size')})"
     return f"{kind} checkpoint"
@@ -179,20 +186,42 @@ def _summarize(modules: list) -> dict:
     return dict(sorted(pat.items()))
 
 
-def _contract(quantized: list, plain: list, ignored: list, qc) -> dict:
+def _activation(man, converter, cfg) -> dict:
+    """The activation and where each of its values came from: porter.json's record for an artifact, the
+    converter's resolution of config.json for a checkpoint."""
+    record = (man or {}).get("activation")
+    if isinstance(record, dict):
+        return record
+    return converter.manifest_facts(cfg).get("activation") or {}
+
+
+def _contract(quantized: list, plain: list, ignored: list, qc, converter) -> dict:
     """Each text-model linear must be quantized or listed, not both and not neither (both engines load
     either mistake without an error)."""
     if not qc or qc.get("quant_method") in (None, "none"):
         return {"checked": False, "why": "no quantization_config"}
     listed = set(ignored)
     both = sorted(m for m in quantized if m in listed)
-    neither = sorted(m for m in plain if m not in listed and _is_text_linear(m))
+    if converter is None:  # which modules are the text model's linears is the architecture's knowledge
+        return {"checked": False, "why": "an architecture porter does not convert"}
+    neither = sorted(m for m in plain if m not in listed and _is_text_linear(m, converter))
     return {"checked": True, "both": both, "neither": neither, "ok": not both and not neither}
 
 
-def _is_text_linear(module: str) -> bool:
-    m = module.removeprefix(HF_LAYOUT_PREFIX)
-    return m.startswith("model.layers.") or m == "lm_head"
+def _is_text_linear(module: str, converter) -> bool:
+    """A linear of the decoder layers or the lm_head, by its canonical name (any layout's spelling)."""
+    c = converter.canonical_name(module + ".weight")
+    return c is not None and (c.startswith("model.layers.") or c == "lm_head.weight")
+
+
+def _files(tensors: dict) -> list:
+    """[{file, tensors, bytes}] of every safetensors file, in name order (from the headers)."""
+    per: dict = {}
+    for dtype, shape, f in tensors.values():
+        rec = per.setdefault(f, {"file": f, "tensors": 0, "bytes": 0})
+        rec["tensors"] += 1
+        rec["bytes"] += nbytes(ST_DTYPES[dtype], shape)
+    return [per[f] for f in sorted(per)]
 
 
 def _sizes(tensors: dict) -> dict:
@@ -232,12 +261,19 @@ def render(rep: dict) -> str:
         f"{rep['path']}: {rep['kind']}, layout {rep['layout']}",
         f"source: {src.get('repo_id') or src.get('path')}  commit: {src.get('commit') or 'unknown'}",
     ]
+    if rep.get("not_converted"):
+        lines.append(f"architecture: {rep['not_converted']}")
     if src.get("options"):
         lines.append("options: " + ", ".join(f"{k}={v}" for k, v in src["options"].items()))
     lines.append(
         f"size: {_human(sz['bytes'])} in {sz['tensors']} tensors, {sz['shards']} shard(s); "
         + ", ".join(f"{d} {_human(b)}" for d, b in sz["bytes_by_dtype"].items())
     )
+    files = rep["files"]
+    for f in files if len(files) <= FILES_SHOWN else files[: FILES_SHOWN - 1]:
+        lines.append(f"  {f['file']}  {f['tensors']} tensors, {_human(f['bytes'])}")
+    if len(files) > FILES_SHOWN:
+        lines.append(f"  ... and {len(files) - FILES_SHOWN + 1} more file(s) (--json lists all)")
     lines.append(
         f"quantization: {q['quant_method'] or 'none'}"
         + (f" (scope {q['scope']})" if q["scope"] else "")
@@ -259,7 +295,15 @@ def render(rep: dict) -> str:
             "each linear quantized xor listed: "
             + ("yes" if c["ok"] else f"NO (both: {c['both'][:3]}, neither: {c['neither'][:3]})")
         )
-    lines.append("resolved config (value  <- from):")
+    act = rep.get("activation") or {}
+    if act:
+        values = {k: v for k, v in act.items() if k not in ("name", "formula", "provenance")}
+        prov = act.get("provenance") or {}
+        lines.append(f"activation: {act.get('name')}  {act.get('formula', '')}".rstrip())
+        for k, v in values.items():
+            lines.append(f"  {k:26s} {json.dumps(v):60s} <- {prov.get(k, '?')}")
+    if rep["config"]:
+        lines.append("resolved config (value  <- from):")
     for k, v in rep["config"].items():
         val = json.dumps(v["value"])
         lines.append(f"  {k:26s} {val if len(val) <= 60 else val[:57] + '...':60s} <- {v['from']}")

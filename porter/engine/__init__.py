@@ -12,7 +12,7 @@ Generic over `porter.format.layout.OutTensor` lists: nothing here knows an archi
 engine works", gives the tuning constants' reasons and measurements.
 """
 
-from porter.engine.budget import default_max_memory, default_workers, memory_estimate, resolve_device
+from porter.engine.budget import default_max_memory, default_workers, memory_estimate
 from porter.engine.faults import arm as arm_faults
 from porter.engine.faults import fault_point
 from porter.engine.run import Pipeline
@@ -28,6 +28,5 @@ __all__ = [
     "libc_function",
     "make_units",
     "memory_estimate",
-    "resolve_device",
     "sync_files",
 ]

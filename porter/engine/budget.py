@@ -1,5 +1,6 @@
 """How much the engine may hold at once: the memory estimate (--dry-run), the budget units run in, and the
-worker count and device a conversion starts from."""
+worker count a conversion starts from. (The device is checked by porter.devices.resolve_device, the one
+rule every command and runtime.load use.)"""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from porter.engine.units import (
     unit_costs,
     verbatim_source,
 )
-from porter.errors import PorterError
 from porter.format import mxfp8, safetensors_io
 from porter.format.layout import OutTensor
 
@@ -38,23 +38,6 @@ def default_workers() -> int:
 def default_max_memory() -> int:
     """Half of the memory available now (the page cache and the rest of the machine keep the other half)."""
     return int(memory_status().get("MemAvailable", 8 << 30) * 0.5)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device not in ("auto", "cpu", "cuda"):
-        raise PorterError(f"--device must be auto, cpu or cuda, not {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise PorterError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu (or auto)")
-    if device == "auto":
-        if torch.cuda.is_available():
-            log.info(
-                "device auto: quantizing on the GPU (%s); --device cpu to use the CPU",
-                torch.cuda.get_device_name(0),
-            )
-            return torch.device("cuda")
-        log.debug("device auto: no CUDA GPU, quantizing on the CPU")
-        return torch.device("cpu")
-    return torch.device(device)
 
 
 def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.device, max_memory: int) -> dict:

@@ -2,7 +2,9 @@
 
 - The output may not be the source, lie inside it or contain it (symlinks resolved).
 - `--force` removes only files porter wrote: those named by an earlier run's journal or porter.json (and
-  porter's own fixed file names next to them); any other file makes it refuse, naming that file.
+  porter's own fixed file names next to them); any other file makes it refuse, naming that file. The
+  removal is journaled and ordered so that a run killed part-way never leaves a complete-looking folder.
+- Porter never writes through a symlink (or into a FIFO or folder) at one of its own file names.
 - Free space is checked against the planned output size before the first shard byte is written; a disk
   that fills up anyway (ENOSPC) is a one-line error that leaves the output resumable.
 - One writer per output folder: an exclusive flock on `.porter.lock` inside it, for the whole run.
@@ -16,17 +18,20 @@ import logging
 import os
 import shutil
 import socket
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Optional
 
+from porter.engine.faults import fault_point
 from porter.errors import OutputFolderError
-from porter.format.safe_files import read_json_object
+from porter.format import journal as journal_file
+from porter.format.journal import JOURNAL
+from porter.format.safe_files import check_replaceable, read_json_object
 
 log = logging.getLogger("porter")
 
 LOCK_NAME = ".porter.lock"
-JOURNAL = ".porter-journal.json"  # an interrupted conversion's record (porter.commands.convert.output)
 MANIFEST = "porter.json"  # porter.format.manifest.MANIFEST (not imported: this module stays import-light)
 MANIFEST_FORMAT = "porter-mxfp8"
 INDEX = "model.safetensors.index.json"
@@ -80,12 +85,13 @@ def porter_written(out: Path, copy_files: Iterable[str]) -> set:
     """Names of the files in `out` that an earlier porter run into it wrote, as its journal (an interrupted
     run: the files it planned) or its porter.json and index (a complete one) say. Empty when neither is
     there: then nothing in the folder is porter's."""
-    journal = _read_json(out / JOURNAL)
+    journal = journal_file.read(out)
     manifest = _read_json(out / MANIFEST)
     index = _read_json(out / INDEX)
     owned = set()
     if journal.get("fingerprint"):
-        owned |= {JOURNAL, *journal.get("files", []), *journal.get("shards", {})}
+        owned |= {JOURNAL, *_names(journal.get("files")), *_names(journal.get("shards"))}
+        owned |= set(_names(journal.get("removing")))  # an interrupted --force removal: what was left
     if manifest.get("format") == MANIFEST_FORMAT:
         owned |= {*FIXED_FILES, *copy_files, *manifest.get("shards", {})}
         weight_map = index.get("weight_map")
@@ -95,6 +101,10 @@ def porter_written(out: Path, copy_files: Iterable[str]) -> set:
     owned |= {n + suffix for n in owned for suffix in (".partial", ".tmp")}
     owned.add(JOURNAL + ".tmp")  # a run killed before its first journal write leaves only this
     return owned
+
+
+def _names(value) -> list:
+    return list(value) if isinstance(value, (list, dict)) else []
 
 
 def foreign_files(out: Path, copy_files: Iterable[str]) -> list:
@@ -108,9 +118,62 @@ def has_content(out: Path) -> bool:
     return out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir())
 
 
-def clear_for_force(out: Path, copy_files: Iterable[str]) -> None:
+def check_own_names(out: Path, names: Iterable[str]) -> None:
+    """Each of porter's own names in `out` (what this run writes, its temporary names, what it reads back)
+    is absent or a regular file: a symlink, FIFO or folder planted there is refused, naming it, before any
+    file is touched."""
+    for name in sorted(set(names)):
+        check_replaceable(out / name, OutputFolderError)
+
+
+# the order --force removes an earlier output in: the index first (its presence means complete), then
+# porter.json and config.json, then everything else; the journal (rewritten first) stays
+REMOVAL_ORDER = (INDEX, MANIFEST, "config.json")
+
+
+def removal_order(names: Iterable[str]) -> list:
+    names = set(names) - {JOURNAL, LOCK_NAME}
+    return [n for n in REMOVAL_ORDER if n in names] + sorted(names - set(REMOVAL_ORDER))
+
+
+def check_removable(out: Path, names: Iterable[str]) -> None:
+    """Every entry can be removed by this process (the folder writable, and with the sticky bit owned by
+    us), before anything is: a removal refused half-way would leave half an output."""
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise OutputFolderError(
+            f"{out}: porter cannot remove files from this folder (not writable); fix its permissions or "
+            "choose another --output"
+        )
+    st = os.stat(out)
+    if st.st_mode & stat.S_ISVTX and os.geteuid() not in (0, st.st_uid):
+        for name in names:
+            if os.lstat(out / name).st_uid != os.geteuid():
+                raise OutputFolderError(
+                    f"{out / name}: owned by another user in a sticky folder, porter cannot remove it; "
+                    "remove it yourself or choose another --output"
+                )
+
+
+def remove_listed(out: Path, names: list) -> None:
+    """Remove `names` from `out` in that order (missing ones are skipped). A file that cannot be removed is
+    one line naming it; what is left is still listed in the journal (`removing`), so --force finishes."""
+    for name in names:
+        try:
+            (out / name).unlink(missing_ok=True)
+            fault_point("remove")
+        except OSError as e:
+            raise OutputFolderError(
+                f"{out / name}: cannot remove it ({e.strerror}); the earlier output is partly removed "
+                "(its index and porter.json first): fix this, then rerun with --force"
+            ) from None
+
+
+def clear_for_force(out: Path, copy_files: Iterable[str], journal: dict) -> None:
     """--force: remove what earlier porter runs wrote into `out`; refuse (removing nothing) when anything
-    else is there."""
+    else is there, or when something cannot be removed. Crash-safe: `journal` (the new conversion's, no
+    shard done) is written first with the files still to remove, then the index, porter.json and config.json
+    go, then the rest, then the journal is rewritten without the list. Killed anywhere, the folder reads as
+    an interrupted conversion (never a complete one) whose files --force (or --resume) finishes removing."""
     foreign = foreign_files(out, copy_files)
     if foreign:
         entries = "1 such entry" if len(foreign) == 1 else f"{len(foreign)} such entries"
@@ -119,9 +182,11 @@ def clear_for_force(out: Path, copy_files: Iterable[str]) -> None:
             "--force only replaces an earlier porter output: choose an empty or new "
             "--output folder"
         )
-    for p in out.iterdir():
-        if p.name != LOCK_NAME:
-            p.unlink()
+    order = removal_order(p.name for p in out.iterdir())
+    check_removable(out, order)
+    journal_file.write(out, {**journal, "removing": order})
+    remove_listed(out, order)
+    journal_file.write(out, journal)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -200,14 +265,27 @@ class OutputLock:
         while True:
             try:
                 self.out.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+                fd = os.open(  # O_NONBLOCK: opening a FIFO planted there must not wait for a writer
+                    self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644
+                )
             except OSError as e:  # not writable, a file in the way, .porter.lock a symlink (O_NOFOLLOW)
                 if e.errno in DISK_FULL:
                     raise
+                if e.errno == errno.ELOOP:
+                    raise OutputFolderError(
+                        f"{self.path}: a symlink at the name of porter's lock file; porter did not make it "
+                        "and will not follow it: move it away, then rerun"
+                    ) from None
                 raise OutputFolderError(
                     f"{self.path}: cannot create porter's lock file there "
                     f"({e.strerror}); give a writable --output folder"
                 ) from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, device: not porter's lock file
+                os.close(fd)
+                raise OutputFolderError(
+                    f"{self.path}: not a regular file (a FIFO or device) at the name of porter's lock "
+                    "file; porter did not make it: move it away, then rerun"
+                )
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from porter.format import mxfp8
-from porter.format.layout import OutTensor, scale_name
+from porter.format.layout import OutTensor
 from porter.format.safetensors_io import dtype_name
 
 
@@ -63,7 +63,7 @@ def error_record(t: OutTensor, src_dtype, err: dict) -> dict:
     rel = (err["err_sq"] / err["ref_sq"]) ** 0.5 if err["ref_sq"] else 0.0
     return {
         "source_dtype": dtype_name(src_dtype),
-        "scale": scale_name(t.name),
+        "scale": t.scale,
         "rel_fro_error": rel,
         "max_abs_error": err["max_abs_error"],
     }

@@ -36,7 +36,7 @@ from porter.engine.units import (
 from porter.engine.writer import ShardWriter
 from porter.errors import ProduceError
 from porter.format import mxfp8, mxfp8_native
-from porter.format.layout import OutTensor, scale_name
+from porter.format.layout import OutTensor
 from porter.format.safetensors_io import TensorReader
 
 log = logging.getLogger("porter")
@@ -67,7 +67,7 @@ class Pipeline:
         progress=None,
     ):
         self.plan, self.workers, self.device, self.progress = plan, workers, device, progress
-        self.rounding = plan.options["scale_rounding"]
+        self.rounding = plan.options.scale_rounding
         self.quant_sizes = quant_sizes(workers)
         self.reader = TensorReader(plan.source.spans)
         self.writer = ShardWriter(plan, out, done, stats, on_shard_done)
@@ -193,7 +193,7 @@ class Pipeline:
         k, errs = t.shape[-1], []
         for r, q, s, err in self._quantize(value, label, keep):  # row r of a 2-D tensor; 0 otherwise
             self.writer.deposit(t.name, r * k, q)
-            self.writer.deposit(scale_name(t.name), r * (k // mxfp8.BLOCK), s)
+            self.writer.deposit(t.scale, r * (k // mxfp8.BLOCK), s)
             errs.append(err)
         self.writer.record_error(t.name, error_record(t, value.dtype, sum_errs(errs)))
 
@@ -259,7 +259,7 @@ class Pipeline:
         with self.lock:
             self.jobs.pop(t.name, None)
         if t.quantize:
-            self.writer.deposit(scale_name(t.name), 0, job.scale)
+            self.writer.deposit(t.scale, 0, job.scale)
             errs = sum_errs([x for es in job.errs for x in es])  # plan order
             self.writer.record_error(t.name, error_record(t, t.dtype, errs))
 

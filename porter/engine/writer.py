@@ -17,7 +17,9 @@ from porter.engine.digests import TensorDigest
 from porter.engine.faults import fault_point
 from porter.engine.sysio import start_writeback
 from porter.engine.units import places_of
+from porter.errors import OutputFolderError
 from porter.format import safetensors_io
+from porter.format.safe_files import create_new, replace_into
 from porter.format.safetensors_io import (
     SHARD_METADATA,
     Entry,
@@ -91,7 +93,7 @@ class ShardOut:
         self.path, self.entries, self.on_closed = path, entries, on_closed
         self.partial = path.with_name(path.name + ".partial")
         header = header_bytes(entries, SHARD_METADATA)
-        self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = create_new(self.partial, OutputFolderError)  # never through a link planted at that name
         os.ftruncate(self.fd, len(header) + sum(e.nbytes for e in entries))
         self.flusher = flusher
         self.wb_fd = flusher.open(self.fd) if flusher is not None else None  # None: writeback inline
@@ -116,7 +118,7 @@ class ShardOut:
             os.close(self.fd)  # re-hashes every journaled shard, so a torn one is rewritten
             self.fd = None
             self._close_writeback()
-            os.replace(self.partial, self.path)
+            replace_into(self.partial, self.path, OutputFolderError)
             fault_point("shard-renamed")
             self.on_closed(self)
 

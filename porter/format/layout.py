@@ -20,14 +20,11 @@ ReadFn = Callable[..., torch.Tensor]
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-HF_LAYOUT_PREFIX = "language_model."  # text-model names of the hf layout (a converter's hf_name)
-
-
-def scale_name(weight_name: str) -> str:
+def scale_name(weight_name: str, layout: str = "porter") -> str:
     """Name of the uint8 scale stored beside a quantized weight: `X.weight` -> `X.weight_scale`,
-    `X.w13_weight` -> `X.w13_weight_scale`. In the hf layout (vendor names, `language_model.` prefix)
-    `X.weight` -> `X.weight_scale_inv`, the only scale name sglang loads (docs/serving-engines.md)."""
-    if weight_name.startswith(HF_LAYOUT_PREFIX) and weight_name.endswith(".weight"):
+    `X.w13_weight` -> `X.w13_weight_scale`. In the hf layout (the vendor release's names) `X.weight` ->
+    `X.weight_scale_inv`, the only scale name sglang loads (docs/serving-engines.md)."""
+    if layout == "hf" and weight_name.endswith(".weight"):
         return weight_name + "_scale_inv"
     return (
         weight_name[: -len("weight")] + "weight_scale"
@@ -70,10 +67,16 @@ class OutTensor:
     quantize: bool = False
     carried: bool = False  # a source tensor outside the text model, kept under its own name (the hf layout
     # does not rename it; the runtime reads it as is)
+    layout: str = "porter"  # the artifact layout whose naming the tensor follows (its scale's name)
 
     def __post_init__(self):
         if (self.read_whole is None) == (self.read_expert_rows is None):
             raise TypeError(f"OutTensor {self.name}: give exactly one of read_whole / read_expert_rows")
+
+    @property
+    def scale(self) -> str:
+        """The name of this tensor's scale when it is quantized."""
+        return scale_name(self.name, self.layout)
 
     @property
     def per_expert(self) -> bool:

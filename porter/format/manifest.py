@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Optional
 
 from porter.errors import ManifestError
 from porter.format import mxfp8
@@ -22,9 +24,49 @@ FORMAT = "porter-mxfp8"
 FORMAT_VERSION = 2  # 2: chunked digests (porter.format.safetensors_io.digest_rule); 1 had whole-file sha256s
 
 
+@dataclass(frozen=True)
+class Options:
+    """porter.json's `options`: what the artifact was made with. The one place its fields and their
+    defaults live; a record written by an older porter lacks some fields, and reads as these defaults."""
+
+    quantize: str = "experts"  # experts | all | none
+    gate_up: str = "auto"  # the row order of a fused source gate_up_proj: auto | interleaved | uninterleaved
+    scale_rounding: str = "rceil"  # porter.format.mxfp8.ROUNDING_MODES
+    max_shard_size: int = 5 * 10**9
+    layout: str = "porter"  # porter | hf
+    source_quantization: Optional[dict] = None  # a pre-quantized source's record (porter.format.prequantized)
+
+    def record(self) -> dict:
+        """The JSON object porter.json stores (source_quantization only for a pre-quantized source)."""
+        rec = {f.name: getattr(self, f.name) for f in fields(self)}
+        if rec["source_quantization"] is None:
+            del rec["source_quantization"]
+        return rec
+
+
+def read_options(man: dict, where: str = MANIFEST) -> Options:
+    """porter.json's options as an Options; a field of the wrong type is a ManifestError naming it."""
+    rec = man.get("options", {}) if isinstance(man, dict) else None
+    if rec is None:
+        rec = {}
+    if not isinstance(rec, dict):
+        raise ManifestError(f"{where}: 'options' must be a JSON object; reconvert or restore this file")
+    values = {}
+    for f in fields(Options):
+        if f.name not in rec:
+            continue
+        value, want = rec[f.name], type(f.default) if f.default is not None else dict
+        if type(value) is not want:
+            raise ManifestError(
+                f"{where}: options.{f.name} is {value!r}, not a {want.__name__}; reconvert or restore this file"
+            )
+        values[f.name] = value
+    return Options(**values)
+
+
 def quantization_config(plan) -> dict:
     """Describes what was done, in the vendor `quant_method: mxfp8` vocabulary plus porter's layout facts."""
-    q = plan.options["quantize"]
+    q = plan.options.quantize
     ignored = ignored_layers(plan.tensors)
     return {
         "quant_method": "mxfp8" if q != "none" else "none",
@@ -33,7 +75,7 @@ def quantization_config(plan) -> dict:
         "fmt": "e4m3",
         "scale_fmt": "ue8m0",
         "scale_dtype": "uint8",
-        "scale_rounding": plan.options["scale_rounding"],
+        "scale_rounding": plan.options.scale_rounding,
         "scope": q,
         "ignored_layers": ignored,
         "modules_to_not_convert": ignored,
@@ -66,21 +108,21 @@ def write(out: Path, plan, stats: dict, shard_digests: dict, before_rename=None)
             "commit": src.commit,
             "files": [f.name for f in src.shard_files],
         },
-        "options": plan.options,
+        "options": plan.options.record(),
         "resolved_config": cfg.to_dict(),
         "provenance": cfg.provenance,
         **facts,
         "layout": {
             "gate_up_order": "gate_up",
-            "source_gate_up": plan.options["gate_up"],
+            "source_gate_up": plan.options.gate_up,
             "block_size": mxfp8.BLOCK,
             "element_dtype": "float8_e4m3fn",
             "scale_dtype": "uint8",
             "scale_encoding": "ue8m0 byte b -> 2^(b-127); 0 for all-zero blocks",
-            "scale_rounding": plan.options["scale_rounding"],
+            "scale_rounding": plan.options.scale_rounding,
             "scale_rule": (
                 "smallest e with amax <= 448*2^e"
-                if plan.options["scale_rounding"] == "rceil"
+                if plan.options.scale_rounding == "rceil"
                 else "floor(log2 amax) - 8 (OCP; clips)"
             ),
         },

@@ -8,9 +8,10 @@ YAML front matter (license, tags) first, where the Hub reads it.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
+from porter.errors import OutputFolderError
+from porter.format.safe_files import copy_into
 from porter.format.safetensors_io import atomic_write_text
 from porter.version import __version__
 
@@ -37,23 +38,22 @@ def license_files(src: Path) -> list[Path]:
     return sorted(p for p in src.glob("LICENSE*") if p.is_file())
 
 
-def section(options: dict, repo_id, commit, source_path) -> str:
-    """The appended Markdown section. options: porter.json's options (quantize, layout, scale_rounding)."""
+def section(options, repo_id, commit, source_path) -> str:
+    """The appended Markdown section. options: porter.json's options (porter.format.manifest.Options)."""
     if repo_id:
         origin = f"[`{repo_id}`](https://huggingface.co/{repo_id})"
         origin += f" at commit `{commit}`" if commit else ""
     else:
         origin = f"the local checkpoint `{Path(source_path).name}`"
-    scope = options.get("quantize", "experts")
+    scope = options.quantize
     quantized = SCOPES.get(scope, scope)
     if scope != "none":
-        rule = options.get("scale_rounding", "rceil")
         quantized += (
-            f" are MXFP8 (e4m3 values, one power-of-two E8M0 scale per 32 weights, {rule} scale "
-            "rule); every other tensor is unchanged"
+            f" are MXFP8 (e4m3 values, one power-of-two E8M0 scale per 32 weights, {options.scale_rounding} "
+            "scale rule); every other tensor is unchanged"
         )
-    if options.get("source_quantization"):
-        method = options["source_quantization"].get("method")
+    if options.source_quantization:
+        method = options.source_quantization.get("method")
         quantized += f". The source was pre-quantized ({method}) and was dequantized first"
     return "\n".join(
         [
@@ -62,7 +62,7 @@ def section(options: dict, repo_id, commit, source_path) -> str:
             f"This folder was converted from {origin} by porter {__version__}.",
             "",
             f"- quantization scope `{scope}`: {quantized}.",
-            f"- layout {LAYOUTS.get(options.get('layout', 'porter'), options.get('layout'))}.",
+            f"- layout {LAYOUTS.get(options.layout, options.layout)}.",
             "- `porter.json` records the source, every option, each tensor's quantization error and the shard "
             "digests; `porter verify DIR` checks this folder against the source.",
             "",
@@ -70,10 +70,11 @@ def section(options: dict, repo_id, commit, source_path) -> str:
     )
 
 
-def write(src: Path, out: Path, options: dict, repo_id, commit) -> None:
-    """README.md (the source's card + the porter section) and the source's LICENSE* files into `out`."""
+def write(src: Path, out: Path, options, repo_id, commit) -> None:
+    """README.md (the source's card + the porter section) and the source's LICENSE* files into `out`.
+    options: porter.json's options (porter.format.manifest.Options)."""
     for f in license_files(src):
-        shutil.copyfile(f, out / f.name)
+        copy_into(f, out / f.name, OutputFolderError)  # never through a link planted in `out`
     card = (src / CARD).read_text(encoding="utf-8") if (src / CARD).is_file() else ""
     if card and not card.endswith("\n"):
         card += "\n"

@@ -1,7 +1,7 @@
 """MXFP4 (OCP MX v1.0, E2M1 elements, UE8M0 scales, blocks of 32 along K) as checkpoints store it, and its
 exact conversion to MXFP8 (porter.format.mxfp8). Architecture-free; the rules are in docs/mxfp8.md.
 
-Storage (the layout of OpenAI's gpt-oss release, read by transformers' `integrations/mxfp4.py`):
+Storage (the layout of OpenAI's MXFP4 open-weight releases, as transformers' `integrations/mxfp4.py` reads it):
 - `X_blocks` uint8 [..., N, K/32, 16]: 16 bytes per block of 32 values, two E2M1 codes per byte, the
   **low nibble first** (element 2j = byte j & 0xF, element 2j + 1 = byte j >> 4);
 - `X_scales` uint8 [..., N, K/32]: one UE8M0 byte s per block, value 2^(s - 127) (255 is NaN);

@@ -5,7 +5,7 @@ Three schemes are understood (docs/serving-engines.md, docs/artifact-format.md, 
   `X.weight [N, K]` + U8 (or F8_E8M0) `X.weight_scale_inv [N, K/32]`, one UE8M0 byte per 32 along K.
 - `quant_method: "fp8"` with `weight_block_size [bn, bk]` (usually [128, 128], DeepSeek-V3 style):
   F8_E4M3 `X.weight [N, K]` + float `X.weight_scale_inv [ceil(N/bn), ceil(K/bk)]`, w = q * scale_inv.
-- `quant_method: "mxfp4"` (OpenAI's gpt-oss release): U8 `X_blocks [..., N, K/32, 16]` (two E2M1 codes per
+- `quant_method: "mxfp4"` (OpenAI's open-weight releases): U8 `X_blocks [..., N, K/32, 16]` (two E2M1 codes per
   byte) + U8 `X_scales [..., N, K/32]` (porter.format.mxfp4). The weight keeps the name `X_blocks`, now
   a bfloat16 [..., N, K] tensor: its values, exact in bfloat16 (porter.format.mxfp4 refuses the rest).
 Anything else is refused with one line. A quantized weight is presented to the planner as a bfloat16

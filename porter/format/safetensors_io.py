@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import threading
 import unicodedata
 from concurrent import futures
@@ -21,9 +22,9 @@ from typing import Optional
 
 import torch
 
-from porter.errors import MalformedSafetensors
+from porter.errors import MalformedSafetensors, OutputFolderError
 from porter.format.digest import CHUNK_HASH_DOC, CHUNK_HASHES, DEFAULT_DIGEST
-from porter.format.safe_files import regular_file
+from porter.format.safe_files import atomic_write, regular_file
 
 DTYPE_NAMES = {  # torch dtype -> safetensors header dtype
     torch.float64: "F64",
@@ -268,7 +269,7 @@ class TensorReader:
     def _fd(self, path) -> int:
         fd = self._fds.get(path)
         if fd is None:
-            fd = self._fds.setdefault(path, os.open(path, os.O_RDONLY))
+            fd = self._fds.setdefault(path, _open_source_file(path))
         return fd
 
     def close(self) -> None:
@@ -277,17 +278,29 @@ class TensorReader:
         self._fds.clear()
 
 
+def _open_source_file(path) -> int:
+    """A read descriptor of a source shard that was a regular file when the plan was made; gone or turned
+    into something else since (deleted, replaced by a FIFO mid-run) is one line naming it, never a hang."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise MalformedSafetensors(
+            f"{path}: cannot be read ({e.strerror}); it changed or went away during the conversion: restore "
+            "the source, then convert again"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise MalformedSafetensors(
+            f"{path}: no longer a regular file (replaced during the conversion); restore the source, then "
+            "convert again"
+        )
+    return fd
+
+
 def atomic_write_text(path: Path, text: str, before_rename=None) -> None:
-    """Write a small file so that it is either absent/old or complete: temp file, fsync, rename."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    if before_rename is not None:
-        before_rename()
-    os.replace(tmp, path)
+    """Write a small file so that it is either absent/old or complete: a new temp file (never through a
+    link planted at its name), fsync, rename (porter.format.safe_files.atomic_write)."""
+    atomic_write(path, text.encode("utf-8"), OutputFolderError, before_rename)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
+from typing import Optional
 
 from porter.errors import SourceError
 from porter.source.local import INDEX_NAME, PICKLE_SUFFIXES, read_header
 
 log = logging.getLogger("porter")
+_SHA = re.compile(r"[0-9a-f]{40}")
 
 META_PATTERNS = [
     "config.json",
@@ -29,6 +32,12 @@ META_PATTERNS = [
     "README.md",
     "LICENSE*",
 ]  # the model card and license travel with the artifact
+
+
+def snapshot_commit(path) -> Optional[str]:
+    """The commit a Hugging Face cache snapshot folder (.../snapshots/<40-hex sha>) holds, else None."""
+    p = Path(path).resolve()
+    return p.name if p.parent.name == "snapshots" and _SHA.fullmatch(p.name) else None
 
 
 def _snapshot(repo_id: str, revision, allow_patterns, token=None, cache_dir=None) -> Path:

@@ -108,7 +108,7 @@ def tensor_span(path: Path, info: dict) -> tuple[int, int]:
 
 def load_json(path: Path):
     if not os.path.lexists(path):
-        raise SourceError(f"{path}: missing; a MiniMax-M3 checkpoint needs config.json beside its shards")
+        raise SourceError(f"{path}: missing; a checkpoint needs config.json beside its shards")
     return read_json(path, SourceError)
 
 

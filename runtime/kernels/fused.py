@@ -4,7 +4,7 @@ a cache): the per-head norms + RoPE + cache writes of the fused q/k/v(/index) pr
 block scores + top-k, the router's fp32 logits and top-k selection.
 
 On CUDA each runs as one Triton kernel (runtime/kernels/fused_triton.py); elsewhere `use_triton` is False and
-runtime/models/minimax_m3.py runs its torch reference. Same math: fp32 inside, the normed value rounded
+the model files (runtime/models/) run their torch reference. Same math: fp32 inside, the normed value rounded
 to the compute dtype before RoPE as the reference does; the fused RoPE and SwiGLU round once at the end
 where the reference rounds after every op (differences of an ulp of the compute dtype; none in fp32).
 """

@@ -321,8 +321,8 @@ def router_select_kernel(
     EP: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    """MiniMax-M3 routing of one token from its fp32 router logits [E]: sigmoid scores, top-k of
-    score + bias (bias for selection only), weights = the selected scores renormalised to sum 1."""
+    """Routing of one token from its fp32 router logits [E] (runtime.moe.contract.SIGMOID_BIAS_TOPK): sigmoid
+    scores, top-k of score + bias (bias for selection only), weights = the selected scores renormalised."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)

@@ -31,7 +31,7 @@ from runtime.cache import KVCache, LayerCache, Step
 from runtime.generate import generate
 from runtime.graph import DecodeGraph, why_not
 from runtime.models.layers import Getter, Rope, apply_rope, linear, on_device, yarn_inv_freq
-from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params
+from runtime.moe.contract import TOPK_SOFTMAX, MoeQuantInfo, MoeRouting, make_swiglu_params
 from runtime.text import GenerationConfig
 
 LOGIT_BYTES = 256 << 20  # fp32 attention logits computed at once in a prefill (queries are chunked to fit)
@@ -149,14 +149,13 @@ class MoE:
     """Router (linear with bias, top-k of the logits, softmax over the k) + experts with biases."""
 
     def __init__(self, cfg: GptOssConfig, get: Getter, p: str, device, make_backend: Callable):
-        self.top_k = cfg.num_experts_per_tok
-        self.router_weight = get(p + "router.weight").float()  # [E, H]
-        self.router_bias = get(p + "router.bias").float()  # [E]
-        self.routing = MoeRouting(  # the backends read routed_scaling_factor only: routing is forward_topk's
-            router_weight=self.router_weight,
-            e_score_correction_bias=torch.zeros_like(self.router_bias),
-            top_k=self.top_k,
+        self.routing = MoeRouting(  # logits = x W^T + b; top-k of the logits, softmax over the k
+            router_weight=get(p + "router.weight").float(),  # [E, H]
+            router_bias=get(p + "router.bias").float(),  # [E]
+            e_score_correction_bias=None,
+            top_k=cfg.num_experts_per_tok,
             routed_scaling_factor=1.0,
+            method=TOPK_SOFTMAX,
         )
         x = p + "experts."
         quant = MoeQuantInfo(
@@ -177,12 +176,8 @@ class MoE:
         return []
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., H] -> the routed experts' weighted sum [..., H]."""
-        flat = x.reshape(-1, x.shape[-1])  # [N, H]
-        logits = torch.addmm(self.router_bias, flat.float(), self.router_weight.t())  # [N, E] fp32
-        top, ids = torch.topk(logits, self.top_k, dim=-1)  # top-k of the logits
-        weights = torch.softmax(top, dim=-1)  # softmax over the k chosen
-        return self.experts.forward_topk(flat, ids, weights).view_as(x)
+        """x [..., H] -> the routed experts' weighted sum [..., H] (routing in the backend, by the contract)."""
+        return self.experts(x.reshape(-1, x.shape[-1])).view_as(x)
 
 
 class DecoderLayer:

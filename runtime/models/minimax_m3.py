@@ -49,7 +49,13 @@ from runtime.models.layers import (
     rms_norm,
     stack_linears,
 )
-from runtime.moe.contract import MoeQuantInfo, MoeRouting, make_swiglu_params, swiglu_oai
+from runtime.moe.contract import (
+    SIGMOID_BIAS_TOPK,
+    MoeQuantInfo,
+    MoeRouting,
+    make_swiglu_params,
+    swiglu_oai,
+)
 from runtime.text import GenerationConfig
 
 
@@ -203,6 +209,7 @@ class MoE:
             e_score_correction_bias=get(p + "e_score_correction_bias").float(),  # [E]
             top_k=cfg.num_experts_per_tok,
             routed_scaling_factor=cfg.routed_scaling_factor,
+            method=SIGMOID_BIAS_TOPK,
         )
         w13, w2 = p + "experts.w13_weight", p + "experts.w2_weight"
         quant = MoeQuantInfo(
@@ -446,4 +453,16 @@ class MiniMaxM3:
         self.decode_state = None
 
 
-Model = MiniMaxM3  # the name runtime/loader.py builds
+Model = MiniMaxM3  # the runtime model registry's names (runtime/models/__init__.py)
+
+
+def moe_block(cfg: TextConfig, get: Getter, layer: int, device, make_backend: Callable) -> Optional[MoE]:
+    """Layer `layer`'s MoE block alone (router, routed experts through make_backend, shared expert)."""
+    if not cfg.is_moe(layer):
+        return None
+    return MoE(cfg, get, f"model.layers.{layer}.block_sparse_moe.", device, make_backend)
+
+
+def experts_quantized(cfg: TextConfig, names) -> bool:
+    """Whether the routed experts are MXFP8 (a stacked expert weight has its scale)."""
+    return any(n.endswith("experts.w13_weight_scale") for n in names)

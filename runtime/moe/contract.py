@@ -1,11 +1,18 @@
 """The MoE contract: the only things a backend ever sees (weights, scales, SwiGLU-OAI and routing), and
 the error a backend raises when it cannot run here.
 
+Routing (`MoeRouting`): router logits = x @ router_weight^T (+ router_bias), fp32; `method`
+(`RoutingMethod`) says how logits become the top-k expert ids and their weights; the weights are scaled
+by routed_scaling_factor exactly once (by the backend). Each backend maps the method to its own routing
+(the TRT-LLM backend to FlashInfer's RoutingMethodType) or refuses it with BackendUnavailable.
+
 Canonical tensors (what `porter convert` writes; docs/moe-backends.md, docs/artifact-format.md):
   w13_weight        [E, 2I, H] float8_e4m3fn, uninterleaved [gate; up] rows
   w13_weight_scale  [E, 2I, H/32] uint8 UE8M0 (row r <-> weight row r)
   w2_weight         [E, H, I]  float8_e4m3fn
   w2_weight_scale   [E, H, I/32] uint8
+  w13_bias          [E, 2I] float32 or None (expert biases): added to GEMM1's [gate; up] output before SwiGLU-OAI
+  w2_bias           [E, H] float32 or None: added to GEMM2's output before the routing weight multiplies it
 With `--quantize none` the weights are bf16/fp32 and both scales are None (torch backend only).
 Backend-specific layouts (TRT-LLM's [up; gate] + shuffles, ...) are made inside that backend at load.
 """
@@ -33,6 +40,11 @@ class MoeQuantInfo:
     gemm1_alpha: torch.Tensor
     gemm1_beta: torch.Tensor
     gemm1_clamp_limit: torch.Tensor
+    # Optional per-expert biases, fp32 on the layer's device: fp32 is what FlashInfer's TRT-LLM
+    # MoE takes (gemm1_bias / gemm2_bias), holds the release's bf16 values exactly, and is what the kernels'
+    # fp32 epilogues add. w13_bias rows follow w13's [gate; up] order.
+    w13_bias: Optional[torch.Tensor] = None  # [E, 2I], added before the activation
+    w2_bias: Optional[torch.Tensor] = None  # [E, H], added before the routing weight (so it is scaled by it)
 
     @property
     def num_experts(self) -> int:
@@ -68,16 +80,60 @@ class MoeQuantInfo:
                     f"MoeQuantInfo.{name} is on {getattr(self, name).device}, "
                     f"weights on {self.w13_weight.device}"
                 )
+        for name, shape in (("w13_bias", (e, two_i)), ("w2_bias", (e, h))):
+            bias = getattr(self, name)
+            if bias is None:
+                continue
+            _expect(bias, shape, name, torch.float32)
+            if bias.device != self.w13_weight.device:
+                raise ValueError(
+                    f"MoeQuantInfo.{name} is on {bias.device}, weights on {self.w13_weight.device}"
+                )
+
+
+@dataclass(frozen=True)
+class RoutingMethod:
+    """How router logits [T, E] become (top-k ids, weights).
+
+    scoring: "sigmoid" | "softmax", the score function;
+    select: "scores" (top-k of the scores, plus e_score_correction_bias when there is one, the bias used
+      for selection only) or "logits" (top-k of the logits, then the scores over the k chosen);
+    renormalize: the chosen weights divided by their sum."""
+
+    scoring: str
+    select: str
+    renormalize: bool
+
+    def __post_init__(self):
+        if self.scoring not in ("sigmoid", "softmax") or self.select not in ("scores", "logits"):
+            raise ValueError(f"RoutingMethod: unknown scoring/select {self.scoring!r}/{self.select!r}")
+
+
+# sigmoid scores; top-k of scores + e_score_correction_bias; the chosen (unbiased) scores renormalised
+SIGMOID_BIAS_TOPK = RoutingMethod("sigmoid", "scores", renormalize=True)
+# top-k of the logits, then a softmax over the k chosen
+TOPK_SOFTMAX = RoutingMethod("softmax", "logits", renormalize=False)
+# softmax over every expert, then top-k (renormalised or not)
+SOFTMAX_TOPK = RoutingMethod("softmax", "scores", renormalize=False)
+SOFTMAX_TOPK_RENORM = RoutingMethod("softmax", "scores", renormalize=True)
 
 
 @dataclass(frozen=True)
 class MoeRouting:
-    """MiniMax-M3 routing: sigmoid scores, bias for selection only, renormalised top-k, rsf once."""
+    """A layer's router and how it routes: `method` (default: sigmoid scores with a selection bias,
+    renormalised), rsf applied once by the backend."""
 
     router_weight: torch.Tensor  # [E, H] fp32
-    e_score_correction_bias: torch.Tensor  # [E] fp32
+    e_score_correction_bias: Optional[torch.Tensor]  # [E] fp32, for selection only; None: no bias
     top_k: int
     routed_scaling_factor: float
+    method: RoutingMethod = SIGMOID_BIAS_TOPK
+    router_bias: Optional[torch.Tensor] = None  # [E] fp32, added to the logits
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] -> fp32 router logits [T, E]."""
+        logits = hidden_states.float() @ self.router_weight.float().t()
+        return logits if self.router_bias is None else logits + self.router_bias.float()
 
 
 def _expect(t, shape, name, dtype=None):
@@ -108,16 +164,31 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha, beta, limit) -> torc
 
 
 def route(hidden_states: torch.Tensor, routing: MoeRouting) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32, renormalised, without rsf)."""
-    logits = hidden_states.float() @ routing.router_weight.float().t()  # [T, E]
-    return select_experts(logits, routing.e_score_correction_bias, routing.top_k)
+    """hidden [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32, by routing.method, without rsf)."""
+    return select_experts(
+        routing.logits(hidden_states), routing.e_score_correction_bias, routing.top_k, routing.method
+    )
 
 
-def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int):
-    scores = torch.sigmoid(router_logits.float())  # [T, E]
-    _, topk_ids = torch.topk(scores + bias.float(), top_k, dim=-1)  # bias for selection only
-    weights = scores.gather(1, topk_ids)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
+def select_experts(
+    router_logits: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    top_k: int,
+    method: RoutingMethod = SIGMOID_BIAS_TOPK,
+):
+    """fp32 logits [T, E] -> (topk_ids [T, k] int64, weights [T, k] fp32), the reference of every method."""
+    logits = router_logits.float()
+    score = torch.sigmoid if method.scoring == "sigmoid" else lambda x: torch.softmax(x, dim=-1)
+    if method.select == "logits":  # top-k of the logits, scores over the chosen k
+        top_logits, topk_ids = torch.topk(logits, top_k, dim=-1)
+        weights = score(top_logits)
+    else:
+        scores = score(logits)  # [T, E]
+        choice = scores if bias is None else scores + bias.float()  # bias for selection only
+        _, topk_ids = torch.topk(choice, top_k, dim=-1)
+        weights = scores.gather(1, topk_ids)
+    if method.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
     return topk_ids, weights
 
 

@@ -7,17 +7,28 @@ lazily, inside functions, so that importing this module (or running the CPU/Hopp
 Load time (`TrtllmMoE.__init__`, pure functions `prepare_w13` / `prepare_w2`), per expert:
   w13 [gate; up] -> [up; gate] (gemm1's row order) -> gated-act row interleave -> shuffle_matrix_a rows
   (tile 128); w13 scales: the same row permutation, then the 128x4 swizzle;
-  w2 and its scales: the shuffle_matrix_a row permutation; scales then 128x4-swizzled.
+  w2 and its scales: the shuffle_matrix_a row permutation; scales then 128x4-swizzled;
+  expert biases (fp32, optional): the same row permutations as their weights (`prepare_biases`).
 All row work is one gather with an index composed from flashinfer's own pure-torch index functions.
 flashinfer's swizzle (`block_scale_interleave`) only accepts CUDA tensors, so `swizzle_scales_128x4`
 is a torch equivalent that runs on any device (tests prove it byte-equal to flashinfer's formula).
 
 Call time: activations -> MXFP8 with token-major linear uint8 [T, H/32] scales, then
-`trtllm_fp8_block_scale_moe` (router logits, MiniMax2 routing) or `trtllm_fp8_block_scale_routed_moe`
+`trtllm_fp8_block_scale_moe` (router logits, the kernel's routing method for the layer's
+runtime.moe.contract.RoutingMethod: `routing_method_type`) or `trtllm_fp8_block_scale_routed_moe`
 (externally computed top-k).
 
+SwiGLU: the per-expert gemm1_alpha / gemm1_beta / gemm1_clamp_limit of the contract; an infinite limit (plain
+SwiGLU, no clamp) is passed as None, the kernel's "no clamp".
+
+Expert biases: `trtllm_fp8_block_scale_moe(gemm1_bias=, gemm2_bias=)` (keyword-only, fp32 [E, 2I] / [E, H] "in
+the same row layout as" the weights): GEMM1's is added before the gated activation, GEMM2's in GEMM2's run, before
+finalize weights each expert's output (csrc/trtllm_fused_moe_runner.cu). The routed entry point has no such
+parameters in 0.7.2.post1 (core.py passes None: "routed FP8 uses gemm1_lora_delta for MN bias"), so
+`forward_topk` refuses a layer with biases rather than drop them.
+
 routed_scaling_factor (applied exactly once):
-  logits path  -> the kernel applies it (MiniMax2 weights = s / (sum s + 1e-20) * rsf); the output is
+  logits path  -> the kernel applies it (e.g. MiniMax2 weights = s / (sum s + 1e-20) * rsf); the output is
                   not scaled again.
   routed path  -> precomputed weights are used as given (the post-top-k routing pipeline never runs a
                   postprocess, ref: csrc/fused_moe/trtllm_backend/trtllm_fused_moe_routing_common.cu
@@ -32,13 +43,48 @@ import importlib.util
 import torch
 
 from porter.format import mxfp8
-from runtime.moe.contract import TRTLLM_CAPABILITIES, BackendUnavailable, MoeQuantInfo, MoeRouting
+from runtime.moe.contract import (
+    SIGMOID_BIAS_TOPK,
+    SOFTMAX_TOPK,
+    SOFTMAX_TOPK_RENORM,
+    TOPK_SOFTMAX,
+    TRTLLM_CAPABILITIES,
+    BackendUnavailable,
+    MoeQuantInfo,
+    MoeRouting,
+    RoutingMethod,
+)
 
 EPILOGUE_TILE_M = 128  # MXFP8 uses 128 (flashinfer/fused_moe/prepare.py, vLLM, sglang); DeepSeekFp8 64
 SF_ROW_TILE = 128  # 128x4 swizzle: 128 rows x 4 scale columns per 512-byte tile
 SF_COL_TILE = 4
 SWIGLU_PARAMS = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
+BIAS_PARAMS = ("gemm1_bias", "gemm2_bias")
 KERNEL_ARCHS = ", ".join(f"SM{a}{b}" for a, b in TRTLLM_CAPABILITIES)
+# contract routing -> FlashInfer RoutingMethodType member (flashinfer/fused_moe/core.py; docs/moe-backends.md)
+ROUTING_METHODS = {
+    SIGMOID_BIAS_TOPK: "MiniMax2",  # Sigmoid + bias -> TopK -> ScaledSumNormalize (bias for selection)
+    TOPK_SOFTMAX: "Renormalize",  # TopK -> Softmax
+    SOFTMAX_TOPK: "Default",  # Softmax -> TopK
+    SOFTMAX_TOPK_RENORM: "RenormalizeNaive",  # Softmax -> TopK -> Renormalize
+}
+
+
+def routing_method_name(method: RoutingMethod, has_bias: bool) -> str:
+    """The kernel's RoutingMethodType member for a contract method; BackendUnavailable for one it has not
+    (a selection bias exists only in the sigmoid method, MiniMax2)."""
+    name = ROUTING_METHODS.get(method)
+    if name is None or (has_bias and method != SIGMOID_BIAS_TOPK):
+        raise BackendUnavailable(
+            f"flashinfer-trtllm MoE has no routing method for {method}"
+            f"{' with a selection bias' if has_bias else ''}; use backend='triton' or 'torch'"
+        )
+    return name
+
+
+def routing_method_type(method: RoutingMethod, has_bias: bool) -> int:
+    """The RoutingMethodType value of routing_method_name (an integer of the installed flashinfer)."""
+    return int(getattr(_enums()[2], routing_method_name(method, has_bias)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -119,6 +165,17 @@ def prepare_w2(w2: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
     return _gather_rows(w2, rows), swizzle_scales_128x4(_gather_rows(scale, rows))
 
 
+def prepare_biases(w13_bias, w2_bias) -> tuple:
+    """Canonical fp32 biases ([E, 2I] [gate; up], [E, H], or None) -> the kernel's gemm1_bias / gemm2_bias:
+    the rows of their weights in the same order (w13_row_permutation, w2_row_permutation), contiguous fp32."""
+    gemm1 = gemm2 = None
+    if w13_bias is not None:
+        gemm1 = w13_bias.float().index_select(1, w13_row_permutation(w13_bias.shape[1]).to(w13_bias.device))
+    if w2_bias is not None:
+        gemm2 = w2_bias.float().index_select(1, w2_row_permutation(w2_bias.shape[1]).to(w2_bias.device))
+    return gemm1, gemm2
+
+
 # ---------------------------------------------------------------------------------------------------
 # Call-time helpers (pure functions)
 # ---------------------------------------------------------------------------------------------------
@@ -166,8 +223,9 @@ def _common_kwargs(
     num_experts,
     top_k,
     swiglu,
+    routing_method,
 ) -> dict:
-    activation, fp8_type, routing_method, layout = _enums()
+    activation, fp8_type, _, layout = _enums()
     _, two_i, _ = gemm1_weights.shape
     return dict(
         hidden_states=hidden_q,
@@ -179,12 +237,12 @@ def _common_kwargs(
         num_experts=num_experts,
         top_k=top_k,
         n_group=None,
-        topk_group=None,  # no grouped routing in M3
+        topk_group=None,  # no grouped routing
         intermediate_size=two_i // 2,
         local_expert_offset=0,
         local_num_experts=gemm1_weights.shape[0],  # no expert parallelism
-        # routed path: precomputed top-k skips the routing postprocess, so MiniMax2 there only names it
-        routing_method_type=int(routing_method.MiniMax2),
+        # routed path: precomputed top-k skips the routing postprocess, so the method there only names it
+        routing_method_type=routing_method,
         use_shuffled_weight=True,  # launcher: "use_shuffled_weight must be true for MxFp8."
         weight_layout=int(layout.MajorK),  # launcher: "weight_layout must be 0 for MxFp8."
         do_finalize=True,
@@ -192,8 +250,13 @@ def _common_kwargs(
         activation_type=activation.Swiglu.value,  # integers moved between releases: never a literal
         gemm1_alpha=swiglu["gemm1_alpha"],
         gemm1_beta=swiglu["gemm1_beta"],  # fp32 [E] each
-        gemm1_clamp_limit=swiglu["gemm1_clamp_limit"],
+        gemm1_clamp_limit=_clamp(swiglu["gemm1_clamp_limit"]),
     )
+
+
+def _clamp(limit: torch.Tensor):
+    """The per-expert clamp, None (the kernel's "no clamp") when every expert's limit is +inf."""
+    return None if bool(torch.isinf(limit).all() and (limit > 0).all()) else limit
 
 
 def build_moe_kwargs(
@@ -209,11 +272,16 @@ def build_moe_kwargs(
     top_k,
     routed_scaling_factor,
     swiglu,
+    method: RoutingMethod = SIGMOID_BIAS_TOPK,
+    gemm1_bias=None,
+    gemm2_bias=None,
 ) -> dict:
-    """All-keyword arguments of trtllm_fp8_block_scale_moe (logits path, MiniMax2 routing in the kernel).
+    """All-keyword arguments of trtllm_fp8_block_scale_moe (logits path, routing in the kernel).
 
-    router_logits fp32 [T, E]; routing_bias = e_score_correction_bias [E] (selection only);
-    swiglu = {"gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"} fp32 [E]. The kernel applies rsf."""
+    router_logits fp32 [T, E]; routing_bias = e_score_correction_bias [E] (selection only) or None;
+    swiglu = {"gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"} fp32 [E]; method: the contract's routing
+    (routing_method_type). The kernel applies rsf. gemm1_bias / gemm2_bias: prepare_biases' fp32 tensors,
+    passed only when the layer has biases."""
     kwargs = _common_kwargs(
         gemm1_weights,
         gemm1_weights_scale,
@@ -224,12 +292,17 @@ def build_moe_kwargs(
         router_logits.shape[1],
         top_k,
         swiglu,
+        routing_method_type(method, routing_bias is not None),
     )
+    if routing_bias is None and method == SIGMOID_BIAS_TOPK:  # MiniMax2 reads a bias: zeros select alike
+        routing_bias = torch.zeros(router_logits.shape[1], device=router_logits.device)
     kwargs.update(
         routing_logits=router_logits.float(),
-        routing_bias=routing_bias.float(),
+        routing_bias=None if routing_bias is None else routing_bias.float(),
         routed_scaling_factor=float(routed_scaling_factor),
     )
+    biases = {"gemm1_bias": gemm1_bias, "gemm2_bias": gemm2_bias}
+    kwargs.update({name: b for name, b in biases.items() if b is not None})
     return kwargs
 
 
@@ -246,6 +319,7 @@ def build_routed_moe_kwargs(
     gemm2_weights_scale,
     routed_scaling_factor,
     swiglu,
+    method: RoutingMethod = SIGMOID_BIAS_TOPK,
 ) -> dict:
     """All-keyword arguments of trtllm_fp8_block_scale_routed_moe (precomputed top-k).
 
@@ -262,6 +336,7 @@ def build_routed_moe_kwargs(
         num_experts,
         topk_ids.shape[1],
         swiglu,
+        routing_method_type(method, False),
     )
     weights = (topk_weights.float() * float(routed_scaling_factor)).contiguous()  # rsf applied here, once
     kwargs.update(
@@ -295,8 +370,9 @@ def _need(what: str) -> str:
     )
 
 
-def check_flashinfer_api() -> None:
-    """The installed flashinfer must have MxFp8, MiniMax2 and the per-expert SwiGLU-OAI parameters."""
+def check_flashinfer_api(with_biases: bool = False) -> None:
+    """The installed flashinfer must have MxFp8, MiniMax2 and the per-expert SwiGLU-OAI parameters (and, for
+    a layer with expert biases, the logits path's gemm1_bias / gemm2_bias)."""
     import inspect
 
     import flashinfer
@@ -315,6 +391,8 @@ def check_flashinfer_api() -> None:
     for fn in (trtllm_fp8_block_scale_moe, trtllm_fp8_block_scale_routed_moe):
         params = inspect.signature(fn).parameters  # gemm1_alpha/beta/clamp_limit arrived in v0.6.13
         missing += [f"{fn.__name__}({p}=)" for p in SWIGLU_PARAMS if p not in params]
+    params = inspect.signature(trtllm_fp8_block_scale_moe).parameters  # keyword-only since 0.7.2.post1
+    missing += [f"trtllm_fp8_block_scale_moe({p}=)" for p in BIAS_PARAMS if p not in params and with_biases]
     if missing:
         raise BackendUnavailable(
             _need(
@@ -330,12 +408,12 @@ def check_flashinfer_api() -> None:
 
 
 class TrtllmMoE:
-    """MoE through trtllm_fp8_block_scale_moe (MxFp8, MiniMax2). Holds only the prepared tensors."""
+    """MoE through trtllm_fp8_block_scale_moe (MxFp8). Holds only the prepared tensors."""
 
     name = "flashinfer-trtllm"
 
     @classmethod
-    def check_supported(cls, device) -> None:
+    def check_supported(cls, device, with_biases: bool = False) -> None:
         """Raise BackendUnavailable (one line: the device's capability and what is needed) unless the
         kernel can run here. Checked before any flashinfer import or kernel launch."""
         device = torch.device(device)
@@ -352,7 +430,7 @@ class TrtllmMoE:
             raise BackendUnavailable(
                 _need(f"device {device} is SM{major}{minor} but flashinfer-python is not installed")
             )
-        check_flashinfer_api()
+        check_flashinfer_api(with_biases)
 
     def __init__(self, quant: MoeQuantInfo, routing: MoeRouting):
         quant.validate()
@@ -365,8 +443,14 @@ class TrtllmMoE:
         self.gemm1_weights, self.gemm1_weights_scale = prepare_w13(quant.w13_weight, quant.w13_weight_scale)
         self.gemm2_weights, self.gemm2_weights_scale = prepare_w2(quant.w2_weight, quant.w2_weight_scale)
         self.swiglu = {name: getattr(quant, name) for name in SWIGLU_PARAMS}  # fp32 [E], layer device
+        routing_method_name(routing.method, routing.e_score_correction_bias is not None)  # refused at load
+        self.gemm1_bias, self.gemm2_bias = prepare_biases(quant.w13_bias, quant.w2_bias)  # or None
         self.routing = routing
         self.num_experts = quant.num_experts
+
+    @property
+    def has_biases(self) -> bool:
+        return self.gemm1_bias is not None or self.gemm2_bias is not None
 
     def _weights(self) -> dict:
         return dict(
@@ -379,7 +463,7 @@ class TrtllmMoE:
         )
 
     def router_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden.float() @ self.routing.router_weight.float().t()  # [T, E] fp32 (M3 router is fp32)
+        return self.routing.logits(hidden)  # [T, E] fp32
 
     def kernel_kwargs(self, hidden: torch.Tensor) -> dict:
         """hidden [T, H] -> the keyword arguments of trtllm_fp8_block_scale_moe."""
@@ -390,11 +474,20 @@ class TrtllmMoE:
             hidden_q=hidden_q,
             hidden_sf=hidden_sf,
             top_k=self.routing.top_k,
+            method=self.routing.method,
+            gemm1_bias=self.gemm1_bias,
+            gemm2_bias=self.gemm2_bias,
             **self._weights(),
         )
 
     def routed_kernel_kwargs(self, hidden, topk_ids, topk_weights) -> dict:
         """The keyword arguments of trtllm_fp8_block_scale_routed_moe for externally computed top-k."""
+        if self.has_biases:
+            raise BackendUnavailable(
+                "flashinfer-trtllm MoE: this layer has expert biases, which flashinfer 0.7.2.post1's routed entry "
+                "point (trtllm_fp8_block_scale_routed_moe) cannot take; call the backend on the hidden states "
+                "(router logits path, gemm1_bias / gemm2_bias) or use backend='triton' or 'torch'"
+            )
         hidden_q, hidden_sf = quantize_activations(hidden)
         return build_routed_moe_kwargs(
             topk_ids=topk_ids,
@@ -402,17 +495,18 @@ class TrtllmMoE:
             num_experts=self.num_experts,
             hidden_q=hidden_q,
             hidden_sf=hidden_sf,
+            method=self.routing.method,
             **self._weights(),
         )
 
     @staticmethod
     @functools.lru_cache(maxsize=None)
-    def _checked(device: torch.device) -> None:
-        TrtllmMoE.check_supported(device)
+    def _checked(device: torch.device, with_biases: bool = False) -> None:
+        TrtllmMoE.check_supported(device, with_biases)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> routed output [T, H] (rsf applied by the kernel; shared expert not included)."""
-        self._checked(hidden.device)
+        self._checked(hidden.device, self.has_biases)
         if hidden.shape[0] == 0:
             return torch.zeros_like(hidden)
         from flashinfer.fused_moe import trtllm_fp8_block_scale_moe

@@ -75,6 +75,8 @@ class TorchMoE:
             tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
             w13, w2 = self._expert_weights(e, dtype)
             gate_up = x[tok] @ w13.t()  # [n, 2I]
+            if q.w13_bias is not None:
+                gate_up = gate_up + q.w13_bias[e].to(dtype)
             act = swiglu_oai(
                 gate_up[:, :inter],
                 gate_up[:, inter:],
@@ -85,6 +87,8 @@ class TorchMoE:
             if serving:
                 act = serving_intermediate(act)  # the FC1 epilogue's
             y = act @ w2.t()  # [n, H]
+            if q.w2_bias is not None:
+                y = y + q.w2_bias[e].to(dtype)  # before the routing weight, which scales it too
             # tok holds each token at most once per expert, so a plain indexed add is exact (and, unlike
             # index_add_, not pathologically slow with several CPU threads)
             out[tok] += y.float() * topk_weights[tok, slot].float().unsqueeze(1)
@@ -100,6 +104,8 @@ class TorchMoE:
         w13, w2 = self._expert_weights(ids, dtype)  # [n, 2I, H], [n, H, I]
         x = hidden.repeat_interleave(k, dim=0)[:, None]  # [n, 1, H]
         gate_up = torch.bmm(x, w13.transpose(1, 2))[:, 0]  # [n, 2I]
+        if q.w13_bias is not None:
+            gate_up = gate_up + q.w13_bias[ids].to(dtype)
         inter = q.intermediate_size
         col = lambda t: t[ids].to(dtype)[:, None]  # per-slot parameter, [n, 1]
         act = swiglu_oai(
@@ -112,6 +118,8 @@ class TorchMoE:
         if serving:
             act = serving_intermediate(act)  # the FC1 epilogue's
         y = torch.bmm(act[:, None], w2.transpose(1, 2))[:, 0]  # [n, H]
+        if q.w2_bias is not None:
+            y = y + q.w2_bias[ids].to(dtype)
         out = (y.float() * topk_weights.reshape(-1, 1).float()).view(T, k, -1).sum(1)  # [T, H]
         return (out * self.routing.routed_scaling_factor).to(hidden_states.dtype)
 

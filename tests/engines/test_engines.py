@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from tiny_checkpoint import build_tiny_checkpoint
 
 import converters
+import converters.minimax_m3 as m3
 from porter.cli import main as cli
 from porter.source import open_local
 
@@ -41,7 +42,7 @@ def artifact(tmp_path_factory):
     assert res.exit_code == 0, res.output
     source = open_local(src)
     plan = arch.plan_tensors(arch.resolve_config(source.raw_config), source.meta, "none", layout="hf")
-    (d / "all_listed.json").write_text(json.dumps(arch.hf_ignored_layers(plan)))
+    (d / "all_listed.json").write_text(json.dumps(m3.hf_layout.hf_ignored_layers(plan)))
     return d
 
 

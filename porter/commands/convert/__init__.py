@@ -1,4 +1,4 @@
-"""`porter convert`: a MiniMax-M3 checkpoint -> MXFP8 porter artifact, tensor at a time.
+"""`porter convert`: a checkpoint -> MXFP8 porter artifact, tensor at a time.
 
 Order of work: resolve the source and its config, plan every output tensor (names, dtypes, shapes,
 shards) from the safetensors headers alone, then run the plan through porter.engine: every core (or
@@ -12,84 +12,77 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Optional
 
+import torch
 from tqdm import tqdm
 
 import converters
 from porter import engine
+from porter.commands.convert.options import ConvertOptions, parse_size
 from porter.commands.convert.output import (
+    Run,
     planned_bytes,
     prepare_output,
     read_journal,
     write_journal,
 )
-from porter.commands.convert.plan import COPY_FILES, Plan, entries_for, fingerprint, make_plan, parse_size
+from porter.commands.convert.plan import COPY_FILES, Plan, entries_for, fingerprint, make_plan
 from porter.cores import available_cores
+from porter.devices import resolve_device
 from porter.engine import fault_point, output_guard
-from porter.engine.output_guard import JOURNAL
 from porter.errors import ConvertError
+from porter.format import journal as porter_journal
 from porter.format import manifest, model_card
-from porter.format.digest import DEFAULT_DIGEST
-from porter.format.safe_files import present
-from porter.format.safetensors_io import (
-    atomic_write_text,
-)
+from porter.format.journal import JOURNAL
+from porter.format.safe_files import copy_into, present
+from porter.format.safetensors_io import atomic_write_text
 from porter.source import INDEX_NAME, open_source
 
 log = logging.getLogger("porter")
 
 
-def convert(
-    source,
-    output,
-    *,
-    revision: Optional[str] = None,
-    quantize: Optional[str] = None,
-    gate_up: str = "auto",
-    scale_rounding: str = "rceil",
-    max_shard_size="5GB",
-    force: bool = False,
-    resume: bool = False,
-    dry_run: bool = False,
-    progress: bool = True,
-    layout: str = "porter",
-    workers: Optional[int] = None,
-    max_memory=None,
-    device: str = "auto",
-    digest: str = DEFAULT_DIGEST,
-    token: Optional[str] = None,
-    cache_dir=None,
-) -> dict:
-    """Convert; returns a summary dict. Mirrors `porter convert` (see `porter convert --help`).
-    quantize=None: the layout's default scope (the converter's DEFAULT_SCOPE). workers=None: the available
-    cores + 1; max_memory=None: half the available RAM; device: auto (the GPU when there is one), cpu or
-    cuda; digest: the chunk hash of the shard digests, xxh3-128 or sha256 (docs/artifact-format.md).
-    token / cache_dir: Hugging Face token and cache folder for a repo id (None: HF_TOKEN / HF_HOME)."""
+def convert(source, output, options: Optional[ConvertOptions] = None, **given) -> dict:
+    """Convert; returns a summary dict. Mirrors `porter convert` (see `porter convert --help`): `options` is
+    a ConvertOptions, and any of its fields may be given as keywords instead (porter.convert(src, out,
+    force=True)). quantize=None: the layout's default scope (the converter's DEFAULT_SCOPE); workers=None:
+    the available cores + 1; max_memory=None: half the available RAM; device: auto (the GPU when there is
+    one), cpu, cuda or cuda:N; digest: the chunk hash of the shard digests, xxh3-128 or sha256
+    (docs/artifact-format.md). token / cache_dir: Hugging Face token and cache folder for a repo id
+    (None: HF_TOKEN / HF_HUB_CACHE)."""
     t0 = time.time()
+    opts = _options(options, given)
     out = output_guard.check_output_option(output)  # "" would be the current directory
     engine.arm_faults()
-    workers = _check_workers(workers)
-    max_memory = engine.default_max_memory() if max_memory is None else parse_size(max_memory, "--max-memory")
-    src = open_source(source, revision, headers_only=dry_run, token=token, cache_dir=cache_dir)
+    workers = opts.worker_count() or engine.default_workers()
+    max_memory = (
+        engine.default_max_memory()
+        if opts.max_memory is None
+        else parse_size(opts.max_memory, "--max-memory")
+    )
+    dev = resolve_device(opts.device)  # an unknown device, or cuda without a GPU: DeviceError (exit 2)
+    if opts.device == "auto" and dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        log.info("device auto: quantizing on the GPU (%s); --device cpu to use the CPU", name)
+    src = open_source(
+        source, opts.revision, headers_only=opts.dry_run, token=opts.token, cache_dir=opts.cache_dir
+    )
     for name in COPY_FILES:  # copied at the end: a directory or FIFO there is refused before any work
         present(src.path / name, ConvertError, "file to copy")
-    converter = converters.for_config(src.raw_config, str(src.path / "config.json"))
-    quantize = quantize or converter.DEFAULT_SCOPE.get(layout, "experts")
-    plan = make_plan(src, quantize, gate_up, scale_rounding, max_shard_size, layout, digest)
-    dev = engine.resolve_device(device)  # an unknown device, or cuda without a GPU: PorterError (exit 2)
+    plan = make_plan(src, opts, converters.for_config(src.raw_config, str(src.path / "config.json")))
     output_guard.check_apart_from_source(out, src.path)
     workers, estimate = _workers_within(plan, workers, dev, max_memory)
-    if dry_run:
+    if opts.dry_run:
         return describe_plan(plan, out, estimate)
+    run = Run.start(plan, opts, source, out)
     # one writer per output folder; a full disk is a one-line error that leaves the output resumable
     with output_guard.OutputLock(out), output_guard.disk_full_is_bad_input(out):
-        reusable = output_guard.porter_written(out, COPY_FILES) if (force or resume) else ()
+        reusable = output_guard.porter_written(out, COPY_FILES) if (opts.force or opts.resume) else ()
         output_guard.check_free_space(out, planned_bytes(plan), reusable)
-        done = prepare_output(out, plan, force, resume, workers)
+        done = prepare_output(out, plan, run, workers)
         if done is None:
             return {
                 "output": str(out),
@@ -97,7 +90,7 @@ def convert(
                 "shards": len(plan.shards),
                 "seconds": time.time() - t0,
             }
-        stats = _produce(plan, out, done, progress, workers, max_memory, dev)
+        stats = _produce(plan, out, done, opts.progress, workers, max_memory, dev)
         fsync_secs = _finish(plan, out, stats)
     secs = time.time() - t0
     summary = {
@@ -129,12 +122,23 @@ def convert(
     return summary
 
 
-def _check_workers(workers) -> int:
-    if workers is None:
-        return engine.default_workers()
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ConvertError(f"--workers {workers!r}: give a positive number of worker threads")
-    return workers
+def _options(options: Optional[ConvertOptions], given: dict) -> ConvertOptions:
+    """`options` with the keyword fields applied, checked; an unknown keyword is a ConvertError."""
+    base = options if options is not None else ConvertOptions()
+    unknown = sorted(set(given) - {f.name for f in fields(ConvertOptions)})
+    if unknown:
+        raise ConvertError(f"convert: unknown option {unknown[0]!r}; the options are ConvertOptions' fields")
+    return replace(base, **given).check()
+
+
+def interrupted_hint(output) -> Optional[str]:
+    """What an interrupted run left in `output`, as one line ('OUT: interrupted conversion (N of M shards
+    done): resume with ...'); None when it left nothing to resume."""
+    try:
+        state = porter_journal.interrupted(Path(output))
+    except (OSError, TypeError, ValueError):
+        return None
+    return None if state is None else str(state)
 
 
 def _workers_within(plan: Plan, workers: int, dev, max_memory: int) -> tuple[int, dict]:
@@ -181,7 +185,7 @@ def describe_plan(plan: Plan, out: Path, estimate: dict) -> dict:
         log.info("  read  %s", f.name)
     log.info(
         "quantize to MXFP8 (%s scales): %d tensor(s), e.g. %s",
-        plan.options["scale_rounding"],
+        plan.options.scale_rounding,
         len(q),
         ", ".join(t.name for t in q[:3]) or "none",
     )
@@ -270,21 +274,23 @@ def _finish(plan: Plan, out: Path, stats: dict) -> float:
     src = plan.source
     for name in COPY_FILES:
         if (src.path / name).exists():
-            shutil.copyfile(src.path / name, out / name)
+            copy_into(src.path / name, out / name, ConvertError)  # never through a link planted in `out`
     model_card.write(src.path, out, plan.options, src.repo_id, src.commit)
-    if plan.options["layout"] == "hf":  # vendor config, top-level quantization_config the engines read
-        converter = converters.for_config(src.raw_config)
-        cfg = converter.hf_config_json(
-            src.raw_config,
-            converter.hf_quantization_config(
-                plan.tensors, plan.options["quantize"], plan.options["scale_rounding"]
-            ),
-        )
+    if plan.options.layout == "hf":  # vendor config, top-level quantization_config the engines read
+        hf = plan.converter.hf_layout
+        qc = hf.hf_quantization_config(plan.tensors, plan.options.quantize, plan.options.scale_rounding)
+        cfg = hf.hf_config_json(src.raw_config, qc)
     else:
         cfg = dict(src.raw_config)
         cfg["quantization_config"] = manifest.quantization_config(plan)
     secs = engine.sync_files([out / f for f, _ in plan.shards], available_cores())
     log.debug("fsync of %d shard(s): %.2f s", len(plan.shards), secs)
+    changed = plan.source_change()  # last: nothing complete-looking is written from a source that moved
+    if changed:
+        raise ConvertError(
+            f"{changed} while porter converted it; the output is left unfinished (no index): convert again "
+            "from a source that nothing else writes, with --force"
+        )
     _write_final(out / "config.json", json.dumps(cfg, indent=2))
     shard_digests = {
         f: {k: rec[k] for k in ("header_sha256", "digest")} for f, rec in read_journal(out)["shards"].items()

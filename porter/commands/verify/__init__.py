@@ -1,7 +1,7 @@
 """`porter verify`: prove a porter MXFP8 artifact faithful to the checkpoint it came from, or say where not.
 
-    porter verify out/m3-mxfp8                       # reference = the source named in porter.json
-    porter verify out/m3-mxfp8 --reference DIR|REPO --prompt "..." --report r.json --plot r.svg
+    porter verify out/model-mxfp8                       # reference = the source named in porter.json
+    porter verify out/model-mxfp8 --reference DIR|REPO --prompt "..." --report r.json --plot r.svg
 
 Steps (one module each; what each proves and what it does not: docs/verify.md):
 1. integrity.py — the files are what porter.json says (chunked digests, headers, index, scales, config).
@@ -32,6 +32,8 @@ from porter.commands.verify.exact import rederive
 from porter.commands.verify.inputs import (
     DEFAULT_PROMPT,
     check_output_paths,
+    check_outputs_apart,
+    check_reference_commit,
     encode_prompts,
     open_artifact,
     reference_path,
@@ -61,6 +63,7 @@ from porter.commands.verify.verdict import (
     judge_numerics,
 )
 from porter.errors import PorterError, VerifyInputError
+from porter.format import manifest
 from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import dtype_name
 
@@ -86,12 +89,12 @@ DEFAULT_MAX_NEW_TOKENS = gen.DEFAULT_MAX_NEW_TOKENS
 class _Inputs:
     art: Path
     man: dict
+    options: manifest.Options  # porter.json's options
     ref_path: Path
     ref_config: object
     tok: object
     device: torch.device
     source_quantization: tuple = (None, None)  # (prequantized.Scheme or None, kept MXFP8 scales rule)
-    converter: object = None  # the reference's converter (converters.for_config)
 
 
 def verify(
@@ -130,21 +133,18 @@ def verify(
     check_output_paths(report, plot)  # before any work: a path that cannot be written is bad input
     runs = numerics_runs(numerics)
     inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, token, cache_dir, runs)
+    check_outputs_apart(report, plot, inp.art, inp.ref_path)  # never over the artifact or the reference
     rep.max_new_tokens = max_new_tokens
     rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
         return _finish(rep, list(rep.integrity.issues), report, plot, t0)
-    shards = SourceShards(inp.ref_path, *inp.source_quantization)
-    reader = ArtifactReader(inp.art, inp.man, inp.converter.verify_rules)
+    shards, reader = SourceShards(inp.ref_path, *inp.source_quantization), ArtifactReader(inp.art, inp.man)
     mapping = Mapping(
         shards,
         interleaved=_interleaved(inp.man, inp.ref_config),
-        rounding=inp.man.get("options", {}).get("scale_rounding"),
-        rules=inp.converter.verify_rules,
+        rounding=inp.options.scale_rounding,
     )
-    rep.exact = rederive(
-        reader, mapping, inp.man.get("options", {}).get("scale_rounding"), inp.device, progress
-    )
+    rep.exact = rederive(reader, mapping, inp.options.scale_rounding, inp.device, progress)
     failures = judge_exact(rep.exact, rep.thresholds)
     if any(t.problem for t in rep.exact.tensors):
         log.info("verify: numerics skipped: some artifact tensors have no comparable source (see above)")
@@ -152,7 +152,7 @@ def verify(
     _numerics(
         rep,
         inp,
-        ReferenceStore(mapping, reader, inp.ref_config, inp.converter),
+        ReferenceStore(mapping, reader, inp.ref_config),
         backend,
         streaming,
         max_new_tokens,
@@ -167,17 +167,18 @@ def _open(
     artifact, prompts, reference, backend, device, thresholds, token=None, cache_dir=None, runs=("w8a16",)
 ) -> tuple[_Inputs, Report]:
     art, man = open_artifact(artifact)
-    scope = man.get("options", {}).get("quantize", "experts")
+    options = manifest.read_options(man)  # porter.json's options, with their defaults
+    scope = options.quantize
     overrides = vars(thresholds) if isinstance(thresholds, Thresholds) else thresholds
     if "serving" in runs:
         _check_serving(art, scope, backend)
     by_run = {n: Thresholds.build(overrides, scope, n) for n in runs}
     th = by_run[runs[0]]
     ref_path = reference_path(man, reference, token, cache_dir)
+    check_reference_commit(man, ref_path)
     try:
         raw = read_json_object(ref_path / "config.json", VerifyInputError, "config")
-        conv = converters.for_config(raw)
-        ref_config = conv.resolve_config(raw)
+        ref_config = converters.for_config(raw).resolve_config(raw)
     except PorterError as e:
         raise VerifyInputError(f"reference {ref_path / 'config.json'}: {e}") from None
     source_q = source_quantization(man, raw, ref_path)  # a pre-quantized reference is read as converted
@@ -191,15 +192,14 @@ def _open(
         backend,
         str(device),
         scope,
-        man.get("options", {}).get("scale_rounding"),
+        options.scale_rounding,
         th,
         prompts,
         0,
     )
     rep.numerics_mode = "both" if len(runs) > 1 else runs[0]
     rep.numerics = {n: NumericsRun(n, backend, "", t) for n, t in by_run.items()}
-    inp = _Inputs(art, man, ref_path, ref_config, tok, torch.device(device), source_q, conv)
-    return inp, rep
+    return _Inputs(art, man, options, ref_path, ref_config, tok, torch.device(device), source_q), rep
 
 
 def _check_serving(art: Path, scope: str, backend: str) -> None:
@@ -213,7 +213,7 @@ def _check_serving(art: Path, scope: str, backend: str) -> None:
 
 def _interleaved(man: dict, ref_config) -> bool:
     """Row order of a fused source gate_up_proj, as the conversion was told (porter.json options.gate_up)."""
-    opt = man.get("options", {}).get("gate_up", "auto")
+    opt = manifest.read_options(man).gate_up
     return ref_config.gate_up_interleaved if opt == "auto" else opt == "interleaved"
 
 
@@ -305,7 +305,7 @@ def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype
 
 
 def _layer_row(rep: Report, cfg, i: int, s) -> LayerRow:
-    kind = f"{'sparse' if cfg.is_sparse_attention(i) else 'full'}/{'moe' if cfg.is_moe(i) else 'dense'}"
+    kind = cfg.layer_kind(i)
     mine = [t for t in rep.exact.tensors if t.layer == i and t.quantized]
     worst = max(mine, key=lambda t: t.weight_error) if mine else None
     if worst is None:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from porter.errors import PorterError, VerifyInputError
+from porter.format import journal, prequantized
 from porter.format import manifest as manifest_mod
-from porter.format import prequantized
 from porter.format.safe_files import inside
+from porter.source.hub import snapshot_commit
 
 DEFAULT_PROMPT = (
     "The quick brown fox jumps over the lazy dog. MiniMax-M3 is a mixture of experts language "
@@ -24,6 +26,9 @@ def open_artifact(path) -> tuple[Path, dict]:
         raise VerifyInputError(f"{p}: no such directory")
     if not p.is_dir():
         raise VerifyInputError(f"{p}: not a directory (give the output folder of `porter convert`)")
+    unfinished = journal.interrupted(p)  # the index is written last: without it, nothing to verify yet
+    if unfinished is not None:
+        raise VerifyInputError(str(unfinished))
     if not manifest_mod.is_artifact(p):
         raise VerifyInputError(f"{p}: not a porter artifact (no porter.json); run `porter convert` first")
     try:
@@ -75,7 +80,7 @@ def reference_path(man: dict, reference, token: Optional[str] = None, cache_dir=
                 "was converted from"
             )
         if not (p / "config.json").exists():
-            raise VerifyInputError(f"{p}: --reference has no config.json; not a MiniMax-M3 checkpoint dir")
+            raise VerifyInputError(f"{p}: --reference has no config.json; not a checkpoint dir")
         return p
     if str(reference).count("/") == 1 and not str(reference).startswith((".", "/", "~")):
         return _from_hub(str(reference), None, token, cache_dir)
@@ -84,7 +89,7 @@ def reference_path(man: dict, reference, token: Optional[str] = None, cache_dir=
 
 def _layout(p: Path) -> Optional[str]:
     try:
-        return (manifest_mod.read(p).get("options") or {}).get("layout", "porter")
+        return manifest_mod.read_options(manifest_mod.read(p)).layout
     except (PorterError, ValueError):
         return None
 
@@ -101,7 +106,7 @@ def source_quantization(
         scheme = prequantized.detect(raw, ref_path / "config.json")
     except PorterError as e:
         raise VerifyInputError(f"reference {e}") from None
-    rec = man.get("options", {}).get("source_quantization")
+    rec = manifest_mod.read_options(man).source_quantization
     found = None if scheme is None else scheme.record()
     what = lambda r: (
         "an unquantized checkpoint"
@@ -197,3 +202,44 @@ def check_plot_path(plot) -> None:
 
         if not png_available():
             raise VerifyInputError(f"{plot}: PNG needs matplotlib (not installed); use an .svg path")
+
+
+def check_outputs_apart(report, plot, art: Path, ref: Path) -> None:
+    """--report / --plot may not name a file inside the artifact or the reference checkpoint (after
+    symlinks: a Hugging Face snapshot's files are links into its repo's blobs/, which count as the
+    reference's): writing there would overwrite porter.json, the index or the source's config.json."""
+    guarded = [("artifact", Path(art)), ("reference", Path(ref))]
+    if snapshot_commit(ref) is not None:
+        guarded.append(("reference", Path(ref).resolve().parent.parent / "blobs"))
+    for path, option in ((report, "--report"), (plot, "--plot")):
+        if path is None or str(path) == "-":
+            continue
+        spelled, resolved = Path(os.path.abspath(path)), Path(path).resolve()
+        for what, folder in guarded:
+            roots = {Path(os.path.abspath(folder)), folder.resolve()}
+            if any(r == q or r in q.parents for r in roots for q in (spelled, resolved)):
+                raise VerifyInputError(
+                    f"{option} {path}: inside the {what} {folder}; porter verify never writes there: give a "
+                    "path outside it"
+                )
+
+
+def check_reference_commit(man: dict, ref: Path) -> None:
+    """The reference is the source commit porter.json names. A reference whose commit is known (a Hugging
+    Face snapshot folder names it) and differs, or a commit porter.json names that no reference folder can
+    show, would certify the artifact against another checkpoint than the one it says it came from."""
+    recorded = (man.get("source") or {}).get("commit")
+    if not recorded:
+        return
+    found = snapshot_commit(ref)
+    if found is None:
+        raise VerifyInputError(
+            f"reference {ref}: porter.json says the artifact was converted from commit {recorded}, and this "
+            "folder is not a Hugging Face snapshot that shows its commit; pass --reference REPO_ID (or that "
+            "commit's snapshot folder)"
+        )
+    if found != recorded:
+        raise VerifyInputError(
+            f"reference {ref} is commit {found}, but porter.json says the artifact was converted from "
+            f"commit {recorded}; verify against that commit (--reference its snapshot folder, or the repo id)"
+        )

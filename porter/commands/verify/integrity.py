@@ -32,25 +32,6 @@ from porter.format.safetensors_io import DTYPE_NAMES, chunk_hash_of, dtype_name,
 INDEX = "model.safetensors.index.json"
 _HEADER_DTYPES = {dtype_name(dt): name for dt, name in DTYPE_NAMES.items()}  # porter.json -> header spelling
 
-# fields of the resolved config that fix tensor shapes: a reference that differs here is not the source
-STRUCTURAL = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-    "dense_intermediate_size",
-    "shared_intermediate_size",
-    "n_shared_experts",
-    "num_local_experts",
-    "layer_types",
-    "mlp_layer_types",
-    "index_n_heads",
-    "index_head_dim",
-)
-
 
 def check_integrity(art: Path, man: dict, ref_config=None, progress: bool = False) -> IntegrityResult:
     chunk_bytes, chunk_hash = _digest_rule(man)
@@ -290,6 +271,8 @@ def _same(a, b) -> bool:
         return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return a == b
 
 
@@ -299,7 +282,10 @@ def _check_config(art: Path, man: dict, ref_config) -> list[Failure]:
         if not os.path.lexists(art / "config.json"):
             return [Failure("integrity", "config.json is missing from the artifact")]
         raw = read_json_object(art / "config.json", VerifyInputError, "config")
-        have = json.loads(json.dumps(converters.for_config(raw).resolve_config(raw).to_dict()))
+        conv = converters.for_config(raw)
+        resolved = conv.resolve_config(raw)
+        have = json.loads(json.dumps(resolved.to_dict()))
+        facts = json.loads(json.dumps(conv.manifest_facts(resolved)))
     except PorterError as e:
         return [Failure("integrity", f"config.json: {e}")]
     out = [
@@ -312,18 +298,18 @@ def _check_config(art: Path, man: dict, ref_config) -> list[Failure]:
         for k in sorted(set(have) | set(want))
         if not _same(have.get(k), want.get(k))
     ]
-    sw = man.get("swiglu", {})
+    # the architecture's records (its name, its activation) as the artifact's config.json resolves them;
+    # their provenance is the source's (an hf-layout config.json spells out defaults the engines need)
     out += [
         Failure(
             "integrity",
-            f"porter.json swiglu.{k} = {sw.get(k)!r} but resolved_config swiglu_{k} = "
-            f"{want.get(f'swiglu_{k}')!r}",
-            field=f"swiglu_{k}",
+            f"porter.json {k} = {_values(man.get(k))!r} but config.json resolves it to {_values(v)!r}",
+            field=k,
         )
-        for k in ("alpha", "beta", "limit")
-        if not _same(sw.get(k), want.get(f"swiglu_{k}"))
+        for k, v in facts.items()
+        if not _same(_values(man.get(k)), _values(v))
     ]
-    qc, scope = raw.get("quantization_config") or {}, man.get("options", {}).get("quantize")
+    qc, scope = raw.get("quantization_config") or {}, manifest.read_options(man).quantize
     if scope and qc.get("scope") not in (None, scope):
         out.append(
             Failure(
@@ -336,12 +322,19 @@ def _check_config(art: Path, man: dict, ref_config) -> list[Failure]:
     return out + (_check_reference_config(want, ref_config) if ref_config is not None else [])
 
 
+def _values(record):
+    """A porter.json record without its provenance entries (nested)."""
+    if isinstance(record, dict):
+        return {k: _values(v) for k, v in record.items() if k != "provenance"}
+    return record
+
+
 def _check_reference_config(want: dict, ref_config) -> list[Failure]:
     ref, out = json.loads(json.dumps(ref_config.to_dict())), []
     for k in sorted(set(ref) | set(want)):
         if _same(ref.get(k), want.get(k)):
             continue
-        if k in STRUCTURAL:
+        if k in getattr(ref_config, "STRUCTURAL", ()):
             raise VerifyInputError(
                 f"the reference is not the source of this artifact: {k} is "
                 f"{ref.get(k)!r} there, {want.get(k)!r} in porter.json"

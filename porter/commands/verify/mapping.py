@@ -1,13 +1,14 @@
 """Where each artifact tensor comes from, written independently of the converter's plan.
 
-`porter convert` plans its output in the converter (converters/minimax_m3/plan.py); if verify asked that
-plan where a tensor came from, a layout bug (gate/up reversed, experts permuted, w2 transposed) would be
-on both sides of every comparison. So verify keeps its own small declarative table per source layout, reads source
-tensors by their own names straight from the safetensors shards, and derives every artifact tensor
-(expert by expert) from them. A rule is (artifact-name regex, source-name templates, op); the first rule
-whose regex matches and whose source tensors all exist is used. Templates: {m} the model root
-(`language_model.model.`, `model.language_model.` or `model.`), {h} the lm_head root, {E} the expert,
-other fields from the regex's named groups.
+`porter convert` plans its output in the converter (converters/<arch>/plan.py); if verify asked that plan
+where a tensor came from, a layout bug (gate/up reversed, experts permuted, w2 transposed) would be on both
+sides of every comparison. So verify keeps its own small declarative table per source layout (each
+architecture's `verify_rules` capability, converters/<arch>/verify_rules.py, which imports nothing of its
+converter's plan), reads source tensors by their own names straight from the safetensors shards, and
+derives every artifact tensor (expert by expert) from them. A rule (converters.base.Rule) is
+(artifact-name regex, source-name templates, op); the first rule whose regex matches and whose source
+tensors all exist is used. Templates: the architecture's roots (e.g. {m} the model root, {h} the lm_head
+root), {E} the expert, other fields from the regex's named groups.
 
 ops: copy | gate_half / up_half (rows [:N/2] / [N/2:] of a fused [2N, K]) | experts_rows (expert E =
 rows of the templates concatenated: [w1; w3]) | expert_slice (expert E = source[E]) |
@@ -36,85 +37,30 @@ from typing import Callable, Optional
 import torch
 from safetensors import safe_open
 
+import converters
 from converters.base import Rule
-from porter.format import mxfp8
-from porter.format.layout import HF_LAYOUT_PREFIX
+from porter.errors import PorterError, VerifyInputError
+from porter.format import manifest, mxfp8
+from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import ST_DTYPES, nbytes
 from porter.source.local import read_header, weight_files
 
-_L = r"model\.layers\.(?P<L>\d+)\."
-_W13 = _L + r"block_sparse_moe\.experts\.w13_weight"
-_W2 = _L + r"block_sparse_moe\.experts\.w2_weight"
-_TOP = (Rule(r"lm_head\.(?P<rest>.+)", ("{h}{rest}",)), Rule(r"model\.(?P<rest>.+)", ("{m}{rest}",)))
-
-# MiniMaxAI release: `language_model.` prefix, per-expert w1 (gate), w3 (up), w2 (down).
-VENDOR = (
-    Rule(
-        _W13,
-        (
-            "{m}layers.{L}.block_sparse_moe.experts.{E}.w1.weight",
-            "{m}layers.{L}.block_sparse_moe.experts.{E}.w3.weight",
-        ),
-        "experts_rows",
-    ),
-    Rule(_W2, ("{m}layers.{L}.block_sparse_moe.experts.{E}.w2.weight",), "experts_rows"),
-) + _TOP
-
-
-# transformers 5.23: fused experts gate_up_proj [E, 2I, H] (gate first) / down_proj [E, H, I], `mlp.` names,
-# fused dense/shared gate_up_proj.weight [2N, H], `self_attn.indexer.*`.
-def transformers_rules(interleaved: bool) -> tuple:
-    return (
-        Rule(
-            _W13,
-            ("{m}layers.{L}.mlp.experts.gate_up_proj",),
-            "expert_slice_interleaved" if interleaved else "expert_slice",
-        ),
-        Rule(_W2, ("{m}layers.{L}.mlp.experts.down_proj",), "expert_slice"),
-        # one expert's 2-D weight (an artifact in the hf layout): rows of the fused tensor's expert E
-        Rule(
-            _L + r"block_sparse_moe\.experts\.(?P<E>\d+)\.w(?P<w>[13])\.weight",
-            ("{m}layers.{L}.mlp.experts.gate_up_proj",),
-            "index_w{w}" + ("_interleaved" if interleaved else ""),
-        ),
-        Rule(
-            _L + r"block_sparse_moe\.experts\.(?P<E>\d+)\.w2\.weight",
-            ("{m}layers.{L}.mlp.experts.down_proj",),
-            "index",
-        ),
-        Rule(_L + r"block_sparse_moe\.gate\.weight", ("{m}layers.{L}.mlp.gate.weight",)),
-        Rule(
-            _L + r"block_sparse_moe\.e_score_correction_bias",
-            ("{m}layers.{L}.mlp.gate.e_score_correction_bias",),
-        ),
-        Rule(
-            _L + r"block_sparse_moe\.shared_experts\.(?P<part>gate|up)_proj\.weight",
-            ("{m}layers.{L}.mlp.shared_experts.gate_up_proj.weight",),
-            "{part}_half",
-        ),
-        Rule(
-            _L + r"block_sparse_moe\.shared_experts\.(?P<rest>.+)",
-            ("{m}layers.{L}.mlp.shared_experts.{rest}",),
-        ),
-        Rule(
-            _L + r"mlp\.(?P<part>gate|up)_proj\.weight",
-            ("{m}layers.{L}.mlp.gate_up_proj.weight",),
-            "{part}_half",
-        ),
-        Rule(
-            _L + r"self_attn\.index_(?P<x>[qk])_(?P<y>proj|norm)\.weight",
-            ("{m}layers.{L}.self_attn.indexer.{x}_{y}.weight",),
-        ),
-    ) + _TOP
-
-
 CARRIED = Rule(r"(?P<name>.+)", ("{name}",))  # tensors outside the text model keep their source names
-MODEL_ROOTS = ("language_model.model.", "model.language_model.", "model.")
-HEAD_ROOTS = ("language_model.lm_head.", "lm_head.")
-PER_EXPERT = re.compile(
-    r"model\.layers\.(?P<L>\d+)\.block_sparse_moe\.experts\.(?P<E>\d+)\.w(?P<w>[123])\.weight"
-)
-STACKED = re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.(w13|w2)_weight")
+
+
+def rules_for(folder: Path, where: str):
+    """The verify_rules capability of the converter of the checkpoint or artifact in `folder` (by its
+    config.json); VerifyInputError when there is none."""
+    try:
+        raw = read_json_object(Path(folder) / "config.json", VerifyInputError, "config")
+        conv = converters.for_config(raw, str(Path(folder) / "config.json"))
+    except PorterError as e:
+        raise VerifyInputError(f"{where}: {e}") from None
+    if conv.verify_rules is None:
+        raise VerifyInputError(
+            f"{where}: porter verify has no source table for architecture {conv.ARCHITECTURE!r}"
+        )
+    return conv.verify_rules
 
 
 class SourceShards:
@@ -191,7 +137,9 @@ class Derivation:
 
 
 class Mapping:
-    """The source side: artifact tensor name -> Derivation from `shards`, by one layout's table."""
+    """The source side: artifact tensor name -> Derivation from `shards`, by one layout's table.
+
+    rules: the architecture's verify_rules capability (default: the one of the checkpoint's config.json)."""
 
     def __init__(
         self,
@@ -200,32 +148,16 @@ class Mapping:
         rounding: Optional[str] = "rceil",
         rules=None,
     ):
-        """rules: the architecture's verify source table (its converter's `verify_rules`: source_rules,
-        roots); None: MiniMax-M3's tables below."""
         self.shards, self.rounding = shards, rounding or "rceil"
+        rules = rules or rules_for(shards.path, f"reference {shards.path}")
         names = set(shards.meta)
-        if rules is not None:
-            self.layout, self.rules = rules.source_rules(names, interleaved)
-        elif any(re.search(r"\.experts\.\d+\.w1\.weight$", n) for n in names):
-            self.layout, self.rules = "vendor", VENDOR
-        elif any(n.endswith("mlp.experts.gate_up_proj") for n in names):
-            self.layout = "transformers" + (" (interleaved gate/up)" if interleaved else "")
-            self.rules = transformers_rules(interleaved)
-        else:  # no routed experts: both tables read the same
-            self.layout, self.rules = "vendor", VENDOR
+        self.layout, self.rules = rules.source_rules(names, interleaved)
         if shards.scheme is not None:
             kept = {"kept-rows": "scale bytes kept", "kept": "scale bytes of whole weights kept"}.get(
                 shards.keep_scales, f"{self.rounding} scales re-derived"
             )
             self.layout += f", pre-quantized {shards.scheme.method} source ({kept})"
-        self.roots = (
-            rules.roots(names)
-            if rules is not None
-            else {
-                "m": _root(names, MODEL_ROOTS, "embed_tokens.weight"),
-                "h": _root(names, HEAD_ROOTS, "weight"),
-            }
-        )
+        self.roots = rules.roots(names)
 
     def derive(self, tensor: str, experts: Optional[int]) -> Optional[Derivation]:
         """None when no rule finds this tensor's sources (the caller reports it)."""
@@ -327,10 +259,6 @@ def _open(handles: dict, f: Path):
     return h
 
 
-def _root(names: set, roots: tuple, probe: str) -> str:
-    return next((r for r in roots if r + probe in names), roots[-1])
-
-
 def _half(w: torch.Tensor, second: bool) -> torch.Tensor:
     n = w.shape[0] // 2
     return w[n:] if second else w[:n]
@@ -344,22 +272,22 @@ def _deinterleave(w: torch.Tensor) -> torch.Tensor:
 class ArtifactReader:
     """The artifact side, per artifact layout (porter.json options.layout); each tensor's scale is the one
     porter.json names for it. porter: canonical names, experts stacked [E, N, K] (read expert by expert);
-    hf: the vendor release's names (`language_model.` + canonical) with one 2-D tensor per expert."""
+    hf: the vendor release's names with one 2-D tensor per expert (the architecture's verify rules give
+    the canonical name of each).
+
+    rules: the architecture's verify_rules capability (default: the one of the artifact's config.json)."""
 
     LAYOUTS = ("porter", "hf")
-    HF_PREFIX = HF_LAYOUT_PREFIX
 
     def __init__(self, art: Path, man: dict, rules=None):
-        """rules: the architecture's verify source table (canonical, experts_of); None: MiniMax-M3's."""
-        from porter.errors import VerifyInputError
-
-        self.layout = man.get("options", {}).get("layout", "porter")
+        self.layout = manifest.read_options(man).layout
         if self.layout not in self.LAYOUTS:
             raise VerifyInputError(
                 f"{art}: artifact layout {self.layout!r} (porter.json options.layout) cannot be "
                 f"verified by this porter; it verifies {', '.join(self.LAYOUTS)}"
             )
-        self.art, self.tensors, self.rules = Path(art), man.get("tensors", {}), rules
+        self.art, self.tensors = Path(art), man.get("tensors", {})
+        self.rules = rules or rules_for(art, str(art))
         self._handles: dict = {}
 
     def weights(self) -> list[str]:
@@ -368,18 +296,13 @@ class ArtifactReader:
         return [n for n in self.tensors if n not in scales]
 
     def experts(self, name: str) -> Optional[int]:
-        if self.rules is not None:
-            found = self.rules.experts_of(self.canonical(name))
-            return int(self.tensors[name]["shape"][0]) if found and found[1] is None else None
-        return int(self.tensors[name]["shape"][0]) if STACKED.fullmatch(name) else None
+        """E of a stacked [E, N, K] expert tensor (by its canonical name), None for any other tensor."""
+        found = self.rules.experts_of(self.canonical(name))
+        return int(self.tensors[name]["shape"][0]) if found and found[1] is None else None
 
     def canonical(self, name: str) -> str:
         """The canonical (porter) name the mapping table is written for."""
-        if self.rules is not None:
-            return self.rules.canonical(name, self.layout)
-        if self.layout == "hf" and name.startswith(self.HF_PREFIX):
-            return name[len(self.HF_PREFIX) :]
-        return name
+        return self.rules.canonical(name, self.layout)
 
     def text_model(self) -> dict:
         """{canonical name: experts or None} the runtime reads, stacked experts grouped per layer."""
@@ -388,14 +311,12 @@ class ArtifactReader:
             c = self.canonical(n)
             if not c.startswith(("model.", "lm_head.")):
                 continue
-            m = PER_EXPERT.fullmatch(c)
-            if m is None:
+            found = self.rules.experts_of(c)
+            if found is None or found[1] is None:
                 out[c] = self.experts(n)
                 continue
-            stacked = (
-                f"model.layers.{m['L']}.block_sparse_moe.experts.{'w2' if m['w'] == '2' else 'w13'}_weight"
-            )
-            out[stacked] = max(out.get(stacked) or 0, int(m["E"]) + 1)
+            stacked, e = found
+            out[stacked] = max(out.get(stacked) or 0, e + 1)
         return out
 
     def get(self, name: str, e: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -422,9 +343,10 @@ class ReferenceStore:
     """The reference model's weights for runtime.load, derived through the Mapping (not the converter's
     plan): canonical names, unquantized, stacked experts built expert by expert."""
 
-    def __init__(self, mapping: Mapping, reader: ArtifactReader, config, converter=None):
+    def __init__(self, mapping: Mapping, reader: ArtifactReader, config):
         self.mapping, self.config, self.path = mapping, config, mapping.shards.path
-        self.converter = converter  # the reference's converter: the runtime picks its model by it
+        raw = read_json_object(self.path / "config.json", VerifyInputError, "config")
+        self.converter = converters.for_config(raw)  # the runtime picks its model by it
         self._derivations = {}
         for n, experts in reader.text_model().items():
             d = mapping.derive(n, experts)

@@ -84,6 +84,8 @@ class TritonMoE:
             quant.gemm1_alpha,
             quant.gemm1_beta,
             quant.gemm1_clamp_limit,
+            quant.w13_bias,
+            quant.w2_bias,
             rebase=rebase,
         )
         # Rebased at load, the backend holds its own copy of the experts: it keeps no reference to the

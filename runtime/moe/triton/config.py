@@ -38,7 +38,10 @@ FP8_TERMS = 2  # e4m3 terms per activation: one term misses the 2e-2 layer error
 FP8_BLOCK_K = 128  # the FP8 path's K step, and the K extent of one rebased weight scale
 FP8_ROW_SCALE = True  # FP8 path: one rebased weight scale per row (faster) rather than per 128 K
 ALIGN_IN_KERNEL_MAX_SLOTS = 1024  # above this the torch sort is cheaper than one-program alignment
-NOSORT_MAX_SLOTS = 16  # T * top_k up to here: no alignment, one block per routed slot (BM 16)
+# T up to here: no alignment, one block per routed slot whose BM = 16 rows are the tokens, so top_k does not
+# widen it (top-8 at T=4: 32 slots in BM 16; as slots they took BM 32, 13 % slower than the sorted path on the
+# H200); above, the sorted path, measured the faster at T=8 at both measured layer shapes (docs/moe-backends.md).
+NOSORT_MAX_TOKENS = 4
 NOSORT_PREFETCH_BYTES = 512  # NOSORT, serving numerics: bytes per weight row GEMM1 prefetches during prep
 FUSED_OUT_MAX_TOKENS = 256  # fused-output path up to here: persistent fp32 scratch of T x H
 

@@ -18,7 +18,7 @@ or as stored with one UE8M0 byte per 32 along K (WMODE 1..4). Two ways to multip
     scale is applied in the epilogue either way). One fp8 MMA per 32-wide MXFP8 group is slower than
     W8A16, hence the rebase. Error and speed of each mode: docs/moe-backends.md, docs/performance.md.
 Launches per forward (see launch.fused_moe):
-  * T*k <= 16 (NOSORT): prescale (T programs), GEMM1 (+ SwiGLU-OAI), GEMM2 (+ routing weight,
+  * T <= 4 tokens (NOSORT): prescale (T programs), GEMM1 (+ SwiGLU-OAI), GEMM2 (+ routing weight,
     top-k reduce by atomics; for one token into a persistent zeroed fp32 scratch with the bf16
     output written by the last arriver per (token, N tile): no alignment, no zeroing, no cast
     kernel; for 2..4 tokens into an fp32 output zeroed by the prescale kernel, then a cast).
@@ -26,7 +26,7 @@ Launches per forward (see launch.fused_moe):
     GEMM2 (atomics), cast.
   On SM90 the GEMMs are launched with programmatic dependent launch (griddepcontrol.wait first
   thing in the kernel), which hides most of the launch gap between kernels. In serving numerics at
-  T*k <= 16 the prep kernel hands over at its start and GEMM1 prefetches weight lines before its wait
+  NOSORT the prep kernel hands over at its start and GEMM1 prefetches weight lines before its wait
   (_prefetch_slab).
 Serving numerics (MXFP8_ACT; docs/moe-backends.md, "On the Triton backend"): the prep kernel rounds each input
 row and GEMM1's epilogue its bf16 SwiGLU output to MXFP8 values (_mxfp8_round, FlashInfer's rule bit for
@@ -113,6 +113,27 @@ def _pow2_shift(amax, TOP: tl.constexpr):
     shift = tl.minimum(tl.maximum(shift, -100), 100)
     down = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # 2^-shift, exact
     up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    return down, up
+
+
+@triton.jit
+def _act_shift(xscale, e, bound_ptr, alpha_ptr, beta_ptr, limit_ptr):
+    """(2^-k, 2^k) per routed row [BM], exact fp32 powers of two with |SwiGLU-OAI| * 2^-k < 2^15, for
+    configs whose parameters do not bound act (prepare.act_bounds: plain SwiGLU, limit = inf). xscale [BM]:
+    the rows' prep scales 2^m (|x| < 2^(m+15)). GEMM1 and GEMM2 both call this on the same values and get
+    the same k (exact min / max / products; one explicit fma), so GEMM2 undoes exactly GEMM1's scaling."""
+    xb = xscale * 32768.0
+    b = bound_ptr + e * 4  # [G, Gb, U, Ub] of expert e
+    gate_b = tl.fma(xb, tl.load(b), tl.load(b + 1))
+    up_b = tl.fma(xb, tl.load(b + 2), tl.load(b + 3))
+    alpha = tl.load(alpha_ptr + e)
+    lim = tl.abs(tl.load(limit_ptr + e))
+    neg = tl.where(alpha > 0, 0.2785 / alpha, float("inf"))  # bound of |g sigmoid(alpha g)| at g < 0
+    bound = tl.minimum(gate_b, tl.maximum(lim, neg)) * (tl.minimum(up_b, lim) + tl.abs(tl.load(beta_ptr + e)))
+    expo = ((bound.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 bound) (0: -127)
+    k = tl.minimum(tl.maximum(expo - 14, 0), 100)
+    down = ((127 - k) << 23).to(tl.float32, bitcast=True)
+    up = ((127 + k) << 23).to(tl.float32, bitcast=True)
     return down, up
 
 
@@ -336,20 +357,28 @@ def _prefetch_slab(
 
 
 @triton.jit
-def _block_rows(sorted_ptr, expert_ids_ptr, pid_m, N, BM: tl.constexpr, NOSORT: tl.constexpr):
+def _block_rows(
+    sorted_ptr, expert_ids_ptr, pid_m, N, BM: tl.constexpr, NOSORT: tl.constexpr, TOPK: tl.constexpr
+):
     """(expert, rows, slot ids, valid mask, is_active) of BM block pid_m.
 
     Sorted path: rows pid_m*BM.. of the aligned order, slot ids from sorted_ptr (N on padding).
-    NOSORT (N <= BM, tiny batches, no alignment kernel): expert_ids_ptr is topk_ids itself; block m
-    is the routed slot m's expert, and only the first slot of each distinct expert is active. Its BM
-    rows are all N slots (row = slot id), masked to the slots routed to that expert, so each slot is
-    computed exactly once and each expert's weights are streamed once."""
+    NOSORT (T = N / TOPK <= BM tokens, tiny batches, no alignment kernel): expert_ids_ptr is topk_ids
+    itself; block m is the routed slot m's expert, and only the first slot of each distinct expert is
+    active. Row r is token r: its slot routed to that expert (a token's top-k experts are distinct, as
+    top-k selection gives them), masked where it has none, so each slot is computed exactly once, each
+    expert's weights are streamed once, and the rows of an expert's block do not grow with top_k. A row's
+    act row is its slot id."""
     if NOSORT:
-        rows = tl.arange(0, BM)
-        ids = tl.load(expert_ids_ptr + rows, mask=rows < N, other=-1).to(tl.int32)
+        tok_rows = tl.arange(0, BM)
         e = tl.load(expert_ids_ptr + pid_m).to(tl.int32)
-        first = tl.min(tl.where(ids == e, rows, BM), axis=0)
-        return e, rows, rows, ids == e, first == pid_m
+        slot = tl.full([BM], N, dtype=tl.int32)
+        for j in tl.static_range(TOPK):  # each token's slot of expert e (N: none)
+            s = tok_rows * TOPK + j
+            ids = tl.load(expert_ids_ptr + s, mask=s < N, other=-1).to(tl.int32)
+            slot = tl.where(ids == e, tl.minimum(slot, s), slot)
+        first = tl.min(slot, axis=0)  # the expert's first slot
+        return e, slot, slot, slot < N, first == pid_m
     else:
         e = tl.load(expert_ids_ptr + pid_m)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -359,7 +388,15 @@ def _block_rows(sorted_ptr, expert_ids_ptr, pid_m, N, BM: tl.constexpr, NOSORT: 
 
 @triton.jit
 def _program_tile(
-    sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM: tl.constexpr, NOSORT: tl.constexpr, USE_PDL: tl.constexpr
+    sorted_ptr,
+    expert_ids_ptr,
+    N,
+    E,
+    NUM_N,
+    BM: tl.constexpr,
+    NOSORT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    TOPK: tl.constexpr,
 ):
     """(N tile, expert, rows, slot ids, valid mask, has work) of this program; grid order: N tile
     fastest, so neighbouring programs stream adjacent rows of one expert (DRAM locality). No work:
@@ -370,7 +407,7 @@ def _program_tile(
     pid = tl.program_id(0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    e, rows, tok, tmask, active = _block_rows(sorted_ptr, expert_ids_ptr, pid // NUM_N, N, BM, NOSORT)
+    e, rows, tok, tmask, active = _block_rows(sorted_ptr, expert_ids_ptr, pid // NUM_N, N, BM, NOSORT, TOPK)
     return pid % NUM_N, e, rows, tok, tmask, active & (e < E)
 
 
@@ -502,6 +539,8 @@ def _gemm1_tile(
     alpha_ptr,
     beta_ptr,
     limit_ptr,
+    bias_ptr,
+    bound_ptr,
     act_ptr,
     pid_n,
     e,
@@ -523,6 +562,8 @@ def _gemm1_tile(
     BN: tl.constexpr,
     BK: tl.constexpr,
     MXFP8_ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT_SCALE: tl.constexpr,
 ):
     """act[rows, n..n+BN) = SwiGLU-OAI(x W_gate^T, x W_up^T) of one program's tile (see
     gemm1_swiglu_kernel)."""
@@ -560,9 +601,15 @@ def _gemm1_tile(
     if WMODE == 2:
         rs = rs * tl.load(epi_ptr + e)
     if PRESCALED:
-        rs = rs * tl.load(xscale_ptr + xrow, mask=tmask, other=1.0)[:, None]  # [BM, 1]
+        xs = tl.load(xscale_ptr + xrow, mask=tmask, other=1.0)  # [BM]
+        rs = rs * xs[:, None]  # [BM, 1]
     gate = acc_g * rs
     up = acc_u * rs
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    if HAS_BIAS:  # [gate; up] bias row of expert e, added before the activation
+        b_ptrs = bias_ptr + e.to(tl.int64) * 2 * INTER + offs_n
+        gate += tl.load(b_ptrs)[None, :]
+        up += tl.load(b_ptrs + INTER)[None, :]
     alpha = tl.load(alpha_ptr + e)
     beta = tl.load(beta_ptr + e)
     limit = tl.load(limit_ptr + e)
@@ -571,7 +618,9 @@ def _gemm1_tile(
     act = gate * tl.sigmoid(alpha * gate) * (up + beta)
     if MXFP8_ACT:  # the serving kernel's FC1 epilogue: bf16, then MXFP8 along I (BN % 32 == 0)
         act = _mxfp8_round(act.to(tl.bfloat16).to(tl.float32), BM, BN)
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    if ACT_SCALE:  # into fp16's range by the row's power of two (PRESCALED); GEMM2 multiplies it back
+        down, _ = _act_shift(xs, e, bound_ptr, alpha_ptr, beta_ptr, limit_ptr)
+        act = act * down[:, None]
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * INTER + offs_n[None, :]
     tl.store(a_ptrs, act.to(act_ptr.dtype.element_ty), mask=tmask[:, None])
 
@@ -613,17 +662,23 @@ def gemm1_swiglu_kernel(
     USE_PDL: tl.constexpr = False,
     MXFP8_ACT: tl.constexpr = False,
     PREFETCH: tl.constexpr = 0,
+    bias_ptr=None,
+    bound_ptr=None,
+    HAS_BIAS: tl.constexpr = False,
+    ACT_SCALE: tl.constexpr = False,
 ):
     """act[p, n] = SwiGLU-OAI(x W_gate^T, x W_up^T) for sorted row p, columns [n, n+BN) of I.
 
     One [2BN, K] weight slab per program (BN gate rows then the BN matching up rows), one MMA per K
     step, split in the epilogue. Grid (MAXB * I/BN,). MXFP8_ACT (serving numerics): act is stored as the
     MXFP8 values the serving kernel's GEMM2 reads (bf16 rounding, then _mxfp8_round along I). PREFETCH
-    (NOSORT only): elements of each weight row prefetched before the wait on the prep kernel (_prefetch_slab)."""
+    (NOSORT only): elements of each weight row prefetched before the wait on the prep kernel (_prefetch_slab).
+    HAS_BIAS: bias_ptr [E, 2I] fp32 is added to the [gate; up] outputs before the activation. ACT_SCALE
+    (PRESCALED only): act is stored times the row's power of two from _act_shift (bound_ptr [E, 4])."""
     if PREFETCH > 0:
         _prefetch_slab(w_ptr, expert_ids_ptr, E, INTER, NUM_N, stride_we, stride_wn, BN, PREFETCH)
     pid_n, e, rows, tok, tmask, has_work = _program_tile(
-        sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT, USE_PDL
+        sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT, USE_PDL, TOPK
     )
     if not has_work:
         return
@@ -639,6 +694,8 @@ def gemm1_swiglu_kernel(
         alpha_ptr,
         beta_ptr,
         limit_ptr,
+        bias_ptr,
+        bound_ptr,
         act_ptr,
         pid_n,
         e,
@@ -660,6 +717,8 @@ def gemm1_swiglu_kernel(
         BN,
         BK,
         MXFP8_ACT,
+        HAS_BIAS,
+        ACT_SCALE,
     )
 
 
@@ -697,6 +756,13 @@ def _gemm2_tile(
     y_ptr,
     count_ptr,
     FUSED_OUT: tl.constexpr,
+    bias_ptr,
+    bound_ptr,
+    alpha_ptr,
+    beta_ptr,
+    limit_ptr,
+    HAS_BIAS: tl.constexpr,
+    ACT_SCALE: tl.constexpr,
 ):
     """One program's tile of gemm2_reduce_kernel: GEMM2, routing weight and the top-k reduce by atomics
     (FUSED_OUT: plus the last arriver's output write, see gemm2_reduce_kernel)."""
@@ -733,13 +799,20 @@ def _gemm2_tile(
         BM,
         BK,
     )  # [BM, BN]
-    row_scale = tl.load(topk_w_ptr + tok, mask=tmask, other=0.0).to(tl.float32) * rsf  # [BM]
+    route_w = tl.load(topk_w_ptr + tok, mask=tmask, other=0.0).to(tl.float32) * rsf  # [BM]
+    row_scale = route_w
     if WMODE == 2:
         row_scale = row_scale * tl.load(epi_ptr + e)
     if WMODE == 4 or WMODE == 5 or WMODE == 6:
         row_scale = row_scale * tl.load(ascale_ptr + rows, mask=tmask, other=1.0)
-    acc = acc * row_scale[:, None]
     trow = (tok // TOPK).to(tl.int64)
+    if ACT_SCALE:  # act was stored times 2^-k (GEMM1's _act_shift of the token's prep scale at ascale_ptr)
+        xs = tl.load(ascale_ptr + trow, mask=tmask, other=1.0)
+        _, up = _act_shift(xs, e, bound_ptr, alpha_ptr, beta_ptr, limit_ptr)
+        row_scale = row_scale * up
+    acc = acc * row_scale[:, None]
+    if HAS_BIAS:  # expert e's output bias, scaled by the routing weight like the product
+        acc += route_w[:, None] * tl.load(bias_ptr + e64 * HID + offs_n)[None, :]
     o_ptrs = out_ptr + trow[:, None] * HID + offs_n[None, :]
     tl.atomic_add(o_ptrs, acc, mask=tmask[:, None], sem="relaxed")
     if FUSED_OUT:
@@ -793,6 +866,13 @@ def gemm2_reduce_kernel(
     NOSORT: tl.constexpr = False,
     FUSED_OUT: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
+    bias_ptr=None,
+    bound_ptr=None,
+    alpha_ptr=None,
+    beta_ptr=None,
+    limit_ptr=None,
+    HAS_BIAS: tl.constexpr = False,
+    ACT_SCALE: tl.constexpr = False,
 ):
     """out[token, n] += rsf * w_route * (act W2^T)[p, n] by fp32 atomics: the top-k reduce happens
     in the atomics. Grid (MAXB * H/BN,). SWAP, WMODE, TERMS as in GEMM1; WMODE 4 / 5 read act as e4m3
@@ -805,9 +885,13 @@ def gemm2_reduce_kernel(
     that brings a row's counter to TOPK (the last contribution) crosses a CTA barrier and a fence
     again, reads the finished fp32 row tile from L2 (.cg), stores it to y in y's dtype and re-zeroes
     the scratch tile and the counter for the next call. Calls sharing the scratch must be
-    stream-ordered (they are: one stream, one forward at a time)."""
+    stream-ordered (they are: one stream, one forward at a time).
+
+    HAS_BIAS: bias_ptr [E, H] fp32 times the routing weight (and rsf) joins each row. ACT_SCALE: act rows
+    were stored times 2^-k (gemm1_swiglu_kernel); ascale_ptr then holds the tokens' prep scales, and
+    _act_shift recomputes the same k from them (bound_ptr, alpha / beta / limit)."""
     pid_n, e, rows, tok, tmask, has_work = _program_tile(
-        sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT, USE_PDL
+        sorted_ptr, expert_ids_ptr, N, E, NUM_N, BM, NOSORT, USE_PDL, TOPK
     )
     if not has_work:
         return
@@ -844,4 +928,11 @@ def gemm2_reduce_kernel(
         y_ptr,
         count_ptr,
         FUSED_OUT,
+        bias_ptr,
+        bound_ptr,
+        alpha_ptr,
+        beta_ptr,
+        limit_ptr,
+        HAS_BIAS,
+        ACT_SCALE,
     )

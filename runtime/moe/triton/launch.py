@@ -1,7 +1,7 @@
 """The Triton MoE launcher: which path a call takes (Plan), token alignment and the kernel launches.
 
 Paths (launches), runtime/moe/triton/kernels.py has the details:
-  * NOSORT (T*k <= NOSORT_MAX_SLOTS): [prescale], GEMM1, GEMM2 writing the output directly (fused output,
+  * NOSORT (T <= NOSORT_MAX_TOKENS): [prescale], GEMM1, GEMM2 writing the output directly (fused output,
     one token; with more tokens prep also zeroes the fp32 output and a cast follows);
   * sorted: prep (align in kernel or in torch, prescale or e4m3 quantize, zeroing), GEMM1,
     [FP8: act quantize], GEMM2 (atomics), cast.
@@ -20,7 +20,7 @@ from runtime.moe.triton.config import (
     FP8_BLOCK_K,
     FP8_ROW_SCALE,
     FUSED_OUT_MAX_TOKENS,
-    NOSORT_MAX_SLOTS,
+    NOSORT_MAX_TOKENS,
     NOSORT_PREFETCH_BYTES,
     MoeConfig,
     Quant,
@@ -74,13 +74,13 @@ def plan(
         cfg = default_config(t, False)  # K % 128 == 0 for the rebased blocks, and room for them
     if cfg.fp8 and not p.w_fp8:
         raise ValueError("MoeConfig.fp8 needs MXFP8 weights (float8_e4m3fn + uint8 scales)")
-    nosort = (n <= NOSORT_MAX_SLOTS if nosort is None else nosort) and n <= 64 and not cfg.fp8
+    nosort = (t <= NOSORT_MAX_TOKENS if nosort is None else nosort) and t <= 64 and not cfg.fp8
     # Fused output by default for one token only: with more tokens per program the last arriver has read
     # partial sums (docs/known-issues.md); an explicit fused_out=True is honoured on the NOSORT path.
     fused_out = (nosort and t == 1) if fused_out is None else fused_out
     fused_out = fused_out and nosort and t <= FUSED_OUT_MAX_TOKENS
-    if nosort:
-        cfg = replace(cfg, bm=max(16, next_pow2(n)))
+    if nosort:  # a block's rows are the tokens (kernels._block_rows)
+        cfg = replace(cfg, bm=max(16, next_pow2(t)))
     if mxfp8_act and cfg.fp8:
         cfg = replace(cfg, fp8=1)
     in_kernel_align = not nosort and n <= ALIGN_IN_KERNEL_MAX_SLOTS
@@ -174,8 +174,8 @@ def _fused_out_scratch(device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]
 def _alignment(pl: Plan, topk_ids: torch.Tensor, e: int, ep: int):
     """-> (blocks, padded rows, sorted_ids, expert_ids, cursor) for the GEMMs' grids."""
     n, bm, dev = topk_ids.numel(), pl.cfg.bm, topk_ids.device
-    if pl.nosort:  # one (mostly masked) BM block per routed slot; block m's expert is topk_ids[m]
-        return n, bm, topk_ids, topk_ids, topk_ids
+    if pl.nosort:  # one (mostly masked) BM block per routed slot; block m's expert is topk_ids[m]; act rows
+        return n, n, topk_ids, topk_ids, topk_ids  # are slot ids
     nblk = max_blocks(n, e, bm)
     if pl.in_kernel_align:  # filled by the prep kernel
         return (
@@ -302,6 +302,18 @@ def fused_moe(
     # act rows in sorted (or slot) order; bf16 before the FP8 path's quantize kernel
     act_dtype = torch.float16 if p.fp16_2 and not pl.fp8 else torch.bfloat16
     act = torch.empty((maxp, inter), dtype=act_dtype, device=dev)
+    # act stored scaled per row when the SwiGLU-OAI parameters do not bound it (prepare.act_bounds); the FP8
+    # path's act is bf16 and re-scaled per row by its quantize kernel instead
+    act_scale = p.act_bound is not None and not pl.fp8
+    if act_scale and quant_x != Quant.FP16:
+        raise ValueError("act scaling needs GEMM1's fp16 prescaled tokens (PreparedMoE.fp16_1)")
+    extras = dict(
+        alpha_ptr=p.alpha,
+        beta_ptr=p.beta,
+        limit_ptr=p.limit,
+        bound_ptr=p.act_bound if act_scale else xscale,  # (a dummy pointer when unused)
+        ACT_SCALE=act_scale,
+    )
     n1 = inter // cfg.bn1
     K.gemm1_swiglu_kernel[(nblk * n1,)](
         xq,
@@ -338,6 +350,10 @@ def fused_moe(
         USE_PDL=bool(pdl),
         MXFP8_ACT=mxfp8_act,
         PREFETCH=prefetch,
+        bias_ptr=p.w13_bias if p.w13_bias is not None else xscale,
+        bound_ptr=extras["bound_ptr"],
+        HAS_BIAS=p.w13_bias is not None,
+        ACT_SCALE=act_scale,
         num_warps=cfg.warps1,
         num_stages=cfg.stages1,
         **pdl,
@@ -396,6 +412,9 @@ def fused_moe(
         NOSORT=pl.nosort,
         FUSED_OUT=pl.fused_out,
         USE_PDL=bool(pdl),
+        bias_ptr=p.w2_bias if p.w2_bias is not None else xscale,
+        HAS_BIAS=p.w2_bias is not None,
+        **extras,
         num_warps=cfg.warps2,
         num_stages=cfg.stages2,
         **pdl,

@@ -89,13 +89,38 @@ def rebase_fp8(
 
 def act_fp16_ok(alpha: torch.Tensor, beta: torch.Tensor, limit: torch.Tensor) -> bool:
     """True when |SwiGLU-OAI| < 2^15 for every expert, from the bound max(|L|, 0.2785/alpha)(|L|+|b|)
-    (0.2785 = max over g < 0 of |g sigmoid(g)|): then act can be stored in fp16 for GEMM2.
-    A larger bound (or alpha <= 0, limit = inf) means act may leave fp16's range: bf16 instead."""
+    (0.2785 = max over g < 0 of |g sigmoid(g)|): then act can be stored in fp16 for GEMM2 as it is.
+    A larger bound (or alpha <= 0, limit = inf: plain SwiGLU) needs act_bounds' per-row scale instead."""
     a, b, lim = alpha.double().cpu(), beta.double().cpu(), limit.double().abs().cpu()
     if not bool((a > 0).all()):
         return False
     bound = torch.maximum(lim, 0.2785 / a) * (lim + b.abs())
     return bool((bound < 2.0**ACT_FP16_MAX_LOG2).all())
+
+
+def act_bounds(
+    w13: torch.Tensor, w13_scale: torch.Tensor, bias: Optional[torch.Tensor], rebased: bool
+) -> torch.Tensor:
+    """fp32 [E, 4] per expert: (largest L1 norm of a gate row, largest |gate bias|, the same for the up
+    rows), of the weights GEMM1 multiplies (rebased: e4m3 times its row scale; else the MXFP8 values).
+
+    With them the kernels bound each routed row's SwiGLU-OAI output when the config alone does not
+    (act_fp16_ok false, e.g. plain SwiGLU): a token whose prep-scaled row has |x| < 2^15 * xs has
+    |gate| <= 2^15 xs * G + Gb and |up| <= 2^15 xs * U + Ub (Hoelder), so |act| <= min(that, max(|L|,
+    0.2785/alpha)) * (min(that, |L|) + |beta|); act is stored in fp16 times the power of two that puts this
+    bound below 2^15 and GEMM2 multiplies it back (kernels._act_shift). One expert at a time."""
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    out = torch.zeros((e, 4), dtype=torch.float32, device=w13.device)
+    for i in range(e):
+        if rebased:
+            l1 = w13[i].float().abs().sum(-1) * w13_scale[i, :, 0]  # [2I]
+        else:
+            l1 = mxfp8.dequantize(w13[i], w13_scale[i], torch.float32).abs().sum(-1)  # [2I]
+        out[i, 0], out[i, 2] = l1[:inter].max(), l1[inter:].max()
+        if bias is not None:
+            out[i, 1], out[i, 3] = bias[i, :inter].abs().max(), bias[i, inter:].abs().max()
+    return out
 
 
 @dataclass
@@ -117,6 +142,9 @@ class PreparedMoE:
     shift2: torch.Tensor  # [E] int32
     epi13: torch.Tensor  # [E] fp32, 2^d_e
     epi2: torch.Tensor  # [E] fp32, 2^d_e
+    w13_bias: Optional[torch.Tensor] = None  # [E, 2I] fp32 ([gate; up]), added before SwiGLU-OAI
+    w2_bias: Optional[torch.Tensor] = None  # [E, H] fp32, added before the routing weight
+    act_bound: Optional[torch.Tensor] = None  # [E, 4] fp32 (act_bounds): act stored scaled per row, else None
     wmode1: WMode = WMode.FP16  # how GEMM1 / GEMM2 read the weights (see _wmode)
     wmode2: WMode = WMode.FP16
     fp8_blocks: Optional[tuple] = None  # the FP8 path's rebased weights, made on first use (fp8_weights)
@@ -227,23 +255,22 @@ def rebase_fits(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     )
 
 
-def prepare(w13, w13_scale, w2, w2_scale, alpha, beta, limit, rebase: bool = True) -> PreparedMoE:
+def prepare(
+    w13, w13_scale, w2, w2_scale, alpha, beta, limit, w13_bias=None, w2_bias=None, rebase: bool = True
+) -> PreparedMoE:
     """Load-time guard analysis: reads the scales once. MXFP8 weights whose rows each span at most
-    ROW_SCALE_MAX_OCTAVES of scales (row_scale_ok), with SwiGLU-OAI's output in fp16's range, are rebased
-    to one power-of-two scale per row (rebase; against the MXFP8 values rel error <= 1e-5) and
-    the result replaces them: the weight stream then converts e4m3 -> fp16 with no per-32 scale multiply
-    (WMode.REBASED) and the FP8 path reads the same tensors, where the device has room for both copies for a
-    moment (rebase_fits). Otherwise (or rebase=False) it keeps references to the stored tensors."""
+    ROW_SCALE_MAX_OCTAVES of scales (row_scale_ok) are rebased to one power-of-two scale per row (rebase;
+    against the MXFP8 values rel error <= 1e-5) and the result replaces them: the weight stream then
+    converts e4m3 -> fp16 with no per-32 scale multiply (WMode.REBASED) and the FP8 path reads the same
+    tensors, where the device has room for both copies for a moment (rebase_fits). Otherwise (or
+    rebase=False) it keeps references to the stored tensors. GEMM2 reads act in fp16: as it is where the
+    SwiGLU-OAI parameters bound it (act_fp16_ok), else scaled per row by act_bounds' bound (GEMM1 in fp16
+    only; with GEMM1 in bf16, act stays bf16 and GEMM2 runs in bf16). Biases (fp32) are kept as given."""
     dev, e = w13.device, w13.shape[0]
     w_fp8 = w13_scale is not None
-    if (
-        w_fp8
-        and rebase
-        and act_fp16_ok(alpha, beta, limit)
-        and row_scale_ok(w13_scale)
-        and row_scale_ok(w2_scale)
-        and rebase_fits(w13, w2)
-    ):
+    act_ok = act_fp16_ok(alpha, beta, limit)
+    biases = dict(w13_bias=w13_bias, w2_bias=w2_bias)
+    if w_fp8 and rebase and row_scale_ok(w13_scale) and row_scale_ok(w2_scale) and rebase_fits(w13, w2):
         w13, s13 = rebase_fp8(w13, w13_scale, w13.shape[2])  # [E, 2I, H] e4m3, [E, 2I, 1] fp32
         w2, s2 = rebase_fp8(w2, w2_scale, w2.shape[2])
         zero, one = (
@@ -265,8 +292,10 @@ def prepare(w13, w13_scale, w2, w2_scale, alpha, beta, limit, rebase: bool = Tru
             zero,
             one,
             one,
-            WMode.REBASED,
-            WMode.REBASED,
+            **biases,
+            act_bound=None if act_ok else act_bounds(w13, s13, w13_bias, rebased=True),
+            wmode1=WMode.REBASED,
+            wmode2=WMode.REBASED,
             fp8_row_scale=True,
             rebased=True,
         )
@@ -277,7 +306,8 @@ def prepare(w13, w13_scale, w2, w2_scale, alpha, beta, limit, rebase: bool = Tru
         d13, ok13 = torch.zeros(e, dtype=torch.int32), False
         d2, ok2 = torch.zeros(e, dtype=torch.int32), False
         w13_scale = w2_scale = torch.zeros(1, dtype=torch.uint8, device=dev)
-    ok2 = ok2 and act_fp16_ok(alpha, beta, limit)
+    scaled = w_fp8 and ok13 and not act_ok  # act scaled per row needs GEMM1's fp16 prescaled tokens
+    ok2 = ok2 and (act_ok or scaled)
     d13 = d13 if ok13 else torch.zeros_like(d13)  # the bf16 path decodes the raw bytes
     d2 = d2 if ok2 else torch.zeros_like(d2)
     pow2 = lambda t: torch.ldexp(torch.ones(e, dtype=torch.float32), t.float()).to(dev)
@@ -296,6 +326,8 @@ def prepare(w13, w13_scale, w2, w2_scale, alpha, beta, limit, rebase: bool = Tru
         d2.to(dev),
         pow2(d13),
         pow2(d2),
-        PreparedMoE._wmode(w_fp8, ok13, d13),
-        PreparedMoE._wmode(w_fp8, ok2, d2),
+        **biases,
+        act_bound=act_bounds(w13, w13_scale, w13_bias, rebased=False) if scaled and ok2 else None,
+        wmode1=PreparedMoE._wmode(w_fp8, ok13, d13),
+        wmode2=PreparedMoE._wmode(w_fp8, ok2, d2),
     )

@@ -1,8 +1,10 @@
-"""Conversion throughput and memory at MiniMax-M3's real layer dims, CPU and GPU, against a plain copy.
+"""Conversion throughput and memory at a family's real layer dims, CPU and GPU, against a plain copy.
 
-For each checkpoint size (synthetic vendor-layout MiniMax-M3 with H 6144, I 3072, 64 q / 4 kv heads of
-128, indexer 4x128, 8 experts per layer instead of 128; random bf16 weights), from a warm page cache and
-(--cache cold) from disk, each run in a fresh process:
+For each checkpoint size (--family m3: synthetic vendor-layout MiniMax-M3 with H 6144, I 3072, 64 q / 4 kv
+heads of 128, indexer 4x128; m2-fp8: MiniMax-M2's FP8-block release format, H 3072, I 1536, 48 q / 8 kv heads
+of 128, e4m3 weights with a float32 scale per 128x128 block, which porter dequantizes and re-quantizes;
+m2-bf16: the same M2 layers in bf16; --experts per layer instead of the real 128 / 256; random weights), from
+a warm page cache and (--cache cold) from disk, each run in a fresh process:
 
 - baselines (the floor): safetensors `load_file` + `save_file` of every shard (what any converter pays to
   read and write the bytes), a raw file copy (`shutil.copyfile`, the I/O floor), each also with fsync of
@@ -41,7 +43,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import DEFAULT_OUT, ROOT, environment, environment_line  # noqa: E402
+from common import (  # noqa: E402,F401  (evict, cached_fraction: the child processes call them from here)
+    DEFAULT_OUT,
+    ROOT,
+    build_checkpoint,
+    cached_fraction,
+    environment,
+    environment_line,
+    evict,
+    warm,
+)
 
 REAL_CHECKPOINT_GB = 795.0  # MiniMax-M3 BF16 release, safetensors bytes
 # the baseline copies, each with the key of a run's ratio to it
@@ -164,88 +175,12 @@ def convert_run(
     return child(code, src, out, workers, device, cache, max_shard_size, DEFAULT_DIGEST)
 
 
-class _PooledRandn:
-    """Stands in for `torch` inside tiny_checkpoint while building: randn returns windows of one shared
-    random pool, so an 8 GB checkpoint builds in seconds, not minutes (values stay N(0, 1); conversion
-    cost does not depend on them)."""
-
-    def __init__(self, torch_module, elems: int = 96 << 20):
-        self._torch = torch_module
-        self._pool = torch_module.randn(elems)
-        self._at = 0
-
-    def randn(self, *shape, generator=None):
-        n = 1
-        for d in shape:
-            n *= d
-        if n > self._pool.numel():
-            return self._torch.randn(*shape)
-        self._at = (self._at + 7_919_113) % (self._pool.numel() - n + 1)
-        return self._pool[self._at : self._at + n].view(*shape)
-
-    def __getattr__(self, name):
-        return getattr(self._torch, name)
-
-
-def build_checkpoint(out: Path, layers: int, experts: int) -> Path:
-    import tiny_checkpoint
-
-    real = tiny_checkpoint.torch
-    tiny_checkpoint.torch = _PooledRandn(real)
-    try:
-        overrides = tiny_checkpoint.real_dims_overrides(layers, experts)
-        return tiny_checkpoint.build_tiny_checkpoint(out, text_overrides=overrides, max_shard_tensors=40)
-    finally:
-        tiny_checkpoint.torch = real
-
-
-def evict(path: Path) -> str:
-    """Empty the page cache for a cold run; returns how (drop_caches as root, else fadvise on the sources)."""
-    os.sync()
-    if os.geteuid() == 0:
-        try:
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
-            return "drop_caches"
-        except OSError:
-            pass
-    for f in sorted(path.glob("*.safetensors")):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return "fadvise"
-
-
-def cached_fraction(path: Path) -> float:
-    """Fraction of the source files' pages in the page cache now (mincore), to show a cold run was cold."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    have = total = 0
-    for f in sorted(path.glob("*.safetensors")):
-        size = f.stat().st_size
-        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) as m:
-            n = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-            vec = (ctypes.c_ubyte * n)()
-            anchor = ctypes.c_char.from_buffer(m)  # the mapping's address (private: nothing is written)
-            rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
-            del anchor
-            if rc:
-                raise OSError(ctypes.get_errno(), f"mincore {f}")
-            have += n - bytes(vec).count(0)
-            total += n
-    return have / total if total else 1.0
-
-
-def warm(path: Path) -> None:
-    """Read the shards once so every run starts from the same warm page cache."""
-    for f in sorted(path.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            while fh.read(1 << 24):
-                pass
+# family -> (real-dims layers per GB of checkpoint at 8 experts, the dims in words)
+FAMILIES = {
+    "m3": (0.85, "H 6144, I 3072"),
+    "m2-fp8": (5.7, "H 3072, I 1536, FP8 e4m3 + 128x128 block scales"),
+    "m2-bf16": (3.0, "H 3072, I 1536, bf16"),
+}
 
 
 def bench_size(
@@ -259,10 +194,11 @@ def bench_size(
     caches: tuple = ("warm",),
     max_shard_size: str = "512MB",
     copies: tuple = COPIES,
+    family: str = "m3",
 ) -> dict:
-    layers = max(2, round(target_gb * layers_per_gb))
+    layers = max(2, round(target_gb * (layers_per_gb or FAMILIES[family][0])))
     t0 = time.time()
-    src = build_checkpoint(tmp / f"src{target_gb}", layers, experts)
+    src = build_checkpoint(tmp / f"src{target_gb}", layers, experts, family)
     build_s = time.time() - t0
     gb = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
     print(f"# {gb:.2f} GB checkpoint ({layers} layers) built in {build_s:.0f} s", flush=True)
@@ -314,6 +250,7 @@ def bench_size(
             x["output_shards"] = len(x["shard_digests"])
     shutil.rmtree(src, ignore_errors=True)
     return {
+        "family": family,
         "source_gb": gb,
         "layers": layers,
         "experts_per_layer": experts,
@@ -326,8 +263,8 @@ def summary_lines(result: dict) -> list:
     lines = [environment_line(result["machine"])]
     for s in result["sizes"]:
         lines.append(
-            f"{s['source_gb']:.2f} GB ({s['layers']} layers at H 6144, I 3072, "
-            f"{s['experts_per_layer']} experts):"
+            f"{s['source_gb']:.2f} GB ({s.get('family', 'm3')}: {s['layers']} layers at "
+            f"{FAMILIES[s.get('family', 'm3')][1]}, {s['experts_per_layer']} experts):"
         )
         for x in s["runs"]:
             what = x["kind"] if x["kind"] != "convert" else f"convert {x['device']} workers={x['workers']}"
@@ -378,7 +315,12 @@ def main():
         default=",".join(COPIES),
         help="baseline copies to run (comma list of " + ", ".join(COPIES) + "; empty: none)",
     )
-    ap.add_argument("--layers-per-gb", type=float, default=0.85, help="real-dims layers per GB of checkpoint")
+    ap.add_argument(
+        "--family", default="m3", choices=list(FAMILIES), help="checkpoint family and format (see above)"
+    )
+    ap.add_argument(
+        "--layers-per-gb", type=float, default=None, help="real-dims layers per GB (default: the family's)"
+    )
     ap.add_argument("--tmp", default=str(ROOT / "benchmarks"), help="where to build the checkpoints")
     ap.add_argument("--out", default=str(DEFAULT_OUT / "convert.json"))
     args = ap.parse_args()
@@ -400,6 +342,7 @@ def main():
                     tuple(args.cache.split(",")),
                     args.max_shard_size,
                     tuple(c for c in args.copies.split(",") if c),
+                    args.family,
                 )
             )
     result["summary"] = summary_lines(result)

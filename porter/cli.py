@@ -339,6 +339,7 @@ def generate_command(
             stop=stop,
             device=resolve_device(device),
             backend=backend,
+            progress=not ctx.obj.get("quiet"),
         ),
     )
 

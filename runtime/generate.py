@@ -100,8 +100,7 @@ def _last_logits(logits: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Te
 def cache_slots(tokens: int, block: int) -> int:
     """Slots of a reusable decode cache for `tokens` positions: rounded up to eighths of an octave (so
     prompts of similar length share one captured step, reading at most 1/8 more cache than they need) and
-    to whole blocks of the model's cache (a model's `cache_block`, e.g. the blocks a sparse attention reads;
-    1 when it has none)."""
+    to whole cache blocks (the model's cache_block)."""
     step = max(block, 1 << max(tokens.bit_length() - 4, 0))
     return -(-tokens // step) * step
 
@@ -128,7 +127,7 @@ class Decoder:
     @staticmethod
     def _kept(model, batch: int, tokens: int):
         """(cache, graph) kept on the model for this batch and cache size, the cache emptied in place."""
-        key = (batch, cache_slots(tokens, getattr(model, "cache_block", 1)))
+        key = (batch, cache_slots(tokens, model.cache_block))
         if model.decode_state is None or model.decode_state[0] != key:
             model.decode_state = None  # free the old cache and graph before allocating the new ones
             cache = model.new_cache(*key)

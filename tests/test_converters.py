@@ -29,7 +29,7 @@ from porter.cli import main as cli
 from porter.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-SUPPORTED = "gpt_oss, minimax_m3, minimax_m3_vl, minimax_m3_vl_text"
+SUPPORTED = "gpt_oss, minimax_m2, minimax_m3, minimax_m3_vl, minimax_m3_vl_text"
 
 
 @pytest.mark.parametrize("model_type", ["minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3"])
@@ -51,12 +51,21 @@ def test_for_config_resolves_both_source_layouts():
 
 
 def test_supported_lists_every_model_type_once():
-    assert converters.supported() == ("gpt_oss", "minimax_m3", "minimax_m3_vl", "minimax_m3_vl_text")
-    by_module = {t for m in set(converters.MODEL_TYPES.values()) for t in converters.get(m).MODEL_TYPES}
-    assert by_module == set(converters.supported())
+    assert converters.supported() == (
+        "gpt_oss",
+        "minimax_m2",
+        "minimax_m3",
+        "minimax_m3_vl",
+        "minimax_m3_vl_text",
+    )
+    by_module = {}
+    for model_type, module in converters.MODEL_TYPES.items():
+        by_module.setdefault(module, set()).add(model_type)
+    for module, types_ in by_module.items():  # each converter lists exactly its registry keys
+        assert set(converters.get(next(iter(types_))).MODEL_TYPES) == types_, module
 
 
-@pytest.mark.parametrize("model_type", ["llama", "minimax_m2", "", None, ["minimax_m3_vl"]])
+@pytest.mark.parametrize("model_type", ["llama", "minimax_m1", "", None, ["minimax_m3_vl"]])
 def test_unknown_model_type_is_a_config_error_naming_it_and_the_supported_ones(model_type):
     want = (
         f"config.json: model_type {model_type!r} is not an architecture porter converts "
@@ -320,3 +329,15 @@ def test_every_converter_has_a_runtime_model_and_the_registry_refuses_others():
         "moe_block is missing",
         "experts_quantized is missing",
     ]
+
+
+@pytest.mark.parametrize("module", sorted(set(converters.MODEL_TYPES.values())))
+def test_every_registered_converter_satisfies_the_protocol(module):
+    """Core and each capability it provides: names, parameter names and defaults as the protocols state."""
+    conv = converters.get(next(t for t, m in converters.MODEL_TYPES.items() if m == module))
+    assert conformance_problems(conv) == []
+    _same_signatures(conv, Converter)
+    for cap, proto in CAPABILITIES.items():
+        if getattr(conv, cap) is not None:
+            _same_signatures(getattr(conv, cap), proto)
+    assert conv.ARCHITECTURE == module

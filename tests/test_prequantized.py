@@ -252,6 +252,21 @@ def test_dequantize_fp8_block_partial_tiles():
         mxfp8.dequantize_fp8_block(q, s[:1], (128, 128))
 
 
+def test_dequantize_fp8_block_whole_tiles_scaled_in_place():
+    """Whole tiles take the in-place path (a tile view times its scale): the same fp32 products as the
+    element-by-element formula, with leading (expert) dims and for bf16 output."""
+    g = torch.Generator().manual_seed(2)
+    q = (torch.randn(3, 8, 16, generator=g) * 50).to(torch.float8_e4m3fn)  # [E, N, K], tiles 4 x 8
+    s = torch.rand(3, 2, 2, generator=g) + 0.5
+    want = q.float().clone()
+    for e in range(3):
+        for i in range(8):
+            for j in range(16):
+                want[e, i, j] *= s[e, i // 4, j // 8]
+    assert torch.equal(mxfp8.dequantize_fp8_block(q, s, (4, 8)), want)
+    assert torch.equal(mxfp8.dequantize_fp8_block(q, s, (4, 8), torch.bfloat16), want.bfloat16())
+
+
 @pytest.mark.parametrize("where", ["top", "text_config"])
 def test_fp8_block128_source(tiny_vendor, tmp_path, where):
     src_dir = requantized_checkpoint(tiny_vendor, tmp_path / "fp8", fp8_block128, FP8_CONFIG, where)

@@ -454,5 +454,12 @@ def dequantize_fp8_block(
             f"scale_inv shape {tuple(scale_inv.shape)} does not match values {tuple(q.shape)} "
             f"with block [{bn}, {bk}] (expected {list(want)})"
         )
+    values = e4m3_to_float(q.view(torch.float8_e4m3fn))  # [..., N, K] fp32, a fresh tensor
+    if (
+        n % bn == 0 and k % bk == 0
+    ):  # whole tiles: scale each in place through a [.., N/bn, bn, K/bk, bk] view
+        tiles = values.view(*q.shape[:-2], n // bn, bn, k // bk, bk)
+        tiles.mul_(scale_inv.float()[..., :, None, :, None])  # the same fp32 products, no expanded scale
+        return values.to(dtype)
     s = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
-    return (e4m3_to_float(q.view(torch.float8_e4m3fn)) * s).to(dtype)
+    return (values * s).to(dtype)

@@ -1,4 +1,4 @@
-"""Fused elementwise steps of the decoder layer: Gemma RMSNorm (alone or after the residual add), the
+"""Fused elementwise steps of the decoder layer: RMSNorm (Gemma or plain; alone or after the residual add), the
 residual adds in order, per-head norm + RoPE, SwiGLU-OAI, and the small steps of a decode token (T = 1 over
 a cache): the per-head norms + RoPE + cache writes of the fused q/k/v(/index) projection, the indexer's
 block scores + top-k, the router's fp32 logits and top-k selection.
@@ -51,20 +51,22 @@ def next_pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., N], w [N] (Gemma delta: scales by 1 + w) -> [..., N] in x's dtype."""
-    return _rms_norm(x, w, eps)[1]
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 1.0) -> torch.Tensor:
+    """x [..., N], w [N] -> [..., N] in x's dtype, scaled by offset + w (1.0: Gemma's delta; 0.0: plain)."""
+    return _rms_norm(x, w, eps, offset=offset)[1]
 
 
 def add_rms_norm(
-    a: torch.Tensor, h: torch.Tensor, w: torch.Tensor, eps: float
+    a: torch.Tensor, h: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """a, h [..., N] (a residual branch and the residual stream), w [N] -> (h + a, rms_norm(h + a, w)) in one
     kernel, each as the unfused torch add and rms_norm round them."""
-    return _rms_norm(h, w, eps, add=a)
+    return _rms_norm(h, w, eps, add=a, offset=offset)
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, add: Optional[torch.Tensor] = None):
+def _rms_norm(
+    x: torch.Tensor, w: torch.Tensor, eps: float, add: Optional[torch.Tensor] = None, offset: float = 1.0
+):
     """rms_norm_kernel over x's rows (ADD: of x + add, which it also returns) -> (x + add or None, normed)."""
     from runtime.kernels.fused_triton import rms_norm_kernel
 
@@ -80,6 +82,7 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, add: Optional[torch.
         hout,
         n,
         eps,
+        offset,
         BLOCK=next_pow2(n),
         ADD=add is not None,
         num_warps=8 if n >= 4096 else 4,

@@ -16,11 +16,13 @@ def rms_norm_kernel(
     hout_ptr,
     N,
     eps,
+    offset,
     BLOCK: tl.constexpr,
     ADD: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
-    """Gemma RMSNorm of one row: fp32, x * rsqrt(mean(x^2) + eps) * (1 + w), stored in y's dtype.
+    """RMSNorm of one row: fp32, x * rsqrt(mean(x^2) + eps) * (offset + w), stored in y's dtype (offset 1:
+    Gemma's norm, 0: the plain one).
     ADD: x is first the residual add hout = x + a rounded to hout's dtype (the torch add), and the norm is
     taken of that rounded sum, as the unfused ops compute it."""
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the previous kernel's writes
@@ -35,7 +37,9 @@ def rms_norm_kernel(
         tl.store(hout_ptr + row * N + cols, x, mask=ok)
     x = x.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * N + cols, (x * _rstd(x, N, eps) * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(
+        y_ptr + row * N + cols, (x * _rstd(x, N, eps) * (offset + w)).to(y_ptr.dtype.element_ty), mask=ok
+    )
 
 
 @triton.jit

@@ -24,6 +24,7 @@ from porter.errors import LoadError
 # converter ARCHITECTURE -> module under runtime/models/
 MODELS = {
     "minimax_m3": "minimax_m3",
+    "minimax_m2": "minimax_m2",
     "gpt_oss": "gpt_oss",
 }
 MEMBERS = ("Model", "DecoderLayer", "moe_block", "experts_quantized")

@@ -30,6 +30,7 @@ from porter.format.layout import scale_name
 from runtime.cache import KVCache, LayerCache, Step
 from runtime.generate import generate
 from runtime.graph import DecodeGraph, why_not
+from runtime.models import layers
 from runtime.models.layers import Getter, Rope, apply_rope, linear, on_device, yarn_inv_freq
 from runtime.moe.contract import TOPK_SOFTMAX, MoeQuantInfo, MoeRouting, make_swiglu_params
 from runtime.text import GenerationConfig
@@ -56,9 +57,9 @@ def rope(cfg: GptOssConfig, device) -> Rope:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """gpt-oss RMSNorm: normed in fp32, times the weight (not 1 + weight), cast back to x's dtype."""
-    xf = x.float()
-    return (w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+    """gpt-oss RMSNorm: normed in fp32, times the weight (offset 0: not 1 + weight), cast back to x's dtype
+    (runtime.models.layers.rms_norm: one kernel on CUDA)."""
+    return layers.rms_norm(x, w, eps, offset=0.0)
 
 
 def sink_attention(

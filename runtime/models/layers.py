@@ -1,5 +1,5 @@
-"""Building blocks of the runtime's models: linears (stored as is or MXFP8, with an optional bias), Gemma
-RMSNorm, partial NeoX RoPE (plain or YaRN), masked GQA attention and the side stream the shared expert
+"""Building blocks of the runtime's models: linears (stored as is or MXFP8, with an optional bias), RMSNorm
+(Gemma or plain), partial NeoX RoPE (plain or YaRN), masked GQA attention and the side stream the shared expert
 overlaps on. Each op runs its Triton kernel on CUDA (runtime.kernels) and a torch reference elsewhere."""
 
 from __future__ import annotations
@@ -33,18 +33,19 @@ def join(side: torch.cuda.Stream) -> None:
     torch.cuda.current_stream(side.device).wait_stream(side)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma RMSNorm: fp32, scales by (1 + w), cast back to x's dtype (one kernel on CUDA)."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 1.0) -> torch.Tensor:
+    """RMSNorm in fp32, scaled by (offset + w), cast back to x's dtype (one kernel on CUDA). offset 1.0:
+    Gemma's norm (the weight stores a delta); 0.0: the plain RMSNorm (y * w)."""
     if fused.use_triton(x):
-        return fused.rms_norm(x, w, eps)
-    return rms_norm_reference(x, w, eps)
+        return fused.rms_norm(x, w, eps, offset)
+    return rms_norm_reference(x, w, eps, offset)
 
 
-def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 1.0) -> torch.Tensor:
     """rms_norm in torch ops on any device (what the kernel is checked against)."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * (1.0 + w.float())).to(x.dtype)
+    return (y * (offset + w.float())).to(x.dtype)
 
 
 def on_device(device: torch.device):

@@ -29,11 +29,10 @@ import torch.nn.functional as F
 
 from converters.minimax_m3 import TextConfig
 from porter.format.layout import scale_name
-from runtime.cache import KVCache, LayerCache, Step
-from runtime.generate import generate
-from runtime.graph import DecodeGraph, why_not
+from runtime.cache import LayerCache, Step
 from runtime.kernels import fused, gemv
 from runtime.kernels.attention import decode_attention, decode_attention_topk
+from runtime.models.causal_lm import CausalLM
 from runtime.models.indexer import Indexer
 from runtime.models.layers import (
     Getter,
@@ -56,7 +55,6 @@ from runtime.moe.contract import (
     make_swiglu_params,
     swiglu_oai,
 )
-from runtime.text import GenerationConfig
 
 
 class Attention:
@@ -325,132 +323,22 @@ class DecoderLayer:
         )
 
 
-class MiniMaxM3:
-    """`model(ids) -> logits`, `model.generate(ids, max_new_tokens)`; built by runtime.load.
+class MiniMaxM3(CausalLM):
+    """`model(ids) -> logits`, `model.generate(ids, max_new_tokens)`; built by runtime.load (runtime.models.
+    causal_lm.CausalLM with Gemma norms and the indexer's key caches on sparse layers).
 
     With a device_map, decoder layer i lives on layer_devices[i] (embeddings on the first device, final
     norm and lm_head on the last) and the residual stream moves between them."""
 
-    def __init__(self, cfg: TextConfig, top: dict, layers, device, dtype, layer_devices=None):
-        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.tokenizer, self.generation_config = None, GenerationConfig()  # set by runtime.load
-        self.embed_tokens, self.norm = (
-            top["model.embed_tokens.weight"],
-            top["model.norm.weight"],
-        )  # [V, H], [H]
-        self.lm_head = top.get("lm_head.weight", self.embed_tokens)  # [V, H] (tied if absent)
-        self.layers = layers  # list of DecoderLayer, or runtime.loader.LazyLayers
-        self.layer_devices = (
-            [torch.device(d) for d in layer_devices]
-            if layer_devices is not None
-            else [self.device] * cfg.num_hidden_layers
-        )
-        self.head_device = self.lm_head.device
-        # (key, cache, DecodeGraph) of the last generate call on CUDA, reused by the next one of that key
-        self.decode_state = None
+    norm_offset = 1.0  # Gemma RMSNorm: scales by (1 + w)
 
     @property
     def cache_block(self) -> int:
-        """The KV cache is read in whole index blocks (runtime.generate.cache_slots)."""
-        return self.cfg.index_block_size
+        return self.cfg.index_block_size  # whole index blocks: decode attention walks them
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        ids = ids.to(self.embed_tokens.device)
-        return F.embedding(ids, self.embed_tokens).to(self.dtype)  # [B, T, H]
-
-    def final(self, h: torch.Tensor) -> torch.Tensor:
-        with on_device(self.norm.device):
-            h = rms_norm(h.to(self.norm.device), self.norm, self.cfg.rms_norm_eps)
-        return F.linear(h.to(self.lm_head.device), self.lm_head.to(h.dtype)).float()  # [B, T, V]
-
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """Caches of max_len slots (rounded up to whole index blocks), each on its layer's device."""
-        bs = self.cfg.index_block_size
-        slots = -(-max_len // bs) * bs
-        layers = [
-            LayerCache.empty(
-                self.cfg, self.cfg.is_sparse_attention(i), batch, slots, self.dtype, self.layer_devices[i]
-            )
-            for i in range(self.cfg.num_hidden_layers)
-        ]
-        return KVCache(layers, torch.zeros(batch, dtype=torch.long, device=self.embed_tokens.device))
-
-    def make_step(self, batch: int, T: int, cache: Optional[KVCache], attention_mask=None) -> Step:
-        """Positions of T new tokens per row: each row continues at cache.next_pos; with an attention_mask
-        ([B, T], 1 = real token, left padding) pad tokens get position 0 and are not cached."""
-        dev = self.embed_tokens.device
-        valid = None if attention_mask is None else attention_mask.to(dev).bool()
-        if valid is not None and bool(valid.all()):
-            valid = None
-        start = (
-            cache.next_pos[:, None]
-            if cache is not None
-            else torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        )
-        if valid is None:
-            pos = start + torch.arange(T, device=dev)  # [B, T]
-        else:
-            pos = torch.where(valid, start + valid.long().cumsum(1) - 1, 0)
-        first = cache is None or cache.length == 0
-        kv_len = (cache.length if cache is not None else 0) + T  # >= every row's last position + 1
-        if cache is not None and kv_len > cache.max_len:
-            raise ValueError(f"KV cache holds {cache.max_len} tokens; {kv_len} needed (raise max_len)")
-        decode = cache is not None and T == 1 and valid is None
-        if decode:  # whole index blocks (decode_attention walks the cache block by block)
-            kv_len = min(-(-kv_len // self.cfg.index_block_size) * self.cfg.index_block_size, cache.max_len)
-        return Step(pos, valid, kv_len, fresh=first and valid is None, decode=decode)
-
-    def run_layers(
-        self, h: torch.Tensor, step: Step, cache: Optional[KVCache], states: Optional[list] = None
-    ):
-        for i in range(len(self.layers)):
-            h = self.layers[i](h, step, cache.layers[i] if cache is not None else None)
-            if states is not None:
-                states.append(h)
-        return h
-
-    @torch.inference_mode()
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        cache: Optional[KVCache] = None,
-        output_hidden_states=False,
-        attention_mask: Optional[torch.Tensor] = None,
-    ):
-        """input_ids [B, T] -> logits [B, T, V] fp32 (and the residual streams if asked). attention_mask
-        [B, T] (1 real, 0 pad; left padding) runs prompts of different lengths together: each row's
-        logits at its real tokens are what the row gives alone."""
-        B, T = input_ids.shape
-        step = self.make_step(B, T, cache, attention_mask)
-        h = self.embed(input_ids)
-        states = [h] if output_hidden_states else None
-        h = self.run_layers(h, step, cache, states)
-        if cache is not None:
-            cache.length += T
-            cache.next_pos += T if step.valid is None else step.valid.sum(1)
-        logits = self.final(h)
-        return (logits, states) if output_hidden_states else logits
-
-    def generate(self, prompt, max_new_tokens=None, **options):
-        """Continue prompts: text (a string or a list of them; chat=True applies the chat template) -> the
-        completion text; ids (a LongTensor [B, T], a list of ints, or a list of lists) -> prompt + new ids.
-
-        Defaults come from generation_config.json (EOS, max_new_tokens, sampling); options:
-        eos_token_id, attention_mask, do_sample, temperature, top_p, top_k, seed, stop (strings),
-        stream (callable(row, text) as text is generated), chat, cuda_graph (None: on CUDA whenever the
-        step can be captured). See runtime/generate.py."""
-        return generate(self, prompt, max_new_tokens, **options)
-
-    def why_no_graph(self):
-        """None if a decode step can be captured, else the reason."""
-        return why_not(self)
-
-    def decode_graph(self, cache):
-        return DecodeGraph(self, cache)
-
-    def release_decode_state(self) -> None:
-        """Free the KV cache and captured decode step that generate keeps for its next call."""
-        self.decode_state = None
+    def layer_cache(self, i: int, batch: int, slots: int) -> LayerCache:
+        sparse = self.cfg.is_sparse_attention(i)  # + the indexer's key cache
+        return LayerCache.empty(self.cfg, sparse, batch, slots, self.dtype, self.layer_devices[i])
 
 
 Model = MiniMaxM3  # the runtime model registry's names (runtime/models/__init__.py)

@@ -135,6 +135,7 @@ def verify(
     inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, token, cache_dir, runs)
     check_outputs_apart(report, plot, inp.art, inp.ref_path)  # never over the artifact or the reference
     rep.max_new_tokens = max_new_tokens
+    _log_projection(inp)
     rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
         return _finish(rep, list(rep.integrity.issues), report, plot, t0)
@@ -161,6 +162,25 @@ def verify(
         device_map,
     )
     return _finish(rep, failures + judge_numerics(rep, rep.thresholds), report, plot, t0)
+
+
+def _log_projection(inp: _Inputs) -> None:
+    """The bytes every step reads and the total time they take at an assumed disk rate, before the first
+    step starts (each step logs its own estimate as it begins)."""
+    from porter.commands.verify.exact import READ_GBPS
+
+    art = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values() if isinstance(r, dict))
+    src = sum(f.stat().st_size for f in inp.ref_path.glob("*.safetensors"))
+    total = 3 * art + 2 * src  # integrity, exact bytes, numerics read the artifact; the last two the source
+    log.info(
+        "verify: reads ~%.1f GB in all (artifact %.1f GB in integrity, exact bytes and numerics; source "
+        "%.1f GB in exact bytes and numerics): ~%.1f min at an assumed %g GB/s, compute aside",
+        total / 1e9,
+        art / 1e9,
+        src / 1e9,
+        total / (READ_GBPS * 1e9) / 60,
+        READ_GBPS,
+    )
 
 
 def _open(
@@ -242,18 +262,31 @@ def _numerics(
     for k, run in enumerate(rep.numerics.values()):
         moe_numerics = "serving" if run.numerics == "serving" else None  # None: the backend's own, w8a16
         load = lambda lazy, run=run, moe_numerics=moe_numerics: runtime.load(
-            inp.art, device=inp.device, dtype=dtype, backend=run.backend, lazy=lazy, moe_numerics=moe_numerics
+            inp.art,
+            device=inp.device,
+            dtype=dtype,
+            backend=run.backend,
+            lazy=lazy,
+            moe_numerics=moe_numerics,
+            progress=progress,
         )
         shared = None if plan.stream or plan.device_map else load(False)  # one resident model for both
         if k == 0:
-            conts = _generate(shared, inp, plan, ids, run.backend, dtype, moe_numerics)
+            conts = _generate(shared, inp, plan, ids, run.backend, dtype, moe_numerics, progress)
             rep.streaming = StreamingInfo(
                 plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation
             )
             seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
         conv = shared if shared is not None else load(plan.stream)
         rep.dtype = dtype_name(conv.dtype)
-        ref = runtime.load(ref_store, device=inp.device, dtype=conv.dtype, backend="auto", lazy=plan.stream)
+        ref = runtime.load(
+            ref_store,
+            device=inp.device,
+            dtype=conv.dtype,
+            backend="auto",
+            lazy=plan.stream,
+            progress=progress,
+        )
         res = compare_models(ref, conv, seqs, rep.prompt_tokens, progress)
         run.embeddings, run.logits = res.embeddings, res.logits
         run.layers = [_layer_row(rep, conv.cfg, i, s) for i, s in enumerate(res.layers)]
@@ -267,7 +300,9 @@ def _numerics(
         gc.collect()
 
 
-def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype, moe_numerics=None) -> list:
+def _generate(
+    shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype, moe_numerics=None, progress=False
+) -> list:
     """Continuations of the converted model (empty lists when generation is skipped). Uses `shared` (the
     resident model of the teacher-forced pass) when there is one, else a model of its own, freed after."""
     if not plan.new_tokens:
@@ -278,7 +313,12 @@ def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype
         model = shared
     elif plan.device_map:  # spread over the visible GPUs
         model = runtime.load(
-            inp.art, dtype=dtype, backend=backend, device_map=plan.device_map, moe_numerics=moe_numerics
+            inp.art,
+            dtype=dtype,
+            backend=backend,
+            device_map=plan.device_map,
+            moe_numerics=moe_numerics,
+            progress=progress,
         )
     else:  # resident on the device while the pass streams, or layer-streamed when asked for
         model = runtime.load(
@@ -288,6 +328,7 @@ def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype
             backend=backend,
             lazy=plan.generation == "streaming",
             moe_numerics=moe_numerics,
+            progress=progress,
         )
     eos = model.cfg.eos_token_id if isinstance(model.cfg.eos_token_id, int) else None
     out = gen.greedy_all(model, ids, plan.new_tokens, eos)

@@ -210,3 +210,17 @@ def test_unconvertible_mxfp4_block_named(release, tmp_path, byte, what):
 def _tensors_of(f: Path) -> dict:
     with safe_open(str(f), "pt") as h:
         return {k: h.get_tensor(k) for k in h.keys()}
+
+
+def test_inspect_reads_the_release(release):
+    """`porter inspect` on the MXFP4 release: its experts as the quantized modules, the release's
+    modules_to_not_convert patterns covering every other linear."""
+    from porter.commands.inspect import inspect
+
+    q = inspect(release)["quantization"]
+    assert q["quant_method"] == "mxfp4" and q["quantized_modules"] == 8
+    assert set(q["quantized"]) == {
+        "model.layers.{l}.mlp.experts.gate_up_proj",
+        "model.layers.{l}.mlp.experts.down_proj",
+    }
+    assert q["contract"] == {"checked": True, "both": [], "neither": [], "ok": True}

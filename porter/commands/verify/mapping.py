@@ -401,6 +401,10 @@ class ReferenceStore:
     def names(self) -> set:
         return set(self._derivations)
 
+    def derivation(self, name: str) -> Derivation:
+        """How tensor `name` is derived from the source (the rounded reference re-quantizes through it)."""
+        return self._derivations[name]
+
     def get(self, name: str) -> torch.Tensor:
         d = self._derivations[name]
         return d.value(None) if d.experts is None else torch.stack([d.value(e) for e in range(d.experts)])

@@ -379,6 +379,18 @@ def m2_sources(tmp_path_factory) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def gpt_oss_sources(tmp_path_factory) -> dict:
+    """gpt-oss fixtures: OpenAI's MXFP4 release layout, transformers' bf16 layout, and an artifact."""
+    from gpt_oss_tiny_checkpoint import build_tiny_checkpoint as build_gpt_oss
+
+    root = tmp_path_factory.mktemp("go")
+    out = {layout: build_gpt_oss(root / layout, layout=layout) for layout in ("mxfp4", "bf16")}
+    out["artifact"] = root / "art"
+    porter.convert(out["mxfp4"], out["artifact"], progress=False)
+    return out
+
+
 TARGETS = [
     "vendor",
     "transformers",
@@ -388,25 +400,28 @@ TARGETS = [
     "m2:vendor",
     "m2:transformers",
     "m2:artifact",
+    "go:mxfp4",
+    "go:bf16",
+    "go:artifact",
 ]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     pick=st.integers(0, 63),
     change=st.sampled_from([lambda v: 10**9, lambda v: 10**18, lambda v: v + 1, lambda v: 2 * v]),
     target=st.sampled_from(TARGETS),
 )
 def test_config_sizes_are_checked_against_the_files(request, tmp_path_factory, pick, change, target):
-    """Any size field of either family changed (absurdly or by one), in every source and output layout:
+    """Any size field of any family changed (absurdly or by one), in every source and output layout:
     runtime.load, inspect and convert (sources) or generate (artifacts) refuse in well under a second with
     one line naming the field, its value and what the files hold, before anything is planned, allocated or
     written. (A field the files may hold more of, such as M2's MTP module count, bounds nothing and is not
     changed.)"""
     import converters
 
-    if target.startswith("m2:"):
-        src = request.getfixturevalue("m2_sources")[target[3:]]
+    if target.startswith(("m2:", "go:")):
+        src = request.getfixturevalue({"m2": "m2_sources", "go": "gpt_oss_sources"}[target[:2]])[target[3:]]
     else:
         src = request.getfixturevalue(
             {"vendor": "tiny_vendor", "transformers": "tiny_transformers"}.get(target, target)

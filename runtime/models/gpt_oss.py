@@ -246,11 +246,20 @@ class GptOss:
         return F.linear(h.to(self.lm_head.device), self.lm_head.to(h.dtype)).float()  # [B, T, V]
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        layers = [
-            LayerCache.empty(self.cfg, False, batch, max_len, self.dtype, self.layer_devices[i])
-            for i in range(self.cfg.num_hidden_layers)
-        ]
+        layers = [self.layer_cache(i, batch, max_len) for i in range(self.cfg.num_hidden_layers)]
         return KVCache(layers, torch.zeros(batch, dtype=torch.long, device=self.embed_tokens.device))
+
+    def layer_cache(self, i: int, batch: int, slots: int, device=None) -> LayerCache:
+        return LayerCache.empty(self.cfg, False, batch, slots, self.dtype, device or self.layer_devices[i])
+
+    def cache_nbytes(self, batch: int, max_len: int) -> dict:
+        """{device: bytes} new_cache(batch, max_len) allocates, measured on caches made on the meta device
+        (nothing is allocated): generate checks them against free memory first."""
+        need: dict = {}
+        for i, dev in enumerate(self.layer_devices):
+            lc = self.layer_cache(i, batch, max_len, device="meta")
+            need[dev] = need.get(dev, 0) + sum(t.numel() * t.element_size() for t in (lc.k, lc.v))
+        return need
 
     def make_step(self, batch: int, T: int, cache: Optional[KVCache], attention_mask=None) -> Step:
         """Positions of T new tokens per row: each row continues at cache.next_pos; with an attention_mask

@@ -1,5 +1,6 @@
 """What the benchmarks share: the repository on sys.path, environment capture, CUDA-graph timing, the
-measured bandwidth floors, markdown tables and result files. Not imported by porter or runtime."""
+measured bandwidth floors, markdown tables and result files, real-dims checkpoints and the page cache's
+state (warm, evicted, how much is cached). Not imported by porter or runtime."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+REAL_VOCAB = 200064  # MiniMax-M3's vocab_size (docs/minimax-m3.md)
 ROOT = Path(__file__).resolve().parents[1]
 # git-ignored (/benchmarks/tmp*/); the curated figures live in docs/performance.md
 DEFAULT_OUT = ROOT / "benchmarks" / "tmp-results"
@@ -190,3 +192,102 @@ def write_results(out_dir, stem: str, doc: dict, lines: list) -> Path:
     md.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return md
+
+
+class _PooledRandn:
+    """Stands in for `torch` inside tiny_checkpoint while building: randn returns windows of one shared
+    random pool, so an 8 GB checkpoint builds in seconds, not minutes (values stay N(0, 1); conversion
+    cost does not depend on them)."""
+
+    def __init__(self, torch_module, elems: int = 96 << 20):
+        self._torch = torch_module
+        self._pool = torch_module.randn(elems)
+        self._at = 0
+
+    def randn(self, *shape, generator=None):
+        n = 1
+        for d in shape:
+            n *= d
+        if n > self._pool.numel():
+            return self._torch.randn(*shape)
+        self._at = (self._at + 7_919_113) % (self._pool.numel() - n + 1)
+        return self._pool[self._at : self._at + n].view(*shape)
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+
+def build_checkpoint(
+    out: Path, layers: int, experts: int, vocab: int | None = None, family: str = "m3"
+) -> Path:
+    """A checkpoint at the family's real layer dims with random weights from a shared pool: family "m3" is
+    MiniMax-M3's vendor layout (examples/tiny_checkpoint.py), "m2-fp8" / "m2-bf16" MiniMax-M2's FP8-block /
+    bf16 vendor layouts (examples/minimax_m2_tiny_checkpoint.py); vocab: the embedding's rows (None: the
+    fixture's tokenizer's)."""
+    import minimax_m2_tiny_checkpoint as m2
+    import tiny_checkpoint
+
+    module = tiny_checkpoint if family == "m3" else m2
+    real = module.torch
+    module.torch = _PooledRandn(real)
+    try:
+        if family == "m3":
+            overrides = tiny_checkpoint.real_dims_overrides(layers, experts)
+        else:
+            overrides = m2.real_dims_overrides(layers, experts)
+        if vocab is not None:
+            overrides["vocab_size"] = vocab
+        if family == "m3":
+            return tiny_checkpoint.build_tiny_checkpoint(out, text_overrides=overrides, max_shard_tensors=40)
+        return m2.build_m2_checkpoint(out, "fp8" if family == "m2-fp8" else "vendor", overrides=overrides)
+    finally:
+        module.torch = real
+
+
+def evict(path: Path) -> str:
+    """Empty the page cache for a cold run; returns how (drop_caches as root, else fadvise on the sources)."""
+    os.sync()
+    if os.geteuid() == 0:
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            return "drop_caches"
+        except OSError:
+            pass
+    for f in sorted(path.glob("*.safetensors")):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fadvise"
+
+
+def cached_fraction(path: Path) -> float:
+    """Fraction of the source files' pages in the page cache now (mincore), to show a cold run was cold."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    have = total = 0
+    for f in sorted(path.glob("*.safetensors")):
+        size = f.stat().st_size
+        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) as m:
+            n = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * n)()
+            anchor = ctypes.c_char.from_buffer(m)  # the mapping's address (private: nothing is written)
+            rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
+            del anchor
+            if rc:
+                raise OSError(ctypes.get_errno(), f"mincore {f}")
+            have += n - bytes(vec).count(0)
+            total += n
+    return have / total if total else 1.0
+
+
+def warm(path: Path) -> None:
+    """Read the shards once so every run starts from the same warm page cache."""
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            while fh.read(1 << 24):
+                pass

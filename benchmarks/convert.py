@@ -43,7 +43,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import DEFAULT_OUT, ROOT, environment, environment_line  # noqa: E402
+from common import (  # noqa: E402,F401  (evict, cached_fraction: the child processes call them from here)
+    DEFAULT_OUT,
+    ROOT,
+    build_checkpoint,
+    cached_fraction,
+    environment,
+    environment_line,
+    evict,
+    warm,
+)
 
 REAL_CHECKPOINT_GB = 795.0  # MiniMax-M3 BF16 release, safetensors bytes
 # the baseline copies, each with the key of a run's ratio to it
@@ -166,101 +175,12 @@ def convert_run(
     return child(code, src, out, workers, device, cache, max_shard_size, DEFAULT_DIGEST)
 
 
-class _PooledRandn:
-    """Stands in for `torch` inside tiny_checkpoint while building: randn returns windows of one shared
-    random pool, so an 8 GB checkpoint builds in seconds, not minutes (values stay N(0, 1); conversion
-    cost does not depend on them)."""
-
-    def __init__(self, torch_module, elems: int = 96 << 20):
-        self._torch = torch_module
-        self._pool = torch_module.randn(elems)
-        self._at = 0
-
-    def randn(self, *shape, generator=None):
-        n = 1
-        for d in shape:
-            n *= d
-        if n > self._pool.numel():
-            return self._torch.randn(*shape)
-        self._at = (self._at + 7_919_113) % (self._pool.numel() - n + 1)
-        return self._pool[self._at : self._at + n].view(*shape)
-
-    def __getattr__(self, name):
-        return getattr(self._torch, name)
-
-
 # family -> (real-dims layers per GB of checkpoint at 8 experts, the dims in words)
 FAMILIES = {
     "m3": (0.85, "H 6144, I 3072"),
     "m2-fp8": (5.7, "H 3072, I 1536, FP8 e4m3 + 128x128 block scales"),
     "m2-bf16": (3.0, "H 3072, I 1536, bf16"),
 }
-
-
-def build_checkpoint(out: Path, layers: int, experts: int, family: str = "m3") -> Path:
-    import minimax_m2_tiny_checkpoint as m2
-    import tiny_checkpoint
-
-    module = tiny_checkpoint if family == "m3" else m2
-    real = module.torch
-    module.torch = _PooledRandn(real)
-    try:
-        if family == "m3":
-            overrides = tiny_checkpoint.real_dims_overrides(layers, experts)
-            return tiny_checkpoint.build_tiny_checkpoint(out, text_overrides=overrides, max_shard_tensors=40)
-        layout = "fp8" if family == "m2-fp8" else "vendor"
-        return m2.build_m2_checkpoint(out, layout, overrides=m2.real_dims_overrides(layers, experts))
-    finally:
-        module.torch = real
-
-
-def evict(path: Path) -> str:
-    """Empty the page cache for a cold run; returns how (drop_caches as root, else fadvise on the sources)."""
-    os.sync()
-    if os.geteuid() == 0:
-        try:
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
-            return "drop_caches"
-        except OSError:
-            pass
-    for f in sorted(path.glob("*.safetensors")):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return "fadvise"
-
-
-def cached_fraction(path: Path) -> float:
-    """Fraction of the source files' pages in the page cache now (mincore), to show a cold run was cold."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    have = total = 0
-    for f in sorted(path.glob("*.safetensors")):
-        size = f.stat().st_size
-        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) as m:
-            n = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-            vec = (ctypes.c_ubyte * n)()
-            anchor = ctypes.c_char.from_buffer(m)  # the mapping's address (private: nothing is written)
-            rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
-            del anchor
-            if rc:
-                raise OSError(ctypes.get_errno(), f"mincore {f}")
-            have += n - bytes(vec).count(0)
-            total += n
-    return have / total if total else 1.0
-
-
-def warm(path: Path) -> None:
-    """Read the shards once so every run starts from the same warm page cache."""
-    for f in sorted(path.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            while fh.read(1 << 24):
-                pass
 
 
 def bench_size(

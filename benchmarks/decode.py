@@ -30,7 +30,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import DEFAULT_OUT, copy_bandwidth, environment, environment_line, write_results  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_OUT,
+    REAL_VOCAB,
+    copy_bandwidth,
+    environment,
+    environment_line,
+    write_results,
+)
 from common import mean_ms as timed  # noqa: E402
 from tiny_checkpoint import build_tiny_checkpoint, real_dims_overrides  # noqa: E402
 
@@ -44,7 +51,7 @@ from runtime.moe.contract import route  # noqa: E402
 
 log = logging.getLogger("bench.decode")
 
-FULL_DENSE, FULL_MOE, FULL_VOCAB, FULL_EXPERTS = 3, 57, 200064, 128
+FULL_DENSE, FULL_MOE, FULL_VOCAB, FULL_EXPERTS = 3, 57, REAL_VOCAB, 128
 PUBLISHED = {"sglang, GB300, TP4 (tok/s)": 158, "vLLM Marlin, H200 (tok/s per GPU)": 113}
 CASES = [(1, 1024), (1, 8192), (8, 1024), (32, 1024)]  # (batch, cached tokens)
 

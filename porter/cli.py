@@ -113,7 +113,7 @@ def _run(ctx, fn, interrupted=None):
 def main(ctx, verbose, quiet):
     """porter: MoE checkpoints -> MXFP8 artifacts that run fast and provably right.
 
-    Exit codes: 0 ok, 1 not faithful (verify), 2 bad input, 3 internal error."""
+    Exit codes: 0 ok, 1 not faithful or a quality threshold crossed (verify), 2 bad input, 3 internal error."""
     ctx.obj = {"verbose": verbose, "quiet": quiet}
     setup_logging(verbose, quiet)
 
@@ -209,8 +209,8 @@ def inspect_command(ctx, path, as_json):
     show_default=True,
     help="w8a16: MXFP8 weights, activations as given (the cost of quantizing the weights); "
     "serving: also the MoE input, the SwiGLU output and every MXFP8 linear's input as MXFP8, what serving "
-    "engines compute (its own thresholds: docs/verify.md); both: two runs side by side. "
-    "The --max-*/--min-* flags apply to every run.",
+    "engines compute (the rounded reference rounds them the same way: docs/verify.md); both: two runs side "
+    "by side. The --max-*/--min-* flags apply to every run.",
 )
 @click.option(
     "--stream/--no-stream",
@@ -224,7 +224,7 @@ def inspect_command(ctx, path, as_json):
     "--min-matching-tokens",
     type=click.IntRange(0),
     default=None,
-    help="Generated tokens the reference's argmax must agree on. Default 0 (reported only).",
+    help="Quality: generated tokens the bf16 source's argmax must agree on. Default 0 (reported only).",
 )
 @hub_options
 @common_options
@@ -339,6 +339,7 @@ def generate_command(
             stop=stop,
             device=resolve_device(device),
             backend=backend,
+            progress=not ctx.obj.get("quiet"),
         ),
     )
 

@@ -152,35 +152,16 @@ class FiniteFloat(click.ParamType):
         return f"FiniteFloat({self.lo}, {self.hi})"
 
 
-def _threshold_help(name: str) -> str:
-    from porter.commands.verify import SCOPE_DEFAULTS, Thresholds
-    from porter.commands.verify.thresholds import threshold_range_text
-
-    per = ", ".join(f"{getattr(Thresholds.build(None, sc), name):g} ({sc})" for sc in SCOPE_DEFAULTS)
-    serving = ", ".join(
-        f"{getattr(Thresholds.build(None, sc, 'serving'), name):g} ({sc})"
-        for sc in SCOPE_DEFAULTS
-        if sc != "none"
-    )
-    return (
-        f"Default by the artifact's quantize scope: {per}; with --numerics serving: {serving}; "
-        f"{threshold_range_text(name)}."
-    )
-
-
 def threshold_options(f):
-    """One --max-*/--min-* flag per float field of Thresholds (in field order), its defaults in the help."""
-    from dataclasses import fields
+    """One --max-*/--min-* flag per float threshold (thresholds.FLOAT_THRESHOLDS, in order), with its help."""
+    from porter.commands.verify.thresholds import FLOAT_THRESHOLDS, THRESHOLD_RANGES, threshold_help
 
-    from porter.commands.verify import Thresholds
-    from porter.commands.verify.thresholds import THRESHOLD_RANGES
-
-    for t in reversed([t for t in fields(Thresholds) if t.type in (float, "float")]):
+    for name in reversed(FLOAT_THRESHOLDS):
         f = click.option(
-            "--" + t.name.replace("_", "-"),
-            type=FiniteFloat(*THRESHOLD_RANGES[t.name]),
+            "--" + name.replace("_", "-"),
+            type=FiniteFloat(*THRESHOLD_RANGES[name]),
             default=None,
-            help=_threshold_help(t.name),
+            help=threshold_help(name),
         )(f)
     return f
 
@@ -193,8 +174,11 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
     2. bytes: every tensor re-derived from the source (verify's own source->artifact mapping table, not the
        converter's plan) with porter.format.mxfp8 and the recorded scale rule: e4m3 and scale bytes identical,
        unquantized tensors bit-identical; mismatching 32-blocks named per tensor and expert;
-    3. numerics with the same runtime: per-layer agreement of the residual stream, logits KL/top-1/top-5 on
-       the prompts; the converted model's greedy continuation scored by one teacher-forced reference pass.
+    3. faithfulness with the same runtime: each layer, the embeddings and the logits of the converted model
+       against the source with its weights rounded by step 2's re-derivation, on the same input: any
+       difference beyond float rounding (the limit is derived, not tuned: docs/verify.md) fails.
+    Quality, reported apart: what MXFP8 costs against the bf16 source (per-layer error, KL/top-1/top-5, the
+    greedy continuation scored teacher-forced); it decides only against the --max-*/--min-* you set.
 
     \b
     What it does not prove: that porter's runtime computes the architecture correctly (both models run through
@@ -203,5 +187,6 @@ VERIFY_HELP = """Check a porter artifact against the checkpoint it came from.
     The table and the JSON report mark which figures decide the verdict (with their threshold) and which
     are information only: docs/verify.md, "Reading the report".
 
-    Exit 0 faithful, 1 not faithful (the tensor, expert or layer is named), 2 bad input, 3 internal error.
+    Exit 0 faithful, 1 not faithful (the tensor, expert or layer is named) or a quality threshold you set
+    crossed (the verdict line says which), 2 bad input, 3 internal error.
     """

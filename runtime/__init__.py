@@ -11,13 +11,15 @@
     model = runtime.load(path, lazy=True)                  # one decoder layer resident at a time
     model = runtime.load(path, moe_numerics="serving")     # MoE with the TRT-LLM kernel's W8A8 numerics
     model = runtime.load(path, device_map="auto", max_memory={0: "70GiB", 1: "70GiB"})  # layers over GPUs
+    model = runtime.load(path, device="cuda", progress=True)  # a bar while the shards stream onto the GPU
 
 On CUDA, decode steps replay captured CUDA graphs (one per device's run of layers) unless
-cuda_graph=False. Modules: loader.py (stores, memory model, streaming) · placement.py (device_map) ·
-models/ (the registry: one forward pass per architecture; building blocks in models/layers.py) ·
-cache.py (positions, KV and indexer caches) · text.py (tokenizer, chat template, generation defaults) ·
-sampling.py · generate.py · graph.py (captured decode) · kernels/ (attention, fused decode ops, GEMVs +
-their Triton kernels) · moe/ (contract, backends, selection).
+cuda_graph=False. Modules: loader.py (stores, memory model, streaming) · staging.py (loading onto GPUs at the
+disk's and the bus's speed, digests checked) · placement.py (device_map) · models/ (the registry: one
+forward pass per architecture; building blocks in models/layers.py) · cache.py (positions, KV and indexer
+caches) · text.py (tokenizer, chat template, generation defaults) · sampling.py · generate.py · graph.py
+(captured decode) · kernels/ (attention, fused decode ops, GEMVs + their Triton kernels) · moe/ (contract,
+backends, selection).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from porter.devices import resolve_device, resolve_dtype
 from porter.errors import BackendUnavailable, LoadError, PlacementError
 from runtime import models
-from runtime.loader import build_model, open_store
+from runtime.loader import build_model, loading, open_store
 from runtime.moe import check_numerics, check_numerics_name, make_moe, resolve_backend
 from runtime.placement import resolve as resolve_placement
 from runtime.text import load_generation_config, load_tokenizer
@@ -50,6 +52,7 @@ def load(
     max_memory: Optional[dict] = None,
     moe_fp8_prefill: bool = True,
     moe_numerics: Optional[str] = None,
+    progress: bool = False,
 ):
     """Load a porter artifact dir (porter.json) or an original HF checkpoint dir (or an already
     opened store from runtime.loader.open_store, which the caller keeps, e.g. to read weights or close()).
@@ -65,6 +68,11 @@ def load(
     moe_numerics: "w8a16" | "serving" (default: the MoE backend's own, w8a16 for torch and triton; "serving"
     quantizes the MoE input and SwiGLU output to MXFP8 as the TRT-LLM kernel does, and the input of every
     MXFP8 linear (`--quantize all`) as the engines' W8A8 MXFP8 linear does; docs/moe-backends.md).
+    progress: a progress bar on stderr (bytes, GB/s, ETA) while weights are read onto the GPUs.
+
+    An artifact loaded onto GPUs is read at the disk's and the bus's speed and each tensor checked against
+    porter.json's digest on the way (runtime/staging.py): a truncated or changed shard raises LoadError
+    naming it, and no model is returned.
     """
     check_numerics_name(moe_numerics)  # before anything is opened
     resolve_device(device)  # a device or dtype this machine cannot honour fails before any file is read
@@ -73,7 +81,16 @@ def load(
     store = open_store(path) if opened else path
     try:
         return _load(
-            store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill, moe_numerics
+            store,
+            device,
+            dtype,
+            backend,
+            lazy,
+            device_map,
+            max_memory,
+            moe_fp8_prefill,
+            moe_numerics,
+            progress,
         )
     except BaseException:
         if opened:  # a refused load (PlacementError, BackendUnavailable, ...) leaves no shard handle open
@@ -81,7 +98,9 @@ def load(
         raise
 
 
-def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill, moe_numerics):
+def _load(
+    store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_prefill, moe_numerics, progress=False
+):
     placement = None
     if device_map is not None:
         if lazy:
@@ -102,9 +121,19 @@ def _load(store, device, dtype, backend, lazy, device_map, max_memory, moe_fp8_p
     make_backend = lambda quant, routing: make_moe(
         name, quant, routing, moe_numerics, fp8_prefill=moe_fp8_prefill
     )
-    model = build_model(
-        store, device, dtype, make_backend, lazy, placement, mxfp8_act=moe_numerics == "serving"
-    )
+    with loading(store, device, placement, lazy, progress) as bar:  # staged onto GPUs, checked
+        model = build_model(
+            store,
+            device,
+            dtype,
+            make_backend,
+            lazy,
+            placement,
+            mxfp8_act=moe_numerics == "serving",
+            progress=bar,
+        )
+    if lazy and device.type == "cuda":
+        model.layers.stream_from(store, device)  # onto a GPU: staged layer reads, the next one read ahead
     model.placement = placement
     model.tokenizer = load_tokenizer(store.path)
     model.generation_config = load_generation_config(store.path, model.tokenizer)

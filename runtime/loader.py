@@ -2,9 +2,12 @@
 
 Both stores hand out tensors under the canonical names of their converter (converters/, picked by
 config.json's model_type), memory-mapped from the safetensors shards (safe_open): nothing is read until
-touched. On CPU the model keeps those mmapped tensors
-as they are; on CUDA each tensor is copied to the device once. No dtype conversion happens at load (Linear
-casts or MXFP8-dequantizes per call), so exactly one copy of every weight exists.
+touched. On CPU the model keeps those mmapped tensors as they are. An artifact loaded onto GPUs is staged
+(runtime/staging.py, `stage_weights`): its shards are read by a pool of threads through a few page-locked
+buffers straight into each tensor's device, each tensor checked against porter.json's digest, while the
+model is built from the tensors already there; other loads onto a GPU copy each mapped tensor once. No dtype
+conversion happens at load (Linear casts or MXFP8-dequantizes per call), so exactly one copy of every weight
+exists.
 
 Layer streaming (`runtime.load(..., lazy=True)`): embeddings, final norm and lm_head are resident;
 `model.layers` is a `LazyLayers` whose `[i]` builds decoder layer i from the store on first access and
@@ -15,21 +18,27 @@ closes the store's shard handles, so pages mapped for it stop counting as reside
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import hashlib
 import logging
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
 
 import converters
 from porter.errors import LoadError, PorterError
 from porter.format import journal, manifest
+from porter.format.digest import CHUNK_HASHES
+from porter.format.layout import layer_of
 from porter.format.safe_files import inside, read_json_object, regular_file
-from porter.format.safetensors_io import parse_header
+from porter.format.safetensors_io import ST_DTYPES, chunk_hash_of, parse_header
 from runtime import models
 from runtime.models.layers import Rope
+from runtime.staging import DigestRule, Span, Staging
 
 log = logging.getLogger("porter.runtime")
 
@@ -62,6 +71,8 @@ class ArtifactStore:
         self.files = _weight_map(path, index)
         self._handles: dict = {}
         self._headers: dict = {}  # shard -> parsed safetensors header (nbytes)
+        self._starts: dict = {}  # shard -> byte offset of its tensor data
+        self._stagings: list = []  # Staging objects in flight (get() takes their tensors)
         self._check_shards(index)
         # hf layout (vendor names, per-expert tensors): canonical name -> hf name, or per expert the hf
         # row parts that stack to [E, N, K] when the model touches them (the converter's hf_canonical_map)
@@ -80,7 +91,7 @@ class ArtifactStore:
         (headers only), so a broken file fails here, named, not as a bare error in the middle of a forward."""
         for f in sorted(set(self.files.values())):
             try:
-                self._headers[f] = parse_header(f)[1]
+                self._starts[f], self._headers[f] = parse_header(f)
             except PorterError as e:
                 raise LoadError(str(e)) from None
         for name, f in self.files.items():
@@ -94,8 +105,96 @@ class ArtifactStore:
         return set(self.files) if self._hf is None else set(self._hf)
 
     def close(self) -> None:
+        """Stop staging and drop the safe_open handles; tensors still referenced keep their memory."""
+        self.unstage()
+        self.unmap()
+
+    def unmap(self) -> None:
         """Drop the safe_open handles (each maps a whole shard); tensors still referenced keep theirs."""
         self._handles.clear()
+
+    def stage(self, device_of: Callable[[str], Optional[torch.device]], progress=None, **kw) -> Staging:
+        """Start reading the tensors the model uses onto their devices (device_of(canonical name), None: not
+        staged) on background threads; until unstage(), get() hands those out as they arrive. Several
+        stagings may be in flight (a layer-streaming model reads the next layer while one is in use).
+        kw: Staging's threads, buffer_bytes."""
+        devices = {}
+        for name in self.names() - self.carried_names():
+            dev = device_of(name)
+            if dev is not None:
+                devices.update({f: dev for f in self._file_names(name)})
+        self._check_shard_records({self.files[f] for f in devices})
+        rule, records = self._digest_rule(), self.manifest.get("tensors")
+        spans = []
+        for f, dev in devices.items():
+            info, shard = self._headers[self.files[f]][f], self.files[f]
+            begin, end = info["data_offsets"]
+            rec = records.get(f) if isinstance(records, dict) else None
+            digest = rec.get("digest") if isinstance(rec, dict) else None
+            dtype = ST_DTYPES[info["dtype"]]
+            spans.append(
+                Span(
+                    f,
+                    shard,
+                    self._starts[shard] + begin,
+                    end - begin,
+                    dtype,
+                    tuple(info["shape"]),
+                    dev,
+                    digest,
+                )
+            )
+        staging = Staging(spans, rule, progress=progress, **kw)
+        self._stagings.append(staging)
+        return staging.start()
+
+    def unstage(self, staging: Optional[Staging] = None) -> None:
+        """Stop one staging (None: all; threads joined, tensors not taken dropped); get() reads the mapped
+        shards again for their tensors."""
+        for s in [staging] if staging is not None else list(self._stagings):
+            s.close()
+            if s in self._stagings:
+                self._stagings.remove(s)
+
+    def _file_names(self, name: str) -> list:
+        """The shard tensors behind a canonical name (several per-expert parts in the hf layout)."""
+        if self._hf is None:
+            return [name]
+        spec = self._hf[name]
+        return [p for e in spec for p in e] if isinstance(spec, list) else [spec]
+
+    def _digest_rule(self) -> Optional[DigestRule]:
+        """porter.json's digest rule (None when it names none this porter reads: tensors are then not
+        checked at load; `porter verify` refuses such a manifest)."""
+        rule = self.manifest.get("digest")
+        name, n = chunk_hash_of(rule), rule.get("chunk_bytes") if isinstance(rule, dict) else None
+        if name is None or type(n) is not int or n < 4096:
+            log.warning("%s: porter.json names no digest rule porter reads; tensors not checked", self.path)
+            return None
+        return DigestRule(n, CHUNK_HASHES[name])
+
+    def _check_shard_records(self, shards: set) -> None:
+        """Each shard's size and header bytes are what porter.json recorded (the tensors' digests are
+        checked as their bytes are read)."""
+        records = self.manifest.get("shards")
+        for f in sorted(shards):
+            rec = records.get(f.name) if isinstance(records, dict) else None
+            if not isinstance(rec, dict):
+                continue
+            size = f.stat().st_size
+            if "bytes" in rec and rec["bytes"] != size:
+                raise LoadError(
+                    f"{f}: {size} bytes, porter.json records {rec['bytes']} (the shard changed after the "
+                    "conversion); reconvert or restore it"
+                )
+            if "header_sha256" in rec:
+                with open(f, "rb") as fh:
+                    head = fh.read(self._starts[f])
+                if hashlib.sha256(head).hexdigest() != rec["header_sha256"]:
+                    raise LoadError(
+                        f"{f}: header differs from porter.json's header_sha256 (the shard changed after "
+                        "the conversion); reconvert or restore it"
+                    )
 
     def get(self, name: str) -> torch.Tensor:
         if self._hf is not None:
@@ -111,6 +210,9 @@ class ArtifactStore:
         f = self.files.get(name)
         if f is None:
             raise LoadError(f"tensor {name!r} is missing from {self.path / 'model.safetensors.index.json'}")
+        for staging in list(self._stagings):
+            if name in staging:
+                return staging.take(name)  # on its device, checked
         h = self._handles.get(f)  # one lookup: a close() from another thread between two would KeyError
         try:
             if h is None:
@@ -247,8 +349,10 @@ def _weight_map(folder: Path, index: Path) -> dict:
     return files
 
 
-def getter(store, names: set, device: torch.device) -> Callable[[str], Optional[torch.Tensor]]:
-    """name -> tensor on device (None when absent: e.g. no weight_scale for an unquantized linear)."""
+def getter(store, names: set, device: torch.device, progress=None) -> Callable[[str], Optional[torch.Tensor]]:
+    """name -> tensor on device (None when absent: e.g. no weight_scale for an unquantized linear).
+    progress: a bar updated with the bytes each tensor copied here moves (staged tensors arrive on their
+    device and count in the staging's own bar)."""
 
     def get(name):
         if name not in names:
@@ -256,9 +360,62 @@ def getter(store, names: set, device: torch.device) -> Callable[[str], Optional[
                 return None
             raise LoadError(f"tensor {name!r} is missing from {store.path}")
         t = store.get(name)
-        return t if t.device == device else t.to(device)
+        if t.device == device:
+            return t
+        t = t.to(device)
+        if progress is not None:
+            progress.update(t.nbytes)
+        return t
 
     return get
+
+
+def weight_devices(n: int, device: torch.device, placement=None) -> tuple[list, torch.device, torch.device]:
+    """(device of each of the n decoder layers, of the embeddings, of the final norm and lm_head):
+    placement's (runtime.placement.Placement), else all on `device`."""
+    if placement is None:
+        return [device] * n, device, device
+    return list(placement.layers), placement.embed, placement.head
+
+
+def device_of_weight(name: str, where: list, embed_dev, head_dev) -> Optional[torch.device]:
+    """The device build_model puts canonical tensor `name` on (None: the model does not use it)."""
+    layer = layer_of(name)
+    if layer is not None:
+        return where[layer] if layer < len(where) else None
+    if name == TOP_NAMES[0]:
+        return embed_dev
+    return head_dev if name in TOP_NAMES[1:] else None
+
+
+@contextlib.contextmanager
+def loading(store, device: torch.device, placement=None, lazy: bool = False, progress: bool = False):
+    """Around build_model: an artifact loaded onto GPUs is staged (ArtifactStore.stage) and every staged
+    tensor is checked before the block ends (LoadError otherwise: no model is returned); other loads
+    that move bytes to a GPU get a progress bar, yielded for build_model(progress=...). progress: show the
+    bar (bytes, GB/s, ETA) on stderr."""
+    where, embed_dev, head_dev = weight_devices(store.config.num_hidden_layers, device, placement)
+    on_gpu = any(d.type == "cuda" for d in {*where, embed_dev, head_dev})
+    device_of = lambda name: device_of_weight(name, where, embed_dev, head_dev)  # noqa: E731
+    if on_gpu and isinstance(store, ArtifactStore):  # lazy: the resident tensors now, layers as they stream
+        resident = (lambda n: None if layer_of(n) is not None else device_of(n)) if lazy else device_of
+        staging = store.stage(resident, progress=progress)
+        try:
+            yield None
+            staging.finish()
+        finally:
+            store.unstage(staging)
+        return
+    if not on_gpu or lazy:
+        yield None
+        return
+    sized = hasattr(store, "nbytes")  # verify's reference store gives no sizes: a bar without a total
+    total = sum(store.nbytes(n) for n in store.names() if device_of(n) is not None) if sized else None
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="load", disable=not progress)
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 class LazyLayers:
@@ -275,7 +432,7 @@ class LazyLayers:
         if not 0 <= i < self._n:
             raise IndexError(i)
         if self._index != i:
-            self.release()
+            self._free()
             self._layer, self._index = self._build(i), i
         return self._layer
 
@@ -283,11 +440,74 @@ class LazyLayers:
         return (self[i] for i in range(self._n))
 
     def release(self) -> None:
+        """Free the resident layer (and a layer being read ahead), unmap the shards."""
+        self._free()
+        if isinstance(self._build, _StagedLayers):
+            self._build.close()
+
+    def _free(self) -> None:
         self._index, self._layer = None, None
         self._on_release()  # e.g. store.close(): unmap the shards the layer (and anything since) touched
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def stream_from(self, store, device: torch.device) -> None:
+        """Build each layer from staged reads of an artifact (ArtifactStore.stage) onto a GPU, and read the
+        next layer's bytes while the one just built is used (when the device has room for both). Other
+        stores keep the plain builder (runtime.load calls this for a GPU; on the CPU mapped tensors need no
+        reading ahead)."""
+        if isinstance(store, ArtifactStore):
+            self._build = _StagedLayers(store, device, self._n, self._build)
+            self._on_release = store.unmap  # a layer's release keeps the next one's reads going
+
+
+PREFETCH_RESERVE = 2 << 30  # free device memory left after a prefetched layer (activations, the caller's)
+
+
+class _StagedLayers:
+    """LazyLayers' builder for a layer-streaming artifact on a GPU: layer i is staged (or taken from the
+    prefetch started when layer i - 1 was built), built, checked (Staging.finish), then layer i + 1 starts
+    reading in the background. At most two layers' bytes are on the device: the one in use, the next."""
+
+    def __init__(self, store, device: torch.device, n: int, build: Callable):
+        self.store, self.device, self.n, self.build = store, device, n, build
+        self.next: Optional[tuple] = None  # (layer index, its Staging)
+
+    def close(self) -> None:
+        if self.next is not None:
+            self.store.unstage(self.next[1])
+            self.next = None
+
+    def __call__(self, i: int):
+        ahead, self.next = self.next, None
+        if ahead is not None and ahead[0] != i:  # another layer than the next was asked for
+            self.store.unstage(ahead[1])
+            ahead = None
+        staging = ahead[1] if ahead is not None else self._stage(i)
+        try:
+            layer = self.build(i)
+            staging.finish()
+        finally:
+            self.store.unstage(staging)
+        if i + 1 < self.n and self._room(i + 1):
+            self.next = (i + 1, self._stage(i + 1))
+        return layer
+
+    def _stage(self, i: int):
+        # memory taken now, before the caller queues work on the layer just built: the copies then wait
+        # only for work queued before this point (Staging allocate_now)
+        return self.store.stage(
+            lambda name: self.device if layer_of(name) == i else None,
+            allocate_now=True,
+            log_level=logging.DEBUG,
+        )
+
+    def _room(self, i: int) -> bool:
+        if self.device.type != "cuda":
+            return True
+        need = sum(self.store.nbytes(n) for n in self.store.names() if layer_of(n) == i)
+        return torch.cuda.mem_get_info(self.device)[0] >= need + PREFETCH_RESERVE
 
 
 def build_model(
@@ -298,21 +518,20 @@ def build_model(
     lazy: bool,
     placement=None,
     mxfp8_act: bool = False,
+    progress=None,
 ):
     """The store's model (runtime.models registry, by its converter's architecture).
     placement (runtime.placement.Placement): decoder layer i on placement.layers[i], embeddings on
     placement.embed, final norm + lm_head on placement.head; None = everything on `device`.
-    mxfp8_act: every MXFP8 linear rounds its input to MXFP8 first (the serving numerics, Linear.input)."""
+    mxfp8_act: every MXFP8 linear rounds its input to MXFP8 first (the serving numerics, Linear.input).
+    progress: the bar `loading` yields (None: none)."""
     model_module = models.for_store(store)
     cfg, names = store.config, store.names()
     n = cfg.num_hidden_layers
-    if placement is None:
-        where, embed_dev, head_dev = [device] * n, device, device
-    else:
-        where, embed_dev, head_dev = list(placement.layers), placement.embed, placement.head
+    where, embed_dev, head_dev = weight_devices(n, device, placement)
     getters, ropes = {}, {}
     for d in {*where, embed_dev, head_dev}:  # one getter and one Rope (inv_freq) per device
-        getters[d], ropes[d] = getter(store, names, d), Rope(cfg.rotary_dim, cfg.rope_theta, d)
+        getters[d], ropes[d] = getter(store, names, d, progress), Rope(cfg.rotary_dim, cfg.rope_theta, d)
     top = {nm: getters[embed_dev if nm == TOP_NAMES[0] else head_dev](nm) for nm in TOP_NAMES if nm in names}
     if "lm_head.weight" not in top and head_dev != embed_dev:  # tied: lm_head needs the embedding there too
         top["lm_head.weight"] = getters[head_dev](TOP_NAMES[0])

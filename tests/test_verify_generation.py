@@ -76,8 +76,32 @@ def test_costs_printed_before_running(artifact, caplog):
     exact = next(m for m in lines if m.startswith("verify: exact re-derivation reads"))
     assert "GB (source" in exact and "estimated ~" in exact and "cpu (" in exact
     assert any(m.startswith("verify: generation (3 tokens, converted model resident) reads") for m in lines)
-    assert any(m.startswith("verify: teacher-forced pass (reference + converted, ") for m in lines)
+    assert any(
+        m.startswith("verify: teacher-forced pass (reference, rounded reference + converted, ") for m in lines
+    )
     assert text.index("exact re-derivation reads") < text.index("teacher-forced pass")
+    # then the measured projection: after layer 0 (dense) and again after layer 1 (the first MoE layer)
+    proj = [m for m in lines if "the teacher-forced pass projects to" in m]
+    assert [m.split(" (")[0] for m in proj] == ["verify: layer 0", "verify: layer 1"], proj
+    assert proj[0].endswith("for 4 layers (a kind not yet run counted as the slowest)")
+    assert text.index("teacher-forced pass (reference") < text.index("projects to")
+
+
+def test_projection_counts_each_kind_of_layer(caplog):
+    """Layer 0 (dense) 1 s: 4 layers project to 4 s (the unseen MoE kind counted as the slowest); layer 1
+    (MoE) 3 s: 1 + 3 x 3 = 10 s; later layers of a kind already timed log nothing."""
+    from porter.commands.verify.numerics import _Projection
+
+    class Cfg:
+        num_hidden_layers = 4
+        layer_kind = staticmethod(lambda i: "sparse/moe" if i else "full/dense")
+
+    p = _Projection(Cfg())
+    with caplog.at_level(logging.INFO, logger="porter"):
+        for i, seconds in enumerate((1.0, 3.0, 5.0, 5.0)):
+            p.done(i, seconds)
+    totals = [r.getMessage().split("projects to ~")[1].split(" s")[0] for r in caplog.records]
+    assert totals == ["4.0", "10.0"]
 
 
 def test_no_generation_when_the_converted_model_does_not_fit(artifact, monkeypatch):

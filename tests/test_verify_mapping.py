@@ -64,7 +64,7 @@ def test_gate_up_reversed_when_stacking(tiny_vendor, tmp_path, monkeypatch):
     assert res.exit_code == 1, res.output
     assert "integrity: ok" in res.output  # the artifact is what porter.json says: the bug is in the plan
     assert (
-        f"verdict: FAIL — layer {LAYER}: tensor {W13} (shard model-00001-of-00001.safetensors): "
+        f"verdict: FAIL — not faithful: layer {LAYER}: tensor {W13} (shard model-00001-of-00001.safetensors): "
         in res.output
     )
     assert "in 8 expert(s)" in res.output  # every expert of the layer

@@ -127,3 +127,79 @@ def swap_gate_up(expert: int):
         return t
 
     return fn
+
+
+# ---------------------------------------------------------------------------------------------------
+# The converted model as verify loads it: a float-rounding stand-in for a GPU kernel, and planted
+# runtime bugs (the bytes and the config are right; what the runtime computes with them is not)
+
+
+def moe_layers(model) -> dict:
+    """{layer index: its runtime MoE block} of a loaded model (resident layers)."""
+    return {i: layer.mlp for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "experts")}
+
+
+class Fp32InsideMoE:
+    """A MoE backend computing what the torch backend computes with fp32 operands and accumulation inside,
+    the output rounded to the model's dtype once — as porter's Triton kernel keeps GEMM1 and SwiGLU in fp32
+    (runtime/moe/triton/kernels.py). Against the torch backend in bfloat16 it differs by float rounding
+    alone: a CPU stand-in for the rounding-order difference of a GPU kernel."""
+
+    def __init__(self, inner):
+        self.inner, self.quant, self.routing = inner, inner.quant, inner.routing
+
+    def forward_topk(self, hidden, topk_ids, topk_weights):
+        return self.inner.forward_topk(hidden.float(), topk_ids, topk_weights).to(hidden.dtype)
+
+    def __call__(self, hidden):
+        from runtime.moe.contract import route
+
+        return self.forward_topk(hidden, *route(hidden, self.inner.routing))
+
+
+def fp32_inside(model) -> None:
+    for moe in moe_layers(model).values():
+        moe.experts = Fp32InsideMoE(moe.experts)
+
+
+def runtime_bug(kind: str, layer: int, expert: int = 1):
+    """A model hook planting one runtime bug in MoE layer `layer`: "alpha" (SwiGLU alpha 1.0 instead of the
+    config's), "rsf" (routed_scaling_factor 1.0), "gate_up" (one expert's gate and up rows swapped),
+    "scale" (one expert's w2 scale bytes + 1: that expert's down projection doubled)."""
+    import dataclasses
+
+    def hook(model):
+        experts = moe_layers(model)[layer].experts
+        backend = getattr(experts, "inner", experts)
+        q = backend.quant
+        if kind == "alpha":
+            q = dataclasses.replace(q, gemm1_alpha=torch.full_like(q.gemm1_alpha, 1.0))
+        elif kind == "gate_up":
+            w, s = swap_gate_up(expert)(q.w13_weight), swap_gate_up(expert)(q.w13_weight_scale)
+            q = dataclasses.replace(q, w13_weight=w, w13_weight_scale=s)
+        elif kind == "scale":
+            q = dataclasses.replace(q, w2_weight_scale=shift_scales(+1, expert)(q.w2_weight_scale))
+        elif kind == "rsf":
+            backend.routing = dataclasses.replace(backend.routing, routed_scaling_factor=1.0)
+        else:
+            raise ValueError(kind)
+        backend.quant = q
+
+    return hook
+
+
+def patch_converted(monkeypatch, art: Path, *hooks) -> None:
+    """runtime.load of the artifact `art` (the converted model, as verify loads it) applies `hooks` to the
+    model; every other load (the references) is left alone."""
+    import runtime
+
+    load = runtime.load
+
+    def patched(path, *a, **k):
+        model = load(path, *a, **k)
+        if isinstance(path, (str, Path)) and Path(path).resolve() == Path(art).resolve():
+            for hook in hooks:
+                hook(model)
+        return model
+
+    monkeypatch.setattr(runtime, "load", patched)

@@ -23,13 +23,15 @@ def generate(
     device: str = "auto",
     backend: str = "auto",
     out=None,
+    progress: bool = False,
 ) -> dict:
-    """Stream the continuation of `prompt` to `out` (stdout); return {"tokens", "seconds", "tokens_per_s"}."""
+    """Stream the continuation of `prompt` to `out` (stdout); return {"tokens", "seconds", "tokens_per_s"}.
+    progress: a bar on stderr while the weights are read onto the GPUs (runtime.load)."""
     import runtime
     from runtime.text import TextError
 
     out = out or sys.stdout
-    model = runtime.load(path, device=device, backend=backend)
+    model = runtime.load(path, device=device, backend=backend, progress=progress)
     if model.tokenizer is None:
         raise TextError(f"{path}: no tokenizer.json; porter generate needs the checkpoint's tokenizer")
     sampled = temperature is not None and temperature > 0

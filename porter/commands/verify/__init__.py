@@ -8,11 +8,13 @@ Steps (one module each; what each proves and what it does not: docs/verify.md):
 2. exact.py — every tensor re-derived from the source through verify's own mapping table (mapping.py)
    and porter.format.mxfp8 with the recorded rule: bytes identical, carried tensors bit-identical; weight
    error as a second opinion.
-3. generation.py + numerics.py — the converted model generates; one teacher-forced pass of both models
-   (same runtime) gives per-layer agreement, logits agreement and the continuation's scores.
-4. thresholds.py, verdict.py — thresholds, failures, the report (report.py: table, JSON, plot).
-Exit codes (CLI): 0 faithful, 1 not faithful, 2 bad input (VerifyInputError and other PorterErrors),
-3 internal error.
+3. generation.py + numerics.py — the converted model generates; one teacher-forced pass (same runtime)
+   compares it layer by layer with the rounded reference (rounded.py: the source weights rounded by the
+   re-derivation of step 2) within float rounding (faithfulness.py: decides), and with the bf16 source
+   (quality: KL, top-k, per-layer error; judged only against thresholds the user sets).
+4. thresholds.py, verdict.py — thresholds, failures, the report (report.py: table, JSON; plot.py).
+Exit codes (CLI): 0 faithful (and within the quality thresholds set), 1 not faithful or a quality threshold
+crossed, 2 bad input (VerifyInputError and other PorterErrors), 3 internal error.
 """
 
 from __future__ import annotations
@@ -44,13 +46,8 @@ from porter.commands.verify.integrity import check_integrity
 from porter.commands.verify.mapping import ArtifactReader, Mapping, ReferenceStore, SourceShards
 from porter.commands.verify.numerics import compare_models
 from porter.commands.verify.report import format_table, write_outputs
-from porter.commands.verify.thresholds import (
-    NUMERICS,
-    SCOPE_DEFAULTS,
-    SERVING_DEFAULTS,
-    Thresholds,
-    numerics_runs,
-)
+from porter.commands.verify.rounded import RoundedReferenceStore
+from porter.commands.verify.thresholds import NUMERICS, QUALITY, Thresholds, numerics_runs
 from porter.commands.verify.verdict import (
     Failure,
     LayerRow,
@@ -75,8 +72,6 @@ __all__ = [
     "Report",
     "Failure",
     "DEFAULT_PROMPT",
-    "SCOPE_DEFAULTS",
-    "SERVING_DEFAULTS",
     "NUMERICS",
     "format_table",
 ]
@@ -120,13 +115,14 @@ def verify(
     prompts: list of strings (default: DEFAULT_PROMPT). reference: dir or repo id (default: porter.json's
     source). max_new_tokens: greedy tokens of the converted model (None: 16 when it fits the device, else 0).
     report / plot: file paths (their folders must exist). thresholds: Thresholds or {name: value} (finite,
-    in range: thresholds.THRESHOLD_RANGES). streaming: "auto" | True | False (layer streaming of the
-    teacher-forced pass). device_map: "auto" spreads the converted model over every visible GPU when
-    device is a bare "cuda" and there are several; None keeps it on `device`. token / cache_dir: Hugging Face
-    token and cache folder when the reference is a repo id (None: HF_TOKEN / HF_HOME).
+    in range: thresholds.THRESHOLD_RANGES); the quality ones (thresholds.QUALITY) decide only when set.
+    streaming: "auto" | True | False (layer streaming of the teacher-forced pass). device_map: "auto"
+    spreads the converted model over every visible GPU when device is a bare "cuda" and there are several;
+    None keeps it on `device`. token / cache_dir: Hugging Face token and cache folder when the reference is
+    a repo id (None: HF_TOKEN / HF_HOME).
     numerics: "w8a16" (weights MXFP8, activations as given: the cost of quantizing the weights), "serving"
     (also the MoE input, the SwiGLU output and every MXFP8 linear's input as MXFP8, what a serving engine
-    computes; with its own thresholds: SERVING_DEFAULTS) or "both" (two runs, side by side in the report).
+    computes; the rounded reference rounds them the same way) or "both" (two runs, side by side).
     Raises PorterError subclasses for bad input; returns the result otherwise.
     """
     t0 = time.time()
@@ -135,6 +131,7 @@ def verify(
     inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, token, cache_dir, runs)
     check_outputs_apart(report, plot, inp.art, inp.ref_path)  # never over the artifact or the reference
     rep.max_new_tokens = max_new_tokens
+    _log_projection(inp)
     rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
         return _finish(rep, list(rep.integrity.issues), report, plot, t0)
@@ -153,6 +150,12 @@ def verify(
         rep,
         inp,
         ReferenceStore(mapping, reader, inp.ref_config),
+        RoundedReferenceStore(
+            ReferenceStore(mapping, reader, inp.ref_config),
+            reader,
+            inp.options.scale_rounding,
+            inp.device,
+        ),
         backend,
         streaming,
         max_new_tokens,
@@ -161,6 +164,30 @@ def verify(
         device_map,
     )
     return _finish(rep, failures + judge_numerics(rep, rep.thresholds), report, plot, t0)
+
+
+def _log_projection(inp: _Inputs) -> None:
+    """The bytes every step reads and the total time they take at an assumed disk rate, before the first
+    step starts (each step logs its own estimate as it begins)."""
+    from porter.commands.verify.exact import READ_GBPS
+
+    art = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values() if isinstance(r, dict))
+    src = sum(f.stat().st_size for f in inp.ref_path.glob("*.safetensors"))
+    # the numerics read the source twice when something is quantized: the bf16 and the rounded reference
+    twice = any(isinstance(r, dict) and r.get("scale") for r in inp.man.get("tensors", {}).values())
+    total = (
+        3 * art + (3 if twice else 2) * src
+    )  # integrity, exact bytes, numerics; the source in the last two
+    log.info(
+        "verify: reads ~%.1f GB in all (artifact %.1f GB in integrity, exact bytes and numerics; source "
+        "%.1f GB in exact bytes and numerics%s): ~%.1f min at an assumed %g GB/s, compute aside",
+        total / 1e9,
+        art / 1e9,
+        src / 1e9,
+        ", twice there: the bf16 and the rounded reference" if twice else "",
+        total / (READ_GBPS * 1e9) / 60,
+        READ_GBPS,
+    )
 
 
 def _open(
@@ -172,8 +199,7 @@ def _open(
     overrides = vars(thresholds) if isinstance(thresholds, Thresholds) else thresholds
     if "serving" in runs:
         _check_serving(art, scope, backend)
-    by_run = {n: Thresholds.build(overrides, scope, n) for n in runs}
-    th = by_run[runs[0]]
+    th = Thresholds.build(overrides)
     ref_path = reference_path(man, reference, token, cache_dir)
     check_reference_commit(man, ref_path)
     try:
@@ -198,7 +224,8 @@ def _open(
         0,
     )
     rep.numerics_mode = "both" if len(runs) > 1 else runs[0]
-    rep.numerics = {n: NumericsRun(n, backend, "", t) for n, t in by_run.items()}
+    rep.numerics = {n: NumericsRun(n, backend, "", th) for n in runs}
+    rep.quality_judged = [n for n in QUALITY if th.is_set(n)]
     return _Inputs(art, man, options, ref_path, ref_config, tok, torch.device(device), source_q), rep
 
 
@@ -221,6 +248,7 @@ def _numerics(
     rep: Report,
     inp: _Inputs,
     ref_store: ReferenceStore,
+    rounded_store: RoundedReferenceStore,
     backend,
     streaming,
     max_new_tokens,
@@ -229,12 +257,17 @@ def _numerics(
     device_map: Optional[str] = "auto",
 ) -> None:
     """One teacher-forced comparison per numerics run (rep.numerics); the first run also generates and
-    fills the report's top-level layers / logits."""
+    fills the report's top-level layers / logits / faithfulness. The converted model runs on the backend
+    asked for, without the Triton backend's e4m3 prefill (w8a16 means activations as given); the rounded
+    reference on the torch backend (dequantize, then matmul), with the run's activation rounding."""
     import runtime
 
     conv_bytes = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values())
     ref_bytes = sum(ref_store.mapping.shards.nbytes(n) for n in ref_store.mapping.shards.meta)
-    plan = gen.plan_runs(streaming, max_new_tokens, inp.device, conv_bytes, ref_bytes, device_map)
+    rounded = bool(rounded_store.quantized)  # else the rounded reference is the reference itself
+    plan = gen.plan_runs(
+        streaming, max_new_tokens, inp.device, conv_bytes, ref_bytes, device_map, conv_bytes if rounded else 0
+    )
     rep.max_new_tokens = plan.new_tokens
     ids = encode_prompts(inp.tok, rep.prompts)
     rep.prompt_tokens = [int(x.shape[1]) for x in ids]
@@ -242,32 +275,59 @@ def _numerics(
     for k, run in enumerate(rep.numerics.values()):
         moe_numerics = "serving" if run.numerics == "serving" else None  # None: the backend's own, w8a16
         load = lambda lazy, run=run, moe_numerics=moe_numerics: runtime.load(
-            inp.art, device=inp.device, dtype=dtype, backend=run.backend, lazy=lazy, moe_numerics=moe_numerics
+            inp.art,
+            device=inp.device,
+            dtype=dtype,
+            backend=run.backend,
+            lazy=lazy,
+            moe_numerics=moe_numerics,
+            moe_fp8_prefill=False,
+            progress=progress,
         )
         shared = None if plan.stream or plan.device_map else load(False)  # one resident model for both
         if k == 0:
-            conts = _generate(shared, inp, plan, ids, run.backend, dtype, moe_numerics)
+            conts = _generate(shared, inp, plan, ids, run.backend, dtype, moe_numerics, progress)
             rep.streaming = StreamingInfo(
                 plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation
             )
             seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
         conv = shared if shared is not None else load(plan.stream)
         rep.dtype = dtype_name(conv.dtype)
-        ref = runtime.load(ref_store, device=inp.device, dtype=conv.dtype, backend="auto", lazy=plan.stream)
-        res = compare_models(ref, conv, seqs, rep.prompt_tokens, progress)
-        run.embeddings, run.logits = res.embeddings, res.logits
+        ref = runtime.load(
+            ref_store,
+            device=inp.device,
+            dtype=conv.dtype,
+            backend="auto",
+            lazy=plan.stream,
+            progress=progress,
+        )
+        rref = None
+        if rounded:
+            rref = runtime.load(
+                rounded_store,
+                device=inp.device,
+                dtype=conv.dtype,
+                backend="torch",
+                lazy=plan.stream,
+                moe_numerics=moe_numerics,
+                progress=progress,
+            )
+        res = compare_models(ref, conv, seqs, rep.prompt_tokens, progress, rounded=rref)
+        run.embeddings, run.logits, run.faithfulness = res.embeddings, res.logits, res.faithfulness
         run.layers = [_layer_row(rep, conv.cfg, i, s) for i, s in enumerate(res.layers)]
         if k == 0:
-            rep.backend, rep.embeddings = run.backend, run.embeddings
+            rep.backend, rep.embeddings, rep.faithfulness = run.backend, run.embeddings, run.faithfulness
             rep.logits, rep.layers = run.logits, run.layers
             rep.generation = [
                 gen.score(p, c, tr, tc, inp.tok) for p, c, (tr, tc) in zip(rep.prompts, conts, res.tails) if c
             ]
-        del conv, ref, shared, res
+        del conv, ref, rref, shared, res
         gc.collect()
 
 
-def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype, moe_numerics=None) -> list:
+def _generate(
+    shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype, moe_numerics=None, progress=False
+) -> list:
     """Continuations of the converted model (empty lists when generation is skipped). Uses `shared` (the
     resident model of the teacher-forced pass) when there is one, else a model of its own, freed after."""
     if not plan.new_tokens:
@@ -278,7 +338,13 @@ def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype
         model = shared
     elif plan.device_map:  # spread over the visible GPUs
         model = runtime.load(
-            inp.art, dtype=dtype, backend=backend, device_map=plan.device_map, moe_numerics=moe_numerics
+            inp.art,
+            dtype=dtype,
+            backend=backend,
+            device_map=plan.device_map,
+            moe_numerics=moe_numerics,
+            moe_fp8_prefill=False,
+            progress=progress,
         )
     else:  # resident on the device while the pass streams, or layer-streamed when asked for
         model = runtime.load(
@@ -288,6 +354,8 @@ def _generate(shared, inp: _Inputs, plan: gen.RunPlan, ids: list, backend, dtype
             backend=backend,
             lazy=plan.generation == "streaming",
             moe_numerics=moe_numerics,
+            moe_fp8_prefill=False,
+            progress=progress,
         )
     eos = model.cfg.eos_token_id if isinstance(model.cfg.eos_token_id, int) else None
     out = gen.greedy_all(model, ids, plan.new_tokens, eos)
@@ -308,10 +376,19 @@ def _layer_row(rep: Report, cfg, i: int, s) -> LayerRow:
     kind = cfg.layer_kind(i)
     mine = [t for t in rep.exact.tensors if t.layer == i and t.quantized]
     worst = max(mine, key=lambda t: t.weight_error) if mine else None
+    faith = {"faith_error": s.faith_error, "faith_limit": s.faith_limit}
     if worst is None:
-        return LayerRow(i, kind, s.cosine, s.rel_error, s.layer_error, 0.0, None, None)
+        return LayerRow(i, kind, s.cosine, s.rel_error, s.layer_error, 0.0, None, None, **faith)
     return LayerRow(
-        i, kind, s.cosine, s.rel_error, s.layer_error, worst.weight_error, worst.worst_label, worst.shard
+        i,
+        kind,
+        s.cosine,
+        s.rel_error,
+        s.layer_error,
+        worst.weight_error,
+        worst.worst_label,
+        worst.shard,
+        **faith,
     )
 
 

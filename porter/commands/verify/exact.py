@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from porter.commands.verify.mapping import ArtifactReader, Derivation, Mapping
+from porter.commands.verify.mapping import ArtifactReader, Derivation, Mapping, unstage
 from porter.commands.verify.verdict import ExactResult, TensorCheck
 from porter.cores import available_cores
 from porter.format import mxfp8
@@ -112,16 +112,96 @@ def _run_window(jobs, reader, mapping, rounding, device, pool, window: int, bar)
         mapping.shards.close()
         bar.update(sum(mapping.shards.nbytes(x) for x in der.sources) if der else 0)
 
-    for n, d in jobs:
-        units = range(d.experts) if d and d.experts is not None else [None]
-        pending.append(
-            (n, d, [pool.submit(_unit, reader, d, n, e, rounding, device) for e in units] if d else [])
-        )
-        while sum(len(fs) for _, _, fs in pending) > window:
+    groups = _groups(jobs, reader)
+    ahead = _ReadAhead(groups, reader, mapping, device) if _reads_ahead(device) else None
+    try:
+        for g, group in enumerate(groups):
+            if ahead is not None:
+                ahead.enter(g)
+            for n, d in group:
+                units = range(d.experts) if d and d.experts is not None else [None]
+                pending.append(
+                    (
+                        n,
+                        d,
+                        [pool.submit(_unit, reader, d, n, e, rounding, device) for e in units] if d else [],
+                    )
+                )
+                while sum(len(fs) for _, _, fs in pending) > window:
+                    finish_oldest()
+            if ahead is not None:  # the layer leaves the device before the one after the next is read
+                while pending:
+                    finish_oldest()
+                ahead.leave(g)
+        while pending:
             finish_oldest()
-    while pending:
-        finish_oldest()
+    finally:
+        if ahead is not None:
+            ahead.close()
     return checks
+
+
+def _groups(jobs: list, reader: ArtifactReader) -> list:
+    """Consecutive jobs of one decoder layer (a tensor outside the layers alone)."""
+    groups, key = [], object()
+    for n, d in jobs:
+        layer = layer_of(reader.canonical(n))
+        if layer is None or layer != key:
+            groups.append([])
+        groups[-1].append((n, d))
+        key = layer
+    return groups
+
+
+def _reads_ahead(device: torch.device) -> bool:
+    """Layers read onto the device ahead of their comparison: on a GPU (on the CPU the units read the
+    mapped shards, which is what the CPU's workers would do with staged bytes too)."""
+    return device.type == "cuda"
+
+
+READ_AHEAD_RESERVE = 2 << 30  # device memory left free for the comparison's temporaries
+
+
+class _ReadAhead:
+    """On a GPU: each layer's source and artifact tensors are read onto the device (runtime.staging: large
+    reads through page-locked buffers on a pool of threads) before its units compare them, and the next
+    layer's while this one is compared, as device memory allows (else the units read the mapped shards).
+    A pre-quantized source is read as before (its scheme dequantizes on the CPU)."""
+
+    def __init__(self, groups: list, reader: ArtifactReader, mapping: Mapping, device: torch.device):
+        self.groups, self.reader, self.shards, self.device = groups, reader, mapping.shards, device
+        self.staged: dict = {}  # group index -> [Staging]
+        self.usable = self.shards.scheme is None
+
+    def enter(self, g: int) -> None:
+        for k in (g, g + 1):
+            if k < len(self.groups) and k not in self.staged and self.usable and self._room(k):
+                self.staged[k] = self._stage(k)
+
+    def leave(self, g: int) -> None:
+        for s, owner in self.staged.pop(g, []):
+            unstage(owner, s)
+
+    def close(self) -> None:
+        for g in list(self.staged):
+            self.leave(g)
+
+    def _sources(self, g: int) -> set:
+        return {s for _, d in self.groups[g] if d for s in d.sources}
+
+    def _stage(self, g: int) -> list:
+        art = [n for n, _ in self.groups[g]]
+        return [
+            (self.shards.stage(self._sources(g), self.device), self.shards),
+            (self.reader.stage(art, self.device), self.reader),
+        ]
+
+    def _room(self, g: int) -> bool:
+        if self.device.type != "cuda":
+            return True
+        need = sum(self.shards.nbytes(s) for s in self._sources(g))
+        need += sum(self.reader.nbytes(n) for n, _ in self.groups[g])
+        return torch.cuda.mem_get_info(self.device)[0] >= need + READ_AHEAD_RESERVE
 
 
 def _where(device: torch.device, workers: int) -> str:

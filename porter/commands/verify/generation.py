@@ -69,14 +69,18 @@ def plan_runs(
     conv_bytes: int,
     ref_bytes: int,
     device_map: Optional[str] = "auto",
+    rounded_bytes: int = 0,
 ) -> RunPlan:
+    """rounded_bytes: the rounded reference (the source re-quantized as the artifact is: its size), 0 when
+    there is none (nothing quantized)."""
     avail = memory_available(device)
     gb = lambda b: f"{b / 1e9:.2f} GB"
-    need = f"both models need ~{gb(conv_bytes + ref_bytes)}, {gb(avail)} available on {device}"
+    models = "the three models" if rounded_bytes else "both models"
+    need = f"{models} need ~{gb(conv_bytes + ref_bytes + rounded_bytes)}, {gb(avail)} available on {device}"
     if streaming in (True, False):
         stream, why = streaming, "requested" if streaming else "requested off"
     elif streaming == "auto":
-        stream, why = conv_bytes + ref_bytes > STREAM_FRACTION * avail, f"auto: {need}"
+        stream, why = conv_bytes + ref_bytes + rounded_bytes > STREAM_FRACTION * avail, f"auto: {need}"
     else:
         raise VerifyInputError(f"streaming must be auto, True or False, not {streaming!r}")
     gen_avail, device_map = generation_budget(device, device_map)
@@ -97,15 +101,20 @@ def plan_runs(
             else "streaming"
         )
     plan = RunPlan(stream, why, n, mode, device_map if fits else None)
-    _log_costs(plan, conv_bytes, ref_bytes)
+    _log_costs(plan, conv_bytes, ref_bytes, rounded_bytes)
     return plan
 
 
-def _log_costs(plan: RunPlan, conv_bytes: int, ref_bytes: int) -> None:
+def _log_costs(plan: RunPlan, conv_bytes: int, ref_bytes: int, rounded_bytes: int = 0) -> None:
+    """The bytes each pass reads, and the time those reads take at READ_GBPS; the compute is measured on the
+    first layers as the pass runs (numerics.py logs the projected total)."""
     per_token = conv_bytes if plan.generation == "streaming" else 0
     gen_bytes = conv_bytes + per_token * max(plan.new_tokens - 1, 0) if plan.new_tokens else 0
-    score_bytes = conv_bytes + ref_bytes
-    est = lambda b: f"~{b / (READ_GBPS * 1e9):.1f} s at an assumed {READ_GBPS:g} GB/s"
+    # the rounded reference reads the source again (re-quantized as it is read)
+    score_bytes = conv_bytes + ref_bytes + (ref_bytes if rounded_bytes else 0)
+    est = lambda b: (
+        f"reads ~{b / (READ_GBPS * 1e9):.1f} s at an assumed {READ_GBPS:g} GB/s, compute not counted"
+    )
     if plan.new_tokens:
         log.info(
             "verify: generation (%d tokens, converted model %s) reads %.3f GB (%s)",
@@ -117,7 +126,9 @@ def _log_costs(plan: RunPlan, conv_bytes: int, ref_bytes: int) -> None:
     else:
         log.info("verify: generation %s", plan.generation)
     log.info(
-        "verify: teacher-forced pass (reference + converted, %s) reads %.3f GB (%s)",
+        "verify: teacher-forced pass (reference%s + converted, %s) reads %.3f GB (%s; "
+        "the first layer's time gives the projected total)",
+        ", rounded reference" if rounded_bytes else "",
         "layer-streaming" if plan.stream else "full load",
         score_bytes / 1e9,
         est(score_bytes),

@@ -27,6 +27,7 @@ experts_rows). Every other value is re-quantized with the recorded rounding rule
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,13 +86,27 @@ class SourceShards:
             self.meta = scheme.adopt(self.stored, str(self.path))
             self.scales = dict(scheme.scales)
         self._handles: dict = {}
+        self.stagings: list = []  # runtime.staging.Staging: tensors read onto a device ahead of use
 
     def _handle(self, name: str):
         return _open(self._handles, self.files[name])
 
     def _stored(self, name: str, row: Optional[int]) -> torch.Tensor:
+        staged = _staged(self.stagings, name)
+        if staged is not None:
+            return staged if row is None else staged[row]
         h = self._handle(name)
         return h.get_tensor(name) if row is None else h.get_slice(name)[row]
+
+    def stage(self, names, device: torch.device):
+        """Read these tensors (as stored) onto `device` in the background (runtime.staging); read() hands
+        them out from there until unstage()."""
+        from runtime.staging import Staging, file_spans
+
+        spans = file_spans({n: self.files[n] for n in names}, device)
+        staging = Staging(spans, allocate_now=True, log_level=logging.DEBUG).start()
+        self.stagings.append(staging)
+        return staging
 
     def read(self, name: str, row: Optional[int] = None) -> torch.Tensor:
         """The tensor (or its [row] along dim 0); a quantized source weight dequantized by its scheme."""
@@ -117,6 +132,21 @@ class SourceShards:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def _staged(stagings: list, name: str) -> Optional[torch.Tensor]:
+    """`name` from the first staging that holds it (waiting for its bytes), else None."""
+    for s in list(stagings):  # a copy: the verify thread adds and drops stagings while workers read
+        if name in s:
+            return s.get(name)
+    return None
+
+
+def unstage(reader, staging) -> None:
+    """Stop a staging of a SourceShards or ArtifactReader and drop its tensors."""
+    staging.close()
+    if staging in reader.stagings:
+        reader.stagings.remove(staging)
 
 
 @dataclass
@@ -281,6 +311,7 @@ class ArtifactReader:
         self.art, self.tensors = Path(art), man.get("tensors", {})
         self.rules = rules or rules_for(art, str(art))
         self._handles: dict = {}
+        self.stagings: list = []  # runtime.staging.Staging: tensors read onto a device ahead of use
 
     def weights(self) -> list[str]:
         """Artifact tensors that are values (not scales), in manifest order."""
@@ -319,7 +350,21 @@ class ArtifactReader:
         return (q, s) if e is None else (q[e], None if s is None else s[e])
 
     def _read(self, name: str) -> torch.Tensor:
+        staged = _staged(self.stagings, name)
+        if staged is not None:
+            return staged
         return _open(self._handles, self.art / self.tensors[name]["shard"]).get_tensor(name)
+
+    def stage(self, names, device: torch.device):
+        """Read these tensors (and their scales) onto `device` in the background (runtime.staging); get()
+        hands them out from there until unstage()."""
+        from runtime.staging import Staging, file_spans
+
+        names = {x for n in names for x in (n, self.tensors[n].get("scale")) if x}
+        spans = file_spans({n: self.art / self.tensors[n]["shard"] for n in names}, device)
+        staging = Staging(spans, allocate_now=True, log_level=logging.DEBUG).start()
+        self.stagings.append(staging)
+        return staging
 
     def nbytes(self, name: str) -> int:
         """Bytes of the tensor and its scale."""
@@ -347,6 +392,10 @@ class ReferenceStore:
 
     def names(self) -> set:
         return set(self._derivations)
+
+    def derivation(self, name: str) -> Derivation:
+        """How tensor `name` is derived from the source (the rounded reference re-quantizes through it)."""
+        return self._derivations[name]
 
     def get(self, name: str) -> torch.Tensor:
         d = self._derivations[name]

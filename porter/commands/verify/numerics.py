@@ -1,25 +1,36 @@
-"""Step 3 of `porter verify`: the reference and the converted model through the same runtime, layer by layer.
+"""Step 3 of `porter verify`: the converted model, the rounded reference and the bf16 reference through the
+same runtime, layer by layer.
 
-Both models see the same token sequences (each prompt, extended by the converted model's greedy
+All models see the same token sequences (each prompt, extended by the converted model's greedy
 continuation when there is one: generation.py). Per decoder layer, over the prompt positions:
-- `cosine`, `rel_error`: the residual stream after the layer, each model fed its own previous output
-  (end to end: errors accumulate over depth);
-- `layer_error`: the layer alone, both fed the *reference* input: ||d_conv - d_ref|| / ||d_ref|| for the
-  layer's update d = layer(h) - h. Upstream error cannot leak into it, so it names the wrong layer.
-Final logits over the prompt positions: KL(ref || conv) (mean per position, nats), top-1 agreement,
-top-5 overlap, max |logit difference|. The logits at the continuation positions are handed back for
-the teacher-forced scoring of the continuation: one pass of the reference over prompt + continuation.
+- faithfulness (decides): the converted layer and the same layer of the rounded reference (the source
+  weights rounded by verify's own MXFP8 re-derivation: rounded.py), both fed the bf16 reference's input:
+  `faith_error` against its float-rounding `faith_limit` (faithfulness.py);
+- quality, against the bf16 reference: `cosine`, `rel_error` of the residual stream, each model fed its
+  own previous output (end to end: errors accumulate over depth), and `layer_error`, the layer alone, both
+  fed the reference input: ||d_conv - d_ref|| / ||d_ref|| for the layer's update d = layer(h) - h.
+Final logits over the prompt positions: faithfulness of the final norm + lm_head on the same input; quality
+KL(ref || conv) (mean per position, nats), top-1 agreement, top-5 overlap, max |logit difference|. The
+logits at the continuation positions are handed back for the teacher-forced scoring of the continuation.
+
+The first layer of each kind (dense / MoE) is timed as it runs and the whole pass projected from it (reads
+and compute: the estimate before the pass counts the reads only).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from porter.commands.verify.verdict import LogitStats
+from porter.commands.verify import faithfulness as fa
+from porter.commands.verify.verdict import FaithfulnessStats, LogitStats
+
+log = logging.getLogger("porter")
 
 
 class Acc:
@@ -50,6 +61,8 @@ class LayerStats:
     cosine: float
     rel_error: float
     layer_error: float
+    faith_error: float
+    faith_limit: float
 
 
 @dataclass
@@ -58,50 +71,108 @@ class PassResult:
     layers: list  # [LayerStats] per decoder layer
     logits: LogitStats
     tails: list  # per sequence: (reference logits, converted logits) [n, V] at positions P-1 .. T-1
+    faithfulness: FaithfulnessStats
 
 
-def compare_models(ref, conv, seqs: list, prompt_lens: list, progress: bool = False) -> PassResult:
-    """seqs: LongTensor [1, T] per sequence; prompt_lens: P per sequence (stats over positions < P)."""
+def compare_models(
+    ref, conv, seqs: list, prompt_lens: list, progress: bool = False, rounded=None
+) -> PassResult:
+    """ref: the bf16 reference; conv: the converted model; rounded: the rounded reference (None: ref, for an
+    artifact with nothing quantized). seqs: LongTensor [1, T] per sequence; prompt_lens: P per sequence
+    (stats over positions < P)."""
+    rounded = ref if rounded is None else rounded
     with torch.inference_mode():
         h_ref, h_conv = [ref.embed(x) for x in seqs], [conv.embed(x) for x in seqs]
-        emb = Acc()
-        for a, b, p in zip(h_conv, h_ref, prompt_lens):
+        emb, emb_gap = Acc(), fa.Gap()
+        for a, b, x, p in zip(h_conv, h_ref, seqs, prompt_lens):
             emb.add(a[:, :p], b[:, :p])
-        layers = []
+            emb_gap.add(a[:, :p], rounded.embed(x)[:, :p])
+        layers, precisions, clock = [], {conv.dtype}, _Projection(conv.cfg)
         for i in tqdm(range(ref.cfg.num_hidden_layers), desc="verify layers", disable=not progress):
-            layers.append(_layer(ref.layers[i], conv.layers[i], h_ref, h_conv, prompt_lens))
-        for m in (ref, conv):
+            t0 = time.perf_counter()
+            lc = conv.layers[i]
+            fmt = fa.precision(conv.dtype, fa.moe_backend(lc))
+            precisions.add(fmt)
+            layers.append(_layer(ref.layers[i], lc, rounded.layers[i], h_ref, h_conv, prompt_lens, fmt))
+            clock.done(i, time.perf_counter() - t0)
+        for m in {id(m): m for m in (ref, conv, rounded)}.values():
             if hasattr(m.layers, "release"):
                 m.layers.release()
-        logits, tails = _final(ref, conv, h_ref, h_conv, prompt_lens)
-    return PassResult({"cosine": emb.cosine, "rel_error": emb.rel}, layers, logits, tails)
+        logits, tails, head_gap = _final(ref, conv, rounded, h_ref, h_conv, prompt_lens)
+    coarsest = max(precisions, key=fa.unit_roundoff)
+    u = fa.unit_roundoff(coarsest)
+    faith = FaithfulnessStats(
+        str(coarsest).removeprefix("torch."),
+        u,
+        fa.K,
+        emb_gap.error(residual=False),
+        emb_gap.limit(fa.unit_roundoff(conv.dtype), residual=False),
+        head_gap.error(residual=False),
+        head_gap.limit(fa.unit_roundoff(conv.dtype), residual=False),
+    )
+    return PassResult({"cosine": emb.cosine, "rel_error": emb.rel}, layers, logits, tails, faith)
 
 
-def _layer(lr, lc, h_ref: list, h_conv: list, prompt_lens: list) -> LayerStats:
-    """Runs one layer of each model on every sequence, advancing h_ref / h_conv in place."""
-    e2e, local = Acc(), Acc()
+def _layer(lr, lc, lrr, h_ref: list, h_conv: list, prompt_lens: list, fmt: torch.dtype) -> LayerStats:
+    """Runs one layer of each model on every sequence, advancing h_ref / h_conv in place; lrr: the rounded
+    reference's layer (lr itself when nothing is quantized)."""
+    e2e, local, gap = Acc(), Acc(), fa.Gap()
     for k, p in enumerate(prompt_lens):
         pos = torch.arange(h_ref[k].shape[1], device=h_ref[k].device)
         r, c = lr(h_ref[k], pos), lc(h_conv[k], pos)
         alone = lc(h_ref[k], pos)  # the converted layer on the reference input
+        rounded = r if lrr is lr else lrr(h_ref[k], pos)  # the rounded source's layer on the same input
+        h = h_ref[k].to(alone.device)
         e2e.add(c[:, :p], r[:, :p])
-        local.add((alone - h_ref[k].to(alone.device))[:, :p], (r - h_ref[k].to(r.device))[:, :p])
+        local.add((alone - h)[:, :p], (r - h_ref[k].to(r.device))[:, :p])
+        gap.add(alone[:, :p], rounded[:, :p], h[:, :p])
         h_ref[k], h_conv[k] = r, c
-    return LayerStats(e2e.cosine, e2e.rel, local.rel)
+    return LayerStats(e2e.cosine, e2e.rel, local.rel, gap.error(), gap.limit(fa.unit_roundoff(fmt)))
 
 
-def _final(ref, conv, h_ref, h_conv, prompt_lens) -> tuple[LogitStats, list]:
-    sums, tails = None, []
+class _Projection:
+    """Times the first layer of each kind (cfg.layer_kind: attention and MLP type) and logs the projected wall
+    time of the whole pass as soon as a kind is first seen; a kind not yet run counts as the slowest seen."""
+
+    def __init__(self, cfg):
+        self.n = cfg.num_hidden_layers
+        self.kinds = [cfg.layer_kind(i) for i in range(self.n)]
+        self.seconds: dict = {}
+
+    def done(self, i: int, seconds: float) -> None:
+        kind = self.kinds[i]
+        if kind in self.seconds:
+            return
+        self.seconds[kind] = seconds
+        slowest = max(self.seconds.values())
+        total = sum(self.seconds.get(k, slowest) for k in self.kinds)
+        log.info(
+            "verify: layer %d (%s) ran in %.2f s (reads and compute, every model); the teacher-forced pass "
+            "projects to ~%.1f s for %d layers%s",
+            i,
+            kind,
+            seconds,
+            total,
+            self.n,
+            ""
+            if len(self.seconds) == len(set(self.kinds))
+            else " (a kind not yet run counted as the slowest)",
+        )
+
+
+def _final(ref, conv, rounded, h_ref, h_conv, prompt_lens) -> tuple[LogitStats, list, fa.Gap]:
+    sums, tails, gap = None, [], fa.Gap()
     for a, b, p in zip(h_ref, h_conv, prompt_lens):
         lr = ref.final(a)[0]
         lc = conv.final(b)[0].to(lr.device)
+        gap.add(conv.final(a)[0][:p], (lr if rounded is ref else rounded.final(a)[0])[:p])
         s = kl_top(lr[:p], lc[:p])
         sums = (
             s if sums is None else {k: (max(sums[k], s[k]) if k == "max_abs" else sums[k] + s[k]) for k in s}
         )
         tails.append((lr[p - 1 :], lc[p - 1 :]))
     n = sums["n"]
-    return LogitStats(sums["kl"] / n, sums["top1"] / n, sums["top5"] / n, sums["max_abs"], n), tails
+    return LogitStats(sums["kl"] / n, sums["top1"] / n, sums["top5"] / n, sums["max_abs"], n), tails, gap
 
 
 def kl_per_position(lr: torch.Tensor, lc: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,14 @@ from porter.commands.verify.verdict import Report, experts_text, more_line
 
 SHOWN = 20  # lines of a cut list (integrity issues, differing tensors) before "... and N more"
 LAYER_LEGEND = [
-    "  decides: cosine (--min-cosine), layer.err (--max-layer-error), weight.err (--max-weight-error);",
-    "  info: rel.err. cosine, rel.err: residual stream after the layer, end to end (grows with depth);",
-    "  layer.err: the layer alone on the reference's input; weight.err: worst quantized tensor of the layer",
+    "  faith.err: the layer alone, converted vs the source rounded by verify's MXFP8 re-derivation, both fed the",
+    "    bf16 source's hidden state h: ||out_conv - out_rounded|| / ||out_rounded - h|| (decides: <= faith.lim, what",
+    "    float rounding explains, docs/verify.md); weight.err: worst quantized tensor (decides: --max-weight-error)",
+    "  quality vs the bf16 source: layer.err, the layer alone on h; cosine, rel.err: the residual stream end to end",
+    "    (grows with depth); decide only with --max-layer-error / --min-cosine",
 ]
+FAITHFULNESS = "faithfulness (the artifact computes what the source computes under MXFP8 rounding)"
+QUALITY = "quality (what MXFP8 costs against the bf16 source)"
 
 log = logging.getLogger("porter")
 
@@ -90,14 +94,18 @@ def _layer_lines(rep: Report) -> list[str]:
     rule = lambda name: threshold_rule(th, name).replace(" ", "")
     first = next(iter(rep.numerics.values()), None)
     name = first.numerics if first else "w8a16"
+    fs = rep.faithfulness
     lines = [
         f"numerics {name} ({NUMERICS_MEANING[name]}): backend {rep.backend}, {rep.device} {rep.dtype}, "
         f"{'layer-streaming' if st and st.enabled else 'full load'}, "
         f"{sum(rep.prompt_tokens)} prompt token(s) in {len(rep.prompt_tokens)} prompt(s)"
         + (f"; {first.note}" if first and first.note else ""),
-        f"{'layer':>5}  {'type':<12} {'cosine':>10} {'rel.err':>9} {'layer.err':>10} {'weight.err':>10}  status",
-        f"{'decides:':<19} {rule('min_cosine'):>10} {'info':>9} "
-        f"{rule('max_layer_error'):>10} {rule('max_weight_error'):>10}",
+        f"{FAITHFULNESS}: decides, within float rounding ({fs.precision}, u = {fs.unit_roundoff:.2g});",
+        f"{QUALITY}: {_judged(rep, ('max_layer_error', 'min_cosine'))}",
+        f"{'layer':>5}  {'type':<12} {'faith.err':>10} {'faith.lim':>10} {'weight.err':>10} "
+        f"{'layer.err':>10} {'cosine':>10} {'rel.err':>9}  status",
+        f"{'decides:':<19} {'<=lim':>10} {'':>10} {rule('max_weight_error'):>10} "
+        f"{rule('max_layer_error'):>10} {rule('min_cosine'):>10} {'info':>9}",
     ]
     bad = {f.layer for f in rep.failures if f.layer is not None}
     for r in rep.layers:
@@ -105,14 +113,17 @@ def _layer_lines(rep: Report) -> list[str]:
         if r.layer == rep.failing_layer:
             mark += "  <- first failing layer"
         lines.append(
-            f"{r.layer:>5}  {r.kind:<12} {r.cosine:>10.6f} {r.rel_error:>9.4f} "
-            f"{r.layer_error:>10.4f} {r.weight_error:>10.4f}  {mark}"
+            f"{r.layer:>5}  {r.kind:<12} {_g(r.faith_error):>10} {r.faith_limit:>10.2g} {r.weight_error:>10.4f} "
+            f"{r.layer_error:>10.4f} {r.cosine:>10.6f} {r.rel_error:>9.4f}  {mark}"
         )
     lines += LAYER_LEGEND
     lg = rep.logits
     lines += [
-        f"logits ({lg.positions} prompt positions; [<= / >=]: decides, with --max-kl, --min-top1, "
-        "--min-top5):",
+        f"{FAITHFULNESS.split(' (')[0]} of the ends [decides]: embeddings {_g(fs.embeddings_error)} "
+        f"[<= {fs.embeddings_limit:.2g}]  final logits {_g(fs.logits_error)} [<= {fs.logits_limit:.2g}] "
+        "(relative, the same input to both)",
+        f"quality of the final logits vs the bf16 source ({lg.positions} prompt positions; "
+        f"{_judged(rep, ('max_kl', 'min_top1', 'min_top5'))}):",
         f"  KL(ref||conv) {lg.kl:.3g} [{threshold_rule(th, 'max_kl')}]"
         f"  top-1 {lg.top1:.1%} [{threshold_rule(th, 'min_top1', True)}]"
         f"  top-5 overlap {lg.top5:.1%} [{threshold_rule(th, 'min_top5', True)}]"
@@ -123,6 +134,24 @@ def _layer_lines(rep: Report) -> list[str]:
     return lines
 
 
+def _g(x: float) -> str:
+    """A faithfulness figure: an exact 0 as 0, else three significant digits."""
+    return "0" if x == 0 else f"{x:.3g}"
+
+
+def _judged(rep: Report, names: tuple) -> str:
+    """'judged: --max-kl <= 0.1' for the thresholds the user set among `names`, else how to set them."""
+    th = rep.thresholds
+    set_ = [
+        f"{option_name(n)} {threshold_rule(th, n, n in ('min_top1', 'min_top5'))}"
+        for n in names
+        if th.is_set(n)
+    ]
+    if set_:
+        return "judged: " + ", ".join(set_)
+    return "info, not judged (" + " / ".join(option_name(n) for n in names) + " to judge it)"
+
+
 NUMERICS_MEANING = {
     "w8a16": "MXFP8 weights, activations as given",
     "serving": "MXFP8 weights, MoE input and SwiGLU output as MXFP8, as served",
@@ -130,14 +159,23 @@ NUMERICS_MEANING = {
 
 
 def _side_by_side(rep: Report) -> list[str]:
-    """Every run's deciding figures in one column each, with that run's threshold beside each figure."""
+    """Every run's figures in one column each, with the limit or threshold beside each figure."""
     runs = list(rep.numerics.values())
-    width = 28
+    width = 30
 
     def cell(v, th, name, pct=False):
         return (f"{v:.1%}" if pct else f"{v:.4g}") + f" [{threshold_rule(th, name, pct)}]"
 
+    def faith(r):
+        worst = max(r.layers, key=lambda x: x.faith_error / x.faith_limit if x.faith_limit else 0.0)
+        return f"{_g(worst.faith_error)} [<= {worst.faith_limit:.2g}]"
+
     rows = [
+        ("faith.err (worst layer)", faith),
+        (
+            "faith. logits",
+            lambda r: f"{_g(r.faithfulness.logits_error)} [<= {r.faithfulness.logits_limit:.2g}]",
+        ),
         ("KL(ref||conv)", lambda r: cell(r.logits.kl, r.thresholds, "max_kl")),
         ("top-1", lambda r: cell(r.logits.top1, r.thresholds, "min_top1", True)),
         ("top-5 overlap", lambda r: cell(r.logits.top5, r.thresholds, "min_top5", True)),
@@ -151,10 +189,11 @@ def _side_by_side(rep: Report) -> list[str]:
     ]
     done = [r for r in runs if r.logits is not None and r.layers]
     lines = [
-        "numerics side by side (figure [its run's threshold: decides] or [info]):",
-        f"  {'':<20} " + " ".join(f"{r.numerics + ' (' + r.backend + ')':<{width}}" for r in done),
+        "numerics side by side (faithfulness [<= its float-rounding limit: decides]; quality vs the bf16 "
+        "source [its threshold when set, else info]):",
+        f"  {'':<23} " + " ".join(f"{r.numerics + ' (' + r.backend + ')':<{width}}" for r in done),
     ]
-    lines += [f"  {label:<20} " + " ".join(f"{fn(r):<{width}}" for r in done) for label, fn in rows]
+    lines += [f"  {label:<23} " + " ".join(f"{fn(r):<{width}}" for r in done) for label, fn in rows]
     lines += [
         f"  {r.numerics}: {NUMERICS_MEANING[r.numerics]}" + (f"; {r.note}" if r.note else "") for r in done
     ]
@@ -169,7 +208,8 @@ def _generation_lines(rep: Report, g) -> list[str]:
         "reference agrees on every token" if d is None else f"reference's choice differs first at token {d}"
     )
     return [
-        f"generation ({len(g.converted_tokens)} tokens by the converted model, reference teacher-forced):",
+        f"generation, quality ({len(g.converted_tokens)} tokens by the converted model, the bf16 source "
+        "teacher-forced):",
         f"  {agree} [{rule}]; mean KL {mean_kl:.3g} [info]",
         f"  converted: {g.converted_text!r}",
         f"  reference argmax: {g.reference_text!r}",

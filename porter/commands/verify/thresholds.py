@@ -15,33 +15,41 @@ from porter.errors import VerifyInputError
 
 @dataclass
 class Thresholds:
-    """max_* fail above, min_* below. Defaults depend on the artifact's quantize scope: SCOPE_DEFAULTS."""
+    """What the user asks of the figures. max_weight_error decides (MXFP8 rounding cannot move a weight
+    further: docs/verify.md); the quality thresholds (the cost of MXFP8 against the bf16 source) decide only
+    when set — None: reported, not judged. max_* fail above, min_* below. Faithfulness (the converted model
+    against the source rounded by verify's own re-derivation) has no threshold here: its limit is float
+    rounding (faithfulness.py)."""
 
     max_weight_error: float = 0.06
-    max_layer_error: float = 0.08
-    min_cosine: float = 0.90
-    max_kl: float = 0.10
-    min_top1: float = 0.50
-    min_top5: float = 0.70
+    max_layer_error: Optional[float] = None
+    min_cosine: Optional[float] = None
+    max_kl: Optional[float] = None
+    min_top1: Optional[float] = None
+    min_top5: Optional[float] = None
     min_matching_tokens: int = 0  # greedy tokens the reference must agree on (0: report only)
 
     @classmethod
-    def build(
-        cls, overrides: Optional[dict] = None, scope: str = "experts", numerics: str = "w8a16"
-    ) -> "Thresholds":
-        defaults = SCOPE_DEFAULTS.get(scope, {})
-        if numerics == "serving":
-            defaults = defaults | SERVING_DEFAULTS.get(scope, {})
-        t = cls(**defaults)
+    def build(cls, overrides: Optional[dict] = None) -> "Thresholds":
+        t = cls()
         known = {f.name for f in fields(cls)}
         for k, v in (overrides or {}).items():
             if v is None:
                 continue
             if k not in known:
                 raise VerifyInputError(f"unknown threshold {k!r}; known: {', '.join(sorted(known))}")
-            setattr(t, k, type(getattr(t, k))(check_threshold(k, v)))
+            setattr(t, k, int(v) if k == "min_matching_tokens" else float(check_threshold(k, v)))
         return t
 
+    def is_set(self, name: str) -> bool:
+        """Whether threshold `name` decides: set (quality), or always (max_weight_error); a
+        min_matching_tokens of 0 asks for nothing."""
+        v = getattr(self, name)
+        return v is not None and not (name == "min_matching_tokens" and v == 0)
+
+
+# The quality thresholds: unset by default (docs/verify.md, "Faithfulness and quality").
+QUALITY = ("max_layer_error", "min_cosine", "max_kl", "min_top1", "min_top5", "min_matching_tokens")
 
 # The values a threshold may take: fractions in [0, 1], cosine in [-1, 1], errors and counts >= 0. NaN
 # compares false with everything, so a NaN threshold would pass every check: it is refused like inf.
@@ -54,11 +62,27 @@ THRESHOLD_RANGES = {
     "min_top5": (0.0, 1.0),
     "min_matching_tokens": (0, None),
 }
+FLOAT_THRESHOLDS = tuple(n for n in THRESHOLD_RANGES if n != "min_matching_tokens")  # one --flag each
 
 
 def threshold_range_text(name: str) -> str:
     lo, hi = THRESHOLD_RANGES[name]
     return f"a finite number >= {lo:g}" if hi is None else f"a number in [{lo:g}, {hi:g}]"
+
+
+def threshold_help(name: str) -> str:
+    """The --help text of a threshold flag: what it bounds, whether it decides by default, its range."""
+    what = {
+        "max_weight_error": "Largest relative weight error ||deq(Q) - W|| / ||W|| of a quantized tensor "
+        "(MXFP8 rounding stays near 3 %). Default 0.06; decides.",
+        "max_layer_error": "Quality: largest error of a layer alone against the bf16 source.",
+        "min_cosine": "Quality: lowest residual-stream cosine against the bf16 source.",
+        "max_kl": "Quality: largest KL(bf16 source || converted) of the final logits (nats per position).",
+        "min_top1": "Quality: lowest top-1 agreement with the bf16 source (a fraction).",
+        "min_top5": "Quality: lowest top-5 overlap with the bf16 source (a fraction).",
+    }[name]
+    unset = "" if name == "max_weight_error" else " Default: unset (reported, not judged)."
+    return f"{what}{unset} {threshold_range_text(name).capitalize()}."
 
 
 def check_threshold(name: str, value) -> float:
@@ -78,41 +102,13 @@ def option_name(threshold: str) -> str:
 
 
 def threshold_rule(th: "Thresholds", name: str, percent: bool = False) -> str:
-    """'<= 0.08' / '>= 50%': what passes for threshold `name` (max_* fail above, min_* below)."""
+    """'<= 0.08' / '>= 50%' for a threshold that decides (max_* fail above, min_* below), else 'info'."""
+    if not th.is_set(name):
+        return "info"
     v = getattr(th, name)
     return ("<= " if name.startswith("max_") else ">= ") + (f"{v * 100:g}%" if percent else f"{v:g}")
 
 
-# "experts" = the dataclass defaults; "all" also quantizes attention, whose error moves the router input
-# (on the tiny random model that flips routes), so activation thresholds are looser; "none" is exact.
-SCOPE_DEFAULTS = {
-    "experts": {},
-    "all": {"max_layer_error": 0.5, "min_cosine": 0.75, "max_kl": 0.3, "min_top1": 0.30, "min_top5": 0.45},
-    "none": {
-        "max_weight_error": 0.0,
-        "max_layer_error": 1e-6,
-        "min_cosine": 0.999999,
-        "max_kl": 1e-6,
-        "min_top1": 1.0,
-        "min_top5": 1.0,
-    },
-}
-
-
-# The serving numerics (MoE input and SwiGLU output, and with --quantize all every MXFP8 linear's input, also
-# quantized to MXFP8, as the engines serve) add activation error to the weight error: looser activation
-# thresholds, set from measurements (docs/verify.md, "Thresholds"); with --quantize all only the top-k
-# agreements needed room (worst faithful top-1 0.37, top-5 0.475). Weight error: the same weights, unchanged.
-SERVING_DEFAULTS = {
-    "experts": {
-        "max_layer_error": 0.12,
-        "min_cosine": 0.88,
-        "max_kl": 0.15,
-        "min_top1": 0.45,
-        "min_top5": 0.65,
-    },
-    "all": {"min_top1": 0.25, "min_top5": 0.40},
-}
 NUMERICS = ("w8a16", "serving", "both")
 
 
@@ -125,14 +121,17 @@ def numerics_runs(numerics: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Figure:
-    """One figure of the report: where it is in the JSON, what it measures, and what decides on it."""
+    """One figure of the report: where it is in the JSON, what it measures, what decides on it, and whether
+    it is about faithfulness (the conversion) or quality (the cost of MXFP8 against the bf16 source)."""
 
     key: str  # path in the JSON report ([] = every element of a list)
     measures: str
     threshold: Optional[str] = None  # the Thresholds field it is compared against
     rule: Optional[str] = None  # how it decides without a threshold; neither: information only
+    kind: str = "faithfulness"  # faithfulness | quality
 
 
+_ALONE = "both fed the same input (the bf16 source's hidden state)"
 FIGURES = (
     Figure(
         "integrity.issues",
@@ -166,47 +165,85 @@ FIGURES = (
         "max_weight_error",
     ),
     Figure(
+        "layers[].faith_error",
+        "the converted layer against the same layer with the source weights rounded by verify's own MXFP8 "
+        f"re-derivation, {_ALONE}: ||out_conv - out_rounded|| / ||out_rounded - h||",
+        rule="above its layers[].faith_limit (float rounding: faithfulness.limit_basis)",
+    ),
+    Figure(
+        "faithfulness.embeddings_error",
+        "the converted model's embedding output against the rounded source's, relative",
+        rule="above faithfulness.embeddings_limit",
+    ),
+    Figure(
+        "faithfulness.logits_error",
+        f"the converted model's final norm + lm_head against the rounded source's, {_ALONE}, relative",
+        rule="above faithfulness.logits_limit",
+    ),
+    Figure(
         "layers[].cosine",
-        "cosine of the residual stream after the layer, each model fed its own previous output (end to end)",
+        "quality: cosine of the residual stream after the layer against the bf16 source, each model fed its "
+        "own previous output (end to end)",
         "min_cosine",
+        kind="quality",
     ),
     Figure(
         "layers[].rel_error",
-        "relative error of the residual stream after the layer, end to end (it "
-        "grows with depth; layer_error names the layer)",
+        "quality: relative error of the residual stream after the layer against the bf16 source, end to end "
+        "(it grows with depth; layer_error names the layer)",
+        kind="quality",
     ),
     Figure(
         "layers[].layer_error",
-        "the layer alone, both models fed the reference input: "
+        f"quality: the layer alone against the bf16 source's, {_ALONE}: "
         "||d_conv - d_ref|| / ||d_ref|| of the layer's update",
         "max_layer_error",
+        kind="quality",
     ),
-    Figure("embeddings", "cosine and relative error of the embedding output"),
-    Figure("logits.kl", "KL(ref || conv) of the final logits, mean per prompt position (nats)", "max_kl"),
+    Figure("embeddings", "quality: cosine and relative error of the embedding output", kind="quality"),
+    Figure(
+        "logits.kl",
+        "quality: KL(bf16 source || conv) of the final logits, mean per prompt position (nats)",
+        "max_kl",
+        kind="quality",
+    ),
     Figure(
         "logits.top1",
-        "top-1 agreement: the fraction of prompt positions where both models' argmax token is the same",
+        "quality: top-1 agreement, the fraction of prompt positions where the bf16 source's and the "
+        "converted model's argmax token is the same",
         "min_top1",
+        kind="quality",
     ),
     Figure(
         "logits.top5",
-        "top-5 overlap: the overlap of the two models' top-5 token sets as a fraction "
+        "quality: top-5 overlap, the overlap of the two models' top-5 token sets as a fraction "
         "(|top5(ref) & top5(conv)| / 5), mean over prompt positions",
         "min_top5",
+        kind="quality",
     ),
-    Figure("logits.max_abs_diff", "the largest |logit difference| over prompt positions and vocabulary"),
+    Figure(
+        "logits.max_abs_diff",
+        "quality: the largest |logit difference| over prompt positions and vocabulary",
+        kind="quality",
+    ),
     Figure(
         "generation[].first_divergence",
-        "the first generated token where the reference's argmax differs "
+        "quality: the first generated token where the bf16 source's argmax differs "
         "from the converted model's greedy token (null: none)",
         "min_matching_tokens",
+        kind="quality",
     ),
-    Figure("generation[].kl", "KL(ref || conv) per generated token"),
-    Figure("generation[].top1", "1.0 where both argmaxes agree, per generated token"),
+    Figure("generation[].kl", "quality: KL(ref || conv) per generated token", kind="quality"),
+    Figure(
+        "generation[].top1", "quality: 1.0 where both argmaxes agree, per generated token", kind="quality"
+    ),
 )
 
 
 RUN_FIGURES = (
+    "layers[].faith_error",
+    "faithfulness.embeddings_error",
+    "faithfulness.logits_error",
     "layers[].cosine",
     "layers[].rel_error",
     "layers[].layer_error",
@@ -220,38 +257,35 @@ RUN_FIGURES = (
 
 def figure_table(th: "Thresholds", runs: Optional[dict] = None) -> dict:
     """FIGURES as the JSON report's `figures`:
-    {key: {measures, decides, threshold, option, limit, fails_when}}; with `runs` ({name: NumericsRun}),
-    also each run's figures under numerics.<name>., against that run's thresholds."""
+    {key: {measures, kind, decides, threshold, option, limit, fails_when}}; with `runs` ({name:
+    NumericsRun}), also each run's figures under numerics.<name>."""
     out = _figures(FIGURES, th)
-    for name, run in (runs or {}).items():
+    for name in runs or {}:
         per = [
-            Figure(f"numerics.{name}.{f.key}", f"{name} numerics: {f.measures}", f.threshold, f.rule)
+            Figure(f"numerics.{name}.{f.key}", f"{name} numerics: {f.measures}", f.threshold, f.rule, f.kind)
             for f in FIGURES
             if f.key in RUN_FIGURES
         ]
-        out |= _figures(per, run.thresholds)
+        out |= _figures(per, th)
     return out
 
 
 def _figures(figs, th: "Thresholds") -> dict:
     out = {}
     for f in figs:
-        d = {"measures": f.measures, "decides": f.rule is not None}
+        d = {"measures": f.measures, "kind": f.kind, "decides": f.rule is not None}
         if f.rule:
             d["fails_when"] = f.rule
         elif f.threshold:
             limit = getattr(th, f.threshold)
-            # min_matching_tokens 0 asks for no matching token: the figure is then reported only
-            d["decides"] = not (f.threshold == "min_matching_tokens" and limit == 0)
-            d |= {
-                "threshold": f.threshold,
-                "option": option_name(f.threshold),
-                "limit": limit,
-                "fails_when": ("above " if f.threshold.startswith("max_") else "below ") + f"{limit:g}",
-            }
+            d["decides"] = th.is_set(f.threshold)
+            d |= {"threshold": f.threshold, "option": option_name(f.threshold), "limit": limit}
+            if d["decides"]:
+                d["fails_when"] = ("above " if f.threshold.startswith("max_") else "below ") + f"{limit:g}"
         if not d["decides"]:
+            how = " N > 0" if f.threshold == "min_matching_tokens" else ""
             d["fails_when"] = "never: information only" + (
-                f" (decides with {option_name(f.threshold)} N > 0)" if f.threshold else ""
+                f" (decides with {option_name(f.threshold)}{how})" if f.threshold else ""
             )
         out[f.key] = d
     return out

@@ -8,12 +8,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from porter.commands.verify.thresholds import Thresholds, figure_table
+from porter.commands.verify.thresholds import Thresholds, figure_table, option_name
 
 
 @dataclass
 class Failure:
-    check: str  # integrity | exact | mapping | weights | layer | cosine | logits | generation
+    check: str  # integrity | exact | mapping | weights | faithfulness | layer | cosine | logits | generation
     message: str
     layer: Optional[int] = None
     tensor: Optional[str] = None
@@ -78,12 +78,32 @@ class ExactResult:
 class LayerRow:
     layer: int
     kind: str
-    cosine: float
+    cosine: float  # quality (vs the bf16 source) from here to layer_error
     rel_error: float
     layer_error: float
     weight_error: float
     worst_tensor: Optional[str]
     worst_shard: Optional[str]
+    faith_error: float = 0.0  # faithfulness: vs the rounded source, the layer alone (faithfulness.py)
+    faith_limit: float = 0.0  # what float rounding explains for this layer
+
+
+@dataclass
+class FaithfulnessStats:
+    """The converted model against the source rounded by verify's own MXFP8 re-derivation (rounded.py), each
+    piece on the same input; limits from float rounding (faithfulness.py). Per layer: LayerRow.faith_*."""
+
+    precision: str  # the coarsest float format of the computations compared (sets the unit roundoff)
+    unit_roundoff: float
+    k: int  # rounding points of the limit's derivation
+    embeddings_error: float
+    embeddings_limit: float
+    logits_error: float
+    logits_limit: float
+    limit_basis: str = (
+        "float rounding: K u sqrt(1 + (2/K) ||out|| / ||d||) per layer, K u for the embeddings and the "
+        "logits; u the unit roundoff of the coarsest format either computation rounds to (docs/verify.md)"
+    )
 
 
 @dataclass
@@ -133,6 +153,7 @@ class NumericsRun:
     embeddings: Optional[dict] = None
     layers: list = field(default_factory=list)  # [LayerRow]
     logits: Optional[LogitStats] = None
+    faithfulness: Optional[FaithfulnessStats] = None
 
 
 @dataclass
@@ -164,6 +185,8 @@ class Report:
     seconds: float = 0.0
     numerics_mode: str = "w8a16"  # --numerics: w8a16 | serving | both
     numerics: dict = field(default_factory=dict)  # {w8a16|serving: NumericsRun}; the first one is also above
+    faithfulness: Optional[FaithfulnessStats] = None  # the first run's (also in numerics[...])
+    quality_judged: list = field(default_factory=list)  # the quality thresholds the user set
 
     @property
     def verdict(self) -> str:
@@ -280,73 +303,123 @@ def _mismatch_failure(t: TensorCheck) -> Failure:
     )
 
 
+QUALITY_CHECKS = ("quality", "generation")  # failures of a threshold the user set; the rest: faithfulness
+
+
 def judge_numerics(rep: Report, th: Thresholds) -> list[Failure]:
-    """Each numerics run against its own thresholds (`th` for a report without runs), then generation."""
+    """Each numerics run: faithfulness against its float-rounding limits, quality against the thresholds the
+    user set (`th` for a report without runs); then generation."""
     runs = list(rep.numerics.values()) or [
-        NumericsRun("w8a16", rep.backend, "", th, rep.embeddings, rep.layers, rep.logits)
+        NumericsRun("w8a16", rep.backend, "", th, rep.embeddings, rep.layers, rep.logits, rep.faithfulness)
     ]
-    out = [f for run in runs for f in judge_run(run, tag=len(runs) > 1 or run.numerics != "w8a16")]
+    tag = len(runs) > 1 or runs[0].numerics != "w8a16"
+    out = [f for run in runs for f in judge_faithfulness(run, tag)]
+    out += [f for run in runs for f in judge_quality(run, tag)]
     for g in rep.generation:
         d = g.first_divergence
         if th.min_matching_tokens and d is not None and d < th.min_matching_tokens:
             out.append(
                 Failure(
                     "generation",
-                    f"the reference's greedy choice differs from the converted model's "
-                    f"at generated token {d} < {th.min_matching_tokens}",
+                    f"quality: the bf16 source's greedy choice differs from the converted model's "
+                    f"at generated token {d} < {th.min_matching_tokens} (--min-matching-tokens)",
                     value=d,
                     threshold=th.min_matching_tokens,
+                    field="min_matching_tokens",
                 )
             )
     return out
 
 
-def judge_run(run: NumericsRun, tag: bool = False) -> list[Failure]:
-    """Per-layer and logit failures of one run; `tag`: messages say which numerics they are from."""
+def judge_faithfulness(run: NumericsRun, tag: bool = False) -> list[Failure]:
+    """A layer, the embeddings or the logits further from the rounded source than float rounding explains."""
+    pre, out = f"{run.numerics} numerics: " if tag else "", []
+    for row in run.layers:
+        if row.faith_error > row.faith_limit:
+            out.append(
+                Failure(
+                    "faithfulness",
+                    f"{pre}layer {row.layer} ({row.kind}): the converted layer differs from the source rounded "
+                    f"by verify's re-derivation by {row.faith_error:.3g} of its update (float rounding "
+                    f"explains <= {row.faith_limit:.2g}): a layout, parameter or runtime difference",
+                    layer=row.layer,
+                    value=row.faith_error,
+                    threshold=row.faith_limit,
+                    numerics=run.numerics,
+                )
+            )
+    fs = run.faithfulness
+    for what, err, lim in (
+        ("embedding output", fs.embeddings_error, fs.embeddings_limit),
+        ("final logits (final norm + lm_head)", fs.logits_error, fs.logits_limit),
+    ):
+        if err > lim:
+            out.append(
+                Failure(
+                    "faithfulness",
+                    f"{pre}{what}: differs from the rounded source's by {err:.3g} relative (float rounding "
+                    f"explains <= {lim:.2g})",
+                    value=err,
+                    threshold=lim,
+                    numerics=run.numerics,
+                )
+            )
+    return out
+
+
+def judge_quality(run: NumericsRun, tag: bool = False) -> list[Failure]:
+    """The cost of MXFP8 against the bf16 source, judged only against the thresholds the user set."""
     th, out = run.thresholds, []
     pre = f"{run.numerics} numerics: " if tag else ""
+
+    def fail(name, value, what, layer=None):
+        out.append(
+            Failure(
+                "quality",
+                f"{pre}quality: {what} {value:.4g} {'>' if name.startswith('max_') else '<'} "
+                f"{getattr(th, name):g} ({option_name(name)})",
+                layer=layer,
+                value=value,
+                threshold=getattr(th, name),
+                field=name,
+                numerics=run.numerics,
+            )
+        )
+
     for row in run.layers:
-        i = row.layer
-        if row.layer_error > th.max_layer_error:
-            out.append(
-                Failure(
-                    "layer",
-                    f"{pre}layer {i} ({row.kind}): output error of the layer alone "
-                    f"{row.layer_error:.4g} > {th.max_layer_error}",
-                    layer=i,
-                    value=row.layer_error,
-                    threshold=th.max_layer_error,
-                    numerics=run.numerics,
-                )
+        where = f"layer {row.layer} ({row.kind})"
+        if th.is_set("max_layer_error") and row.layer_error > th.max_layer_error:
+            fail(
+                "max_layer_error",
+                row.layer_error,
+                f"{where}: error of the layer alone vs the bf16 source",
+                row.layer,
             )
-        if row.cosine < th.min_cosine:
-            out.append(
-                Failure(
-                    "cosine",
-                    f"{pre}layer {i} ({row.kind}): residual-stream cosine {row.cosine:.6f} < {th.min_cosine}",
-                    layer=i,
-                    value=row.cosine,
-                    threshold=th.min_cosine,
-                    numerics=run.numerics,
-                )
-            )
+        if th.is_set("min_cosine") and row.cosine < th.min_cosine:
+            fail("min_cosine", row.cosine, f"{where}: residual-stream cosine vs the bf16 source", row.layer)
     lg = run.logits
-    for value, bad, thr, what in (
-        (lg.kl, lg.kl > th.max_kl, th.max_kl, "KL(ref||conv)"),
-        (lg.top1, lg.top1 < th.min_top1, th.min_top1, "top-1 agreement"),
-        (lg.top5, lg.top5 < th.min_top5, th.min_top5, "top-5 overlap"),
+    for name, value, bad, what in (
+        ("max_kl", lg.kl, lambda v, t: v > t, "final logits: KL(bf16 source||conv)"),
+        ("min_top1", lg.top1, lambda v, t: v < t, "final logits: top-1 agreement"),
+        ("min_top5", lg.top5, lambda v, t: v < t, "final logits: top-5 overlap"),
     ):
-        if bad:
-            out.append(
-                Failure(
-                    "logits",
-                    f"{pre}final logits: {what} {value:.4g} crosses {thr}",
-                    value=value,
-                    threshold=thr,
-                    numerics=run.numerics,
-                )
-            )
+        if th.is_set(name) and bad(value, getattr(th, name)):
+            fail(name, value, what)
     return out
+
+
+def worst_faithfulness(rep: Report) -> float:
+    """The largest faith_error / limit over every layer, embeddings and logits of every run (0: all exact)."""
+    runs = list(rep.numerics.values()) or [
+        NumericsRun("w8a16", rep.backend, "", rep.thresholds, None, rep.layers, rep.logits, rep.faithfulness)
+    ]
+    ratios = [0.0]
+    for run in runs:
+        ratios += [r.faith_error / r.faith_limit for r in run.layers if r.faith_limit > 0]
+        fs = run.faithfulness
+        if fs is not None:
+            ratios += [fs.embeddings_error / fs.embeddings_limit, fs.logits_error / fs.logits_limit]
+    return max(ratios)
 
 
 def cut_list(items: list, keep: int, sep: str) -> str:
@@ -361,24 +434,43 @@ def more_line(total: int, shown: int, what: str, indent: str = "  ") -> list[str
 
 
 def conclude(rep: Report, failures: list[Failure]) -> None:
-    """Set passed / failing_layer / summary: the first failure of the earliest failing layer leads; when most
-    re-derived tensors differ, the summary first says the reference is likely another checkpoint."""
+    """Set passed / failing_layer / summary. Faithfulness failures lead (the first one of the earliest
+    failing layer), then quality ones; when most re-derived tensors differ, the summary first says the
+    reference is likely another checkpoint."""
     rep.failures = failures
     rep.passed = not failures
-    layers = [f.layer for f in failures if f.layer is not None]
+    faithful = [f for f in failures if f.check not in QUALITY_CHECKS]
+    pool = faithful or failures
+    layers = [f.layer for f in pool if f.layer is not None]
     rep.failing_layer = min(layers) if layers else None
-    lead = [f for f in failures if f.layer == rep.failing_layer] or failures
+    lead = [f for f in pool if f.layer == rep.failing_layer] or pool
+    judged = ", ".join(option_name(n) for n in rep.quality_judged)
+    quality = f"quality within your thresholds ({judged})" if judged else "quality reported, not judged"
     if not lead:
-        rep.summary = "faithful: bytes re-derived exactly, every numeric check within its threshold"
+        rep.summary = f"faithful: bytes identical to verify's re-derivation{_numbers_text(rep)}; {quality}"
+        return
+    if not faithful:  # faithful, and a quality threshold the user set is crossed: say both
+        f = lead[0]
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        rep.summary = f"{f.message}{more}; faithful otherwise: bytes identical{_numbers_text(rep)}"
         return
     f = lead[0]
-    named = f.layer is not None and f.check not in ("layer", "cosine")  # those messages name it
-    rep.summary = (f"layer {f.layer}: " if named else "") + f.message
+    named = f.layer is not None and f.check not in ("faithfulness", "quality")  # those messages name it
+    rep.summary = "not faithful: " + (f"layer {f.layer}: " if named else "") + f.message
     if len(failures) > 1:
         rep.summary += f" (and {len(failures) - 1} more failure(s))"
     hint = other_checkpoint_hint(rep.exact, rep.reference)
     if hint:
         rep.summary = f"{hint}; first failure: {rep.summary}"
+
+
+def _numbers_text(rep: Report) -> str:
+    if not rep.layers:
+        return ""
+    return (
+        "; every layer, the embeddings and the logits within float rounding of the rounded source "
+        f"(worst {worst_faithfulness(rep):.2g} of its limit)"
+    )
 
 
 def other_checkpoint_hint(ex: Optional[ExactResult], reference: str) -> Optional[str]:

@@ -1,0 +1,414 @@
+"""`runtime.load` and `porter verify` at MiniMax-M3's real layer dims (every layer full width, all 128 experts,
+vocab 200064), warm and cold, against the floors of the disk and the bus measured in the same run.
+
+Builds once in --workdir a vendor-layout checkpoint at the real dims with --layers layers (layer 0 dense, the
+rest sparse attention + MoE; random bf16 weights) and converts it with porter's defaults. Then, in this one
+process (CUDA initialized before any timing):
+
+- floors: a 2 GiB page-locked (and a pageable) host buffer copied to the GPU; every shard read into
+  page-locked buffers of the loader's size by the loader's thread count (and 8 threads), one large read per
+  buffer, warm and cold — the rate a load cannot beat; xxh3-128 over page-locked buffers on those threads (the
+  loader checks every tensor's digest);
+- `safetensors safe_open + .to(cuda)`: every tensor memory-mapped and copied on its own, what runtime.load did
+  before staging (no model built), warm;
+- `runtime.load(ART, device="cuda")` warm and cold, and with two or more GPUs `device_map` over two;
+- `porter verify ART --device cuda --numerics N` warm and cold (--verify-cache), against the time to read
+  source + artifact once at the read floor of the same cache state.
+
+Each row: seconds, GB/s of the bytes it reads, its floor, the fraction of the floor, the peak host memory
+above the run's start (RssAnon, sampled every 10 ms), and the projection at the real size (452 GB artifact,
+795 GB source; runtime.load on 4 GPUs reads the same 452 GB through the same host, each GPU's link carrying
+a quarter, so the projection is 452 GB at the measured one-GPU rate).
+
+Cold: before each cold run `echo 3 > /proc/sys/vm/drop_caches` as root, else posix_fadvise(DONTNEED) on each
+shard (the table says which).
+
+    python benchmarks/load.py [--workdir /tmp/porter-load] [--layers 3] [--cache warm,cold]
+                              [--verify both] [--verify-cache warm,cold] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    DEFAULT_OUT,
+    REAL_VOCAB,
+    build_checkpoint,
+    cached_fraction,
+    environment,
+    environment_line,
+    evict,
+    markdown_table,
+    warm,
+    write_results,
+)
+
+REAL_ARTIFACT_GB, REAL_SOURCE_GB, REAL_GPUS = 452.0, 795.0, 4
+GB = 1e9
+
+
+class PeakRss:
+    """Peak RssAnon above a run's start, sampled every 10 ms on a thread (page cache not counted)."""
+
+    def __init__(self):
+        self.base = self.peak = 0
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    @staticmethod
+    def now() -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def _sample(self):
+        while True:
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.01)
+
+    def reset(self):
+        self.base = self.peak = self.now()
+
+    def above_start(self) -> int:
+        return max(self.peak, self.now()) - self.base
+
+
+def shards(folder: Path) -> list:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def nbytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in shards(folder))
+
+
+class PageCache:
+    """Puts folders' shards into the page cache (warm: read once, unless nothing evicted them since) or out
+    of it (cold: before every run, since every run reads them in)."""
+
+    def __init__(self):
+        self.warm: set = set()
+
+    def set(self, folders: list, cache: str) -> str:
+        if cache == "warm":
+            for f in folders:
+                if f not in self.warm and cached_fraction(f) < 0.99:
+                    warm(f)
+                self.warm.add(f)
+            return "read once"
+        how = ",".join(sorted({evict(f) for f in folders}))
+        self.warm = set() if how == "drop_caches" else self.warm - set(folders)
+        return how
+
+
+def read_floor(files: list, threads: int, buffer_bytes: int) -> float:
+    """Seconds to read the files into page-locked buffers (one per thread, one large read per buffer)."""
+    import torch
+
+    items = [
+        (f, at, min(buffer_bytes, f.stat().st_size - at))
+        for f in files
+        for at in range(0, f.stat().st_size, buffer_bytes)
+    ]
+    lock, nxt = threading.Lock(), [0]
+    pin = torch.cuda.is_available()
+    bufs = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(threads)]
+    fds = {f: os.open(f, os.O_RDONLY) for f in files}
+
+    def work(buf):
+        view = memoryview(buf.numpy())
+        while True:
+            with lock:
+                if nxt[0] == len(items):
+                    return
+                f, at, n = items[nxt[0]]
+                nxt[0] += 1
+            got = 0
+            while got < n:
+                got += os.preadv(fds[f], [view[got:n]], at + got)
+
+    t0 = time.perf_counter()
+    ws = [threading.Thread(target=work, args=(b,)) for b in bufs]
+    for w in ws:
+        w.start()
+    for w in ws:
+        w.join()
+    secs = time.perf_counter() - t0
+    for fd in fds.values():
+        os.close(fd)
+    return secs
+
+
+def hash_floor(total: int, threads: int, buffer_bytes: int) -> float:
+    """Seconds for `threads` threads to xxh3-128 `total` bytes of page-locked buffers."""
+    import torch
+    import xxhash
+
+    per = -(-total // threads)
+    pin = torch.cuda.is_available()
+    bufs = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin).fill_(7) for _ in range(threads)]
+
+    def work(buf):
+        view, done = memoryview(buf.numpy()), 0
+        while done < per:
+            n = min(buffer_bytes, per - done)
+            h = xxhash.xxh3_128()
+            h.update(view[:n])
+            h.digest()
+            done += n
+
+    t0 = time.perf_counter()
+    ws = [threading.Thread(target=work, args=(b,)) for b in bufs]
+    for w in ws:
+        w.start()
+    for w in ws:
+        w.join()
+    return time.perf_counter() - t0
+
+
+def h2d_rates(dev) -> dict:
+    """GB/s of a 2 GiB host -> device copy, page-locked and pageable (median of 3)."""
+    import torch
+
+    out = {}
+    dst = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+    for kind, pin in (("pinned", True), ("pageable", False)):
+        src = torch.empty(2 << 30, dtype=torch.uint8, pin_memory=pin).fill_(1)
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=pin)
+            torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t0)
+        out[kind] = src.numel() / sorted(times)[1] / GB
+    return out
+
+
+def safetensors_to_cuda(art: Path) -> None:
+    """What runtime.load did before staging: each tensor memory-mapped and copied to the GPU on its own."""
+    import torch
+    from safetensors import safe_open
+
+    keep = []
+    for f in shards(art):
+        with safe_open(str(f), framework="pt") as h:
+            keep += [h.get_tensor(n).to("cuda") for n in h.keys()]
+    torch.cuda.synchronize()
+    del keep
+
+
+def free_gpu() -> None:
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def timed(fn, rss: PeakRss) -> tuple:
+    free_gpu()
+    rss.reset()
+    t0 = time.perf_counter()
+    out = fn()
+    import torch
+
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, rss.above_start(), out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", default="/tmp/porter-load", help="checkpoint and artifact (kept; on a disk)")
+    ap.add_argument("--layers", type=int, default=3, help="decoder layers (layer 0 dense, the rest MoE)")
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--cache", default="warm,cold", help="page cache states of the load runs")
+    ap.add_argument("--verify", default="both", help="porter verify --numerics (none: no verify run)")
+    ap.add_argument("--verify-cache", default="warm,cold", help="page cache states of the verify runs")
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="folder for load.json and load.md")
+    args = ap.parse_args()
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
+    )  # the loader's breakdown
+    import torch
+
+    import porter
+    import runtime
+    from runtime import staging
+
+    work = Path(args.workdir)
+    src, art = work / "src", work / "art"
+    if not (src / "model.safetensors.index.json").exists():
+        t = time.time()
+        build_checkpoint(src, args.layers, args.experts, REAL_VOCAB)
+        print(f"# built {nbytes(src) / GB:.1f} GB checkpoint in {time.time() - t:.0f} s", flush=True)
+    if not (art / "model.safetensors.index.json").exists():
+        t = time.time()
+        porter.convert(src, art, progress=False)
+        print(f"# converted to {nbytes(art) / GB:.1f} GB in {time.time() - t:.0f} s", flush=True)
+    os.sync()
+    env = environment()
+    art_b, src_b = nbytes(art), nbytes(src)
+    threads, buf = staging.default_threads(), staging.BUFFER_BYTES
+    gpus = torch.cuda.device_count()
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    rss = PeakRss()
+    doc = {
+        "machine": env,
+        "layers": args.layers,
+        "experts": args.experts,
+        "artifact_bytes": art_b,
+        "source_bytes": src_b,
+        "threads": threads,
+        "buffer_bytes": buf,
+        "runs": [],
+    }
+
+    def add(what, cache, how, secs, nbytes_, floor_gbs=None, peak=None, extra=None):
+        gbs = nbytes_ / secs / GB
+        r = {
+            "what": what,
+            "cache": cache,
+            "cache_by": how,
+            "seconds": secs,
+            "bytes": nbytes_,
+            "gb_per_s": gbs,
+            "floor_gb_per_s": floor_gbs,
+            "of_floor": gbs / floor_gbs if floor_gbs else None,
+            "peak_host_anon_bytes": peak,
+            **(extra or {}),
+        }
+        doc["runs"].append(r)
+        print(
+            f"{what:48s} {cache:4s} {secs:7.2f} s {gbs:6.2f} GB/s"
+            + (f" ({100 * r['of_floor']:.0f}% of {floor_gbs:.1f})" if floor_gbs else "")
+            + (f" peak anon +{peak / GB:.2f} GB" if peak is not None else ""),
+            flush=True,
+        )
+        return r
+
+    h2d = h2d_rates(torch.device("cuda", 0))
+    add("floor: pinned H2D copy (2 GiB)", "-", "-", 2 * (1 << 30) / GB / h2d["pinned"], 2 << 30)
+    add("floor: pageable H2D copy (2 GiB)", "-", "-", 2 * (1 << 30) / GB / h2d["pageable"], 2 << 30)
+    add(f"floor: xxh3-128, {threads} threads", "-", "-", hash_floor(art_b, threads, buf), art_b)
+    floor, pc = {}, PageCache()
+    folders = [("artifact", art, art_b)] + ([("source", src, src_b)] if args.verify != "none" else [])
+    caches = set(args.cache.split(",")) | (
+        set(args.verify_cache.split(",")) if args.verify != "none" else set()
+    )
+    for cache in [c for c in ("warm", "cold") if c in caches]:
+        for name, folder, b in folders:
+            for n in sorted({threads, 8} if cache == "warm" else {threads}, reverse=True):
+                how = pc.set([folder], cache)
+                secs = read_floor(shards(folder), n, buf)
+                r = add(f"floor: read {name} into pinned, {n} threads", cache, how, secs, b)
+                if n == threads:
+                    floor[(name, cache)] = r["gb_per_s"]
+        if cache not in args.cache.split(","):
+            continue
+        if cache == "warm":
+            how = pc.set([art], cache)
+            s, peak, _ = timed(lambda: safetensors_to_cuda(art), rss)
+            add(
+                "safetensors safe_open + .to(cuda) (before)",
+                cache,
+                how,
+                s,
+                art_b,
+                floor[("artifact", cache)],
+                peak,
+            )
+        for what in ("first in the process", "again") if cache == "warm" else ("",):
+            how = pc.set([art], cache)
+            cached = cached_fraction(art)
+            s, peak, model = timed(lambda: runtime.load(art, device="cuda"), rss)
+            del model
+            r = add(
+                f"runtime.load(device='cuda') {what}".strip(),
+                cache,
+                how,
+                s,
+                art_b,
+                floor[("artifact", cache)],
+                peak,
+                {"cached_at_start": cached},
+            )
+            r["projected_real_seconds"] = REAL_ARTIFACT_GB / r["gb_per_s"]
+        if gpus >= 2:
+            how = pc.set([art], cache)
+            split = {f"layers.{i}": f"cuda:{int(i >= args.layers // 2)}" for i in range(args.layers)}
+            two = lambda: runtime.load(art, device_map=split, max_memory={0: "120GiB", 1: "120GiB"})  # noqa: E731
+            s, peak, model = timed(two, rss)
+            del model
+            add(
+                "runtime.load(device_map over 2 GPUs)", cache, how, s, art_b, floor[("artifact", cache)], peak
+            )
+        if args.verify == "none" or cache not in args.verify_cache.split(","):
+            continue
+        how = pc.set([src, art], cache)
+        cached = cached_fraction(art) if cache == "cold" else None
+        s, peak, res = timed(lambda: porter.verify(art, device="cuda", numerics=args.verify), rss)
+        read_once = art_b / GB / floor[("artifact", cache)] + src_b / GB / floor[("source", cache)]
+        both = (src_b + art_b) / GB
+        r = add(
+            f"porter verify --numerics {args.verify}",
+            cache,
+            how,
+            s,
+            src_b + art_b,
+            both / read_once,
+            peak,
+            {"passed": res.passed, "read_once_seconds": read_once, "cached_at_start": cached},
+        )
+        r["over_read_once"] = s / read_once
+        real_read_once = (REAL_SOURCE_GB + REAL_ARTIFACT_GB) / (both / read_once)
+        r["projected_real_seconds"] = r["over_read_once"] * real_read_once
+
+    doc["summary"] = summary(doc, env)
+    write_results(args.out, "load", doc, doc["summary"])
+
+
+def summary(doc: dict, env: dict) -> list:
+    lines = [
+        f"# runtime.load and porter verify at real dims — {env.get('gpu')}",
+        "",
+        environment_line(env) + ".",
+        "",
+        f"{doc['layers']} layers (layer 0 dense, the rest MoE with {doc['experts']} experts), vocab {REAL_VOCAB}: "
+        f"artifact {doc['artifact_bytes'] / GB:.1f} GB, source {doc['source_bytes'] / GB:.1f} GB; loader "
+        f"{doc['threads']} threads x {doc['buffer_bytes'] >> 20} MiB staging buffers.",
+        "",
+    ]
+    rows = []
+    for r in doc["runs"]:
+        proj = r.get("projected_real_seconds")
+        rows.append(
+            [
+                r["what"],
+                r["cache"] + (f" ({r['cache_by']})" if r["cache"] == "cold" else ""),
+                f"{r['seconds']:.2f}",
+                f"{r['gb_per_s']:.2f}",
+                f"{r['floor_gb_per_s']:.2f}" if r["floor_gb_per_s"] else "",
+                f"{100 * r['of_floor']:.0f}%" if r["of_floor"] else "",
+                f"{r['peak_host_anon_bytes'] / GB:.2f}" if r["peak_host_anon_bytes"] is not None else "",
+                f"{proj / 60:.1f} min" if proj else "",
+            ]
+        )
+    lines += markdown_table(
+        ["run", "cache", "s", "GB/s", "floor GB/s", "of floor", "host anon GB", "real size"], rows
+    )
+    return lines
+
+
+if __name__ == "__main__":
+    main()

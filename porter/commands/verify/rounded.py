@@ -1,0 +1,81 @@
+"""The rounded reference of `porter verify`: the source weights MXFP8-rounded by verify's own re-derivation.
+
+The exact-bytes step (exact.py) re-quantizes every quantized artifact tensor from its source, through
+verify's own mapping table (mapping.py) and porter.format.mxfp8 with the rule porter.json records (the
+rounding rule; an MXFP8 source's kept scale bytes). This store hands out exactly those re-derived bytes
+to the runtime, under the canonical names, beside the source's carried tensors: a model that computes what
+the source computes under MXFP8 rounding, independent of the bytes the converter wrote. The numerics step
+(numerics.py) runs it on the runtime's reference MoE backend (torch: dequantize, then matmul) and compares
+the converted model with it layer by layer: a faithful conversion differs from it by float rounding only
+(docs/verify.md, "Faithfulness"); a layout, parameter or runtime bug by much more.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from porter.commands.verify.mapping import ArtifactReader, ReferenceStore
+from porter.format import mxfp8
+from porter.format.layout import scale_name
+
+
+class RoundedReferenceStore:
+    """ReferenceStore's tensors, those the artifact holds as MXFP8 re-quantized as exact.py re-derives them:
+    `name` -> e4m3 values [.., N, K], `scale_name(name)` -> uint8 scales [.., N, K/32]. device: where the
+    re-quantization runs (a GPU, as exact.py's; the tensors are handed out there)."""
+
+    def __init__(self, ref: ReferenceStore, reader: ArtifactReader, rounding: Optional[str], device=None):
+        self.ref, self.config, self.path, self.converter = ref, ref.config, ref.path, ref.converter
+        self.rounding, self.device = rounding or "rceil", torch.device(device or "cpu")
+        self.quantized = quantized_canonical(reader) & ref.names()
+        self.scales = {scale_name(n): n for n in self.quantized}
+        self._last: tuple = (None, None)  # (name, (q, s)): a weight and its scale are asked for in turn
+
+    def names(self) -> set:
+        return self.ref.names() | set(self.scales)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self.scales:
+            return self._rounded(self.scales[name])[1]
+        if name in self.quantized:
+            return self._rounded(name)[0]
+        return self.ref.get(name)
+
+    def _rounded(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._last[0] != name:
+            self._last = (None, None)  # one tensor's copy at a time
+            self._last = (name, self._requantize(name))
+        return self._last[1]
+
+    def _requantize(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, scale) of `name`, stacked experts expert by expert: each with its derivation's kept scale
+        bytes (an MXFP8 source's own), else the rounding rule — the bytes exact.py compares against."""
+        d = self.ref.derivation(name)
+        on = lambda t: None if t is None else t.to(self.device)
+
+        def quantize(e):
+            return mxfp8.quantize(on(d.value(e)), self.rounding, name, keep_scale=on(d.kept(e)))
+
+        if d.experts is None:
+            return quantize(None)
+        parts = [quantize(e) for e in range(d.experts)]
+        return torch.stack([q for q, _ in parts]), torch.stack(
+            [s for _, s in parts]
+        )  # [E, N, K], [E, N, K/32]
+
+    def close(self) -> None:
+        self._last = (None, None)
+        self.ref.close()
+
+
+def quantized_canonical(reader: ArtifactReader) -> set:
+    """Canonical names of the artifact tensors stored as MXFP8 (per-expert hf tensors as their stacked name)."""
+    out = set()
+    for n in reader.weights():
+        if reader.tensors[n].get("scale"):
+            c = reader.canonical(n)
+            found = reader.rules.experts_of(c)
+            out.add(c if found is None else found[0])
+    return out

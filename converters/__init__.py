@@ -28,6 +28,7 @@ MODEL_TYPES = {
     "minimax_m3": "minimax_m3",
     # MiniMax-M2 and its point releases (one architecture): the release and transformers' layouts share it
     "minimax_m2": "minimax_m2",
+    "gpt_oss": "gpt_oss",  # OpenAI gpt-oss (20b, 120b): the MXFP4 release and transformers' bf16 layout
 }
 
 

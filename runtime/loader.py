@@ -529,9 +529,12 @@ def build_model(
     cfg, names = store.config, store.names()
     n = cfg.num_hidden_layers
     where, embed_dev, head_dev = weight_devices(n, device, placement)
+    make_rope = getattr(model_module, "rope", None) or (
+        lambda cfg, d: Rope(cfg.rotary_dim, cfg.rope_theta, d)
+    )
     getters, ropes = {}, {}
     for d in {*where, embed_dev, head_dev}:  # one getter and one Rope (inv_freq) per device
-        getters[d], ropes[d] = getter(store, names, d, progress), Rope(cfg.rotary_dim, cfg.rope_theta, d)
+        getters[d], ropes[d] = getter(store, names, d, progress), make_rope(cfg, d)
     top = {nm: getters[embed_dev if nm == TOP_NAMES[0] else head_dev](nm) for nm in TOP_NAMES if nm in names}
     if "lm_head.weight" not in top and head_dev != embed_dev:  # tied: lm_head needs the embedding there too
         top["lm_head.weight"] = getters[head_dev](TOP_NAMES[0])

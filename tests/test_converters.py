@@ -29,7 +29,7 @@ from porter.cli import main as cli
 from porter.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-SUPPORTED = "minimax_m2, minimax_m3, minimax_m3_vl, minimax_m3_vl_text"
+SUPPORTED = "gpt_oss, minimax_m2, minimax_m3, minimax_m3_vl, minimax_m3_vl_text"
 
 
 @pytest.mark.parametrize("model_type", ["minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3"])
@@ -51,7 +51,13 @@ def test_for_config_resolves_both_source_layouts():
 
 
 def test_supported_lists_every_model_type_once():
-    assert converters.supported() == ("minimax_m2", "minimax_m3", "minimax_m3_vl", "minimax_m3_vl_text")
+    assert converters.supported() == (
+        "gpt_oss",
+        "minimax_m2",
+        "minimax_m3",
+        "minimax_m3_vl",
+        "minimax_m3_vl_text",
+    )
     by_module = {}
     for model_type, module in converters.MODEL_TYPES.items():
         by_module.setdefault(module, set()).add(model_type)
@@ -144,6 +150,14 @@ def test_minimax_m3_satisfies_the_protocol():
     _same_signatures(m3.verify_rules, VerifyRules)
     assert m3.ARCHITECTURE == "minimax_m3" and m3.LAYOUTS == ("porter", "hf")
     assert m3.DEFAULT_SCOPE == {"porter": "experts", "hf": "all"}
+
+
+def test_gpt_oss_satisfies_the_core_and_verify_rules_without_an_hf_layout():
+    oss = converters.get("gpt_oss")
+    assert conformance_problems(oss) == []
+    _same_signatures(oss, Converter)
+    _same_signatures(oss.verify_rules, VerifyRules)
+    assert oss.hf_layout is None and oss.LAYOUTS == ("porter",) and oss.DEFAULT_SCOPE == {"porter": "experts"}
 
 
 def test_verify_rules_import_nothing_of_their_converter():

@@ -393,6 +393,11 @@ FAMILY_NAME_ALLOWED = [
         "the registry: config.json model_type -> converter package, by name",
     ),
     (
+        "converters/__init__.py",
+        r"gpt[-_ ]?oss",
+        "the registry: config.json model_type -> converter package, by name",
+    ),
+    (
         "runtime/moe/flashinfer_trtllm.py",
         "MiniMax2",
         "FlashInfer's own RoutingMethodType member that the contract's sigmoid + bias routing maps to",

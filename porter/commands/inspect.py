@@ -9,6 +9,7 @@ and the ten tensors with the largest relative quantization error (from porter.js
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import converters
 from porter.errors import InspectError, PorterError
-from porter.format import journal, prequantized
+from porter.format import journal, mxfp4, prequantized
 from porter.format import manifest as manifest_mod
 from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import ST_DTYPES, nbytes
@@ -47,7 +48,7 @@ def inspect(path) -> dict:
     cfg = converter.resolve_config(raw) if converter else None
     qc = prequantized.quantization_config_of(raw)
     quantized, unquantized = _modules(tensors)
-    ignored = list((qc or {}).get("ignored_layers") or [])
+    ignored = list((qc or {}).get("ignored_layers") or (qc or {}).get("modules_to_not_convert") or [])
     options = manifest_mod.read_options(man, str(path / manifest_mod.MANIFEST)) if man else None
     report = {
         "path": str(path.resolve()),
@@ -154,16 +155,24 @@ def _layout(raw: dict, man, tensors: dict, converter) -> str:
     qc = prequantized.quantization_config_of(raw)
     kind = converter.source_layout(raw, tensors)
     if qc and qc.get("quant_method") not in (None, "none"):
-        return f"{kind} checkpoint, pre-quantized ({qc.get('quant_method')}, block {qc.get('weight_block_size')})"
+        block = qc.get("weight_block_size") or (
+            [1, mxfp4.BLOCK] if qc.get("quant_method") == "mxfp4" else None
+        )
+        return f"{kind} checkpoint, pre-quantized ({qc.get('quant_method')}, block {block})"
     return f"{kind} checkpoint"
 
 
 def _modules(tensors: dict) -> tuple[list, list]:
     """(quantized module names, unquantized 2-D `.weight` module names). A module is quantized when its
-    weight is F8_E4M3 with a scale beside it."""
+    weight is F8_E4M3 with a scale beside it, or MXFP4 (`X_blocks` with `X_scales` beside it)."""
     quantized, plain = [], []
     for name, (dtype, shape, _) in tensors.items():
-        if _SCALE.search(name):
+        if _SCALE.search(name) or (
+            name.endswith("_scales") and name[: -len("_scales")] + "_blocks" in tensors
+        ):
+            continue
+        if name.endswith("_blocks") and name[: -len("_blocks")] + "_scales" in tensors:
+            quantized.append(name[: -len("_blocks")])
             continue
         module = name[: -len(".weight")] if name.endswith(".weight") else name
         has_scale = (
@@ -200,12 +209,19 @@ def _contract(quantized: list, plain: list, ignored: list, qc, converter) -> dic
     either mistake without an error)."""
     if not qc or qc.get("quant_method") in (None, "none"):
         return {"checked": False, "why": "no quantization_config"}
-    listed = set(ignored)
-    both = sorted(m for m in quantized if m in listed)
+    both = sorted(m for m in quantized if _listed(m, ignored))
     if converter is None:  # which modules are the text model's linears is the architecture's knowledge
         return {"checked": False, "why": "an architecture porter does not convert"}
-    neither = sorted(m for m in plain if m not in listed and _is_text_linear(m, converter))
+    neither = sorted(m for m in plain if not _listed(m, ignored) and _is_text_linear(m, converter))
     return {"checked": True, "both": both, "neither": neither, "ok": not both and not neither}
+
+
+def _listed(module: str, ignored: list) -> bool:
+    """The module is in the list: by name, or under a listed pattern (`model.layers.*.self_attn`, as the
+    MXFP4 release writes its modules_to_not_convert, covers that module's linears)."""
+    return module in ignored or any(
+        fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(module, p + ".*") for p in ignored if "*" in p
+    )
 
 
 def _is_text_linear(module: str, converter) -> bool:

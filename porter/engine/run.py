@@ -154,7 +154,7 @@ class Pipeline:
             return pre.dequantize(
                 self.reader.read(name, index),
                 self.reader.read(pre.scales[name], index),
-                f"{self.reader.spans[name][0]}: tensor {name!r}",
+                f"{self.reader.spans[name][0]}: tensor {name!r}" + ("" if index is None else f"[{index}]"),
             )
         n = self.reader.nbytes(name, index)
         if self.slabs.stages(n):

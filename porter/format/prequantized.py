@@ -1,15 +1,20 @@
 """Pre-quantized source checkpoints: detect the scheme from config.json, dequantize tensor by tensor.
 
-Two schemes are understood (docs/serving-engines.md, docs/artifact-format.md):
+Three schemes are understood (docs/serving-engines.md, docs/artifact-format.md, docs/mxfp8.md):
 - `quant_method: "mxfp8"` — the vendor MXFP8 release and porter's own `--layout hf` output: F8_E4M3
   `X.weight [N, K]` + U8 (or F8_E8M0) `X.weight_scale_inv [N, K/32]`, one UE8M0 byte per 32 along K.
 - `quant_method: "fp8"` with `weight_block_size [bn, bk]` (usually [128, 128], DeepSeek-V3 style):
   F8_E4M3 `X.weight [N, K]` + float `X.weight_scale_inv [ceil(N/bn), ceil(K/bk)]`, w = q * scale_inv.
+- `quant_method: "mxfp4"` (OpenAI's open-weight releases): U8 `X_blocks [..., N, K/32, 16]` (two E2M1 codes per
+  byte) + U8 `X_scales [..., N, K/32]` (porter.format.mxfp4). The weight keeps the name `X_blocks`, now
+  a bfloat16 [..., N, K] tensor: its values, exact in bfloat16 (porter.format.mxfp4 refuses the rest).
 Anything else is refused with one line. A quantized weight is presented to the planner as a bfloat16
 tensor of its shape (its scale disappears from the tensor list) and dequantized when read, so the plan,
 the requantization and the error statistics are the same code as for a bf16 source. MXFP8 values are
 exactly representable in bfloat16 (3 mantissa bits, same exponent range), so MXFP8 -> MXFP8 with the
-rceil rule reproduces every value exactly; block-FP8 products are rounded to bfloat16 once.
+rceil rule reproduces every value exactly; block-FP8 products are rounded to bfloat16 once. MXFP8 and MXFP4
+sources keep their own scale bytes (`Scheme.keeps_scales`): MXFP8 -> MXFP8 is then the identity on bytes and
+MXFP4 -> MXFP8 the exact widening of porter.format.mxfp4.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from typing import Optional
 import torch
 
 from porter.errors import PrequantizedError
-from porter.format import mxfp8
+from porter.format import mxfp4, mxfp8
 from porter.format.safetensors_io import dtype_name
 
 SCALE_SUFFIX = ".weight_scale_inv"
+MXFP4_VALUES, MXFP4_SCALES = "_blocks", "_scales"  # X_blocks + X_scales of an MXFP4 source
 DEQUANTIZED_DTYPE = torch.bfloat16
 MAX_BLOCK = 4096  # largest block-FP8 tile side read (real: 128); a scale is expanded over its tile
 KEPT_ROWS = "kept-rows"  # options.source_quantization.scale_bytes of an MXFP8 source (Scheme.record)
@@ -34,8 +40,8 @@ KEPT_ROWS = "kept-rows"  # options.source_quantization.scale_bytes of an MXFP8 s
 class Scheme:
     """How a source checkpoint is quantized, and which of its weights carry scales."""
 
-    method: str  # "mxfp8" | "fp8-block"
-    block: tuple  # (1, 32) for MXFP8, (bn, bk) for block FP8
+    method: str  # "mxfp8" | "fp8-block" | "mxfp4"
+    block: tuple  # (1, 32) for MXFP8 and MXFP4, (bn, bk) for block FP8
     config: dict  # the source's quantization_config, as found
     scales: dict = field(default_factory=dict)  # weight tensor name -> its scale tensor name
 
@@ -44,12 +50,14 @@ class Scheme:
 
     @property
     def keeps_scales(self) -> bool:
-        """MXFP8: re-quantization reuses the source's own scale bytes (`kept_scale`), row for row.
+        """MXFP8 and MXFP4: re-quantization reuses the source's own scale bytes (`kept_scale`), row for row.
 
         Why: rceil on dequantized values is lossless but not always byte-identical — a block whose largest
-        element rounded down to 224 * 2^e gets exponent e - 1 the second time (same values, other bytes).
-        Keeping the source's exponent makes MXFP8 -> MXFP8 the identity on bytes."""
-        return self.method == "mxfp8"
+        element rounded down to 224 * 2^e gets exponent e - 1 the second time (same values, other bytes),
+        and an MXFP4 block (largest value at most 6) would get a byte up to 6 lower. Keeping the source's
+        exponent makes MXFP8 -> MXFP8 the identity on bytes and MXFP4 -> MXFP8 the widening of each code
+        (porter.format.mxfp4)."""
+        return self.method in ("mxfp8", "mxfp4")
 
     def record(self) -> dict:
         """How the conversion read this source, as porter.json options.source_quantization records it; verify
@@ -68,7 +76,9 @@ class Scheme:
 
     def adopt(self, meta: dict, where: str) -> dict:
         """Source tensor metadata as the planner should see it: each quantized weight becomes a bfloat16
-        tensor of its shape and its scale is consumed. Checks every pair's dtypes and shapes."""
+        tensor of its (value) shape and its scale is consumed. Checks every pair's dtypes and shapes."""
+        if self.method == "mxfp4":
+            return self._adopt_mxfp4(meta, where)
         out = {}
         for name, (dtype, shape) in meta.items():
             if name.endswith(SCALE_SUFFIX):
@@ -90,6 +100,30 @@ class Scheme:
         ]
         if orphans:
             raise PrequantizedError(f"{where}: scale {orphans[0]!r} has no weight beside it")
+        return out
+
+    def _adopt_mxfp4(self, meta: dict, where: str) -> dict:
+        out = {}
+        for name, (dtype, shape) in meta.items():
+            if name.endswith(MXFP4_SCALES) and name[: -len(MXFP4_SCALES)] + MXFP4_VALUES in meta:
+                continue
+            if not name.endswith(MXFP4_VALUES):
+                out[name] = (dtype, tuple(shape))
+                continue
+            scale = name[: -len(MXFP4_VALUES)] + MXFP4_SCALES
+            if scale not in meta:
+                raise PrequantizedError(f"{where}: MXFP4 tensor {name!r} has no {scale!r} beside it")
+            s_dtype, s_shape = meta[scale]
+            if dtype != torch.uint8 or s_dtype not in (
+                torch.uint8,
+                getattr(torch, "float8_e8m0fnu", torch.uint8),
+            ):
+                raise PrequantizedError(
+                    f"{where}: MXFP4 tensors {name!r} / {scale!r} are {dtype} / {s_dtype}, expected uint8 / uint8"
+                )
+            mxfp4.check_shapes(tuple(shape), tuple(s_shape), f"{where}: tensor {name!r}")
+            self.scales[name] = scale
+            out[name] = (DEQUANTIZED_DTYPE, mxfp4.value_shape(tuple(shape)))
         return out
 
     def _check_pair(self, name, dtype, shape, scale_meta, where):
@@ -119,6 +153,8 @@ class Scheme:
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, where: str = "source tensor") -> torch.Tensor:
         """(values, scale) as stored -> bfloat16 values. where: "FILE: tensor NAME", for the refusal of a
         zeroed scale (zeroed_scale_problem)."""
+        if self.method == "mxfp4":
+            return mxfp4.dequantize(q, scale.view(torch.uint8), DEQUANTIZED_DTYPE, where)
         if self.method != "mxfp8":
             return mxfp8.dequantize_fp8_block(q, scale, self.block, DEQUANTIZED_DTYPE)
         problem = zeroed_scale_problem(q, scale)
@@ -164,6 +200,8 @@ def detect(raw: dict, config_path: Path) -> Optional[Scheme]:
             f"{qc.get('activation_scheme')!r} is not supported; porter reads checkpoints "
             "with dynamic activation scales only"
         )
+    if method == "mxfp4":
+        return Scheme("mxfp4", (1, mxfp4.BLOCK), qc)
     if method == "mxfp8":
         if block not in (None, [1, mxfp8.BLOCK]):
             raise PrequantizedError(
@@ -186,8 +224,8 @@ def detect(raw: dict, config_path: Path) -> Optional[Scheme]:
     what = f"fp8 without a [bn, bk] weight_block_size (got {block!r})" if method == "fp8" else repr(method)
     raise PrequantizedError(
         f"{config_path}: quantization_config.quant_method {what} is not supported; porter "
-        "converts bf16, MXFP8 (quant_method mxfp8) and block-FP8 (quant_method fp8 with "
-        "weight_block_size) checkpoints"
+        "converts bf16, MXFP8 (quant_method mxfp8), MXFP4 (quant_method mxfp4) and block-FP8 "
+        "(quant_method fp8 with weight_block_size) checkpoints"
     )
 
 

@@ -52,7 +52,9 @@ class Source:
         if self.prequantized is not None and name in self.prequantized.scales:
             scale = self._read_stored(self.prequantized.scales[name], index)
             return self.prequantized.dequantize(
-                self._read_stored(name, index), scale, f"{self.files[name]}: tensor {name!r}"
+                self._read_stored(name, index),
+                scale,
+                f"{self.files[name]}: tensor {name!r}" + ("" if index is None else f"[{index}]"),
             )
         return self._read_stored(name, index)
 

@@ -7,6 +7,9 @@ A model module provides (checked on first use by `conformance_problems`):
   DecoderLayer(cfg, get, i, rope, device, make_backend)        decoder layer i; `linears()` lists its Linears
   moe_block(cfg, get, layer, device, make_backend)             layer's MoE block alone (None for a dense layer)
   experts_quantized(cfg, names) -> bool                        whether the store's routed experts are MXFP8
+and optionally
+  rope(cfg, device) -> runtime.models.layers.Rope              the model's RoPE (default: plain RoPE over
+                                                               cfg.rotary_dim with cfg.rope_theta)
 Weights come from `get(canonical name)` (runtime.loader.getter); the canonical names are the converter's.
 Adding a model: docs/adding-a-model.md.
 """
@@ -22,6 +25,7 @@ from porter.errors import LoadError
 MODELS = {
     "minimax_m3": "minimax_m3",
     "minimax_m2": "minimax_m2",
+    "gpt_oss": "gpt_oss",
 }
 MEMBERS = ("Model", "DecoderLayer", "moe_block", "experts_quantized")
 

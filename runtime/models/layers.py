@@ -1,10 +1,11 @@
-"""Building blocks of the runtime's models: linears (stored as is or MXFP8), RMSNorm (Gemma or plain), partial NeoX
-RoPE, masked GQA attention and the side stream the shared expert overlaps on. Each op runs its Triton kernel
-on CUDA (runtime.kernels) and a torch reference elsewhere."""
+"""Building blocks of the runtime's models: linears (stored as is or MXFP8, with an optional bias), RMSNorm
+(Gemma or plain), partial NeoX RoPE (plain or YaRN), masked GQA attention and the side stream the shared expert
+overlaps on. Each op runs its Triton kernel on CUDA (runtime.kernels) and a torch reference elsewhere."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, Optional
 
 import torch
@@ -65,13 +66,16 @@ class Linear:
     in registers (16-bit weights too where gemv.runs says it pays); elsewhere the weight is cast or
     dequantized per call, then multiplied; a 16-bit weight against one row runs runtime.kernels.gemv.gemv_stream
     (faster than cuBLAS there). add: tensors [..., N] added to the output in order, in its
-    dtype (residual adds; fused into the GEMV's epilogue when it runs).
+    dtype (residual adds; fused into the GEMV's epilogue when it runs). bias [N]: added first, in the output's
+    dtype (F.linear's order), before any of add.
 
     mxfp8_act (the serving numerics, set by runtime.load): an MXFP8 weight's input is first rounded to MXFP8
     along K as the engines' W8A8 MXFP8 linear quantizes it (docs/moe-backends.md, "Serving numerics")."""
 
-    def __init__(self, weight: torch.Tensor, scale: Optional[torch.Tensor] = None):
-        self.weight, self.scale = weight, scale
+    def __init__(
+        self, weight: torch.Tensor, scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None
+    ):
+        self.weight, self.scale, self.bias = weight, scale, bias
         self.mxfp8_act = False
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +86,11 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, add: tuple = ()) -> torch.Tensor:
         x = self.input(x)
+        if self.bias is not None:  # the bias first, then the adds in order
+            return add_in_order(self._project(x, ()) + self.bias.to(x.dtype), add)
+        return self._project(x, add)
+
+    def _project(self, x: torch.Tensor, add: tuple) -> torch.Tensor:
         if len(add) <= 2 and gemv.runs(x, self.weight):  # the epilogue takes two adds
             return gemv.gemv(x, self.weight, self.scale, add=add)
         if gemv.streams(x, self.weight):
@@ -110,8 +119,11 @@ def add_in_order(y: torch.Tensor, add: tuple) -> torch.Tensor:
     return y
 
 
-def linear(get: Getter, name: str) -> Linear:
-    return Linear(get(name + ".weight"), get(scale_name(name + ".weight")))
+def linear(get: Getter, name: str, bias: bool = False) -> Linear:
+    """The Linear `name` (`name.weight`, its scale when quantized, `name.bias` when bias)."""
+    return Linear(
+        get(name + ".weight"), get(scale_name(name + ".weight")), get(name + ".bias") if bias else None
+    )
 
 
 def stack_linears(*parts: Linear) -> Optional[Linear]:
@@ -136,10 +148,20 @@ def stack_linears(*parts: Linear) -> Optional[Linear]:
 
 
 class Rope:
-    def __init__(self, rotary_dim: int, theta: float, device):
-        # same formula as transformers (compute_default_rope_parameters)
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
-        self.inv_freq = self.inv_freq.to(device)
+    """cos/sin of positions. Plain RoPE by default (inv_freq from theta); YaRN passes its own inv_freq and
+    attention scaling (yarn_inv_freq), which multiplies cos and sin (transformers' attention_scaling)."""
+
+    def __init__(
+        self,
+        rotary_dim: int,
+        theta: float,
+        device,
+        inv_freq: Optional[torch.Tensor] = None,
+        attention_scaling: float = 1.0,
+    ):
+        if inv_freq is None:  # same formula as transformers (compute_default_rope_parameters)
+            inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        self.inv_freq, self.scaling = inv_freq.to(device), float(attention_scaling)
 
     def __call__(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv = (
@@ -147,7 +169,39 @@ class Rope:
         )
         freqs = positions[..., None].float() * inv  # [B, T, r/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, r]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        if self.scaling == 1.0:
+            return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def yarn_inv_freq(
+    dim: int,
+    theta: float,
+    factor: float,
+    beta_fast: float,
+    beta_slow: float,
+    original_max_position_embeddings: int,
+    truncate: bool,
+) -> torch.Tensor:
+    """YaRN's inverse frequencies [dim/2]: the extrapolated (theta) and interpolated (theta, positions / factor)
+    frequencies blended by a linear ramp over the dims that turn between beta_fast and beta_slow times in
+    the original context (arXiv 2309.00071; as transformers 5.23 _compute_yarn_parameters)."""
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(theta)
+        )
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolated = 1 - ramp  # 1: keep the original frequency (fast dims), 0: interpolate (slow dims)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,10 @@ root), {E} the expert, other fields from the regex's named groups.
 
 ops: copy | gate_half / up_half (rows [:N/2] / [N/2:] of a fused [2N, K]) | experts_rows (expert E =
 rows of the templates concatenated: [w1; w3]) | expert_slice (expert E = source[E]) |
-expert_slice_interleaved (source[E] rows gate0, up0, gate1, … -> [gate; up]) | index (source[E], E from
-the name: one expert's 2-D weight) | index_w1 / index_w3 (the gate / up rows of source[E]), + _interleaved.
+expert_slice_interleaved (source[E] rows gate0, up0, gate1, … -> [gate; up]) | expert_slice_transposed
+(source[E].T: an [E, in, out] source) + _interleaved | columns_interleaved (a whole tensor whose last dim
+alternates gate0, up0, … -> [gate; up], e.g. a [E, 2I] bias) | index (source[E], E from the name: one
+expert's 2-D weight) | index_w1 / index_w3 (the gate / up rows of source[E]), + _interleaved.
 Stacked artifact tensors ([E, N, K]) are derived expert by expert by the expert_* ops.
 
 A pre-quantized source (MXFP8 or block FP8, porter.format.prequantized) is read the way the conversion read
@@ -114,7 +116,7 @@ class SourceShards:
             return self.scheme.dequantize(
                 self._stored(name, row),
                 self._stored(self.scales[name], row),
-                f"{self.files[name]}: tensor {name!r}",
+                f"{self.files[name]}: tensor {name!r}" + ("" if row is None else f"[{row}]"),
             )
         return self._stored(name, row)
 
@@ -227,6 +229,12 @@ class Mapping:
             return lambda e: read(src()[0], e)
         if op == "expert_slice_interleaved":
             return lambda e: _deinterleave(read(src()[0], e))
+        if op == "expert_slice_transposed":
+            return lambda e: read(src()[0], e).t()
+        if op == "expert_slice_transposed_interleaved":
+            return lambda e: _deinterleave(read(src()[0], e).t())
+        if op == "columns_interleaved":
+            return lambda e: _deinterleave(read(src()[0]).t()).t()
         if op.startswith("index"):  # expert E named in the tensor's own name
             pick = {
                 "index": lambda w: w,

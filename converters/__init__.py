@@ -5,7 +5,8 @@ resolution, the output plan, tensor names, the hf layout). `MODEL_TYPES` maps ea
 reads to its converter module's name, imported on first use (as mlx-lm's MODEL_REMAPPING or llama.cpp's
 TEXT_MODEL_MAP). Callers never import a converter module directly:
 
-    conv = converters.for_config(raw_config)
+    conv, cfg = converters.resolve(raw_config, tensors, where)  # sizes checked against the files first
+    conv = converters.for_config(raw_config)                    # without the files: the config alone
     cfg = conv.resolve_config(raw_config)
 
 Adding an architecture: docs/architecture.md.
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import importlib
 from functools import lru_cache
+from typing import Optional
 
-from converters.base import Converter, conformance_problems
+from converters.base import Converter, ResolvedConfig, conformance_problems
 from porter.errors import ConfigError
+from porter.format import sizes
 
 # config.json model_type -> converter module under converters/.
 # MiniMax-M3: the vendor VL wrapper (text model in `text_config`), transformers' text-only layout, and
@@ -53,6 +56,24 @@ def for_config(raw, where: str = "config.json") -> Converter:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must hold a JSON object")
     return get(raw.get("model_type"), where)
+
+
+def resolve(
+    raw, tensors: dict, where: str = "config.json", converter: Optional[Converter] = None
+) -> tuple[Converter, ResolvedConfig]:
+    """The converter (given, or the one for_config picks) and resolved config of a raw config.json whose
+    files hold `tensors` ({name: (dtype, shape, ...)} from the safetensors headers): its size fields are
+    checked against those tensors first (check_sizes), so that no absurd size reaches a loop or an
+    allocation."""
+    converter = converter or for_config(raw, where)
+    check_sizes(converter, raw, tensors, where)
+    return converter, converter.resolve_config(raw)
+
+
+def check_sizes(converter: Converter, raw, tensors: dict, where: str = "config.json") -> None:
+    """ConfigError, naming the field, its value and what the files hold, unless the size fields of `raw`
+    (the converter's config_sizes) match `tensors` as the converter's SIZE_RULES say (porter/format/sizes.py)."""
+    sizes.check(converter.SIZE_RULES, converter.config_sizes(raw), tensors, converter.canonical_name, where)
 
 
 @lru_cache(maxsize=None)

@@ -49,10 +49,16 @@ class Converter(Protocol):
     DEFAULT_SCOPE: dict  # layout -> the --quantize scope used when none is given
     hf_layout: object  # the HfLayout capability, or None
     verify_rules: object  # the VerifyRules capability, or None
+    SIZE_RULES: tuple  # porter.format.sizes rules: what in the files each config size field must match
 
     def resolve_config(self, raw: dict) -> ResolvedConfig:
         """config.json (raw) -> the resolved config, each field with its provenance; ConfigError names a
         bad field."""
+
+    def config_sizes(self, raw: dict) -> dict:
+        """The size fields SIZE_RULES speak of, {field: (value, config key)}, read from config.json (raw)
+        without building anything from them (no per-layer or per-expert list): converters.resolve checks
+        them against the files before resolve_config runs."""
 
     def manifest_facts(self, cfg: ResolvedConfig) -> dict:
         """What porter.json records beyond the resolved config: {"architecture": name, "activation":

@@ -2,11 +2,18 @@
 
 Text in, text out (the completion); ids in, ids out (prompt + completion). Finished rows (EOS or a stop
 string) are padded with the pad id (else their EOS) while the others go on.
+
+Before anything is allocated a call is checked against the model: every token id (the prompt's, the pad id)
+inside the vocabulary, the prompt plus the new tokens inside the context (`max_position_embeddings`; a
+max_new_tokens given by the call is refused beyond it, a default one is shortened to fit), and the KV cache
+those tokens need inside the memory its devices have free. Each refusal is one TextError naming the
+numbers and the limit.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -174,9 +181,108 @@ def generate(
     ids, mask = encode(model.tokenizer, kind, prompt, chat, pad_id)
     if attention_mask is not None:
         mask = attention_mask
+    check_token_ids(model, ids, pad_id, from_tokenizer=kind in ("text", "texts", "messages"))
+    cfg = fit_context(model, ids.shape[1], cfg, given=max_new_tokens is not None)
+    if cfg.max_new_tokens:  # no new token, no cache
+        check_cache_fits(model, ids.shape[0], ids.shape[1] + cfg.max_new_tokens)
     texts = RowText(model.tokenizer, ids.shape[0], stop, stream)
     out = _decode(model, ids, mask, cfg, pad_id, seed, texts, cuda_graph)  # [B, T + n]
     return _result(kind, out, ids.shape[1], cfg, texts, mask)
+
+
+def check_token_ids(model, ids, pad_id: Optional[int] = None, from_tokenizer: bool = False) -> None:
+    """Every id the embedding will look up (the prompt's [B, T] or list, the pad id) inside the vocabulary;
+    from_tokenizer: the ids are the checkpoint tokenizer's encoding of text."""
+    vocab = model.embed_tokens.shape[0]
+    where = "config.json vocab_size"
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    if pad_id is not None and not 0 <= pad_id < vocab:
+        raise TextError(
+            f"pad token id {pad_id} (generation_config.json pad_token_id, else the tokenizer's pad or EOS "
+            f"token) is outside the model's vocabulary of {vocab} ({where}); fix generation_config.json"
+        )
+    if ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo >= 0 and hi < vocab:
+        return
+    bad = lo if lo < 0 else hi
+    if from_tokenizer:
+        tok = model.tokenizer.path if model.tokenizer is not None else "tokenizer.json"
+        raise TextError(
+            f"{tok} gives token id {bad}, outside the model's vocabulary of {vocab} ({where}): the "
+            "tokenizer does not belong to this model; use the checkpoint's own tokenizer.json"
+        )
+    raise TextError(
+        f"token id {bad} is outside the model's vocabulary of {vocab} ({where}); pass ids in [0, {vocab})"
+    )
+
+
+def fit_context(model, T: int, cfg: GenerationConfig, given: bool) -> GenerationConfig:
+    """The prompt (T tokens, padding included) plus max_new_tokens inside the model's context: a prompt
+    longer than it, or a max_new_tokens the call gave beyond it, is refused; a default one is shortened."""
+    limit, n = model.cfg.max_position_embeddings, cfg.max_new_tokens
+    where = "max_position_embeddings in config.json"
+    if T > limit or (T == limit and n > 0):
+        raise TextError(
+            f"the prompt is {T:,} tokens, {'longer than' if T > limit else 'all of'} the model's context of "
+            f"{limit:,} ({where}); shorten it"
+        )
+    if T + n <= limit:
+        return cfg
+    if given:
+        raise TextError(
+            f"prompt ({T:,} tokens) + max_new_tokens ({n:,}) = {T + n:,} exceeds the model's context of "
+            f"{limit:,} tokens ({where}); ask for at most {limit - T:,} new tokens"
+        )
+    log.info(
+        "max_new_tokens %d -> %d: the prompt's %d tokens leave no more of the %d-token context",
+        n,
+        limit - T,
+        T,
+        limit,
+    )
+    return cfg.with_overrides(max_new_tokens=limit - T)
+
+
+def free_bytes(device: torch.device) -> Optional[int]:
+    """Memory a new allocation on `device` can take: CUDA's free memory plus what torch's allocator holds
+    unused; on the CPU the machine's MemAvailable (None when unknown)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return None
+
+
+def check_cache_fits(model, batch: int, tokens: int) -> None:
+    """The KV cache of `tokens` positions for `batch` rows fits the memory its devices have free (a cache
+    generate keeps from an earlier call is counted as free: it is replaced)."""
+    slots = cache_slots(tokens, model.cache_block)  # the larger of the two sizes a Decoder makes
+    kept = 0 if model.decode_state is None else _cache_bytes(model.decode_state[1])
+    for dev, need in model.cache_nbytes(batch, slots).items():
+        free = free_bytes(torch.device(dev))
+        if free is not None and need > free + kept:
+            raise TextError(
+                f"the KV cache for {batch} x {tokens:,} tokens needs {_human(need)} on {dev}, which has "
+                f"{_human(free + kept)} free; ask for fewer new tokens, a shorter prompt or a smaller batch"
+            )
+
+
+def _human(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def _cache_bytes(cache) -> int:
+    return sum(
+        t.numel() * t.element_size() for lc in cache.layers for t in (lc.k, lc.v, lc.idx_k) if t is not None
+    )
 
 
 def _pad_id(cfg: GenerationConfig, tokenizer: Optional[Tokenizer]) -> int:

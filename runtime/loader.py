@@ -60,9 +60,7 @@ class ArtifactStore:
         except ValueError as e:
             raise LoadError(str(e)) from None
         raw = _json(path / "config.json")
-        self.converter = converters.for_config(raw, str(path / "config.json"))
-        self.config = self.converter.resolve_config(raw)
-        index = path / "model.safetensors.index.json"
+        index = self.index = path / "model.safetensors.index.json"
         if not index.exists() and not index.is_symlink():  # porter writes the index last: no index, no finish
             raise LoadError(
                 f"{index}: missing — the conversion did not finish; rerun "
@@ -74,6 +72,10 @@ class ArtifactStore:
         self._starts: dict = {}  # shard -> byte offset of its tensor data
         self._stagings: list = []  # Staging objects in flight (get() takes their tensors)
         self._check_shards(index)
+        meta = {
+            n: (self._headers[f][n]["dtype"], self._headers[f][n]["shape"]) for n, f in self.files.items()
+        }
+        self.converter, self.config = converters.resolve(raw, meta, str(path / "config.json"))
         # hf layout (vendor names, per-expert tensors): canonical name -> hf name, or per expert the hf
         # row parts that stack to [E, N, K] when the model touches them (the converter's hf_canonical_map)
         try:
@@ -276,8 +278,9 @@ class SourceStore:
 
         self.source = source.open_source(path)
         self.path = self.source.path
-        self.converter = converters.for_config(self.source.raw_config, str(self.path / "config.json"))
-        self.config = self.converter.resolve_config(self.source.raw_config)
+        self.converter, self.config = converters.resolve(
+            self.source.raw_config, self.source.meta, str(self.path / "config.json")
+        )
         plan = self.converter.plan_tensors(self.config, self.source.meta, quantize="none")
         self.plan = {t.name: t for t in plan if not t.carried}
         self._carried = {t.name for t in plan if t.carried}
@@ -349,6 +352,11 @@ def _weight_map(folder: Path, index: Path) -> dict:
     return files
 
 
+def listing(store) -> Path:
+    """The file that lists a store's tensors: an artifact's index, else the checkpoint folder."""
+    return getattr(store, "index", store.path)
+
+
 def getter(store, names: set, device: torch.device, progress=None) -> Callable[[str], Optional[torch.Tensor]]:
     """name -> tensor on device (None when absent: e.g. no weight_scale for an unquantized linear).
     progress: a bar updated with the bytes each tensor copied here moves (staged tensors arrive on their
@@ -358,7 +366,9 @@ def getter(store, names: set, device: torch.device, progress=None) -> Callable[[
         if name not in names:
             if name.endswith("_scale"):
                 return None
-            raise LoadError(f"tensor {name!r} is missing from {store.path}")
+            raise LoadError(
+                f"tensor {name!r} is missing from {listing(store)}; reconvert, or restore the file"
+            )
         t = store.get(name)
         if t.device == device:
             return t
@@ -528,6 +538,12 @@ def build_model(
     model_module = models.for_store(store)
     cfg, names = store.config, store.names()
     n = cfg.num_hidden_layers
+    tied = getattr(cfg, "tie_word_embeddings", False)  # else lm_head is a tensor of its own
+    for name in TOP_NAMES[:2] if tied else TOP_NAMES:
+        if name not in names:
+            raise LoadError(
+                f"tensor {name!r} is missing from {listing(store)}; reconvert, or restore the file"
+            )
     where, embed_dev, head_dev = weight_devices(n, device, placement)
     make_rope = getattr(model_module, "rope", None) or (
         lambda cfg, d: Rope(cfg.rotary_dim, cfg.rope_theta, d)

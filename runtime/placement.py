@@ -13,13 +13,15 @@ without max_memory keeps RESERVE of each GPU free for the KV cache and activatio
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import torch
 
-from porter.errors import PlacementError
+from porter.devices import resolve_device
+from porter.errors import DeviceError, PlacementError
 from porter.format.layout import layer_of
 from runtime.loader import TOP_NAMES
 
@@ -74,17 +76,28 @@ def fmt(n: int) -> str:
 
 
 def parse_bytes(v, what: str = "max_memory") -> int:
-    """70 * 2**30, "70GiB", "70GB", "512MiB" -> bytes."""
+    """70 * 2**30, "70GiB", "70GB", "512MiB" -> bytes (a finite number >= 0)."""
+    value = None
     if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return int(v)
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(v))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise PlacementError(f"{what}: cannot read {v!r} as a size; use bytes or e.g. '70GiB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        value = float(v)
+    elif m := re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", str(v)):
+        if m.group(2).lower() in _UNITS:
+            value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value is None or not math.isfinite(value) or value < 0:
+        raise PlacementError(f"{what}: cannot read {v!r} as a size; use bytes >= 0 or e.g. '70GiB'")
+    return int(value)
 
 
-def as_device(d) -> torch.device:
-    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+def as_device(d, what: str = "device_map") -> torch.device:
+    """cpu, cuda, cuda:N or a GPU index -> torch.device (whether this machine has it is `resolve`'s check,
+    so that plans can be made for other machines); anything else: PlacementError naming `what`."""
+    try:
+        dev = torch.device("cuda", d) if isinstance(d, int) and not isinstance(d, bool) else torch.device(d)
+    except (RuntimeError, TypeError, ValueError):
+        raise PlacementError(f"{what}: {d!r} is not a device; use cpu, cuda, cuda:N or a GPU index") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise PlacementError(f"{what}: {d!r}: porter places layers on cpu or cuda devices only")
+    return dev
 
 
 def store_sizes(store, num_layers: int) -> Sizes:
@@ -150,7 +163,7 @@ def explicit(device_map: Mapping, sizes: Sizes, budgets: Optional[Mapping]) -> P
         m = re.fullmatch(r"(?:model\.)?layers\.(\d+)", str(key))
         if not m or int(m.group(1)) >= n:
             raise PlacementError(f"device_map key {key!r}: expected 'layers.N' with N < {n}")
-        where[int(m.group(1))] = as_device(dev)
+        where[int(m.group(1))] = as_device(dev, f"device_map[{key!r}]")
     missing = [i for i, d in enumerate(where) if d is None]
     if missing:
         raise PlacementError(
@@ -161,7 +174,7 @@ def explicit(device_map: Mapping, sizes: Sizes, budgets: Optional[Mapping]) -> P
     for d, b in [(where[0], sizes.embed), (where[-1], sizes.head)] + list(zip(where, sizes.layers)):
         used[str(d)] = used.get(str(d), 0) + b
     if budgets is not None:
-        caps = {str(as_device(d)): int(b) for d, b in budgets.items()}
+        caps = {str(as_device(d, "max_memory")): int(b) for d, b in budgets.items()}
         for d, u in used.items():
             if d in caps and u > caps[d]:
                 raise PlacementError(
@@ -174,7 +187,14 @@ def explicit(device_map: Mapping, sizes: Sizes, budgets: Optional[Mapping]) -> P
 def device_budgets(max_memory: Optional[Mapping]) -> dict:
     """device -> weight bytes: max_memory as given, else every visible GPU's free memory less RESERVE."""
     if max_memory:
-        return {as_device(d): parse_bytes(v) for d, v in max_memory.items()}
+        if not isinstance(max_memory, Mapping):
+            raise PlacementError(
+                f"max_memory must be a dict {{device: size}}, not {type(max_memory).__name__}"
+            )
+        return {
+            as_device(d, f"max_memory key {d!r}"): parse_bytes(v, f"max_memory[{d!r}]")
+            for d, v in max_memory.items()
+        }
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise PlacementError(
             "device_map='auto' found no CUDA device; pass max_memory={'cpu': ...} or load with device='cpu'"
@@ -187,11 +207,19 @@ def device_budgets(max_memory: Optional[Mapping]) -> dict:
 
 
 def resolve(device_map, store, max_memory: Optional[Mapping] = None) -> Placement:
+    """The placement of `store`'s model for runtime.load: planned, and every device it uses present here."""
     sizes = store_sizes(store, store.config.num_hidden_layers)
     if isinstance(device_map, str):
         if device_map != "auto":
             raise PlacementError(f"device_map={device_map!r}: use 'auto' or a dict {{'layers.N': device}}")
-        return plan(sizes, device_budgets(max_memory))
-    if isinstance(device_map, Mapping):
-        return explicit(device_map, sizes, device_budgets(max_memory) if max_memory else None)
-    raise PlacementError(f"device_map must be 'auto' or a dict, not {type(device_map).__name__}")
+        placement = plan(sizes, device_budgets(max_memory))
+    elif isinstance(device_map, Mapping):
+        placement = explicit(device_map, sizes, device_budgets(max_memory) if max_memory else None)
+    else:
+        raise PlacementError(f"device_map must be 'auto' or a dict, not {type(device_map).__name__}")
+    for d in dict.fromkeys((placement.embed, *placement.layers, placement.head)):
+        try:
+            resolve_device(str(d))
+        except DeviceError as e:
+            raise PlacementError(f"device_map: {e}") from None
+    return placement

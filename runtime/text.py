@@ -3,26 +3,28 @@
 Everything is read from the model folder (tokenizer.json, tokenizer_config.json, chat_template.jinja /
 chat_template.json, generation_config.json); nothing from the checkpoint is executed. The chat template is
 rendered in jinja2's immutable sandbox with the globals transformers gives templates
-(`raise_exception`, `strftime_now`), so templates written for transformers render the same here.
+(`raise_exception`, `strftime_now`), so templates written for transformers render the same here, within a
+budget of seconds and characters (runtime/template.py): a template that loops, recurses or grows without
+end is a TextError naming it and the limit.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field, replace
-from datetime import datetime
 from pathlib import Path
 from typing import Optional, Sequence
 
 from porter.errors import TextError
 from porter.format.safe_files import present, read_json_object, read_text
+from runtime.template import TemplateBudget, TemplateLimit, render
 
 log = logging.getLogger("porter.runtime")
 
 # Generation settings a generation_config.json may give and generate() may override.
 SAMPLING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k")
 DEFAULT_MAX_NEW_TOKENS = 128  # when neither the call nor generation_config.json says
+DEFAULT_BUDGET = TemplateBudget()  # what rendering a chat template may spend (runtime/template.py)
 
 
 def _read_json(path: Path) -> dict:
@@ -106,6 +108,8 @@ class Tokenizer:
     pad_token: Optional[str] = None
     chat_template: Optional[str] = None
     special: dict = field(default_factory=dict)  # every *_token of tokenizer_config.json, for templates
+    chat_template_file: Optional[Path] = None  # where the chat template was read from
+    template_budget: TemplateBudget = DEFAULT_BUDGET
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
@@ -133,46 +137,53 @@ class Tokenizer:
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         return render_template(
-            self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt, **self.special
+            self.chat_template,
+            origin=str(self.chat_template_file or self.path.parent),
+            budget=self.template_budget,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **self.special,
         )
 
 
-def render_template(source: str, **context) -> str:
+def render_template(source: str, origin: str = "", budget: TemplateBudget = DEFAULT_BUDGET, **context) -> str:
+    """A chat template rendered in the budgeted sandbox (runtime/template.py). Whatever goes wrong is the
+    template's doing (it is someone else's program): one TextError naming it (`origin`) and what happened."""
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    where = f"chat template ({origin})" if origin else "chat template"
 
     def raise_exception(message):
-        raise TextError(f"chat template: {message}")
+        raise TextError(f"{where}: {message}")
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii
-    )
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     try:
-        return env.from_string(source).render(**context)
+        return render(source, budget, {"raise_exception": raise_exception}, **context)
     except TextError:
         raise
+    except TemplateLimit as e:
+        raise TextError(f"{where}: {e}; fix the template, or prompt without the chat template") from None
     except jinja2.TemplateError as e:
-        raise TextError(f"chat template: {e.__class__.__name__}: {e}") from None
+        raise TextError(f"{where}: {e.__class__.__name__}: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise TextError(f"{where}: recursion deeper than Python allows; fix the template") from None
+    except Exception as e:  # noqa: BLE001 — any other error raised while rendering is the template's own
+        raise TextError(f"{where}: {e.__class__.__name__}: {' '.join(str(e).split())}") from None
 
 
-def _chat_template(folder: Path, tok_config: dict) -> Optional[str]:
+def _chat_template(folder: Path, tok_config: dict) -> tuple[Optional[str], Optional[Path]]:
+    """(the chat template, the file it is read from)."""
     jinja = folder / "chat_template.jinja"
     if present(jinja, TextError, "chat template"):
-        return read_text(jinja, TextError, "chat template")
+        return read_text(jinja, TextError, "chat template"), jinja
     as_json = folder / "chat_template.json"
-    template = (
-        _read_json(as_json).get("chat_template")
-        if present(as_json, TextError)
-        else tok_config.get("chat_template")
-    )
+    if present(as_json, TextError):
+        template, where = _read_json(as_json).get("chat_template"), as_json
+    else:
+        template, where = tok_config.get("chat_template"), folder / "tokenizer_config.json"
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    return template if isinstance(template, str) else None
+    return (template, where) if isinstance(template, str) else (None, None)
 
 
 def load_tokenizer(folder) -> Optional[Tokenizer]:
@@ -195,14 +206,16 @@ def load_tokenizer(folder) -> Optional[Tokenizer]:
     special = {
         k: _token_text(v) for k, v in cfg.items() if k.endswith("_token") and _token_text(v) is not None
     }
+    template, template_file = _chat_template(folder, cfg)
     return Tokenizer(
         backend,
         path,
         special.get("bos_token"),
         special.get("eos_token"),
         special.get("pad_token"),
-        _chat_template(folder, cfg),
+        template,
         special,
+        template_file,
     )
 
 

@@ -30,6 +30,17 @@ def _seeded_rngs():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _pinned_memory_budget(monkeypatch):
+    """Conversions run in a fixed default --max-memory (4 GiB) rather than half of what the machine has
+    available when the test runs: no test passes or fails by what else the machine is doing. Tests of the
+    default itself call porter.engine.budget.default_max_memory."""
+    import porter.engine
+
+    monkeypatch.setattr(porter.engine, "default_max_memory", lambda: 4 << 30)
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_vendor(tmp_path_factory) -> Path:
     """Vendor layout (legacy config keys, per-expert w1/w2/w3, vision tensors), seed 0."""

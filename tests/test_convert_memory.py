@@ -53,3 +53,37 @@ def test_peak_rss_independent_of_model_size(tmp_path):
     assert max(rss_small, rss_large) < 1.5e9
     for rss, est in ((rss_small, est_small), (rss_large, est_large)):
         assert 1 / 1.5 < est / rss < 1.5, (est, rss)
+
+
+def test_default_budget_is_this_process_plus_half_the_available(monkeypatch):
+    """The budget caps the process's peak; the pages it holds already are not in MemAvailable."""
+    from porter.engine import budget
+
+    status = {"RssAnon": 600 << 20, "RssFile": 100 << 20, "MemAvailable": 200 << 20, "MemTotal": 16 << 30}
+    monkeypatch.setattr(budget, "memory_status", lambda: status)
+    assert budget.default_max_memory() == (700 << 20) + (100 << 20)
+
+
+def test_a_small_conversion_fits_a_busy_machine(tiny_vendor, tmp_path, monkeypatch):
+    """64 MB available (another process holds the rest): the 1 MB checkpoint converts with the default budget,
+    which counts this process as resident and the read-back buffers as the plan's largest tensor (the part of a
+    16 MiB chunk buffer a hash touches)."""
+    import porter
+    import porter.engine
+    from porter.engine import budget
+    from porter.format.safetensors_io import DIGEST_CHUNK_BYTES, parse_header
+
+    real = budget.memory_status
+    monkeypatch.setattr(porter.engine, "default_max_memory", budget.default_max_memory)  # not conftest's pin
+    monkeypatch.setattr(budget, "memory_status", lambda: {**real(), "MemAvailable": 64 << 20})
+    dry = porter.convert(tiny_vendor, tmp_path / "o", dry_run=True, device="cpu", workers=3)
+    est = dry["memory_estimate"]
+    assert est["max_memory"] - est["base"] < 64 << 20  # the budget beyond this process: half of 64 MB
+    done = porter.convert(tiny_vendor, tmp_path / "o", progress=False, device="cpu", workers=3)
+    assert done["tensors"] == 82 and (tmp_path / "o" / "model.safetensors.index.json").exists()
+    written = [
+        info["data_offsets"][1] - info["data_offsets"][0]
+        for f in (tmp_path / "o").glob("*.safetensors")
+        for info in parse_header(f)[1].values()
+    ]
+    assert est["readback"] == 3 * max(written) < 3 * DIGEST_CHUNK_BYTES  # each worker: the largest tensor

@@ -111,9 +111,11 @@ def test_protocol_members():
         "DEFAULT_SCOPE",
         "hf_layout",
         "verify_rules",
+        "SIZE_RULES",
     }
     assert {n for n, k in members.items() if k == "function"} == {
         "resolve_config",
+        "config_sizes",
         "manifest_facts",
         "source_layout",
         "plan_tensors",
@@ -341,3 +343,29 @@ def test_every_registered_converter_satisfies_the_protocol(module):
         if getattr(conv, cap) is not None:
             _same_signatures(getattr(conv, cap), proto)
     assert conv.ARCHITECTURE == module
+
+
+@pytest.mark.parametrize("model_type", sorted(converters.MODEL_TYPES))
+def test_size_rules_are_declared_over_the_fields_config_sizes_reads(model_type):
+    """Every registered converter declares its size rules (porter/format/sizes.py) as Dim / Count rules with
+    patterns that compile, over fields its config_sizes reads (docs/architecture.md)."""
+    import re
+
+    from porter.format.sizes import Count, Dim
+
+    conv = converters.get(model_type)
+    assert conv.SIZE_RULES and all(isinstance(r, (Dim, Count)) for r in conv.SIZE_RULES)
+    for rule in conv.SIZE_RULES:
+        pattern = re.compile(rule.pattern)
+        assert isinstance(rule, Dim) or 1 <= pattern.groups <= 2, rule
+        assert not re.search(r"(^|\\\.)\d", rule.pattern), f"{rule}: match numeric name parts with \\d+"
+    m3 = converters.get("minimax_m3_vl")
+    fields = {f for r in m3.SIZE_RULES for f in (r.fields if isinstance(r, Dim) else (r.field,))}
+    assert fields == set(m3.config_sizes(vendor_config()))
+    assert {
+        "num_hidden_layers",
+        "num_local_experts",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+    } <= fields

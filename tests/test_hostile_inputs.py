@@ -5,6 +5,7 @@ import builtins
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -333,6 +334,274 @@ def test_convert_refuses_non_regular_source_files(tiny_vendor, tmp_path, kind):
     code, out = cli("convert", d, "--output", tmp_path / "o")
     assert code == EXIT_BAD_INPUT and "generation_config.json" in out and out.count("\n") == 1, out
     assert not (tmp_path / "o" / "porter.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sizes, context and token ids: what a config or a call asks for is checked against what the files and the
+# model hold, before any loop or allocation is made from it.
+
+
+@pytest.fixture(scope="module")
+def artifact_hf(tiny_vendor, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("hostile") / "art_hf"
+    porter.convert(tiny_vendor, d, progress=False, layout="hf")
+    return d
+
+
+def one_error(out: str) -> bool:
+    """The output (log lines aside) is one `porter: error:` line, no traceback."""
+    return [
+        line.startswith("porter: error: ") for line in out.splitlines() if line.startswith("porter:")
+    ] == [True] and "Traceback" not in out
+
+
+def set_config(d: Path, key: str, value) -> None:
+    """config.json's field at `key` ('text_config.sparse_attention_config.x' or a top-level name) = value."""
+    doc = json.loads((d / "config.json").read_text())
+    *path, last = key.split(".")
+    node = doc
+    for part in path:
+        node = node[part]
+    node[last] = value
+    (d / "config.json").write_text(json.dumps(doc))
+
+
+@pytest.fixture(scope="module")
+def m2_sources(tmp_path_factory) -> dict:
+    """MiniMax-M2 fixtures: the FP8-block release layout, bf16 under its names, transformers' fused names,
+    and an artifact converted from the release."""
+    from minimax_m2_tiny_checkpoint import build_m2_checkpoint as build_m2
+
+    root = tmp_path_factory.mktemp("m2")
+    out = {layout: build_m2(root / layout, layout=layout) for layout in ("fp8", "vendor", "transformers")}
+    out["artifact"] = root / "art"
+    porter.convert(out["fp8"], out["artifact"], progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_sources(tmp_path_factory) -> dict:
+    """gpt-oss fixtures: OpenAI's MXFP4 release layout, transformers' bf16 layout, and an artifact."""
+    from gpt_oss_tiny_checkpoint import build_tiny_checkpoint as build_gpt_oss
+
+    root = tmp_path_factory.mktemp("go")
+    out = {layout: build_gpt_oss(root / layout, layout=layout) for layout in ("mxfp4", "bf16")}
+    out["artifact"] = root / "art"
+    porter.convert(out["mxfp4"], out["artifact"], progress=False)
+    return out
+
+
+TARGETS = [
+    "vendor",
+    "transformers",
+    "artifact",
+    "artifact_hf",
+    "m2:fp8",
+    "m2:vendor",
+    "m2:transformers",
+    "m2:artifact",
+    "go:mxfp4",
+    "go:bf16",
+    "go:artifact",
+]
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    pick=st.integers(0, 63),
+    change=st.sampled_from([lambda v: 10**9, lambda v: 10**18, lambda v: v + 1, lambda v: 2 * v]),
+    target=st.sampled_from(TARGETS),
+)
+def test_config_sizes_are_checked_against_the_files(request, tmp_path_factory, pick, change, target):
+    """Any size field of any family changed (absurdly or by one), in every source and output layout:
+    runtime.load, inspect and convert (sources) or generate (artifacts) refuse in well under a second with
+    one line naming the field, its value and what the files hold, before anything is planned, allocated or
+    written. (A field the files may hold more of, such as M2's MTP module count, bounds nothing and is not
+    changed.)"""
+    import converters
+
+    if target.startswith(("m2:", "go:")):
+        src = request.getfixturevalue({"m2": "m2_sources", "go": "gpt_oss_sources"}[target[:2]])[target[3:]]
+    else:
+        src = request.getfixturevalue(
+            {"vendor": "tiny_vendor", "transformers": "tiny_transformers"}.get(target, target)
+        )
+    root = tmp_path_factory.mktemp("sz")
+    d = copy(src, root)
+    raw = json.loads((d / "config.json").read_text())
+    conv = converters.for_config(raw)
+    extras = {r.extra for r in conv.SIZE_RULES if getattr(r, "extra", "")}
+    fields = sorted(f for f in conv.config_sizes(raw) if f not in extras)
+    value, key = conv.config_sizes(raw)[fields[pick % len(fields)]]
+    set_config(d, key, change(value))
+    t0 = time.monotonic()
+    msg = load_error(d)
+    assert time.monotonic() - t0 < 1.0
+    assert (
+        "config field" in msg
+        and repr(key) in msg
+        and "this config.json does not describe these weights" in msg
+    ), msg
+    artifact = "artifact" in target
+    commands = [["inspect", d]]
+    commands.append(
+        ["generate", d, "--prompt", "hi", "--max-new-tokens", "1"]
+        if artifact
+        else ["convert", d, "--output", root / "o"]
+    )
+    for args in commands:
+        code, out = cli(*args)
+        assert code == EXIT_BAD_INPUT and one_error(out) and repr(key) in out, (args, out)
+    assert not (root / "o").exists()
+
+
+@pytest.mark.parametrize("name", ["model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"])
+def test_index_lacking_a_tensor_the_model_needs(artifact, tmp_path, name):
+    d = copy(artifact, tmp_path)
+    doc = json.loads((d / INDEX).read_text())
+    del doc["weight_map"][name]
+    (d / INDEX).write_text(json.dumps(doc))
+    for lazy in (False, True):
+        with pytest.raises(PorterError) as e:
+            runtime.load(d, lazy=lazy)
+        assert f"tensor {name!r} is missing from {d / INDEX}" in str(e.value)
+    code, out = cli("generate", d, "--prompt", "hi", "--max-new-tokens", "1")
+    assert code == EXIT_BAD_INPUT and name in out and INDEX in out and one_error(out), out
+
+
+@pytest.fixture(scope="module")
+def short_context(artifact, tmp_path_factory) -> Path:
+    """The artifact with a 12-token context, so that generating up to it is cheap."""
+    d = copy(artifact, tmp_path_factory.mktemp("ctx"))
+    set_config(d, "text_config.max_position_embeddings", 12)
+    return d
+
+
+def test_generation_beyond_the_context_exits_2_naming_the_numbers(artifact):
+    code, out = cli("generate", artifact, "--prompt", "hi", "--max-new-tokens", "1000000000")
+    assert code == EXIT_BAD_INPUT and one_error(out), out
+    assert "max_new_tokens (1,000,000,000)" in out and "context of 4,096 tokens" in out, out
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(prompt_len=st.integers(1, 16), new=st.none() | st.integers(0, 16), as_tensor=st.booleans())
+def test_prompt_and_new_tokens_inside_the_context(short_context, prompt_len, new, as_tensor):
+    """Within the 12-token context the call generates; beyond it, a max_new_tokens the call gave is refused
+    naming both numbers and the limit, a default one is shortened to fit, and a prompt that fills the
+    context is refused. The KV cache never holds more than the context."""
+    import torch
+
+    model = _context_model(short_context)
+    ids = [(7 * i) % 300 + 3 for i in range(prompt_len)]
+    prompt = torch.tensor([ids]) if as_tensor else ids
+    default = model.generation_config.max_new_tokens
+    n = default if new is None else new
+    if prompt_len > 12 or (prompt_len == 12 and n > 0) or (new is not None and prompt_len + new > 12):
+        with pytest.raises(PorterError) as e:
+            model.generate(prompt, new, eos_token_id=[])
+        msg = str(e.value)
+        assert "context of 12" in msg and f"{prompt_len:,} tokens" in msg and "\n" not in msg, msg
+        return
+    out = model.generate(prompt, new, eos_token_id=[])
+    got = (out.shape[1] if as_tensor else len(out)) - prompt_len
+    assert got == min(n, 12 - prompt_len)
+
+
+_MODELS: dict = {}
+
+
+def _context_model(path):
+    if path not in _MODELS:
+        _MODELS[path] = runtime.load(path)
+    return _MODELS[path]
+
+
+def test_kv_cache_larger_than_free_memory_is_refused(artifact, tmp_path, monkeypatch):
+    """The cache is sized from what the call can reach and checked against the memory free for it: a config
+    whose index blocks are a billion tokens long is refused before anything is allocated."""
+    import runtime.generate as generate
+
+    model = runtime.load(artifact)
+    monkeypatch.setattr(generate, "free_bytes", lambda device: 1 << 10)
+    with pytest.raises(
+        PorterError, match=r"KV cache for 1 x 4 tokens needs 0.01 MiB on cpu, which has 0.00 MiB free"
+    ):
+        model.generate([5, 6], 2)
+    monkeypatch.undo()
+    d = copy(artifact, tmp_path)
+    set_config(d, "text_config.sparse_attention_config.sparse_block_size", 10**9)
+    code, out = cli("generate", d, "--prompt", "hi", "--max-new-tokens", "2")
+    assert code == EXIT_BAD_INPUT and "KV cache" in out and one_error(out), out
+
+
+def test_token_ids_beyond_the_vocabulary(artifact, tmp_path):
+    model = _context_model(artifact)
+    for bad in ([5, 384], [-1, 5]):
+        with pytest.raises(
+            PorterError,
+            match=f"token id {bad[1] if bad[0] == 5 else -1} is outside the model's vocabulary of 384",
+        ):
+            model.generate(bad, 1)
+    d = copy(artifact, tmp_path)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_tokens(["<beyond>"])  # id 384: a tokenizer that does not belong to this 384-token model
+    tok.save(str(d / "tokenizer.json"))
+    code, out = cli("generate", d, "--prompt", "a <beyond> b", "--max-new-tokens", "1")
+    assert code == EXIT_BAD_INPUT and "gives token id 384" in out and "tokenizer.json" in out, out
+    d = copy(artifact, tmp_path)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "pad_token_id": 10**6}))
+    code, out = cli("generate", d, "--prompt", "hi", "--max-new-tokens", "1")
+    assert code == EXIT_BAD_INPUT and "pad token id 1000000" in out, out
+
+
+@pytest.mark.parametrize(
+    "device_map, max_memory, culprit",
+    [
+        ({"layers.0": "disk", "layers.1": "cpu", "layers.2": "cpu", "layers.3": "cpu"}, None, "'disk'"),
+        ({f"layers.{i}": "meta" for i in range(4)}, None, "'meta'"),
+        ({f"layers.{i}": -1 for i in range(4)}, None, "-1"),
+        ({f"layers.{i}": None for i in range(4)}, None, "None"),
+        ("disk", None, "'disk'"),
+        ({f"layers.{i}": "cuda:7" for i in range(4)}, None, "cuda:7"),
+        ("auto", {"disk": "1GB"}, "'disk'"),
+        ("auto", {"cpu": float("nan")}, "nan"),
+        ("auto", {"cpu": -5}, "-5"),
+        ("auto", ["cpu"], "max_memory must be a dict"),
+    ],
+)
+def test_device_map_values_are_refused_in_one_line(artifact, device_map, max_memory, culprit):
+    with pytest.raises(PorterError) as e:
+        runtime.load(artifact, device_map=device_map, max_memory=max_memory)
+    assert culprit in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_verify_checks_both_configs_sizes_against_their_files(artifact, tiny_vendor, tmp_path):
+    """The reference's config is input (exit 2); the artifact's is what verify judges (exit 1, the field
+    named). Neither is resolved into per-layer lists of a billion entries first: the artifact's config here
+    has no per-layer lists, so resolving it unchecked would build two lists of 10**9 (16 GB)."""
+    ref = copy(tiny_vendor, tmp_path / "r")
+    set_config(ref, "text_config.num_local_experts", 10**9)
+    code, out = cli("verify", artifact, "--reference", ref, "--max-new-tokens", "0")
+    assert (
+        code == EXIT_BAD_INPUT and "'text_config.num_local_experts' = 1,000,000,000" in out and one_error(out)
+    )
+    art = copy(artifact, tmp_path / "a")
+    doc = json.loads((art / "config.json").read_text())
+    text = doc["text_config"]
+    text.pop("moe_layer_freq")
+    text["sparse_attention_config"].pop("sparse_attention_freq")
+    text["num_hidden_layers"] = 10**9
+    (art / "config.json").write_text(json.dumps(doc))
+    t0 = time.monotonic()
+    code, out = cli("verify", art, "--reference", tiny_vendor, "--max-new-tokens", "0")
+    assert (
+        code == 1
+        and "config.json resolves num_hidden_layers = 1000000000 but porter.json resolved_config says 4"
+        in out
+    )
+    assert time.monotonic() - t0 < 30
 
 
 def _as_snapshot(artifact: Path, root: Path, sha: str = "0123456789abcdef0123456789abcdef01234567") -> Path:

@@ -15,12 +15,14 @@ from converters.gpt_oss.config import (
     MODEL_TYPES,
     SLIDING_ATTN,
     GptOssConfig,
+    config_sizes,
     manifest_facts,
     resolve_config,
     source_layout,
 )
 from converters.gpt_oss.names import canonical_name
 from converters.gpt_oss.plan import DEFAULT_SCOPE, LAYOUTS, plan_tensors
+from converters.gpt_oss.sizes import SIZE_RULES
 
 hf_layout = None  # no engine loads an MXFP8 gpt-oss with expert biases (docs/gpt-oss.md)
 
@@ -31,10 +33,12 @@ __all__ = [
     "DEFAULT_SCOPE",
     "hf_layout",
     "verify_rules",
+    "SIZE_RULES",
     "SLIDING_ATTN",
     "FULL_ATTN",
     "GptOssConfig",
     "resolve_config",
+    "config_sizes",
     "manifest_facts",
     "source_layout",
     "plan_tensors",

@@ -160,6 +160,29 @@ def _check_model_type(raw) -> None:
 
 
 def resolve_config(raw: dict) -> GptOssConfig:
+    values, prov = _scalars(raw)
+    values["swiglu_beta"] = 1.0  # gpt-oss computes (up + 1): not a config key anywhere
+    prov["swiglu_beta"] = "architecture (gpt-oss: (up + 1); transformers GptOssExperts._apply_gate)"
+    values["gate_up_interleaved"] = True
+    prov["gate_up_interleaved"] = "architecture (gpt-oss: gate = gu[..., ::2], up = gu[..., 1::2])"
+    _resolve_layer_types(raw, values, prov)
+    _resolve_rope(raw, values, prov)
+    cfg = GptOssConfig(**values, provenance=prov)
+    _validate(cfg)
+    return cfg
+
+
+def config_sizes(raw: dict) -> dict:
+    """The size fields the converter's SIZE_RULES check against the files: {field: (value, config key)},
+    read like resolve_config reads them, building nothing from them (porter/format/sizes.py)."""
+    from converters.gpt_oss.sizes import SIZE_FIELDS
+
+    values, prov = _scalars(raw)
+    return {f: (values[f], prov[f].partition(":")[2] or f"{f} (default)") for f in SIZE_FIELDS}
+
+
+def _scalars(raw: dict) -> tuple[dict, dict]:
+    """Every field of _FIELDS, typed, with its provenance."""
     _check_model_type(raw)
     values, prov = {}, {}
     for name, (keys, default, kind) in _FIELDS.items():
@@ -174,15 +197,7 @@ def resolve_config(raw: dict) -> GptOssConfig:
             )
         key, where = found[0]
         values[name], prov[name] = given[key], f"{where}:{key}"
-    values["swiglu_beta"] = 1.0  # gpt-oss computes (up + 1): not a config key anywhere
-    prov["swiglu_beta"] = "architecture (gpt-oss: (up + 1); transformers GptOssExperts._apply_gate)"
-    values["gate_up_interleaved"] = True
-    prov["gate_up_interleaved"] = "architecture (gpt-oss: gate = gu[..., ::2], up = gu[..., 1::2])"
-    _resolve_layer_types(raw, values, prov)
-    _resolve_rope(raw, values, prov)
-    cfg = GptOssConfig(**values, provenance=prov)
-    _validate(cfg)
-    return cfg
+    return values, prov
 
 
 def _resolve_layer_types(raw, values, prov):

@@ -24,7 +24,8 @@ with porter's mxfp8 quantization_config in place of the source's.
 
 This package is the MiniMax-M2 converter (the `converters.base.Converter` protocol), reached through the
 registry. Modules: config.py, names.py, plan.py, hf_layout.py (the hf_layout capability), verify_rules.py
-(the verify_rules capability: verify's own source table).
+(the verify_rules capability: verify's own source table), sizes.py (SIZE_RULES: what in the files each
+config size field must match).
 """
 
 from converters.minimax_m2 import hf_layout, verify_rules
@@ -32,6 +33,7 @@ from converters.minimax_m2.config import (
     ARCHITECTURE,
     MODEL_TYPES,
     TextConfig,
+    config_sizes,
     manifest_facts,
     resolve_config,
     source_layout,
@@ -39,6 +41,7 @@ from converters.minimax_m2.config import (
 from converters.minimax_m2.hf_layout import DEFAULT_SCOPE
 from converters.minimax_m2.names import canonical_name, expert_name, experts_w2_name, experts_w13_name
 from converters.minimax_m2.plan import LAYOUTS, plan_tensors
+from converters.minimax_m2.sizes import SIZE_RULES
 
 __all__ = [
     "ARCHITECTURE",
@@ -47,8 +50,10 @@ __all__ = [
     "DEFAULT_SCOPE",
     "hf_layout",
     "verify_rules",
+    "SIZE_RULES",
     "TextConfig",
     "resolve_config",
+    "config_sizes",
     "manifest_facts",
     "source_layout",
     "plan_tensors",

@@ -150,6 +150,31 @@ def resolve_config(raw: dict) -> TextConfig:
         raise ConfigError("config.json must hold a JSON object")
     if raw.get("model_type") not in MODEL_TYPES:
         raise ConfigError(f"config.json: model_type {raw.get('model_type')!r} is not MiniMax-M2 (minimax_m2)")
+    values, prov = _scalars(raw)
+    _resolve_rope(raw, values, prov)
+    _resolve_mtp(raw, values, prov)
+    _resolve_fixed_semantics(raw, values["num_hidden_layers"])
+    cfg = TextConfig(**values, provenance=prov)
+    _validate(cfg)
+    return cfg
+
+
+def config_sizes(raw: dict) -> dict:
+    """The size fields the converter's SIZE_RULES check against the files: {field: (value, config key)},
+    read like resolve_config reads them, building nothing from them (porter/format/sizes.py)."""
+    from converters.minimax_m2.sizes import SIZE_FIELDS
+
+    values, prov = _scalars(raw)
+    _resolve_mtp(raw, values, prov)
+    return {f: (values[f], prov[f].partition(":")[2] or f"{f} (default)") for f in SIZE_FIELDS}
+
+
+def _scalars(raw: dict) -> tuple[dict, dict]:
+    """Every field of _FIELDS, typed, with its provenance."""
+    if not isinstance(raw, dict):
+        raise ConfigError("config.json must hold a JSON object")
+    if raw.get("model_type") not in MODEL_TYPES:
+        raise ConfigError(f"config.json: model_type {raw.get('model_type')!r} is not MiniMax-M2 (minimax_m2)")
     values, prov = {}, {}
     for name, (key, legacy, default, kind) in _FIELDS.items():
         if key in raw:
@@ -159,12 +184,7 @@ def resolve_config(raw: dict) -> TextConfig:
         else:
             value, where = default, "default"
         values[name], prov[name] = _typed(key, value, kind), where
-    _resolve_rope(raw, values, prov)
-    _resolve_mtp(raw, values, prov)
-    _resolve_fixed_semantics(raw, values["num_hidden_layers"])
-    cfg = TextConfig(**values, provenance=prov)
-    _validate(cfg)
-    return cfg
+    return values, prov
 
 
 def _resolve_rope(raw, values, prov):

@@ -28,7 +28,8 @@ and a top-level mxfp8 `quantization_config` (`hf_config_json`).
 This package is the MiniMax-M3 converter (the `converters.base.Converter` protocol): callers reach it
 through the registry, `converters.for_config(raw_config)`. Modules: config.py (TextConfig,
 resolve_config), names.py (canonical names), plan.py (plan_tensors, expert stacking), hf_layout.py (the
-hf_layout capability), verify_rules.py (the verify_rules capability: verify's own source table).
+hf_layout capability), verify_rules.py (the verify_rules capability: verify's own source table), sizes.py
+(SIZE_RULES: what in the files each config size field must match).
 """
 
 from converters.experts import interleave_gate_up, uninterleave_gate_up
@@ -41,6 +42,7 @@ from converters.minimax_m3.config import (
     MOE_MLP,
     SPARSE_ATTN,
     TextConfig,
+    config_sizes,
     manifest_facts,
     resolve_config,
     source_layout,
@@ -55,6 +57,7 @@ from converters.minimax_m3.names import (
     is_stacked_experts,
 )
 from converters.minimax_m3.plan import plan_tensors
+from converters.minimax_m3.sizes import SIZE_RULES
 
 __all__ = [
     "ARCHITECTURE",
@@ -63,12 +66,14 @@ __all__ = [
     "DEFAULT_SCOPE",
     "hf_layout",
     "verify_rules",
+    "SIZE_RULES",
     "SPARSE_ATTN",
     "FULL_ATTN",
     "MOE_MLP",
     "DENSE_MLP",
     "TextConfig",
     "resolve_config",
+    "config_sizes",
     "text_config_dict",
     "manifest_facts",
     "source_layout",

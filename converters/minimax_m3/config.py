@@ -189,6 +189,33 @@ def text_config_dict(raw: dict) -> tuple[dict, str]:
 
 def resolve_config(raw: dict) -> TextConfig:
     text, prefix = text_config_dict(raw)
+    values, prov = _scalars(raw, text, prefix)
+    _resolve_rope(text, prefix, values, prov)
+    _resolve_layer_types(text, prefix, values, prov)
+    _resolve_fixed_semantics(text, prefix, values["layer_types"])
+    cfg = TextConfig(**values, provenance=prov)
+    _validate(cfg)
+    return cfg
+
+
+def config_sizes(raw: dict) -> dict:
+    """The size fields the converter's SIZE_RULES check against the files: {field: (value, config key)},
+    read like resolve_config reads them, building nothing from them (porter/format/sizes.py)."""
+    from converters.minimax_m3.sizes import SIZE_FIELDS
+
+    text, prefix = text_config_dict(raw)
+    values, prov = _scalars(raw, text, prefix)
+    return {f: (values[f], _key(prov[f], f)) for f in SIZE_FIELDS}
+
+
+def _key(provenance: str, name: str) -> str:
+    """'config:text_config.num_experts' -> 'text_config.num_experts'; 'default' -> '<name> (default)'."""
+    kind, _, key = provenance.partition(":")
+    return key if key and kind in ("config", "legacy") else f"{name} (default)"
+
+
+def _scalars(raw: dict, text: dict, prefix: str) -> tuple[dict, dict]:
+    """Every scalar field of _FIELDS, typed, with its provenance."""
     values, prov = {}, {}
     for name, (flat, legacy, default, kind) in _FIELDS.items():
         found, value = _lookup(text, flat)
@@ -202,12 +229,7 @@ def resolve_config(raw: dict) -> TextConfig:
             value, where = default, "default"
         values[name] = _typed(f"{prefix}{flat}", value, kind)
         prov[name] = where
-    _resolve_rope(text, prefix, values, prov)
-    _resolve_layer_types(text, prefix, values, prov)
-    _resolve_fixed_semantics(text, prefix, values["layer_types"])
-    cfg = TextConfig(**values, provenance=prov)
-    _validate(cfg)
-    return cfg
+    return values, prov
 
 
 def _resolve_rope(text, prefix, values, prov):

@@ -28,6 +28,7 @@ def generate(
     """Stream the continuation of `prompt` to `out` (stdout); return {"tokens", "seconds", "tokens_per_s"}.
     progress: a bar on stderr while the weights are read onto the GPUs (runtime.load)."""
     import runtime
+    from runtime.generate import check_token_ids
     from runtime.text import TextError
 
     out = out or sys.stdout
@@ -42,6 +43,7 @@ def generate(
 
     start = time.perf_counter()
     ids = _prompt_ids(model, prompt, chat)
+    check_token_ids(model, ids, from_tokenizer=True)  # named as the tokenizer's, not as ids a caller gave
     new = model.generate(
         ids,
         max_new_tokens,

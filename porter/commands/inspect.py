@@ -45,7 +45,7 @@ def inspect(path) -> dict:
     man = _manifest(path) if manifest_mod.is_artifact(path) else None
     tensors = _tensor_meta(path)
     converter = _converter(raw, path)  # None: an architecture porter does not convert (headers only)
-    cfg = converter.resolve_config(raw) if converter else None
+    cfg = converters.resolve(raw, tensors, str(path / "config.json"), converter)[1] if converter else None
     qc = prequantized.quantization_config_of(raw)
     quantized, unquantized = _modules(tensors)
     ignored = list((qc or {}).get("ignored_layers") or (qc or {}).get("modules_to_not_convert") or [])

@@ -5,6 +5,7 @@ rule every command and runtime.load use.)"""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import torch
@@ -36,8 +37,16 @@ def default_workers() -> int:
 
 
 def default_max_memory() -> int:
-    """Half of the memory available now (the page cache and the rest of the machine keep the other half)."""
-    return int(memory_status().get("MemAvailable", 8 << 30) * 0.5)
+    """What this process holds now plus half of the memory available (the page cache and the rest of the
+    machine keep the other half). The budget caps the process's peak, and the pages it already holds are
+    not part of MemAvailable: on a busy machine a small conversion still fits."""
+    mem = memory_status()
+    return resident_bytes(mem) + int(mem.get("MemAvailable", 8 << 30) * 0.5)
+
+
+def resident_bytes(mem: dict) -> int:
+    """This process as it is now: its resident anonymous and file-backed pages (/proc/self/status)."""
+    return mem.get("RssAnon", 0) + mem.get("RssFile", 0)
 
 
 def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.device, max_memory: int) -> dict:
@@ -53,7 +62,7 @@ def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.devic
     ]
     unit = max((w + o for w, o in costs), default=0)
     scales = _open_scale_bytes(tensors, workers)
-    readback = workers * safetensors_io.DIGEST_CHUNK_BYTES  # each worker may read a chunk back to hash it
+    readback = workers * readback_bytes(tensors)  # each worker may read a chunk back to hash it
     inflight = max(unit, min(workers * unit, budget_for(max_memory, base, scales + readback)))
     return {
         "base": base,
@@ -68,17 +77,25 @@ def memory_estimate(tensors: list, meta: dict, workers: int, device: torch.devic
     }
 
 
+def readback_bytes(tensors: list) -> int:
+    """The part of a worker's read-back buffer a hash touches: one digest chunk, or the largest tensor of a
+    plan whose tensors are all smaller (the buffer's other pages are never written, so never resident)."""
+    written = (math.prod(t.shape) * (1 if t.quantize else t.dtype.itemsize) for t in tensors)  # e4m3: 1 byte
+    return min(safetensors_io.DIGEST_CHUNK_BYTES, max(written, default=0))
+
+
 def _base_bytes(tensors: list, meta: dict, workers: int, device: torch.device) -> int:
-    """This process now, the CUDA context on a GPU, and every worker's slabs (kept for the whole run)."""
-    mem = memory_status()
-    base = mem.get("RssAnon", 0) + mem.get("RssFile", 0)
+    """This process now (what is resident: resident_bytes), the CUDA context on a GPU unless this process has
+    started it already (then it is resident), and every worker's slabs (kept for the whole run)."""
+    base = resident_bytes(memory_status())
     reads = [
         min(COPY_CHUNK_BYTES, src_bytes(t)) if verbatim_source(t, meta) is not None else src_bytes(t)
         for t in tensors
     ]  # one unit's reads
     if device.type == "cuda":  # pinned slabs, registered at their size
         slabs = sum(pinned_slab_bytes(reads, [t for t in tensors if t.quantize]).values())
-        return base + CUDA_CONTEXT_BYTES + workers * slabs
+        context = 0 if torch.cuda.is_initialized() else CUDA_CONTEXT_BYTES
+        return base + context + workers * slabs
     return base + workers * max((r for r in reads if r <= SLAB_MAX_BYTES), default=0)
 
 

@@ -63,14 +63,27 @@ class CausalLM:
         """Cache slots come in whole blocks of this many (decode attention walks the cache by blocks)."""
         return 1
 
-    def layer_cache(self, i: int, batch: int, slots: int) -> LayerCache:
-        """Layer i's empty cache (dense attention: k/v)."""
-        return LayerCache.empty(self.cfg, False, batch, slots, self.dtype, self.layer_devices[i])
+    def layer_cache(self, i: int, batch: int, slots: int, device=None) -> LayerCache:
+        """Layer i's empty cache (dense attention: k/v), on its device (or `device`)."""
+        return LayerCache.empty(self.cfg, False, batch, slots, self.dtype, device or self.layer_devices[i])
+
+    def cache_slots(self, max_len: int) -> int:
+        """Slots of a cache for max_len positions: rounded up to whole cache blocks."""
+        return -(-max_len // self.cache_block) * self.cache_block
+
+    def cache_nbytes(self, batch: int, max_len: int) -> dict:
+        """{device: bytes} new_cache(batch, max_len) allocates, measured on caches made on the meta device
+        (nothing is allocated): generate checks them against free memory first."""
+        slots, need = self.cache_slots(max_len), {}
+        for i, dev in enumerate(self.layer_devices):
+            lc = self.layer_cache(i, batch, slots, device="meta")
+            held = sum(t.numel() * t.element_size() for t in (lc.k, lc.v, lc.idx_k) if t is not None)
+            need[dev] = need.get(dev, 0) + held
+        return need
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """Caches of max_len slots (rounded up to whole cache blocks), each on its layer's device."""
-        bs = self.cache_block
-        slots = -(-max_len // bs) * bs
+        slots = self.cache_slots(max_len)
         layers = [self.layer_cache(i, batch, slots) for i in range(self.cfg.num_hidden_layers)]
         return KVCache(layers, torch.zeros(batch, dtype=torch.long, device=self.embed_tokens.device))
 

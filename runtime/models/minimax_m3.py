@@ -336,9 +336,9 @@ class MiniMaxM3(CausalLM):
     def cache_block(self) -> int:
         return self.cfg.index_block_size  # whole index blocks: decode attention walks them
 
-    def layer_cache(self, i: int, batch: int, slots: int) -> LayerCache:
+    def layer_cache(self, i: int, batch: int, slots: int, device=None) -> LayerCache:
         sparse = self.cfg.is_sparse_attention(i)  # + the indexer's key cache
-        return LayerCache.empty(self.cfg, sparse, batch, slots, self.dtype, self.layer_devices[i])
+        return LayerCache.empty(self.cfg, sparse, batch, slots, self.dtype, device or self.layer_devices[i])
 
 
 Model = MiniMaxM3  # the runtime model registry's names (runtime/models/__init__.py)

@@ -26,6 +26,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   # dependencies conflict with the engines' pins, and lint has no business here)
   pip install -q -c "$PINS" -e . pytest "transformers==5.23.0" psutil hypothesis
   pip install -q -c "$PINS" --no-deps "$VLLM" "$SGLANG"
+  echo "run.sh: pip's resolver errors and its '... is incompatible' lines below are expected: the engines are" \
+    "installed --no-deps with only the dependencies their loaders import (docs/serving-engines.md)" >&2
   # vLLM's model, config and loader modules
   pip install -q -c "$PINS" numpy safetensors psutil pyzmq urllib3 cbor2 aiohttp requests openai-harmony \
     openai pillow pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo prometheus_client xgrammar fastapi \

@@ -49,8 +49,8 @@ def convert(source, output, options: Optional[ConvertOptions] = None, **given) -
     """Convert; returns a summary dict. Mirrors `porter convert` (see `porter convert --help`): `options` is
     a ConvertOptions, and any of its fields may be given as keywords instead (porter.convert(src, out,
     force=True)). quantize=None: the layout's default scope (the converter's DEFAULT_SCOPE); workers=None:
-    the available cores + 1; max_memory=None: half the available RAM; device: auto (the GPU when there is
-    one), cpu, cuda or cuda:N; digest: the chunk hash of the shard digests, xxh3-128 or sha256
+    the available cores + 1; max_memory=None: this process's memory + half the available RAM; device: auto
+    (the GPU when there is one), cpu, cuda or cuda:N; digest: the chunk hash of the shard digests, xxh3-128 or sha256
     (docs/artifact-format.md). token / cache_dir: Hugging Face token and cache folder for a repo id
     (None: HF_TOKEN / HF_HUB_CACHE)."""
     t0 = time.time()

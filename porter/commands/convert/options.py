@@ -98,7 +98,8 @@ class ConvertOptions:
         ),
     )
     max_memory: Union[int, str, None] = field(
-        default=None, metadata=_cli("Memory budget, e.g. 16GB [default: half the available RAM].")
+        default=None,
+        metadata=_cli("Memory budget, e.g. 16GB [default: this process's memory + half the available RAM]."),
     )
     device: str = field(
         default="auto",

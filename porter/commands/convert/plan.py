@@ -113,8 +113,8 @@ def make_plan(source: Source, options: Optional[ConvertOptions] = None, converte
     headers alone. converter: the source's (converters.for_config), when the caller has resolved it."""
     options = (options or ConvertOptions()).check()
     where = str(source.path / "config.json")
-    converter = converter or converters.for_config(source.raw_config, where)
-    config = converter.resolve_config(source.raw_config)
+    # the config's sizes checked against the source's tensors before anything is planned from them
+    converter, config = converters.resolve(source.raw_config, source.meta, where, converter)
     pre = source.prequantized  # how its values were read and re-quantized: verify's rule too
     opts = options.artifact_options(converter.DEFAULT_SCOPE, None if pre is None else pre.record())
     if opts.layout == "hf":

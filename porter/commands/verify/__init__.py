@@ -63,6 +63,7 @@ from porter.errors import PorterError, VerifyInputError
 from porter.format import manifest
 from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import dtype_name
+from porter.source.local import read_header, weight_files
 
 __all__ = [
     "verify",
@@ -204,7 +205,7 @@ def _open(
     check_reference_commit(man, ref_path)
     try:
         raw = read_json_object(ref_path / "config.json", VerifyInputError, "config")
-        ref_config = converters.for_config(raw).resolve_config(raw)
+        ref_config = converters.resolve(raw, reference_meta(ref_path), str(ref_path / "config.json"))[1]
     except PorterError as e:
         raise VerifyInputError(f"reference {ref_path / 'config.json'}: {e}") from None
     source_q = source_quantization(man, raw, ref_path)  # a pre-quantized reference is read as converted
@@ -227,6 +228,12 @@ def _open(
     rep.numerics = {n: NumericsRun(n, backend, "", th) for n in runs}
     rep.quality_judged = [n for n in QUALITY if th.is_set(n)]
     return _Inputs(art, man, options, ref_path, ref_config, tok, torch.device(device), source_q), rep
+
+
+def reference_meta(ref_path: Path) -> dict:
+    """{name: (dtype, shape)} of the reference's tensors, from its shard headers (its config's sizes are
+    checked against them: converters.resolve)."""
+    return {n: (i["dtype"], i["shape"]) for f in weight_files(ref_path) for n, i in read_header(f).items()}
 
 
 def _check_serving(art: Path, scope: str, backend: str) -> None:

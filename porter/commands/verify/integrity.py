@@ -23,7 +23,7 @@ from tqdm import tqdm
 import converters
 from porter.commands.verify.verdict import Failure, IntegrityResult
 from porter.cores import available_cores
-from porter.errors import PorterError, VerifyInputError
+from porter.errors import ConfigError, PorterError, VerifyInputError
 from porter.format import manifest, mxfp8, prequantized
 from porter.format.digest import CHUNK_HASHES
 from porter.format.safe_files import read_json_object
@@ -41,7 +41,7 @@ def check_integrity(art: Path, man: dict, ref_config=None, progress: bool = Fals
     issues += _check_headers(headers, tensors, shards, by_shard)
     issues += _check_index(art, tensors)
     issues += _check_scales(art, tensors, headers)
-    issues += _check_config(art, man, ref_config)
+    issues += _check_config(art, man, ref_config, headers)
     return IntegrityResult(not issues, len(shards), len(tensors), issues)
 
 
@@ -276,13 +276,15 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _check_config(art: Path, man: dict, ref_config) -> list[Failure]:
+def _check_config(art: Path, man: dict, ref_config, headers: dict) -> list[Failure]:
     want = man.get("resolved_config", {})
     try:
         if not os.path.lexists(art / "config.json"):
             return [Failure("integrity", "config.json is missing from the artifact")]
         raw = read_json_object(art / "config.json", VerifyInputError, "config")
         conv = converters.for_config(raw)
+        if not _sizes_match_shards(conv, raw, headers):
+            return _size_findings(conv, raw, want)
         resolved = conv.resolve_config(raw)
         have = json.loads(json.dumps(resolved.to_dict()))
         facts = json.loads(json.dumps(conv.manifest_facts(resolved)))
@@ -320,6 +322,31 @@ def _check_config(art: Path, man: dict, ref_config) -> list[Failure]:
             )
         )
     return out + (_check_reference_config(want, ref_config) if ref_config is not None else [])
+
+
+def _sizes_match_shards(conv, raw: dict, headers: dict) -> bool:
+    """Whether config.json's size fields match the shards (converters.check_sizes). When they do not,
+    resolving it could build per-layer lists of any length (a config of 10**9 layers without its own
+    lists), so it is not resolved: its sizes are compared with porter.json, and the shapes are judged by
+    the header checks and the re-derivation."""
+    meta = {n: (i.get("dtype"), i.get("shape", ())) for h in headers.values() for n, i in h.items()}
+    try:
+        converters.check_sizes(conv, raw, meta)
+    except ConfigError:
+        return False
+    return True
+
+
+def _size_findings(conv, raw: dict, want: dict) -> list[Failure]:
+    return [
+        Failure(
+            "integrity",
+            f"config.json resolves {k} = {v!r} but porter.json resolved_config says {want.get(k)!r}",
+            field=k,
+        )
+        for k, (v, _) in sorted(conv.config_sizes(raw).items())
+        if not _same(v, want.get(k))
+    ]
 
 
 def _values(record):

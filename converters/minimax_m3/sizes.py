@@ -1,0 +1,48 @@
+"""What in a MiniMax-M3 checkpoint or artifact each size field of its config must match (SIZE_RULES), over
+canonical names (converters/minimax_m3/names.py) in every layout porter reads or writes: the vendor's
+per-expert w1/w2/w3, transformers' fused gate_up_proj/down_proj, porter's stacked w13/w2, and the hf
+layout's per-expert tensors. porter/format/sizes.py runs them; docs/architecture.md says how.
+"""
+
+from __future__ import annotations
+
+from porter.format.sizes import Count, Dim
+
+_L = r"model\.layers\.\d+\."
+_ATTN = _L + r"self_attn\."
+_EXPERTS = _L + r"block_sparse_moe\.experts\."
+_SHARED = _L + r"block_sparse_moe\.shared_experts\."
+
+SIZE_RULES = (
+    Count("num_hidden_layers", r"model\.layers\.(\d+)\..*", "layers"),
+    Dim(("vocab_size",), r"model\.embed_tokens\.weight|lm_head\.weight", 0),
+    Dim(("hidden_size",), r"model\.embed_tokens\.weight|lm_head\.weight", 1),
+    Dim(("hidden_size",), r"model\.norm\.weight|" + _L + r"(input|post_attention)_layernorm\.weight", 0),
+    Dim(("head_dim",), _ATTN + r"[qk]_norm\.weight", 0),
+    Dim(("num_attention_heads", "head_dim"), _ATTN + r"q_proj\.weight", 0),
+    Dim(("num_attention_heads", "head_dim"), _ATTN + r"o_proj\.weight", 1),
+    Dim(("num_key_value_heads", "head_dim"), _ATTN + r"[kv]_proj\.weight", 0),
+    Dim(("index_head_dim",), _ATTN + r"index_k_proj\.weight|" + _ATTN + r"index_[qk]_norm\.weight", 0),
+    Dim(("index_n_heads", "index_head_dim"), _ATTN + r"index_q_proj\.weight", 0),
+    Dim(("dense_intermediate_size",), _L + r"mlp\.(gate|up)_proj\.weight", 0),
+    Dim(("dense_intermediate_size",), _L + r"mlp\.down_proj\.weight", 1),
+    Dim(("dense_intermediate_size",), _L + r"mlp\.gate_up_proj\.weight", 0, factor=2),
+    Dim(("shared_intermediate_size",), _SHARED + r"(gate|up)_proj\.weight", 0),
+    Dim(("shared_intermediate_size",), _SHARED + r"down_proj\.weight", 1),
+    Dim(("shared_intermediate_size",), _SHARED + r"gate_up_proj\.weight", 0, factor=2),
+    Count(
+        "num_local_experts",
+        r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w[123]\.weight",
+        "experts",
+        "layer",
+    ),
+    Dim(("num_local_experts",), _EXPERTS + r"(w13_weight|w2_weight|gate_up_proj|down_proj)", 0),
+    Dim(("num_local_experts",), _L + r"block_sparse_moe\.(gate\.weight|e_score_correction_bias)", 0),
+    Dim(("intermediate_size",), _EXPERTS + r"\d+\.w[13]\.weight", 0),
+    Dim(("intermediate_size",), _EXPERTS + r"\d+\.w2\.weight", 1),
+    Dim(("intermediate_size",), _EXPERTS + r"(w13_weight|gate_up_proj)", 1, factor=2),
+    Dim(("intermediate_size",), _EXPERTS + r"(w2_weight|down_proj)", 2),
+)
+SIZE_FIELDS = tuple(
+    dict.fromkeys(f for r in SIZE_RULES for f in (r.fields if isinstance(r, Dim) else (r.field,)))
+)

@@ -86,7 +86,7 @@ def test_changed_or_truncated_shard_is_named_and_no_model(artifact, tmp_path, ho
 
 def test_progress_bar_on_cuda_only_when_asked(artifact, capfd):
     runtime.load(artifact, device="cuda")
-    assert "B/s" not in capfd.readouterr().err
+    assert "100%" not in capfd.readouterr().err  # the bar's percentage; the loader's INFO line may be logged
     runtime.load(artifact, device="cuda", progress=True)
     err = capfd.readouterr().err
     assert "load" in err and "B/s" in err and "100%" in err

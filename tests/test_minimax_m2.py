@@ -338,4 +338,7 @@ def test_verify_fails_on_gate_up_reversed(sources, tmp_path, monkeypatch):
     res = _verify(tmp_path / "art", "--max-new-tokens", "0")
     assert res.exit_code == 1, res.output
     assert "integrity: ok" in res.output
-    assert f"verdict: FAIL — layer 1: tensor {bad} (shard model-00001-of-00001.safetensors)" in res.output
+    assert (
+        f"verdict: FAIL — not faithful: layer 1: tensor {bad} (shard model-00001-of-00001.safetensors)"
+        in res.output
+    )

@@ -150,3 +150,24 @@ def test_the_block_is_the_rules():
     """The C source's block (mxfp8_native.BLOCK, also its K rule) is porter.format.mxfp8's."""
     assert mxfp8_native.BLOCK == mxfp8.BLOCK == 32
     assert "#define BLOCK 32\n" in mxfp8_native.SOURCE.read_text()
+
+
+@pytest.mark.parametrize(
+    "shape, block", [((256, 256), (128, 128)), ((3, 200, 130), (128, 128)), ((2, 64, 96), (16, 32))]
+)
+def test_fp8_block_dequantize_same_bytes_as_torch(monkeypatch, native, shape, block):
+    """The C block-FP8 dequantizer == the torch ops, bit for bit, for every e4m3 code under scales from
+    subnormal-producing to overflowing, partial edge tiles and expert dims included; NaN codes stay NaN."""
+    g = torch.Generator().manual_seed(sum(shape))
+    q = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    q.view(torch.uint8).view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every code
+    n, k = shape[-2:]
+    tiles = (*shape[:-2], -(-n // block[0]), -(-k // block[1]))
+    s = 2.0 ** torch.randint(-140, 120, tiles, generator=g).float() * (1 + torch.rand(tiles, generator=g))
+    s.view(-1)[0], s.view(-1)[-1] = 1.9 * 2.0**120, 2.0**-140  # products past fp32's range, and below bf16's
+    got = mxfp8.dequantize_fp8_block(q, s, block, torch.bfloat16)
+    want = torch_path(monkeypatch, mxfp8.dequantize_fp8_block, q, s, block, torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and int(nan.sum()) >= 2  # codes 0x7f and 0xff
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    assert bool(want.isinf().any()) and bool((want[~nan] == 0).any())  # the extremes were reached

@@ -249,3 +249,56 @@ int64_t porter_mxfp8_quantize(const void *w, int is_bf16, int64_t nb, int floor_
     }
     return bad;
 }
+
+/* Block-FP8 dequantization, porter.format.mxfp8.dequantize_fp8_block's rule for bf16 output:
+ * out[r, c] = bf16(value(q[r, c]) * scale[r / bn, c / bk]), the fp32 product rounded to nearest even (a NaN
+ * product becomes bf16's quiet NaN of its sign). q: `mats` matrices [rows, cols] of e4m3 codes, contiguous;
+ * scale: per matrix [ceil(rows / bn), ceil(cols / bk)] fp32; out: bf16 bits, q's shape. One table lookup,
+ * one multiply and one rounding per value, in the order the torch ops do them, so the bytes are theirs. */
+static float e4m3_value[256];
+static int e4m3_ready;
+
+static void e4m3_table(void) {
+    for (int c = 0; c < 256; c++) {
+        int e = (c >> 3) & 15, m = c & 7;
+        float v;
+        if (e == 15 && m == 7) {
+            uint32_t nan = 0x7FC00000u;
+            memcpy(&v, &nan, 4);
+        } else if (e == 0) {
+            v = (float)m / 512.0f;  /* subnormal: m * 2^-9, exact */
+        } else {
+            uint32_t bits = ((uint32_t)(e - 7 + 127) << 23) | ((uint32_t)m << 20);
+            memcpy(&v, &bits, 4);
+        }
+        e4m3_value[c] = (c & 0x80) ? -v : v;
+    }
+    e4m3_ready = 1;
+}
+
+static inline uint16_t bf16_rne(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x0040u);  /* NaN: quiet */
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+void porter_fp8_block_dequantize_bf16(const uint8_t *q, const float *scale, int64_t mats, int64_t rows,
+                                      int64_t cols, int64_t bn, int64_t bk, uint16_t *out) {
+    if (!e4m3_ready) e4m3_table();  /* idempotent: concurrent first calls write the same values */
+    int64_t sr = (rows + bn - 1) / bn, sc = (cols + bk - 1) / bk;
+    for (int64_t m = 0; m < mats; m++) {
+        const float *s = scale + m * sr * sc;
+        for (int64_t r = 0; r < rows; r++) {
+            const float *srow = s + (r / bn) * sc;
+            const uint8_t *qr = q + (m * rows + r) * cols;
+            uint16_t *o = out + (m * rows + r) * cols;
+            for (int64_t c0 = 0; c0 < cols; c0 += bk) {
+                float f = srow[c0 / bk];
+                int64_t end = c0 + bk < cols ? c0 + bk : cols;
+                for (int64_t c = c0; c < end; c++) o[c] = bf16_rne(e4m3_value[qr[c]] * f);
+            }
+        }
+    }
+}

@@ -13,7 +13,9 @@ both roundings) and the same statistics up to the order of each block's 32-term 
 is fixed, torch's follows its SIMD width).
 
 Inputs it takes: contiguous CPU bf16 or fp32 with K % 32 == 0 and no kept scale bytes. A tensor holding a
-NaN or an infinity comes back as None, for the torch path to refuse with its message.
+NaN or an infinity comes back as None, for the torch path to refuse with its message. The same library
+also dequantizes block-FP8 source weights to bf16 (`dequantize_fp8_block`: one lookup, multiply and
+rounding per value instead of a table gather, a product and a cast over the whole tensor).
 """
 
 from __future__ import annotations
@@ -88,8 +90,13 @@ def _build(cc: str, out: Path, defines: tuple = ()) -> Optional[str]:
 
 
 def _bind(path: Path):
-    """porter_mxfp8_quantize from the library at `path`, typed for ctypes."""
-    fn = ctypes.CDLL(str(path)).porter_mxfp8_quantize
+    """porter_mxfp8_quantize from the library at `path`, typed for ctypes (its block-FP8 dequantizer bound
+    as the function's `dequantize_fp8_block`)."""
+    lib = ctypes.CDLL(str(path))
+    deq = lib.porter_fp8_block_dequantize_bf16
+    deq.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p]
+    deq.restype = None
+    fn = lib.porter_mxfp8_quantize
     fn.argtypes = [
         ctypes.c_void_p,
         ctypes.c_int,
@@ -100,6 +107,7 @@ def _bind(path: Path):
         ctypes.c_void_p,
     ]
     fn.restype = ctypes.c_int64
+    fn.dequantize_fp8_block = deq
     return fn
 
 
@@ -197,3 +205,19 @@ def quantize_blocks(w: torch.Tensor, rounding: str, with_error: bool):
     if bad:
         return None
     return q, byte, (tuple(stats.unbind(1)) if with_error else None)
+
+
+def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple) -> Optional[torch.Tensor]:
+    """Block-FP8 (q [..., N, K] e4m3, scale_inv [..., ceil(N/bn), ceil(K/bk)]) -> bf16 values with
+    porter.format.mxfp8.dequantize_fp8_block's bytes, one pass in C; None when the C library is not here or
+    the inputs are not contiguous CPU tensors (the caller's torch ops run instead)."""
+    fn = function()
+    if fn is None or q.device.type != "cpu" or q.numel() == 0:
+        return None
+    q, s = q.contiguous(), scale_inv.float().contiguous()
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    n, k = q.shape[-2], q.shape[-1]
+    fn.dequantize_fp8_block(
+        q.data_ptr(), s.data_ptr(), q.numel() // (n * k), n, k, block[0], block[1], out.data_ptr()
+    )
+    return out

@@ -50,7 +50,10 @@ class TorchMoE:
         """hidden [T, H], topk_ids [T, k], topk_weights [T, k] (renormalised) -> routed output [T, H],
         routed_scaling_factor applied here, once."""
         serving = self.numerics == "serving"
-        if topk_ids.numel() <= self.quant.num_experts:  # decode sizes: no host sync (CUDA graphs)
+        # decode sizes, and any call being captured into a CUDA graph (the looped path syncs with the host,
+        # which a capture cannot hold): the gathered path
+        capturing = topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        if topk_ids.numel() <= self.quant.num_experts or capturing:
             return self._forward_gathered(hidden_states, topk_ids, topk_weights, serving)
         return self._forward_looped(hidden_states, topk_ids, topk_weights, serving)
 

@@ -42,7 +42,7 @@ from porter.commands.verify.inputs import (
     source_quantization,
     tokenizer,
 )
-from porter.commands.verify.integrity import check_integrity
+from porter.commands.verify.integrity import check_integrity, digest_rule
 from porter.commands.verify.mapping import ArtifactReader, Mapping, ReferenceStore, SourceShards
 from porter.commands.verify.numerics import compare_models
 from porter.commands.verify.report import format_table, write_outputs
@@ -132,6 +132,7 @@ def verify(
     inp, rep = _open(artifact, prompts, reference, backend, device, thresholds, token, cache_dir, runs)
     check_outputs_apart(report, plot, inp.art, inp.ref_path)  # never over the artifact or the reference
     rep.max_new_tokens = max_new_tokens
+    digest_rule(inp.man)  # a manifest porter cannot read is bad input: one line, before any log line
     _log_projection(inp)
     rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here

@@ -34,7 +34,7 @@ _HEADER_DTYPES = {dtype_name(dt): name for dt, name in DTYPE_NAMES.items()}  # p
 
 
 def check_integrity(art: Path, man: dict, ref_config=None, progress: bool = False) -> IntegrityResult:
-    chunk_bytes, chunk_hash = _digest_rule(man)
+    chunk_bytes, chunk_hash = digest_rule(man)
     tensors, shards = man.get("tensors", {}), man.get("shards", {})
     by_shard = _by_shard(tensors)
     headers, issues = _check_shards(art, tensors, shards, by_shard, chunk_bytes, chunk_hash, progress)
@@ -55,7 +55,7 @@ def _by_shard(tensors: dict) -> dict:
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4096, 1 << 30  # porter writes 16 MiB (safetensors_io.DIGEST_CHUNK_BYTES)
 
 
-def _digest_rule(man: dict) -> tuple[int, str]:
+def digest_rule(man: dict) -> tuple[int, str]:
     """The digest chunk size and chunk hash porter.json records (a manifest of another format version is
     refused)."""
     v = man.get("format_version")

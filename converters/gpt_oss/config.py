@@ -6,9 +6,17 @@ Keys, defaults and where each comes from: docs/gpt-oss.md.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
+from converters.config_fields import (
+    ResolvedConfig,
+    check_positive,
+    check_rules,
+    provenance_key,
+    require_object,
+    typed,
+)
 from porter.errors import ConfigError
 
 ARCHITECTURE = "gpt_oss"
@@ -18,7 +26,7 @@ ROPE_TYPES = ("yarn", "default")
 
 
 @dataclass
-class GptOssConfig:
+class GptOssConfig(ResolvedConfig):
     """Every field the runtime needs, resolved; `provenance[field]` says where each value came from."""
 
     vocab_size: int
@@ -63,11 +71,6 @@ class GptOssConfig:
         "intermediate_size",
         "num_local_experts",
     )
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("provenance")
-        return d
 
     def is_moe(self, layer: int) -> bool:
         return True  # every gpt-oss layer's MLP is the routed experts
@@ -134,25 +137,8 @@ _FIELDS = {
 }
 
 
-def _typed(name: str, value, kind: str):
-    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"config field {name!r} must be an integer, got {value!r}")
-    if kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"config field {name!r} must be a finite number, got {value!r}")
-        value = float(value)
-    if kind == "bool" and not isinstance(value, bool):
-        raise ConfigError(f"config field {name!r} must be true or false, got {value!r}")
-    if kind == "tokenid" and value is not None:
-        ids = value if isinstance(value, list) else [value]
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise ConfigError(f"config field {name!r} must be a token id or a list of them, got {value!r}")
-    return value
-
-
 def _check_model_type(raw) -> None:
-    if not isinstance(raw, dict):
-        raise ConfigError("config.json must hold a JSON object")
+    require_object(raw)
     if raw.get("model_type") not in MODEL_TYPES:
         raise ConfigError(
             f"config.json: model_type {raw.get('model_type')!r} is not gpt-oss (expected {', '.join(MODEL_TYPES)})"
@@ -178,7 +164,7 @@ def config_sizes(raw: dict) -> dict:
     from converters.gpt_oss.sizes import SIZE_FIELDS
 
     values, prov = _scalars(raw)
-    return {f: (values[f], prov[f].partition(":")[2] or f"{f} (default)") for f in SIZE_FIELDS}
+    return {f: (values[f], provenance_key(prov[f], f)) for f in SIZE_FIELDS}
 
 
 def _scalars(raw: dict) -> tuple[dict, dict]:
@@ -190,7 +176,7 @@ def _scalars(raw: dict) -> tuple[dict, dict]:
         if not found:
             values[name], prov[name] = default, _T5 if default is not None else "default (none)"
             continue
-        given = {k: _typed(k, raw[k], kind) for k, _ in found}
+        given = {k: typed(k, raw[k], kind) for k, _ in found}
         if len(set(map(repr, given.values()))) > 1:  # the release writes both experts_per_token and
             raise ConfigError(  # num_experts_per_tok: they must agree
                 "config fields disagree: " + ", ".join(f"{k} = {v!r}" for k, v in given.items())
@@ -261,19 +247,19 @@ def _resolve_rope(raw, values, prov):
     values["rope_type"], prov["rope_type"] = rope_type, where + "rope_type"
     if "rope_theta" in rope:
         values["rope_theta"], prov["rope_theta"] = (
-            _typed("rope_theta", rope["rope_theta"], "float"),
+            typed("rope_theta", rope["rope_theta"], "float"),
             where + "rope_theta",
         )
     elif "rope_theta" in raw:
         values["rope_theta"], prov["rope_theta"] = (
-            _typed("rope_theta", raw["rope_theta"], "float"),
+            typed("rope_theta", raw["rope_theta"], "float"),
             "legacy:rope_theta",
         )
     else:
         values["rope_theta"], prov["rope_theta"] = 150000.0, _T5 + " default_theta"
     for key, (name, default, kind) in _ROPE_KEYS.items():
         if rope.get(key) is not None:
-            values[name], prov[name] = _typed(f"rope_parameters.{key}", rope[key], kind), where + key
+            values[name], prov[name] = typed(f"rope_parameters.{key}", rope[key], kind), where + key
         else:
             values[name], prov[name] = default, "default (transformers _compute_yarn_parameters)"
     if values["rope_original_max_position_embeddings"] is None:  # transformers standardize_rope_params
@@ -294,7 +280,7 @@ def _resolve_rope(raw, values, prov):
 
 
 def _validate(c: GptOssConfig) -> None:
-    for name in (
+    positive = (
         "vocab_size",
         "hidden_size",
         "num_hidden_layers",
@@ -307,9 +293,8 @@ def _validate(c: GptOssConfig) -> None:
         "max_position_embeddings",
         "sliding_window",
         "rope_original_max_position_embeddings",
-    ):
-        if getattr(c, name) <= 0:
-            raise ConfigError(f"config field {name!r} must be positive, got {getattr(c, name)}")
+    )
+    check_positive(c, positive)
     rules = [
         (
             c.num_attention_heads % c.num_key_value_heads == 0,
@@ -326,6 +311,4 @@ def _validate(c: GptOssConfig) -> None:
         (c.rope_theta > 0, "rope_theta must be > 0"),
         (c.rope_factor > 0, "rope_parameters.factor must be > 0"),
     ]
-    for ok, msg in rules:
-        if not ok:
-            raise ConfigError("config: " + msg)
+    check_rules(rules)

@@ -9,9 +9,19 @@ no clamp. Those three values are implied by the activation, never read as defaul
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
+from converters.config_fields import (
+    ResolvedConfig,
+    check_fixed,
+    check_positive,
+    check_rules,
+    provenance_key,
+    read_fields,
+    require_object,
+    typed,
+)
 from porter.errors import ConfigError
 
 ARCHITECTURE = "minimax_m2"
@@ -19,7 +29,7 @@ MODEL_TYPES = ("minimax_m2",)
 
 
 @dataclass
-class TextConfig:
+class TextConfig(ResolvedConfig):
     """Every field the runtime needs, resolved; `provenance[field]` says where each value came from."""
 
     vocab_size: int
@@ -60,11 +70,6 @@ class TextConfig:
     swiglu_beta: ClassVar[float] = 0.0
     swiglu_limit: ClassVar[float] = math.inf
     routed_scaling_factor: ClassVar[float] = 1.0  # M2 scales no routed output (transformers, vLLM)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("provenance")
-        return d
 
     def is_moe(self, layer: int) -> bool:
         return True  # every decoder layer
@@ -127,29 +132,7 @@ _FIELDS = {
 }
 
 
-def _typed(name: str, value, kind: str):
-    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"config field {name!r} must be an integer, got {value!r}")
-    if kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"config field {name!r} must be a finite number, got {value!r}")
-        value = float(value)
-    if kind == "bool" and not isinstance(value, bool):
-        raise ConfigError(f"config field {name!r} must be true or false, got {value!r}")
-    if kind == "str" and not isinstance(value, str):
-        raise ConfigError(f"config field {name!r} must be a string, got {value!r}")
-    if kind == "tokenid" and value is not None:
-        ids = value if isinstance(value, list) else [value]
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise ConfigError(f"config field {name!r} must be a token id or a list of them, got {value!r}")
-    return value
-
-
 def resolve_config(raw: dict) -> TextConfig:
-    if not isinstance(raw, dict):
-        raise ConfigError("config.json must hold a JSON object")
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ConfigError(f"config.json: model_type {raw.get('model_type')!r} is not MiniMax-M2 (minimax_m2)")
     values, prov = _scalars(raw)
     _resolve_rope(raw, values, prov)
     _resolve_mtp(raw, values, prov)
@@ -166,25 +149,15 @@ def config_sizes(raw: dict) -> dict:
 
     values, prov = _scalars(raw)
     _resolve_mtp(raw, values, prov)
-    return {f: (values[f], prov[f].partition(":")[2] or f"{f} (default)") for f in SIZE_FIELDS}
+    return {f: (values[f], provenance_key(prov[f], f)) for f in SIZE_FIELDS}
 
 
 def _scalars(raw: dict) -> tuple[dict, dict]:
     """Every field of _FIELDS, typed, with its provenance."""
-    if not isinstance(raw, dict):
-        raise ConfigError("config.json must hold a JSON object")
+    require_object(raw)
     if raw.get("model_type") not in MODEL_TYPES:
         raise ConfigError(f"config.json: model_type {raw.get('model_type')!r} is not MiniMax-M2 (minimax_m2)")
-    values, prov = {}, {}
-    for name, (key, legacy, default, kind) in _FIELDS.items():
-        if key in raw:
-            value, where = raw[key], f"config:{key}"
-        elif legacy and legacy in raw:
-            value, where = raw[legacy], f"legacy:{legacy}"
-        else:
-            value, where = default, "default"
-        values[name], prov[name] = _typed(key, value, kind), where
-    return values, prov
+    return read_fields(raw, _FIELDS)
 
 
 def _resolve_rope(raw, values, prov):
@@ -201,21 +174,21 @@ def _resolve_rope(raw, values, prov):
             "(MiniMax-M2 uses none)"
         )
     if "rope_theta" in rope:
-        values["rope_theta"] = _typed("rope_parameters.rope_theta", rope["rope_theta"], "float")
+        values["rope_theta"] = typed("rope_parameters.rope_theta", rope["rope_theta"], "float")
         prov["rope_theta"] = "config:rope_parameters.rope_theta"
     elif "rope_theta" in raw:
         values["rope_theta"], prov["rope_theta"] = (
-            _typed("rope_theta", raw["rope_theta"], "float"),
+            typed("rope_theta", raw["rope_theta"], "float"),
             "legacy:rope_theta",
         )
     else:
         values["rope_theta"], prov["rope_theta"] = 5e6, "default"
     head_dim, candidates = values["head_dim"], []
     if "rotary_dim" in raw:
-        candidates.append(("legacy:rotary_dim", _typed("rotary_dim", raw["rotary_dim"], "int")))
+        candidates.append(("legacy:rotary_dim", typed("rotary_dim", raw["rotary_dim"], "int")))
     for key, where in (("partial_rotary_factor", "rope_parameters.partial_rotary_factor"),):
         if key in rope:
-            factor = _typed(where, rope[key], "float")
+            factor = typed(where, rope[key], "float")
             candidates.append((f"config:{where}", int(round(factor * head_dim))))
     if len({v for _, v in candidates}) > 1:
         raise ConfigError(
@@ -234,7 +207,7 @@ def _resolve_rope(raw, values, prov):
 def _resolve_mtp(raw, values, prov):
     """Multi-token-prediction modules (`model.layers.{L + i}` after the L decoder layers, as vLLM reads
     them): their count when `use_mtp` is not false."""
-    n = _typed("num_mtp_modules", raw.get("num_mtp_modules", 0), "int")
+    n = typed("num_mtp_modules", raw.get("num_mtp_modules", 0), "int")
     if raw.get("use_mtp") is False:
         values["num_mtp_modules"], prov["num_mtp_modules"] = 0, "config:use_mtp (false)"
     else:
@@ -252,12 +225,7 @@ def _resolve_fixed_semantics(raw: dict, layers: int) -> None:
         "shared_intermediate_size": ({0}, "0 (no shared expert)"),
         "attention_bias": ({False}, "false"),
     }
-    for key, (allowed, want) in fixed.items():
-        if key in raw and not any(raw[key] == a and type(raw[key]) is type(a) for a in allowed):
-            raise ConfigError(
-                f"config field {key!r} = {raw[key]!r} is not supported: porter implements MiniMax-M2, "
-                f"which needs {want}"
-            )
+    check_fixed(raw, fixed, "MiniMax-M2")
     types = raw.get("attn_type_list")
     if types is not None and (
         not isinstance(types, list) or len(types) != layers or any(t != 1 for t in types)
@@ -281,9 +249,7 @@ def _validate(c: TextConfig) -> None:
         "num_experts_per_tok",
         "max_position_embeddings",
     ]
-    for name in positive:
-        if getattr(c, name) <= 0:
-            raise ConfigError(f"config field {name!r} must be positive, got {getattr(c, name)}")
+    check_positive(c, positive)
     rules = [
         (
             c.num_attention_heads % c.num_key_value_heads == 0,
@@ -301,6 +267,4 @@ def _validate(c: TextConfig) -> None:
         (c.rope_theta > 0, "rope_theta must be > 0"),
         (c.num_mtp_modules >= 0, "num_mtp_modules must be >= 0"),
     ]
-    for ok, msg in rules:
-        if not ok:
-            raise ConfigError("config: " + msg)
+    check_rules(rules)

@@ -4,10 +4,20 @@ with its provenance (`config:<key>`, `legacy:<key>`, `default`). Keys and defaul
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
+from converters.config_fields import (
+    ResolvedConfig,
+    check_fixed,
+    check_positive,
+    check_rules,
+    lookup,
+    provenance_key,
+    read_fields,
+    require_object,
+    typed,
+)
 from porter.errors import ConfigError
 
 ARCHITECTURE = "minimax_m3"
@@ -17,7 +27,7 @@ MOE_MLP, DENSE_MLP = "sparse", "dense"
 
 
 @dataclass
-class TextConfig:
+class TextConfig(ResolvedConfig):
     """Every field the runtime needs, resolved; `provenance[field]` says where each value came from."""
 
     vocab_size: int
@@ -72,11 +82,6 @@ class TextConfig:
         "index_n_heads",
         "index_head_dim",
     )
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("provenance")
-        return d
 
     def is_moe(self, layer: int) -> bool:
         return self.mlp_layer_types[layer] == MOE_MLP
@@ -145,35 +150,9 @@ _FIELDS = {
 }
 
 
-def _lookup(cfg: dict, path: str):
-    node = cfg
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False, None
-        node = node[part]
-    return True, node
-
-
-def _typed(name: str, value, kind: str):
-    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"config field {name!r} must be an integer, got {value!r}")
-    if kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"config field {name!r} must be a finite number, got {value!r}")
-        value = float(value)
-    if kind == "bool" and not isinstance(value, bool):
-        raise ConfigError(f"config field {name!r} must be true or false, got {value!r}")
-    if kind == "tokenid" and value is not None:
-        ids = value if isinstance(value, list) else [value]
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise ConfigError(f"config field {name!r} must be a token id or a list of them, got {value!r}")
-    return value
-
-
 def text_config_dict(raw: dict) -> tuple[dict, str]:
     """The text-model part of a config.json and its key prefix (for provenance)."""
-    if not isinstance(raw, dict):
-        raise ConfigError("config.json must hold a JSON object")
+    require_object(raw)
     model_type = raw.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ConfigError(
@@ -205,31 +184,19 @@ def config_sizes(raw: dict) -> dict:
 
     text, prefix = text_config_dict(raw)
     values, prov = _scalars(raw, text, prefix)
-    return {f: (values[f], _key(prov[f], f)) for f in SIZE_FIELDS}
-
-
-def _key(provenance: str, name: str) -> str:
-    """'config:text_config.num_experts' -> 'text_config.num_experts'; 'default' -> '<name> (default)'."""
-    kind, _, key = provenance.partition(":")
-    return key if key and kind in ("config", "legacy") else f"{name} (default)"
+    return {f: (values[f], provenance_key(prov[f], f)) for f in SIZE_FIELDS}
 
 
 def _scalars(raw: dict, text: dict, prefix: str) -> tuple[dict, dict]:
-    """Every scalar field of _FIELDS, typed, with its provenance."""
-    values, prov = {}, {}
-    for name, (flat, legacy, default, kind) in _FIELDS.items():
-        found, value = _lookup(text, flat)
-        where = f"config:{prefix}{flat}"
-        if not found and legacy:
-            found, value = _lookup(text, legacy)
-            where = f"legacy:{prefix}{legacy}"
-        if not found and name == "tie_word_embeddings" and "tie_word_embeddings" in raw:
-            found, value, where = True, raw["tie_word_embeddings"], "config:tie_word_embeddings"
-        if not found:
-            value, where = default, "default"
-        values[name] = _typed(f"{prefix}{flat}", value, kind)
-        prov[name] = where
-    return values, prov
+    """Every scalar field of _FIELDS, typed, with its provenance; tie_word_embeddings may sit at the top
+    level of a VL wrapper's config.json."""
+
+    def top_level_tie(name):
+        if name == "tie_word_embeddings" and "tie_word_embeddings" in raw:
+            return raw["tie_word_embeddings"], "config:tie_word_embeddings"
+        return None
+
+    return read_fields(text, _FIELDS, prefix, top_level_tie)
 
 
 def _resolve_rope(text, prefix, values, prov):
@@ -244,9 +211,9 @@ def _resolve_rope(text, prefix, values, prov):
             "RoPE is supported (MiniMax-M3 uses none)"
         )
     for key, where in (("rope_parameters.rope_theta", "config"), ("rope_theta", "legacy")):
-        found, theta = _lookup(text, key)
+        found, theta = lookup(text, key)
         if found:
-            values["rope_theta"] = _typed(prefix + key, theta, "float")
+            values["rope_theta"] = typed(prefix + key, theta, "float")
             prov["rope_theta"] = f"{where}:{prefix}{key}"
             break
     else:
@@ -255,12 +222,12 @@ def _resolve_rope(text, prefix, values, prov):
     # carries rotary_dim and partial_rotary_factor. When several are present they must agree.
     candidates = []
     for key in ("rope_parameters.partial_rotary_factor", "partial_rotary_factor"):
-        found, f = _lookup(text, key)
+        found, f = lookup(text, key)
         if found:
-            f = _typed(prefix + key, f, "float")
+            f = typed(prefix + key, f, "float")
             candidates.append((prefix + key, int(round(f * head_dim))))
     if "rotary_dim" in text and not (text.get("model_type") == "minimax_m3_vl_text" and candidates):
-        candidates.append((prefix + "rotary_dim", _typed(prefix + "rotary_dim", text["rotary_dim"], "int")))
+        candidates.append((prefix + "rotary_dim", typed(prefix + "rotary_dim", text["rotary_dim"], "int")))
     if not candidates and text.get("model_type") == "minimax_m3_vl_text" and rope:
         candidates.append((prefix + "rope_parameters (no partial_rotary_factor: full width)", head_dim))
     if len({c[1] for c in candidates}) > 1:
@@ -328,27 +295,22 @@ def _resolve_fixed_semantics(text, prefix, layer_types):
         "use_routing_bias": ({True}, "true"),
         "attention_output_gate": ({False}, "false"),
         "sparse_attention_config.sparse_score_type": ({"max"}, "'max'"),
-        "sparse_attention_config.sparse_disable_index_value": (
-            None,
-            "1 on every sparse layer (no index value branch)",
-        ),
     }
-    for key, (allowed, want) in fixed.items():
-        found, value = _lookup(text, key)
-        if not found:
-            continue
-        if allowed is None:  # per-layer flag: must be set on every sparse-attention layer
-            per_layer = value if isinstance(value, list) else [value] * len(layer_types)
-            ok = len(per_layer) == len(layer_types) and all(
-                v in (1, True) for v, t in zip(per_layer, layer_types) if t == SPARSE_ATTN
-            )
-        else:
-            ok = any(value == a and type(value) is type(a) for a in allowed)
-        if not ok:
-            raise ConfigError(
-                f"config field '{prefix}{key}' = {value!r} is not supported: porter implements "
-                f"MiniMax-M3, which needs {want}"
-            )
+    check_fixed(text, fixed, "MiniMax-M3", prefix)
+    # per-layer flag: must be set on every sparse-attention layer
+    key = "sparse_attention_config.sparse_disable_index_value"
+    found, value = lookup(text, key)
+    if not found:
+        return
+    per_layer = value if isinstance(value, list) else [value] * len(layer_types)
+    ok = len(per_layer) == len(layer_types) and all(
+        v in (1, True) for v, t in zip(per_layer, layer_types) if t == SPARSE_ATTN
+    )
+    if not ok:
+        raise ConfigError(
+            f"config field '{prefix}{key}' = {value!r} is not supported: porter implements "
+            "MiniMax-M3, which needs 1 on every sparse layer (no index value branch)"
+        )
 
 
 def _validate(c: TextConfig) -> None:
@@ -368,9 +330,7 @@ def _validate(c: TextConfig) -> None:
         "index_topk_blocks",
         "max_position_embeddings",
     ]
-    for name in positive:
-        if getattr(c, name) <= 0:
-            raise ConfigError(f"config field {name!r} must be positive, got {getattr(c, name)}")
+    check_positive(c, positive)
     rules = [
         (
             c.num_attention_heads % c.num_key_value_heads == 0,
@@ -403,8 +363,6 @@ def _validate(c: TextConfig) -> None:
             "index_n_heads must equal num_key_value_heads (index head i selects for KV head i)",
         ),
     ]
-    for ok, msg in rules:
-        if not ok:
-            raise ConfigError("config: " + msg)
+    check_rules(rules)
     if MOE_MLP in c.mlp_layer_types and c.n_shared_experts and c.shared_intermediate_size <= 0:
         raise ConfigError("config field 'shared_intermediate_size' must be positive")

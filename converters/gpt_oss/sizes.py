@@ -7,7 +7,7 @@ w13/w2 with their biases. porter/format/sizes.py runs the rules; docs/architectu
 
 from __future__ import annotations
 
-from porter.format.sizes import Count, Dim
+from porter.format.sizes import Count, Dim, fields_of
 
 _L = r"model\.layers\.\d+\."
 _ATTN = _L + r"self_attn\."
@@ -35,6 +35,4 @@ SIZE_RULES = (
     Dim(("intermediate_size",), _EXPERTS + r"down_proj", 1),  # transformers' [E, I, H]
     Dim(("hidden_size",), _EXPERTS + r"(w2_weight|w2_bias|down_proj_blocks|down_proj_bias)", 1),
 )
-SIZE_FIELDS = tuple(
-    dict.fromkeys(f for r in SIZE_RULES for f in (r.fields if isinstance(r, Dim) else (r.field,)))
-)
+SIZE_FIELDS = fields_of(SIZE_RULES)

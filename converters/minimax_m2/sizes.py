@@ -7,7 +7,7 @@ i}`) may be in the files or not. porter/format/sizes.py runs the rules; docs/arc
 
 from __future__ import annotations
 
-from porter.format.sizes import Count, Dim
+from porter.format.sizes import Count, Dim, fields_of
 
 _L = r"model\.layers\.\d+\."
 _ATTN = _L + r"self_attn\."
@@ -40,10 +40,4 @@ SIZE_RULES = (
     Dim(("intermediate_size",), _EXPERTS + r"(w13_weight|gate_up_proj)", 1, factor=2),
     Dim(("intermediate_size",), _EXPERTS + r"(w2_weight|down_proj)", 2),
 )
-SIZE_FIELDS = tuple(
-    dict.fromkeys(
-        f
-        for r in SIZE_RULES
-        for f in (r.fields if isinstance(r, Dim) else (r.field,) + ((r.extra,) if r.extra else ()))
-    )
-)
+SIZE_FIELDS = fields_of(SIZE_RULES)

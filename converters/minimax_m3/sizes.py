@@ -6,7 +6,7 @@ layout's per-expert tensors. porter/format/sizes.py runs them; docs/architecture
 
 from __future__ import annotations
 
-from porter.format.sizes import Count, Dim
+from porter.format.sizes import Count, Dim, fields_of
 
 _L = r"model\.layers\.\d+\."
 _ATTN = _L + r"self_attn\."
@@ -43,6 +43,4 @@ SIZE_RULES = (
     Dim(("intermediate_size",), _EXPERTS + r"(w13_weight|gate_up_proj)", 1, factor=2),
     Dim(("intermediate_size",), _EXPERTS + r"(w2_weight|down_proj)", 2),
 )
-SIZE_FIELDS = tuple(
-    dict.fromkeys(f for r in SIZE_RULES for f in (r.fields if isinstance(r, Dim) else (r.field,)))
-)
+SIZE_FIELDS = fields_of(SIZE_RULES)

@@ -48,6 +48,17 @@ class Count:
     extra: str = ""
 
 
+def fields_of(rules) -> tuple:
+    """The config fields a SIZE_RULES table reads, in first-use order (a converter's SIZE_FIELDS)."""
+    return tuple(
+        dict.fromkeys(
+            f
+            for r in rules
+            for f in (r.fields if isinstance(r, Dim) else (r.field,) + ((r.extra,) if r.extra else ()))
+        )
+    )
+
+
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 

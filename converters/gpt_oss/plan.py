@@ -14,6 +14,7 @@ import re
 from converters import experts
 from converters.gpt_oss import names as N
 from converters.gpt_oss.config import GptOssConfig
+from converters.plan_common import carried_tensors, check_options, plain_tensor, require_tensors, top_order
 from porter.errors import LayoutError, PorterError
 from porter.format.layout import OutTensor, layer_of
 
@@ -22,7 +23,6 @@ DEFAULT_SCOPE = {"porter": "experts"}
 # linears quantized by `--quantize all` besides the experts: attention projections (the router stays
 # unquantized, as in the release's modules_to_not_convert)
 _ALL_SCOPE = re.compile(r"^model\.layers\.\d+\.self_attn\.[qkvo]_proj\.weight$")
-_TOP = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 
 def plan_tensors(
@@ -37,10 +37,7 @@ def plan_tensors(
     quantize: "experts" (routed experts), "all" (+ attention projections), "none". gate_up: "auto" and
     "interleaved" read the sources' alternating gate/up (gpt-oss's only order); "uninterleaved" is refused.
     """
-    if quantize not in ("experts", "all", "none"):
-        raise PorterError(f"--quantize must be experts, all or none, not {quantize!r}")
-    if layout not in LAYOUTS:
-        raise PorterError(f"--layout must be one of {', '.join(LAYOUTS)} for gpt-oss, not {layout!r}")
+    check_options(quantize, layout, LAYOUTS, "gpt-oss")
     if gate_up == "uninterleaved":
         raise PorterError(
             "--gate-up uninterleaved: gpt-oss checkpoints always alternate gate/up rows (gate = gu[..., ::2]); "
@@ -64,7 +61,7 @@ def plan_tensors(
     by_layer: dict = {}
     for c in plain:
         by_layer.setdefault(layer_of(c), []).append(c)
-    out = [_plain(c, canon[c], src_meta, quantize) for c in sorted(by_layer.pop(None, []), key=_top_order)]
+    out = [_plain(c, canon[c], src_meta, quantize) for c in sorted(by_layer.pop(None, []), key=top_order)]
     for layer in range(cfg.num_hidden_layers):
         out += [_plain(c, canon[c], src_meta, quantize) for c in sorted(by_layer.pop(layer, []))]
         out += _experts(cfg, layer, experts[layer], src_meta, quantize)
@@ -74,25 +71,13 @@ def plan_tensors(
             f"tensors for layer(s) {extra} exceed num_hidden_layers={cfg.num_hidden_layers} "
             f"(e.g. {canon[by_layer[extra[0]][0]]!r})"
         )
-    for src in sorted(carried):
-        dtype, shape = src_meta[src]
-        out.append(OutTensor(src, tuple(shape), dtype, [src], _read_one(src), carried=True))
+    out += carried_tensors(carried, src_meta)
     _check_out(cfg, out)
     return out
 
 
-def _top_order(name):
-    return (_TOP.index(name) if name in _TOP else len(_TOP)), name
-
-
-def _read_one(src):
-    return lambda read: read(src)
-
-
 def _plain(c, src, src_meta, quantize):
-    dtype, shape = src_meta[src]
-    q = quantize == "all" and bool(_ALL_SCOPE.match(c))
-    return OutTensor(c, tuple(shape), dtype, [src], _read_one(src), quantize=q)
+    return plain_tensor(c, src, src_meta, quantize, _ALL_SCOPE)
 
 
 def _experts(cfg: GptOssConfig, layer: int, found: dict, src_meta: dict, quantize: str) -> list[OutTensor]:
@@ -155,7 +140,7 @@ def _experts(cfg: GptOssConfig, layer: int, found: dict, src_meta: dict, quantiz
             [gub],
             lambda read: N.uninterleave_bias(read(gub)),  # [E, 2I] [gate; up]
         ),
-        OutTensor(N.experts_w2_bias_name(layer), (e, h), src_meta[dnb][0], [dnb], _read_one(dnb)),
+        OutTensor(N.experts_w2_bias_name(layer), (e, h), src_meta[dnb][0], [dnb], experts.read_one(dnb)),
     ]
 
 
@@ -177,12 +162,7 @@ def _check_layers(cfg: GptOssConfig, canon: dict, experts: dict) -> None:
                 f"layer {layer} has no expert tensors (model.layers.{layer}.mlp.experts.*); "
                 "check that config.json belongs to these weights"
             )
-    missing = [n for n in need if n not in canon]
-    if missing:
-        raise LayoutError(
-            f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[0]!r}; "
-            "check that config.json belongs to these weights"
-        )
+    require_tensors(need, canon)
 
 
 def _check_out(cfg: GptOssConfig, out: list) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 
 from converters.experts import (
-    read_one,
     slice_fused_experts,
     split_fused_experts,
     split_vendor_experts,
@@ -16,7 +15,8 @@ from converters.experts import (
 )
 from converters.minimax_m2.config import TextConfig
 from converters.minimax_m2.names import EXPERTS, PER_EXPERT, canonical_name
-from porter.errors import LayoutError, PorterError
+from converters.plan_common import carried_tensors, check_options, plain_tensor, require_tensors, top_order
+from porter.errors import LayoutError
 from porter.format.layout import OutTensor, layer_of
 
 LAYOUTS = ("porter", "hf")
@@ -24,7 +24,6 @@ _FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.
 # Linears quantized by `--quantize all` besides the experts (the vendor FP8 release's scope: every linear
 # but the router and lm_head)
 _ALL_SCOPE = re.compile(r"^model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj\.weight$")
-_TOP_ORDER = {"model.embed_tokens.weight": 0, "model.norm.weight": 1, "lm_head.weight": 2}
 
 
 def plan_tensors(
@@ -37,10 +36,7 @@ def plan_tensors(
     layout: "porter" (canonical names, stacked experts) or "hf" (the release's names, one 2-D tensor per
     expert, `weight_scale_inv` scales). Multi-token-prediction layers (`model.layers.{L..L+mtp-1}`) are
     carried under their source names as read."""
-    if quantize not in ("experts", "all", "none"):
-        raise PorterError(f"--quantize must be experts, all or none, not {quantize!r}")
-    if layout not in LAYOUTS:
-        raise PorterError(f"--layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    check_options(quantize, layout, LAYOUTS)
     interleaved = cfg.gate_up_interleaved if gate_up == "auto" else gate_up == "interleaved"
     canon, carried = _canonical(cfg, src_meta)
     experts, fused, plain = {}, {}, []
@@ -55,7 +51,7 @@ def plan_tensors(
     by_layer: dict = {}
     for c in plain:
         by_layer.setdefault(layer_of(c), []).append(c)
-    out = [_plain(c, canon[c], src_meta, quantize) for c in sorted(by_layer.pop(None, []), key=_top_order)]
+    out = [_plain(c, canon[c], src_meta, quantize) for c in sorted(by_layer.pop(None, []), key=top_order)]
     dims, q = (cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size), quantize != "none"
     for layer in range(cfg.num_hidden_layers):
         out += [_plain(c, canon[c], src_meta, quantize) for c in sorted(by_layer.pop(layer, []))]
@@ -65,9 +61,7 @@ def plan_tensors(
         else:
             make = slice_fused_experts if layout == "porter" else split_fused_experts
             out += make(EXPERTS, layer, fused[layer], src_meta, dims, q, interleaved)
-    for src in sorted(carried):
-        dtype, shape = src_meta[src]
-        out.append(OutTensor(src, tuple(shape), dtype, [src], read_one(src), carried=True))
+    out += carried_tensors(carried, src_meta)
     _check_out(cfg, out)
     if layout == "hf":  # the same names; scales named X.weight_scale_inv
         for t in out:
@@ -98,14 +92,8 @@ def _canonical(cfg: TextConfig, src_meta: dict) -> tuple[dict, list]:
     return canon, carried
 
 
-def _top_order(name):
-    return _TOP_ORDER.get(name, 3), name
-
-
 def _plain(c, src, src_meta, quantize):
-    dtype, shape = src_meta[src]
-    q = quantize == "all" and bool(_ALL_SCOPE.match(c))
-    return OutTensor(c, tuple(shape), dtype, [src], read_one(src), quantize=q)
+    return plain_tensor(c, src, src_meta, quantize, _ALL_SCOPE)
 
 
 def _check_layers(cfg, canon, experts, fused):
@@ -127,12 +115,7 @@ def _check_layers(cfg, canon, experts, fused):
                 f"layer {layer}: the checkpoint has no expert tensors "
                 f"(model.layers.{layer}.block_sparse_moe.experts.* or mlp.experts.*)"
             )
-    missing = [n for n in need if n not in canon]
-    if missing:
-        raise LayoutError(
-            f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[0]!r}; "
-            "check that config.json belongs to these weights"
-        )
+    require_tensors(need, canon)
 
 
 def _check_out(cfg, out):

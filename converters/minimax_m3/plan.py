@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 
 from converters.experts import (
-    read_one,
     slice_fused_experts,
     split_vendor_experts,
     stack_vendor_experts,
@@ -16,7 +15,8 @@ from converters.experts import (
 from converters.minimax_m3.config import TextConfig
 from converters.minimax_m3.hf_layout import LAYOUTS, to_hf_layout
 from converters.minimax_m3.names import EXPERTS, PER_EXPERT, canonical_name
-from porter.errors import LayoutError, PorterError
+from converters.plan_common import carried_tensors, check_options, plain_tensor, require_tensors, top_order
+from porter.errors import LayoutError
 from porter.format.layout import OutTensor, layer_of
 
 _FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(gate_up_proj|down_proj)$")
@@ -42,10 +42,7 @@ def plan_tensors(
     or "hf" (the vendor release's names and per-expert tensors, which vLLM and sglang load; see
     `to_hf_layout`).
     """
-    if quantize not in ("experts", "all", "none"):
-        raise PorterError(f"--quantize must be experts, all or none, not {quantize!r}")
-    if layout not in LAYOUTS:
-        raise PorterError(f"--layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    check_options(quantize, layout, LAYOUTS)
     interleaved = cfg.gate_up_interleaved if gate_up == "auto" else gate_up == "interleaved"
     canon = {}  # canonical -> source name
     carried = []  # non-text tensors, kept as they are
@@ -73,7 +70,7 @@ def plan_tensors(
     by_layer: dict = {}
     for c in plain:
         by_layer.setdefault(layer_of(c), []).append(c)
-    for c in sorted(by_layer.pop(None, []), key=_top_order):
+    for c in sorted(by_layer.pop(None, []), key=top_order):
         out.append(_plain(c, canon[c], src_meta, quantize))
     for layer in range(cfg.num_hidden_layers):
         for c in sorted(by_layer.pop(layer, [])):
@@ -92,21 +89,13 @@ def plan_tensors(
             f"tensors for layer(s) {extra} exceed num_hidden_layers={cfg.num_hidden_layers} "
             f"(e.g. {canon[sorted(c for cs in by_layer.values() for c in cs)[0]]!r})"
         )
-    for src in sorted(carried):
-        dtype, shape = src_meta[src]
-        out.append(OutTensor(src, tuple(shape), dtype, [src], read_one(src), carried=True))
+    out += carried_tensors(carried, src_meta)
     _check_out(cfg, out)
     return out if layout == "porter" else to_hf_layout(cfg, out, quantize)
 
 
-def _top_order(name):
-    return {"model.embed_tokens.weight": 0, "model.norm.weight": 1, "lm_head.weight": 2}.get(name, 3), name
-
-
 def _plain(c, src, src_meta, quantize):
-    dtype, shape = src_meta[src]
-    q = quantize == "all" and bool(_ALL_SCOPE.match(c))
-    return OutTensor(c, tuple(shape), dtype, [src], read_one(src), quantize=q)
+    return plain_tensor(c, src, src_meta, quantize, _ALL_SCOPE)
 
 
 def _plain_or_split(c, src, src_meta, quantize):
@@ -170,12 +159,7 @@ def _check_layers(cfg, canon, experts, fused):
                     f"layer {layer} is dense in the config but the checkpoint has expert tensors"
                 )
             need += _gate_up_down(canon, p + "mlp.")
-    missing = [n for n in need if n not in canon]
-    if missing:
-        raise LayoutError(
-            f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[0]!r}; "
-            "check that config.json belongs to these weights"
-        )
+    require_tensors(need, canon)
 
 
 def _gate_up_down(canon, prefix):

@@ -11,10 +11,10 @@ import re
 from typing import Optional
 
 from converters import experts
+from converters.hf_common import mxfp8_quantization_config
 from converters.minimax_m2.config import MODEL_TYPES
 from converters.minimax_m2.names import EXPERTS
 from porter.errors import ConfigError
-from porter.format import mxfp8
 
 # --quantize default per layout: the hf layout takes the vendor release's scope (attention + experts)
 DEFAULT_SCOPE = {"porter": "experts", "hf": "all"}
@@ -36,19 +36,7 @@ def hf_quantization_config(out: list, quantize: str, scale_rounding: str) -> Opt
     """The top-level config.json `quantization_config` of an hf-layout artifact (None when nothing is
     quantized); one list under both ignore keys (vLLM reads `ignored_layers`, sglang
     `modules_to_not_convert`)."""
-    if quantize == "none":
-        return None
-    ignored = hf_ignored_layers(out)
-    return {
-        "quant_method": "mxfp8",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [1, mxfp8.BLOCK],
-        "fmt": "e4m3",
-        "scale_fmt": "ue8m0",
-        "ignored_layers": ignored,
-        "modules_to_not_convert": list(ignored),
-        "porter": {"layout": "hf", "scope": quantize, "scale_rounding": scale_rounding},
-    }
+    return mxfp8_quantization_config(hf_ignored_layers(out), quantize, scale_rounding)
 
 
 def check_hf_source(raw: dict, where: str = "config.json") -> None:

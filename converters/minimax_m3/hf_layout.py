@@ -11,10 +11,10 @@ import re
 from typing import Optional
 
 from converters import experts
+from converters.hf_common import mxfp8_quantization_config
 from converters.minimax_m3.config import TextConfig, resolve_config
 from converters.minimax_m3.names import EXPERTS, expert_name
 from porter.errors import ConfigError, LayoutError
-from porter.format import mxfp8
 
 HF_PREFIX = "language_model."  # the hf layout's text-model names: this prefix + the canonical name
 
@@ -100,23 +100,9 @@ def hf_ignored_layers(out: list) -> list:
 
 
 def hf_quantization_config(out: list, quantize: str, scale_rounding: str) -> Optional[dict]:
-    """The top-level config.json `quantization_config` of an hf-layout artifact (None when nothing is
-    quantized: the artifact is then a plain bf16 checkpoint). One list under both ignore keys (vLLM reads
-    `ignored_layers`, sglang the first of the two present); no `moe_quant_*` keys (they switch sglang to
-    NVFP4)."""
-    if quantize == "none":
-        return None
-    ignored = hf_ignored_layers(out)
-    return {
-        "quant_method": "mxfp8",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [1, mxfp8.BLOCK],
-        "fmt": "e4m3",
-        "scale_fmt": "ue8m0",
-        "ignored_layers": ignored,
-        "modules_to_not_convert": list(ignored),
-        "porter": {"layout": "hf", "scope": quantize, "scale_rounding": scale_rounding},
-    }
+    """The top-level config.json `quantization_config` of an hf-layout artifact (converters/hf_common.py),
+    None when nothing is quantized."""
+    return mxfp8_quantization_config(hf_ignored_layers(out), quantize, scale_rounding)
 
 
 def check_hf_source(raw: dict, where: str = "config.json") -> None:

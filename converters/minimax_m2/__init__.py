@@ -28,6 +28,7 @@ registry. Modules: config.py, names.py, plan.py, hf_layout.py (the hf_layout cap
 config size field must match).
 """
 
+from converters.block_sparse_moe_names import expert_name, experts_w2_name, experts_w13_name
 from converters.minimax_m2 import hf_layout, verify_rules
 from converters.minimax_m2.config import (
     ARCHITECTURE,
@@ -39,7 +40,7 @@ from converters.minimax_m2.config import (
     source_layout,
 )
 from converters.minimax_m2.hf_layout import DEFAULT_SCOPE
-from converters.minimax_m2.names import canonical_name, expert_name, experts_w2_name, experts_w13_name
+from converters.minimax_m2.names import canonical_name
 from converters.minimax_m2.plan import LAYOUTS, plan_tensors
 from converters.minimax_m2.sizes import SIZE_RULES
 

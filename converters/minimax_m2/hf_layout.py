@@ -11,9 +11,9 @@ import re
 from typing import Optional
 
 from converters import experts
+from converters.block_sparse_moe_names import EXPERTS
 from converters.hf_common import mxfp8_quantization_config
 from converters.minimax_m2.config import MODEL_TYPES
-from converters.minimax_m2.names import EXPERTS
 from porter.errors import ConfigError
 
 # --quantize default per layout: the hf layout takes the vendor release's scope (attention + experts)

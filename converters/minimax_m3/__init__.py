@@ -32,6 +32,7 @@ hf_layout capability), verify_rules.py (the verify_rules capability: verify's ow
 (SIZE_RULES: what in the files each config size field must match).
 """
 
+from converters.block_sparse_moe_names import expert_name, experts_w2_name, experts_w13_name
 from converters.experts import interleave_gate_up, uninterleave_gate_up
 from converters.minimax_m3 import hf_layout, verify_rules
 from converters.minimax_m3.config import (
@@ -49,13 +50,7 @@ from converters.minimax_m3.config import (
     text_config_dict,
 )
 from converters.minimax_m3.hf_layout import DEFAULT_SCOPE, LAYOUTS
-from converters.minimax_m3.names import (
-    canonical_name,
-    expert_name,
-    experts_w2_name,
-    experts_w13_name,
-    is_stacked_experts,
-)
+from converters.minimax_m3.names import canonical_name, is_stacked_experts
 from converters.minimax_m3.plan import plan_tensors
 from converters.minimax_m3.sizes import SIZE_RULES
 

@@ -11,9 +11,9 @@ import re
 from typing import Optional
 
 from converters import experts
+from converters.block_sparse_moe_names import EXPERTS, expert_name
 from converters.hf_common import mxfp8_quantization_config
 from converters.minimax_m3.config import TextConfig, resolve_config
-from converters.minimax_m3.names import EXPERTS, expert_name
 from porter.errors import ConfigError, LayoutError
 
 HF_PREFIX = "language_model."  # the hf layout's text-model names: this prefix + the canonical name

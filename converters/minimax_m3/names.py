@@ -1,5 +1,5 @@
-"""MiniMax-M3 canonical tensor names: source spellings (vendor, transformers) -> porter's, and the names
-of the stacked and per-expert routed expert weights. The naming table: converters/minimax_m3/__init__.py.
+"""MiniMax-M3 canonical tensor names: source spellings (vendor, transformers) -> porter's (the routed
+experts' names: converters/block_sparse_moe_names.py). The naming table: converters/minimax_m3/__init__.py.
 """
 
 from __future__ import annotations
@@ -7,11 +7,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from converters.experts import ExpertNames
-
-# one routed expert's 2-D weight (vendor layout, hf layout): layer, expert, w1 | w2 | w3
-PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
-_STACKED_EXPERTS = re.compile(r"^model\.layers\.\d+\.block_sparse_moe\.experts\.(w13|w2)_weight$")
+from converters.block_sparse_moe_names import STACKED_EXPERTS
 
 
 def canonical_name(src: str) -> Optional[str]:
@@ -43,22 +39,6 @@ def canonical_name(src: str) -> Optional[str]:
     return src
 
 
-def experts_w13_name(layer: int) -> str:
-    return f"model.layers.{layer}.block_sparse_moe.experts.w13_weight"
-
-
-def experts_w2_name(layer: int) -> str:
-    return f"model.layers.{layer}.block_sparse_moe.experts.w2_weight"
-
-
-def expert_name(layer: int, e: int, w: str) -> str:
-    """Canonical name of one expert's 2-D weight: w1 gate, w3 up, w2 down."""
-    return f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"
-
-
 def is_stacked_experts(name: str) -> bool:
     """A canonical stacked expert tensor ([E, 2I, H] w13 or [E, H, I] w2)."""
-    return bool(_STACKED_EXPERTS.match(name))
-
-
-EXPERTS = ExpertNames(experts_w13_name, experts_w2_name, expert_name, PER_EXPERT)
+    return bool(STACKED_EXPERTS.match(name))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+from converters.block_sparse_moe_names import EXPERTS, PER_EXPERT
 from converters.experts import (
     slice_fused_experts,
     split_vendor_experts,
@@ -14,7 +15,7 @@ from converters.experts import (
 )
 from converters.minimax_m3.config import TextConfig
 from converters.minimax_m3.hf_layout import LAYOUTS, to_hf_layout
-from converters.minimax_m3.names import EXPERTS, PER_EXPERT, canonical_name
+from converters.minimax_m3.names import canonical_name
 from converters.plan_common import carried_tensors, check_options, plain_tensor, require_tensors, top_order
 from porter.errors import LayoutError
 from porter.format.layout import OutTensor, layer_of

@@ -109,6 +109,21 @@ def check_positive(cfg, names: Iterable[str]) -> None:
             raise ConfigError(f"config field {name!r} must be positive, got {getattr(cfg, name)}")
 
 
+def head_and_expert_rules(c) -> list:
+    """The rules every family's grouped-query MoE config obeys, as (holds, what must hold) pairs: whole
+    query-head groups per KV head, top-k within the experts."""
+    return [
+        (
+            c.num_attention_heads % c.num_key_value_heads == 0,
+            "num_attention_heads must be a multiple of num_key_value_heads",
+        ),
+        (
+            c.num_experts_per_tok <= c.num_local_experts,
+            "num_experts_per_tok must not exceed num_local_experts",
+        ),
+    ]
+
+
 def check_rules(rules: Iterable[tuple]) -> None:
     """rules: (holds, what must hold); the first that fails is the error."""
     for ok, msg in rules:

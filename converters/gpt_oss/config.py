@@ -13,6 +13,7 @@ from converters.config_fields import (
     ResolvedConfig,
     check_positive,
     check_rules,
+    head_and_expert_rules,
     provenance_key,
     require_object,
     typed,
@@ -296,14 +297,7 @@ def _validate(c: GptOssConfig) -> None:
     )
     check_positive(c, positive)
     rules = [
-        (
-            c.num_attention_heads % c.num_key_value_heads == 0,
-            "num_attention_heads must be a multiple of num_key_value_heads",
-        ),
-        (
-            c.num_experts_per_tok <= c.num_local_experts,
-            "num_experts_per_tok must not exceed num_local_experts",
-        ),
+        *head_and_expert_rules(c),
         (c.head_dim % 2 == 0, "head_dim must be even (RoPE rotates pairs)"),
         (c.swiglu_alpha > 0, "swiglu_alpha must be > 0"),
         (c.swiglu_limit > 0, "swiglu_limit must be > 0"),

@@ -12,6 +12,7 @@ from converters.config_fields import (
     check_fixed,
     check_positive,
     check_rules,
+    head_and_expert_rules,
     lookup,
     provenance_key,
     read_fields,
@@ -332,14 +333,7 @@ def _validate(c: TextConfig) -> None:
     ]
     check_positive(c, positive)
     rules = [
-        (
-            c.num_attention_heads % c.num_key_value_heads == 0,
-            "num_attention_heads must be a multiple of num_key_value_heads",
-        ),
-        (
-            c.num_experts_per_tok <= c.num_local_experts,
-            "num_experts_per_tok must not exceed num_local_experts",
-        ),
+        *head_and_expert_rules(c),
         (
             0 < c.rotary_dim <= c.head_dim and c.rotary_dim % 2 == 0,
             "rotary_dim must be even and in (0, head_dim]",

@@ -45,6 +45,23 @@ def carried_tensors(carried, src_meta: dict) -> list[OutTensor]:
     return out
 
 
+def top_level_needs(cfg) -> list:
+    """The tensors outside the layers every checkpoint holds (lm_head unless tied to the embeddings)."""
+    need = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        need.append("lm_head.weight")
+    return need
+
+
+def top_level_shapes(cfg) -> dict:
+    """{name: shape} of the tensors outside the layers, from the config."""
+    return {
+        "model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
+        "lm_head.weight": (cfg.vocab_size, cfg.hidden_size),
+        "model.norm.weight": (cfg.hidden_size,),
+    }
+
+
 def require_tensors(need: list, canon: dict) -> None:
     """LayoutError naming the first tensor the config needs that the checkpoint lacks."""
     missing = [n for n in need if n not in canon]

@@ -14,7 +14,15 @@ import re
 from converters import experts
 from converters.gpt_oss import names as N
 from converters.gpt_oss.config import GptOssConfig
-from converters.plan_common import carried_tensors, check_options, plain_tensor, require_tensors, top_order
+from converters.plan_common import (
+    carried_tensors,
+    check_options,
+    plain_tensor,
+    require_tensors,
+    top_level_needs,
+    top_level_shapes,
+    top_order,
+)
 from porter.errors import LayoutError, PorterError
 from porter.format.layout import OutTensor, layer_of
 
@@ -146,9 +154,7 @@ def _experts(cfg: GptOssConfig, layer: int, found: dict, src_meta: dict, quantiz
 
 def _check_layers(cfg: GptOssConfig, canon: dict, experts: dict) -> None:
     """Fail before any work if the checkpoint does not hold what the config describes."""
-    need = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        need.append("lm_head.weight")
+    need = top_level_needs(cfg)
     projections = ("q_proj", "k_proj", "v_proj", "o_proj")
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
@@ -167,11 +173,7 @@ def _check_layers(cfg: GptOssConfig, canon: dict, experts: dict) -> None:
 
 def _check_out(cfg: GptOssConfig, out: list) -> None:
     h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    shapes = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "lm_head.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
+    shapes = top_level_shapes(cfg)
     per_layer = {
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),

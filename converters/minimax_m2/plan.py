@@ -16,7 +16,15 @@ from converters.experts import (
 )
 from converters.minimax_m2.config import TextConfig
 from converters.minimax_m2.names import canonical_name
-from converters.plan_common import carried_tensors, check_options, plain_tensor, require_tensors, top_order
+from converters.plan_common import (
+    carried_tensors,
+    check_options,
+    plain_tensor,
+    require_tensors,
+    top_level_needs,
+    top_level_shapes,
+    top_order,
+)
 from porter.errors import LayoutError
 from porter.format.layout import OutTensor, layer_of
 
@@ -99,9 +107,7 @@ def _plain(c, src, src_meta, quantize):
 
 def _check_layers(cfg, canon, experts, fused):
     """Fail before any work if the checkpoint does not hold what the config describes."""
-    need = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        need.append("lm_head.weight")
+    need = top_level_needs(cfg)
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
         need += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
@@ -123,11 +129,7 @@ def _check_out(cfg, out):
     """Every non-expert tensor's shape against the config (experts are checked when planned)."""
     h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     e = cfg.num_local_experts
-    shapes = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "lm_head.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
+    shapes = top_level_shapes(cfg)
     per_layer = {
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),

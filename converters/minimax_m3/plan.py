@@ -16,7 +16,15 @@ from converters.experts import (
 from converters.minimax_m3.config import TextConfig
 from converters.minimax_m3.hf_layout import LAYOUTS, to_hf_layout
 from converters.minimax_m3.names import canonical_name
-from converters.plan_common import carried_tensors, check_options, plain_tensor, require_tensors, top_order
+from converters.plan_common import (
+    carried_tensors,
+    check_options,
+    plain_tensor,
+    require_tensors,
+    top_level_needs,
+    top_level_shapes,
+    top_order,
+)
 from porter.errors import LayoutError
 from porter.format.layout import OutTensor, layer_of
 
@@ -131,9 +139,7 @@ def _refuse_hf_from_fused(found):
 
 def _check_layers(cfg, canon, experts, fused):
     """Fail before any work if the checkpoint does not hold what the config describes."""
-    need = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        need.append("lm_head.weight")
+    need = top_level_needs(cfg)
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
         need += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
@@ -170,12 +176,7 @@ def _gate_up_down(canon, prefix):
 
 
 def _check_out(cfg, out):
-    h = cfg.hidden_size
-    shapes = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "lm_head.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
+    shapes = top_level_shapes(cfg)
     for t in out:
         want = shapes.get(t.name)
         if want and tuple(t.shape) != want:

@@ -41,6 +41,21 @@ def _pinned_memory_budget(monkeypatch):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _pinned_verify_memory(monkeypatch):
+    """porter verify plans resident or layer-streamed runs on the CPU against 16 GiB, not what the machine
+    has available when the test runs: a test's runtime hooks (tests/verify_tamper.py) patch the resident
+    model, and a busy machine must not switch a run to streaming under them. CUDA keeps its real free
+    memory; tests of the plan itself patch memory_available."""
+    from porter.commands.verify import generation
+
+    real = generation.memory_available
+    monkeypatch.setattr(
+        generation, "memory_available", lambda device: 16 << 30 if device.type == "cpu" else real(device)
+    )
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_vendor(tmp_path_factory) -> Path:
     """Vendor layout (legacy config keys, per-expert w1/w2/w3, vision tensors), seed 0."""

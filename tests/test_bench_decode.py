@@ -71,6 +71,7 @@ def test_m2_touched_experts_and_projection(bench, model):
     assert bench.FAMILIES["minimax_m3"].projected == "3 dense + 57 MoE" and fam.projected == "62 MoE"
 
 
+@pytest.mark.slow
 def test_m2_cpu_smoke_run_writes_its_tables(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, str(SCRIPT), "--family", "minimax_m2", "--device", "cpu", "--tiny"]

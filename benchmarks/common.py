@@ -218,12 +218,17 @@ class _PooledRandn:
 
 
 def build_checkpoint(
-    out: Path, layers: int, experts: int, vocab: int | None = None, family: str = "m3"
+    out: Path,
+    layers: int,
+    experts: int,
+    vocab: int | None = None,
+    family: str = "m3",
+    overrides: dict | None = None,
 ) -> Path:
     """A checkpoint at the family's real layer dims with random weights from a shared pool: family "m3" is
     MiniMax-M3's vendor layout (examples/tiny_checkpoint.py), "m2-fp8" / "m2-bf16" MiniMax-M2's FP8-block /
     bf16 vendor layouts (examples/minimax_m2_tiny_checkpoint.py); vocab: the embedding's rows (None: the
-    fixture's tokenizer's)."""
+    fixture's tokenizer's); overrides: further config keys (e.g. max_position_embeddings)."""
     import minimax_m2_tiny_checkpoint as m2
     import tiny_checkpoint
 
@@ -232,14 +237,15 @@ def build_checkpoint(
     module.torch = _PooledRandn(real)
     try:
         if family == "m3":
-            overrides = tiny_checkpoint.real_dims_overrides(layers, experts)
+            dims = tiny_checkpoint.real_dims_overrides(layers, experts)
         else:
-            overrides = m2.real_dims_overrides(layers, experts)
+            dims = m2.real_dims_overrides(layers, experts)
         if vocab is not None:
-            overrides["vocab_size"] = vocab
+            dims["vocab_size"] = vocab
+        dims |= overrides or {}
         if family == "m3":
-            return tiny_checkpoint.build_tiny_checkpoint(out, text_overrides=overrides, max_shard_tensors=40)
-        return m2.build_m2_checkpoint(out, "fp8" if family == "m2-fp8" else "vendor", overrides=overrides)
+            return tiny_checkpoint.build_tiny_checkpoint(out, text_overrides=dims, max_shard_tensors=40)
+        return m2.build_m2_checkpoint(out, "fp8" if family == "m2-fp8" else "vendor", overrides=dims)
     finally:
         module.torch = real
 

@@ -1,5 +1,5 @@
 """The gpt-oss converter (gpt-oss-20b, gpt-oss-120b): config resolution, tensor names, the output plan, and
-verify's own source table (the verify_rules capability). No hf layout: no serving engine loads an MXFP8
+verify's own source table (the verify_rules capability). No hf layout: no serving engine runs an MXFP8
 gpt-oss with expert biases today (docs/gpt-oss.md).
 
 Sources: OpenAI's release (`quant_method: mxfp4`: MXFP4 experts, read exactly through
@@ -24,7 +24,7 @@ from converters.gpt_oss.names import canonical_name
 from converters.gpt_oss.plan import DEFAULT_SCOPE, LAYOUTS, plan_tensors
 from converters.gpt_oss.sizes import SIZE_RULES
 
-hf_layout = None  # no engine loads an MXFP8 gpt-oss with expert biases (docs/gpt-oss.md)
+hf_layout = None  # no engine runs an MXFP8 gpt-oss with expert biases (docs/gpt-oss.md)
 
 __all__ = [
     "ARCHITECTURE",

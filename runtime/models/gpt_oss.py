@@ -23,17 +23,14 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from converters.gpt_oss import GptOssConfig
 from porter.format.layout import scale_name
-from runtime.cache import KVCache, LayerCache, Step
-from runtime.generate import generate
-from runtime.graph import DecodeGraph, why_not
+from runtime.cache import LayerCache, Step
 from runtime.models import layers
+from runtime.models.causal_lm import CausalLM
 from runtime.models.layers import Getter, Rope, apply_rope, linear, on_device, yarn_inv_freq
 from runtime.moe.contract import TOPK_SOFTMAX, MoeQuantInfo, MoeRouting, make_swiglu_params
-from runtime.text import GenerationConfig
 
 LOGIT_BYTES = 256 << 20  # fp32 attention logits computed at once in a prefill (queries are chunked to fit)
 
@@ -212,121 +209,13 @@ class DecoderLayer:
             return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 
 
-class GptOss:
-    """`model(ids) -> logits`, `model.generate(prompt, max_new_tokens)`; built by runtime.load.
+class GptOss(CausalLM):
+    """`model(ids) -> logits`, `model.generate(prompt, max_new_tokens)`; built by runtime.load. Embeddings,
+    final norm, caches, positions, generate and CUDA-graph decode are the shared CausalLM's; gpt-oss brings
+    its decoder layers (sinks, sliding window, biased experts) and a plain RMSNorm. generate's chat=True
+    renders the checkpoint's harmony template."""
 
-    With a device_map, decoder layer i lives on layer_devices[i] (embeddings on the first device, final
-    norm and lm_head on the last) and the residual stream moves between them."""
-
-    cache_block = 1  # the KV cache needs no block rounding (runtime.generate.cache_slots)
-
-    def __init__(self, cfg: GptOssConfig, top: dict, layers, device, dtype, layer_devices=None):
-        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.tokenizer, self.generation_config = None, GenerationConfig()  # set by runtime.load
-        self.embed_tokens, self.norm = (
-            top["model.embed_tokens.weight"],
-            top["model.norm.weight"],
-        )  # [V, H], [H]
-        self.lm_head = top.get("lm_head.weight", self.embed_tokens)  # [V, H] (tied if absent)
-        self.layers = layers  # list of DecoderLayer, or runtime.loader.LazyLayers
-        self.layer_devices = (
-            [torch.device(d) for d in layer_devices]
-            if layer_devices is not None
-            else [self.device] * len(layers)
-        )
-        self.head_device = self.lm_head.device
-        self.decode_state = None  # (key, cache, DecodeGraph) kept by generate (runtime/generate.py)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids.to(self.embed_tokens.device), self.embed_tokens).to(self.dtype)  # [B, T, H]
-
-    def final(self, h: torch.Tensor) -> torch.Tensor:
-        with on_device(self.norm.device):
-            h = rms_norm(h.to(self.norm.device), self.norm, self.cfg.rms_norm_eps)
-        return F.linear(h.to(self.lm_head.device), self.lm_head.to(h.dtype)).float()  # [B, T, V]
-
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        layers = [self.layer_cache(i, batch, max_len) for i in range(self.cfg.num_hidden_layers)]
-        return KVCache(layers, torch.zeros(batch, dtype=torch.long, device=self.embed_tokens.device))
-
-    def layer_cache(self, i: int, batch: int, slots: int, device=None) -> LayerCache:
-        return LayerCache.empty(self.cfg, False, batch, slots, self.dtype, device or self.layer_devices[i])
-
-    def cache_nbytes(self, batch: int, max_len: int) -> dict:
-        """{device: bytes} new_cache(batch, max_len) allocates, measured on caches made on the meta device
-        (nothing is allocated): generate checks them against free memory first."""
-        need: dict = {}
-        for i, dev in enumerate(self.layer_devices):
-            lc = self.layer_cache(i, batch, max_len, device="meta")
-            need[dev] = need.get(dev, 0) + sum(t.numel() * t.element_size() for t in (lc.k, lc.v))
-        return need
-
-    def make_step(self, batch: int, T: int, cache: Optional[KVCache], attention_mask=None) -> Step:
-        """Positions of T new tokens per row: each row continues at cache.next_pos; with an attention_mask
-        ([B, T], 1 = real token, left padding) pad tokens get position 0 and are not cached."""
-        dev = self.embed_tokens.device
-        valid = None if attention_mask is None else attention_mask.to(dev).bool()
-        if valid is not None and bool(valid.all()):
-            valid = None
-        start = (
-            cache.next_pos[:, None]
-            if cache is not None
-            else torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        )
-        if valid is None:
-            pos = start + torch.arange(T, device=dev)  # [B, T]
-        else:
-            pos = torch.where(valid, start + valid.long().cumsum(1) - 1, 0)
-        kv_len = (cache.length if cache is not None else 0) + T  # >= every row's last position + 1
-        if cache is not None and kv_len > cache.max_len:
-            raise ValueError(f"KV cache holds {cache.max_len} tokens; {kv_len} needed (raise max_len)")
-        first = cache is None or cache.length == 0
-        decode = cache is not None and T == 1 and valid is None
-        return Step(pos, valid, kv_len, fresh=first and valid is None, decode=decode)
-
-    def run_layers(
-        self, h: torch.Tensor, step: Step, cache: Optional[KVCache], states: Optional[list] = None
-    ):
-        for i in range(len(self.layers)):
-            h = self.layers[i](h, step, cache.layers[i] if cache is not None else None)
-            if states is not None:
-                states.append(h)
-        return h
-
-    @torch.inference_mode()
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        cache: Optional[KVCache] = None,
-        output_hidden_states=False,
-        attention_mask: Optional[torch.Tensor] = None,
-    ):
-        """input_ids [B, T] -> logits [B, T, V] fp32 (and the residual streams after each layer if asked);
-        attention_mask [B, T] (1 real, 0 pad; left padding)."""
-        B, T = input_ids.shape
-        step = self.make_step(B, T, cache, attention_mask)
-        h = self.embed(input_ids)
-        states = [h] if output_hidden_states else None
-        h = self.run_layers(h, step, cache, states)
-        if cache is not None:
-            cache.length += T
-            cache.next_pos += T if step.valid is None else step.valid.sum(1)
-        logits = self.final(h)
-        return (logits, states) if output_hidden_states else logits
-
-    def generate(self, prompt, max_new_tokens=None, **options):
-        """The runtime's generate (runtime/generate.py): text or ids in, completion out; same options as
-        every runtime model (sampling, stop strings, stream, chat=True for the harmony chat template)."""
-        return generate(self, prompt, max_new_tokens, **options)
-
-    def why_no_graph(self):
-        return why_not(self)
-
-    def decode_graph(self, cache):
-        return DecodeGraph(self, cache)
-
-    def release_decode_state(self) -> None:
-        self.decode_state = None
+    norm_offset = 0.0  # plain RMSNorm (y * w), as rms_norm above
 
 
 Model = GptOss  # the runtime model registry's names (runtime/models/__init__.py)

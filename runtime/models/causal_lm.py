@@ -163,3 +163,30 @@ class CausalLM:
     def release_decode_state(self) -> None:
         """Free the KV cache and captured decode step that generate keeps for its next call."""
         self.decode_state = None
+
+
+class DecoderLayerBase:
+    """What every family's DecoderLayer shares: the call convention (a Step, or absolute positions with a pad
+    mask), moving the residual stream to the layer's device and making that device current, and the list of
+    Linears. A family sets `device`, `self_attn` and `mlp` and writes `forward(h, step, cache)`."""
+
+    def linears(self) -> list:
+        """Every Linear of the layer (stacked ones too): routers and routed experts are not Linears."""
+        return self.self_attn.linears() + self.mlp.linears()
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        positions,
+        cache: Optional[LayerCache] = None,
+        valid: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """h [B, T, H] residual stream; positions: a Step, or absolute positions [T] / [B, T] (= cache slots)
+        with valid [B, T] (False = pad token) -> [B, T, H] on this layer's device."""
+        step = positions if isinstance(positions, Step) else Step.of(positions, h.shape[0], cache, valid)
+        step, h = step.on(self.device), h.to(self.device)
+        with on_device(self.device):
+            return self.forward(h, step, cache)
+
+    def forward(self, h: torch.Tensor, step: Step, cache: Optional[LayerCache]) -> torch.Tensor:
+        raise NotImplementedError

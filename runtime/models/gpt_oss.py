@@ -28,8 +28,8 @@ from converters.gpt_oss import GptOssConfig
 from porter.format.layout import scale_name
 from runtime.cache import LayerCache, Step
 from runtime.models import layers
-from runtime.models.causal_lm import CausalLM
-from runtime.models.layers import Getter, Rope, apply_rope, linear, on_device, yarn_inv_freq
+from runtime.models.causal_lm import CausalLM, DecoderLayerBase
+from runtime.models.layers import Getter, Rope, apply_rope, linear, yarn_inv_freq
 from runtime.moe.contract import TOPK_SOFTMAX, MoeQuantInfo, MoeRouting, make_swiglu_params
 
 LOGIT_BYTES = 256 << 20  # fp32 attention logits computed at once in a prefill (queries are chunked to fit)
@@ -178,7 +178,7 @@ class MoE:
         return self.experts(x.reshape(-1, x.shape[-1])).view_as(x)
 
 
-class DecoderLayer:
+class DecoderLayer(DecoderLayerBase):
     """Attributes named like the weights (input_layernorm, self_attn.q_proj, mlp = the MoE block)."""
 
     def __init__(self, cfg: GptOssConfig, get: Getter, i: int, rope: Rope, device, make_backend: Callable):
@@ -189,24 +189,10 @@ class DecoderLayer:
         self.self_attn = Attention(cfg, get, p + "self_attn.", rope, cfg.is_sliding(i))
         self.mlp = MoE(cfg, get, p + "mlp.", device, make_backend)
 
-    def linears(self) -> list:
-        """Every Linear of the layer: the router and the experts are not Linears."""
-        return self.self_attn.linears() + self.mlp.linears()
-
-    def __call__(
-        self,
-        h: torch.Tensor,
-        positions,
-        cache: Optional[LayerCache] = None,
-        valid: Optional[torch.Tensor] = None,
-    ):
-        """h [B, T, H] residual stream; positions: a Step, or absolute positions [T] / [B, T] (= cache slots)
-        with valid [B, T] (False = pad token) -> [B, T, H] on this layer's device."""
-        step = positions if isinstance(positions, Step) else Step.of(positions, h.shape[0], cache, valid)
-        step, h = step.on(self.device), h.to(self.device)
-        with on_device(self.device):
-            h = h + self.self_attn(rms_norm(h, self.input_layernorm, self.eps), step, cache)
-            return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+    def forward(self, h: torch.Tensor, step: Step, cache: Optional[LayerCache]) -> torch.Tensor:
+        """One layer on this layer's device: h [B, T, H] -> [B, T, H]."""
+        h = h + self.self_attn(rms_norm(h, self.input_layernorm, self.eps), step, cache)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 
 
 class GptOss(CausalLM):

@@ -24,14 +24,13 @@ from porter.format.layout import scale_name
 from runtime.cache import LayerCache, Step
 from runtime.kernels import fused, gemv
 from runtime.kernels.attention import decode_attention
-from runtime.models.causal_lm import CausalLM
+from runtime.models.causal_lm import CausalLM, DecoderLayerBase
 from runtime.models.layers import (
     Getter,
     Rope,
     apply_rope,
     gqa_attention,
     linear,
-    on_device,
     rms_norm,
     stack_linears,
 )
@@ -141,7 +140,7 @@ class MoE:
         return self.experts(flat)
 
 
-class DecoderLayer:
+class DecoderLayer(DecoderLayerBase):
     """Attributes named like the weights (input_layernorm, self_attn.q_proj, ...); `mlp` is the
     block_sparse_moe block."""
 
@@ -153,25 +152,11 @@ class DecoderLayer:
         self.self_attn = Attention(cfg, get, p + "self_attn.", rope)
         self.mlp = MoE(cfg, get, p + "block_sparse_moe.", device, make_backend)
 
-    def linears(self) -> list:
-        """Every Linear of the layer (stacked ones too): the router and the routed experts are not Linears."""
-        return self.self_attn.linears() + self.mlp.linears()
-
-    def __call__(
-        self,
-        h: torch.Tensor,
-        positions,
-        cache: Optional[LayerCache] = None,
-        valid: Optional[torch.Tensor] = None,
-    ):
-        """h [B, T, H] residual stream; positions: a Step, or absolute positions [T] / [B, T] (= cache slots)
-        with valid [B, T] (False = pad token) -> [B, T, H] on this layer's device."""
-        step = positions if isinstance(positions, Step) else Step.of(positions, h.shape[0], cache, valid)
-        step, h = step.on(self.device), h.to(self.device)
-        with on_device(self.device):
-            a = self.self_attn(rms_norm(h, self.input_layernorm, self.eps, PLAIN), step, cache)
-            h = self.self_attn.o_proj(a, add=(h,))  # h + o_proj(a) (the add in the GEMV's epilogue on CUDA)
-            return self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps, PLAIN), add=(h,))
+    def forward(self, h: torch.Tensor, step: Step, cache: Optional[LayerCache]) -> torch.Tensor:
+        """One layer on this layer's device: h [B, T, H] -> [B, T, H]."""
+        a = self.self_attn(rms_norm(h, self.input_layernorm, self.eps, PLAIN), step, cache)
+        h = self.self_attn.o_proj(a, add=(h,))  # h + o_proj(a) (the add in the GEMV's epilogue on CUDA)
+        return self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps, PLAIN), add=(h,))
 
 
 class MiniMaxM2(CausalLM):

@@ -32,7 +32,7 @@ from porter.format.layout import scale_name
 from runtime.cache import LayerCache, Step
 from runtime.kernels import fused, gemv
 from runtime.kernels.attention import decode_attention, decode_attention_topk
-from runtime.models.causal_lm import CausalLM
+from runtime.models.causal_lm import CausalLM, DecoderLayerBase
 from runtime.models.indexer import Indexer
 from runtime.models.layers import (
     Getter,
@@ -44,7 +44,6 @@ from runtime.models.layers import (
     keep_mask,
     linear,
     norm_rope,
-    on_device,
     rms_norm,
     stack_linears,
 )
@@ -268,7 +267,7 @@ class MoE:
         return fork(flat.device)
 
 
-class DecoderLayer:
+class DecoderLayer(DecoderLayerBase):
     """Attributes named like the weights (input_layernorm, self_attn.q_proj, ...); `mlp` is the dense MLP
     or, on MoE layers, the block_sparse_moe block."""
 
@@ -283,34 +282,20 @@ class DecoderLayer:
         else:
             self.mlp = MLP(cfg, get, p + "mlp.")
 
-    def linears(self) -> list:
-        """Every Linear of the layer (stacked ones too): the router and the routed experts are not Linears."""
-        return self.self_attn.linears() + self.mlp.linears()
-
-    def __call__(
-        self,
-        h: torch.Tensor,
-        positions,
-        cache: Optional[LayerCache] = None,
-        valid: Optional[torch.Tensor] = None,
-    ):
-        """h [B, T, H] residual stream; positions: a Step, or absolute positions [T] / [B, T] (= cache slots)
-        with valid [B, T] (False = pad token) -> [B, T, H] on this layer's device."""
-        step = positions if isinstance(positions, Step) else Step.of(positions, h.shape[0], cache, valid)
-        step, h = step.on(self.device), h.to(self.device)
-        with on_device(self.device):
-            if self.fused_decode(h, step, cache):
-                x = rms_norm(h, self.input_layernorm, self.eps)
-                a = self.self_attn.decode(x, step, cache)  # [B, 1, nq*d]
-                o_proj = self.self_attn.o_proj
-                if gemv.runs(a, o_proj.weight):  # the add in the GEMV's epilogue, then the norm
-                    h = o_proj(a, add=(h,))  # h + o_proj(a)
-                    x = rms_norm(h, self.post_attention_layernorm, self.eps)
-                else:  # one kernel adds the residual and norms the sum
-                    h, x = fused.add_rms_norm(o_proj(a), h, self.post_attention_layernorm, self.eps)
-                return self.mlp(x, add=(h,))  # h + mlp(x)
-            h = h + self.self_attn(rms_norm(h, self.input_layernorm, self.eps), step, cache)
-            return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+    def forward(self, h: torch.Tensor, step: Step, cache: Optional[LayerCache]) -> torch.Tensor:
+        """One layer on this layer's device: h [B, T, H] -> [B, T, H]."""
+        if self.fused_decode(h, step, cache):
+            x = rms_norm(h, self.input_layernorm, self.eps)
+            a = self.self_attn.decode(x, step, cache)  # [B, 1, nq*d]
+            o_proj = self.self_attn.o_proj
+            if gemv.runs(a, o_proj.weight):  # the add in the GEMV's epilogue, then the norm
+                h = o_proj(a, add=(h,))  # h + o_proj(a)
+                x = rms_norm(h, self.post_attention_layernorm, self.eps)
+            else:  # one kernel adds the residual and norms the sum
+                h, x = fused.add_rms_norm(o_proj(a), h, self.post_attention_layernorm, self.eps)
+            return self.mlp(x, add=(h,))  # h + mlp(x)
+        h = h + self.self_attn(rms_norm(h, self.input_layernorm, self.eps), step, cache)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 
     def fused_decode(self, h: torch.Tensor, step: Step, cache: Optional[LayerCache]) -> bool:
         """Whether this step runs the fused decode kernels (CUDA, decode over a cache, stacked q/k/v)."""

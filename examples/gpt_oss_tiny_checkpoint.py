@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from tiny_checkpoint import save_sharded
 
 from porter.format import mxfp4
 
@@ -330,19 +330,6 @@ def build_tiny_checkpoint(
     )
     save_sharded(weights, out, max_shard_tensors)
     return out
-
-
-def save_sharded(tensors: dict, out: Path, per_shard: int) -> None:
-    names = list(tensors)
-    chunks = [names[i : i + per_shard] for i in range(0, len(names), per_shard)]
-    weight_map = {}
-    for n, chunk in enumerate(chunks, 1):
-        fname = f"model-{n:05d}-of-{len(chunks):05d}.safetensors"
-        save_file({k: tensors[k].contiguous() for k in chunk}, str(out / fname), metadata={"format": "pt"})
-        weight_map |= {k: fname for k in chunk}
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
-    )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-from tiny_checkpoint import CHAT_TEMPLATE, train_tokenizer
+from tiny_checkpoint import save_sharded, write_tokenizer
 
 FP8_BLOCK = [128, 128]
 TINY_M2 = {
@@ -201,20 +200,7 @@ def build_m2_checkpoint(
 ) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(TINY_M2["vocab_size"])
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "pad_token": "<pad>",
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "chat_template": CHAT_TEMPLATE,
-            }
-        )
-    )
-    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    bos, eos = write_tokenizer(out, TINY_M2["vocab_size"])
     cfg = config(overrides, bos, eos)
     weights = random_weights(cfg, seed)
     if layout == "fp8":
@@ -228,21 +214,8 @@ def build_m2_checkpoint(
         raise ValueError(f"layout must be fp8, vendor or transformers, not {layout!r}")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
-    _save_sharded(tensors, out, max_shard_tensors)
+    save_sharded(tensors, out, max_shard_tensors)
     return out
-
-
-def _save_sharded(tensors: dict, out: Path, per_shard: int) -> None:
-    names = list(tensors)
-    chunks = [names[i : i + per_shard] for i in range(0, len(names), per_shard)]
-    weight_map = {}
-    for n, chunk in enumerate(chunks, 1):
-        fname = f"model-{n:05d}-of-{len(chunks):05d}.safetensors"
-        save_file({k: tensors[k].contiguous() for k in chunk}, str(out / fname), metadata={"format": "pt"})
-        weight_map |= {k: fname for k in chunk}
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
-    )
 
 
 def real_dims_overrides(num_layers: int, experts: int = 8) -> dict:

@@ -289,20 +289,7 @@ def build_tiny_checkpoint(
 ) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(TINY_TEXT["vocab_size"])
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "pad_token": "<pad>",
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "chat_template": CHAT_TEMPLATE,
-            }
-        )
-    )
-    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    bos, eos = write_tokenizer(out, TINY_TEXT["vocab_size"])
     cfg = vendor_config(text_overrides, bos, eos)
     text = cfg["text_config"]
     weights = random_text_weights(text, seed)
@@ -315,11 +302,31 @@ def build_tiny_checkpoint(
         raise ValueError(f"layout must be vendor or transformers, not {layout!r}")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
-    _save_sharded(tensors, out, max_shard_tensors)
+    save_sharded(tensors, out, max_shard_tensors)
     return out
 
 
-def _save_sharded(tensors: dict, out: Path, per_shard: int) -> None:
+def write_tokenizer(out: Path, vocab_size: int) -> tuple[int, int]:
+    """tokenizer.json (a byte-level BPE of vocab_size) and tokenizer_config.json with the chat template;
+    returns the (bos, eos) ids."""
+    tok = train_tokenizer(vocab_size)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<pad>",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+    return tok.token_to_id("<s>"), tok.token_to_id("</s>")
+
+
+def save_sharded(tensors: dict, out: Path, per_shard: int) -> None:
+    """`tensors` in shards of per_shard tensors each, with model.safetensors.index.json."""
     names = list(tensors)
     chunks = [names[i : i + per_shard] for i in range(0, len(names), per_shard)]
     weight_map = {}

@@ -353,15 +353,17 @@ class ArtifactReader:
     def get(self, name: str, e: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(values, scale or None) of tensor `name`, or of its expert e."""
         rec = self.tensors[name]
-        q = self._read(name)
-        s = self._read(rec["scale"]) if rec.get("scale") else None
-        return (q, s) if e is None else (q[e], None if s is None else s[e])
+        scale = rec.get("scale")
+        return self._read(name, e), (self._read(scale, e) if scale else None)
 
-    def _read(self, name: str) -> torch.Tensor:
+    def _read(self, name: str, e: Optional[int] = None) -> torch.Tensor:
+        """The tensor, or its expert e along dim 0: a slice of the shard, so that comparing E experts
+        reads a stacked tensor once, not E times."""
         staged = _staged(self.stagings, name)
         if staged is not None:
-            return staged
-        return _open(self._handles, self.art / self.tensors[name]["shard"]).get_tensor(name)
+            return staged if e is None else staged[e]
+        h = _open(self._handles, self.art / self.tensors[name]["shard"])
+        return h.get_tensor(name) if e is None else h.get_slice(name)[e]
 
     def stage(self, names, device: torch.device):
         """Read these tensors (and their scales) onto `device` in the background (runtime.staging); get()

@@ -13,7 +13,8 @@ Where the exact-bytes step found an artifact tensor byte-identical to its re-der
 and scale bytes), the re-derived bytes ARE the artifact's: the store reads them from the artifact (one
 byte per element, no re-quantization) instead of reading the source again (two bytes per element) and
 re-quantizing it. A tensor that differed, or was not compared, is re-derived from the source as before, so
-the reference never holds a byte the exact step did not prove.
+the reference never holds a byte the exact step did not prove; so are an hf layout's per-expert tensors (how
+their row parts stack is that layout's business, not verify's).
 """
 
 from __future__ import annotations
@@ -43,8 +44,13 @@ class RoundedReferenceStore:
         self.quantized = set(parts) & ref.names()
         self.scales = {scale_name(n): n for n in self.quantized}
         proved = set(proved)
-        # canonical name -> [(artifact name, expert or None)], for those whose every part was proved
-        self.proved = {n: parts[n] for n in self.quantized if all(a in proved for a, _ in parts[n])}
+        # canonical name -> its artifact tensor, when that one tensor holds all of it (an hf layout's
+        # per-expert row parts are re-derived: how they stack is the layout's, not verify's, knowledge)
+        self.proved = {
+            n: parts[n][0][0]
+            for n in self.quantized
+            if len(parts[n]) == 1 and parts[n][0][1] is None and parts[n][0][0] in proved
+        }
         self._last: tuple = (None, None)  # (name, (q, s)): a weight and its scale are asked for in turn
 
     def names(self) -> set:
@@ -64,13 +70,8 @@ class RoundedReferenceStore:
         return self._last[1]
 
     def _artifact(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q, scale) of `name` as the artifact holds them (proved equal to the re-derivation); an hf
-        layout's per-expert tensors stacked [E, N, K] / [E, N, K/32]."""
-        parts = self.proved[name]
-        if parts[0][1] is None:
-            return self.reader.get(parts[0][0])
-        got = [self.reader.get(a) for a, _ in sorted(parts, key=lambda p: p[1])]
-        return torch.stack([q for q, _ in got]), torch.stack([s for _, s in got])
+        """(q, scale) of `name` as the artifact holds them, proved equal to the re-derivation."""
+        return self.reader.get(self.proved[name])
 
     def _requantize(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, scale) of `name`, stacked experts expert by expert: each with its derivation's kept scale
@@ -105,4 +106,3 @@ def artifact_parts(reader: ArtifactReader) -> dict:
             stacked, e = (c, None) if found is None else found
             out.setdefault(stacked, []).append((n, e))
     return out
-

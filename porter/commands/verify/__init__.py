@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 import converters
+from porter.commands.verify import exact as exact_step
 from porter.commands.verify import generation as gen
 from porter.commands.verify.exact import rederive
 from porter.commands.verify.inputs import (
@@ -292,6 +293,9 @@ def _numerics(
     conv_bytes = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values())
     ref_bytes = sum(ref_store.mapping.shards.nbytes(n) for n in ref_store.mapping.shards.meta)
     rounded = bool(rounded_store.quantized)  # else the rounded reference is the reference itself
+    if exact_step.reads_ahead(inp.device):  # each layer read onto the GPU while the one before is built
+        ref_store.read_ahead(inp.device)
+        rounded_store.read_ahead(inp.device)
     plan = gen.plan_runs(
         streaming, max_new_tokens, inp.device, conv_bytes, ref_bytes, device_map, conv_bytes if rounded else 0
     )
@@ -342,6 +346,9 @@ def _numerics(
                     moe_numerics=moe_numerics,
                     progress=progress,
                 )
+            if not plan.stream:  # built: the last layer's staged bytes leave the device
+                ref_store.close()
+                rounded_store.close()
         rep.dtype = dtype_name(conv.dtype)
         with _phase(rep, f"numerics.{run.numerics}.pass"):  # layers of lazy models are read here
             res = compare_models(ref, conv, seqs, rep.prompt_tokens, progress, rounded=rref)

@@ -113,7 +113,7 @@ def _run_window(jobs, reader, mapping, rounding, device, pool, window: int, bar)
         bar.update(sum(mapping.shards.nbytes(x) for x in der.sources) if der else 0)
 
     groups = _groups(jobs, reader)
-    ahead = _ReadAhead(groups, reader, mapping, device) if _reads_ahead(device) else None
+    ahead = _ReadAhead(groups, reader, mapping, device) if reads_ahead(device) else None
     try:
         for g, group in enumerate(groups):
             if ahead is not None:
@@ -153,9 +153,10 @@ def _groups(jobs: list, reader: ArtifactReader) -> list:
     return groups
 
 
-def _reads_ahead(device: torch.device) -> bool:
-    """Layers read onto the device ahead of their comparison: on a GPU (on the CPU the units read the
-    mapped shards, which is what the CPU's workers would do with staged bytes too)."""
+def reads_ahead(device: torch.device) -> bool:
+    """Layers read onto the device ahead of their use (this pass's comparison; the reference models'
+    building, mapping.GroupReadAhead): on a GPU (on the CPU the units read the mapped shards, which is
+    what the CPU's workers would do with staged bytes too)."""
     return device.type == "cuda"
 
 

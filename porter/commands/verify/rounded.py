@@ -23,9 +23,9 @@ from typing import Optional
 
 import torch
 
-from porter.commands.verify.mapping import ArtifactReader, ReferenceStore
+from porter.commands.verify.mapping import ArtifactReader, GroupReadAhead, ReferenceStore
 from porter.format import mxfp8
-from porter.format.layout import scale_name
+from porter.format.layout import layer_of, scale_name
 
 
 class RoundedReferenceStore:
@@ -52,11 +52,28 @@ class RoundedReferenceStore:
             if len(parts[n]) == 1 and parts[n][0][1] is None and parts[n][0][0] in proved
         }
         self._last: tuple = (None, None)  # (name, (q, s)): a weight and its scale are asked for in turn
+        self.ahead = None  # GroupReadAhead, when read_ahead() was called
 
     def names(self) -> set:
         return self.ref.names() | set(self.scales)
 
+    def read_ahead(self, device: torch.device) -> None:
+        """Read a layer at a time onto `device` as the model is built (mapping.GroupReadAhead): the
+        artifact's proved tensors, the source of the rest; not for a pre-quantized source."""
+        if self.ref.mapping.shards.scheme is not None:
+            return
+        groups: dict = {}
+        for n in self.ref.names():
+            sources, artifact = groups.setdefault(layer_of(n), (set(), set()))
+            if n in self.proved:
+                artifact.add(self.proved[n])
+            else:
+                sources.update(self.ref.derivation(n).sources)
+        self.ahead = GroupReadAhead(groups, self.ref.mapping.shards, self.reader, device)
+
     def get(self, name: str) -> torch.Tensor:
+        if self.ahead is not None:
+            self.ahead.touch(name)
         if name in self.scales:
             return self._rounded(self.scales[name])[1]
         if name in self.quantized:
@@ -91,6 +108,8 @@ class RoundedReferenceStore:
 
     def close(self) -> None:
         self._last = (None, None)
+        if self.ahead is not None:
+            self.ahead.close()
         self.ref.close()
         self.reader.close()
 

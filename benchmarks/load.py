@@ -83,6 +83,20 @@ class PeakRss:
         return max(self.peak, self.now()) - self.base
 
 
+MEMORY_FILESYSTEMS = {"tmpfs", "ramfs"}  # /dev/shm: no disk behind it, nothing to evict
+
+
+def filesystem(path: Path) -> str:
+    """The type of the filesystem holding `path` (the longest mount point above it in /proc/mounts)."""
+    best, kind = "", "unknown"
+    target = str(path.resolve())
+    for line in open("/proc/mounts"):
+        _, mount, fstype = line.split()[:3]
+        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+            best, kind = mount, fstype
+    return kind
+
+
 def shards(folder: Path) -> list:
     return sorted(folder.glob("*.safetensors"))
 
@@ -257,6 +271,9 @@ def main():
         print(f"# converted to {nbytes(art) / GB:.1f} GB in {time.time() - t:.0f} s", flush=True)
     os.sync()
     env = environment()
+    fs = filesystem(work)
+    if fs in MEMORY_FILESYSTEMS and "cold" in f"{args.cache},{args.verify_cache}":
+        print(f"# {work} is on {fs}: its pages cannot be evicted, every 'cold' row is a warm one", flush=True)
     art_b, src_b = nbytes(art), nbytes(src)
     threads, buf = staging.default_threads(), staging.BUFFER_BYTES
     gpus = torch.cuda.device_count()
@@ -265,6 +282,8 @@ def main():
     rss = PeakRss()
     doc = {
         "machine": env,
+        "workdir": str(work),
+        "filesystem": fs,
         "layers": args.layers,
         "experts": args.experts,
         "artifact_bytes": art_b,
@@ -371,6 +390,8 @@ def main():
             {"passed": res.passed, "read_once_seconds": read_once, "cached_at_start": cached},
         )
         r["over_read_once"] = s / read_once
+        r["phases"] = res.report.phases  # verify's own split: integrity, exact, generation, numerics runs
+        print("    verify phases: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["phases"].items()), flush=True)
         real_read_once = (REAL_SOURCE_GB + REAL_ARTIFACT_GB) / (both / read_once)
         r["projected_real_seconds"] = r["over_read_once"] * real_read_once
 
@@ -386,7 +407,14 @@ def summary(doc: dict, env: dict) -> list:
         "",
         f"{doc['layers']} layers (layer 0 dense, the rest MoE with {doc['experts']} experts), vocab {REAL_VOCAB}: "
         f"artifact {doc['artifact_bytes'] / GB:.1f} GB, source {doc['source_bytes'] / GB:.1f} GB; loader "
-        f"{doc['threads']} threads x {doc['buffer_bytes'] >> 20} MiB staging buffers.",
+        f"{doc['threads']} threads x {doc['buffer_bytes'] >> 20} MiB staging buffers; files on "
+        f"{doc['filesystem']} ({doc['workdir']})"
+        + (
+            ": cold rows are warm (memory cannot be evicted)"
+            if doc["filesystem"] in MEMORY_FILESYSTEMS
+            else ""
+        )
+        + ".",
         "",
     ]
     rows = []
@@ -407,6 +435,13 @@ def summary(doc: dict, env: dict) -> list:
     lines += markdown_table(
         ["run", "cache", "s", "GB/s", "floor GB/s", "of floor", "host anon GB", "real size"], rows
     )
+    for r in doc["runs"]:
+        if r.get("phases"):
+            split = ", ".join(f"{k} {v:.2f} s" for k, v in r["phases"].items())
+            lines += [
+                "",
+                f"{r['what']} ({r['cache']}): {r['over_read_once']:.2f}x reading both once; {split}.",
+            ]
     return lines
 
 

@@ -218,12 +218,13 @@ class _PooledRandn:
 
 
 def build_checkpoint(
-    out: Path, layers: int, experts: int, vocab: int | None = None, family: str = "m3"
+    out: Path, layers: int, experts: int, vocab: int | None = None, family: str = "m3", dims=None
 ) -> Path:
     """A checkpoint at the family's real layer dims with random weights from a shared pool: family "m3" is
     MiniMax-M3's vendor layout (examples/tiny_checkpoint.py), "m2-fp8" / "m2-bf16" MiniMax-M2's FP8-block /
     bf16 vendor layouts (examples/minimax_m2_tiny_checkpoint.py); vocab: the embedding's rows (None: the
-    fixture's tokenizer's)."""
+    fixture's tokenizer's); dims: (hidden, expert intermediate) of a smaller synthetic M3 instead of the
+    real dims (a CPU-sized run)."""
     import minimax_m2_tiny_checkpoint as m2
     import tiny_checkpoint
 
@@ -231,7 +232,9 @@ def build_checkpoint(
     real = module.torch
     module.torch = _PooledRandn(real)
     try:
-        if family == "m3":
+        if family == "m3" and dims:
+            overrides = tiny_checkpoint.synthetic_overrides(layers, *dims, experts=experts)
+        elif family == "m3":
             overrides = tiny_checkpoint.real_dims_overrides(layers, experts)
         else:
             overrides = m2.real_dims_overrides(layers, experts)
@@ -244,10 +247,11 @@ def build_checkpoint(
         module.torch = real
 
 
-def evict(path: Path) -> str:
-    """Empty the page cache for a cold run; returns how (drop_caches as root, else fadvise on the sources)."""
+def evict(path: Path, drop_caches: bool = True) -> str:
+    """Empty the page cache for a cold run; returns how (drop_caches as root unless drop_caches=False, else
+    fadvise on the sources)."""
     os.sync()
-    if os.geteuid() == 0:
+    if drop_caches and os.geteuid() == 0:
         try:
             Path("/proc/sys/vm/drop_caches").write_text("3\n")
             return "drop_caches"

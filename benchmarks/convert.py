@@ -198,7 +198,7 @@ def bench_size(
 ) -> dict:
     layers = max(2, round(target_gb * (layers_per_gb or FAMILIES[family][0])))
     t0 = time.time()
-    src = build_checkpoint(tmp / f"src{target_gb}", layers, experts, family)
+    src = build_checkpoint(tmp / f"src{target_gb}", layers, experts, family=family)
     build_s = time.time() - t0
     gb = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
     print(f"# {gb:.2f} GB checkpoint ({layers} layers) built in {build_s:.0f} s", flush=True)

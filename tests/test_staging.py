@@ -405,3 +405,21 @@ def test_reference_models_reading_layers_ahead_equal_reading_the_mapped_shards(
     layers = {k for _, k in staged}
     assert layers == {None, *range(ahead.layers[-1].layer + 1)}  # every layer and the top tensors
     assert sorted(staged, key=str) == sorted(left, key=str)  # each staged group left the device
+
+
+def test_reference_read_ahead_leaves_room_for_what_is_derived(tiny_vendor, monkeypatch):
+    """A group is read ahead onto a GPU only when its bytes, the stacked copies derived from them and those
+    still to come from the group before fit beside the reserve; else the store reads the mapped shards."""
+    from porter.commands.verify import mapping
+
+    shards = mapping.SourceShards(tiny_vendor)
+    name = next(n for n in shards.meta if "experts" in n)
+    ahead = mapping.GroupReadAhead({1: ({name}, set())}, shards, None, torch.device("cuda"))
+    need = shards.nbytes(name)
+    free = [0]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 1 << 40))
+    for pending in (0, 12345):
+        free[0] = pending + 2 * need + mapping.READ_AHEAD_RESERVE
+        assert ahead._room(1, pending)
+        free[0] -= 1
+        assert not ahead._room(1, pending)

@@ -413,9 +413,11 @@ class GroupReadAhead:
         at = self.order.index(key)
         for k in self.order[:at]:
             self._leave(k)
+        pending = 0  # bytes still to be derived on the device from the groups this touch staged
         for k in self.order[at : at + 2]:
-            if k not in self.staged and self._room(k):
+            if k not in self.staged and self._room(k, pending):
                 self.staged[k] = self._stage(k)
+            pending += self._need(k)
         self.current = key
 
     def close(self) -> None:
@@ -434,12 +436,17 @@ class GroupReadAhead:
         for staging, owner in self.staged.pop(key, []):
             unstage(owner, staging)
 
-    def _room(self, key) -> bool:
+    def _need(self, key) -> int:
+        sources, artifact = self.groups[key]
+        return sum(self.shards.nbytes(s) for s in sources) + sum(self.reader.nbytes(a) for a in artifact)
+
+    def _room(self, key, pending: int) -> bool:
+        """Room for the group's bytes and for what is derived from them (a stacked copy as large), beside
+        `pending` bytes still to be derived from a group staged before it."""
         if self.device.type != "cuda":
             return True
-        sources, artifact = self.groups[key]
-        need = sum(self.shards.nbytes(s) for s in sources) + sum(self.reader.nbytes(a) for a in artifact)
-        return torch.cuda.mem_get_info(self.device)[0] >= need + READ_AHEAD_RESERVE
+        need = pending + 2 * self._need(key) + READ_AHEAD_RESERVE
+        return torch.cuda.mem_get_info(self.device)[0] >= need
 
 
 class ReferenceStore:

@@ -224,11 +224,13 @@ def build_checkpoint(
     vocab: int | None = None,
     family: str = "m3",
     overrides: dict | None = None,
+    dims=None,
 ) -> Path:
     """A checkpoint at the family's real layer dims with random weights from a shared pool: family "m3" is
     MiniMax-M3's vendor layout (examples/tiny_checkpoint.py), "m2-fp8" / "m2-bf16" MiniMax-M2's FP8-block /
     bf16 vendor layouts (examples/minimax_m2_tiny_checkpoint.py); vocab: the embedding's rows (None: the
-    fixture's tokenizer's); overrides: further config keys (e.g. max_position_embeddings)."""
+    fixture's tokenizer's); overrides: further config keys (e.g. max_position_embeddings); dims: (hidden,
+    expert intermediate) of a smaller synthetic M3 instead of the real dims (a CPU-sized run)."""
     import minimax_m2_tiny_checkpoint as m2
     import tiny_checkpoint
 
@@ -236,24 +238,27 @@ def build_checkpoint(
     real = module.torch
     module.torch = _PooledRandn(real)
     try:
-        if family == "m3":
-            dims = tiny_checkpoint.real_dims_overrides(layers, experts)
+        if family == "m3" and dims:
+            config = tiny_checkpoint.synthetic_overrides(layers, *dims, experts=experts)
+        elif family == "m3":
+            config = tiny_checkpoint.real_dims_overrides(layers, experts)
         else:
-            dims = m2.real_dims_overrides(layers, experts)
+            config = m2.real_dims_overrides(layers, experts)
         if vocab is not None:
-            dims["vocab_size"] = vocab
-        dims |= overrides or {}
+            config["vocab_size"] = vocab
+        config |= overrides or {}
         if family == "m3":
-            return tiny_checkpoint.build_tiny_checkpoint(out, text_overrides=dims, max_shard_tensors=40)
-        return m2.build_m2_checkpoint(out, "fp8" if family == "m2-fp8" else "vendor", overrides=dims)
+            return tiny_checkpoint.build_tiny_checkpoint(out, text_overrides=config, max_shard_tensors=40)
+        return m2.build_m2_checkpoint(out, "fp8" if family == "m2-fp8" else "vendor", overrides=config)
     finally:
         module.torch = real
 
 
-def evict(path: Path) -> str:
-    """Empty the page cache for a cold run; returns how (drop_caches as root, else fadvise on the sources)."""
+def evict(path: Path, drop_caches: bool = True) -> str:
+    """Empty the page cache for a cold run; returns how (drop_caches as root unless drop_caches=False, else
+    fadvise on the sources)."""
     os.sync()
-    if os.geteuid() == 0:
+    if drop_caches and os.geteuid() == 0:
         try:
             Path("/proc/sys/vm/drop_caches").write_text("3\n")
             return "drop_caches"

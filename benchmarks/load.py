@@ -20,11 +20,15 @@ above the run's start (RssAnon, sampled every 10 ms), and the projection at the 
 795 GB source; runtime.load on 4 GPUs reads the same 452 GB through the same host, each GPU's link carrying
 a quarter, so the projection is 452 GB at the measured one-GPU rate).
 
-Cold: before each cold run `echo 3 > /proc/sys/vm/drop_caches` as root, else posix_fadvise(DONTNEED) on each
-shard (the table says which).
+Cold: before each cold run `echo 3 > /proc/sys/vm/drop_caches` as root, else (or with --evict fadvise, on a
+host shared with others) posix_fadvise(DONTNEED) on each shard (the table says which). Files in tmpfs
+(/dev/shm) cannot be evicted: the summary says so, and its cold rows are warm ones. --device cpu: no GPU
+floors or device_map rows, load and verify on the CPU; --dims H,I builds a smaller synthetic checkpoint (a
+CPU-sized run) instead of the real dims.
 
     python benchmarks/load.py [--workdir /tmp/porter-load] [--layers 3] [--cache warm,cold]
                               [--verify both] [--verify-cache warm,cold] [--out DIR]
+                              [--device cuda|cpu] [--dims H,I] [--evict auto|fadvise]
 """
 
 from __future__ import annotations
@@ -83,6 +87,20 @@ class PeakRss:
         return max(self.peak, self.now()) - self.base
 
 
+MEMORY_FILESYSTEMS = {"tmpfs", "ramfs"}  # /dev/shm: no disk behind it, nothing to evict
+
+
+def filesystem(path: Path) -> str:
+    """The type of the filesystem holding `path` (the longest mount point above it in /proc/mounts)."""
+    best, kind = "", "unknown"
+    target = str(path.resolve())
+    for line in open("/proc/mounts"):
+        _, mount, fstype = line.split()[:3]
+        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+            best, kind = mount, fstype
+    return kind
+
+
 def shards(folder: Path) -> list:
     return sorted(folder.glob("*.safetensors"))
 
@@ -95,8 +113,9 @@ class PageCache:
     """Puts folders' shards into the page cache (warm: read once, unless nothing evicted them since) or out
     of it (cold: before every run, since every run reads them in)."""
 
-    def __init__(self):
+    def __init__(self, drop_caches: bool = True):
         self.warm: set = set()
+        self.drop_caches = drop_caches  # False: fadvise on these folders only (a host shared with others)
 
     def set(self, folders: list, cache: str) -> str:
         if cache == "warm":
@@ -105,7 +124,7 @@ class PageCache:
                     warm(f)
                 self.warm.add(f)
             return "read once"
-        how = ",".join(sorted({evict(f) for f in folders}))
+        how = ",".join(sorted({evict(f, self.drop_caches) for f in folders}))
         self.warm = set() if how == "drop_caches" else self.warm - set(folders)
         return how
 
@@ -211,8 +230,9 @@ def free_gpu() -> None:
     import torch
 
     gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def timed(fn, rss: PeakRss) -> tuple:
@@ -222,7 +242,8 @@ def timed(fn, rss: PeakRss) -> tuple:
     out = fn()
     import torch
 
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - t0, rss.above_start(), out
 
 
@@ -235,6 +256,11 @@ def main():
     ap.add_argument("--verify", default="both", help="porter verify --numerics (none: no verify run)")
     ap.add_argument("--verify-cache", default="warm,cold", help="page cache states of the verify runs")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="folder for load.json and load.md")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu (no GPU floors, no device_map rows)")
+    ap.add_argument("--dims", default=None, help="H,I: synthetic hidden and expert widths (default: real)")
+    ap.add_argument(
+        "--evict", default="auto", choices=["auto", "fadvise"], help="auto: drop_caches as root, else fadvise"
+    )
     args = ap.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
@@ -249,7 +275,8 @@ def main():
     src, art = work / "src", work / "art"
     if not (src / "model.safetensors.index.json").exists():
         t = time.time()
-        build_checkpoint(src, args.layers, args.experts, REAL_VOCAB)
+        dims = tuple(int(x) for x in args.dims.split(",")) if args.dims else None
+        build_checkpoint(src, args.layers, args.experts, None if dims else REAL_VOCAB, dims=dims)
         print(f"# built {nbytes(src) / GB:.1f} GB checkpoint in {time.time() - t:.0f} s", flush=True)
     if not (art / "model.safetensors.index.json").exists():
         t = time.time()
@@ -257,15 +284,24 @@ def main():
         print(f"# converted to {nbytes(art) / GB:.1f} GB in {time.time() - t:.0f} s", flush=True)
     os.sync()
     env = environment()
+    fs = filesystem(work)
+    if fs in MEMORY_FILESYSTEMS and "cold" in f"{args.cache},{args.verify_cache}":
+        print(f"# {work} is on {fs}: its pages cannot be evicted, every 'cold' row is a warm one", flush=True)
     art_b, src_b = nbytes(art), nbytes(src)
     threads, buf = staging.default_threads(), staging.BUFFER_BYTES
-    gpus = torch.cuda.device_count()
-    torch.cuda.init()
-    torch.empty(1, device="cuda")
+    cuda = args.device == "cuda"
+    gpus = torch.cuda.device_count() if cuda else 0
+    if cuda:
+        torch.cuda.init()
+        torch.empty(1, device="cuda")
     rss = PeakRss()
     doc = {
         "machine": env,
+        "workdir": str(work),
+        "filesystem": fs,
         "layers": args.layers,
+        "dims": args.dims or "real",
+        "device": args.device,
         "experts": args.experts,
         "artifact_bytes": art_b,
         "source_bytes": src_b,
@@ -297,11 +333,12 @@ def main():
         )
         return r
 
-    h2d = h2d_rates(torch.device("cuda", 0))
-    add("floor: pinned H2D copy (2 GiB)", "-", "-", 2 * (1 << 30) / GB / h2d["pinned"], 2 << 30)
-    add("floor: pageable H2D copy (2 GiB)", "-", "-", 2 * (1 << 30) / GB / h2d["pageable"], 2 << 30)
+    if cuda:
+        h2d = h2d_rates(torch.device("cuda", 0))
+        add("floor: pinned H2D copy (2 GiB)", "-", "-", 2 * (1 << 30) / GB / h2d["pinned"], 2 << 30)
+        add("floor: pageable H2D copy (2 GiB)", "-", "-", 2 * (1 << 30) / GB / h2d["pageable"], 2 << 30)
     add(f"floor: xxh3-128, {threads} threads", "-", "-", hash_floor(art_b, threads, buf), art_b)
-    floor, pc = {}, PageCache()
+    floor, pc = {}, PageCache(args.evict == "auto")
     folders = [("artifact", art, art_b)] + ([("source", src, src_b)] if args.verify != "none" else [])
     caches = set(args.cache.split(",")) | (
         set(args.verify_cache.split(",")) if args.verify != "none" else set()
@@ -316,7 +353,7 @@ def main():
                     floor[(name, cache)] = r["gb_per_s"]
         if cache not in args.cache.split(","):
             continue
-        if cache == "warm":
+        if cache == "warm" and cuda:
             how = pc.set([art], cache)
             s, peak, _ = timed(lambda: safetensors_to_cuda(art), rss)
             add(
@@ -331,10 +368,10 @@ def main():
         for what in ("first in the process", "again") if cache == "warm" else ("",):
             how = pc.set([art], cache)
             cached = cached_fraction(art)
-            s, peak, model = timed(lambda: runtime.load(art, device="cuda"), rss)
+            s, peak, model = timed(lambda: runtime.load(art, device=args.device), rss)
             del model
             r = add(
-                f"runtime.load(device='cuda') {what}".strip(),
+                f"runtime.load(device='{args.device}') {what}".strip(),
                 cache,
                 how,
                 s,
@@ -357,7 +394,7 @@ def main():
             continue
         how = pc.set([src, art], cache)
         cached = cached_fraction(art) if cache == "cold" else None
-        s, peak, res = timed(lambda: porter.verify(art, device="cuda", numerics=args.verify), rss)
+        s, peak, res = timed(lambda: porter.verify(art, device=args.device, numerics=args.verify), rss)
         read_once = art_b / GB / floor[("artifact", cache)] + src_b / GB / floor[("source", cache)]
         both = (src_b + art_b) / GB
         r = add(
@@ -371,6 +408,8 @@ def main():
             {"passed": res.passed, "read_once_seconds": read_once, "cached_at_start": cached},
         )
         r["over_read_once"] = s / read_once
+        r["phases"] = res.report.phases  # verify's own split: integrity, exact, generation, numerics runs
+        print("    verify phases: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["phases"].items()), flush=True)
         real_read_once = (REAL_SOURCE_GB + REAL_ARTIFACT_GB) / (both / read_once)
         r["projected_real_seconds"] = r["over_read_once"] * real_read_once
 
@@ -379,14 +418,22 @@ def main():
 
 
 def summary(doc: dict, env: dict) -> list:
+    vocab = REAL_VOCAB if doc["dims"] == "real" else "of the fixture"
     lines = [
-        f"# runtime.load and porter verify at real dims — {env.get('gpu')}",
+        f"# runtime.load and porter verify at {doc['dims']} dims — {env.get('gpu') or 'CPU'}",
         "",
         environment_line(env) + ".",
         "",
-        f"{doc['layers']} layers (layer 0 dense, the rest MoE with {doc['experts']} experts), vocab {REAL_VOCAB}: "
+        f"{doc['layers']} layers (layer 0 dense, the rest MoE with {doc['experts']} experts), vocab {vocab}: "
         f"artifact {doc['artifact_bytes'] / GB:.1f} GB, source {doc['source_bytes'] / GB:.1f} GB; loader "
-        f"{doc['threads']} threads x {doc['buffer_bytes'] >> 20} MiB staging buffers.",
+        f"{doc['threads']} threads x {doc['buffer_bytes'] >> 20} MiB staging buffers; files on "
+        f"{doc['filesystem']} ({doc['workdir']})"
+        + (
+            ": cold rows are warm (memory cannot be evicted)"
+            if doc["filesystem"] in MEMORY_FILESYSTEMS
+            else ""
+        )
+        + ".",
         "",
     ]
     rows = []
@@ -407,6 +454,13 @@ def summary(doc: dict, env: dict) -> list:
     lines += markdown_table(
         ["run", "cache", "s", "GB/s", "floor GB/s", "of floor", "host anon GB", "real size"], rows
     )
+    for r in doc["runs"]:
+        if r.get("phases"):
+            split = ", ".join(f"{k} {v:.2f} s" for k, v in r["phases"].items())
+            lines += [
+                "",
+                f"{r['what']} ({r['cache']}): {r['over_read_once']:.2f}x reading both once; {split}.",
+            ]
     return lines
 
 

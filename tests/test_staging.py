@@ -327,7 +327,7 @@ def test_exact_pass_reading_layers_ahead_equals_reading_the_mapped_shards(
     plain, _, _ = run()
     staged = []
     real = exact._ReadAhead._stage
-    monkeypatch.setattr(exact, "_reads_ahead", lambda device: True)
+    monkeypatch.setattr(exact, "reads_ahead", lambda device: True)
     monkeypatch.setattr(exact._ReadAhead, "_stage", lambda self, g: staged.append(g) or real(self, g))
     ahead, reader, shards = run()
     assert staged == list(range(len(staged))) and len(staged) > 4  # every group, in order
@@ -368,3 +368,58 @@ def test_verify_projects_its_reads_first_and_passes_progress_to_its_loads(
     assert first < next(i for i, m in enumerate(lines) if "exact re-derivation" in m)
     art_gb = sum(f.stat().st_size for f in artifact.glob("*.safetensors")) / 1e9
     assert f"artifact {art_gb:.1f} GB" in lines[first]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_reference_models_reading_layers_ahead_equal_reading_the_mapped_shards(
+    tiny_vendor, tmp_path, monkeypatch, streaming
+):
+    """verify's bf16 and rounded references built from each layer's tensors staged ahead (what verify does
+    on a GPU; here onto the CPU) compute what they compute from the mapped shards, resident or layer-
+    streamed; every group staged leaves the device again."""
+    from porter.commands.verify import exact, mapping
+
+    art = tmp_path / "art"
+    porter.convert(tiny_vendor, art, progress=False)
+    figures = lambda r: (
+        [(x.cosine, x.rel_error, x.layer_error, x.faith_error) for x in r.layers],
+        r.logits,
+        r.faithfulness,
+    )
+    kw = dict(reference=tiny_vendor, max_new_tokens=0, numerics="both", streaming=streaming)
+    plain = porter.verify(art, **kw).report
+    staged, left = [], []
+    real_stage, real_leave = mapping.GroupReadAhead._stage, mapping.GroupReadAhead._leave
+    monkeypatch.setattr(exact, "reads_ahead", lambda device: True)
+    monkeypatch.setattr(
+        mapping.GroupReadAhead, "_stage", lambda self, k: staged.append((id(self), k)) or real_stage(self, k)
+    )
+    monkeypatch.setattr(
+        mapping.GroupReadAhead,
+        "_leave",
+        lambda self, k: (left.append((id(self), k)) if k in self.staged else None) or real_leave(self, k),
+    )
+    ahead = porter.verify(art, **kw).report
+    assert ahead.passed and plain.passed
+    assert figures(ahead) == figures(plain)
+    layers = {k for _, k in staged}
+    assert layers == {None, *range(ahead.layers[-1].layer + 1)}  # every layer and the top tensors
+    assert sorted(staged, key=str) == sorted(left, key=str)  # each staged group left the device
+
+
+def test_reference_read_ahead_leaves_room_for_what_is_derived(tiny_vendor, monkeypatch):
+    """A group is read ahead onto a GPU only when its bytes, the stacked copies derived from them and those
+    still to come from the group before fit beside the reserve; else the store reads the mapped shards."""
+    from porter.commands.verify import mapping
+
+    shards = mapping.SourceShards(tiny_vendor)
+    name = next(n for n in shards.meta if "experts" in n)
+    ahead = mapping.GroupReadAhead({1: ({name}, set())}, shards, None, torch.device("cuda"))
+    need = shards.nbytes(name)
+    free = [0]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 1 << 40))
+    for pending in (0, 12345):
+        free[0] = pending + 2 * need + mapping.READ_AHEAD_RESERVE
+        assert ahead._room(1, pending)
+        free[0] -= 1
+        assert not ahead._room(1, pending)

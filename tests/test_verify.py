@@ -276,6 +276,101 @@ def _numbers(rep):
     return rep.layers, rep.logits, rep.generation, rep.embeddings
 
 
+class _CountedReads:
+    """Bytes verify reads through its own shard handles (mapping._open), per folder name."""
+
+    def __init__(self, monkeypatch):
+        from porter.commands.verify import mapping
+
+        self.bytes: dict = {}
+        real = mapping._open
+        count = self
+
+        class Handle:
+            def __init__(self, h, f):
+                self.h, self.f = h, f
+
+            def get_tensor(self, name):
+                return count.add(self.f, self.h.get_tensor(name))
+
+            def get_slice(self, name):
+                handle = self
+
+                class Slice:
+                    def __getitem__(self, i):
+                        return count.add(handle.f, handle.h.get_slice(name)[i])
+
+                return Slice()
+
+        monkeypatch.setattr(mapping, "_open", lambda handles, f: Handle(real(handles, f), Path(f)))
+
+    def add(self, f: Path, t: torch.Tensor) -> torch.Tensor:
+        self.bytes[f.parent.name] = self.bytes.get(f.parent.name, 0) + t.nbytes
+        return t
+
+
+def _tensor_bytes(folder: Path, keep=lambda name: True) -> int:
+    from porter.source.local import read_header, weight_files
+
+    return sum(
+        (i["data_offsets"][1] - i["data_offsets"][0])
+        for f in weight_files(folder)
+        for n, i in read_header(f).items()
+        if keep(n)
+    )
+
+
+def test_numerics_both_reads_source_twice_and_artifact_once_per_use(artifact, tiny_vendor, monkeypatch):
+    """Exact bytes reads every artifact tensor once (an expert as a slice, not its whole stacked tensor per
+    expert); the bf16 reference is read once for both numerics runs; the rounded reference takes the MXFP8
+    tensors the exact step proved identical from the artifact, not from a second read of the source."""
+    reads = _CountedReads(monkeypatch)
+    res = verify(artifact, reference=tiny_vendor, numerics="both", max_new_tokens=0)
+    assert res.passed
+    man = json.loads((artifact / "porter.json").read_text())
+    scales = {r["scale"] for r in man["tensors"].values() if r.get("scale")}
+    quantized = {n for n, r in man["tensors"].items() if r.get("scale")} | scales
+    art, mxfp8 = _tensor_bytes(artifact), _tensor_bytes(artifact, lambda n: n in quantized)
+    src, carried = _tensor_bytes(tiny_vendor), art - mxfp8
+    # artifact: exact bytes once, the rounded reference's MXFP8 tensors once per run
+    assert reads.bytes[artifact.name] == art + 2 * mxfp8
+    # source: exact bytes, the bf16 reference once, the rounded reference's carried tensors once per run
+    assert reads.bytes[tiny_vendor.name] <= 2 * src + 2 * carried
+    assert reads.bytes[tiny_vendor.name] < 3 * src  # before: 5x (exact, then both references per run)
+    assert set(res.report.phases) == {
+        "integrity",
+        "exact",
+        "generation",
+        *(f"numerics.{r}.{p}" for r in ("w8a16", "serving") for p in ("load", "pass")),
+    }
+
+
+def test_rounded_reference_from_proved_artifact_bytes_is_the_rederivation(artifact, tiny_vendor):
+    """What the rounded reference reads from the artifact for a proved tensor is byte for byte what it
+    re-derives from the source; a tensor not proved is re-derived."""
+    from porter.commands.verify.mapping import ArtifactReader, Mapping, ReferenceStore, SourceShards
+    from porter.commands.verify.rounded import RoundedReferenceStore
+    from porter.format.layout import scale_name
+
+    man = json.loads((artifact / "porter.json").read_text())
+    reader = ArtifactReader(artifact, man)
+    stores = [
+        RoundedReferenceStore(
+            ReferenceStore(Mapping(SourceShards(tiny_vendor), rounding="rceil"), reader, None),
+            reader,
+            "rceil",
+            proved=proved,
+        )
+        for proved in ((), reader.weights())
+    ]
+    rederived, from_artifact = stores
+    assert not rederived.proved and set(from_artifact.proved) == rederived.quantized
+    for n in sorted(rederived.quantized):
+        for name in (n, scale_name(n)):
+            a, b = rederived.get(name), from_artifact.get(name)
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
 def test_streaming_numbers_equal_full_run(artifact):
     prompts = [DEFAULT_PROMPT, "Hello world"]
     full = verify(artifact, streaming=False, max_new_tokens=2, prompts=prompts)

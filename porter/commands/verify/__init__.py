@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -29,6 +30,7 @@ from typing import Optional
 import torch
 
 import converters
+from porter.commands.verify import exact as exact_step
 from porter.commands.verify import generation as gen
 from porter.commands.verify.exact import rederive
 from porter.commands.verify.inputs import (
@@ -133,8 +135,9 @@ def verify(
     check_outputs_apart(report, plot, inp.art, inp.ref_path)  # never over the artifact or the reference
     rep.max_new_tokens = max_new_tokens
     digest_rule(inp.man)  # a manifest porter cannot read is bad input: one line, before any log line
-    _log_projection(inp)
-    rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
+    _log_projection(inp, runs)
+    with _phase(rep, "integrity"):
+        rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
         return _finish(rep, list(rep.integrity.issues), report, plot, t0)
     shards, reader = SourceShards(inp.ref_path, *inp.source_quantization), ArtifactReader(inp.art, inp.man)
@@ -143,7 +146,8 @@ def verify(
         interleaved=_interleaved(inp.man, inp.ref_config),
         rounding=inp.options.scale_rounding,
     )
-    rep.exact = rederive(reader, mapping, inp.options.scale_rounding, inp.device, progress)
+    with _phase(rep, "exact"):
+        rep.exact = rederive(reader, mapping, inp.options.scale_rounding, inp.device, progress)
     failures = judge_exact(rep.exact, rep.thresholds)
     if any(t.problem for t in rep.exact.tensors):
         log.info("verify: numerics skipped: some artifact tensors have no comparable source (see above)")
@@ -157,6 +161,7 @@ def verify(
             reader,
             inp.options.scale_rounding,
             inp.device,
+            proved=[t.tensor for t in rep.exact.tensors if t.quantized and t.exact and t.blocks],
         ),
         backend,
         streaming,
@@ -168,25 +173,40 @@ def verify(
     return _finish(rep, failures + judge_numerics(rep, rep.thresholds), report, plot, t0)
 
 
-def _log_projection(inp: _Inputs) -> None:
+@contextmanager
+def _phase(rep: Report, name: str):
+    """Adds the block's wall seconds to rep.phases[name] (the report's and the final log line's split)."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        rep.phases[name] = round(rep.phases.get(name, 0.0) + time.perf_counter() - t, 3)
+
+
+def _log_projection(inp: _Inputs, runs) -> None:
     """The bytes every step reads and the total time they take at an assumed disk rate, before the first
-    step starts (each step logs its own estimate as it begins)."""
+    step starts (each step logs its own estimate as it begins; the teacher-forced pass projects its total
+    from its first layers)."""
     from porter.commands.verify.exact import READ_GBPS
 
     art = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values() if isinstance(r, dict))
     src = sum(f.stat().st_size for f in inp.ref_path.glob("*.safetensors"))
-    # the numerics read the source twice when something is quantized: the bf16 and the rounded reference
-    twice = any(isinstance(r, dict) and r.get("scale") for r in inp.man.get("tensors", {}).values())
-    total = (
-        3 * art + (3 if twice else 2) * src
-    )  # integrity, exact bytes, numerics; the source in the last two
+    quantized = any(isinstance(r, dict) and r.get("scale") for r in inp.man.get("tensors", {}).values())
+    # integrity and exact bytes read the artifact, exact bytes and the bf16 reference the source; each
+    # numerics run reads the converted model and, when something is quantized, the rounded reference: the
+    # artifact's proved MXFP8 tensors with the source's carried ones (as many bytes as the artifact)
+    per_run = 2 * art if quantized else art
+    total = 2 * art + 2 * src + len(runs) * per_run
     log.info(
-        "verify: reads ~%.1f GB in all (artifact %.1f GB in integrity, exact bytes and numerics; source "
-        "%.1f GB in exact bytes and numerics%s): ~%.1f min at an assumed %g GB/s, compute aside",
+        "verify: reads ~%.1f GB in all: artifact %.1f GB in integrity and exact bytes, source %.1f GB in "
+        "exact bytes and the bf16 reference, %.1f GB in each of %d numerics run(s) (the converted model%s): "
+        "~%.1f min at an assumed %g GB/s, compute aside",
         total / 1e9,
         art / 1e9,
         src / 1e9,
-        ", twice there: the bf16 and the rounded reference" if twice else "",
+        per_run / 1e9,
+        len(runs),
+        " and the rounded reference" if quantized else "",
         total / (READ_GBPS * 1e9) / 60,
         READ_GBPS,
     )
@@ -273,13 +293,16 @@ def _numerics(
     conv_bytes = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values())
     ref_bytes = sum(ref_store.mapping.shards.nbytes(n) for n in ref_store.mapping.shards.meta)
     rounded = bool(rounded_store.quantized)  # else the rounded reference is the reference itself
+    if exact_step.reads_ahead(inp.device):  # each layer read onto the GPU while the one before is built
+        ref_store.read_ahead(inp.device)
+        rounded_store.read_ahead(inp.device)
     plan = gen.plan_runs(
         streaming, max_new_tokens, inp.device, conv_bytes, ref_bytes, device_map, conv_bytes if rounded else 0
     )
     rep.max_new_tokens = plan.new_tokens
     ids = encode_prompts(inp.tok, rep.prompts)
     rep.prompt_tokens = [int(x.shape[1]) for x in ids]
-    seqs = None
+    seqs, ref = None, None
     for k, run in enumerate(rep.numerics.values()):
         moe_numerics = "serving" if run.numerics == "serving" else None  # None: the backend's own, w8a16
         load = lambda lazy, run=run, moe_numerics=moe_numerics: runtime.load(
@@ -292,35 +315,43 @@ def _numerics(
             moe_fp8_prefill=False,
             progress=progress,
         )
-        shared = None if plan.stream or plan.device_map else load(False)  # one resident model for both
+        with _phase(rep, f"numerics.{run.numerics}.load"):
+            shared = None if plan.stream or plan.device_map else load(False)  # one resident model for both
         if k == 0:
-            conts = _generate(shared, inp, plan, ids, run.backend, dtype, moe_numerics, progress)
+            with _phase(rep, "generation"):
+                conts = _generate(shared, inp, plan, ids, run.backend, dtype, moe_numerics, progress)
             rep.streaming = StreamingInfo(
                 plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation
             )
             seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
-        conv = shared if shared is not None else load(plan.stream)
+        with _phase(rep, f"numerics.{run.numerics}.load"):
+            conv = shared if shared is not None else load(plan.stream)
+            if ref is None:  # the bf16 source computes the same in every run: read once, kept for the next
+                ref = runtime.load(
+                    ref_store,
+                    device=inp.device,
+                    dtype=conv.dtype,
+                    backend="auto",
+                    lazy=plan.stream,
+                    progress=progress,
+                )
+            rref = None
+            if rounded:
+                rref = runtime.load(
+                    rounded_store,
+                    device=inp.device,
+                    dtype=conv.dtype,
+                    backend="torch",
+                    lazy=plan.stream,
+                    moe_numerics=moe_numerics,
+                    progress=progress,
+                )
+            if not plan.stream:  # built: the last layer's staged bytes leave the device
+                ref_store.close()
+                rounded_store.close()
         rep.dtype = dtype_name(conv.dtype)
-        ref = runtime.load(
-            ref_store,
-            device=inp.device,
-            dtype=conv.dtype,
-            backend="auto",
-            lazy=plan.stream,
-            progress=progress,
-        )
-        rref = None
-        if rounded:
-            rref = runtime.load(
-                rounded_store,
-                device=inp.device,
-                dtype=conv.dtype,
-                backend="torch",
-                lazy=plan.stream,
-                moe_numerics=moe_numerics,
-                progress=progress,
-            )
-        res = compare_models(ref, conv, seqs, rep.prompt_tokens, progress, rounded=rref)
+        with _phase(rep, f"numerics.{run.numerics}.pass"):  # layers of lazy models are read here
+            res = compare_models(ref, conv, seqs, rep.prompt_tokens, progress, rounded=rref)
         run.embeddings, run.logits, run.faithfulness = res.embeddings, res.logits, res.faithfulness
         run.layers = [_layer_row(rep, conv.cfg, i, s) for i, s in enumerate(res.layers)]
         if k == 0:
@@ -329,8 +360,10 @@ def _numerics(
             rep.generation = [
                 gen.score(p, c, tr, tc, inp.tok) for p, c, (tr, tc) in zip(rep.prompts, conts, res.tails) if c
             ]
-        del conv, ref, rref, shared, res
+        del conv, rref, shared, res
         gc.collect()
+    del ref
+    gc.collect()
 
 
 def _generate(
@@ -403,5 +436,10 @@ def _layer_row(rep: Report, cfg, i: int, s) -> LayerRow:
 def _finish(rep: Report, failures: list[Failure], report, plot, t0) -> VerifyResult:
     conclude(rep, failures)
     rep.seconds = round(time.time() - t0, 3)
+    log.info(
+        "verify: %.1f s in all: %s",
+        rep.seconds,
+        ", ".join(f"{k} {v:.1f} s" for k, v in rep.phases.items()) or "no step ran",
+    )
     write_outputs(rep, report, plot)
     return VerifyResult(rep)

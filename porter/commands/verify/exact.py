@@ -113,7 +113,7 @@ def _run_window(jobs, reader, mapping, rounding, device, pool, window: int, bar)
         bar.update(sum(mapping.shards.nbytes(x) for x in der.sources) if der else 0)
 
     groups = _groups(jobs, reader)
-    ahead = _ReadAhead(groups, reader, mapping, device) if _reads_ahead(device) else None
+    ahead = _ReadAhead(groups, reader, mapping, device) if reads_ahead(device) else None
     try:
         for g, group in enumerate(groups):
             if ahead is not None:
@@ -153,9 +153,10 @@ def _groups(jobs: list, reader: ArtifactReader) -> list:
     return groups
 
 
-def _reads_ahead(device: torch.device) -> bool:
-    """Layers read onto the device ahead of their comparison: on a GPU (on the CPU the units read the
-    mapped shards, which is what the CPU's workers would do with staged bytes too)."""
+def reads_ahead(device: torch.device) -> bool:
+    """Layers read onto the device ahead of their use (this pass's comparison; the reference models'
+    building, mapping.GroupReadAhead): on a GPU (on the CPU the units read the mapped shards, which is
+    what the CPU's workers would do with staged bytes too)."""
     return device.type == "cuda"
 
 
@@ -268,48 +269,84 @@ def _srcs(d: Derivation) -> str:
 
 def _compare_quantized(src, q, s, rounding, device, e, name, kept=None) -> UnitResult:
     """src [N, K], q [N, K] e4m3, s [N, K/32] uint8; row chunks re-quantized on `device`, with the scale
-    bytes `kept` ([N, K/32] uint8: an MXFP8 source's own) when given, else by the rounding rule."""
+    bytes `kept` ([N, K/32] uint8: an MXFP8 source's own) when given, else by the rounding rule. The
+    counts and sums stay on the device until the unit ends (one synchronization per unit, not four per
+    chunk: on a GPU those waits, not the arithmetic, set the pace); the first differing block is looked
+    up only when there is one."""
     res = UnitResult(e)
-    k = src.shape[-1]
-    src2, q2, s2 = src.reshape(-1, k), q.reshape(-1, k), s.reshape(-1, k // mxfp8.BLOCK)
-    kept2 = None if kept is None else kept.reshape(-1, k // mxfp8.BLOCK)
-    step = max(1, CHUNK_ELEMENTS // k)
-    for r0 in range(0, src2.shape[0], step):
-        w = src2[r0 : r0 + step].to(device)
-        keep = None if kept2 is None else kept2[r0 : r0 + step].to(device)
-        qr, sr = mxfp8.quantize(w, rounding, name, keep_scale=keep)
-        qa, sa = q2[r0 : r0 + step].to(device), s2[r0 : r0 + step].to(device)
-        scale_bad = sa != sr
-        bad = (qa.view(torch.uint8) != qr.view(torch.uint8)).reshape(*sa.shape, mxfp8.BLOCK).any(
-            -1
-        ) | scale_bad
-        n_bad = int(bad.sum())
-        res.scale_mismatched += int(scale_bad.sum())
-        if n_bad and res.first is None:
-            row, block = bad.nonzero()[0].tolist()
-            res.first = _position(e, r0 + row, block)
-        res.compared += sa.numel()
-        res.mismatched += n_bad
+    chunks = _Chunks(src, q, s, kept, device)
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # differing blocks, scale bytes, err², ref²
+    for _, w, keep, qa, sa in chunks:
+        bad, scale_bad = _bad_blocks(w, keep, qa, sa, rounding, name)
         wf = w.float()
-        res.err_sq += float((mxfp8.dequantize(qa, sa) - wf).double().square().sum())
-        res.ref_sq += float(wf.double().square().sum())
+        err = (mxfp8.dequantize(qa, sa) - wf).double().square().sum()
+        sums += torch.stack([bad.sum().double(), scale_bad.sum().double(), err, wf.double().square().sum()])
+        res.compared += sa.numel()
+    n_bad, n_scale, res.err_sq, res.ref_sq = sums.tolist()
+    res.mismatched, res.scale_mismatched = int(n_bad), int(n_scale)
+    if res.mismatched:
+        res.first = _first_bad(chunks, rounding, name, e)
     return res
 
 
+GPU_CHUNK_ELEMENTS = 1 << 24  # on a GPU: fewer, larger chunks (~0.6 GB of temporaries per worker)
+
+
+class _Chunks:
+    """Row chunks of one unit, on `device`: (first row, source rows [n, K], kept scale rows or None,
+    artifact values [n, K], artifact scales [n, K/32])."""
+
+    def __init__(self, src, q, s, kept, device):
+        k = src.shape[-1]
+        self.src, self.q = src.reshape(-1, k), q.reshape(-1, k)
+        self.s = s.reshape(-1, k // mxfp8.BLOCK)
+        self.kept = None if kept is None else kept.reshape(-1, k // mxfp8.BLOCK)
+        self.device = device
+        self.step = max(1, (GPU_CHUNK_ELEMENTS if device.type == "cuda" else CHUNK_ELEMENTS) // k)
+
+    def __iter__(self):
+        on = lambda t, r0: None if t is None else t[r0 : r0 + self.step].to(self.device)
+        for r0 in range(0, self.src.shape[0], self.step):
+            yield r0, on(self.src, r0), on(self.kept, r0), on(self.q, r0), on(self.s, r0)
+
+
+def _bad_blocks(w, keep, qa, sa, rounding, name) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks whose value or scale bytes differ, blocks whose scale byte differs), both [n, K/32] bool,
+    of the artifact's qa [n, K] / sa [n, K/32] against the re-quantization of w [n, K]."""
+    qr, sr = mxfp8.quantize(w, rounding, name, keep_scale=keep)
+    scale_bad = sa != sr
+    values_bad = (qa.view(torch.uint8) != qr.view(torch.uint8)).reshape(*sa.shape, mxfp8.BLOCK).any(-1)
+    return values_bad | scale_bad, scale_bad
+
+
+def _first_bad(chunks: _Chunks, rounding, name, e) -> str:
+    """The first differing block of a unit that has one (its chunks compared again up to it)."""
+    for r0, w, keep, qa, sa in chunks:
+        bad, _ = _bad_blocks(w, keep, qa, sa, rounding, name)
+        if bool(bad.any()):
+            row, block = bad.nonzero()[0].tolist()
+            return _position(e, r0 + row, block)
+    raise AssertionError(f"{name}: a differing block counted but not found again")
+
+
 def _compare_carried(src: torch.Tensor, art: torch.Tensor, e) -> UnitResult:
-    """Byte equality, element by element, in chunks (on CPU: a memory compare needs no device)."""
+    """Byte equality, element by element, in chunks where the tensors are (on CPU: a memory compare needs
+    no device); the count stays there until the end, the first difference looked up only if there is one."""
     res = UnitResult(e)
     a, b = src.reshape(-1), art.reshape(-1)
-    for i in range(0, a.numel(), CHUNK_ELEMENTS):
-        ca, cb = a[i : i + CHUNK_ELEMENTS], b[i : i + CHUNK_ELEMENTS]
-        diff = (
-            ca.view(torch.uint8).reshape(ca.numel(), -1) != cb.view(torch.uint8).reshape(cb.numel(), -1)
-        ).any(-1)
-        n = int(diff.sum())
-        if n and res.first is None:
+    step = GPU_CHUNK_ELEMENTS if a.device.type == "cuda" else CHUNK_ELEMENTS
+    differs = lambda ca, cb: (
+        ca.view(torch.uint8).reshape(ca.numel(), -1) != cb.view(torch.uint8).reshape(cb.numel(), -1)
+    ).any(-1)
+    total = torch.zeros((), dtype=torch.int64, device=a.device)
+    for i in range(0, a.numel(), step):
+        total += differs(a[i : i + step], b[i : i + step]).sum()
+    res.compared, res.mismatched = a.numel(), int(total)
+    for i in range(0, a.numel(), step) if res.mismatched else ():
+        diff = differs(a[i : i + step], b[i : i + step])
+        if bool(diff.any()):
             res.first = _element(i + int(diff.nonzero()[0]), src.shape, e)
-        res.compared += ca.numel()
-        res.mismatched += n
+            break
     return res
 
 

@@ -110,8 +110,8 @@ def _log_costs(plan: RunPlan, conv_bytes: int, ref_bytes: int, rounded_bytes: in
     first layers as the pass runs (numerics.py logs the projected total)."""
     per_token = conv_bytes if plan.generation == "streaming" else 0
     gen_bytes = conv_bytes + per_token * max(plan.new_tokens - 1, 0) if plan.new_tokens else 0
-    # the rounded reference reads the source again (re-quantized as it is read)
-    score_bytes = conv_bytes + ref_bytes + (ref_bytes if rounded_bytes else 0)
+    # the rounded reference: the artifact's MXFP8 tensors proved identical, the source's carried ones
+    score_bytes = conv_bytes + ref_bytes + rounded_bytes
     est = lambda b: (
         f"reads ~{b / (READ_GBPS * 1e9):.1f} s at an assumed {READ_GBPS:g} GB/s, compute not counted"
     )

@@ -42,6 +42,7 @@ import converters
 from converters.base import Rule
 from porter.errors import PorterError, VerifyInputError
 from porter.format import manifest, mxfp8
+from porter.format.layout import layer_of
 from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import ST_DTYPES, nbytes
 from porter.source.local import read_header, weight_files
@@ -353,15 +354,17 @@ class ArtifactReader:
     def get(self, name: str, e: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(values, scale or None) of tensor `name`, or of its expert e."""
         rec = self.tensors[name]
-        q = self._read(name)
-        s = self._read(rec["scale"]) if rec.get("scale") else None
-        return (q, s) if e is None else (q[e], None if s is None else s[e])
+        scale = rec.get("scale")
+        return self._read(name, e), (self._read(scale, e) if scale else None)
 
-    def _read(self, name: str) -> torch.Tensor:
+    def _read(self, name: str, e: Optional[int] = None) -> torch.Tensor:
+        """The tensor, or its expert e along dim 0: a slice of the shard, so that comparing E experts
+        reads a stacked tensor once, not E times."""
         staged = _staged(self.stagings, name)
         if staged is not None:
-            return staged
-        return _open(self._handles, self.art / self.tensors[name]["shard"]).get_tensor(name)
+            return staged if e is None else staged[e]
+        h = _open(self._handles, self.art / self.tensors[name]["shard"])
+        return h.get_tensor(name) if e is None else h.get_slice(name)[e]
 
     def stage(self, names, device: torch.device):
         """Read these tensors (and their scales) onto `device` in the background (runtime.staging); get()
@@ -384,6 +387,68 @@ class ArtifactReader:
         self._handles.clear()
 
 
+READ_AHEAD_RESERVE = 2 << 30  # device memory left free beside a group read ahead (the model being built)
+
+
+class GroupReadAhead:
+    """A reference store's tensors read onto a GPU a group at a time (a decoder layer; the tensors outside
+    the layers one group) by the runtime's staged reader (runtime.staging: large reads on a pool of threads
+    through page-locked buffers), instead of tensor by tensor from the mapped shards with a pageable copy
+    each. When the store is first asked for a tensor of a group, that group's source and artifact tensors
+    are staged, and the next group's too, as device memory allows (else they are read from the mapped
+    shards as before), so the next layer is read while this one is derived; a group's bytes leave the
+    device when a later group is asked for or the store is closed (what the model holds was derived from
+    them: copies). groups: {layer or None: (source names, artifact names)}."""
+
+    def __init__(self, groups: dict, shards: SourceShards, reader: "ArtifactReader", device: torch.device):
+        self.order = sorted(groups, key=lambda k: -1 if k is None else k)  # the order runtime builds in
+        self.groups, self.shards, self.reader, self.device = groups, shards, reader, device
+        self.staged: dict = {}  # group -> [(Staging, owner)]
+        self.current = None
+
+    def touch(self, name: str) -> None:
+        key = layer_of(name)
+        if key not in self.groups or (key == self.current and key in self.staged):
+            return
+        at = self.order.index(key)
+        for k in self.order[:at]:
+            self._leave(k)
+        pending = 0  # bytes still to be derived on the device from the groups this touch staged
+        for k in self.order[at : at + 2]:
+            if k not in self.staged and self._room(k, pending):
+                self.staged[k] = self._stage(k)
+            pending += self._need(k)
+        self.current = key
+
+    def close(self) -> None:
+        """Drop the groups up to the current one; a group read ahead stays for the next touch."""
+        at = self.order.index(self.current) if self.current in self.groups else len(self.order) - 1
+        for k in self.order[: at + 1]:
+            self._leave(k)
+        self.current = None
+
+    def _stage(self, key) -> list:
+        sources, artifact = self.groups[key]
+        out = [(self.shards.stage(sources, self.device), self.shards)] if sources else []
+        return out + ([(self.reader.stage(artifact, self.device), self.reader)] if artifact else [])
+
+    def _leave(self, key) -> None:
+        for staging, owner in self.staged.pop(key, []):
+            unstage(owner, staging)
+
+    def _need(self, key) -> int:
+        sources, artifact = self.groups[key]
+        return sum(self.shards.nbytes(s) for s in sources) + sum(self.reader.nbytes(a) for a in artifact)
+
+    def _room(self, key, pending: int) -> bool:
+        """Room for the group's bytes and for what is derived from them (a stacked copy as large), beside
+        `pending` bytes still to be derived from a group staged before it."""
+        if self.device.type != "cuda":
+            return True
+        need = pending + 2 * self._need(key) + READ_AHEAD_RESERVE
+        return torch.cuda.mem_get_info(self.device)[0] >= need
+
+
 class ReferenceStore:
     """The reference model's weights for runtime.load, derived through the Mapping (not the converter's
     plan): canonical names, unquantized, stacked experts built expert by expert."""
@@ -398,6 +463,8 @@ class ReferenceStore:
             if d is not None:
                 self._derivations[n] = d
 
+        self.reader, self.ahead = reader, None
+
     def names(self) -> set:
         return set(self._derivations)
 
@@ -405,13 +472,29 @@ class ReferenceStore:
         """How tensor `name` is derived from the source (the rounded reference re-quantizes through it)."""
         return self._derivations[name]
 
+    def read_ahead(self, device: torch.device) -> None:
+        """Read the source a layer at a time onto `device` as the model is built (GroupReadAhead); not for
+        a pre-quantized source (its scheme dequantizes what the mapped shards hold)."""
+        if self.mapping.shards.scheme is not None:
+            return
+        groups: dict = {}
+        for n, d in self._derivations.items():
+            groups.setdefault(layer_of(n), (set(), set()))[0].update(d.sources)
+        self.ahead = GroupReadAhead(groups, self.mapping.shards, self.reader, device)
+
     def get(self, name: str) -> torch.Tensor:
+        if self.ahead is not None:
+            self.ahead.touch(name)
         d = self._derivations[name]
         return d.value(None) if d.experts is None else torch.stack([d.value(e) for e in range(d.experts)])
 
     def experts(self, name: str):
+        if self.ahead is not None:
+            self.ahead.touch(name)
         d = self._derivations[name]
         return ((e, d.value(e)) for e in range(d.experts))
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
         self.mapping.shards.close()

@@ -8,6 +8,13 @@ the source computes under MXFP8 rounding, independent of the bytes the converter
 (numerics.py) runs it on the runtime's reference MoE backend (torch: dequantize, then matmul) and compares
 the converted model with it layer by layer: a faithful conversion differs from it by float rounding only
 (docs/verify.md, "Faithfulness"); a layout, parameter or runtime bug by much more.
+
+Where the exact-bytes step found an artifact tensor byte-identical to its re-derivation (every block, value
+and scale bytes), the re-derived bytes ARE the artifact's: the store reads them from the artifact (one
+byte per element, no re-quantization) instead of reading the source again (two bytes per element) and
+re-quantizing it. A tensor that differed, or was not compared, is re-derived from the source as before, so
+the reference never holds a byte the exact step did not prove; so are an hf layout's per-expert tensors (how
+their row parts stack is that layout's business, not verify's).
 """
 
 from __future__ import annotations
@@ -16,27 +23,57 @@ from typing import Optional
 
 import torch
 
-from porter.commands.verify.mapping import ArtifactReader, ReferenceStore
+from porter.commands.verify.mapping import ArtifactReader, GroupReadAhead, ReferenceStore
 from porter.format import mxfp8
-from porter.format.layout import scale_name
+from porter.format.layout import layer_of, scale_name
 
 
 class RoundedReferenceStore:
     """ReferenceStore's tensors, those the artifact holds as MXFP8 re-quantized as exact.py re-derives them:
     `name` -> e4m3 values [.., N, K], `scale_name(name)` -> uint8 scales [.., N, K/32]. device: where the
-    re-quantization runs (a GPU, as exact.py's; the tensors are handed out there)."""
+    re-quantization runs (a GPU, as exact.py's; the tensors are handed out there).
+    proved: artifact tensor names the exact step found byte-identical to their re-derivation (read from
+    the artifact here; see the module docstring)."""
 
-    def __init__(self, ref: ReferenceStore, reader: ArtifactReader, rounding: Optional[str], device=None):
+    def __init__(
+        self, ref: ReferenceStore, reader: ArtifactReader, rounding: Optional[str], device=None, proved=()
+    ):
         self.ref, self.config, self.path, self.converter = ref, ref.config, ref.path, ref.converter
         self.rounding, self.device = rounding or "rceil", torch.device(device or "cpu")
-        self.quantized = quantized_canonical(reader) & ref.names()
+        self.reader, parts = reader, artifact_parts(reader)
+        self.quantized = set(parts) & ref.names()
         self.scales = {scale_name(n): n for n in self.quantized}
+        proved = set(proved)
+        # canonical name -> its artifact tensor, when that one tensor holds all of it (an hf layout's
+        # per-expert row parts are re-derived: how they stack is the layout's, not verify's, knowledge)
+        self.proved = {
+            n: parts[n][0][0]
+            for n in self.quantized
+            if len(parts[n]) == 1 and parts[n][0][1] is None and parts[n][0][0] in proved
+        }
         self._last: tuple = (None, None)  # (name, (q, s)): a weight and its scale are asked for in turn
+        self.ahead = None  # GroupReadAhead, when read_ahead() was called
 
     def names(self) -> set:
         return self.ref.names() | set(self.scales)
 
+    def read_ahead(self, device: torch.device) -> None:
+        """Read a layer at a time onto `device` as the model is built (mapping.GroupReadAhead): the
+        artifact's proved tensors, the source of the rest; not for a pre-quantized source."""
+        if self.ref.mapping.shards.scheme is not None:
+            return
+        groups: dict = {}
+        for n in self.ref.names():
+            sources, artifact = groups.setdefault(layer_of(n), (set(), set()))
+            if n in self.proved:
+                artifact.add(self.proved[n])
+            else:
+                sources.update(self.ref.derivation(n).sources)
+        self.ahead = GroupReadAhead(groups, self.ref.mapping.shards, self.reader, device)
+
     def get(self, name: str) -> torch.Tensor:
+        if self.ahead is not None:
+            self.ahead.touch(name)
         if name in self.scales:
             return self._rounded(self.scales[name])[1]
         if name in self.quantized:
@@ -46,8 +83,12 @@ class RoundedReferenceStore:
     def _rounded(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self._last[0] != name:
             self._last = (None, None)  # one tensor's copy at a time
-            self._last = (name, self._requantize(name))
+            self._last = (name, self._artifact(name) if name in self.proved else self._requantize(name))
         return self._last[1]
+
+    def _artifact(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, scale) of `name` as the artifact holds them, proved equal to the re-derivation."""
+        return self.reader.get(self.proved[name])
 
     def _requantize(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, scale) of `name`, stacked experts expert by expert: each with its derivation's kept scale
@@ -67,15 +108,20 @@ class RoundedReferenceStore:
 
     def close(self) -> None:
         self._last = (None, None)
+        if self.ahead is not None:
+            self.ahead.close()
         self.ref.close()
+        self.reader.close()
 
 
-def quantized_canonical(reader: ArtifactReader) -> set:
-    """Canonical names of the artifact tensors stored as MXFP8 (per-expert hf tensors as their stacked name)."""
-    out = set()
+def artifact_parts(reader: ArtifactReader) -> dict:
+    """{canonical name: [(artifact name, expert or None)]} of the artifact tensors stored as MXFP8 (an hf
+    layout's per-expert tensors under their stacked name, one part per expert)."""
+    out: dict = {}
     for n in reader.weights():
         if reader.tensors[n].get("scale"):
             c = reader.canonical(n)
             found = reader.rules.experts_of(c)
-            out.add(c if found is None else found[0])
+            stacked, e = (c, None) if found is None else found
+            out.setdefault(stacked, []).append((n, e))
     return out

@@ -187,6 +187,7 @@ class Report:
     numerics: dict = field(default_factory=dict)  # {w8a16|serving: NumericsRun}; the first one is also above
     faithfulness: Optional[FaithfulnessStats] = None  # the first run's (also in numerics[...])
     quality_judged: list = field(default_factory=list)  # the quality thresholds the user set
+    phases: dict = field(default_factory=dict)  # step -> wall seconds (integrity, exact, generation, ...)
 
     @property
     def verdict(self) -> str:

@@ -81,6 +81,8 @@ def test_m2_every_parameter_written_byte_equal_mtp_skipped(loaded):
     kv = loaded["kv_scale_params"]
     assert kv and all(n.endswith(KV_SCALES) for n in kv)  # defaults by design, no checkpoint tensor
     assert loaded["error"] is None
+    # the engine's registry entry for porter's `quant_method: "mxfp8"`
+    assert loaded["quant_config"] == {"sglang": "Fp8Config", "vllm": "ModelOptMxFp8Config"}[loaded["engine"]]
     assert loaded["sentinel_left"] == {}, f"{loaded['engine']}: parameters not (fully) written"
     # per layer 14: qkv, o, w13, w2 (weight + scale each), q/k norms, 2 layernorms, router gate and bias;
     # embeddings, final norm, lm_head

@@ -118,6 +118,7 @@ def main(art: Path, report_path: Path, reference: Path, rename: bool) -> None:
     head = {
         "engine": "vllm",
         "error": error,
+        "quant_config": type(vc.quant_config).__name__,
         "loaded": sorted(loaded),
         "not_loaded": sorted(n for n in set(params) - set(loaded) if not common.is_kv_scale(n)),
     }

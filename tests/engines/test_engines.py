@@ -46,20 +46,25 @@ def artifact(tmp_path_factory):
     return d
 
 
-def run_harness(name: str, art: Path, out: Path, all_listed: Path) -> dict:
-    script, version, port = ENGINES[name]
+def run_engine(name: str, script: str, *args) -> None:
+    """Runs one harness of engine `name` (vllm, sglang) in its own process; fails with its output if it fails."""
+    _, version, port = ENGINES[name]
     assert importlib.util.find_spec(name) is not None, f"{name} is not installed; run tests/engines/run.sh"
     from importlib.metadata import version as installed
 
     assert installed(name) == version, f"{name} {installed(name)} installed, the suite pins {version}"
     proc = subprocess.run(
-        [sys.executable, str(HERE / script), str(art), str(out), str(all_listed)],
+        [sys.executable, str(HERE / script), *map(str, args)],
         capture_output=True,
         text=True,
         timeout=900,
         env={**os.environ, "PORTER_ENGINE_PORT": str(port)},
     )
-    assert proc.returncode == 0, f"{name} harness failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def run_harness(name: str, art: Path, out: Path, all_listed: Path) -> dict:
+    run_engine(name, ENGINES[name][0], art, out, all_listed)
     rep = json.loads(out.read_text())
     rep["config"] = json.loads((art / "config.json").read_text())
     return rep

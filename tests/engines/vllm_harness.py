@@ -14,6 +14,7 @@ the GPU MoE backend choice; parameter registration is untouched).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -55,6 +56,24 @@ def _moe_init(self, quant_config, moe_config):
     self.mxfp8_backend, self.experts_cls = None, None
 
 
+@contextlib.contextmanager
+def building(vc, port: int):
+    """vLLM's single-process CPU setup for building a model under `vc`: the current config, a gloo process
+    group of one, and the two GPU-only choices patched (the module docstring)."""
+    with set_current_vllm_config(vc):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(1, 1)
+        modelopt.select_linear_kernel = lambda *a, **k: _NoKernel()
+        modelopt.ModelOptMxFp8FusedMoE.__init__ = _moe_init
+        yield
+
+
 class _ModelConfig(SimpleNamespace):
     def __getattr__(self, k):
         if k.startswith("__"):
@@ -83,20 +102,10 @@ def build(config: dict, port: int):
         ),
     )
     object.__setattr__(vc, "quant_config", qc)
-    with set_current_vllm_config(vc):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-            backend="gloo",
-        )
-        ensure_model_parallel_initialized(1, 1)
+    with building(vc, port):
         from vllm.model_executor.model_loader.utils import configure_quant_config
         from vllm.models.minimax_m3.nvidia.model import MiniMaxM3SparseForCausalLM
 
-        modelopt.select_linear_kernel = lambda *a, **k: _NoKernel()
-        modelopt.ModelOptMxFp8FusedMoE.__init__ = _moe_init
         configure_quant_config(qc, MiniMaxM3SparseForCausalLM)
         lm = MiniMaxM3SparseForCausalLM(vllm_config=vc, prefix="language_model")
     return vc, qc, lm

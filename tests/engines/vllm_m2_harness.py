@@ -27,10 +27,8 @@ import engine_common as common  # noqa: E402  (imports transformers first)
 common.stub_torchvision()
 
 import m2_common  # noqa: E402
-import vllm.model_executor.layers.quantization.modelopt as modelopt  # noqa: E402
 import vllm_harness as m3h  # noqa: E402  (the GPU-only pieces it patches, shared with the M3 harness)
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
-from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment  # noqa: E402
 from vllm.model_executor.layers.quantization import get_quantization_config  # noqa: E402
 from vllm.model_executor.model_loader.utils import configure_quant_config  # noqa: E402
 from vllm.model_executor.models.minimax_m2 import MiniMaxM2ForCausalLM, MiniMaxM2Model  # noqa: E402
@@ -62,17 +60,7 @@ def build(art: Path, port: int):
     )
     object.__setattr__(vc, "model_config", model_config)
     object.__setattr__(vc, "quant_config", qc)
-    with set_current_vllm_config(vc):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-            backend="gloo",
-        )
-        ensure_model_parallel_initialized(1, 1)
-        modelopt.select_linear_kernel = lambda *a, **k: m3h._NoKernel()
-        modelopt.ModelOptMxFp8FusedMoE.__init__ = m3h._moe_init
+    with m3h.building(vc, port):
         with set_default_torch_dtype(model_config.dtype):  # as vLLM's loader builds it
             model = MiniMaxM2ForCausalLM(vllm_config=vc, prefix="")
     return vc, model

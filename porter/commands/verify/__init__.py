@@ -326,26 +326,12 @@ def _numerics(
             seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
         with _phase(rep, f"numerics.{run.numerics}.load"):
             conv = shared if shared is not None else load(plan.stream)
+            as_conv = dict(device=inp.device, dtype=conv.dtype, lazy=plan.stream, progress=progress)
             if ref is None:  # the bf16 source computes the same in every run: read once, kept for the next
-                ref = runtime.load(
-                    ref_store,
-                    device=inp.device,
-                    dtype=conv.dtype,
-                    backend="auto",
-                    lazy=plan.stream,
-                    progress=progress,
-                )
+                ref = runtime.load(ref_store, backend="auto", **as_conv)
             rref = None
             if rounded:
-                rref = runtime.load(
-                    rounded_store,
-                    device=inp.device,
-                    dtype=conv.dtype,
-                    backend="torch",
-                    lazy=plan.stream,
-                    moe_numerics=moe_numerics,
-                    progress=progress,
-                )
+                rref = runtime.load(rounded_store, backend="torch", moe_numerics=moe_numerics, **as_conv)
             if not plan.stream:  # built: the last layer's staged bytes leave the device
                 ref_store.close()
                 rounded_store.close()

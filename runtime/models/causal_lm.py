@@ -187,6 +187,3 @@ class DecoderLayerBase:
         step, h = step.on(self.device), h.to(self.device)
         with on_device(self.device):
             return self.forward(h, step, cache)
-
-    def forward(self, h: torch.Tensor, step: Step, cache: Optional[LayerCache]) -> torch.Tensor:
-        raise NotImplementedError

@@ -13,6 +13,10 @@ Final logits over the prompt positions: faithfulness of the final norm + lm_head
 KL(ref || conv) (mean per position, nats), top-1 agreement, top-5 overlap, max |logit difference|. The
 logits at the continuation positions are handed back for the teacher-forced scoring of the continuation.
 
+Several numerics runs (`--numerics both`) share the layer loop: per layer, the bf16 reference's layer runs
+once, then per run the converted and the rounded reference's layers with that run's numerics
+(runtime.set_numerics: per-call attributes, no weight read again), each run on its own end-to-end stream.
+
 The first layer of each kind (dense / MoE) is timed as it runs and the whole pass projected from it (reads
 and compute: the estimate before the pass counts the reads only).
 """

@@ -94,7 +94,8 @@ def test_serving_reference_must_round_the_activations_too(artifact, monkeypatch)
         return model
 
     monkeypatch.setattr(runtime, "load", w8a16_reference)
-    monkeypatch.setattr(runtime, "set_numerics", lambda m, n: None if any(m is x for x in kept) else switch(m, n))
+    keep_w8a16 = lambda m, n: None if any(m is x for x in kept) else switch(m, n)  # the reference stays
+    monkeypatch.setattr(runtime, "set_numerics", keep_w8a16)
     r = verify(artifact, numerics="serving", max_new_tokens=0).report
     assert not r.passed
     moe = [row for row in r.layers if row.kind.endswith("moe")]
@@ -117,14 +118,21 @@ def test_both_runs_in_one_pass_equal_a_pass_per_run(artifact_all, streaming):
     run alone (its own loads and pass), resident and layer-streamed. The first run also generates: with a
     continuation, the w8a16 run and its generation scores equal the w8a16-only verify's too."""
     prompts = [DEFAULT_PROMPT, "Hello world"]
-    run = lambda numerics, new: verify(
-        artifact_all, numerics=numerics, streaming=streaming, max_new_tokens=new, prompts=prompts
-    ).report
-    numbers = lambda r, n: (lambda x: (x.embeddings, x.layers, x.logits, x.faithfulness))(r.numerics[n])
-    both, alone = run("both", 3), run("w8a16", 3)
+
+    def run(numerics, new):
+        return verify(
+            artifact_all, numerics=numerics, streaming=streaming, max_new_tokens=new, prompts=prompts
+        )
+
+    def numbers(r, n):
+        x = r.numerics[n]
+        return x.embeddings, x.layers, x.logits, x.faithfulness
+
+    both, alone = run("both", 3).report, run("w8a16", 3).report
     assert both.generation and both.generation == alone.generation
     assert numbers(both, "w8a16") == numbers(alone, "w8a16")
-    both, alone = run("both", 0), run("serving", 0)  # serving alone would generate its own continuation
+    # no continuation: serving alone would generate its own
+    both, alone = run("both", 0).report, run("serving", 0).report
     assert numbers(both, "serving") == numbers(alone, "serving")
     assert numbers(both, "serving") != numbers(both, "w8a16")
     assert both.passed and all(x.faith_error == 0.0 for n in both.numerics for x in both.numerics[n].layers)

@@ -10,8 +10,8 @@ Steps (one module each; what each proves and what it does not: docs/verify.md):
    error as a second opinion.
 3. generation.py + numerics.py — the converted model generates; one teacher-forced pass (same runtime, every
    numerics run in it) compares it layer by layer with the rounded reference (rounded.py: the source weights
-   rounded by the re-derivation of step 2) within float rounding (faithfulness.py: decides), and with the bf16 source
-   (quality: KL, top-k, per-layer error; judged only against thresholds the user sets).
+   rounded by the re-derivation of step 2) within float rounding (faithfulness.py: decides), and with the
+   bf16 source (quality: KL, top-k, per-layer error; judged only against thresholds the user sets).
 4. thresholds.py, verdict.py — thresholds, failures, the report (report.py: table, JSON; plot.py).
 Exit codes (CLI): 0 faithful (and within the quality thresholds set), 1 not faithful or a quality threshold
 crossed, 2 bad input (VerifyInputError and other PorterErrors), 3 internal error.
@@ -307,7 +307,7 @@ def _numerics(
     rep.prompt_tokens = [int(x.shape[1]) for x in ids]
     runs = list(rep.numerics.values())
     backend = runs[0].backend  # every run asks for the same one (_open)
-    moe = tuple("serving" if r.numerics == "serving" else None for r in runs)  # None: the backend's own, w8a16
+    moe = tuple("serving" if r.numerics == "serving" else None for r in runs)  # None: the backend's own
     load = lambda lazy: runtime.load(
         inp.art,
         device=inp.device,

@@ -408,7 +408,7 @@ def main():
             {"passed": res.passed, "read_once_seconds": read_once, "cached_at_start": cached},
         )
         r["over_read_once"] = s / read_once
-        r["phases"] = res.report.phases  # verify's own split: integrity, exact, generation, numerics runs
+        r["phases"] = res.report.phases  # verify's split: integrity, exact, generation, numerics.load/pass
         print("    verify phases: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["phases"].items()), flush=True)
         real_read_once = (REAL_SOURCE_GB + REAL_ARTIFACT_GB) / (both / read_once)
         r["projected_real_seconds"] = r["over_read_once"] * real_read_once

@@ -10,6 +10,7 @@
     logits, states = model(input_ids, output_hidden_states=True)  # residual stream after each layer
     model = runtime.load(path, lazy=True)                  # one decoder layer resident at a time
     model = runtime.load(path, moe_numerics="serving")     # MoE with the TRT-LLM kernel's W8A8 numerics
+    runtime.set_numerics(model, "w8a16")                   # switched in place: no weight read again
     model = runtime.load(path, device_map="auto", max_memory={0: "70GiB", 1: "70GiB"})  # layers over GPUs
     model = runtime.load(path, device="cuda", progress=True)  # a bar while the shards stream onto the GPU
 
@@ -32,12 +33,12 @@ import torch
 from porter.devices import resolve_device, resolve_dtype
 from porter.errors import BackendUnavailable, LoadError, PlacementError
 from runtime import models
-from runtime.loader import build_model, loading, open_store
+from runtime.loader import LazyLayers, Numerics, build_model, loading, open_store
 from runtime.moe import check_numerics, check_numerics_name, make_moe, resolve_backend
 from runtime.placement import resolve as resolve_placement
 from runtime.text import load_generation_config, load_tokenizer
 
-__all__ = ["load", "LoadError", "BackendUnavailable", "PlacementError"]
+__all__ = ["load", "set_numerics", "LoadError", "BackendUnavailable", "PlacementError"]
 
 log = logging.getLogger("porter.runtime")
 
@@ -128,8 +129,8 @@ def _load(
             dtype,
             make_backend,
             lazy,
+            Numerics(name, quantized, moe_numerics),
             placement,
-            mxfp8_act=moe_numerics == "serving",
             progress=bar,
         )
     if lazy and device.type == "cuda":
@@ -138,3 +139,17 @@ def _load(
     model.tokenizer = load_tokenizer(store.path)
     model.generation_config = load_generation_config(store.path, model.tokenizer)
     return model
+
+
+def set_numerics(model, moe_numerics: Optional[str]) -> None:
+    """Switch a loaded model to the numerics runtime.load(moe_numerics=) would have given it, without reading
+    a weight: the layers built now change in place, a layer-streaming model builds its later layers so
+    (runtime.loader.Numerics). Refused as load refuses (MoeNumericsError, BackendUnavailable: one line) what
+    the model's MoE backend does not compute, and then nothing changes. A captured decode step holds the old
+    numerics: it is dropped."""
+    n = model.numerics
+    check_numerics(moe_numerics, n.moe_backend, n.quantized)
+    n.moe = moe_numerics
+    for layer in model.layers.resident() if isinstance(model.layers, LazyLayers) else model.layers:
+        n.apply(layer)
+    model.release_decode_state()

@@ -449,6 +449,10 @@ class LazyLayers:
     def __iter__(self):
         return (self[i] for i in range(self._n))
 
+    def resident(self) -> list:
+        """The decoder layers built now (at most one): what a numerics switch changes in place."""
+        return [] if self._layer is None else [self._layer]
+
     def release(self) -> None:
         """Free the resident layer (and a layer being read ahead), unmap the shards."""
         self._free()
@@ -520,20 +524,39 @@ class _StagedLayers:
         return torch.cuda.mem_get_info(self.device)[0] >= need + PREFETCH_RESERVE
 
 
+class Numerics:
+    """What a loaded model's layers compute: runtime.load's moe_numerics ("w8a16" | "serving" | None, the MoE
+    backend's own), switched by runtime.set_numerics. Both are per-call attributes, so a switch reads no
+    weight: each MXFP8 Linear's `mxfp8_act` (serving: its input rounded to MXFP8) and the MoE backend's
+    `numerics` (torch and triton compute either; flashinfer-trtllm only serving, which check_numerics
+    enforces: runtime/moe/contract.py). The model builder applies it to every layer it builds, so the layers
+    a streaming model builds after a switch compute the new numerics too."""
+
+    def __init__(self, moe_backend: str, quantized: bool, moe: Optional[str] = None):
+        self.moe_backend, self.quantized, self.moe = moe_backend, quantized, moe
+
+    def apply(self, layer) -> None:
+        for lin in layer.linears():
+            lin.mxfp8_act = self.moe == "serving"
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)  # None on a dense layer
+        if hasattr(experts, "numerics"):  # flashinfer-trtllm has none: it computes serving only
+            experts.numerics = self.moe or "w8a16"
+
+
 def build_model(
     store,
     device: torch.device,
     dtype: torch.dtype,
     make_backend: Callable,
     lazy: bool,
+    numerics: Numerics,
     placement=None,
-    mxfp8_act: bool = False,
     progress=None,
 ):
     """The store's model (runtime.models registry, by its converter's architecture).
     placement (runtime.placement.Placement): decoder layer i on placement.layers[i], embeddings on
     placement.embed, final norm + lm_head on placement.head; None = everything on `device`.
-    mxfp8_act: every MXFP8 linear rounds its input to MXFP8 first (the serving numerics, Linear.input).
+    numerics: applied to each layer as it is built, kept as model.numerics (runtime.set_numerics switches it).
     progress: the bar `loading` yields (None: none)."""
     model_module = models.for_store(store)
     cfg, names = store.config, store.names()
@@ -557,9 +580,10 @@ def build_model(
 
     def build(i: int):
         layer = model_module.DecoderLayer(cfg, getters[where[i]], i, ropes[where[i]], where[i], make_backend)
-        for lin in layer.linears():
-            lin.mxfp8_act = mxfp8_act
+        numerics.apply(layer)  # the model's numerics now: a switch after load reaches layers built later
         return layer
 
     layers = LazyLayers(n, build, store.close) if lazy else [build(i) for i in range(n)]
-    return model_module.Model(cfg, top, layers, embed_dev, dtype, layer_devices=where)
+    model = model_module.Model(cfg, top, layers, embed_dev, dtype, layer_devices=where)
+    model.numerics = numerics
+    return model

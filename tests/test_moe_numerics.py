@@ -122,6 +122,32 @@ def test_serving_rounds_the_inputs_of_mxfp8_linears(art_all, art):
     assert 2e-2 <= err <= 3e-1, err
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_set_numerics_equals_loading_with_them(art_all, lazy):
+    """runtime.set_numerics switches a loaded model (`--quantize all`: MXFP8 linears and experts) to what
+    runtime.load(moe_numerics=) gives, bit for bit, both ways and back; a layer-streaming model too, whose
+    resident layer changes in place and whose later layers are built in the new numerics."""
+    ids = fx.prompt(fx.SHORT)
+    want = {n: runtime.load(art_all, lazy=lazy, moe_numerics=n)(ids) for n in ("w8a16", "serving")}
+    assert fx.rel(want["serving"], want["w8a16"]) >= 1e-2  # a switch that did nothing would show
+    model = runtime.load(art_all, lazy=lazy, moe_numerics="w8a16")
+    model(ids)  # lazy: the last layer stays resident across the switch
+    for numerics in ("serving", "w8a16", "serving", None):
+        runtime.set_numerics(model, numerics)
+        assert torch.equal(model(ids), want[numerics or "w8a16"]), numerics  # None: the backend's own
+
+
+def test_set_numerics_refuses_what_the_backend_cannot_compute(tiny_vendor):
+    """The rule runtime.load applies (check_numerics), in one line; a refused switch changes nothing."""
+    model = runtime.load(tiny_vendor)  # the bf16 source: unquantized experts
+    with pytest.raises(MoeNumericsError, match="needs MXFP8 experts.*unquantized") as err:
+        runtime.set_numerics(model, "serving")
+    assert "\n" not in str(err.value) and model.numerics.moe is None
+    with pytest.raises(MoeNumericsError, match="'fp8'"):
+        runtime.set_numerics(model, "fp8")
+    assert [m.numerics for m in moe_backends(model)] == ["w8a16"] * 3
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_serving_decode_path_equals_the_reference_loop(dtype):
     """At decode sizes (T*k <= E) the torch backend's serving numerics run batched per routed slot with no

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 import porter
 from porter.cli import main
-from porter.commands.verify import Thresholds, VerifyInputError, verify
+from porter.commands.verify import DEFAULT_PROMPT, Thresholds, VerifyInputError, verify
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -82,20 +82,60 @@ def test_serving_reference_must_round_the_activations_too(artifact, monkeypatch)
     float rounding explains, in every MoE layer. That is why the reference rounds them as the run does."""
     import runtime
 
-    load = runtime.load
+    load, switch, kept = runtime.load, runtime.set_numerics, []
 
     def w8a16_reference(path, *a, **k):
-        if not isinstance(path, (str, Path)) and "moe_numerics" in k:  # the rounded reference (a store)
+        rounded = not isinstance(path, (str, Path)) and "moe_numerics" in k  # the rounded reference (a store)
+        if rounded:
             k["moe_numerics"] = None
-        return load(path, *a, **k)
+        model = load(path, *a, **k)
+        if rounded:
+            kept.append(model)
+        return model
 
     monkeypatch.setattr(runtime, "load", w8a16_reference)
+    keep_w8a16 = lambda m, n: None if any(m is x for x in kept) else switch(m, n)  # the reference stays
+    monkeypatch.setattr(runtime, "set_numerics", keep_w8a16)
     r = verify(artifact, numerics="serving", max_new_tokens=0).report
     assert not r.passed
     moe = [row for row in r.layers if row.kind.endswith("moe")]
     assert {f.layer for f in r.failures if f.check == "faithfulness"} == {row.layer for row in moe}
     assert all(row.faith_error > 1e4 * row.faith_limit for row in moe)
     assert r.layers[0].faith_error == 0.0  # the dense layer has no MoE activations to round
+
+
+@pytest.fixture(scope="module")
+def artifact_all(tiny_vendor, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("verify_numerics_all") / "art"
+    porter.convert(tiny_vendor, out, quantize="all", progress=False)  # MXFP8 linears as well as experts
+    return out
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_both_runs_in_one_pass_equal_a_pass_per_run(artifact_all, streaming):
+    """--numerics both runs the two numerics in one layer loop (each layer read once, the models switched
+    between runs with runtime.set_numerics); each run's numbers are bit for bit those of a verify of that
+    run alone (its own loads and pass), resident and layer-streamed. The first run also generates: with a
+    continuation, the w8a16 run and its generation scores equal the w8a16-only verify's too."""
+    prompts = [DEFAULT_PROMPT, "Hello world"]
+
+    def run(numerics, new):
+        return verify(
+            artifact_all, numerics=numerics, streaming=streaming, max_new_tokens=new, prompts=prompts
+        )
+
+    def numbers(r, n):
+        x = r.numerics[n]
+        return x.embeddings, x.layers, x.logits, x.faithfulness
+
+    both, alone = run("both", 3).report, run("w8a16", 3).report
+    assert both.generation and both.generation == alone.generation
+    assert numbers(both, "w8a16") == numbers(alone, "w8a16")
+    # no continuation: serving alone would generate its own
+    both, alone = run("both", 0).report, run("serving", 0).report
+    assert numbers(both, "serving") == numbers(alone, "serving")
+    assert numbers(both, "serving") != numbers(both, "w8a16")
+    assert both.passed and all(x.faith_error == 0.0 for n in both.numerics for x in both.numerics[n].layers)
 
 
 def test_serving_adds_a_plausible_amount_of_error(both):

@@ -8,10 +8,10 @@ Steps (one module each; what each proves and what it does not: docs/verify.md):
 2. exact.py — every tensor re-derived from the source through verify's own mapping table (mapping.py)
    and porter.format.mxfp8 with the recorded rule: bytes identical, carried tensors bit-identical; weight
    error as a second opinion.
-3. generation.py + numerics.py — the converted model generates; one teacher-forced pass (same runtime)
-   compares it layer by layer with the rounded reference (rounded.py: the source weights rounded by the
-   re-derivation of step 2) within float rounding (faithfulness.py: decides), and with the bf16 source
-   (quality: KL, top-k, per-layer error; judged only against thresholds the user sets).
+3. generation.py + numerics.py — the converted model generates; one teacher-forced pass (same runtime, every
+   numerics run in it) compares it layer by layer with the rounded reference (rounded.py: the source weights
+   rounded by the re-derivation of step 2) within float rounding (faithfulness.py: decides), and with the
+   bf16 source (quality: KL, top-k, per-layer error; judged only against thresholds the user sets).
 4. thresholds.py, verdict.py — thresholds, failures, the report (report.py: table, JSON; plot.py).
 Exit codes (CLI): 0 faithful (and within the quality thresholds set), 1 not faithful or a quality threshold
 crossed, 2 bad input (VerifyInputError and other PorterErrors), 3 internal error.
@@ -192,21 +192,22 @@ def _log_projection(inp: _Inputs, runs) -> None:
     art = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values() if isinstance(r, dict))
     src = sum(f.stat().st_size for f in inp.ref_path.glob("*.safetensors"))
     quantized = any(isinstance(r, dict) and r.get("scale") for r in inp.man.get("tensors", {}).values())
-    # integrity and exact bytes read the artifact, exact bytes and the bf16 reference the source; each
-    # numerics run reads the converted model and, when something is quantized, the rounded reference: the
-    # artifact's proved MXFP8 tensors with the source's carried ones (as many bytes as the artifact)
-    per_run = 2 * art if quantized else art
-    total = 2 * art + 2 * src + len(runs) * per_run
+    # integrity and exact bytes read the artifact, exact bytes and the bf16 reference the source; the
+    # numerics pass (every run in one) reads the converted model and, when something is quantized, the rounded
+    # reference: the artifact's proved MXFP8 tensors with the source's carried ones (as many bytes as the
+    # artifact), once for all the runs
+    numerics = 2 * art if quantized else art
+    total = 2 * art + 2 * src + numerics
     log.info(
         "verify: reads ~%.1f GB in all: artifact %.1f GB in integrity and exact bytes, source %.1f GB in "
-        "exact bytes and the bf16 reference, %.1f GB in each of %d numerics run(s) (the converted model%s): "
-        "~%.1f min at an assumed %g GB/s, compute aside",
+        "exact bytes and the bf16 reference, %.1f GB in the numerics pass (the converted model%s, once for "
+        "%d run(s)): ~%.1f min at an assumed %g GB/s, compute aside",
         total / 1e9,
         art / 1e9,
         src / 1e9,
-        per_run / 1e9,
-        len(runs),
+        numerics / 1e9,
         " and the rounded reference" if quantized else "",
+        len(runs),
         total / (READ_GBPS * 1e9) / 60,
         READ_GBPS,
     )
@@ -284,10 +285,12 @@ def _numerics(
     progress,
     device_map: Optional[str] = "auto",
 ) -> None:
-    """One teacher-forced comparison per numerics run (rep.numerics); the first run also generates and
-    fills the report's top-level layers / logits / faithfulness. The converted model runs on the backend
-    asked for, without the Triton backend's e4m3 prefill (w8a16 means activations as given); the rounded
-    reference on the torch backend (dequantize, then matmul), with the run's activation rounding."""
+    """Every numerics run (rep.numerics) in one teacher-forced pass (numerics.compare_models): the converted
+    model, the rounded reference and the bf16 reference are each loaded once, the first two switched between
+    the runs' numerics (runtime.set_numerics). The first run's numerics also generate, and fill the report's
+    top-level layers / logits / faithfulness. The converted model runs on the backend asked for, without the
+    Triton backend's e4m3 prefill (w8a16 means activations as given); the rounded reference on the torch
+    backend (dequantize, then matmul), with the run's activation rounding."""
     import runtime
 
     conv_bytes = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values())
@@ -302,42 +305,39 @@ def _numerics(
     rep.max_new_tokens = plan.new_tokens
     ids = encode_prompts(inp.tok, rep.prompts)
     rep.prompt_tokens = [int(x.shape[1]) for x in ids]
-    seqs, ref = None, None
-    for k, run in enumerate(rep.numerics.values()):
-        moe_numerics = "serving" if run.numerics == "serving" else None  # None: the backend's own, w8a16
-        load = lambda lazy, run=run, moe_numerics=moe_numerics: runtime.load(
-            inp.art,
-            device=inp.device,
-            dtype=dtype,
-            backend=run.backend,
-            lazy=lazy,
-            moe_numerics=moe_numerics,
-            moe_fp8_prefill=False,
-            progress=progress,
-        )
-        with _phase(rep, f"numerics.{run.numerics}.load"):
-            shared = None if plan.stream or plan.device_map else load(False)  # one resident model for both
-        if k == 0:
-            with _phase(rep, "generation"):
-                conts = _generate(shared, inp, plan, ids, run.backend, dtype, moe_numerics, progress)
-            rep.streaming = StreamingInfo(
-                plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation
-            )
-            seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
-        with _phase(rep, f"numerics.{run.numerics}.load"):
-            conv = shared if shared is not None else load(plan.stream)
-            as_conv = dict(device=inp.device, dtype=conv.dtype, lazy=plan.stream, progress=progress)
-            if ref is None:  # the bf16 source computes the same in every run: read once, kept for the next
-                ref = runtime.load(ref_store, backend="auto", **as_conv)
-            rref = None
-            if rounded:
-                rref = runtime.load(rounded_store, backend="torch", moe_numerics=moe_numerics, **as_conv)
-            if not plan.stream:  # built: the last layer's staged bytes leave the device
-                ref_store.close()
-                rounded_store.close()
-        rep.dtype = dtype_name(conv.dtype)
-        with _phase(rep, f"numerics.{run.numerics}.pass"):  # layers of lazy models are read here
-            res = compare_models(ref, conv, seqs, rep.prompt_tokens, progress, rounded=rref)
+    runs = list(rep.numerics.values())
+    backend = runs[0].backend  # every run asks for the same one (_open)
+    moe = tuple("serving" if r.numerics == "serving" else None for r in runs)  # None: the backend's own
+    load = lambda lazy: runtime.load(
+        inp.art,
+        device=inp.device,
+        dtype=dtype,
+        backend=backend,
+        lazy=lazy,
+        moe_numerics=moe[0],
+        moe_fp8_prefill=False,
+        progress=progress,
+    )
+    with _phase(rep, "numerics.load"):
+        shared = None if plan.stream or plan.device_map else load(False)  # generates, then the pass
+    with _phase(rep, "generation"):
+        conts = _generate(shared, inp, plan, ids, backend, dtype, moe[0], progress)
+    rep.streaming = StreamingInfo(plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation)
+    seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
+    with _phase(rep, "numerics.load"):
+        conv = shared if shared is not None else load(plan.stream)
+        as_conv = dict(device=inp.device, dtype=conv.dtype, lazy=plan.stream, progress=progress)
+        ref = runtime.load(ref_store, backend="auto", **as_conv)  # the bf16 source: the same in every run
+        rref = None
+        if rounded:
+            rref = runtime.load(rounded_store, backend="torch", moe_numerics=moe[0], **as_conv)
+        if not plan.stream:  # built: the last layer's staged bytes leave the device
+            ref_store.close()
+            rounded_store.close()
+    rep.dtype = dtype_name(conv.dtype)
+    with _phase(rep, "numerics.pass"):  # layers of lazy models are read here, once for every run
+        results = compare_models(ref, conv, seqs, rep.prompt_tokens, progress, rounded=rref, runs=moe)
+    for k, (run, res) in enumerate(zip(runs, results)):
         run.embeddings, run.logits, run.faithfulness = res.embeddings, res.logits, res.faithfulness
         run.layers = [_layer_row(rep, conv.cfg, i, s) for i, s in enumerate(res.layers)]
         if k == 0:
@@ -346,9 +346,7 @@ def _numerics(
             rep.generation = [
                 gen.score(p, c, tr, tc, inp.tok) for p, c, (tr, tc) in zip(rep.prompts, conts, res.tails) if c
             ]
-        del conv, rref, shared, res
-        gc.collect()
-    del ref
+    del conv, rref, shared, ref, results
     gc.collect()
 
 

@@ -13,6 +13,10 @@ Final logits over the prompt positions: faithfulness of the final norm + lm_head
 KL(ref || conv) (mean per position, nats), top-1 agreement, top-5 overlap, max |logit difference|. The
 logits at the continuation positions are handed back for the teacher-forced scoring of the continuation.
 
+Several numerics runs (`--numerics both`) share the layer loop: per layer, the bf16 reference's layer runs
+once, then per run the converted and the rounded reference's layers with that run's numerics
+(runtime.set_numerics: per-call attributes, no weight read again), each run on its own end-to-end stream.
+
 The first layer of each kind (dense / MoE) is timed as it runs and the whole pass projected from it (reads
 and compute: the estimate before the pass counts the reads only).
 """
@@ -75,58 +79,96 @@ class PassResult:
 
 
 def compare_models(
-    ref, conv, seqs: list, prompt_lens: list, progress: bool = False, rounded=None
-) -> PassResult:
+    ref, conv, seqs: list, prompt_lens: list, progress: bool = False, rounded=None, runs: tuple = (None,)
+) -> list[PassResult]:
     """ref: the bf16 reference; conv: the converted model; rounded: the rounded reference (None: ref, for an
     artifact with nothing quantized). seqs: LongTensor [1, T] per sequence; prompt_lens: P per sequence
-    (stats over positions < P)."""
+    (stats over positions < P). runs: the numerics of each run (runtime.set_numerics: "serving", or None for
+    the backend's own), all in one layer loop: each layer is read once, the bf16 reference's computed once,
+    the converted and rounded layers once per run, each run with its own end-to-end stream. One PassResult
+    per run, what a pass of that run alone gives. The models are left in the last run's numerics."""
     rounded = ref if rounded is None else rounded
+    switch = _switcher(conv, None if rounded is ref else rounded)
     with torch.inference_mode():
         h_ref, h_conv = [ref.embed(x) for x in seqs], [conv.embed(x) for x in seqs]
-        emb, emb_gap = Acc(), fa.Gap()
+        emb, emb_gap = Acc(), fa.Gap()  # embeddings: no numerics apply, the same in every run
         for a, b, x, p in zip(h_conv, h_ref, seqs, prompt_lens):
             emb.add(a[:, :p], b[:, :p])
             emb_gap.add(a[:, :p], rounded.embed(x)[:, :p])
-        layers, precisions, clock = [], {conv.dtype}, _Projection(conv.cfg)
+        chains = [list(h_conv) for _ in runs]  # each run's converted residual stream, end to end
+        layers, precisions, clock = [[] for _ in runs], {conv.dtype}, _Projection(conv.cfg, len(runs))
         for i in tqdm(range(ref.cfg.num_hidden_layers), desc="verify layers", disable=not progress):
             t0 = time.perf_counter()
             lc = conv.layers[i]
             fmt = fa.precision(conv.dtype, fa.moe_backend(lc))
             precisions.add(fmt)
-            layers.append(_layer(ref.layers[i], lc, rounded.layers[i], h_ref, h_conv, prompt_lens, fmt))
+            lr, lrr = ref.layers[i], rounded.layers[i]
+            r = [lr(h, _positions(h)) for h in h_ref]  # the bf16 reference: no numerics, once for every run
+            for run, stats, h in zip(runs, layers, chains):
+                switch(run)
+                stats.append(_layer(r, lc, lr, lrr, h_ref, h, prompt_lens, fmt))
+            h_ref[:] = r
             clock.done(i, time.perf_counter() - t0)
         for m in {id(m): m for m in (ref, conv, rounded)}.values():
             if hasattr(m.layers, "release"):
                 m.layers.release()
-        logits, tails, head_gap = _final(ref, conv, rounded, h_ref, h_conv, prompt_lens)
+        ref_logits = [ref.final(a)[0] for a in h_ref]  # [T, V] per sequence, every run's reference
+        out = []
+        for run, stats, h in zip(runs, layers, chains):
+            switch(run)
+            logits, tails, head_gap = _final(ref_logits, conv, rounded, ref, h_ref, h, prompt_lens)
+            faith = _faithfulness(precisions, conv.dtype, emb_gap, head_gap)
+            out.append(PassResult({"cosine": emb.cosine, "rel_error": emb.rel}, stats, logits, tails, faith))
+    return out
+
+
+def _switcher(conv, rounded):
+    """run numerics -> conv (and the rounded reference, None when it is the bf16 reference, which has no
+    MXFP8 to round for) switched to them (runtime.set_numerics)."""
+    import runtime
+
+    def switch(numerics) -> None:
+        for m in (conv, rounded):
+            if m is not None:
+                runtime.set_numerics(m, numerics)
+
+    return switch
+
+
+def _positions(h: torch.Tensor) -> torch.Tensor:
+    return torch.arange(h.shape[1], device=h.device)  # [T]
+
+
+def _faithfulness(precisions: set, dtype, emb_gap: fa.Gap, head_gap: fa.Gap) -> FaithfulnessStats:
     coarsest = max(precisions, key=fa.unit_roundoff)
     u = fa.unit_roundoff(coarsest)
-    faith = FaithfulnessStats(
+    return FaithfulnessStats(
         str(coarsest).removeprefix("torch."),
         u,
         fa.K,
         emb_gap.error(residual=False),
-        emb_gap.limit(fa.unit_roundoff(conv.dtype), residual=False),
+        emb_gap.limit(fa.unit_roundoff(dtype), residual=False),
         head_gap.error(residual=False),
-        head_gap.limit(fa.unit_roundoff(conv.dtype), residual=False),
+        head_gap.limit(fa.unit_roundoff(dtype), residual=False),
     )
-    return PassResult({"cosine": emb.cosine, "rel_error": emb.rel}, layers, logits, tails, faith)
 
 
-def _layer(lr, lc, lrr, h_ref: list, h_conv: list, prompt_lens: list, fmt: torch.dtype) -> LayerStats:
-    """Runs one layer of each model on every sequence, advancing h_ref / h_conv in place; lrr: the rounded
-    reference's layer (lr itself when nothing is quantized)."""
+def _layer(
+    r: list, lc, lr, lrr, h_ref: list, h_conv: list, prompt_lens: list, fmt: torch.dtype
+) -> LayerStats:
+    """One run's stats of one layer, advancing its h_conv in place. r: the bf16 reference layer lr's output
+    per sequence (on h_ref); lrr: the rounded reference's layer (lr itself when nothing is quantized)."""
     e2e, local, gap = Acc(), Acc(), fa.Gap()
     for k, p in enumerate(prompt_lens):
-        pos = torch.arange(h_ref[k].shape[1], device=h_ref[k].device)
-        r, c = lr(h_ref[k], pos), lc(h_conv[k], pos)
+        pos = _positions(h_ref[k])
+        c = lc(h_conv[k], pos)
         alone = lc(h_ref[k], pos)  # the converted layer on the reference input
-        rounded = r if lrr is lr else lrr(h_ref[k], pos)  # the rounded source's layer on the same input
+        rounded = r[k] if lrr is lr else lrr(h_ref[k], pos)  # the rounded source's layer on the same input
         h = h_ref[k].to(alone.device)
-        e2e.add(c[:, :p], r[:, :p])
-        local.add((alone - h)[:, :p], (r - h_ref[k].to(r.device))[:, :p])
+        e2e.add(c[:, :p], r[k][:, :p])
+        local.add((alone - h)[:, :p], (r[k] - h_ref[k].to(r[k].device))[:, :p])
         gap.add(alone[:, :p], rounded[:, :p], h[:, :p])
-        h_ref[k], h_conv[k] = r, c
+        h_conv[k] = c
     return LayerStats(e2e.cosine, e2e.rel, local.rel, gap.error(), gap.limit(fa.unit_roundoff(fmt)))
 
 
@@ -134,8 +176,8 @@ class _Projection:
     """Times the first layer of each kind (cfg.layer_kind: attention and MLP type) and logs the projected wall
     time of the whole pass as soon as a kind is first seen; a kind not yet run counts as the slowest seen."""
 
-    def __init__(self, cfg):
-        self.n = cfg.num_hidden_layers
+    def __init__(self, cfg, runs: int = 1):
+        self.n, self.runs = cfg.num_hidden_layers, runs
         self.kinds = [cfg.layer_kind(i) for i in range(self.n)]
         self.seconds: dict = {}
 
@@ -147,11 +189,12 @@ class _Projection:
         slowest = max(self.seconds.values())
         total = sum(self.seconds.get(k, slowest) for k in self.kinds)
         log.info(
-            "verify: layer %d (%s) ran in %.2f s (reads and compute, every model); the teacher-forced pass "
-            "projects to ~%.1f s for %d layers%s",
+            "verify: layer %d (%s) ran in %.2f s (reads and compute, every model, %d numerics run(s)); the "
+            "teacher-forced pass projects to ~%.1f s for %d layers%s",
             i,
             kind,
             seconds,
+            self.runs,
             total,
             self.n,
             ""
@@ -160,10 +203,10 @@ class _Projection:
         )
 
 
-def _final(ref, conv, rounded, h_ref, h_conv, prompt_lens) -> tuple[LogitStats, list, fa.Gap]:
+def _final(ref_logits, conv, rounded, ref, h_ref, h_conv, prompt_lens) -> tuple[LogitStats, list, fa.Gap]:
+    """One run's final logits against the reference's (ref_logits [T, V] per sequence, on h_ref)."""
     sums, tails, gap = None, [], fa.Gap()
-    for a, b, p in zip(h_ref, h_conv, prompt_lens):
-        lr = ref.final(a)[0]
+    for lr, a, b, p in zip(ref_logits, h_ref, h_conv, prompt_lens):
         lc = conv.final(b)[0].to(lr.device)
         gap.add(conv.final(a)[0][:p], (lr if rounded is ref else rounded.final(a)[0])[:p])
         s = kl_top(lr[:p], lc[:p])

@@ -22,6 +22,7 @@ import torch
 
 from porter.commands.verify.verdict import Failure
 from porter.cores import available_cores
+from porter.errors import PorterError
 from porter.format.digest import CHUNK_HASHES
 from porter.format.safetensors_io import (
     chunk_spans,
@@ -77,7 +78,7 @@ class TensorDigests:
                 try:
                     start, header = parse_header(self.art / f)
                     self._hash_rest(self.art / f, start, header, pool)
-                except OSError as e:  # unreadable (EIO, permissions): named, not fatal
+                except (PorterError, OSError) as e:  # changed since integrity read it, or unreadable
                     out.append(Failure("integrity", f"shard {f}: {e}", shard=f))
                     continue
                 out += self._judge(f, rec, list(header))

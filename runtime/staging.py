@@ -20,11 +20,12 @@ to each device's bytes, so every GPU of a device_map receives its weights at onc
 A tensor is handed out only when all its bytes are on its device and their digest is porter.json's; the
 first failure (a truncated shard, bytes that changed after the conversion) stops every thread and is raised
 by `take` and `finish` as a LoadError naming the shard and the tensor, so no model is built from it.
+With `checked` (porter verify), each tensor's digest is handed to it instead and the tensor handed out:
+verify's integrity names every changed tensor (porter.commands.verify.digests).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -137,10 +138,12 @@ class Staging:
         progress: bool = False,
         allocate_now: bool = False,
         log_level: int = logging.INFO,
+        checked: Optional[Callable[[str, str], None]] = None,
     ):
         if buffer_bytes < 1:
             raise ValueError(f"buffer_bytes must be positive, not {buffer_bytes}")
         self.rule, self.buffer_bytes, self.show_progress = rule, buffer_bytes, progress
+        self.checked = checked  # given: (name, digest) of each tensor read, compared by the caller
         self.allocate_now, self.log_level = allocate_now, log_level
         self.progress = None
         self.threads = threads or default_threads()
@@ -432,17 +435,19 @@ class Staging:
         """All of t's bytes are on its device: check the digest, hand it out (caller holds the lock, or
         construction)."""
         s = t.span
-        if t.chunks:
-            got = tensor_digest([t.digests[k] for k in range(t.chunks)])
-            if got != s.digest:
+        if self.rule and s.digest is not None:
+            got = tensor_digest([t.digests[k] for k in range(t.chunks)])  # sha256(b"") for an empty one
+            if self.checked is not None:  # verify names every changed tensor (integrity), a load the first
+                self.checked(s.name, got)
+            elif got != s.digest and t.chunks:
                 raise LoadError(
                     f"{s.path}: tensor {s.name!r} differs from porter.json's digest (the shard changed "
                     "after the conversion); reconvert or restore it"
                 )
-        elif self.rule and s.digest is not None and s.digest != hashlib.sha256(b"").hexdigest():
-            raise LoadError(
-                f"{s.path}: tensor {s.name!r} is empty but porter.json's digest is not; reconvert"
-            )
+            elif got != s.digest:
+                raise LoadError(
+                    f"{s.path}: tensor {s.name!r} is empty but porter.json's digest is not; reconvert"
+                )
         flat = t.flat if t.flat is not None else torch.empty(0, dtype=torch.uint8, device=s.device)
         self._ready[s.name] = flat.view(s.dtype).view(s.shape)
         t.flat = None

@@ -4,7 +4,8 @@
     porter verify out/model-mxfp8 --reference DIR|REPO --prompt "..." --report r.json --plot r.svg
 
 Steps (one module each; what each proves and what it does not: docs/verify.md):
-1. integrity.py — the files are what porter.json says (chunked digests, headers, index, scales, config).
+1. integrity.py — the files are what porter.json says (chunked digests, headers, index, scales, config);
+   the tensors' digests checked on exact bytes' reads of them (digests.py), the artifact read once.
 2. exact.py — every tensor re-derived from the source through verify's own mapping table (mapping.py)
    and porter.format.mxfp8 with the recorded rule: bytes identical, carried tensors bit-identical; weight
    error as a second opinion.
@@ -32,6 +33,7 @@ import torch
 import converters
 from porter.commands.verify import exact as exact_step
 from porter.commands.verify import generation as gen
+from porter.commands.verify.digests import TensorDigests
 from porter.commands.verify.exact import rederive
 from porter.commands.verify.inputs import (
     DEFAULT_PROMPT,
@@ -136,11 +138,13 @@ def verify(
     rep.max_new_tokens = max_new_tokens
     digest_rule(inp.man)  # a manifest porter cannot read is bad input: one line, before any log line
     _log_projection(inp, runs)
-    with _phase(rep, "integrity"):
-        rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress)
+    with _phase(rep, "integrity"):  # all but the tensors' digests, checked on exact bytes' reads
+        rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress, data=False)
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
         return _finish(rep, list(rep.integrity.issues), report, plot, t0)
-    shards, reader = SourceShards(inp.ref_path, *inp.source_quantization), ArtifactReader(inp.art, inp.man)
+    digests = TensorDigests(inp.art, inp.man, *digest_rule(inp.man))
+    shards = SourceShards(inp.ref_path, *inp.source_quantization)
+    reader = ArtifactReader(inp.art, inp.man, digests=digests)
     mapping = Mapping(
         shards,
         interleaved=_interleaved(inp.man, inp.ref_config),
@@ -148,6 +152,13 @@ def verify(
     )
     with _phase(rep, "exact"):
         rep.exact = rederive(reader, mapping, inp.options.scale_rounding, inp.device, progress)
+    reader.digests = None  # the numerics' reads are the runtime's (it checks digests as it loads)
+    with _phase(rep, "integrity"):  # the tensors exact bytes did not read are hashed here
+        changed = digests.finish()
+    if changed:  # the integrity failure explains every difference exact bytes saw: those are not shown
+        rep.integrity.passed, rep.integrity.issues, rep.exact = False, changed, None
+        log.info("verify: exact bytes' results withheld: the artifact changed after conversion (integrity)")
+        return _finish(rep, list(changed), report, plot, t0)
     failures = judge_exact(rep.exact, rep.thresholds)
     if any(t.problem for t in rep.exact.tensors):
         log.info("verify: numerics skipped: some artifact tensors have no comparable source (see above)")
@@ -192,16 +203,16 @@ def _log_projection(inp: _Inputs, runs) -> None:
     art = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values() if isinstance(r, dict))
     src = sum(f.stat().st_size for f in inp.ref_path.glob("*.safetensors"))
     quantized = any(isinstance(r, dict) and r.get("scale") for r in inp.man.get("tensors", {}).values())
-    # integrity and exact bytes read the artifact, exact bytes and the bf16 reference the source; the
-    # numerics pass (every run in one) reads the converted model and, when something is quantized, the rounded
-    # reference: the artifact's proved MXFP8 tensors with the source's carried ones (as many bytes as the
-    # artifact), once for all the runs
+    # exact bytes reads the artifact (integrity's digests checked on the same reads), exact bytes and the
+    # bf16 reference the source; the numerics pass (every run in one) reads the converted model and, when
+    # something is quantized, the rounded reference: the artifact's proved MXFP8 tensors with the source's
+    # carried ones (as many bytes as the artifact), once for all the runs
     numerics = 2 * art if quantized else art
-    total = 2 * art + 2 * src + numerics
+    total = art + 2 * src + numerics
     log.info(
-        "verify: reads ~%.1f GB in all: artifact %.1f GB in integrity and exact bytes, source %.1f GB in "
-        "exact bytes and the bf16 reference, %.1f GB in the numerics pass (the converted model%s, once for "
-        "%d run(s)): ~%.1f min at an assumed %g GB/s, compute aside",
+        "verify: reads ~%.1f GB in all: artifact %.1f GB in exact bytes (integrity's digests on the same "
+        "read), source %.1f GB in exact bytes and the bf16 reference, %.1f GB in the numerics pass (the "
+        "converted model%s, once for %d run(s)): ~%.1f min at an assumed %g GB/s, compute aside",
         total / 1e9,
         art / 1e9,
         src / 1e9,

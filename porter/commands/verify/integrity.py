@@ -1,7 +1,8 @@
 """Step 1 of `porter verify`, no model run: the artifact is what porter.json says it is.
 
 Every shard's digest against porter.json, chunks hashed on every core (a mismatch names the changed
-tensor, or the header; porter.format.safetensors_io.digest_rule);
+tensor, or the header; porter.format.safetensors_io.digest_rule) — in `porter verify` each header's sha256
+here and the tensors' digests on the exact pass's reads (digests.py), so the artifact is read once;
 every shard header entry (dtype, shape) against porter.json and the index; scale tensors sane (uint8
 [..., K/32], no byte 255 = E8M0 NaN, no byte 0 on a block with non-zero values); config.json resolved
 field by field against porter.json's resolved_config; the reference's resolved config against it too.
@@ -11,11 +12,13 @@ This proves the files were not changed after conversion; it cannot prove the con
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 import torch
 from tqdm import tqdm
@@ -27,17 +30,32 @@ from porter.errors import ConfigError, PorterError, VerifyInputError
 from porter.format import manifest, mxfp8, prequantized
 from porter.format.digest import CHUNK_HASHES
 from porter.format.safe_files import read_json_object
-from porter.format.safetensors_io import DTYPE_NAMES, chunk_hash_of, dtype_name, file_digests
+from porter.format.safetensors_io import (
+    DTYPE_NAMES,
+    ST_DTYPES,
+    chunk_hash_of,
+    dtype_name,
+    file_digests,
+    parse_header,
+    pread_into,
+)
 
 INDEX = "model.safetensors.index.json"
 _HEADER_DTYPES = {dtype_name(dt): name for dt, name in DTYPE_NAMES.items()}  # porter.json -> header spelling
 
 
-def check_integrity(art: Path, man: dict, ref_config=None, progress: bool = False) -> IntegrityResult:
+def check_integrity(
+    art: Path, man: dict, ref_config=None, progress: bool = False, data: bool = True
+) -> IntegrityResult:
+    """data=False: every check but the tensors' digests (each header's sha256 is checked, and that its
+    tensors tile the shard): `porter verify` checks those on the exact pass's reads (digests.py)."""
     chunk_bytes, chunk_hash = digest_rule(man)
     tensors, shards = man.get("tensors", {}), man.get("shards", {})
     by_shard = _by_shard(tensors)
-    headers, issues = _check_shards(art, tensors, shards, by_shard, chunk_bytes, chunk_hash, progress)
+    if data:
+        headers, issues = _check_shards(art, tensors, shards, by_shard, chunk_bytes, chunk_hash, progress)
+    else:
+        headers, issues = _check_shard_headers(art, shards)
     issues += _check_headers(headers, tensors, shards, by_shard)
     issues += _check_index(art, tensors)
     issues += _check_scales(art, tensors, headers)
@@ -111,6 +129,37 @@ def _check_shards(
     return headers, issues
 
 
+def _check_shard_headers(art: Path, shards: dict) -> tuple[dict, list[Failure]]:
+    """Every shard's header (validated: its tensors tile the data region to the file's end, so header and
+    tensors cover every byte) and its sha256 against porter.json; returns ({shard: header}, failures)."""
+    issues, headers = [], {}
+    for f, rec in shards.items():
+        p = art / f
+        if not p.exists():
+            issues.append(Failure("integrity", f"shard {f} is missing (listed in porter.json)", shard=f))
+            continue
+        try:
+            start, headers[f] = parse_header(p)
+            with open(p, "rb") as fh:
+                head_sha = hashlib.sha256(fh.read(start)).hexdigest()
+        except (PorterError, OSError) as e:  # malformed, or unreadable (EIO, permissions): named, not fatal
+            headers.pop(f, None)
+            issues.append(Failure("integrity", f"shard {f}: {e}", shard=f))
+            continue
+        if head_sha != rec.get("header_sha256"):
+            issues.append(_header_changed(f, head_sha, rec))
+    return headers, issues
+
+
+def _header_changed(f: str, head_sha: str, rec: dict) -> Failure:
+    return Failure(
+        "integrity",
+        f"shard {f}: header sha256 {head_sha[:12]}… differs from "
+        f"porter.json {str(rec.get('header_sha256'))[:12]}… (the header changed)",
+        shard=f,
+    )
+
+
 def _locate_change(f: str, got, names: list, tensors: dict, rec: dict) -> list[Failure]:
     changed = [n for n in names if n in got.tensors and got.tensors[n] != tensors[n].get("digest")]
     out = [
@@ -123,14 +172,7 @@ def _locate_change(f: str, got, names: list, tensors: dict, rec: dict) -> list[F
         for n in changed
     ]
     if got.header_sha256 != rec.get("header_sha256"):
-        out.append(
-            Failure(
-                "integrity",
-                f"shard {f}: header sha256 {got.header_sha256[:12]}… differs from "
-                f"porter.json {str(rec.get('header_sha256'))[:12]}… (the header changed)",
-                shard=f,
-            )
-        )
+        out.append(_header_changed(f, got.header_sha256, rec))
     if not out:
         out.append(
             Failure(
@@ -209,9 +251,7 @@ def _check_index(art: Path, tensors: dict) -> list[Failure]:
 
 
 def _check_scales(art: Path, tensors: dict, headers: dict) -> list[Failure]:
-    from safetensors import safe_open
-
-    out, handles = [], {}
+    out = []
     for w, rec in tensors.items():
         s = rec.get("scale")
         if rec.get("dtype") == "float8_e4m3fn" and not s:
@@ -238,10 +278,28 @@ def _check_scales(art: Path, tensors: dict, headers: dict) -> list[Failure]:
         if bad:
             out.append(Failure("integrity", f"tensor {s} in shard {sf}: {bad}", tensor=s, shard=sf))
             continue
-        for file in (f, sf):
-            handles.setdefault(file, safe_open(str(art / file), framework="pt"))
-        out += _scale_bytes(handles[f].get_tensor(w), handles[sf].get_tensor(s), s, sf)
+        scale = _read_tensor(art / sf, headers[sf][s])
+        # the values matter only beside a scale byte 0 (zeroed_scale_problem): read then only, the scales
+        # being ~3% of the artifact's bytes and the values what exact bytes reads anyway
+        values = _read_tensor(art / f, headers[f][w]) if bool((scale.view(torch.uint8) == 0).any()) else None
+        out += _scale_bytes(values, scale, s, sf)
     return out
+
+
+def _read_tensor(path: Path, info: dict) -> torch.Tensor:
+    """A tensor of a shard (info: its header entry), read with the kernel's readahead off for this read: a
+    scale tensor lies between values exact bytes reads later, which a readahead window (MBs on many disks)
+    would read from the disk a first time here."""
+    begin, end = info["data_offsets"]
+    out = torch.empty(end - begin, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        start = 8 + int.from_bytes(os.pread(fd, 8, 0), "little")
+        pread_into(fd, memoryview(out.numpy()), start + begin, path)
+    finally:
+        os.close(fd)
+    return out.view(ST_DTYPES[info["dtype"]]).view(info["shape"])
 
 
 def _scale_shape_problem(rec: dict, srec: dict):
@@ -259,7 +317,7 @@ def _scale_shape_problem(rec: dict, srec: dict):
     return None
 
 
-def _scale_bytes(values: torch.Tensor, scale: torch.Tensor, s: str, sf: str) -> list[Failure]:
+def _scale_bytes(values: Optional[torch.Tensor], scale: torch.Tensor, s: str, sf: str) -> list[Failure]:
     problem = prequantized.zeroed_scale_problem(values, scale)  # the rule convert applies to a source
     if not problem:
         return []

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -44,7 +44,7 @@ from porter.errors import PorterError, VerifyInputError
 from porter.format import manifest, mxfp8
 from porter.format.layout import layer_of
 from porter.format.safe_files import read_json_object
-from porter.format.safetensors_io import ST_DTYPES, nbytes
+from porter.format.safetensors_io import ST_DTYPES, nbytes, tensor_bytes
 from porter.source.local import read_header, weight_files
 
 CARRIED = Rule(r"(?P<name>.+)", ("{name}",))  # tensors outside the text model keep their source names
@@ -306,11 +306,13 @@ class ArtifactReader:
     hf: the vendor release's names with one 2-D tensor per expert (the architecture's verify rules give
     the canonical name of each).
 
-    rules: the architecture's verify_rules capability (default: the one of the artifact's config.json)."""
+    rules: the architecture's verify_rules capability (default: the one of the artifact's config.json).
+    digests: a digests.TensorDigests that every read is handed to (integrity's data check on the exact
+    pass's reads), until it is set to None."""
 
     LAYOUTS = ("porter", "hf")
 
-    def __init__(self, art: Path, man: dict, rules=None):
+    def __init__(self, art: Path, man: dict, rules=None, digests=None):
         self.layout = manifest.read_options(man).layout
         if self.layout not in self.LAYOUTS:
             raise VerifyInputError(
@@ -321,6 +323,7 @@ class ArtifactReader:
         self.rules = rules or rules_for(art, str(art))
         self._handles: dict = {}
         self.stagings: list = []  # runtime.staging.Staging: tensors read onto a device ahead of use
+        self.digests = digests
 
     def weights(self) -> list[str]:
         """Artifact tensors that are values (not scales), in manifest order."""
@@ -364,16 +367,23 @@ class ArtifactReader:
         if staged is not None:
             return staged if e is None else staged[e]
         h = _open(self._handles, self.art / self.tensors[name]["shard"])
-        return h.get_tensor(name) if e is None else h.get_slice(name)[e]
+        t = h.get_tensor(name) if e is None else h.get_slice(name)[e]
+        if self.digests is not None:  # expert e: bytes [e * its size, (e + 1) * its size) of the tensor
+            self.digests.add(name, 0 if e is None else e * t.nbytes, tensor_bytes(t))
+        return t
 
     def stage(self, names, device: torch.device):
         """Read these tensors (and their scales) onto `device` in the background (runtime.staging); get()
         hands them out from there until unstage()."""
-        from runtime.staging import Staging, file_spans
+        from runtime.staging import DigestRule, Staging, file_spans
 
         names = {x for n in names for x in (n, self.tensors[n].get("scale")) if x}
         spans = file_spans({n: self.art / self.tensors[n]["shard"] for n in names}, device)
-        staging = Staging(spans, allocate_now=True, log_level=logging.DEBUG).start()
+        rule, checked = None, None
+        if self.digests is not None:  # hashed as they are read, porter.json's digests to compare
+            spans = [replace(s, digest=self.tensors[s.name].get("digest", "")) for s in spans]
+            rule, checked = DigestRule(self.digests.chunk_bytes, self.digests.new_hash), self.digests.staged
+        staging = Staging(spans, rule, allocate_now=True, log_level=logging.DEBUG, checked=checked).start()
         self.stagings.append(staging)
         return staging
 

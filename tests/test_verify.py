@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -283,6 +284,7 @@ class _CountedReads:
         from porter.commands.verify import mapping
 
         self.bytes: dict = {}
+        self.tensors: dict = {}  # (folder, tensor) -> bytes
         real = mapping._open
         count = self
 
@@ -291,22 +293,43 @@ class _CountedReads:
                 self.h, self.f = h, f
 
             def get_tensor(self, name):
-                return count.add(self.f, self.h.get_tensor(name))
+                return count.add(self.f, name, self.h.get_tensor(name))
 
             def get_slice(self, name):
                 handle = self
 
                 class Slice:
                     def __getitem__(self, i):
-                        return count.add(handle.f, handle.h.get_slice(name)[i])
+                        return count.add(handle.f, name, handle.h.get_slice(name)[i])
 
                 return Slice()
 
         monkeypatch.setattr(mapping, "_open", lambda handles, f: Handle(real(handles, f), Path(f)))
 
-    def add(self, f: Path, t: torch.Tensor) -> torch.Tensor:
+    def add(self, f: Path, name: str, t: torch.Tensor) -> torch.Tensor:
         self.bytes[f.parent.name] = self.bytes.get(f.parent.name, 0) + t.nbytes
+        self.tensors[f.parent.name, name] = self.tensors.get((f.parent.name, name), 0) + t.nbytes
         return t
+
+    def in_numerics(self, monkeypatch) -> dict:
+        """{(folder, tensor): bytes} handed out from the start of the numerics step on (filled as it runs)."""
+        import porter.commands.verify as verify_mod
+
+        real, start, count = verify_mod._numerics, {}, self
+
+        def numerics(*a, **k):
+            start.update(count.tensors)
+            return real(*a, **k)
+
+        class Since(dict):
+            def __missing__(self, key):
+                return count.tensors.get(key, 0) - start.get(key, 0)
+
+            def read(self) -> dict:
+                return {k: self[k] for k in count.tensors if self[k]}
+
+        monkeypatch.setattr(verify_mod, "_numerics", numerics)
+        return Since()
 
 
 def _tensor_bytes(folder: Path, keep=lambda name: True) -> int:
@@ -339,6 +362,68 @@ def test_numerics_both_reads_source_twice_and_artifact_once_per_use(artifact, ti
     assert reads.bytes[tiny_vendor.name] <= 2 * src + carried
     assert reads.bytes[tiny_vendor.name] < 3 * src  # before: 5x (exact, then both references per run)
     assert set(res.report.phases) == {"integrity", "exact", "generation", "numerics.load", "numerics.pass"}
+
+
+def _sizes(folder: Path) -> dict:
+    from porter.source.local import read_header, weight_files
+
+    return {
+        (folder.name, n): i["data_offsets"][1] - i["data_offsets"][0]
+        for f in weight_files(folder)
+        for n, i in read_header(f).items()
+    }
+
+
+@pytest.mark.parametrize("layout, numerics", [("porter", "w8a16"), ("porter", "both"), ("hf", "both")])
+def test_streamed_numerics_reads_each_source_tensor_once(
+    artifact, tiny_vendor, tmp_path, monkeypatch, layout, numerics
+):
+    """Layer-streamed, the bf16 and the rounded reference share one ReferenceStore: the source tensors the
+    rounded reference takes (the carried ones; an hf layout's experts, which it re-derives) are the bytes
+    the bf16 reference just read, so the numerics step hands out each source tensor it reads once (before:
+    those twice), and each of the artifact's proved MXFP8 tensors once (the rounded reference; the
+    converted model's reads are the runtime's own). The numbers are the resident run's."""
+    if layout == "hf":
+        artifact = tmp_path / "hf"
+        porter.convert(tiny_vendor, artifact, layout="hf", progress=False)
+    reads = _CountedReads(monkeypatch)
+    since = reads.in_numerics(monkeypatch)
+    res = verify(artifact, reference=tiny_vendor, numerics=numerics, max_new_tokens=0, streaming=True)
+    assert res.passed and res.report.streaming.enabled
+    size, read = {**_sizes(tiny_vendor), **_sizes(artifact)}, since.read()
+    assert read == {k: size[k] for k in read}  # every tensor read: once, whole
+    man = json.loads((artifact / "porter.json").read_text())
+    quantized = {n for n, r in man["tensors"].items() if r.get("scale")}
+    quantized |= {man["tensors"][n]["scale"] for n in quantized}
+    if layout == "hf":  # its per-expert tensors re-derived (rounded.py): only whole tensors are proved
+        quantized = {n for n in quantized if not re.search(r"\.experts\.\d+\.", n)}
+    assert {n for f, n in read if f == artifact.name} == quantized
+    ref = ReferenceStoreOf(artifact, tiny_vendor)
+    sources = {s for n in ref.names() for s in ref.derivation(n).sources}
+    assert {n for f, n in read if f == tiny_vendor.name} == sources  # the bf16 reference's, all of them
+    resident = verify(artifact, reference=tiny_vendor, numerics=numerics, max_new_tokens=0, streaming=False)
+    assert _numbers(res.report) == _numbers(resident.report)
+
+
+def test_shared_reference_tensor_kept_for_its_second_taker_only(artifact, tiny_vendor):
+    """ReferenceStore.share: a shared tensor is handed out twice from one read, then read again; one left
+    untaken is dropped when another layer group is asked for; a tensor not shared is read every time."""
+    ref = ReferenceStoreOf(artifact, tiny_vendor)
+    norm, other = "model.layers.1.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"
+    ref.share({norm})
+    first = ref.get(norm)
+    assert ref.value(norm) is first and ref.get(norm) is not first  # second taker, then a new read
+    assert ref.get(other) is not ref.get(other)  # not shared
+    kept = ref.get(norm)  # kept for a second taker that does not come before layer 2 is asked for
+    ref.get("model.layers.2.input_layernorm.weight")
+    assert ref.value(norm) is not kept
+
+
+def ReferenceStoreOf(artifact: Path, source: Path):
+    from porter.commands.verify.mapping import ArtifactReader, Mapping, ReferenceStore, SourceShards
+
+    reader = ArtifactReader(artifact, json.loads((artifact / "porter.json").read_text()))
+    return ReferenceStore(Mapping(SourceShards(source), rounding="rceil"), reader, None)
 
 
 def test_rounded_reference_from_proved_artifact_bytes_is_the_rederivation(artifact, tiny_vendor):

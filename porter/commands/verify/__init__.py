@@ -66,7 +66,7 @@ from porter.commands.verify.verdict import (
 from porter.errors import PorterError, VerifyInputError
 from porter.format import manifest
 from porter.format.safe_files import read_json_object
-from porter.format.safetensors_io import dtype_name
+from porter.format.safetensors_io import dtype_name, nbytes
 from porter.source.local import read_header, weight_files
 
 __all__ = [
@@ -163,12 +163,13 @@ def verify(
     if any(t.problem for t in rep.exact.tensors):
         log.info("verify: numerics skipped: some artifact tensors have no comparable source (see above)")
         return _finish(rep, failures, report, plot, t0)
+    ref_store = ReferenceStore(mapping, reader, inp.ref_config)  # the source: both references read it
     _numerics(
         rep,
         inp,
-        ReferenceStore(mapping, reader, inp.ref_config),
+        ref_store,
         RoundedReferenceStore(
-            ReferenceStore(mapping, reader, inp.ref_config),
+            ref_store,
             reader,
             inp.options.scale_rounding,
             inp.device,
@@ -202,26 +203,43 @@ def _log_projection(inp: _Inputs, runs) -> None:
 
     art = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values() if isinstance(r, dict))
     src = sum(f.stat().st_size for f in inp.ref_path.glob("*.safetensors"))
-    quantized = any(isinstance(r, dict) and r.get("scale") for r in inp.man.get("tensors", {}).values())
+    mxfp8 = _mxfp8_bytes(inp.man)
     # exact bytes reads the artifact (integrity's digests checked on the same reads), exact bytes and the
     # bf16 reference the source; the numerics pass (every run in one) reads the converted model and, when
-    # something is quantized, the rounded reference: the artifact's proved MXFP8 tensors with the source's
-    # carried ones (as many bytes as the artifact), once for all the runs
-    numerics = 2 * art if quantized else art
+    # something is quantized, the rounded reference's proved MXFP8 tensors from the artifact; its carried
+    # tensors are the bf16 reference's reads when the pass streams, a read of their own when resident
+    numerics = art + mxfp8
     total = art + 2 * src + numerics
     log.info(
         "verify: reads ~%.1f GB in all: artifact %.1f GB in exact bytes (integrity's digests on the same "
         "read), source %.1f GB in exact bytes and the bf16 reference, %.1f GB in the numerics pass (the "
-        "converted model%s, once for %d run(s)): ~%.1f min at an assumed %g GB/s, compute aside",
+        "converted model%s, once for %d run(s)): ~%.1f min at an assumed %g GB/s, compute aside%s",
         total / 1e9,
         art / 1e9,
         src / 1e9,
         numerics / 1e9,
-        " and the rounded reference" if quantized else "",
+        " and the rounded reference's MXFP8 tensors" if mxfp8 else "",
         len(runs),
         total / (READ_GBPS * 1e9) / 60,
         READ_GBPS,
+        f"; +{(art - mxfp8) / 1e9:.1f} GB (its carried source tensors) if the pass is resident"
+        if mxfp8
+        else "",
     )
+
+
+def _mxfp8_bytes(man: dict) -> int:
+    """Bytes of the artifact's MXFP8 tensors and their scales, by porter.json's dtypes and shapes (an
+    estimate before integrity has checked them: a record it cannot read counts 0)."""
+    tensors = man.get("tensors")
+    recs = {n: r for n, r in tensors.items() if isinstance(r, dict)} if isinstance(tensors, dict) else {}
+    names = {x for n, r in recs.items() if isinstance(r.get("scale"), str) for x in (n, r["scale"])}
+    total = 0
+    for r in (recs[n] for n in names if n in recs):
+        dtype, shape = getattr(torch, str(r.get("dtype")), None), r.get("shape")
+        if isinstance(dtype, torch.dtype) and isinstance(shape, list) and all(type(d) is int for d in shape):
+            total += nbytes(dtype, shape)
+    return total
 
 
 def _open(
@@ -307,12 +325,22 @@ def _numerics(
     conv_bytes = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values())
     ref_bytes = sum(ref_store.mapping.shards.nbytes(n) for n in ref_store.mapping.shards.meta)
     rounded = bool(rounded_store.quantized)  # else the rounded reference is the reference itself
+    carried = conv_bytes - _mxfp8_bytes(inp.man)  # the rounded reference's share of the bf16 one's reads
+    plan = gen.plan_runs(
+        streaming,
+        max_new_tokens,
+        inp.device,
+        conv_bytes,
+        ref_bytes,
+        device_map,
+        conv_bytes if rounded else 0,
+        carried if rounded else 0,
+    )
+    if plan.stream and rounded:  # the bf16 reference builds each layer first: the rounded one takes its reads
+        rounded_store.share_reads()
     if exact_step.reads_ahead(inp.device):  # each layer read onto the GPU while the one before is built
         ref_store.read_ahead(inp.device)
         rounded_store.read_ahead(inp.device)
-    plan = gen.plan_runs(
-        streaming, max_new_tokens, inp.device, conv_bytes, ref_bytes, device_map, conv_bytes if rounded else 0
-    )
     rep.max_new_tokens = plan.new_tokens
     ids = encode_prompts(inp.tok, rep.prompts)
     rep.prompt_tokens = [int(x.shape[1]) for x in ids]

@@ -70,9 +70,11 @@ def plan_runs(
     ref_bytes: int,
     device_map: Optional[str] = "auto",
     rounded_bytes: int = 0,
+    shared_bytes: int = 0,
 ) -> RunPlan:
     """rounded_bytes: the rounded reference (the source re-quantized as the artifact is: its size), 0 when
-    there is none (nothing quantized)."""
+    there is none (nothing quantized); shared_bytes: its part a layer-streamed pass takes from the bf16
+    reference's reads (its carried tensors: rounded.py), not read again."""
     avail = memory_available(device)
     gb = lambda b: f"{b / 1e9:.2f} GB"
     models = "the three models" if rounded_bytes else "both models"
@@ -101,16 +103,18 @@ def plan_runs(
             else "streaming"
         )
     plan = RunPlan(stream, why, n, mode, device_map if fits else None)
-    _log_costs(plan, conv_bytes, ref_bytes, rounded_bytes)
+    _log_costs(plan, conv_bytes, ref_bytes, rounded_bytes - (shared_bytes if stream else 0))
     return plan
 
 
 def _log_costs(plan: RunPlan, conv_bytes: int, ref_bytes: int, rounded_bytes: int = 0) -> None:
-    """The bytes each pass reads, and the time those reads take at READ_GBPS; the compute is measured on the
-    first layers as the pass runs (numerics.py logs the projected total)."""
+    """The bytes each pass reads (rounded_bytes: what the rounded reference reads itself), and the time those
+    reads take at READ_GBPS; the compute is measured on the first layers as the pass runs (numerics.py logs
+    the projected total)."""
     per_token = conv_bytes if plan.generation == "streaming" else 0
     gen_bytes = conv_bytes + per_token * max(plan.new_tokens - 1, 0) if plan.new_tokens else 0
-    # the rounded reference: the artifact's MXFP8 tensors proved identical, the source's carried ones
+    # the rounded reference: the artifact's MXFP8 tensors proved identical, the source's carried ones when
+    # the pass is resident
     score_bytes = conv_bytes + ref_bytes + rounded_bytes
     est = lambda b: (
         f"reads ~{b / (READ_GBPS * 1e9):.1f} s at an assumed {READ_GBPS:g} GB/s, compute not counted"

@@ -474,6 +474,9 @@ class ReferenceStore:
                 self._derivations[n] = d
 
         self.reader, self.ahead = reader, None
+        self._shared: set = set()  # names a second model takes too (share())
+        self._kept: dict = {}  # name -> tensor handed out once, kept for its second taker
+        self._group: Optional[int] = None  # layer group (layer_of) of the tensors in _kept
 
     def names(self) -> set:
         return set(self._derivations)
@@ -492,9 +495,34 @@ class ReferenceStore:
             groups.setdefault(layer_of(n), (set(), set()))[0].update(d.sources)
         self.ahead = GroupReadAhead(groups, self.mapping.shards, self.reader, device)
 
+    def share(self, names) -> None:
+        """Hand out each of `names` to two takers from one read: a layer-streamed pass builds layer i of the
+        bf16 reference, then of the rounded reference, which takes the same source tensors from this store
+        (rounded.py), so a shared tensor is kept from its first hand-out to its second, or until a tensor of
+        another layer group (porter.format.layout.layer_of) is asked for: at most one layer's tensors, which
+        the first model's resident layer holds anyway. Safe because no model writes into its weights (the
+        runtime casts or dequantizes per call: runtime/loader.py). close() keeps them: the second model
+        closes the store as it drops its previous layer, before it builds this one (runtime LazyLayers)."""
+        self._shared = set(names) & self.names()
+
     def get(self, name: str) -> torch.Tensor:
         if self.ahead is not None:
             self.ahead.touch(name)
+        return self.value(name)
+
+    def value(self, name: str) -> torch.Tensor:
+        """get() without touching the read-ahead (a second taker: the bf16 reference's own drives it)."""
+        if name not in self._shared:
+            return self._derive(name)
+        group = layer_of(name)
+        if group != self._group:  # another group: the one before is built by both models, or never will be
+            self._kept, self._group = {}, group
+        t = self._kept.pop(name, None)  # the second taker: the bytes read for the first
+        if t is None:
+            t = self._kept[name] = self._derive(name)
+        return t
+
+    def _derive(self, name: str) -> torch.Tensor:
         d = self._derivations[name]
         return d.value(None) if d.experts is None else torch.stack([d.value(e) for e in range(d.experts)])
 

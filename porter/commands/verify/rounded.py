@@ -15,6 +15,13 @@ byte per element, no re-quantization) instead of reading the source again (two b
 re-quantizing it. A tensor that differed, or was not compared, is re-derived from the source as before, so
 the reference never holds a byte the exact step did not prove; so are an hf layout's per-expert tensors (how
 their row parts stack is that layout's business, not verify's).
+
+In a layer-streamed pass (share_reads()) the store shares its ReferenceStore with the bf16 reference, which
+builds each layer first: the source tensors the rounded reference takes (the carried ones as they are, the
+quantized ones it re-derives) are the bf16 reference's reads of them, not a second read of the source
+(ReferenceStore.share). The proved MXFP8 tensors stay verify's own reads of the artifact: taking them from
+the converted model's load would put the runtime's reading of the artifact on both sides of the
+comparison.
 """
 
 from __future__ import annotations
@@ -53,6 +60,14 @@ class RoundedReferenceStore:
         }
         self._last: tuple = (None, None)  # (name, (q, s)): a weight and its scale are asked for in turn
         self.ahead = None  # GroupReadAhead, when read_ahead() was called
+        self.shared = False  # share_reads(): source tensors from the bf16 reference's reads
+
+    def share_reads(self) -> None:
+        """Take the source tensors from the bf16 reference's reads (module docstring): for a layer-streamed
+        pass whose bf16 reference loads from `self.ref` and builds each layer before this store's model
+        does. Before read_ahead()."""
+        self.shared = True
+        self.ref.share(self.ref.names() - set(self.proved))
 
     def names(self) -> set:
         return self.ref.names() | set(self.scales)
@@ -67,7 +82,7 @@ class RoundedReferenceStore:
             sources, artifact = groups.setdefault(layer_of(n), (set(), set()))
             if n in self.proved:
                 artifact.add(self.proved[n])
-            else:
+            elif not self.shared:  # shared: the bf16 reference's read-ahead reads them
                 sources.update(self.ref.derivation(n).sources)
         self.ahead = GroupReadAhead(groups, self.ref.mapping.shards, self.reader, device)
 
@@ -78,7 +93,7 @@ class RoundedReferenceStore:
             return self._rounded(self.scales[name])[1]
         if name in self.quantized:
             return self._rounded(name)[0]
-        return self.ref.get(name)
+        return self.ref.value(name)
 
     def _rounded(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self._last[0] != name:
@@ -95,9 +110,13 @@ class RoundedReferenceStore:
         bytes (an MXFP8 source's own), else the rounding rule — the bytes exact.py compares against."""
         d = self.ref.derivation(name)
         on = lambda t: None if t is None else t.to(self.device)
+        value = d.value  # expert by expert from the source: no second whole bf16 copy beside a resident model
+        if self.shared:  # the whole tensor the bf16 reference's layer holds: its expert e is d.value(e)
+            whole = self.ref.value(name)
+            value = lambda e: whole if e is None else whole[e]
 
         def quantize(e):
-            return mxfp8.quantize(on(d.value(e)), self.rounding, name, keep_scale=on(d.kept(e)))
+            return mxfp8.quantize(on(value(e)), self.rounding, name, keep_scale=on(d.kept(e)))
 
         if d.experts is None:
             return quantize(None)

@@ -538,7 +538,7 @@ class Numerics:
     def apply(self, layer) -> None:
         for lin in layer.linears():
             lin.mxfp8_act = self.moe == "serving"
-        experts = getattr(getattr(layer, "mlp", None), "experts", None)  # None on a dense layer
+        experts = layer.moe_backend()  # None on a dense layer
         if hasattr(experts, "numerics"):  # flashinfer-trtllm has none: it computes serving only
             experts.numerics = self.moe or "w8a16"
 

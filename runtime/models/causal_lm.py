@@ -174,6 +174,10 @@ class DecoderLayerBase:
         """Every Linear of the layer (stacked ones too): routers and routed experts are not Linears."""
         return self.self_attn.linears() + self.mlp.linears()
 
+    def moe_backend(self):
+        """The routed experts' MoE backend (runtime.moe), None on a dense layer."""
+        return getattr(self.mlp, "experts", None)
+
     def __call__(
         self,
         h: torch.Tensor,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from porter.commands.verify.integrity import changed_tensors
 from porter.commands.verify.verdict import Failure
 from porter.cores import available_cores
 from porter.errors import PorterError
@@ -132,16 +133,7 @@ class TensorDigests:
             os.close(fd)
 
     def _judge(self, f: str, rec: dict, order: list) -> list[Failure]:
-        changed = [n for n in order if n in self.tensors and self.got[n] != self.tensors[n].get("digest")]
-        out = [
-            Failure(
-                "integrity",
-                f"tensor {n} in shard {f}: digest differs from porter.json (the data changed after conversion)",
-                tensor=n,
-                shard=f,
-            )
-            for n in changed
-        ]
+        out = changed_tensors(f, self.got, order, self.tensors)
         # every tensor and the header (integrity checked it) are porter.json's: so must the shard's digest be
         digest = shard_digest(str(rec.get("header_sha256")), [self.got[n] for n in order])
         if not out and digest != rec.get("digest"):

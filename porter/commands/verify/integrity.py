@@ -111,7 +111,7 @@ def _check_shards(
         for f, rec in shards.items():
             p = art / f
             if not p.exists():
-                issues.append(Failure("integrity", f"shard {f} is missing (listed in porter.json)", shard=f))
+                issues.append(_missing(f))
                 continue
             try:
                 got = file_digests(p, pool, chunk_bytes, chunk_hash)
@@ -136,7 +136,7 @@ def _check_shard_headers(art: Path, shards: dict) -> tuple[dict, list[Failure]]:
     for f, rec in shards.items():
         p = art / f
         if not p.exists():
-            issues.append(Failure("integrity", f"shard {f} is missing (listed in porter.json)", shard=f))
+            issues.append(_missing(f))
             continue
         try:
             start, headers[f] = parse_header(p)
@@ -160,17 +160,27 @@ def _header_changed(f: str, head_sha: str, rec: dict) -> Failure:
     )
 
 
-def _locate_change(f: str, got, names: list, tensors: dict, rec: dict) -> list[Failure]:
-    changed = [n for n in names if n in got.tensors and got.tensors[n] != tensors[n].get("digest")]
-    out = [
+def changed_tensors(f: str, digests: dict, names: list, tensors: dict) -> list[Failure]:
+    """One failure per tensor of shard f (names, in order) whose digest (digests: name -> hex) is not
+    porter.json's (tensors: its records)."""
+    return [
         Failure(
             "integrity",
             f"tensor {n} in shard {f}: digest differs from porter.json (the data changed after conversion)",
             tensor=n,
             shard=f,
         )
-        for n in changed
+        for n in names
+        if n in digests and n in tensors and digests[n] != tensors[n].get("digest")
     ]
+
+
+def _missing(f: str) -> Failure:
+    return Failure("integrity", f"shard {f} is missing (listed in porter.json)", shard=f)
+
+
+def _locate_change(f: str, got, names: list, tensors: dict, rec: dict) -> list[Failure]:
+    out = changed_tensors(f, got.tensors, names, tensors)
     if got.header_sha256 != rec.get("header_sha256"):
         out.append(_header_changed(f, got.header_sha256, rec))
     if not out:

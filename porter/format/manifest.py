@@ -12,11 +12,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from porter.errors import ManifestError
 from porter.format import mxfp8
 from porter.format.layout import ignored_layers
 from porter.format.safe_files import read_json_object
-from porter.format.safetensors_io import SHARD_METADATA, atomic_write_text, digest_rule, header_bytes
+from porter.format.safetensors_io import SHARD_METADATA, atomic_write_text, digest_rule, header_bytes, nbytes
 from porter.version import __version__
 
 MANIFEST = "porter.json"
@@ -138,6 +140,21 @@ def write(out: Path, plan, stats: dict, shard_digests: dict, before_rename=None)
 
 def _header_len(entries) -> int:
     return len(header_bytes(entries, SHARD_METADATA))  # the header the pipeline wrote
+
+
+def record_bytes(rec) -> Optional[int]:
+    """Bytes of a porter.json tensor record, by its dtype and shape; None when the record does not say them
+    (a manifest integrity has not checked yet)."""
+    if not isinstance(rec, dict):
+        return None
+    dtype, shape = getattr(torch, str(rec.get("dtype")), None), rec.get("shape")
+    if (
+        not isinstance(dtype, torch.dtype)
+        or not isinstance(shape, list)
+        or any(type(d) is not int for d in shape)
+    ):
+        return None
+    return nbytes(dtype, shape)
 
 
 def read(path: Path) -> dict:

@@ -66,7 +66,7 @@ from porter.commands.verify.verdict import (
 from porter.errors import PorterError, VerifyInputError
 from porter.format import manifest
 from porter.format.safe_files import read_json_object
-from porter.format.safetensors_io import dtype_name, nbytes
+from porter.format.safetensors_io import dtype_name
 from porter.source.local import read_header, weight_files
 
 __all__ = [
@@ -234,12 +234,7 @@ def _mxfp8_bytes(man: dict) -> int:
     tensors = man.get("tensors")
     recs = {n: r for n, r in tensors.items() if isinstance(r, dict)} if isinstance(tensors, dict) else {}
     names = {x for n, r in recs.items() if isinstance(r.get("scale"), str) for x in (n, r["scale"])}
-    total = 0
-    for r in (recs[n] for n in names if n in recs):
-        dtype, shape = getattr(torch, str(r.get("dtype")), None), r.get("shape")
-        if isinstance(dtype, torch.dtype) and isinstance(shape, list) and all(type(d) is int for d in shape):
-            total += nbytes(dtype, shape)
-    return total
+    return sum(manifest.record_bytes(recs.get(n)) or 0 for n in names)
 
 
 def _open(

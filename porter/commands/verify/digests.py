@@ -18,16 +18,14 @@ from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-
 from porter.commands.verify.integrity import changed_tensors
 from porter.commands.verify.verdict import Failure
 from porter.cores import available_cores
 from porter.errors import PorterError
+from porter.format import manifest
 from porter.format.digest import CHUNK_HASHES
 from porter.format.safetensors_io import (
     chunk_spans,
-    nbytes,
     parse_header,
     read_chunk_digest,
     shard_digest,
@@ -87,8 +85,7 @@ class TensorDigests:
 
     # -- helpers ----------------------------------------------------------------------------------------
     def _size(self, name: str) -> int:
-        rec = self.tensors[name]  # its dtype and shape are the header's (integrity checked them)
-        return nbytes(getattr(torch, rec["dtype"]), rec["shape"])
+        return manifest.record_bytes(self.tensors[name])  # the header's dtype and shape (integrity checked)
 
     def _hash(self, data) -> bytes:
         h = self.new_hash()

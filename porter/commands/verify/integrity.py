@@ -109,17 +109,9 @@ def _check_shards(
     )
     with ThreadPoolExecutor(available_cores(), thread_name_prefix="porter-digest") as pool:
         for f, rec in shards.items():
-            p = art / f
-            if not p.exists():
-                issues.append(_missing(f))
-                continue
-            try:
-                got = file_digests(p, pool, chunk_bytes, chunk_hash)
-            except (
-                PorterError,
-                OSError,
-            ) as e:  # malformed, or unreadable (EIO, permissions): named, not fatal
-                issues.append(Failure("integrity", f"shard {f}: {e}", shard=f))
+            got, failure = _read_shard(art, f, lambda p: file_digests(p, pool, chunk_bytes, chunk_hash))
+            if failure is not None:
+                issues.append(failure)
                 continue
             headers[f] = got.header
             bar.update(rec.get("bytes", 0))
@@ -134,18 +126,11 @@ def _check_shard_headers(art: Path, shards: dict) -> tuple[dict, list[Failure]]:
     tensors cover every byte) and its sha256 against porter.json; returns ({shard: header}, failures)."""
     issues, headers = [], {}
     for f, rec in shards.items():
-        p = art / f
-        if not p.exists():
-            issues.append(_missing(f))
+        got, failure = _read_shard(art, f, _header_and_sha256)
+        if failure is not None:
+            issues.append(failure)
             continue
-        try:
-            start, headers[f] = parse_header(p)
-            with open(p, "rb") as fh:
-                head_sha = hashlib.sha256(fh.read(start)).hexdigest()
-        except (PorterError, OSError) as e:  # malformed, or unreadable (EIO, permissions): named, not fatal
-            headers.pop(f, None)
-            issues.append(Failure("integrity", f"shard {f}: {e}", shard=f))
-            continue
+        headers[f], head_sha = got
         if head_sha != rec.get("header_sha256"):
             issues.append(_header_changed(f, head_sha, rec))
     return headers, issues
@@ -175,8 +160,24 @@ def changed_tensors(f: str, digests: dict, names: list, tensors: dict) -> list[F
     ]
 
 
-def _missing(f: str) -> Failure:
-    return Failure("integrity", f"shard {f} is missing (listed in porter.json)", shard=f)
+def _read_shard(art: Path, f: str, read):
+    """(read(path of shard f), None), or (None, the failure naming the shard: missing, malformed or
+    unreadable (EIO, permissions): named, not fatal)."""
+    p = art / f
+    if not p.exists():
+        return None, Failure("integrity", f"shard {f} is missing (listed in porter.json)", shard=f)
+    try:
+        return read(p), None
+    except (PorterError, OSError) as e:
+        return None, Failure("integrity", f"shard {f}: {e}", shard=f)
+
+
+def _header_and_sha256(p: Path) -> tuple[dict, str]:
+    """The shard's validated header (its tensors tile the data region to the file's end) and the sha256 of
+    its header bytes."""
+    start, header = parse_header(p)
+    with open(p, "rb") as fh:
+        return header, hashlib.sha256(fh.read(start)).hexdigest()
 
 
 def _locate_change(f: str, got, names: list, tensors: dict, rec: dict) -> list[Failure]:

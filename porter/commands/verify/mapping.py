@@ -391,7 +391,7 @@ class ArtifactReader:
         """Bytes of the tensor and its scale."""
         rec = self.tensors[name]
         names = [name] + ([rec["scale"]] if rec.get("scale") else [])
-        return sum(nbytes(getattr(torch, self.tensors[n]["dtype"]), self.tensors[n]["shape"]) for n in names)
+        return sum(manifest.record_bytes(self.tensors[n]) for n in names)
 
     def close(self) -> None:
         self._handles.clear()

@@ -13,7 +13,8 @@ process (CUDA initialized before any timing):
   before staging (no model built), warm;
 - `runtime.load(ART, device="cuda")` warm and cold, and with two or more GPUs `device_map` over two;
 - `porter verify ART --device cuda --numerics N` warm and cold (--verify-cache), against the time to read
-  source + artifact once at the read floor of the same cache state.
+  source + artifact once at the read floor of the same cache state; its pass layer-streamed as at the real
+  size (--verify-streaming on; auto lets these few layers run resident).
 
 Each row: seconds, GB/s of the bytes it reads, its floor, the fraction of the floor, the peak host memory
 above the run's start (RssAnon, sampled every 10 ms), and the projection at the real size (452 GB artifact,
@@ -27,7 +28,7 @@ floors or device_map rows, load and verify on the CPU; --dims H,I builds a small
 CPU-sized run) instead of the real dims.
 
     python benchmarks/load.py [--workdir /tmp/porter-load] [--layers 3] [--cache warm,cold]
-                              [--verify both] [--verify-cache warm,cold] [--out DIR]
+                              [--verify both] [--verify-cache warm,cold] [--verify-streaming on|auto] [--out DIR]
                               [--device cuda|cpu] [--dims H,I] [--evict auto|fadvise]
 """
 
@@ -255,6 +256,13 @@ def main():
     ap.add_argument("--cache", default="warm,cold", help="page cache states of the load runs")
     ap.add_argument("--verify", default="both", help="porter verify --numerics (none: no verify run)")
     ap.add_argument("--verify-cache", default="warm,cold", help="page cache states of the verify runs")
+    ap.add_argument(
+        "--verify-streaming",
+        default="on",
+        choices=["on", "auto"],
+        help="on: the teacher-forced pass layer-streamed, as at the real size (nothing fits one GPU); auto: "
+        "verify's own choice (resident when the models fit, as these few layers do)",
+    )
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="folder for load.json and load.md")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu (no GPU floors, no device_map rows)")
     ap.add_argument("--dims", default=None, help="H,I: synthetic hidden and expert widths (default: real)")
@@ -262,6 +270,7 @@ def main():
         "--evict", default="auto", choices=["auto", "fadvise"], help="auto: drop_caches as root, else fadvise"
     )
     args = ap.parse_args()
+    stream_verify = True if args.verify_streaming == "on" else "auto"
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
     )  # the loader's breakdown
@@ -303,6 +312,7 @@ def main():
         "dims": args.dims or "real",
         "device": args.device,
         "experts": args.experts,
+        "verify_streaming": args.verify_streaming,
         "artifact_bytes": art_b,
         "source_bytes": src_b,
         "threads": threads,
@@ -394,11 +404,13 @@ def main():
             continue
         how = pc.set([src, art], cache)
         cached = cached_fraction(art) if cache == "cold" else None
-        s, peak, res = timed(lambda: porter.verify(art, device=args.device, numerics=args.verify), rss)
+        s, peak, res = timed(
+            lambda: porter.verify(art, device=args.device, numerics=args.verify, streaming=stream_verify), rss
+        )
         read_once = art_b / GB / floor[("artifact", cache)] + src_b / GB / floor[("source", cache)]
         both = (src_b + art_b) / GB
         r = add(
-            f"porter verify --numerics {args.verify}",
+            f"porter verify --numerics {args.verify}" + (" --stream" if stream_verify is True else ""),
             cache,
             how,
             s,

@@ -453,6 +453,11 @@ class LazyLayers:
         """The decoder layers built now (at most one): what a numerics switch changes in place."""
         return [] if self._layer is None else [self._layer]
 
+    def free(self) -> None:
+        """Free the resident layer now, not at the next access (a layer being read ahead goes on)."""
+        if self._index is not None:
+            self._free()
+
     def release(self) -> None:
         """Free the resident layer (and a layer being read ahead), unmap the shards."""
         self._free()

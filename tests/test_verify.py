@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -32,6 +31,7 @@ from verify_tamper import (
 import porter
 from porter.cli import main
 from porter.commands.verify import DEFAULT_PROMPT, Thresholds, verify
+from porter.format.layout import layer_of
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYER = 2  # the tampered MoE layer (layers 1-3 are MoE in the tiny checkpoint)
@@ -305,6 +305,20 @@ class _CountedReads:
                 return Slice()
 
         monkeypatch.setattr(mapping, "_open", lambda handles, f: Handle(real(handles, f), Path(f)))
+        for cls, folder in ((mapping.SourceShards, "path"), (mapping.ArtifactReader, "art")):
+            monkeypatch.setattr(cls, "stage", self._staging(cls.stage, folder))
+
+    def _staging(self, real, folder: str):
+        """A staged read (runtime.staging) of these tensors, and an artifact tensor's scale with it."""
+        count = self
+
+        def stage(owner, names, device):
+            staging = real(owner, names, device)
+            for n, t in staging._tensors.items():  # counted as verify reads them: whole, once each
+                count.add(getattr(owner, folder) / n, n, torch.empty(t.span.nbytes, dtype=torch.uint8))
+            return staging
+
+        return stage
 
     def add(self, f: Path, name: str, t: torch.Tensor) -> torch.Tensor:
         self.bytes[f.parent.name] = self.bytes.get(f.parent.name, 0) + t.nbytes
@@ -375,34 +389,37 @@ def _sizes(folder: Path) -> dict:
 
 
 @pytest.mark.parametrize("layout, numerics", [("porter", "w8a16"), ("porter", "both"), ("hf", "both")])
-def test_streamed_numerics_reads_each_source_tensor_once(
+def test_streamed_verify_reads_each_layer_once_for_exact_bytes_and_the_references(
     artifact, tiny_vendor, tmp_path, monkeypatch, layout, numerics
 ):
-    """Layer-streamed, the bf16 and the rounded reference share one ReferenceStore: the source tensors the
-    rounded reference takes (the carried ones; an hf layout's experts, which it re-derives) are the bytes
-    the bf16 reference just read, so the numerics step hands out each source tensor it reads once (before:
-    those twice), and each of the artifact's proved MXFP8 tensors once (the rounded reference; the
-    converted model's reads are the runtime's own). The numbers are the resident run's."""
+    """Layer-streamed on a GPU (each layer staged onto the device: here onto the CPU), exact bytes compares
+    each decoder layer inside the teacher-forced pass on the read that builds the references: verify reads
+    each source and artifact tensor of the layers once (the converted model's reads are the runtime's
+    own), those outside the layers twice (compared before any model is built, then read by the
+    references); the figures are the resident run's."""
+    from porter.commands.verify import exact
+
     if layout == "hf":
         artifact = tmp_path / "hf"
         porter.convert(tiny_vendor, artifact, layout="hf", progress=False)
     reads = _CountedReads(monkeypatch)
-    since = reads.in_numerics(monkeypatch)
+    monkeypatch.setattr(exact, "reads_ahead", lambda device: True)
     res = verify(artifact, reference=tiny_vendor, numerics=numerics, max_new_tokens=0, streaming=True)
     assert res.passed and res.report.streaming.enabled
-    size, read = {**_sizes(tiny_vendor), **_sizes(artifact)}, since.read()
-    assert read == {k: size[k] for k in read}  # every tensor read: once, whole
-    man = json.loads((artifact / "porter.json").read_text())
-    quantized = {n for n, r in man["tensors"].items() if r.get("scale")}
-    quantized |= {man["tensors"][n]["scale"] for n in quantized}
-    if layout == "hf":  # its per-expert tensors re-derived (rounded.py): only whole tensors are proved
-        quantized = {n for n in quantized if not re.search(r"\.experts\.\d+\.", n)}
-    assert {n for f, n in read if f == artifact.name} == quantized
+    size = {**_sizes(tiny_vendor), **_sizes(artifact)}
     ref = ReferenceStoreOf(artifact, tiny_vendor)
-    sources = {s for n in ref.names() for s in ref.derivation(n).sources}
-    assert {n for f, n in read if f == tiny_vendor.name} == sources  # the bf16 reference's, all of them
+    outside = {s for n in ref.names() if layer_of(n) is None for s in ref.derivation(n).sources}
+    src = {k: 2 if k[1] in outside else 1 for k in _sizes(tiny_vendor)}  # the references' top tensors twice
+    art = {k: 1 for k in _sizes(artifact)}
+    assert reads.tensors == {k: size[k] * times for k, times in {**src, **art}.items()}
+    assert "model.embed_tokens.weight" in {
+        ref.derivation(n).tensor for n in ref.names() if layer_of(n) is None
+    }
     resident = verify(artifact, reference=tiny_vendor, numerics=numerics, max_new_tokens=0, streaming=False)
     assert _numbers(res.report) == _numbers(resident.report)
+    assert [(t.tensor, t.blocks, t.mismatched) for t in res.report.exact.tensors] == [
+        (t.tensor, t.blocks, t.mismatched) for t in resident.report.exact.tensors
+    ]
 
 
 def test_shared_reference_tensor_kept_for_its_second_taker_only(artifact, tiny_vendor):

@@ -144,17 +144,31 @@ def test_verify_reads_the_artifact_once_in_integrity_and_exact(artifact, monkeyp
     assert seen == {"exact": sum(e - b for b, e in spans), "hashed": 0}
 
 
-def test_changed_byte_fails_integrity_after_exact_and_stops(artifact, tmp_path):
+@pytest.mark.parametrize("pass_", ["resident", "streamed", "streamed, staged"])
+def test_changed_byte_fails_integrity_after_exact_and_stops(artifact, tmp_path, monkeypatch, pass_):
     """The outcome users saw when integrity hashed first: integrity fails naming the tensor, exact bytes'
-    results (which differ there too) are not shown, the numerics do not run."""
+    results (which differ there too) are not shown, the numerics are not reported. Layer-streamed, exact
+    bytes runs inside the pass and stops it at the changed tensor's layer, before the converted model is
+    built from it (its loader would refuse the tensor with a load error)."""
+    from porter.commands.verify import exact
+
     art = tmp_path / "art"
     shutil.copytree(artifact, art)
     flip_byte(art, W13, index=70 * 256 + 3)
-    res = verify(art)
+    if pass_ == "streamed, staged":  # what a GPU does: each layer staged, hashed as it is read
+        monkeypatch.setattr(exact, "reads_ahead", lambda device: True)
+    compared = []
+    real = exact.ExactBytes.run_layer
+    monkeypatch.setattr(exact.ExactBytes, "run_layer", lambda self, i: compared.append(i) or real(self, i))
+    res = verify(art, streaming=pass_ != "resident")
     (f,) = res.failures
     assert not res.passed and f.check == "integrity" and f.tensor == W13
     assert res.report.exact is None and res.report.layers == [] and not res.report.integrity.passed
-    assert "exact" in res.report.phases and "generation" not in res.report.phases
+    assert res.report.generation == [] and res.report.logits is None
+    if pass_ == "resident":
+        assert "exact" in res.report.phases and "generation" not in res.report.phases and compared == []
+    else:  # stopped at layer 2 (layer 0 is dense: its tensors outside the experts compared in the pass too)
+        assert compared == [0, 1, 2] and "numerics.pass" in res.report.phases
 
 
 def test_changed_header_fails_before_exact(artifact, tmp_path, monkeypatch):
@@ -165,7 +179,7 @@ def test_changed_header_fails_before_exact(artifact, tmp_path, monkeypatch):
     at = raw.index(b'"format":"pt"')
     raw[at + 10 : at + 12] = b"PT"
     shard.write_bytes(bytes(raw))
-    monkeypatch.setattr("porter.commands.verify.rederive", None)  # never reached
+    monkeypatch.setattr("porter.commands.verify.ExactBytes", None)  # never reached
     res = verify(art)
     (f,) = res.failures
     assert f.check == "integrity" and "(the header changed)" in f.message and res.report.exact is None

@@ -148,8 +148,11 @@ def test_tampered_header_named(artifact, tmp_path, change):
     assert f"tensor {W13} in shard {shard}: header says " in f.message
 
 
-def test_tampered_header_and_manifest_caught_by_rederivation(artifact, tmp_path):
-    """Header and porter.json both say [8, 64, 128] (a consistent lie): the re-derivation names it."""
+@pytest.mark.parametrize("streaming", [False, True])
+def test_tampered_header_and_manifest_caught_by_rederivation(artifact, tmp_path, streaming):
+    """Header and porter.json both say [8, 64, 128] (a consistent lie): the re-derivation names it, and no
+    numerics are reported (layer-streamed: the pass stops at that layer, before the converted model is
+    built from it; every tensor is still compared)."""
     art = copy_artifact(artifact, tmp_path / "art")
     rewrite_header(art, W13, shape=[8, 64, 128])
     man = json.loads((art / "porter.json").read_text())
@@ -157,10 +160,12 @@ def test_tampered_header_and_manifest_caught_by_rederivation(artifact, tmp_path)
     man["tensors"][W13 + "_scale"]["shape"] = [8, 64, 4]
     (art / "porter.json").write_text(json.dumps(man, indent=1))
     rewrite_header(art, W13 + "_scale", shape=[8, 64, 4])
-    res = verify(art, max_new_tokens=0)
+    res = verify(art, max_new_tokens=0, streaming=streaming)
     assert res.report.integrity.passed and not res.passed
     (f,) = [f for f in res.failures if f.check == "exact"]
     assert f.tensor == W13 and "shape [64, 128] but re-derived from" in f.message
+    assert res.report.layers == [] and res.report.logits is None
+    assert len(res.report.exact.tensors) == len([n for n in man["tensors"] if not n.endswith("_scale")])
 
 
 @pytest.mark.parametrize("edit", ["moved", "dropped", "added"])

@@ -8,7 +8,10 @@ Steps (one module each; what each proves and what it does not: docs/verify.md):
    the tensors' digests checked on exact bytes' reads of them (digests.py), the artifact read once.
 2. exact.py — every tensor re-derived from the source through verify's own mapping table (mapping.py)
    and porter.format.mxfp8 with the recorded rule: bytes identical, carried tensors bit-identical; weight
-   error as a second opinion.
+   error as a second opinion. When the pass of step 3 is layer-streamed (a model larger than the device),
+   each decoder layer is compared inside it, on the read that builds the references from that layer, so
+   source and artifact are read once for both steps; a tensor with no comparable source, or changed since
+   the conversion, stops the pass before the converted model is built from it.
 3. generation.py + numerics.py — the converted model generates; one teacher-forced pass (same runtime, every
    numerics run in it) compares it layer by layer with the rounded reference (rounded.py: the source weights
    rounded by the re-derivation of step 2) within float rounding (faithfulness.py: decides), and with the
@@ -34,7 +37,7 @@ import converters
 from porter.commands.verify import exact as exact_step
 from porter.commands.verify import generation as gen
 from porter.commands.verify.digests import TensorDigests
-from porter.commands.verify.exact import rederive
+from porter.commands.verify.exact import ExactBytes
 from porter.commands.verify.inputs import (
     DEFAULT_PROMPT,
     check_output_paths,
@@ -63,8 +66,9 @@ from porter.commands.verify.verdict import (
     judge_exact,
     judge_numerics,
 )
-from porter.errors import PorterError, VerifyInputError
+from porter.errors import ConfigError, LoadError, PorterError, VerifyInputError
 from porter.format import manifest
+from porter.format.layout import layer_of
 from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import dtype_name
 from porter.source.local import read_header, weight_files
@@ -137,7 +141,6 @@ def verify(
     check_outputs_apart(report, plot, inp.art, inp.ref_path)  # never over the artifact or the reference
     rep.max_new_tokens = max_new_tokens
     digest_rule(inp.man)  # a manifest porter cannot read is bad input: one line, before any log line
-    _log_projection(inp, runs)
     with _phase(rep, "integrity"):  # all but the tensors' digests, checked on exact bytes' reads
         rep.integrity = check_integrity(inp.art, inp.man, inp.ref_config, progress=progress, data=False)
     if not rep.integrity.passed:  # numbers about a broken artifact would mislead: stop here
@@ -150,8 +153,26 @@ def verify(
         interleaved=_interleaved(inp.man, inp.ref_config),
         rounding=inp.options.scale_rounding,
     )
+    exact = ExactBytes(reader, mapping, inp.options.scale_rounding, inp.device, progress)
+    ref_store = ReferenceStore(mapping, reader, inp.ref_config)  # the source: both references read it
+    rounded_store = RoundedReferenceStore(ref_store, reader, inp.options.scale_rounding, inp.device)
+    plan, log_costs = _plan(inp, ref_store, rounded_store, streaming, max_new_tokens, device_map)
+    _log_projection(inp, runs, plan.stream)  # the whole, then each step's own estimate in the order they run
+    exact.log_estimate()
+    log_costs()
+    outcome = refused = None
+    if plan.stream:  # exact bytes checks each layer inside the pass, on the pass's own read of it
+        with _phase(rep, "exact"):  # the tensors outside the layers, before any model is built from them
+            exact.run([None])
+        if not _problems(exact.result()):
+            try:
+                outcome = _numerics(
+                    rep, inp, ref_store, rounded_store, plan, backend, dtype, progress, exact, digests
+                )
+            except (ConfigError, LoadError) as e:  # a model refused a tensor exact bytes has not reached
+                refused = e
     with _phase(rep, "exact"):
-        rep.exact = rederive(reader, mapping, inp.options.scale_rounding, inp.device, progress)
+        exact.run()  # all of it (a resident pass), or what the pass did not read
     reader.digests = None  # the numerics' reads are the runtime's (it checks digests as it loads)
     with _phase(rep, "integrity"):  # the tensors exact bytes did not read are hashed here
         changed = digests.finish()
@@ -159,30 +180,24 @@ def verify(
         rep.integrity.passed, rep.integrity.issues, rep.exact = False, changed, None
         log.info("verify: exact bytes' results withheld: the artifact changed after conversion (integrity)")
         return _finish(rep, list(changed), report, plot, t0)
+    rep.exact = exact.result()
     failures = judge_exact(rep.exact, rep.thresholds)
-    if any(t.problem for t in rep.exact.tensors):
+    if _problems(rep.exact):
         log.info("verify: numerics skipped: some artifact tensors have no comparable source (see above)")
         return _finish(rep, failures, report, plot, t0)
-    ref_store = ReferenceStore(mapping, reader, inp.ref_config)  # the source: both references read it
-    _numerics(
-        rep,
-        inp,
-        ref_store,
-        RoundedReferenceStore(
-            ref_store,
-            reader,
-            inp.options.scale_rounding,
-            inp.device,
-            proved=[t.tensor for t in rep.exact.tensors if t.quantized and t.exact and t.blocks],
-        ),
-        backend,
-        streaming,
-        max_new_tokens,
-        dtype,
-        progress,
-        device_map,
-    )
+    if refused is not None:  # neither integrity nor exact bytes explains it: the load's own words
+        raise refused
+    assert outcome is not None or not plan.stream, "the pass stopped for a reason exact bytes does not show"
+    if outcome is None:  # a resident pass: the rounded reference takes the tensors exact bytes proved
+        rounded_store.prove([t.tensor for t in rep.exact.tensors if t.quantized and t.exact and t.blocks])
+        outcome = _numerics(rep, inp, ref_store, rounded_store, plan, backend, dtype, progress)
+    _record(rep, outcome)
     return _finish(rep, failures + judge_numerics(rep, rep.thresholds), report, plot, t0)
+
+
+def _problems(res) -> bool:
+    """Some artifact tensor has no comparable source (no mapping, a shape or dtype that cannot be)."""
+    return any(t.problem for t in res.tensors)
 
 
 @contextmanager
@@ -195,37 +210,53 @@ def _phase(rep: Report, name: str):
         rep.phases[name] = round(rep.phases.get(name, 0.0) + time.perf_counter() - t, 3)
 
 
-def _log_projection(inp: _Inputs, runs) -> None:
+def _log_projection(inp: _Inputs, runs, in_pass: bool) -> None:
     """The bytes every step reads and the total time they take at an assumed disk rate, before the first
     step starts (each step logs its own estimate as it begins; the teacher-forced pass projects its total
-    from its first layers)."""
+    from its first layers). in_pass: a layer-streamed pass, exact bytes inside it."""
     from porter.commands.verify.exact import READ_GBPS
 
     art = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values() if isinstance(r, dict))
     src = sum(f.stat().st_size for f in inp.ref_path.glob("*.safetensors"))
     mxfp8 = _mxfp8_bytes(inp.man)
-    # exact bytes reads the artifact (integrity's digests checked on the same reads), exact bytes and the
-    # bf16 reference the source; the numerics pass (every run in one) reads the converted model and, when
-    # something is quantized, the rounded reference's proved MXFP8 tensors from the artifact; its carried
-    # tensors are the bf16 reference's reads when the pass streams, a read of their own when resident
-    numerics = art + mxfp8
-    total = art + 2 * src + numerics
+    if in_pass:
+        # each layer of source and artifact read once for exact bytes (integrity's digests on the same read)
+        # and both references, the artifact once more by the converted model (the runtime's own reads);
+        # the tensors outside the layers are compared before the models are built: read once more each
+        outside = _outside_bytes(inp.man)
+        total = src + 2 * art + 2 * outside
+        how = (
+            f"source {src / 1e9:.1f} GB once and artifact {art / 1e9:.1f} GB twice (exact bytes and both "
+            f"references a layer at a time in the pass, on one read; the converted model), +{2 * outside / 1e9:.1f}"
+            " GB for the tensors outside the layers, compared before the models are built"
+        )
+    else:
+        # exact bytes reads the artifact (integrity's digests checked on the same reads), exact bytes and
+        # the bf16 reference the source; the pass reads the converted model and, when something is
+        # quantized, the rounded reference's proved MXFP8 tensors from the artifact and its carried
+        # tensors from the source
+        total = art + 2 * src + art + mxfp8 + (art - mxfp8 if mxfp8 else 0)
+        how = (
+            f"artifact {art / 1e9:.1f} GB in exact bytes (integrity's digests on the same read), source "
+            f"{src / 1e9:.1f} GB in exact bytes and the bf16 reference, {(2 * art if mxfp8 else art) / 1e9:.1f} GB in "
+            f"the numerics pass (the converted model{' and the rounded reference' if mxfp8 else ''})"
+        )
     log.info(
-        "verify: reads ~%.1f GB in all: artifact %.1f GB in exact bytes (integrity's digests on the same "
-        "read), source %.1f GB in exact bytes and the bf16 reference, %.1f GB in the numerics pass (the "
-        "converted model%s, once for %d run(s)): ~%.1f min at an assumed %g GB/s, compute aside%s",
+        "verify: reads ~%.1f GB in all: %s, every numerics run (%d) in one pass: ~%.1f min at an assumed "
+        "%g GB/s, compute aside",
         total / 1e9,
-        art / 1e9,
-        src / 1e9,
-        numerics / 1e9,
-        " and the rounded reference's MXFP8 tensors" if mxfp8 else "",
+        how,
         len(runs),
         total / (READ_GBPS * 1e9) / 60,
         READ_GBPS,
-        f"; +{(art - mxfp8) / 1e9:.1f} GB (its carried source tensors) if the pass is resident"
-        if mxfp8
-        else "",
     )
+
+
+def _outside_bytes(man: dict) -> int:
+    """Bytes of the artifact's tensors outside the decoder layers (embeddings, final norm, lm_head)."""
+    tensors = man.get("tensors")
+    recs = tensors.items() if isinstance(tensors, dict) else ()
+    return sum(manifest.record_bytes(r) or 0 for n, r in recs if isinstance(r, dict) and layer_of(n) is None)
 
 
 def _mxfp8_bytes(man: dict) -> int:
@@ -297,48 +328,69 @@ def _interleaved(man: dict, ref_config) -> bool:
     return ref_config.gate_up_interleaved if opt == "auto" else opt == "interleaved"
 
 
+def _plan(inp: _Inputs, ref_store, rounded_store, streaming, max_new_tokens, device_map) -> tuple:
+    """Resident or layer-streamed pass, tokens to generate (generation.plan_runs), by the models' sizes;
+    and a function that logs what the plan reads."""
+    conv_bytes = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values())
+    ref_bytes = sum(ref_store.mapping.shards.nbytes(n) for n in ref_store.mapping.shards.meta)
+    rounded = conv_bytes if rounded_store.quantized else 0  # else the rounded reference is the reference
+    plan = gen.plan_runs(streaming, max_new_tokens, inp.device, conv_bytes, ref_bytes, device_map, rounded)
+    return plan, lambda: gen.log_costs(plan, conv_bytes, ref_bytes, rounded)
+
+
+@dataclass
+class _Outcome:
+    """What the numerics step computed, recorded into the report only once exact bytes and integrity hold
+    (_record): with a layer-streamed pass it runs before they are complete."""
+
+    plan: gen.RunPlan
+    prompt_tokens: list
+    continuations: list
+    streaming: StreamingInfo
+    dtype: str
+    cfg: object
+    results: list  # numerics.PassResult per run
+    tok: object  # the tokenizer the continuations are scored with
+
+
+class _PassStopped(Exception):
+    """Exact bytes found, in the layer the pass was about to build, a tensor with no comparable source or
+    changed since the conversion: the numerics would describe a broken artifact (verify() says why)."""
+
+
 def _numerics(
     rep: Report,
     inp: _Inputs,
     ref_store: ReferenceStore,
     rounded_store: RoundedReferenceStore,
+    plan: gen.RunPlan,
     backend,
-    streaming,
-    max_new_tokens,
     dtype,
     progress,
-    device_map: Optional[str] = "auto",
-) -> None:
+    exact: Optional[ExactBytes] = None,
+    digests: Optional[TensorDigests] = None,
+) -> Optional[_Outcome]:
     """Every numerics run (rep.numerics) in one teacher-forced pass (numerics.compare_models): the converted
     model, the rounded reference and the bf16 reference are each loaded once, the first two switched between
-    the runs' numerics (runtime.set_numerics). The first run's numerics also generate, and fill the report's
-    top-level layers / logits / faithfulness. The converted model runs on the backend asked for, without the
-    Triton backend's e4m3 prefill (w8a16 means activations as given); the rounded reference on the torch
-    backend (dequantize, then matmul), with the run's activation rounding."""
+    the runs' numerics (runtime.set_numerics). The first run's numerics also generate. The converted model
+    runs on the backend asked for, without the Triton backend's e4m3 prefill (w8a16 means activations as
+    given); the rounded reference on the torch backend (dequantize, then matmul), with the run's activation
+    rounding. With `exact` (a layer-streamed pass), exact bytes compares each decoder layer as the bf16
+    reference is first built from it, on the same staged read of its source and artifact tensors; None when
+    it stopped the pass (_PassStopped)."""
     import runtime
 
-    conv_bytes = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values())
-    ref_bytes = sum(ref_store.mapping.shards.nbytes(n) for n in ref_store.mapping.shards.meta)
-    rounded = bool(rounded_store.quantized)  # else the rounded reference is the reference itself
-    carried = conv_bytes - _mxfp8_bytes(inp.man)  # the rounded reference's share of the bf16 one's reads
-    plan = gen.plan_runs(
-        streaming,
-        max_new_tokens,
-        inp.device,
-        conv_bytes,
-        ref_bytes,
-        device_map,
-        conv_bytes if rounded else 0,
-        carried if rounded else 0,
-    )
-    if plan.stream and rounded:  # the bf16 reference builds each layer first: the rounded one takes its reads
+    if plan.stream and rounded_store.quantized:  # each layer built by the bf16 reference first: shared reads
         rounded_store.share_reads()
     if exact_step.reads_ahead(inp.device):  # each layer read onto the GPU while the one before is built
-        ref_store.read_ahead(inp.device)
-        rounded_store.read_ahead(inp.device)
-    rep.max_new_tokens = plan.new_tokens
+        layers = {k: exact.artifact_names(k) for k in exact.layers if k is not None} if exact else None
+        ref_store.read_ahead(inp.device, artifact=layers)
+        if not rounded_store.shared or rounded_store.proved:
+            rounded_store.read_ahead(inp.device)
+    if exact is not None:
+        ref_store.on_layer = _exact_in_pass(rep, exact, digests)
     ids = encode_prompts(inp.tok, rep.prompts)
-    rep.prompt_tokens = [int(x.shape[1]) for x in ids]
+    prompt_tokens = [int(x.shape[1]) for x in ids]
     runs = list(rep.numerics.values())
     backend = runs[0].backend  # every run asks for the same one (_open)
     moe = tuple("serving" if r.numerics == "serving" else None for r in runs)  # None: the backend's own
@@ -356,32 +408,82 @@ def _numerics(
         shared = None if plan.stream or plan.device_map else load(False)  # generates, then the pass
     with _phase(rep, "generation"):
         conts = _generate(shared, inp, plan, ids, backend, dtype, moe[0], progress)
-    rep.streaming = StreamingInfo(plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation)
+    conv_bytes = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values())
+    ref_bytes = sum(ref_store.mapping.shards.nbytes(n) for n in ref_store.mapping.shards.meta)
+    streaming = StreamingInfo(plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation)
     seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
-    with _phase(rep, "numerics.load"):
-        conv = shared if shared is not None else load(plan.stream)
-        as_conv = dict(device=inp.device, dtype=conv.dtype, lazy=plan.stream, progress=progress)
-        ref = runtime.load(ref_store, backend="auto", **as_conv)  # the bf16 source: the same in every run
-        rref = None
-        if rounded:
-            rref = runtime.load(rounded_store, backend="torch", moe_numerics=moe[0], **as_conv)
-        if not plan.stream:  # built: the last layer's staged bytes leave the device
-            ref_store.close()
-            rounded_store.close()
-    rep.dtype = dtype_name(conv.dtype)
-    with _phase(rep, "numerics.pass"):  # layers of lazy models are read here, once for every run
-        results = compare_models(ref, conv, seqs, rep.prompt_tokens, progress, rounded=rref, runs=moe)
-    for k, (run, res) in enumerate(zip(runs, results)):
+    models: list = [shared]  # released whatever happens
+    in_pass = rep.phases.get("exact", 0.0)
+    try:
+        with _phase(rep, "numerics.load"):
+            conv = shared if shared is not None else load(plan.stream)
+            models.append(conv)
+            as_conv = dict(device=inp.device, dtype=conv.dtype, lazy=plan.stream, progress=progress)
+            ref = runtime.load(ref_store, backend="auto", **as_conv)  # the bf16 source: the same in every run
+            models.append(ref)
+            rref = None
+            if rounded_store.quantized:
+                rref = runtime.load(rounded_store, backend="torch", moe_numerics=moe[0], **as_conv)
+                models.append(rref)
+            if not plan.stream:  # built: the last layer's staged bytes leave the device
+                ref_store.close()
+                rounded_store.close()
+        with _phase(rep, "numerics.pass"):  # layers of lazy models are read here, once for every run
+            results = compare_models(ref, conv, seqs, prompt_tokens, progress, rounded=rref, runs=moe)
+        cfg, dt = conv.cfg, dtype_name(conv.dtype)
+    except _PassStopped:
+        results = None
+    finally:
+        if "numerics.pass" in rep.phases:  # exact bytes' share of the pass is counted once, as exact bytes
+            rep.phases["numerics.pass"] = round(
+                rep.phases["numerics.pass"] - (rep.phases.get("exact", 0.0) - in_pass), 3
+            )
+        ref_store.on_layer = None
+        for m in models:
+            if m is not None and hasattr(m.layers, "release"):
+                m.layers.release()
+        ref_store.close()
+        rounded_store.close()
+        del models, shared
+        gc.collect()
+    if results is None:
+        return None
+    return _Outcome(plan, prompt_tokens, conts, streaming, dt, cfg, results, inp.tok)
+
+
+def _exact_in_pass(rep: Report, exact: ExactBytes, digests: TensorDigests):
+    """ReferenceStore.on_layer for a layer-streamed pass: exact bytes compares layer i on the bytes just
+    staged for it, before any model is built from them; a tensor with no comparable source, or changed
+    since the conversion, stops the pass (verify() then reports it as it does without a pass)."""
+
+    def check(i: int) -> None:
+        with _phase(rep, "exact"):
+            checks = exact.run_layer(i)
+        if any(c.problem for c in checks) or digests.changed(exact.artifact_names(i)):
+            raise _PassStopped(i)
+
+    return check
+
+
+def _record(rep: Report, out: _Outcome) -> None:
+    """The numerics step's figures into the report: per run, and the first run's at the top level."""
+    rep.max_new_tokens, rep.prompt_tokens, rep.streaming = (
+        out.plan.new_tokens,
+        out.prompt_tokens,
+        out.streaming,
+    )
+    rep.dtype = out.dtype
+    for k, (run, res) in enumerate(zip(rep.numerics.values(), out.results)):
         run.embeddings, run.logits, run.faithfulness = res.embeddings, res.logits, res.faithfulness
-        run.layers = [_layer_row(rep, conv.cfg, i, s) for i, s in enumerate(res.layers)]
+        run.layers = [_layer_row(rep, out.cfg, i, s) for i, s in enumerate(res.layers)]
         if k == 0:
             rep.backend, rep.embeddings, rep.faithfulness = run.backend, run.embeddings, run.faithfulness
             rep.logits, rep.layers = run.logits, run.layers
             rep.generation = [
-                gen.score(p, c, tr, tc, inp.tok) for p, c, (tr, tc) in zip(rep.prompts, conts, res.tails) if c
+                gen.score(p, c, tr, tc, out.tok)
+                for p, c, (tr, tc) in zip(rep.prompts, out.continuations, res.tails)
+                if c
             ]
-    del conv, rref, shared, ref, results
-    gc.collect()
 
 
 def _generate(

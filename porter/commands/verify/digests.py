@@ -68,6 +68,12 @@ class TensorDigests:
         with self._lock:
             self.got.setdefault(name, digest)
 
+    def changed(self, names) -> list:
+        """Those of `names` (and their scales) read whole so far whose digest differs from porter.json's."""
+        names = {x for n in names for x in (n, self.tensors.get(n, {}).get("scale")) if x}
+        with self._lock:
+            return sorted(n for n in names if n in self.got and self.got[n] != self.tensors[n].get("digest"))
+
     def finish(self) -> list[Failure]:
         """Hash every tensor not read whole (from its shard, chunks on every core); the failures, in
         integrity's words: each changed tensor, or a shard whose digest porter.json records differently."""

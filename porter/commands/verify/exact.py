@@ -35,7 +35,8 @@ from porter.format.layout import layer_of
 
 log = logging.getLogger("porter")
 
-CHUNK_ELEMENTS = 1 << 22  # elements compared at a time per worker (bounded memory)
+CHUNK_ELEMENTS = 1 << 20  # elements compared at a time per CPU worker: ~40 MB of temporaries each, beside the
+# layers a streamed pass holds (exact bytes runs inside it)
 READ_GBPS = 2.0  # disk read rate assumed by the cost estimate (NVMe class; a network disk is slower)
 
 
@@ -68,41 +69,126 @@ def rederive(
     device: torch.device,
     progress: bool = False,
 ) -> ExactResult:
-    t0 = time.time()
-    jobs = [(n, mapping.derive(reader.canonical(n), reader.experts(n))) for n in reader.weights()]
-    src_bytes = sum(mapping.shards.nbytes(s) for _, d in jobs if d for s in d.sources)
-    art_bytes = sum(reader.nbytes(n) for n, _ in jobs)
-    workers = 2 if device.type == "cuda" else available_cores()  # the cores this process may run on
-    bar = tqdm(total=src_bytes, unit="B", unit_scale=True, desc="exact bytes", disable=not progress)
-    with _pool(workers) as pool:
+    """Every artifact tensor re-derived and compared, reading source and artifact itself."""
+    exact = ExactBytes(reader, mapping, rounding, device, progress)
+    exact.run()
+    return exact.result()
+
+
+class ExactBytes:
+    """Step 2's work: every artifact tensor with its derivation, compared either by run() (reading the
+    layers itself, the next one read ahead on a GPU) or a decoder layer at a time by run_layer() on what is
+    staged now: inside a layer-streamed teacher-forced pass, on the pass's own reads of that layer, so that
+    each layer of source and artifact is read once for both steps (docs/verify.md, "Cost")."""
+
+    def __init__(self, reader: ArtifactReader, mapping: Mapping, rounding, device, progress: bool = False):
+        self.reader, self.mapping, self.rounding, self.device = reader, mapping, rounding, device
+        self.progress = progress
+        jobs = [(n, mapping.derive(reader.canonical(n), reader.experts(n))) for n in reader.weights()]
+        self.order = [n for n, _ in jobs]
+        self.layers: dict = {}  # layer (None: outside the layers) -> [(name, derivation)], manifest order
+        for n, d in jobs:
+            self.layers.setdefault(layer_of(reader.canonical(n)), []).append((n, d))
+        self.checks: dict = {}  # name -> TensorCheck
+        self.seconds = 0.0
+        self.workers = 2 if device.type == "cuda" else available_cores()  # the cores this process may use
+        self._logged = False
+
+    def artifact_names(self, layer) -> set:
+        """The artifact tensors (values; their scales come with them) of a decoder layer."""
+        return {n for n, _ in self.layers.get(layer, [])}
+
+    def run(self, layers=None) -> None:
+        """Compare the tensors of `layers` (default: every layer not compared yet), reading them itself."""
+        todo = [k for k in (self.layers if layers is None else layers) if not self._done(k)]
+        jobs = [j for k in todo for j in self.layers[k]]
+        if not jobs:
+            return
+        self._log(jobs)
+        bar = tqdm(
+            total=self._src_bytes(jobs),
+            unit="B",
+            unit_scale=True,
+            desc="exact bytes",
+            disable=not self.progress,
+        )
+        self._compare([self.layers[k] for k in todo], reads_ahead(self.device), bar)
+        bar.close()
+
+    def run_layer(self, layer) -> list:
+        """Compare the tensors of one decoder layer on the bytes staged for it now (or the mapped shards);
+        the layer's TensorChecks."""
+        if not self._done(layer):
+            self._log([j for js in self.layers.values() for j in js])
+            self._compare([self.layers[layer]], False, None)
+        return [self.checks[n] for n, _ in self.layers.get(layer, [])]
+
+    def result(self) -> ExactResult:
+        checks = [self.checks[n] for n in self.order if n in self.checks]
+        jobs = [j for js in self.layers.values() for j in js]
+        used = {s for _, d in jobs if d for s in d.sources}
+        unmapped = sorted(set(self.mapping.shards.meta) - used)
+        return ExactResult(
+            all(c.exact for c in checks) and len(checks) == len(self.order) and not unmapped,
+            self.mapping.layout,
+            self.rounding if any(c.quantized for c in checks) else None,
+            str(self.device),
+            self._src_bytes(jobs) + sum(self.reader.nbytes(n) for n, _ in jobs),
+            round(self.seconds, 3),
+            checks,
+            unmapped,
+        )
+
+    def _done(self, layer) -> bool:
+        return all(n in self.checks for n, _ in self.layers.get(layer, []))
+
+    def _src_bytes(self, jobs) -> int:
+        return sum(self.mapping.shards.nbytes(s) for _, d in jobs if d for s in d.sources)
+
+    def log_estimate(self) -> None:
+        """The reads and the estimated time of the whole step."""
+        self._log([j for js in self.layers.values() for j in js])
+
+    def _log(self, jobs) -> None:
+        """The reads and the estimated time of `jobs`, once (the first call's)."""
+        if self._logged:
+            return
+        self._logged = True
+        src_bytes, art_bytes = self._src_bytes(jobs), sum(self.reader.nbytes(n) for n, _ in jobs)
         log.info(
             "verify: exact re-derivation reads %.3f GB (source %.3f GB + artifact %.3f GB); estimated %s on %s",
             (src_bytes + art_bytes) / 1e9,
             src_bytes / 1e9,
             art_bytes / 1e9,
-            _estimate(jobs, mapping, src_bytes + art_bytes, device, workers),
-            _where(device, workers),
+            _estimate(jobs, self.mapping, src_bytes + art_bytes, self.device, self.workers),
+            _where(self.device, self.workers),
         )
-        checks = _run_window(jobs, reader, mapping, rounding, device, pool, 2 * workers, bar)
-    bar.close()
-    used = {s for _, d in jobs if d for s in d.sources}
-    unmapped = sorted(set(mapping.shards.meta) - used)
-    passed = all(c.exact for c in checks) and not unmapped
-    return ExactResult(
-        passed,
-        mapping.layout,
-        rounding if any(c.quantized for c in checks) else None,
-        str(device),
-        src_bytes + art_bytes,
-        round(time.time() - t0, 3),
-        checks,
-        unmapped,
-    )
+
+    def _compare(self, groups: list, ahead: bool, bar) -> None:
+        t0 = time.perf_counter()
+        with _pool(self.workers) as pool:
+            checks = _run_window(
+                groups,
+                self.reader,
+                self.mapping,
+                self.rounding,
+                self.device,
+                pool,
+                2 * self.workers,
+                bar,
+                ahead,
+            )
+        self.checks.update((c.tensor, c) for c in checks)
+        self.seconds += time.perf_counter() - t0
 
 
-def _run_window(jobs, reader, mapping, rounding, device, pool, window: int, bar) -> list[TensorCheck]:
+def _run_window(
+    groups, reader, mapping, rounding, device, pool, window: int, bar, ahead: bool
+) -> list[TensorCheck]:
     """Tensors in order, at most ~`window` units in flight. Shard handles are dropped after each tensor
-    so the pages mapped for it stop counting as resident (memory does not grow with the model)."""
+    so the pages mapped for it stop counting as resident (memory does not grow with the model). groups:
+    [[(name, derivation)]] per decoder layer; ahead: each group read onto the device before its units
+    compare it, the next one while they do (_ReadAhead)."""
     checks, pending = [], deque()
 
     def finish_oldest():
@@ -110,10 +196,10 @@ def _run_window(jobs, reader, mapping, rounding, device, pool, window: int, bar)
         checks.append(_aggregate(name, der, reader, [f.result() for f in fs], mapping.layout))
         reader.close()
         mapping.shards.close()
-        bar.update(sum(mapping.shards.nbytes(x) for x in der.sources) if der else 0)
+        if bar is not None:
+            bar.update(sum(mapping.shards.nbytes(x) for x in der.sources) if der else 0)
 
-    groups = _groups(jobs, reader)
-    ahead = _ReadAhead(groups, reader, mapping, device) if reads_ahead(device) else None
+    ahead = _ReadAhead(groups, reader, mapping, device) if ahead else None
     try:
         for g, group in enumerate(groups):
             if ahead is not None:
@@ -139,18 +225,6 @@ def _run_window(jobs, reader, mapping, rounding, device, pool, window: int, bar)
         if ahead is not None:
             ahead.close()
     return checks
-
-
-def _groups(jobs: list, reader: ArtifactReader) -> list:
-    """Consecutive jobs of one decoder layer (a tensor outside the layers alone)."""
-    groups, key = [], object()
-    for n, d in jobs:
-        layer = layer_of(reader.canonical(n))
-        if layer is None or layer != key:
-            groups.append([])
-        groups[-1].append((n, d))
-        key = layer
-    return groups
 
 
 def reads_ahead(device: torch.device) -> bool:

@@ -70,11 +70,9 @@ def plan_runs(
     ref_bytes: int,
     device_map: Optional[str] = "auto",
     rounded_bytes: int = 0,
-    shared_bytes: int = 0,
 ) -> RunPlan:
     """rounded_bytes: the rounded reference (the source re-quantized as the artifact is: its size), 0 when
-    there is none (nothing quantized); shared_bytes: its part a layer-streamed pass takes from the bf16
-    reference's reads (its carried tensors: rounded.py), not read again."""
+    there is none (nothing quantized). log_costs() says what the plan reads."""
     avail = memory_available(device)
     gb = lambda b: f"{b / 1e9:.2f} GB"
     models = "the three models" if rounded_bytes else "both models"
@@ -102,20 +100,19 @@ def plan_runs(
             if fits
             else "streaming"
         )
-    plan = RunPlan(stream, why, n, mode, device_map if fits else None)
-    _log_costs(plan, conv_bytes, ref_bytes, rounded_bytes - (shared_bytes if stream else 0))
-    return plan
+    return RunPlan(stream, why, n, mode, device_map if fits else None)
 
 
-def _log_costs(plan: RunPlan, conv_bytes: int, ref_bytes: int, rounded_bytes: int = 0) -> None:
-    """The bytes each pass reads (rounded_bytes: what the rounded reference reads itself), and the time those
-    reads take at READ_GBPS; the compute is measured on the first layers as the pass runs (numerics.py logs
-    the projected total)."""
+def log_costs(plan: RunPlan, conv_bytes: int, ref_bytes: int, rounded_bytes: int = 0) -> None:
+    """The bytes each pass reads (rounded_bytes: the rounded reference's size, 0 when there is none), and the
+    time those reads take at READ_GBPS; the compute is measured on the first layers as the pass runs
+    (numerics.py logs the projected total)."""
     per_token = conv_bytes if plan.generation == "streaming" else 0
     gen_bytes = conv_bytes + per_token * max(plan.new_tokens - 1, 0) if plan.new_tokens else 0
-    # the rounded reference: the artifact's MXFP8 tensors proved identical, the source's carried ones when
-    # the pass is resident
-    score_bytes = conv_bytes + ref_bytes + rounded_bytes
+    # resident, the rounded reference reads the artifact's proved MXFP8 tensors and the source's carried
+    # ones (its size); layer-streamed, it takes every source tensor from the bf16 reference's reads
+    # (rounded.py) and exact bytes reads the artifact's layers inside the pass (verify/__init__.py)
+    score_bytes = conv_bytes + ref_bytes + (conv_bytes if plan.stream else rounded_bytes)
     est = lambda b: (
         f"reads ~{b / (READ_GBPS * 1e9):.1f} s at an assumed {READ_GBPS:g} GB/s, compute not counted"
     )
@@ -133,7 +130,7 @@ def _log_costs(plan: RunPlan, conv_bytes: int, ref_bytes: int, rounded_bytes: in
         "verify: teacher-forced pass (reference%s + converted, %s) reads %.3f GB (%s; "
         "the first layer's time gives the projected total)",
         ", rounded reference" if rounded_bytes else "",
-        "layer-streaming" if plan.stream else "full load",
+        "layer-streaming, exact bytes in it" if plan.stream else "full load",
         score_bytes / 1e9,
         est(score_bytes),
     )

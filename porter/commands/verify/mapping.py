@@ -477,6 +477,10 @@ class ReferenceStore:
         self._shared: set = set()  # names a second model takes too (share())
         self._kept: dict = {}  # name -> tensor handed out once, kept for its second taker
         self._group: Optional[int] = None  # layer group (layer_of) of the tensors in _kept
+        self.on_layer: Optional[Callable] = (
+            None  # called with a decoder layer's index as it is first asked for
+        )
+        self._entered = object()  # the layer group asked for last
 
     def names(self) -> set:
         return set(self._derivations)
@@ -485,14 +489,18 @@ class ReferenceStore:
         """How tensor `name` is derived from the source (the rounded reference re-quantizes through it)."""
         return self._derivations[name]
 
-    def read_ahead(self, device: torch.device) -> None:
-        """Read the source a layer at a time onto `device` as the model is built (GroupReadAhead); not for
-        a pre-quantized source (its scheme dequantizes what the mapped shards hold)."""
+    def read_ahead(self, device: torch.device, artifact: Optional[dict] = None) -> None:
+        """Read the source a layer at a time onto `device` as the model is built (GroupReadAhead), with
+        each layer's `artifact` tensors ({layer: artifact names}: what exact bytes compares in the pass,
+        on_layer); not for a pre-quantized source (its scheme dequantizes what the mapped shards hold)."""
         if self.mapping.shards.scheme is not None:
             return
         groups: dict = {}
         for n, d in self._derivations.items():
             groups.setdefault(layer_of(n), (set(), set()))[0].update(d.sources)
+        for k, names in (artifact or {}).items():
+            if k in groups:
+                groups[k][1].update(names)
         self.ahead = GroupReadAhead(groups, self.mapping.shards, self.reader, device)
 
     def share(self, names) -> None:
@@ -506,9 +514,19 @@ class ReferenceStore:
         self._shared = set(names) & self.names()
 
     def get(self, name: str) -> torch.Tensor:
+        self._enter(name)
+        return self.value(name)
+
+    def _enter(self, name: str) -> None:
+        """A tensor the model being built asks for: its layer read ahead (and the next), and on_layer told
+        when a decoder layer is first asked for, after its bytes are staged."""
         if self.ahead is not None:
             self.ahead.touch(name)
-        return self.value(name)
+        key = layer_of(name)
+        if key != self._entered:
+            self._entered = key
+            if key is not None and self.on_layer is not None:
+                self.on_layer(key)
 
     def value(self, name: str) -> torch.Tensor:
         """get() without touching the read-ahead (a second taker: the bf16 reference's own drives it)."""
@@ -527,8 +545,7 @@ class ReferenceStore:
         return d.value(None) if d.experts is None else torch.stack([d.value(e) for e in range(d.experts)])
 
     def experts(self, name: str):
-        if self.ahead is not None:
-            self.ahead.touch(name)
+        self._enter(name)
         d = self._derivations[name]
         return ((e, d.value(e)) for e in range(d.experts))
 

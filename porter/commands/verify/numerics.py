@@ -97,17 +97,21 @@ def compare_models(
             emb_gap.add(a[:, :p], rounded.embed(x)[:, :p])
         chains = [list(h_conv) for _ in runs]  # each run's converted residual stream, end to end
         layers, precisions, clock = [[] for _ in runs], {conv.dtype}, _Projection(conv.cfg, len(runs))
+        streamed = [m for m in {id(m): m for m in (ref, conv, rounded)}.values() if hasattr(m.layers, "free")]
         for i in tqdm(range(ref.cfg.num_hidden_layers), desc="verify layers", disable=not progress):
             t0 = time.perf_counter()
-            lc = conv.layers[i]
+            lr = ref.layers[i]  # first: a layer-streamed verify compares the layer's bytes as it is built
+            lc, lrr = conv.layers[i], rounded.layers[i]
             fmt = fa.precision(conv.dtype, fa.moe_backend(lc))
             precisions.add(fmt)
-            lr, lrr = ref.layers[i], rounded.layers[i]
             r = [lr(h, _positions(h)) for h in h_ref]  # the bf16 reference: no numerics, once for every run
             for run, stats, h in zip(runs, layers, chains):
                 switch(run)
                 stats.append(_layer(r, lc, lr, lrr, h_ref, h, prompt_lens, fmt))
             h_ref[:] = r
+            del lr, lc, lrr
+            for m in streamed:  # before the next layer is read and checked, not beside it
+                m.layers.free()
             clock.done(i, time.perf_counter() - t0)
         for m in {id(m): m for m in (ref, conv, rounded)}.values():
             if hasattr(m.layers, "release"):

@@ -47,10 +47,18 @@ class RoundedReferenceStore:
     ):
         self.ref, self.config, self.path, self.converter = ref, ref.config, ref.path, ref.converter
         self.rounding, self.device = rounding or "rceil", torch.device(device or "cpu")
-        self.reader, parts = reader, artifact_parts(reader)
-        self.quantized = set(parts) & ref.names()
+        self.reader, self._parts = reader, artifact_parts(reader)
+        self.quantized = set(self._parts) & ref.names()
         self.scales = {scale_name(n): n for n in self.quantized}
-        proved = set(proved)
+        self.prove(proved)
+        self._last: tuple = (None, None)  # (name, (q, s)): a weight and its scale are asked for in turn
+        self.ahead = None  # GroupReadAhead, when read_ahead() was called
+        self.shared = False  # share_reads(): source tensors from the bf16 reference's reads
+
+    def prove(self, proved) -> None:
+        """The artifact tensors exact bytes found byte-identical to their re-derivation (module docstring):
+        before the model is built."""
+        parts, proved = self._parts, set(proved)
         # canonical name -> its artifact tensor, when that one tensor holds all of it (an hf layout's
         # per-expert row parts are re-derived: how they stack is the layout's, not verify's, knowledge)
         self.proved = {
@@ -58,9 +66,6 @@ class RoundedReferenceStore:
             for n in self.quantized
             if len(parts[n]) == 1 and parts[n][0][1] is None and parts[n][0][0] in proved
         }
-        self._last: tuple = (None, None)  # (name, (q, s)): a weight and its scale are asked for in turn
-        self.ahead = None  # GroupReadAhead, when read_ahead() was called
-        self.shared = False  # share_reads(): source tensors from the bf16 reference's reads
 
     def share_reads(self) -> None:
         """Take the source tensors from the bf16 reference's reads (module docstring): for a layer-streamed
@@ -120,10 +125,13 @@ class RoundedReferenceStore:
 
         if d.experts is None:
             return quantize(None)
-        parts = [quantize(e) for e in range(d.experts)]
-        return torch.stack([q for q, _ in parts]), torch.stack(
-            [s for _, s in parts]
-        )  # [E, N, K], [E, N, K/32]
+        q0, s0 = quantize(0)
+        q = q0.new_empty((d.experts, *q0.shape))  # [E, N, K]: filled expert by expert, no second copy
+        s = s0.new_empty((d.experts, *s0.shape))  # [E, N, K/32]
+        q[0], s[0] = q0, s0
+        for e in range(1, d.experts):
+            q[e], s[e] = quantize(e)
+        return q, s
 
     def close(self) -> None:
         self._last = (None, None)

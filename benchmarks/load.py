@@ -13,8 +13,9 @@ process (CUDA initialized before any timing):
   before staging (no model built), warm;
 - `runtime.load(ART, device="cuda")` warm and cold, and with two or more GPUs `device_map` over two;
 - `porter verify ART --device cuda --numerics N` warm and cold (--verify-cache), against the time to read
-  source + artifact once at the read floor of the same cache state; its pass layer-streamed as at the real
-  size (--verify-streaming on; auto lets these few layers run resident).
+  source + artifact once at the read floor of the same cache state; its pass layer-streamed and no tokens
+  generated, as at the real size where nothing fits one GPU (--verify-streaming on; auto: verify's own
+  choice for these few layers, resident, 16 tokens generated).
 
 Each row: seconds, GB/s of the bytes it reads, its floor, the fraction of the floor, the peak host memory
 above the run's start (RssAnon, sampled every 10 ms), and the projection at the real size (452 GB artifact,
@@ -271,6 +272,9 @@ def main():
     )
     args = ap.parse_args()
     stream_verify = True if args.verify_streaming == "on" else "auto"
+    new_tokens = (
+        0 if stream_verify is True else None
+    )  # at the real size the converted model generates nothing
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
     )  # the loader's breakdown
@@ -361,51 +365,63 @@ def main():
                 r = add(f"floor: read {name} into pinned, {n} threads", cache, how, secs, b)
                 if n == threads:
                     floor[(name, cache)] = r["gb_per_s"]
-        if cache not in args.cache.split(","):
-            continue
-        if cache == "warm" and cuda:
-            how = pc.set([art], cache)
-            s, peak, _ = timed(lambda: safetensors_to_cuda(art), rss)
-            add(
-                "safetensors safe_open + .to(cuda) (before)",
-                cache,
-                how,
-                s,
-                art_b,
-                floor[("artifact", cache)],
-                peak,
-            )
-        for what in ("first in the process", "again") if cache == "warm" else ("",):
-            how = pc.set([art], cache)
-            cached = cached_fraction(art)
-            s, peak, model = timed(lambda: runtime.load(art, device=args.device), rss)
-            del model
-            r = add(
-                f"runtime.load(device='{args.device}') {what}".strip(),
-                cache,
-                how,
-                s,
-                art_b,
-                floor[("artifact", cache)],
-                peak,
-                {"cached_at_start": cached},
-            )
-            r["projected_real_seconds"] = REAL_ARTIFACT_GB / r["gb_per_s"]
-        if gpus >= 2:
-            how = pc.set([art], cache)
-            split = {f"layers.{i}": f"cuda:{int(i >= args.layers // 2)}" for i in range(args.layers)}
-            two = lambda: runtime.load(art, device_map=split, max_memory={0: "120GiB", 1: "120GiB"})  # noqa: E731
-            s, peak, model = timed(two, rss)
-            del model
-            add(
-                "runtime.load(device_map over 2 GPUs)", cache, how, s, art_b, floor[("artifact", cache)], peak
-            )
+        if cache in args.cache.split(","):  # the load rows (the verify rows have their own cache states)
+            if cache == "warm" and cuda:
+                how = pc.set([art], cache)
+                s, peak, _ = timed(lambda: safetensors_to_cuda(art), rss)
+                add(
+                    "safetensors safe_open + .to(cuda) (before)",
+                    cache,
+                    how,
+                    s,
+                    art_b,
+                    floor[("artifact", cache)],
+                    peak,
+                )
+            for what in ("first in the process", "again") if cache == "warm" else ("",):
+                how = pc.set([art], cache)
+                cached = cached_fraction(art)
+                s, peak, model = timed(lambda: runtime.load(art, device=args.device), rss)
+                del model
+                r = add(
+                    f"runtime.load(device='{args.device}') {what}".strip(),
+                    cache,
+                    how,
+                    s,
+                    art_b,
+                    floor[("artifact", cache)],
+                    peak,
+                    {"cached_at_start": cached},
+                )
+                r["projected_real_seconds"] = REAL_ARTIFACT_GB / r["gb_per_s"]
+            if gpus >= 2:
+                how = pc.set([art], cache)
+                split = {f"layers.{i}": f"cuda:{int(i >= args.layers // 2)}" for i in range(args.layers)}
+                two = lambda: runtime.load(art, device_map=split, max_memory={0: "120GiB", 1: "120GiB"})  # noqa: E731
+                s, peak, model = timed(two, rss)
+                del model
+                add(
+                    "runtime.load(device_map over 2 GPUs)",
+                    cache,
+                    how,
+                    s,
+                    art_b,
+                    floor[("artifact", cache)],
+                    peak,
+                )
         if args.verify == "none" or cache not in args.verify_cache.split(","):
             continue
         how = pc.set([src, art], cache)
         cached = cached_fraction(art) if cache == "cold" else None
         s, peak, res = timed(
-            lambda: porter.verify(art, device=args.device, numerics=args.verify, streaming=stream_verify), rss
+            lambda: porter.verify(
+                art,
+                device=args.device,
+                numerics=args.verify,
+                streaming=stream_verify,
+                max_new_tokens=new_tokens,
+            ),
+            rss,
         )
         read_once = art_b / GB / floor[("artifact", cache)] + src_b / GB / floor[("source", cache)]
         both = (src_b + art_b) / GB

@@ -32,10 +32,12 @@ def _cli(*args):
     return CliRunner().invoke(main, ["-q", "verify", *map(str, args)])
 
 
-def test_release_artifact_passes_with_exact_bytes(release, tmp_path):
+@pytest.mark.parametrize("stream", [False, True])
+def test_release_artifact_passes_with_exact_bytes(release, tmp_path, stream):
+    """Resident, and layer-streamed (exact bytes inside the pass, on the references' read of each layer)."""
     _, art = release
     report = tmp_path / "verify.json"
-    res = _cli(art, "--max-new-tokens", "4", "--report", report)
+    res = _cli(art, "--max-new-tokens", "4", "--report", report, *(["--stream"] if stream else []))
     assert res.exit_code == 0, res.output
     doc = json.loads(report.read_text())
     assert doc["verdict"] == "pass"

@@ -303,9 +303,11 @@ def _verify(art, *args):
     return res
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("layout", ["fp8", "fp8-hf", "transformers"])
-def test_verify_passes(converted, layout, tmp_path):
-    res = _verify(converted[layout], "--report", str(tmp_path / "r.json"))
+def test_verify_passes(converted, layout, tmp_path, stream):
+    """Resident, and layer-streamed (exact bytes inside the pass, on the references' read of each layer)."""
+    res = _verify(converted[layout], "--report", str(tmp_path / "r.json"), *(["--stream"] if stream else []))
     assert res.exit_code == 0, res.output
     rep = json.loads((tmp_path / "r.json").read_text())
     ex = rep["exact"]
@@ -314,9 +316,11 @@ def test_verify_passes(converted, layout, tmp_path):
     want["transformers"] = "transformers"
     assert ex["layout"] == want[layout]
     assert [row["kind"] for row in rep["layers"]] == ["full/moe"] * 3
+    assert rep["streaming"]["enabled"] == stream
 
 
-def test_verify_fails_on_gate_up_reversed(sources, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stream", [False, True])
+def test_verify_fails_on_gate_up_reversed(sources, tmp_path, monkeypatch, stream):
     """A layout bug planted in the converter's plan ([w3; w1] instead of [w1; w3] in layer 1) converts into an
     artifact whose porter.json is consistent with the wrong bytes; verify's own table catches it: exit 1,
     naming the tensor."""
@@ -335,7 +339,7 @@ def test_verify_fails_on_gate_up_reversed(sources, tmp_path, monkeypatch):
 
     monkeypatch.setattr(m2, "plan_tensors", buggy_plan)
     porter.convert(sources["fp8"], tmp_path / "art", progress=False)
-    res = _verify(tmp_path / "art", "--max-new-tokens", "0")
+    res = _verify(tmp_path / "art", "--max-new-tokens", "0", *(["--stream"] if stream else []))
     assert res.exit_code == 1, res.output
     assert "integrity: ok" in res.output
     assert (

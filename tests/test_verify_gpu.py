@@ -100,3 +100,50 @@ def test_generation_spreads_over_the_visible_gpus(tiny_vendor, tmp_path):
         == "resident over the visible GPUs (device_map auto), one padded batch of 2 prompts"
     )
     assert [len(g.converted_tokens) for g in rep.generation] == [3, 3]
+
+
+@pytest.mark.parametrize("tamper", [None, "byte", "scale"])
+def test_streamed_verify_on_cuda_checks_each_layer_in_the_pass(tiny_vendor, tmp_path, tamper):
+    """Layer-streamed on the GPU, exact bytes compares each layer on the references' staged read of it:
+    the same exact results and figures as a resident verify on the GPU; a changed byte fails integrity
+    with the numerics withheld, a planted scale shift fails exact bytes and the numerics still run."""
+    from verify_tamper import flip_byte
+
+    from porter.commands.verify import exact as exact_mod
+
+    art = tmp_path / "art"
+    porter.convert(tiny_vendor, art, progress=False)
+    w13 = "model.layers.2.block_sparse_moe.experts.w13_weight"
+    if tamper:
+        art = copy_artifact(art, tmp_path / "t")
+        if tamper == "byte":
+            flip_byte(art, w13, index=70 * 256 + 3)
+        else:
+            rewrite_tensor(art, w13 + "_scale", shift_scales(+1, expert=3))
+    compared = []
+    real = exact_mod.ExactBytes.run_layer
+    exact_mod.ExactBytes.run_layer = lambda self, i: compared.append(i) or real(self, i)
+    try:
+        kw = dict(reference=tiny_vendor, device="cuda", max_new_tokens=0, numerics="both")
+        stream = porter.verify(art, streaming=True, **kw).report
+    finally:
+        exact_mod.ExactBytes.run_layer = real
+    resident = porter.verify(art, streaming=False, **kw).report
+    assert stream.streaming.enabled and not resident.streaming.enabled
+    if tamper == "byte":
+        assert not stream.integrity.passed and stream.exact is None and stream.layers == []
+        assert compared == [0, 1, 2]
+        return
+    assert compared == list(range(len(resident.layers)))
+    assert stream.passed == resident.passed == (tamper is None)
+    for a, b in zip(resident.exact.tensors, stream.exact.tensors):
+        assert (a.tensor, a.blocks, a.mismatched, a.mismatched_by_expert) == (
+            b.tensor,
+            b.blocks,
+            b.mismatched,
+            b.mismatched_by_expert,
+        )
+    figures = lambda r: [(x.cosine, x.rel_error, x.layer_error, x.faith_error) for x in r.layers]
+    assert len(stream.layers) == len(resident.layers) > 0
+    for a, b in zip(figures(resident), figures(stream)):
+        assert b == pytest.approx(a, rel=1e-5, abs=1e-7)

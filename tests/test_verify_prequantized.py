@@ -85,8 +85,10 @@ def exact_report(art: Path, tmp_path: Path, *extra) -> dict:
 # Faithful conversions pass
 
 
-@pytest.mark.parametrize("quantize", ["experts", "all"])
-def test_mxfp8_source_verifies_with_kept_scale_bytes(mx_source, tmp_path, quantize):
+@pytest.mark.parametrize("quantize, stream", [("experts", False), ("all", False), ("all", True)])
+def test_mxfp8_source_verifies_with_kept_scale_bytes(mx_source, tmp_path, quantize, stream):
+    """Also layer-streamed: exact bytes inside the pass, the rounded reference re-derived with the kept
+    scale bytes from the bf16 reference's reads."""
     porter.convert(mx_source, tmp_path / "art", quantize=quantize, progress=False)
     man = json.loads((tmp_path / "art" / "porter.json").read_text())
     assert man["options"]["source_quantization"] == {
@@ -95,7 +97,8 @@ def test_mxfp8_source_verifies_with_kept_scale_bytes(mx_source, tmp_path, quanti
         "dequantized_dtype": "bfloat16",
         "scale_bytes": "kept-rows",
     }
-    rep = exact_report(tmp_path / "art", tmp_path, "--max-new-tokens", 2)
+    rep = exact_report(tmp_path / "art", tmp_path, "--max-new-tokens", 2, *(["--stream"] if stream else []))
+    assert rep["streaming"]["enabled"] == stream
     ex = rep["exact"]
     assert ex["layout"] == "vendor, pre-quantized mxfp8 source (scale bytes kept)"
     quantized = [t for t in ex["tensors"] if t["quantized"]]
@@ -116,7 +119,8 @@ def test_mxfp8_source_verifies_with_kept_scale_bytes(mx_source, tmp_path, quanti
     assert rep["logits"]["kl"] < 1e-3 and rep["logits"]["top1"] == 1.0, rep["logits"]
 
 
-def test_fp8_block_source_verifies(fp8_source, tmp_path):
+@pytest.mark.parametrize("stream", [False, True])
+def test_fp8_block_source_verifies(fp8_source, tmp_path, stream):
     porter.convert(fp8_source, tmp_path / "art", quantize="all", progress=False)
     man = json.loads((tmp_path / "art" / "porter.json").read_text())
     assert man["options"]["source_quantization"] == {
@@ -125,7 +129,8 @@ def test_fp8_block_source_verifies(fp8_source, tmp_path):
         "dequantized_dtype": "bfloat16",
         "scale_bytes": "rederived",
     }
-    rep = exact_report(tmp_path / "art", tmp_path, "--max-new-tokens", 2)
+    rep = exact_report(tmp_path / "art", tmp_path, "--max-new-tokens", 2, *(["--stream"] if stream else []))
+    assert rep["streaming"]["enabled"] == stream
     assert rep["exact"]["layout"] == "vendor, pre-quantized fp8-block source (rceil scales re-derived)"
     quantized = [t for t in rep["exact"]["tensors"] if t["quantized"]]
     assert len(quantized) == 6 + 4 * 4 + 3 * 2 + 3 * 3 + 3

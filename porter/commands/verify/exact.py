@@ -119,13 +119,13 @@ class ExactBytes:
         """Compare the tensors of one decoder layer on the bytes staged for it now (or the mapped shards);
         the layer's TensorChecks."""
         if not self._done(layer):
-            self._log([j for js in self.layers.values() for j in js])
+            self.log_estimate()
             self._compare([self.layers[layer]], False, None)
         return [self.checks[n] for n, _ in self.layers.get(layer, [])]
 
     def result(self) -> ExactResult:
         checks = [self.checks[n] for n in self.order if n in self.checks]
-        jobs = [j for js in self.layers.values() for j in js]
+        jobs = self._jobs()
         used = {s for _, d in jobs if d for s in d.sources}
         unmapped = sorted(set(self.mapping.shards.meta) - used)
         return ExactResult(
@@ -139,15 +139,18 @@ class ExactBytes:
             unmapped,
         )
 
+    def log_estimate(self) -> None:
+        """The reads and the estimated time of the whole step (once)."""
+        self._log(self._jobs())
+
+    def _jobs(self) -> list:
+        return [j for js in self.layers.values() for j in js]
+
     def _done(self, layer) -> bool:
         return all(n in self.checks for n, _ in self.layers.get(layer, []))
 
     def _src_bytes(self, jobs) -> int:
         return sum(self.mapping.shards.nbytes(s) for _, d in jobs if d for s in d.sources)
-
-    def log_estimate(self) -> None:
-        """The reads and the estimated time of the whole step."""
-        self._log([j for js in self.layers.values() for j in js])
 
     def _log(self, jobs) -> None:
         """The reads and the estimated time of `jobs`, once (the first call's)."""

@@ -189,7 +189,7 @@ def verify(
         raise refused
     assert outcome is not None or not plan.stream, "the pass stopped for a reason exact bytes does not show"
     if outcome is None:  # a resident pass: the rounded reference takes the tensors exact bytes proved
-        rounded_store.prove([t.tensor for t in rep.exact.tensors if t.quantized and t.exact and t.blocks])
+        rounded_store.prove(exact.proved())
         outcome = _numerics(rep, inp, ref_store, rounded_store, plan, backend, dtype, progress)
     _record(rep, outcome)
     return _finish(rep, failures + judge_numerics(rep, rep.thresholds), report, plot, t0)
@@ -388,7 +388,7 @@ def _numerics(
         if not rounded_store.shared or rounded_store.proved:
             rounded_store.read_ahead(inp.device)
     if exact is not None:
-        ref_store.on_layer = _exact_in_pass(rep, exact, digests)
+        ref_store.on_layer = _exact_in_pass(rep, exact, digests, rounded_store)
     ids = encode_prompts(inp.tok, rep.prompts)
     prompt_tokens = [int(x.shape[1]) for x in ids]
     runs = list(rep.numerics.values())
@@ -451,16 +451,18 @@ def _numerics(
     return _Outcome(plan, prompt_tokens, conts, streaming, dt, cfg, results, inp.tok)
 
 
-def _exact_in_pass(rep: Report, exact: ExactBytes, digests: TensorDigests):
+def _exact_in_pass(rep: Report, exact: ExactBytes, digests: TensorDigests, rounded: RoundedReferenceStore):
     """ReferenceStore.on_layer for a layer-streamed pass: exact bytes compares layer i on the bytes just
-    staged for it, before any model is built from them; a tensor with no comparable source, or changed
-    since the conversion, stops the pass (verify() then reports it as it does without a pass)."""
+    staged for it, before any model is built from them; the rounded reference then takes the tensors it
+    proved from that same read (rounded.py). A tensor with no comparable source, or changed since the
+    conversion, stops the pass (verify() then reports it as it does without a pass)."""
 
     def check(i: int) -> None:
         with _phase(rep, "exact"):
             checks = exact.run_layer(i)
         if any(c.problem for c in checks) or digests.changed(exact.artifact_names(i)):
             raise _PassStopped(i)
+        rounded.prove(exact.proved())
 
     return check
 

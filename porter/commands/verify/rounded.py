@@ -19,9 +19,11 @@ their row parts stack is that layout's business, not verify's).
 In a layer-streamed pass (share_reads()) the store shares its ReferenceStore with the bf16 reference, which
 builds each layer first: the source tensors the rounded reference takes (the carried ones as they are, the
 quantized ones it re-derives) are the bf16 reference's reads of them, not a second read of the source
-(ReferenceStore.share). The proved MXFP8 tensors stay verify's own reads of the artifact: taking them from
-the converted model's load would put the runtime's reading of the artifact on both sides of the
-comparison.
+(ReferenceStore.share). There exact bytes compares each layer inside the pass, before any model is built from
+it, and proves that layer's tensors then (prove()): the store takes them from the same read of the artifact
+exact bytes just compared (staged on a GPU). The proved MXFP8 tensors stay verify's own reads of the
+artifact: taking them from the converted model's load would put the runtime's reading of the artifact on
+both sides of the comparison.
 """
 
 from __future__ import annotations
@@ -50,14 +52,15 @@ class RoundedReferenceStore:
         self.reader, self._parts = reader, artifact_parts(reader)
         self.quantized = set(self._parts) & ref.names()
         self.scales = {scale_name(n): n for n in self.quantized}
+        self.shared = False  # share_reads(): source tensors from the bf16 reference's reads
         self.prove(proved)
         self._last: tuple = (None, None)  # (name, (q, s)): a weight and its scale are asked for in turn
         self.ahead = None  # GroupReadAhead, when read_ahead() was called
-        self.shared = False  # share_reads(): source tensors from the bf16 reference's reads
 
     def prove(self, proved) -> None:
-        """The artifact tensors exact bytes found byte-identical to their re-derivation (module docstring):
-        before the model is built."""
+        """The artifact tensors exact bytes found byte-identical to their re-derivation (module docstring),
+        before the layers holding them are built: all of them for a resident pass, each layer's as exact
+        bytes compares it inside a layer-streamed one."""
         parts, proved = self._parts, set(proved)
         # canonical name -> its artifact tensor, when that one tensor holds all of it (an hf layout's
         # per-expert row parts are re-derived: how they stack is the layout's, not verify's, knowledge)
@@ -66,6 +69,8 @@ class RoundedReferenceStore:
             for n in self.quantized
             if len(parts[n]) == 1 and parts[n][0][1] is None and parts[n][0][0] in proved
         }
+        if self.shared:  # the bf16 reference keeps for this store only what it still takes from it
+            self.ref.share(self.ref.names() - set(self.proved))
 
     def share_reads(self) -> None:
         """Take the source tensors from the bf16 reference's reads (module docstring): for a layer-streamed
@@ -137,7 +142,10 @@ class RoundedReferenceStore:
         self._last = (None, None)
         if self.ahead is not None:
             self.ahead.close()
-        self.ref.close()
+        if self.shared:  # the bf16 reference's store: its read-ahead holds the layer this one builds next
+            self.ref.mapping.shards.close()
+        else:
+            self.ref.close()
         self.reader.close()
 
 

@@ -278,6 +278,9 @@ def test_layer_streaming_from_staged_reads(artifact):
     assert store._stagings == []  # nothing read ahead past the last layer
     model.layers[1]  # layer 2 is read ahead now; release() stops it
     assert len(store._stagings) == 1
+    model.layers.free()  # the resident layer goes now (a streamed verify's pass, per layer); the read-ahead stays
+    assert model.layers.resident() == [] and len(store._stagings) == 1
+    assert model.layers[2] is not None and len(store._stagings) == 1  # layer 2 from its read-ahead, 3 ahead
     model.layers.release()
     assert store._stagings == []
 

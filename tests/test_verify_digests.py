@@ -103,6 +103,9 @@ def test_staged_reads_hand_their_digests_over(artifact, tmp_path):
     assert q.shape == tuple(man["tensors"][W13]["shape"][1:]) and s is not None
     staging.finish()
     assert {W13, W13 + "_scale", "model.norm.weight"} <= set(d.got)
+    # what a layer-streamed pass asks after comparing a layer: only tensors read whole so far are judged
+    assert d.changed([W13, "model.norm.weight"]) == [W13] and d.changed(["model.norm.weight"]) == []
+    assert d.changed(["model.embed_tokens.weight"]) == []  # not read yet: finish() hashes and judges it
     assert [f.tensor for f in d.finish()] == [W13]
 
 

@@ -385,7 +385,7 @@ def _numerics(
     if exact_step.reads_ahead(inp.device):  # each layer read onto the GPU while the one before is built
         layers = {k: exact.artifact_names(k) for k in exact.layers if k is not None} if exact else None
         ref_store.read_ahead(inp.device, artifact=layers)
-        if not rounded_store.shared or rounded_store.proved:
+        if not rounded_store.shared:  # shared: it takes the bf16 reference's (and exact bytes') reads
             rounded_store.read_ahead(inp.device)
     if exact is not None:
         ref_store.on_layer = _exact_in_pass(rep, exact, digests, rounded_store)

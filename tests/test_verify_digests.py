@@ -158,6 +158,10 @@ def test_changed_byte_fails_integrity_after_exact_and_stops(artifact, tmp_path, 
     art = tmp_path / "art"
     shutil.copytree(artifact, art)
     flip_byte(art, W13, index=70 * 256 + 3)
+    from runtime.staging import Staging
+
+    started, real_start = [], Staging.start
+    monkeypatch.setattr(Staging, "start", lambda self: started.append(self) or real_start(self))
     if pass_ == "streamed, staged":  # what a GPU does: each layer staged, hashed as it is read
         monkeypatch.setattr(exact, "reads_ahead", lambda device: True)
     compared = []
@@ -172,6 +176,8 @@ def test_changed_byte_fails_integrity_after_exact_and_stops(artifact, tmp_path, 
         assert "exact" in res.report.phases and "generation" not in res.report.phases and compared == []
     else:  # stopped at layer 2 (layer 0 is dense: its tensors outside the experts compared in the pass too)
         assert compared == [0, 1, 2] and "numerics.pass" in res.report.phases
+    assert (len(started) > 4) == (pass_ == "streamed, staged")
+    assert all(s._stop for s in started)  # nothing left read ahead: the layer after the stop was dropped
 
 
 def test_changed_header_fails_before_exact(artifact, tmp_path, monkeypatch):

@@ -442,8 +442,8 @@ def _numerics(
         for m in models:
             if m is not None and hasattr(m.layers, "release"):
                 m.layers.release()
-        ref_store.close()
-        rounded_store.close()
+        ref_store.release()  # a stopped pass leaves a layer read ahead
+        rounded_store.release()
         del models, shared
         gc.collect()
     if results is None:

@@ -437,6 +437,12 @@ class GroupReadAhead:
             self._leave(k)
         self.current = None
 
+    def release(self) -> None:
+        """Drop every group, the one read ahead too (the model will ask for nothing more)."""
+        for k in list(self.staged):
+            self._leave(k)
+        self.current = None
+
     def _stage(self, key) -> list:
         sources, artifact = self.groups[key]
         out = [(self.shards.stage(sources, self.device), self.shards)] if sources else []
@@ -553,3 +559,9 @@ class ReferenceStore:
         if self.ahead is not None:
             self.ahead.close()
         self.mapping.shards.close()
+
+    def release(self) -> None:
+        """close(), and a layer read ahead dropped too (the pass is over, or was stopped)."""
+        if self.ahead is not None:
+            self.ahead.release()
+        self.close()

@@ -148,6 +148,12 @@ class RoundedReferenceStore:
             self.ref.close()
         self.reader.close()
 
+    def release(self) -> None:
+        """close(), and a layer read ahead dropped too (the pass is over, or was stopped)."""
+        if self.ahead is not None:
+            self.ahead.release()
+        self.close()
+
 
 def artifact_parts(reader: ArtifactReader) -> dict:
     """{canonical name: [(artifact name, expert or None)]} of the artifact tensors stored as MXFP8 (an hf

@@ -483,9 +483,8 @@ class ReferenceStore:
         self._shared: set = set()  # names a second model takes too (share())
         self._kept: dict = {}  # name -> tensor handed out once, kept for its second taker
         self._group: Optional[int] = None  # layer group (layer_of) of the tensors in _kept
-        self.on_layer: Optional[Callable] = (
-            None  # called with a decoder layer's index as it is first asked for
-        )
+        # called with a decoder layer's index when it is first asked for (verify's exact bytes in the pass)
+        self.on_layer: Optional[Callable] = None
         self._entered = object()  # the layer group asked for last
 
     def names(self) -> set:

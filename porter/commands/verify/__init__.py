@@ -29,7 +29,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -68,7 +68,6 @@ from porter.commands.verify.verdict import (
 )
 from porter.errors import ConfigError, LoadError, PorterError, VerifyInputError
 from porter.format import manifest
-from porter.format.layout import layer_of
 from porter.format.safe_files import read_json_object
 from porter.format.safetensors_io import dtype_name
 from porter.source.local import read_header, weight_files
@@ -156,10 +155,13 @@ def verify(
     exact = ExactBytes(reader, mapping, inp.options.scale_rounding, inp.device, progress)
     ref_store = ReferenceStore(mapping, reader, inp.ref_config)  # the source: both references read it
     rounded_store = RoundedReferenceStore(ref_store, reader, inp.options.scale_rounding, inp.device)
-    plan, log_costs = _plan(inp, ref_store, rounded_store, streaming, max_new_tokens, device_map)
-    _log_projection(inp, runs, plan.stream)  # the whole, then each step's own estimate in the order they run
+    sizes = _Sizes.of(inp, ref_store, rounded_store)
+    plan = gen.plan_runs(
+        streaming, max_new_tokens, inp.device, sizes.conv, sizes.ref, device_map, sizes.rounded
+    )
+    _log_projection(runs, plan.stream, sizes, exact)  # the whole, then each step's own in the order they run
     exact.log_estimate()
-    log_costs()
+    gen.log_costs(plan, *sizes)
     outcome = refused = None
     if plan.stream:  # exact bytes checks each layer inside the pass, on the pass's own read of it
         with _phase(rep, "exact"):  # the tensors outside the layers, before any model is built from them
@@ -167,7 +169,7 @@ def verify(
         if not _problems(exact.result()):
             try:
                 outcome = _numerics(
-                    rep, inp, ref_store, rounded_store, plan, backend, dtype, progress, exact, digests
+                    rep, inp, ref_store, rounded_store, plan, sizes, backend, dtype, progress, exact, digests
                 )
             except (ConfigError, LoadError) as e:  # a model refused a tensor exact bytes has not reached
                 refused = e
@@ -190,7 +192,7 @@ def verify(
     assert outcome is not None or not plan.stream, "the pass stopped for a reason exact bytes does not show"
     if outcome is None:  # a resident pass: the rounded reference takes the tensors exact bytes proved
         rounded_store.prove(exact.proved())
-        outcome = _numerics(rep, inp, ref_store, rounded_store, plan, backend, dtype, progress)
+        outcome = _numerics(rep, inp, ref_store, rounded_store, plan, sizes, backend, dtype, progress)
     _record(rep, outcome)
     return _finish(rep, failures + judge_numerics(rep, rep.thresholds), report, plot, t0)
 
@@ -210,36 +212,33 @@ def _phase(rep: Report, name: str):
         rep.phases[name] = round(rep.phases.get(name, 0.0) + time.perf_counter() - t, 3)
 
 
-def _log_projection(inp: _Inputs, runs, in_pass: bool) -> None:
+def _log_projection(runs, in_pass: bool, sizes: "_Sizes", exact: ExactBytes) -> None:
     """The bytes every step reads and the total time they take at an assumed disk rate, before the first
     step starts (each step logs its own estimate as it begins; the teacher-forced pass projects its total
     from its first layers). in_pass: a layer-streamed pass, exact bytes inside it."""
     from porter.commands.verify.exact import READ_GBPS
 
-    art = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values() if isinstance(r, dict))
-    src = sum(f.stat().st_size for f in inp.ref_path.glob("*.safetensors"))
-    mxfp8 = _mxfp8_bytes(inp.man)
+    art, src = sizes.conv, sizes.ref
     if in_pass:
         # each layer of source and artifact read once for exact bytes (integrity's digests on the same read)
         # and both references, the artifact once more by the converted model (the runtime's own reads);
-        # the tensors outside the layers are compared before the models are built: read once more each
-        outside = _outside_bytes(inp.man)
-        total = src + 2 * art + 2 * outside
+        # the tensors outside the layers are compared before the models are built: their source read again
+        outside = exact.source_bytes(None)
+        total = src + 2 * art + outside
         how = (
             f"source {src / 1e9:.1f} GB once and artifact {art / 1e9:.1f} GB twice (exact bytes and both "
-            f"references a layer at a time in the pass, on one read; the converted model), +{2 * outside / 1e9:.1f}"
-            " GB for the tensors outside the layers, compared before the models are built"
+            f"references a layer at a time in the pass, on one read; the converted model), +{outside / 1e9:.1f}"
+            " GB: the source's tensors outside the layers, compared before the models are built"
         )
     else:
         # exact bytes reads the artifact (integrity's digests checked on the same reads), exact bytes and
-        # the bf16 reference the source; the pass reads the converted model and, when something is
-        # quantized, the rounded reference's proved MXFP8 tensors from the artifact and its carried
-        # tensors from the source
-        total = art + 2 * src + art + mxfp8 + (art - mxfp8 if mxfp8 else 0)
+        # the bf16 reference the source; the pass reads the converted model and the rounded reference (the
+        # artifact's proved MXFP8 tensors, the source's carried ones: about the artifact's size)
+        total = 2 * src + 2 * art + sizes.rounded
         how = (
             f"artifact {art / 1e9:.1f} GB in exact bytes (integrity's digests on the same read), source "
-            f"{src / 1e9:.1f} GB in exact bytes and the bf16 reference, {(2 * art if mxfp8 else art) / 1e9:.1f} GB in "
-            f"the numerics pass (the converted model{' and the rounded reference' if mxfp8 else ''})"
+            f"{src / 1e9:.1f} GB in exact bytes and the bf16 reference, {(art + sizes.rounded) / 1e9:.1f} GB "
+            f"in the numerics pass (the converted model{' and the rounded reference' if sizes.rounded else ''})"
         )
     log.info(
         "verify: reads ~%.1f GB in all: %s, every numerics run (%d) in one pass: ~%.1f min at an assumed "
@@ -250,22 +249,6 @@ def _log_projection(inp: _Inputs, runs, in_pass: bool) -> None:
         total / (READ_GBPS * 1e9) / 60,
         READ_GBPS,
     )
-
-
-def _outside_bytes(man: dict) -> int:
-    """Bytes of the artifact's tensors outside the decoder layers (embeddings, final norm, lm_head)."""
-    tensors = man.get("tensors")
-    recs = tensors.items() if isinstance(tensors, dict) else ()
-    return sum(manifest.record_bytes(r) or 0 for n, r in recs if isinstance(r, dict) and layer_of(n) is None)
-
-
-def _mxfp8_bytes(man: dict) -> int:
-    """Bytes of the artifact's MXFP8 tensors and their scales, by porter.json's dtypes and shapes (an
-    estimate before integrity has checked them: a record it cannot read counts 0)."""
-    tensors = man.get("tensors")
-    recs = {n: r for n, r in tensors.items() if isinstance(r, dict)} if isinstance(tensors, dict) else {}
-    names = {x for n, r in recs.items() if isinstance(r.get("scale"), str) for x in (n, r["scale"])}
-    return sum(manifest.record_bytes(recs.get(n)) or 0 for n in names)
 
 
 def _open(
@@ -328,14 +311,18 @@ def _interleaved(man: dict, ref_config) -> bool:
     return ref_config.gate_up_interleaved if opt == "auto" else opt == "interleaved"
 
 
-def _plan(inp: _Inputs, ref_store, rounded_store, streaming, max_new_tokens, device_map) -> tuple:
-    """Resident or layer-streamed pass, tokens to generate (generation.plan_runs), by the models' sizes;
-    and a function that logs what the plan reads."""
-    conv_bytes = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values())
-    ref_bytes = sum(ref_store.mapping.shards.nbytes(n) for n in ref_store.mapping.shards.meta)
-    rounded = conv_bytes if rounded_store.quantized else 0  # else the rounded reference is the reference
-    plan = gen.plan_runs(streaming, max_new_tokens, inp.device, conv_bytes, ref_bytes, device_map, rounded)
-    return plan, lambda: gen.log_costs(plan, conv_bytes, ref_bytes, rounded)
+class _Sizes(NamedTuple):
+    """Bytes of the models the pass loads (generation.log_costs' arguments, in order)."""
+
+    conv: int  # the artifact's shards
+    ref: int  # the source's tensors as the bf16 reference reads them
+    rounded: int  # the rounded reference, about the artifact's size; 0 when it is the bf16 reference
+
+    @classmethod
+    def of(cls, inp: _Inputs, ref_store, rounded_store) -> "_Sizes":
+        conv = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values() if isinstance(r, dict))
+        ref = sum(ref_store.mapping.shards.nbytes(n) for n in ref_store.mapping.shards.meta)
+        return cls(conv, ref, conv if rounded_store.quantized else 0)
 
 
 @dataclass
@@ -364,6 +351,7 @@ def _numerics(
     ref_store: ReferenceStore,
     rounded_store: RoundedReferenceStore,
     plan: gen.RunPlan,
+    sizes: _Sizes,
     backend,
     dtype,
     progress,
@@ -408,9 +396,7 @@ def _numerics(
         shared = None if plan.stream or plan.device_map else load(False)  # generates, then the pass
     with _phase(rep, "generation"):
         conts = _generate(shared, inp, plan, ids, backend, dtype, moe[0], progress)
-    conv_bytes = sum(int(r.get("bytes", 0)) for r in inp.man.get("shards", {}).values())
-    ref_bytes = sum(ref_store.mapping.shards.nbytes(n) for n in ref_store.mapping.shards.meta)
-    streaming = StreamingInfo(plan.stream, plan.stream_reason, conv_bytes, ref_bytes, plan.generation)
+    streaming = StreamingInfo(plan.stream, plan.stream_reason, sizes.conv, sizes.ref, plan.generation)
     seqs = [gen.teacher_forced_input(x, c) for x, c in zip(ids, conts)]
     models: list = [shared]  # released whatever happens
     in_pass = rep.phases.get("exact", 0.0)

@@ -94,6 +94,10 @@ class ExactBytes:
         self.workers = 2 if device.type == "cuda" else available_cores()  # the cores this process may use
         self._logged = False
 
+    def source_bytes(self, layer) -> int:
+        """Bytes of the source tensors a decoder layer (None: the tensors outside the layers) derives from."""
+        return self._src_bytes(self.layers.get(layer, []))
+
     def artifact_names(self, layer) -> set:
         """The artifact tensors (values; their scales come with them) of a decoder layer."""
         return {n for n, _ in self.layers.get(layer, [])}

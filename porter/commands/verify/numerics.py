@@ -97,7 +97,8 @@ def compare_models(
             emb_gap.add(a[:, :p], rounded.embed(x)[:, :p])
         chains = [list(h_conv) for _ in runs]  # each run's converted residual stream, end to end
         layers, precisions, clock = [[] for _ in runs], {conv.dtype}, _Projection(conv.cfg, len(runs))
-        streamed = [m for m in {id(m): m for m in (ref, conv, rounded)}.values() if hasattr(m.layers, "free")]
+        models = {id(m): m for m in (ref, conv, rounded)}.values()  # rounded may be ref
+        streamed = [m for m in models if hasattr(m.layers, "free")]  # LazyLayers
         for i in tqdm(range(ref.cfg.num_hidden_layers), desc="verify layers", disable=not progress):
             t0 = time.perf_counter()
             lr = ref.layers[i]  # first: a layer-streamed verify compares the layer's bytes as it is built
@@ -113,9 +114,8 @@ def compare_models(
             for m in streamed:  # before the next layer is read and checked, not beside it
                 m.layers.free()
             clock.done(i, time.perf_counter() - t0)
-        for m in {id(m): m for m in (ref, conv, rounded)}.values():
-            if hasattr(m.layers, "release"):
-                m.layers.release()
+        for m in streamed:
+            m.layers.release()
         ref_logits = [ref.final(a)[0] for a in h_ref]  # [T, V] per sequence, every run's reference
         out = []
         for run, stats, h in zip(runs, layers, chains):

@@ -69,14 +69,18 @@ class RoundedReferenceStore:
             for n in self.quantized
             if len(parts[n]) == 1 and parts[n][0][1] is None and parts[n][0][0] in proved
         }
-        if self.shared:  # the bf16 reference keeps for this store only what it still takes from it
-            self.ref.share(self.ref.names() - set(self.proved))
+        if self.shared:
+            self._share()
 
     def share_reads(self) -> None:
         """Take the source tensors from the bf16 reference's reads (module docstring): for a layer-streamed
         pass whose bf16 reference loads from `self.ref` and builds each layer before this store's model
         does. Before read_ahead()."""
         self.shared = True
+        self._share()
+
+    def _share(self) -> None:
+        """The bf16 reference keeps for this store what it still takes from it: all but the proved tensors."""
         self.ref.share(self.ref.names() - set(self.proved))
 
     def names(self) -> set:

@@ -14,6 +14,8 @@ quality. Synthetic models of 2, 8, 16 and 60 layers at tiny width, and MiniMax-M
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -185,11 +187,13 @@ def test_planted_bugs_fail_at_every_depth(model, tmp_path, monkeypatch, dtype):
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory) -> Path:
+def real(tmp_path_factory) -> Iterator[Path]:
     """Hidden 6144, expert width 3072, 64 query / 4 key-value heads of 128 (docs/minimax-m3.md): two MoE layers
     of 2 experts (layer 0 full attention, layer 1 sparse; no dense layer, whose MLP is not the point here)."""
     overrides = real_dims_overrides(2, experts=2) | {"moe_layer_freq": [1, 1]}
-    return build(tmp_path_factory.mktemp("real"), 2, overrides)
+    root = tmp_path_factory.mktemp("real")
+    yield build(root, 2, overrides)
+    shutil.rmtree(root)  # 2 GB of disk
 
 
 @pytest.mark.slow
@@ -205,6 +209,7 @@ def test_real_dims_faithful_passes_and_bugs_fail(real, tmp_path, monkeypatch):
         with monkeypatch.context() as mp:
             planted = plant(real, tmp_path / str(k), mp, bugs, fp32_inside)
             res, rep = cli(planted, tmp_path / f"r{k}.json", "--dtype", "bfloat16")
+        shutil.rmtree(planted)  # 0.9 GB of disk
         assert_caught(res, rep, bugs, "bfloat16")
 
 

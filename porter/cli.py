@@ -316,10 +316,16 @@ def verify(
     type=click.Choice(["auto", "torch", "triton", "flashinfer-trtllm"]),
     help="MoE backend.",
 )
+@click.option(
+    "--rehash",
+    is_flag=True,
+    help="Hash every weight byte onto the GPUs, even of shards an earlier load on this machine checked and "
+    "that have not changed since (docs/runtime.md, Loading).",
+)
 @common_options
 @click.pass_context
 def generate_command(
-    ctx, path, prompt, chat, max_new_tokens, temperature, top_p, top_k, seed, stop, device, backend
+    ctx, path, prompt, chat, max_new_tokens, temperature, top_p, top_k, seed, stop, device, backend, rehash
 ):
     """Continue PROMPT with the model in PATH (a porter artifact or a checkpoint folder), printing the text
     as it is generated and the speed at the end."""
@@ -340,6 +346,7 @@ def generate_command(
             device=resolve_device(device),
             backend=backend,
             progress=not ctx.obj.get("quiet"),
+            rehash=rehash,
         ),
     )
 

@@ -13,6 +13,7 @@
     runtime.set_numerics(model, "w8a16")                   # switched in place: no weight read again
     model = runtime.load(path, device_map="auto", max_memory={0: "70GiB", 1: "70GiB"})  # layers over GPUs
     model = runtime.load(path, device="cuda", progress=True)  # a bar while the shards stream onto the GPU
+    model = runtime.load(path, device="cuda", rehash=True)  # hash every byte, even of shards checked before
 
 On CUDA, decode steps replay captured CUDA graphs (one per device's run of layers) unless
 cuda_graph=False. Modules: loader.py (stores, memory model, streaming) · staging.py (loading onto GPUs at the
@@ -54,6 +55,7 @@ def load(
     moe_fp8_prefill: bool = True,
     moe_numerics: Optional[str] = None,
     progress: bool = False,
+    rehash: bool = False,
 ):
     """Load a porter artifact dir (porter.json) or an original HF checkpoint dir (or an already
     opened store from runtime.loader.open_store, which the caller keeps, e.g. to read weights or close()).
@@ -70,16 +72,19 @@ def load(
     quantizes the MoE input and SwiGLU output to MXFP8 as the TRT-LLM kernel does, and the input of every
     MXFP8 linear (`--quantize all`) as the engines' W8A8 MXFP8 linear does; docs/moe-backends.md).
     progress: a progress bar on stderr (bytes, GB/s, ETA) while weights are read onto the GPUs.
+    rehash: hash every staged tensor, even in shards an earlier load on this machine checked and that have
+    not changed since (by default those are trusted: porter/format/checked.py); what it checks is recorded.
 
     An artifact loaded onto GPUs is read at the disk's and the bus's speed and each tensor checked against
     porter.json's digest on the way (runtime/staging.py): a truncated or changed shard raises LoadError
-    naming it, and no model is returned.
+    naming it, and no model is returned. This machine records the shards it checked; a later load of the
+    same files, unchanged since, reads them without hashing (a change through the file system is seen).
     """
     check_numerics_name(moe_numerics)  # before anything is opened
     resolve_device(device)  # a device or dtype this machine cannot honour fails before any file is read
     resolve_dtype(dtype, torch.device("cpu"))
     opened = not (hasattr(path, "names") and hasattr(path, "get"))  # else: an opened store the caller keeps
-    store = open_store(path) if opened else path
+    store = open_store(path, record_checks=True, rehash=rehash) if opened else path
     try:
         return _load(
             store,

@@ -32,6 +32,7 @@ from tqdm import tqdm
 import converters
 from porter.errors import LoadError, PorterError
 from porter.format import journal, manifest
+from porter.format.checked import CheckedShards
 from porter.format.digest import CHUNK_HASHES
 from porter.format.layout import layer_of
 from porter.format.safe_files import inside, read_json_object, regular_file
@@ -53,8 +54,12 @@ class ArtifactStore:
 
     is_artifact = True
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, checked: Optional[CheckedShards] = None):
         self.path = path
+        # this machine's record of shards a load checked (porter.format.checked): their tensors unchanged
+        # since are staged without hashing (unless it rehashes), and what a staging checks is added.
+        # None: every tensor hashed, nothing recorded.
+        self.checked = checked
         try:
             self.manifest = manifest.read(path)
         except ValueError as e:
@@ -125,14 +130,20 @@ class ArtifactStore:
             dev = device_of(name)
             if dev is not None:
                 devices.update({f: dev for f in self._file_names(name)})
-        self._check_shard_records({self.files[f] for f in devices})
+        shards = {self.files[f] for f in devices}
+        self._check_shard_records(shards)
         rule, records = self._digest_rule(), self.manifest.get("tensors")
-        spans = []
+        before = self.checked.snapshot(shards) if self.checked is not None and rule is not None else {}
+        trusted = {f: self.checked.trusted(f, before) for f in before}
+        spans, skipped, unhashed = [], 0, set()  # bytes and shards read without hashing
         for f, dev in devices.items():
             info, shard = self._headers[self.files[f]][f], self.files[f]
             begin, end = info["data_offsets"]
             rec = records.get(f) if isinstance(records, dict) else None
             digest = rec.get("digest") if isinstance(rec, dict) else None
+            if digest is not None and f in trusted.get(shard, ()):
+                digest, skipped = None, skipped + end - begin
+                unhashed.add(shard)
             dtype = ST_DTYPES[info["dtype"]]
             spans.append(
                 Span(
@@ -146,9 +157,30 @@ class ArtifactStore:
                     digest,
                 )
             )
-        staging = Staging(spans, rule, progress=progress, **kw)
+        if skipped:
+            log.log(
+                kw.get("log_level", logging.INFO),
+                "%s: %.2f GB checked by an earlier load on this machine, the files unchanged since: not hashed "
+                "again (runtime.load(..., rehash=True) hashes every byte)",
+                self.path,
+                skipped / 1e9,
+            )
+        finished = (lambda spans: self._record_checked(before, unhashed, spans)) if before else None
+        staging = Staging(spans, rule, progress=progress, finished=finished, **kw)
         self._stagings.append(staging)
         return staging.start()
+
+    def _record_checked(self, before: dict, unhashed: set, spans: list) -> None:
+        """After a staging found every digest it checked matching: the shards read without hashing did not
+        change while they were read (else LoadError), and the tensors checked are recorded."""
+        now = self.checked.snapshot(unhashed)
+        for f in sorted(unhashed):
+            if f not in now or now[f][0] != before[f][0]:
+                raise LoadError(f"{f}: changed while it was being loaded; load again")
+        by_shard: dict = {}
+        for s in spans:
+            by_shard.setdefault(s.path, []).append(s.name)
+        self.checked.record(before, by_shard)
 
     def unstage(self, staging: Optional[Staging] = None) -> None:
         """Stop one staging (None: all; threads joined, tensors not taken dropped); get() reads the mapped
@@ -319,7 +351,10 @@ class SourceStore:
         self.source.close()
 
 
-def open_store(path) -> ArtifactStore | SourceStore:
+def open_store(path, record_checks: bool = False, rehash: bool = False) -> ArtifactStore | SourceStore:
+    """The artifact or checkpoint at `path`. record_checks: this machine's record of checked shards is kept
+    (porter.format.checked): what a staging checks is added, and the tensors of shards an earlier load
+    checked, unchanged since, are not hashed again unless `rehash`."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise LoadError(f"{path}: not a directory (give a porter artifact or a checkpoint folder)")
@@ -327,7 +362,7 @@ def open_store(path) -> ArtifactStore | SourceStore:
     if unfinished is not None:
         raise LoadError(str(unfinished))
     if manifest.is_artifact(path):
-        return ArtifactStore(path)
+        return ArtifactStore(path, CheckedShards(path, rehash) if record_checks else None)
     if (path / "config.json").exists() or (path / "config.json").is_symlink():
         return SourceStore(path)
     raise LoadError(f"{path}: neither a porter artifact (porter.json) nor a checkpoint dir (config.json)")

@@ -21,7 +21,8 @@ A tensor is handed out only when all its bytes are on its device and their diges
 first failure (a truncated shard, bytes that changed after the conversion) stops every thread and is raised
 by `take` and `finish` as a LoadError naming the shard and the tensor, so no model is built from it.
 With `checked` (porter verify), each tensor's digest is handed to it instead and the tensor handed out:
-verify's integrity names every changed tensor (porter.commands.verify.digests).
+verify's integrity names every changed tensor (porter.commands.verify.digests). With `finished` (a load's
+record of what it checked, porter.format.checked), `finish` hands it the spans it checked once all matched.
 """
 
 from __future__ import annotations
@@ -139,11 +140,13 @@ class Staging:
         allocate_now: bool = False,
         log_level: int = logging.INFO,
         checked: Optional[Callable[[str, str], None]] = None,
+        finished: Optional[Callable[[list], None]] = None,
     ):
         if buffer_bytes < 1:
             raise ValueError(f"buffer_bytes must be positive, not {buffer_bytes}")
         self.rule, self.buffer_bytes, self.show_progress = rule, buffer_bytes, progress
         self.checked = checked  # given: (name, digest) of each tensor read, compared by the caller
+        self.finished = finished  # given: the spans whose digests matched, once finish() found them all so
         self.allocate_now, self.log_level = allocate_now, log_level
         self.progress = None
         self.threads = threads or default_threads()
@@ -276,6 +279,8 @@ class Staging:
             raise LoadError(
                 f"loading {self.total_bytes / 1e9:.2f} GB was stopped before every tensor was read"
             )
+        if self.finished is not None and self.rule is not None and self.checked is None:
+            self.finished([t.span for t in self._tensors.values() if t.span.digest is not None])
         st = self.stats
         st["wall"] = time.perf_counter() - self._t0
         log.log(

@@ -56,6 +56,16 @@ def _pinned_verify_memory(monkeypatch):
     yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_porter_cache(tmp_path_factory):
+    """porter's record of checked shards (porter/format/checked.py) goes to a folder of this session, not
+    the user's ~/.cache: no test sees another run's records."""
+    import os
+
+    os.environ["PORTER_CACHE_DIR"] = str(tmp_path_factory.mktemp("porter-cache"))
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_vendor(tmp_path_factory) -> Path:
     """Vendor layout (legacy config keys, per-expert w1/w2/w3, vision tensors), seed 0."""

@@ -1,7 +1,8 @@
 """runtime.load onto a GPU through the staged loader (runtime/staging.py; run on the H200, skipped on CPU CI):
 the bytes on the device are the shards' bytes, the model computes what the CPU model computes, a changed or
-truncated shard is a LoadError naming it (exit 2 from the CLI) and no model, the progress bar shows only when
-asked, and a device_map over two GPUs (where there are two) equals one GPU."""
+truncated shard is a LoadError naming it (exit 2 from the CLI) and no model, a second load of unchanged
+shards hashes nothing, the progress bar shows only when asked, and a device_map over two GPUs (where there are
+two) equals one GPU."""
 
 import shutil
 
@@ -13,6 +14,8 @@ import porter
 import runtime
 from porter.cli import main as cli
 from porter.errors import LoadError
+from porter.format import checked
+from porter.format.digest import CHUNK_HASHES
 from porter.format.safetensors_io import parse_header
 from runtime.loader import open_store
 
@@ -82,6 +85,34 @@ def test_changed_or_truncated_shard_is_named_and_no_model(artifact, tmp_path, ho
         assert repr(name) in str(e.value)
     res = CliRunner().invoke(cli, ["generate", str(d), "--prompt", "x", "--device", "cuda"])
     assert res.exit_code == 2 and shard.name in res.output
+
+
+def test_a_second_cuda_load_hashes_nothing_until_a_shard_changes(artifact, tmp_path, monkeypatch):
+    """runtime.load records what it checked (porter/format/checked.py): the second load of the unchanged
+    files hashes no byte and computes the same logits; a byte changed after that is named."""
+    monkeypatch.setattr(checked, "RACY_NS", 0)  # the copy was written a moment ago
+    d = tmp_path / "art"
+    shutil.copytree(artifact, d)
+    fed = []
+    real = CHUNK_HASHES["xxh3-128"]
+    monkeypatch.setitem(CHUNK_HASHES, "xxh3-128", lambda: fed.append(1) or real())
+    ids = torch.randint(0, 384, (1, 24), generator=torch.Generator().manual_seed(5)).cuda()
+    first = runtime.load(d, device="cuda", dtype=torch.float32, backend="torch")(ids)
+    assert len(fed) > 0
+    fed.clear()
+    second = runtime.load(d, device="cuda", dtype=torch.float32, backend="torch")(ids)
+    assert len(fed) == 0 and torch.equal(first, second)
+    store = open_store(d)
+    name = max(sorted(store.names() - store.carried_names()), key=store.nbytes)
+    shard = store.files[name]
+    at = parse_header(shard)[0] + parse_header(shard)[1][name]["data_offsets"][0]
+    with open(shard, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(LoadError, match=repr(name)):
+        runtime.load(d, device="cuda")
 
 
 def test_progress_bar_on_cuda_only_when_asked(artifact, capfd):

@@ -24,15 +24,17 @@ def generate(
     backend: str = "auto",
     out=None,
     progress: bool = False,
+    rehash: bool = False,
 ) -> dict:
     """Stream the continuation of `prompt` to `out` (stdout); return {"tokens", "seconds", "tokens_per_s"}.
-    progress: a bar on stderr while the weights are read onto the GPUs (runtime.load)."""
+    progress: a bar on stderr while the weights are read onto the GPUs (runtime.load); rehash: every byte
+    read onto them hashed (runtime.load)."""
     import runtime
     from runtime.generate import check_token_ids
     from runtime.text import TextError
 
     out = out or sys.stdout
-    model = runtime.load(path, device=device, backend=backend, progress=progress)
+    model = runtime.load(path, device=device, backend=backend, progress=progress, rehash=rehash)
     if model.tokenizer is None:
         raise TextError(f"{path}: no tokenizer.json; porter generate needs the checkpoint's tokenizer")
     sampled = temperature is not None and temperature > 0

@@ -235,3 +235,25 @@ def test_porter_generate_rehash_reaches_runtime_load(artifact, monkeypatch):
         )
         assert res.exit_code == 0, res.output
     assert seen == [False, True]
+
+
+def test_a_verified_artifact_loads_without_hashing(art, hashed):
+    """porter verify's integrity hashes every artifact byte: the shards it finds whole are recorded, so the
+    load that follows (a server started after the check) hashes nothing; a shard it finds changed is not."""
+    from click.testing import CliRunner
+
+    from porter.cli import main as cli
+
+    res = CliRunner().invoke(cli, ["-q", "verify", str(art), "--prompt", "x", "--max-new-tokens", "0"])
+    assert res.exit_code == 0, res.output
+    hashed.clear()
+    store = open_store(art, record_checks=True)
+    _staged(store)
+    assert sum(hashed) == 0
+    name = max(sorted(_tensors(store)), key=store.nbytes)
+    shard = _flip(store, name)
+    store.checked.file.unlink()
+    res = CliRunner().invoke(cli, ["-q", "verify", str(art), "--prompt", "x", "--max-new-tokens", "0"])
+    assert res.exit_code == 1 and f"tensor {name} in shard {shard.name}: digest differs" in res.output
+    rec = json.loads(store.checked.file.read_text())["shards"]
+    assert sorted(rec) == sorted(f.name for f in art.glob("*.safetensors") if f != shard)

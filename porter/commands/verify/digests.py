@@ -7,7 +7,8 @@ The exact pass reads each tensor whole or expert by expert ([E, N, K]: expert e 
 lies whole in the bytes handed to it, and keeps the pieces of a chunk that spans two reads until all of
 them are in (at most one chunk per read boundary). A staged read (runtime.staging) hashes as it reads and
 hands its tensor digests to `staged`. `finish` hashes what was not read (a tensor without a source, an
-expert never compared) from the shards and names every tensor whose digest differs, in integrity's words.
+expert never compared) from the shards and names every tensor whose digest differs, in integrity's words; the
+shards found whole are recorded for runtime.load, which then need not hash them (porter.format.checked).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from porter.commands.verify.verdict import Failure
 from porter.cores import available_cores
 from porter.errors import PorterError
 from porter.format import manifest
+from porter.format.checked import CheckedShards
 from porter.format.digest import CHUNK_HASHES
 from porter.format.safetensors_io import (
     chunk_spans,
@@ -44,6 +46,10 @@ class TensorDigests:
         self._chunks: dict = {}  # name -> {chunk index: digest (bytes)}
         self._pieces: dict = {}  # (name, chunk index) -> {offset in the chunk: bytes}
         self._lock = threading.Lock()
+        # what this pass finds equal to porter.json is recorded for runtime.load (porter.format.checked): the
+        # shards' identities now, before any byte is read
+        self.checked = CheckedShards(self.art, rehash=True)
+        self.before = self.checked.snapshot(self.art / f for f in self.shards)
 
     def add(self, name: str, begin: int, data: memoryview) -> None:
         """Bytes [begin, begin + len(data)) of tensor `name`'s data, as the exact pass read them."""
@@ -77,7 +83,7 @@ class TensorDigests:
     def finish(self) -> list[Failure]:
         """Hash every tensor not read whole (from its shard, chunks on every core); the failures, in
         integrity's words: each changed tensor, or a shard whose digest porter.json records differently."""
-        out = []
+        out, whole = [], {}
         with ThreadPoolExecutor(available_cores(), thread_name_prefix="porter-digest") as pool:
             for f, rec in self.shards.items():
                 try:
@@ -86,7 +92,11 @@ class TensorDigests:
                 except (PorterError, OSError) as e:  # changed since integrity read it, or unreadable
                     out.append(Failure("integrity", f"shard {f}: {e}", shard=f))
                     continue
-                out += self._judge(f, rec, list(header))
+                failed = self._judge(f, rec, list(header))
+                if not failed:
+                    whole[self.art / f] = list(header)
+                out += failed
+        self.checked.record(self.before, whole)
         return out
 
     # -- helpers ----------------------------------------------------------------------------------------

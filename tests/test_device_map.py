@@ -116,8 +116,8 @@ def test_a_refused_load_closes_the_store_it_opened(artifact, monkeypatch):
     _, art = artifact
     opened = []
 
-    def open_tracked(path):
-        store = runtime.loader.open_store(path)
+    def open_tracked(path, **kw):
+        store = runtime.loader.open_store(path, **kw)
         store.closed = 0
         close = store.close
         store.close = lambda: (setattr(store, "closed", store.closed + 1), close())

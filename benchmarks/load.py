@@ -12,7 +12,9 @@ process (CUDA initialized before any timing):
 - `safetensors safe_open + .to(cuda)`: every tensor memory-mapped and copied on its own, what runtime.load did
   before staging (no model built), warm;
 - `runtime.load(ART, device="cuda")` warm (with rehash=True, every byte hashed, then of files a load here
-  checked before, which are not hashed again) and cold, and with two or more GPUs `device_map` over two;
+  checked before, which are not hashed again; --hash-on-gpu: the digests computed on the GPU instead of the
+  reading cores, runtime.loader.HASH_ON_GPU, and that kernel's own rate) and cold, and with two or more GPUs
+  `device_map` over two;
 - `porter verify ART --device cuda --numerics N` warm and cold (--verify-cache), against the time to read
   source + artifact once at the read floor of the same cache state; its pass layer-streamed and no tokens
   generated, as at the real size where nothing fits one GPU (--verify-streaming on; auto: verify's own
@@ -31,7 +33,7 @@ CPU-sized run) instead of the real dims.
 
     python benchmarks/load.py [--workdir /tmp/porter-load] [--layers 3] [--cache warm,cold]
                               [--verify both] [--verify-cache warm,cold] [--verify-streaming on|auto] [--out DIR]
-                              [--device cuda|cpu] [--dims H,I] [--evict auto|fadvise]
+                              [--device cuda|cpu] [--dims H,I] [--evict auto|fadvise] [--hash-on-gpu off|on|both]
 """
 
 from __future__ import annotations
@@ -185,6 +187,23 @@ def read_floor(files: list, threads: int, buffer_bytes: int) -> float:
     return secs
 
 
+def gpu_hash_seconds(dev, nbytes: int = 2 << 30, chunk: int = 16 << 20) -> float:
+    """Seconds for runtime/kernels/xxh3.py to digest `nbytes` on the GPU in chunks of `chunk` (one call, as the
+    loader makes per tensor; the best of three after a warm-up)."""
+    import torch
+
+    from runtime.kernels import xxh3
+
+    flat = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
+    xxh3.chunk_digests(flat[: 1 << 20], chunk)  # compile
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        xxh3.chunk_digests(flat, chunk)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def hash_floor(total: int, threads: int, buffer_bytes: int) -> float:
     """Seconds for `threads` threads to xxh3-128 `total` bytes of page-locked buffers."""
     import torch
@@ -326,6 +345,13 @@ def main():
     ap.add_argument("--device", default="cuda", help="cuda, or cpu (no GPU floors, no device_map rows)")
     ap.add_argument("--dims", default=None, help="H,I: synthetic hidden and expert widths (default: real)")
     ap.add_argument(
+        "--hash-on-gpu",
+        default="off",
+        choices=["off", "on", "both"],
+        help="warm loads with every digest computed on the GPU (runtime.loader.HASH_ON_GPU): on, or both beside "
+        "the CPU's (the A/B that decides its default)",
+    )
+    ap.add_argument(
         "--evict", default="auto", choices=["auto", "fadvise"], help="auto: drop_caches as root, else fadvise"
     )
     args = ap.parse_args()
@@ -340,7 +366,7 @@ def main():
 
     import porter
     import runtime
-    from runtime import staging
+    from runtime import loader, staging
 
     work = Path(args.workdir)
     src, art = work / "src", work / "art"
@@ -411,6 +437,14 @@ def main():
         add("floor: pinned H2D copy (2 GiB)", "-", "-", 2 * (1 << 30) / GB / h2d["pinned"], 2 << 30)
         add("floor: pageable H2D copy (2 GiB)", "-", "-", 2 * (1 << 30) / GB / h2d["pageable"], 2 << 30)
     add(f"floor: xxh3-128, {threads} threads", "-", "-", hash_floor(art_b, threads, buf), art_b)
+    if cuda and args.hash_on_gpu != "off":
+        add(
+            "xxh3-128 on the GPU (2 GiB, 16 MiB chunks)",
+            "-",
+            "-",
+            gpu_hash_seconds(torch.device("cuda", 0)),
+            2 << 30,
+        )
     floor, pc = {}, PageCache(args.evict == "auto")
     folders = [("artifact", art, art_b)] + ([("source", src, src_b)] if args.verify != "none" else [])
     caches = set(args.cache.split(",")) | (
@@ -440,7 +474,11 @@ def main():
             # rehash: every byte hashed, as on a machine that has not checked these files; checked before:
             # the files unchanged since a load here checked them (porter/format/checked.py), none hashed
             runs = [("first in the process", True), ("again", True), ("", False)]
+            if cuda and args.hash_on_gpu in ("on", "both"):  # the A/B of runtime.loader.HASH_ON_GPU
+                gpu_runs = [("digests on the GPU", True), ("digests on the GPU, again", True)]
+                runs = gpu_runs + ([] if args.hash_on_gpu == "on" else runs)
             for what, rehash in runs if cache == "warm" else [("", False)]:
+                loader.HASH_ON_GPU = "on the GPU" in what
                 how = pc.set([art], cache)
                 cached, trusted = cached_fraction(art), 0.0 if rehash else checked_before(art)
                 s, peak, model = timed(lambda: runtime.load(art, device=args.device, rehash=rehash), rss)
@@ -458,6 +496,7 @@ def main():
                     {"cached_at_start": cached, "checked_before": trusted},
                 )
                 r["projected_real_seconds"] = REAL_ARTIFACT_GB / r["gb_per_s"]
+            loader.HASH_ON_GPU = False
             if gpus >= 2:
                 how = pc.set([art], cache)
                 split = {f"layers.{i}": f"cuda:{int(i >= args.layers // 2)}" for i in range(args.layers)}

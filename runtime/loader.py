@@ -44,6 +44,9 @@ from runtime.staging import DigestRule, Span, Staging
 log = logging.getLogger("porter.runtime")
 
 TOP_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+# staged tensors' digests computed on their GPU rather than on the reading cores: off until measured against
+# the CPU on a GPU host (benchmarks/load.py --hash-on-gpu both)
+HASH_ON_GPU = False
 
 
 class ArtifactStore:
@@ -166,7 +169,8 @@ class ArtifactStore:
                 skipped / 1e9,
             )
         finished = (lambda spans: self._record_checked(before, unhashed, spans)) if before else None
-        staging = Staging(spans, rule, progress=progress, finished=finished, **kw)
+        on_gpu = _gpu_digests(rule, set(devices.values()))
+        staging = Staging(spans, rule, progress=progress, finished=finished, hash_on_device=on_gpu, **kw)
         self._stagings.append(staging)
         return staging.start()
 
@@ -205,7 +209,7 @@ class ArtifactStore:
         if name is None or type(n) is not int or n < 4096:
             log.warning("%s: porter.json names no digest rule porter reads; tensors not checked", self.path)
             return None
-        return DigestRule(n, CHUNK_HASHES[name])
+        return DigestRule(n, CHUNK_HASHES[name], name)
 
     def _check_shard_records(self, shards: set) -> None:
         """Each shard's size and header bytes are what porter.json recorded (the tensors' digests are
@@ -349,6 +353,18 @@ class SourceStore:
 
     def close(self) -> None:
         self.source.close()
+
+
+def _gpu_digests(rule: Optional[DigestRule], devices: set) -> Optional[Callable]:
+    """XXH3 chunk digests computed on the GPUs the tensors go to (runtime/kernels/xxh3.py) when HASH_ON_GPU
+    and every destination is a GPU where the kernel gives xxhash's digests; None: hashed on the CPU."""
+    from runtime.kernels import xxh3
+
+    if not HASH_ON_GPU or rule is None or rule.name != "xxh3-128" or rule.chunk_bytes % 8:
+        return None
+    if not devices or any(d.type != "cuda" or not xxh3.works_on(d) for d in devices):
+        return None
+    return xxh3.chunk_digests
 
 
 def open_store(path, record_checks: bool = False, rehash: bool = False) -> ArtifactStore | SourceStore:

@@ -27,6 +27,7 @@ record of what it checked, porter.format.checked), `finish` hands it the spans i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -70,10 +71,12 @@ class Span:
 
 @dataclass(frozen=True)
 class DigestRule:
-    """porter.json's digest rule: the chunk size and a constructor of the chunk hash."""
+    """porter.json's digest rule: the chunk size, a constructor of the chunk hash and its name
+    (porter.format.digest.CHUNK_HASHES)."""
 
     chunk_bytes: int
     new_hash: Callable
+    name: str = ""
 
 
 @dataclass
@@ -141,12 +144,16 @@ class Staging:
         log_level: int = logging.INFO,
         checked: Optional[Callable[[str, str], None]] = None,
         finished: Optional[Callable[[list], None]] = None,
+        hash_on_device: Optional[Callable[[torch.Tensor, int], list]] = None,
     ):
         if buffer_bytes < 1:
             raise ValueError(f"buffer_bytes must be positive, not {buffer_bytes}")
         self.rule, self.buffer_bytes, self.show_progress = rule, buffer_bytes, progress
         self.checked = checked  # given: (name, digest) of each tensor read, compared by the caller
         self.finished = finished  # given: the spans whose digests matched, once finish() found them all so
+        # given: (tensor's bytes on its device, chunk bytes) -> its chunk digests, run by the thread that
+        # completes a tensor, instead of hashing each piece on the reading threads
+        self.hash_on_device = hash_on_device
         self.allocate_now, self.log_level = allocate_now, log_level
         self.progress = None
         self.threads = threads or default_threads()
@@ -184,7 +191,8 @@ class Staging:
                 n = min(step, s.nbytes - begin)
                 whole = n <= self.buffer_bytes
                 parts = [(begin, n)] if whole else _cuts(begin, n, self.buffer_bytes)
-                shared = None if whole or not t.chunks else _Chunk(self.rule.new_hash(), len(parts))
+                hashed_here = t.chunks and self.hash_on_device is None  # on the reading threads
+                shared = None if whole or not hashed_here else _Chunk(self.rule.new_hash(), len(parts))
                 for seq, (b, m) in enumerate(parts):
                     if (
                         cur is None
@@ -198,7 +206,7 @@ class Staging:
                         cur.segments[-1].length += m
                     else:
                         cur.segments.append(_Segment(t, b, cur.length, m))
-                    if t.chunks:
+                    if t.chunks and self.hash_on_device is None:
                         cur.pieces.append(_Piece(t, k, cur.length, m, shared, seq))
                     cur.length += m
         return items
@@ -381,6 +389,7 @@ class Staging:
         t = time.perf_counter()
         self._copy(item, buf, streams)
         clock["copy"] += time.perf_counter() - t
+        on_device = []  # tensors this item completed whose digests are computed on their device
         with self._cond:
             for piece, d in zip(item.pieces, digests):
                 if d is not None:
@@ -388,9 +397,26 @@ class Staging:
             for seg in item.segments:
                 seg.tensor.remaining -= seg.length
                 if seg.tensor.remaining == 0:
-                    self._complete(seg.tensor)
+                    if seg.tensor.chunks and self.hash_on_device is not None:
+                        on_device.append(seg.tensor)
+                    else:
+                        self._complete(seg.tensor)
+        for tensor in on_device:
+            self._hash_on_device(tensor, streams, clock)
         if self.progress is not None:
             self.progress.update(item.length)
+
+    def _hash_on_device(self, t: _Tensor, streams: dict, clock: dict) -> None:
+        """Every chunk digest of t from its bytes on its device (each copy into it has finished: the threads
+        wait for their copies before counting them), on this thread's stream, then t is handed out."""
+        began = time.perf_counter()
+        stream = streams.get(t.span.device)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            digests = self.hash_on_device(t.flat, self.rule.chunk_bytes)
+        clock["hash"] += time.perf_counter() - began
+        with self._cond:
+            t.digests = dict(enumerate(digests))
+            self._complete(t)
 
     def _hash_shared(self, piece: _Piece, data: memoryview) -> Optional[bytes]:
         """Feed a piece of a chunk that spans items to the chunk's hasher in order; the chunk's digest once

@@ -15,6 +15,7 @@ import xxhash
 
 import porter
 import runtime
+from porter import cache
 from porter.errors import LoadError
 from porter.format import checked
 from porter.format.digest import CHUNK_HASHES
@@ -196,12 +197,12 @@ def test_an_unwritable_cache_is_ignored(art, hashed, monkeypatch, tmp_path):
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("PORTER_CACHE_DIR", str(tmp_path / "a"))
-    assert checked.cache_dir() == tmp_path / "a"
+    assert cache.cache_dir() == tmp_path / "a"
     monkeypatch.delenv("PORTER_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert checked.cache_dir() == tmp_path / "x" / "porter"
+    assert cache.cache_dir() == tmp_path / "x" / "porter"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert checked.cache_dir() == Path.home() / ".cache" / "porter"
+    assert cache.cache_dir() == Path.home() / ".cache" / "porter"
 
 
 def test_layer_streaming_records_each_layer_as_it_is_checked(art, hashed):

@@ -6,7 +6,7 @@
       > converters                                                 (the registry; one package per architecture)
       > source   porter/source/: open_source, local folders, the Hugging Face Hub
       > format   porter/format/: MXFP8, safetensors, the artifact's names, manifest and digests
-      > base     porter.errors, porter.version, porter.cores, porter.devices (leaves)
+      > base     porter.errors, porter.version, porter.cores, porter.devices, porter.cache (leaves)
 
 A module may import its own layer or any layer below, never one above, nor a sibling's. Imports inside
 functions count. The import graph has no cycle (a cycle hides behind an import inside a function).
@@ -43,6 +43,7 @@ BASE_MODULES = {
     "porter.version",
     "porter.cores",
     "porter.devices",
+    "porter.cache",
 }  # import nothing of porter's
 FLASHINFER_MODULES = {"runtime.moe.flashinfer_trtllm"}
 

@@ -1,5 +1,6 @@
-"""This machine's record of the artifact shards a GPU load read and found equal to porter.json's digests, so
-that a later load of the same unchanged files need not hash them again (docs/runtime.md, "Loading").
+"""This machine's record of the artifact shards a GPU load (or `porter verify`'s integrity) read and found
+equal to porter.json's digests, so that a later load of the same unchanged files need not hash them again
+(docs/runtime.md, "Loading").
 
     checked = CheckedShards(artifact)                  # this artifact's record, if this machine has one
     before = checked.snapshot(shards)                  # each shard's identity, taken before its bytes are read
@@ -32,19 +33,12 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional
 
+from porter.cache import cache_dir
+
 log = logging.getLogger("porter")
 
 RACY_NS = 2_000_000_000  # a shard changed less than this before it was looked at is not recorded
 FORMAT = "porter-checked-shards/1"
-
-
-def cache_dir() -> Path:
-    """Where porter keeps what it records on this machine: $PORTER_CACHE_DIR, else $XDG_CACHE_HOME/porter,
-    else ~/.cache/porter."""
-    if os.environ.get("PORTER_CACHE_DIR"):
-        return Path(os.environ["PORTER_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "porter"
 
 
 def identity(st: os.stat_result) -> list:

@@ -5,7 +5,8 @@ the C loop reads each value once with the GIL released, so conversion workers sc
 (rates: docs/mxfp8.md).
 
 How: the system C compiler (`cc`, else `gcc`) builds the file once per machine into porter's cache
-(`$PORTER_CACHE_DIR`, else `~/.cache/porter`; read when the quantizer is first needed), keyed by the
+(porter/cache.py: `$PORTER_CACHE_DIR`, else `$XDG_CACHE_HOME/porter`, else `~/.cache/porter`; read when the
+quantizer is first needed), keyed by the
 source, the compiler and the CPU's flags (it is built with -march=native); ctypes loads it. Only porter's
 own source is ever compiled. No compiler or a failed build: porter.format.mxfp8's torch
 path runs instead, with the same bytes (tests/test_mxfp8_native.py checks every bf16 value under many scales,
@@ -35,6 +36,8 @@ from typing import Optional
 
 import torch
 
+from porter.cache import cache_dir
+
 log = logging.getLogger("porter")
 
 SOURCE = Path(__file__).with_name("mxfp8_cpu.c")
@@ -44,13 +47,6 @@ FALLBACK_FLAGS = tuple(f for f in FLAGS if f != "-march=native")  # a compiler w
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # the dtypes it takes -> the C function's dtype code
 _state = {"fn": None, "tried": False, "why": ""}
 _lock = threading.Lock()
-
-
-def _cache_dir() -> Path:
-    """porter's cache folder: $PORTER_CACHE_DIR (a user setting, docs/architecture.md), else ~/.cache/porter."""
-    if os.environ.get("PORTER_CACHE_DIR"):
-        return Path(os.environ["PORTER_CACHE_DIR"])
-    return Path.home() / ".cache" / "porter"
 
 
 def _cpu_flags() -> str:
@@ -137,7 +133,7 @@ def _load():
             ]
         )
     ).hexdigest()[:16]
-    path = _cache_dir() / f"mxfp8_cpu-{key}.so"
+    path = cache_dir() / f"mxfp8_cpu-{key}.so"
     if not path.exists():
         t0 = time.perf_counter()
         try:

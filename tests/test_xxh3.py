@@ -1,0 +1,189 @@
+"""XXH3-128 of bytes on a GPU (runtime/kernels/xxh3.py) equals the xxhash package's, byte for byte: the host
+merge of the eight lanes (from lanes computed here by a plain Python reading of xxhash.h's long-input loop),
+the Triton kernel in the CPU interpreter (a child process; where Triton is installed) and on a GPU; and the
+staged loader's path that hashes each tensor on its device after its copy (runtime/staging.py
+hash_on_device) hands out the same bytes, hashes nothing on the reading threads and still names a changed
+tensor."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+import porter
+from porter.errors import LoadError
+from porter.format.digest import CHUNK_HASHES
+from porter.format.safetensors_io import file_digests, parse_header
+from runtime import loader
+from runtime.kernels import xxh3
+from runtime.staging import DigestRule, Span, Staging
+
+CUDA = torch.cuda.is_available()
+
+
+def _lanes(data: bytes) -> list:
+    """XXH3's eight accumulators after its long-input loop (xxhash.h, XXH3_hashLong_internal_loop), read
+    literally: stripes of 64 bytes, blocks of 16 stripes, a scramble after each block."""
+    m, s = (1 << 64) - 1, xxh3.SECRET
+    le = lambda b, at: struct.unpack_from("<Q", b, at)[0]  # noqa: E731
+    acc = list(xxh3.INIT)
+
+    def stripe(at: int, key_at: int) -> None:
+        for lane in range(8):
+            v = le(data, at + 8 * lane)
+            k = v ^ le(s, key_at + 8 * lane)
+            acc[lane ^ 1] = (acc[lane ^ 1] + v) & m
+            acc[lane] = (acc[lane] + (k & 0xFFFFFFFF) * (k >> 32)) & m
+
+    n = len(data)
+    blocks = (n - 1) // 1024
+    for b in range(blocks):
+        for k in range(16):
+            stripe(b * 1024 + 64 * k, 8 * k)
+        for lane in range(8):
+            a = acc[lane] ^ (acc[lane] >> 47) ^ le(s, 128 + 8 * lane)
+            acc[lane] = (a * xxh3.PRIME32[0]) & m
+    for k in range(((n - 1) - 1024 * blocks) // 64):
+        stripe(blocks * 1024 + 64 * k, 8 * k)
+    stripe(n - 64, 192 - 64 - 7)
+    return acc
+
+
+@pytest.mark.parametrize("n", [241, 1024, 1025, 2048 + 64, 5003, 3 * 1024 + 7])
+def test_host_merge_of_the_lanes_is_xxhash(n):
+    data = bytes((i * 2654435761 >> 7) & 255 for i in range(n))
+    assert xxh3.digest_from_lanes(_lanes(data), n) == xxhash.xxh3_128(data).digest()
+
+
+@pytest.mark.slow
+def test_kernel_in_the_triton_interpreter_is_xxhash():
+    pytest.importorskip("triton")
+    script = Path(__file__).with_name("xxh3_interpreter_cases.py")
+    root = str(Path(__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout.splitlines()[-1])
+    assert row["cases"] == 71 and row["chunks"] > 100 and row["mismatches"] == [], row
+
+
+def _host_chunks(flat: torch.Tensor, chunk: int) -> list:
+    """hash_on_device's contract, computed by the xxhash package (the CPU stand-in for the GPU kernel)."""
+    raw = flat.cpu().numpy().tobytes()
+    return [xxhash.xxh3_128(raw[b : b + chunk]).digest() for b in range(0, len(raw), chunk)]
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_vendor, tmp_path_factory):
+    out = tmp_path_factory.mktemp("xxh3") / "art"
+    porter.convert(tiny_vendor, out, progress=False, max_shard_size="300KB")
+    return out
+
+
+def _spans(art: Path, device) -> list:
+    """Every tensor of the shards with its digest under 4096-byte chunks (many chunks per tensor)."""
+    out = []
+    with ThreadPoolExecutor(2) as pool:
+        for f in sorted(art.glob("*.safetensors")):
+            start, header = parse_header(f)
+            digests = file_digests(f, pool, 4096, "xxh3-128").tensors
+            for name, info in header.items():
+                b, e = info["data_offsets"]
+                out.append(Span(name, f, start + b, e - b, torch.uint8, (e - b,), device, digests[name]))
+    return out
+
+
+def _counting_rule(chunk: int, made: list) -> DigestRule:
+    return DigestRule(chunk, lambda: made.append(1) or CHUNK_HASHES["xxh3-128"](), "xxh3-128")
+
+
+@pytest.mark.parametrize("buffer_bytes", [1000, 4096, 3 * 4096])  # chunks cut across items, whole, several
+def test_staging_hashes_each_tensor_on_its_device_after_the_copy(artifact, buffer_bytes):
+    made, spans = [], _spans(artifact, torch.device("cpu"))
+    rule = _counting_rule(4096, made)
+    s = Staging(spans, rule, threads=3, buffer_bytes=buffer_bytes, hash_on_device=_host_chunks).start()
+    got = {sp.name: s.take(sp.name).clone() for sp in spans}
+    s.finish()
+    assert made == [] and sum(sp.nbytes > 4096 for sp in spans) > 10  # none hashed on the reading threads
+    for sp in spans:
+        with open(sp.path, "rb") as f:
+            f.seek(sp.offset)
+            assert got[sp.name].numpy().tobytes() == f.read(sp.nbytes), sp.name
+
+
+def test_a_changed_tensor_is_named_when_hashed_on_its_device(artifact, tmp_path):
+    import shutil
+
+    d = tmp_path / "art"
+    shutil.copytree(artifact, d)
+    spans = _spans(d, torch.device("cpu"))
+    big = max(spans, key=lambda sp: sp.nbytes)
+    with open(big.path, "r+b") as f:
+        f.seek(big.offset + big.nbytes // 2)
+        b = f.read(1)
+        f.seek(big.offset + big.nbytes // 2)
+        f.write(bytes([b[0] ^ 1]))
+    s = Staging(
+        spans, _counting_rule(4096, []), threads=2, buffer_bytes=4096, hash_on_device=_host_chunks
+    ).start()
+    with pytest.raises(LoadError, match=f"tensor {big.name!r} differs from porter.json's digest"):
+        s.finish()
+
+
+def test_the_loader_hashes_on_gpus_only_when_asked_and_only_there(monkeypatch):
+    rule = DigestRule(4096, CHUNK_HASHES["xxh3-128"], "xxh3-128")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(xxh3, "works_on", lambda d: True)
+    assert loader._gpu_digests(rule, {cuda}) is None  # HASH_ON_GPU off
+    monkeypatch.setattr(loader, "HASH_ON_GPU", True)
+    assert loader._gpu_digests(rule, {cuda}) is xxh3.chunk_digests
+    assert loader._gpu_digests(rule, {cuda, torch.device("cpu")}) is None
+    assert loader._gpu_digests(DigestRule(4096, CHUNK_HASHES["sha256"], "sha256"), {cuda}) is None
+    assert loader._gpu_digests(DigestRule(4100, CHUNK_HASHES["xxh3-128"], "xxh3-128"), {cuda}) is None
+    monkeypatch.setattr(xxh3, "works_on", lambda d: False)  # a kernel that does not give xxhash's digests
+    assert loader._gpu_digests(rule, {cuda}) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_chunk_digests_on_the_gpu_are_xxhash():
+    assert xxh3.works_on(torch.device("cuda", 0))
+    g = torch.Generator().manual_seed(1)
+    for n in (0, 100, 241, 1024, 1025, 5003, (16 << 20) + 12345, (40 << 20) + 7):
+        flat = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        assert xxh3.chunk_digests(flat.cuda(), 16 << 20) == _host_chunks(flat, 16 << 20), n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_cuda_load_with_digests_on_the_gpu(artifact, tmp_path, monkeypatch):
+    import shutil
+
+    import runtime
+
+    monkeypatch.setattr(loader, "HASH_ON_GPU", True)
+    ids = torch.randint(0, 384, (1, 16), generator=torch.Generator().manual_seed(2))
+    want = runtime.load(artifact, device="cpu")(ids)
+    got = runtime.load(artifact, device="cuda", dtype=torch.float32, backend="torch", rehash=True)(ids.cuda())
+    assert float((got.cpu() - want).norm() / want.norm()) <= 1e-5
+    d = tmp_path / "art"
+    shutil.copytree(artifact, d)
+    big = max(_spans(d, torch.device("cpu")), key=lambda sp: sp.nbytes)
+    with open(big.path, "r+b") as f:
+        f.seek(big.offset + 7)
+        b = f.read(1)
+        f.seek(big.offset + 7)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(LoadError, match=repr(big.name)):
+        runtime.load(d, device="cuda", rehash=True)

@@ -16,7 +16,7 @@ import triton.language as tl
 
 # consts [160] int64 (the bits of uint64), built by runtime/kernels/xxh3.py: stripe keys [16, 8] at 0,
 # scramble keys at 128, last-stripe keys at 136, the initial lanes at 144, PRIME32_1 at 152
-SCRAMBLE, LAST, INIT, PRIME = 128, 136, 144, 152
+SCRAMBLE, LAST, INIT, PRIME = tl.constexpr(128), tl.constexpr(136), tl.constexpr(144), tl.constexpr(152)
 
 
 @triton.jit

@@ -169,7 +169,7 @@ class ArtifactStore:
                 skipped / 1e9,
             )
         finished = (lambda spans: self._record_checked(before, unhashed, spans)) if before else None
-        on_gpu = _gpu_digests(rule, set(devices.values()))
+        on_gpu = gpu_digests(rule, set(devices.values()))
         staging = Staging(spans, rule, progress=progress, finished=finished, hash_on_device=on_gpu, **kw)
         self._stagings.append(staging)
         return staging.start()
@@ -355,7 +355,7 @@ class SourceStore:
         self.source.close()
 
 
-def _gpu_digests(rule: Optional[DigestRule], devices: set) -> Optional[Callable]:
+def gpu_digests(rule: Optional[DigestRule], devices: set) -> Optional[Callable]:
     """XXH3 chunk digests computed on the GPUs the tensors go to (runtime/kernels/xxh3.py) when HASH_ON_GPU
     and every destination is a GPU where the kernel gives xxhash's digests; None: hashed on the CPU."""
     from runtime.kernels import xxh3

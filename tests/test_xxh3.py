@@ -145,14 +145,14 @@ def test_the_loader_hashes_on_gpus_only_when_asked_and_only_there(monkeypatch):
     rule = DigestRule(4096, CHUNK_HASHES["xxh3-128"], "xxh3-128")
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(xxh3, "works_on", lambda d: True)
-    assert loader._gpu_digests(rule, {cuda}) is None  # HASH_ON_GPU off
+    assert loader.gpu_digests(rule, {cuda}) is None  # HASH_ON_GPU off
     monkeypatch.setattr(loader, "HASH_ON_GPU", True)
-    assert loader._gpu_digests(rule, {cuda}) is xxh3.chunk_digests
-    assert loader._gpu_digests(rule, {cuda, torch.device("cpu")}) is None
-    assert loader._gpu_digests(DigestRule(4096, CHUNK_HASHES["sha256"], "sha256"), {cuda}) is None
-    assert loader._gpu_digests(DigestRule(4100, CHUNK_HASHES["xxh3-128"], "xxh3-128"), {cuda}) is None
+    assert loader.gpu_digests(rule, {cuda}) is xxh3.chunk_digests
+    assert loader.gpu_digests(rule, {cuda, torch.device("cpu")}) is None
+    assert loader.gpu_digests(DigestRule(4096, CHUNK_HASHES["sha256"], "sha256"), {cuda}) is None
+    assert loader.gpu_digests(DigestRule(4100, CHUNK_HASHES["xxh3-128"], "xxh3-128"), {cuda}) is None
     monkeypatch.setattr(xxh3, "works_on", lambda d: False)  # a kernel that does not give xxhash's digests
-    assert loader._gpu_digests(rule, {cuda}) is None
+    assert loader.gpu_digests(rule, {cuda}) is None
 
 
 @pytest.mark.gpu
@@ -187,3 +187,33 @@ def test_cuda_load_with_digests_on_the_gpu(artifact, tmp_path, monkeypatch):
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(LoadError, match=repr(big.name)):
         runtime.load(d, device="cuda", rehash=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_verify_on_cuda_with_digests_on_the_gpu(artifact, tmp_path, monkeypatch):
+    """porter verify's staged reads take the same path: PASS on the artifact, a changed byte named."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from porter.cli import main as cli
+
+    monkeypatch.setattr(loader, "HASH_ON_GPU", True)
+    assert xxh3.works_on(torch.device("cuda", 0))  # its self-check done before the calls are counted
+    made = []
+    real = xxh3.chunk_digests
+    monkeypatch.setattr(xxh3, "chunk_digests", lambda *a: made.append(1) or real(*a))
+    args = ["-q", "verify", "--prompt", "x", "--max-new-tokens", "0", "--device", "cuda", "--stream"]
+    res = CliRunner().invoke(cli, [*args[:2], str(artifact), *args[2:]])
+    assert res.exit_code == 0 and made, res.output
+    d = tmp_path / "art"
+    shutil.copytree(artifact, d)
+    big = max(_spans(d, torch.device("cpu")), key=lambda sp: sp.nbytes)
+    with open(big.path, "r+b") as f:
+        f.seek(big.offset + 3)
+        b = f.read(1)
+        f.seek(big.offset + 3)
+        f.write(bytes([b[0] ^ 1]))
+    res = CliRunner().invoke(cli, [*args[:2], str(d), *args[2:]])
+    assert res.exit_code == 1 and f"tensor {big.name} in shard {big.path.name}: digest differs" in res.output

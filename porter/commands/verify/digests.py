@@ -41,6 +41,7 @@ class TensorDigests:
 
     def __init__(self, art: Path, man: dict, chunk_bytes: int, chunk_hash: str):
         self.art, self.chunk_bytes, self.new_hash = Path(art), chunk_bytes, CHUNK_HASHES[chunk_hash]
+        self.chunk_hash = chunk_hash
         self.tensors, self.shards = man.get("tensors", {}), man.get("shards", {})
         self.got: dict = {}  # name -> tensor digest (hex), once every chunk is in
         self._chunks: dict = {}  # name -> {chunk index: digest (bytes)}

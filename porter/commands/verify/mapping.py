@@ -375,6 +375,7 @@ class ArtifactReader:
     def stage(self, names, device: torch.device):
         """Read these tensors (and their scales) onto `device` in the background (runtime.staging); get()
         hands them out from there until unstage()."""
+        from runtime.loader import gpu_digests
         from runtime.staging import DigestRule, Staging, file_spans
 
         names = {x for n in names for x in (n, self.tensors[n].get("scale")) if x}
@@ -382,8 +383,12 @@ class ArtifactReader:
         rule, checked = None, None
         if self.digests is not None:  # hashed as they are read, porter.json's digests to compare
             spans = [replace(s, digest=self.tensors[s.name].get("digest", "")) for s in spans]
-            rule, checked = DigestRule(self.digests.chunk_bytes, self.digests.new_hash), self.digests.staged
-        staging = Staging(spans, rule, allocate_now=True, log_level=logging.DEBUG, checked=checked).start()
+            d = self.digests
+            rule, checked = DigestRule(d.chunk_bytes, d.new_hash, d.chunk_hash), d.staged
+        on_gpu = gpu_digests(rule, {device})  # the digests computed on the GPU where the loader's are
+        staging = Staging(
+            spans, rule, allocate_now=True, log_level=logging.DEBUG, checked=checked, hash_on_device=on_gpu
+        ).start()
         self.stagings.append(staging)
         return staging
 

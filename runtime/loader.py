@@ -364,7 +364,7 @@ def gpu_digests(rule: Optional[DigestRule], devices: set) -> Optional[Callable]:
         return None
     if not devices or any(d.type != "cuda" or not xxh3.works_on(d) for d in devices):
         return None
-    return xxh3.chunk_digests
+    return xxh3.PendingDigests
 
 
 def open_store(path, record_checks: bool = False, rehash: bool = False) -> ArtifactStore | SourceStore:

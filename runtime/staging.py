@@ -144,15 +144,16 @@ class Staging:
         log_level: int = logging.INFO,
         checked: Optional[Callable[[str, str], None]] = None,
         finished: Optional[Callable[[list], None]] = None,
-        hash_on_device: Optional[Callable[[torch.Tensor, int], list]] = None,
+        hash_on_device: Optional[Callable[[torch.Tensor, int], object]] = None,
     ):
         if buffer_bytes < 1:
             raise ValueError(f"buffer_bytes must be positive, not {buffer_bytes}")
         self.rule, self.buffer_bytes, self.show_progress = rule, buffer_bytes, progress
         self.checked = checked  # given: (name, digest) of each tensor read, compared by the caller
         self.finished = finished  # given: the spans whose digests matched, once finish() found them all so
-        # given: (tensor's bytes on its device, chunk bytes) -> its chunk digests, run by the thread that
-        # completes a tensor, instead of hashing each piece on the reading threads
+        # given: (tensor's bytes on its device, chunk bytes) -> its chunk digests in flight (ready(), result():
+        # runtime/kernels/xxh3.py's PendingDigests), launched by the thread that completes a tensor, instead
+        # of hashing each piece on the reading threads
         self.hash_on_device = hash_on_device
         self.allocate_now, self.log_level = allocate_now, log_level
         self.progress = None
@@ -336,16 +337,19 @@ class Staging:
 
     def _work(self) -> None:
         buf, streams, clock = None, {}, {"read": 0.0, "hash": 0.0, "copy": 0.0}
+        hashing: list = []  # (tensor, its digests in flight on its device), oldest first
         try:
             while True:
                 with self._cond:
                     if self._stop or self._next == len(self._items):
-                        return
+                        break
                     item = self._items[self._next]
                     self._next += 1
                 if buf is None:
                     buf = self._new_buffer()
-                self._stage(item, buf, streams, clock)
+                self._stage(item, buf, streams, clock, hashing)
+                self._settle(hashing, clock, wait=False)
+            self._settle(hashing, clock, wait=True)
         except _Stopped:
             return
         except PorterError as e:
@@ -361,7 +365,7 @@ class Staging:
         """This thread's staging buffer, page-locked when a destination is a GPU (asynchronous copies)."""
         return torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self._pin)
 
-    def _stage(self, item: _Item, buf: torch.Tensor, streams: dict, clock: dict) -> None:
+    def _stage(self, item: _Item, buf: torch.Tensor, streams: dict, clock: dict, hashing: list) -> None:
         fd = self._fd(item.path)
         data = memoryview(buf.numpy())
         hashers = [None if p.shared else self.rule.new_hash() for p in item.pieces]
@@ -401,22 +405,27 @@ class Staging:
                         on_device.append(seg.tensor)
                     else:
                         self._complete(seg.tensor)
-        for tensor in on_device:
-            self._hash_on_device(tensor, streams, clock)
+        for tensor in on_device:  # launched on this thread's stream; completed by _settle
+            began = time.perf_counter()
+            stream = streams.get(tensor.span.device)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                hashing.append((tensor, self.hash_on_device(tensor.flat, self.rule.chunk_bytes)))
+            clock["hash"] += time.perf_counter() - began
         if self.progress is not None:
             self.progress.update(item.length)
 
-    def _hash_on_device(self, t: _Tensor, streams: dict, clock: dict) -> None:
-        """Every chunk digest of t from its bytes on its device (each copy into it has finished: the threads
-        wait for their copies before counting them), on this thread's stream, then t is handed out."""
-        began = time.perf_counter()
-        stream = streams.get(t.span.device)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            digests = self.hash_on_device(t.flat, self.rule.chunk_bytes)
-        clock["hash"] += time.perf_counter() - began
-        with self._cond:
-            t.digests = dict(enumerate(digests))
-            self._complete(t)
+    def _settle(self, hashing: list, clock: dict, wait: bool) -> None:
+        """Hand out the tensors whose digests, computed on their device, are in (wait: all of them). The
+        digests were launched after every copy into the tensor had finished (the threads wait for their
+        copies before counting them), so the reading thread goes on while its device hashes."""
+        while hashing and (wait or hashing[0][1].ready()):
+            t, pending = hashing.pop(0)
+            began = time.perf_counter()
+            digests = pending.result()
+            clock["hash"] += time.perf_counter() - began
+            with self._cond:
+                t.digests = dict(enumerate(digests))
+                self._complete(t)
 
     def _hash_shared(self, piece: _Piece, data: memoryview) -> Optional[bytes]:
         """Feed a piece of a chunk that spans items to the chunk's hasher in order; the chunk's digest once

@@ -79,9 +79,23 @@ def test_kernel_in_the_triton_interpreter_is_xxhash():
 
 
 def _host_chunks(flat: torch.Tensor, chunk: int) -> list:
-    """hash_on_device's contract, computed by the xxhash package (the CPU stand-in for the GPU kernel)."""
     raw = flat.cpu().numpy().tobytes()
     return [xxhash.xxh3_128(raw[b : b + chunk]).digest() for b in range(0, len(raw), chunk)]
+
+
+class _HostPending:
+    """hash_on_device's contract (xxh3.PendingDigests), computed by the xxhash package: the CPU stand-in for
+    the GPU kernel; not ready until asked twice, so the staging's threads go on reading meanwhile."""
+
+    def __init__(self, flat: torch.Tensor, chunk: int):
+        self.digests, self.asked = _host_chunks(flat, chunk), 0
+
+    def ready(self) -> bool:
+        self.asked += 1
+        return self.asked > 2
+
+    def result(self) -> list:
+        return self.digests
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +126,7 @@ def _counting_rule(chunk: int, made: list) -> DigestRule:
 def test_staging_hashes_each_tensor_on_its_device_after_the_copy(artifact, buffer_bytes):
     made, spans = [], _spans(artifact, torch.device("cpu"))
     rule = _counting_rule(4096, made)
-    s = Staging(spans, rule, threads=3, buffer_bytes=buffer_bytes, hash_on_device=_host_chunks).start()
+    s = Staging(spans, rule, threads=3, buffer_bytes=buffer_bytes, hash_on_device=_HostPending).start()
     got = {sp.name: s.take(sp.name).clone() for sp in spans}
     s.finish()
     assert made == [] and sum(sp.nbytes > 4096 for sp in spans) > 10  # none hashed on the reading threads
@@ -135,7 +149,7 @@ def test_a_changed_tensor_is_named_when_hashed_on_its_device(artifact, tmp_path)
         f.seek(big.offset + big.nbytes // 2)
         f.write(bytes([b[0] ^ 1]))
     s = Staging(
-        spans, _counting_rule(4096, []), threads=2, buffer_bytes=4096, hash_on_device=_host_chunks
+        spans, _counting_rule(4096, []), threads=2, buffer_bytes=4096, hash_on_device=_HostPending
     ).start()
     with pytest.raises(LoadError, match=f"tensor {big.name!r} differs from porter.json's digest"):
         s.finish()
@@ -147,7 +161,7 @@ def test_the_loader_hashes_on_gpus_only_when_asked_and_only_there(monkeypatch):
     monkeypatch.setattr(xxh3, "works_on", lambda d: True)
     assert loader.gpu_digests(rule, {cuda}) is None  # HASH_ON_GPU off
     monkeypatch.setattr(loader, "HASH_ON_GPU", True)
-    assert loader.gpu_digests(rule, {cuda}) is xxh3.chunk_digests
+    assert loader.gpu_digests(rule, {cuda}) is xxh3.PendingDigests
     assert loader.gpu_digests(rule, {cuda, torch.device("cpu")}) is None
     assert loader.gpu_digests(DigestRule(4096, CHUNK_HASHES["sha256"], "sha256"), {cuda}) is None
     assert loader.gpu_digests(DigestRule(4100, CHUNK_HASHES["xxh3-128"], "xxh3-128"), {cuda}) is None
@@ -202,8 +216,8 @@ def test_verify_on_cuda_with_digests_on_the_gpu(artifact, tmp_path, monkeypatch)
     monkeypatch.setattr(loader, "HASH_ON_GPU", True)
     assert xxh3.works_on(torch.device("cuda", 0))  # its self-check done before the calls are counted
     made = []
-    real = xxh3.chunk_digests
-    monkeypatch.setattr(xxh3, "chunk_digests", lambda *a: made.append(1) or real(*a))
+    real = xxh3.PendingDigests
+    monkeypatch.setattr(xxh3, "PendingDigests", lambda *a: made.append(1) or real(*a))
     args = ["-q", "verify", "--prompt", "x", "--max-new-tokens", "0", "--device", "cuda", "--stream"]
     res = CliRunner().invoke(cli, [*args[:2], str(artifact), *args[2:]])
     assert res.exit_code == 0 and made, res.output

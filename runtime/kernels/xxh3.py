@@ -91,31 +91,56 @@ def applies(flat: torch.Tensor, chunk_bytes: int) -> bool:
     )
 
 
-def chunk_digests(flat: torch.Tensor, chunk_bytes: int) -> list:
-    """The XXH3-128 digest of each chunk_bytes-long piece of flat (the last one shorter), in order. Runs on
-    the current CUDA stream of flat's device and waits for it."""
-    from runtime.kernels.xxh3_triton import xxh3_lanes_kernel
+class PendingDigests:
+    """The XXH3-128 digest of each chunk_bytes-long piece of flat (the last one shorter), launched on the
+    current CUDA stream of flat's device: the kernel's lanes and the short chunks' bytes are copied to
+    page-locked host memory behind it; ready() says whether they are in, result() waits and merges."""
 
-    n = flat.numel()
-    spans = [(b, min(chunk_bytes, n - b)) for b in range(0, n, chunk_bytes)]
-    long = [(b, m) for b, m in spans if m > LONG]
-    out = {}
-    if long:
-        dev = flat.device
-        starts = torch.tensor([b for b, _ in long], dtype=torch.int64, device=dev)
-        lens = torch.tensor([m for _, m in long], dtype=torch.int64, device=dev)
-        lanes = torch.empty((len(long), 8), dtype=torch.int64, device=dev)
-        words = flat[: n - n % 8].view(torch.int64)
-        most = max((m - 1) // 1024 for _, m in long)
-        xxh3_lanes_kernel[(len(long),)](
-            words, flat, starts, lens, _consts(dev), lanes, most, NB=BLOCKS_PER_STEP
-        )
-        for (b, m), row in zip(long, lanes.cpu().tolist()):
+    def __init__(self, flat: torch.Tensor, chunk_bytes: int):
+        from runtime.kernels.xxh3_triton import xxh3_lanes_kernel
+
+        n, dev = flat.numel(), flat.device
+        self.spans = [(b, min(chunk_bytes, n - b)) for b in range(0, n, chunk_bytes)]
+        long = [(b, m) for b, m in self.spans if m > LONG]
+        pin = flat.is_cuda
+        self.lanes = None
+        if long:
+            starts = torch.tensor([b for b, _ in long], dtype=torch.int64).to(dev, non_blocking=True)
+            lens = torch.tensor([m for _, m in long], dtype=torch.int64).to(dev, non_blocking=True)
+            lanes = torch.empty((len(long), 8), dtype=torch.int64, device=dev)
+            words = flat[: n - n % 8].view(torch.int64)
+            most = max((m - 1) // 1024 for _, m in long)
+            xxh3_lanes_kernel[(len(long),)](
+                words, flat, starts, lens, _consts(dev), lanes, most, NB=BLOCKS_PER_STEP
+            )
+            self.lanes = torch.empty(lanes.shape, dtype=torch.int64, pin_memory=pin)
+            self.lanes.copy_(lanes, non_blocking=pin)
+        self.short = {}
+        for b, m in self.spans:
+            if m <= LONG:  # at most one per tensor (its tail), or a tiny tensor
+                self.short[b] = torch.empty(m, dtype=torch.uint8, pin_memory=pin)
+                self.short[b].copy_(flat[b : b + m], non_blocking=pin)
+        self.event = torch.cuda.Event() if pin else None
+        if pin:
+            self.event.record()
+        self.long = long
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def result(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        out = {b: xxhash.xxh3_128(v.numpy().tobytes()).digest() for b, v in self.short.items()}
+        for (b, m), row in zip(self.long, self.lanes.tolist() if self.lanes is not None else []):
             out[b] = digest_from_lanes([v & MASK for v in row], m)
-    for b, m in spans:
-        if m <= LONG:
-            out[b] = xxhash.xxh3_128(flat[b : b + m].cpu().numpy().tobytes()).digest()
-    return [out[b] for b, _ in spans]
+        return [out[b] for b, _ in self.spans]
+
+
+def chunk_digests(flat: torch.Tensor, chunk_bytes: int) -> list:
+    """The XXH3-128 digest of each chunk_bytes-long piece of flat (the last one shorter), in order: on the
+    current CUDA stream of flat's device, waited for."""
+    return PendingDigests(flat, chunk_bytes).result()
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,16 +8,12 @@ helpers (alignment, fp16 range-guard analysis, config fitting) and the backend's
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from dataclasses import fields, replace
-from pathlib import Path
 
 import pytest
 import torch
+from interpreter import run_in_interpreter
 
 from porter.format import mxfp8
 from runtime.kernels.fused import pdl_supported
@@ -703,16 +699,7 @@ def test_kernels_in_the_triton_interpreter_match_torch():
     finite) and gpt-oss's SwiGLU-OAI with expert biases. Each within 4e-3 of the torch reference (the bf16
     output's rounding is ~1.7e-3)."""
     pytest.importorskip("triton")
-    script = Path(__file__).with_name("moe_interpreter_cases.py")
-    root = str(Path(__file__).resolve().parents[1])
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = run_in_interpreter("moe_interpreter_cases.py")
     assert len(rows) == 11
     for r in rows:
         assert r["finite"] and r["rel_err"] <= 4e-3, r

@@ -5,17 +5,16 @@ staged loader's path that hashes each tensor on its device after its copy (runti
 hash_on_device) hands out the same bytes, hashes nothing on the reading threads and still names a changed
 tensor."""
 
-import json
-import os
+import shutil
 import struct
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import xxhash
+from interpreter import run_in_interpreter
 
 import porter
 from porter.errors import LoadError
@@ -65,16 +64,7 @@ def test_host_merge_of_the_lanes_is_xxhash(n):
 @pytest.mark.slow
 def test_kernel_in_the_triton_interpreter_is_xxhash():
     pytest.importorskip("triton")
-    script = Path(__file__).with_name("xxh3_interpreter_cases.py")
-    root = str(Path(__file__).resolve().parents[1])
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    row = json.loads(proc.stdout.splitlines()[-1])
+    (row,) = run_in_interpreter("xxh3_interpreter_cases.py")
     assert row["cases"] == 71 and row["chunks"] > 100 and row["mismatches"] == [], row
 
 
@@ -118,6 +108,21 @@ def _spans(art: Path, device) -> list:
     return out
 
 
+def _changed_copy(art: Path, tmp_path: Path, at) -> tuple:
+    """A copy of the artifact with one byte of its largest tensor flipped (`at`: the byte's offset in the
+    tensor, from its size); the copy and that tensor's span."""
+    d = tmp_path / "art"
+    shutil.copytree(art, d)
+    big = max(_spans(d, torch.device("cpu")), key=lambda sp: sp.nbytes)
+    where = big.offset + at(big.nbytes)
+    with open(big.path, "r+b") as f:
+        f.seek(where)
+        b = f.read(1)
+        f.seek(where)
+        f.write(bytes([b[0] ^ 1]))
+    return d, big
+
+
 def _counting_rule(chunk: int, made: list) -> DigestRule:
     return DigestRule(chunk, lambda: made.append(1) or CHUNK_HASHES["xxh3-128"](), "xxh3-128")
 
@@ -137,17 +142,10 @@ def test_staging_hashes_each_tensor_on_its_device_after_the_copy(artifact, buffe
 
 
 def test_a_changed_tensor_is_named_when_hashed_on_its_device(artifact, tmp_path):
-    import shutil
-
-    d = tmp_path / "art"
-    shutil.copytree(artifact, d)
-    spans = _spans(d, torch.device("cpu"))
-    big = max(spans, key=lambda sp: sp.nbytes)
-    with open(big.path, "r+b") as f:
-        f.seek(big.offset + big.nbytes // 2)
-        b = f.read(1)
-        f.seek(big.offset + big.nbytes // 2)
-        f.write(bytes([b[0] ^ 1]))
+    d, big = _changed_copy(artifact, tmp_path, lambda n: n // 2)
+    spans = [
+        replace(sp, path=d / sp.path.name) for sp in _spans(artifact, torch.device("cpu"))
+    ]  # digests of before
     s = Staging(
         spans, _counting_rule(4096, []), threads=2, buffer_bytes=4096, hash_on_device=_HostPending
     ).start()
@@ -182,8 +180,6 @@ def test_chunk_digests_on_the_gpu_are_xxhash():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_cuda_load_with_digests_on_the_gpu(artifact, tmp_path, monkeypatch):
-    import shutil
-
     import runtime
 
     monkeypatch.setattr(loader, "HASH_ON_GPU", True)
@@ -191,14 +187,7 @@ def test_cuda_load_with_digests_on_the_gpu(artifact, tmp_path, monkeypatch):
     want = runtime.load(artifact, device="cpu")(ids)
     got = runtime.load(artifact, device="cuda", dtype=torch.float32, backend="torch", rehash=True)(ids.cuda())
     assert float((got.cpu() - want).norm() / want.norm()) <= 1e-5
-    d = tmp_path / "art"
-    shutil.copytree(artifact, d)
-    big = max(_spans(d, torch.device("cpu")), key=lambda sp: sp.nbytes)
-    with open(big.path, "r+b") as f:
-        f.seek(big.offset + 7)
-        b = f.read(1)
-        f.seek(big.offset + 7)
-        f.write(bytes([b[0] ^ 1]))
+    d, big = _changed_copy(artifact, tmp_path, lambda n: 7)
     with pytest.raises(LoadError, match=repr(big.name)):
         runtime.load(d, device="cuda", rehash=True)
 
@@ -207,8 +196,6 @@ def test_cuda_load_with_digests_on_the_gpu(artifact, tmp_path, monkeypatch):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_verify_on_cuda_with_digests_on_the_gpu(artifact, tmp_path, monkeypatch):
     """porter verify's staged reads take the same path: PASS on the artifact, a changed byte named."""
-    import shutil
-
     from click.testing import CliRunner
 
     from porter.cli import main as cli
@@ -221,13 +208,6 @@ def test_verify_on_cuda_with_digests_on_the_gpu(artifact, tmp_path, monkeypatch)
     args = ["-q", "verify", "--prompt", "x", "--max-new-tokens", "0", "--device", "cuda", "--stream"]
     res = CliRunner().invoke(cli, [*args[:2], str(artifact), *args[2:]])
     assert res.exit_code == 0 and made, res.output
-    d = tmp_path / "art"
-    shutil.copytree(artifact, d)
-    big = max(_spans(d, torch.device("cpu")), key=lambda sp: sp.nbytes)
-    with open(big.path, "r+b") as f:
-        f.seek(big.offset + 3)
-        b = f.read(1)
-        f.seek(big.offset + 3)
-        f.write(bytes([b[0] ^ 1]))
+    d, big = _changed_copy(artifact, tmp_path, lambda n: 3)
     res = CliRunner().invoke(cli, [*args[:2], str(d), *args[2:]])
     assert res.exit_code == 1 and f"tensor {big.name} in shard {big.path.name}: digest differs" in res.output

@@ -258,3 +258,18 @@ def test_a_verified_artifact_loads_without_hashing(art, hashed):
     assert res.exit_code == 1 and f"tensor {name} in shard {shard.name}: digest differs" in res.output
     rec = json.loads(store.checked.file.read_text())["shards"]
     assert sorted(rec) == sorted(f.name for f in art.glob("*.safetensors") if f != shard)
+
+
+def test_hf_layout_records_its_per_expert_parts(tiny_vendor, tmp_path, hashed, monkeypatch):
+    """--layout hf: the staged tensors are the per-expert parts the shards hold; they are what is recorded."""
+    monkeypatch.setattr(checked, "RACY_NS", 0)
+    art = tmp_path / "hf"
+    porter.convert(tiny_vendor, art, progress=False, layout="hf")
+    store = open_store(art, record_checks=True)
+    assert store._hf is not None
+    _same(_staged(store), _mapped(store))
+    total = sum(hashed)
+    hashed.clear()
+    again = open_store(art, record_checks=True)
+    _same(_staged(again), _mapped(again))
+    assert total > 0 and sum(hashed) == 0

@@ -13,6 +13,7 @@ XXH3's default secret and primes (xxhash.h: XXH3_kSecret, XXH_PRIME32_*, XXH_PRI
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import struct
@@ -97,6 +98,11 @@ class PendingDigests:
     page-locked host memory behind it; ready() says whether they are in, result() waits and merges."""
 
     def __init__(self, flat: torch.Tensor, chunk_bytes: int):
+        # Triton launches on the current device: flat's, whatever the caller's (a device_map's second GPU)
+        with torch.cuda.device(flat.device) if flat.is_cuda else contextlib.nullcontext():
+            self._launch(flat, chunk_bytes)
+
+    def _launch(self, flat: torch.Tensor, chunk_bytes: int) -> None:
         from runtime.kernels.xxh3_triton import xxh3_lanes_kernel
 
         n, dev = flat.numel(), flat.device

@@ -187,19 +187,19 @@ def read_floor(files: list, threads: int, buffer_bytes: int) -> float:
     return secs
 
 
-def gpu_hash_seconds(dev, nbytes: int = 2 << 30, chunk: int = 16 << 20) -> float:
-    """Seconds for runtime/kernels/xxh3.py to digest `nbytes` on the GPU in chunks of `chunk` (one call, as the
-    loader makes per tensor; the best of three after a warm-up)."""
+def gpu_hash_seconds(dev, nb: int, nbytes: int = 2 << 30, chunk: int = 16 << 20) -> float:
+    """Seconds for runtime/kernels/xxh3.py to digest `nbytes` on the GPU in chunks of `chunk` with `nb` blocks
+    per step (one call, as the loader makes per tensor; the best of three after a warm-up)."""
     import torch
 
     from runtime.kernels import xxh3
 
     flat = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
-    xxh3.chunk_digests(flat[: 1 << 20], chunk)  # compile
+    xxh3.chunk_digests(flat[: 1 << 20], chunk, nb)  # compile
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
-        xxh3.chunk_digests(flat, chunk)
+        xxh3.chunk_digests(flat, chunk, nb)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -438,13 +438,9 @@ def main():
         add("floor: pageable H2D copy (2 GiB)", "-", "-", 2 * (1 << 30) / GB / h2d["pageable"], 2 << 30)
     add(f"floor: xxh3-128, {threads} threads", "-", "-", hash_floor(art_b, threads, buf), art_b)
     if cuda and args.hash_on_gpu != "off":
-        add(
-            "xxh3-128 on the GPU (2 GiB, 16 MiB chunks)",
-            "-",
-            "-",
-            gpu_hash_seconds(torch.device("cuda", 0)),
-            2 << 30,
-        )
+        for nb in (4, 8, 16, 32):  # the kernel's blocks per step (runtime/kernels/xxh3.py BLOCKS_PER_STEP)
+            secs = gpu_hash_seconds(torch.device("cuda", 0), nb)
+            add(f"xxh3-128 on the GPU (2 GiB, 16 MiB chunks), {nb} blocks per step", "-", "-", secs, 2 << 30)
     floor, pc = {}, PageCache(args.evict == "auto")
     folders = [("artifact", art, art_b)] + ([("source", src, src_b)] if args.verify != "none" else [])
     caches = set(args.cache.split(",")) | (

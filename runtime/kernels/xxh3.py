@@ -39,7 +39,9 @@ PRIME32 = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D)
 PRIME64 = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5)
 PRIME_MX1 = 0x165667919E3779F9
 INIT = (PRIME32[2], PRIME64[0], PRIME64[1], PRIME64[2], PRIME64[3], PRIME32[1], PRIME64[4], PRIME32[0])
-BLOCKS_PER_STEP = 8  # blocks of 1 KiB a program loads at once (xxh3_triton.xxh3_lanes_kernel's NB)
+# blocks of 1 KiB a program loads at once (xxh3_triton.xxh3_lanes_kernel's NB; 8 warps from 16 on): a guess
+# until benchmarks/load.py --hash-on-gpu measures 4 to 32 on a GPU
+BLOCKS_PER_STEP = 8
 
 
 def _le64(b: bytes, at: int) -> int:
@@ -97,12 +99,12 @@ class PendingDigests:
     current CUDA stream of flat's device: the kernel's lanes and the short chunks' bytes are copied to
     page-locked host memory behind it; ready() says whether they are in, result() waits and merges."""
 
-    def __init__(self, flat: torch.Tensor, chunk_bytes: int):
+    def __init__(self, flat: torch.Tensor, chunk_bytes: int, blocks_per_step: int = BLOCKS_PER_STEP):
         # Triton launches on the current device: flat's, whatever the caller's (a device_map's second GPU)
         with torch.cuda.device(flat.device) if flat.is_cuda else contextlib.nullcontext():
-            self._launch(flat, chunk_bytes)
+            self._launch(flat, chunk_bytes, blocks_per_step)
 
-    def _launch(self, flat: torch.Tensor, chunk_bytes: int) -> None:
+    def _launch(self, flat: torch.Tensor, chunk_bytes: int, nb: int) -> None:
         from runtime.kernels.xxh3_triton import xxh3_lanes_kernel
 
         n, dev = flat.numel(), flat.device
@@ -117,7 +119,7 @@ class PendingDigests:
             words = flat[: n - n % 8].view(torch.int64)
             most = max((m - 1) // 1024 for _, m in long)
             xxh3_lanes_kernel[(len(long),)](
-                words, flat, starts, lens, _consts(dev), lanes, most, NB=BLOCKS_PER_STEP
+                words, flat, starts, lens, _consts(dev), lanes, most, NB=nb, num_warps=8 if nb >= 16 else 4
             )
             self.lanes = torch.empty(lanes.shape, dtype=torch.int64, pin_memory=pin)
             self.lanes.copy_(lanes, non_blocking=pin)
@@ -143,10 +145,10 @@ class PendingDigests:
         return [out[b] for b, _ in self.spans]
 
 
-def chunk_digests(flat: torch.Tensor, chunk_bytes: int) -> list:
+def chunk_digests(flat: torch.Tensor, chunk_bytes: int, blocks_per_step: int = BLOCKS_PER_STEP) -> list:
     """The XXH3-128 digest of each chunk_bytes-long piece of flat (the last one shorter), in order: on the
-    current CUDA stream of flat's device, waited for."""
-    return PendingDigests(flat, chunk_bytes).result()
+    current CUDA stream of flat's device, waited for. blocks_per_step: the kernel's NB (benchmarks)."""
+    return PendingDigests(flat, chunk_bytes, blocks_per_step).result()
 
 
 @functools.lru_cache(maxsize=None)

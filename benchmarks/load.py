@@ -64,7 +64,7 @@ from common import (  # noqa: E402
     write_results,
 )
 
-REAL_ARTIFACT_GB, REAL_SOURCE_GB, REAL_GPUS = 452.0, 795.0, 4
+REAL_ARTIFACT_GB, REAL_SOURCE_GB = 452.0, 795.0
 GB = 1e9
 
 

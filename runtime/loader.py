@@ -177,10 +177,9 @@ class ArtifactStore:
     def _record_checked(self, before: dict, unhashed: set, spans: list) -> None:
         """After a staging found every digest it checked matching: the shards read without hashing did not
         change while they were read (else LoadError), and the tensors checked are recorded."""
-        now = self.checked.snapshot(unhashed)
-        for f in sorted(unhashed):
-            if f not in now or now[f][0] != before[f][0]:
-                raise LoadError(f"{f}: changed while it was being loaded; load again")
+        moved = self.checked.moved(before, sorted(unhashed))
+        if moved:
+            raise LoadError(f"{moved[0]}: changed while it was being loaded; load again")
         by_shard: dict = {}
         for s in spans:
             by_shard.setdefault(s.path, []).append(s.name)

@@ -207,7 +207,7 @@ class Staging:
                         cur.segments[-1].length += m
                     else:
                         cur.segments.append(_Segment(t, b, cur.length, m))
-                    if t.chunks and self.hash_on_device is None:
+                    if hashed_here:
                         cur.pieces.append(_Piece(t, k, cur.length, m, shared, seq))
                     cur.length += m
         return items

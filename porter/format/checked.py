@@ -5,6 +5,7 @@ equal to porter.json's digests, so that a later load of the same unchanged files
     checked = CheckedShards(artifact)                  # this artifact's record, if this machine has one
     before = checked.snapshot(shards)                  # each shard's identity, taken before its bytes are read
     names = checked.trusted(shard, before)             # its tensors a load checked, if the file is unchanged
+    checked.moved(before, shards)                      # those whose identity moved since (read unhashed: fail)
     checked.record(before, {shard: names_checked})     # after a load checked them
 
 A shard's identity is what `os.stat` says of it: device, inode, size, modification and status-change time
@@ -102,6 +103,18 @@ class CheckedShards:
             return frozenset()
         return frozenset(rec["tensors"])
 
+    def moved(self, before: dict, shards: Iterable[Path]) -> list:
+        """Those of `shards` whose identity is no longer the one in `before` (or that cannot be looked at)."""
+        out = []
+        for f in shards:
+            try:
+                still = identity(os.stat(f)) == before[f][0]
+            except (OSError, KeyError):
+                still = False
+            if not still:
+                out.append(f)
+        return out
+
     def record(self, before: dict, checked: dict) -> None:
         """checked: shard -> names of its tensors whose bytes were just read and matched porter.json. Each
         shard whose identity did not move while they were read, and had not moved for RACY_NS before, is
@@ -115,11 +128,7 @@ class CheckedShards:
                 if not names or seen is None:
                     continue
                 ident, at = seen
-                try:
-                    still = identity(os.stat(shard)) == ident
-                except OSError:
-                    still = False
-                if not still or ident[4] > at - RACY_NS:
+                if ident[4] > at - RACY_NS or self.moved(before, [shard]):
                     continue
                 rec = self._shards.get(shard.name)
                 known = (

@@ -103,6 +103,21 @@ def check_fixed(text: dict, fixed: dict, family: str, prefix: str = "") -> None:
             )
 
 
+# The grouped-query MoE decoder's shape fields every family has: a verify reference that differs in one is not
+# the source (each family's STRUCTURAL adds its own), and each must be positive (check_positive).
+DECODER_SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "num_local_experts",
+)
+DECODER_POSITIVE_FIELDS = (*DECODER_SHAPE_FIELDS, "num_experts_per_tok", "max_position_embeddings")
+
+
 def check_positive(cfg, names: Iterable[str]) -> None:
     for name in names:
         if getattr(cfg, name) <= 0:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from converters.config_fields import (
+    DECODER_POSITIVE_FIELDS,
+    DECODER_SHAPE_FIELDS,
     ResolvedConfig,
     check_positive,
     check_rules,
@@ -62,16 +64,7 @@ class GptOssConfig(ResolvedConfig):
     provenance: dict = field(default_factory=dict)
 
     # fields that fix tensor shapes: a verify reference that differs here is not the source
-    STRUCTURAL: ClassVar[tuple] = (
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "intermediate_size",
-        "num_local_experts",
-    )
+    STRUCTURAL: ClassVar[tuple] = DECODER_SHAPE_FIELDS
 
     def is_moe(self, layer: int) -> bool:
         return True  # every gpt-oss layer's MLP is the routed experts
@@ -281,20 +274,7 @@ def _resolve_rope(raw, values, prov):
 
 
 def _validate(c: GptOssConfig) -> None:
-    positive = (
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "intermediate_size",
-        "num_local_experts",
-        "num_experts_per_tok",
-        "max_position_embeddings",
-        "sliding_window",
-        "rope_original_max_position_embeddings",
-    )
+    positive = (*DECODER_POSITIVE_FIELDS, "sliding_window", "rope_original_max_position_embeddings")
     check_positive(c, positive)
     rules = [
         *head_and_expert_rules(c),

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from converters.config_fields import (
+    DECODER_POSITIVE_FIELDS,
+    DECODER_SHAPE_FIELDS,
     ResolvedConfig,
     check_fixed,
     check_positive,
@@ -56,16 +58,7 @@ class TextConfig(ResolvedConfig):
     provenance: dict = field(default_factory=dict)
 
     # fields that fix tensor shapes: a verify reference that differs here is not the source
-    STRUCTURAL: ClassVar[tuple] = (
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "intermediate_size",
-        "num_local_experts",
-    )
+    STRUCTURAL: ClassVar[tuple] = DECODER_SHAPE_FIELDS
     # the SwiGLU-OAI parameters of plain SwiGLU (the MoE backends' per-expert gemm1_alpha/beta/clamp_limit)
     swiglu_alpha: ClassVar[float] = 1.0
     swiglu_beta: ClassVar[float] = 0.0
@@ -238,18 +231,7 @@ def _resolve_fixed_semantics(raw: dict, layers: int) -> None:
 
 
 def _validate(c: TextConfig) -> None:
-    positive = [
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "intermediate_size",
-        "num_local_experts",
-        "num_experts_per_tok",
-        "max_position_embeddings",
-    ]
+    positive = DECODER_POSITIVE_FIELDS
     check_positive(c, positive)
     rules = [
         *head_and_expert_rules(c),

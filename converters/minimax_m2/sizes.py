@@ -7,11 +7,11 @@ i}`) may be in the files or not. porter/format/sizes.py runs the rules; docs/arc
 
 from __future__ import annotations
 
+from converters.block_sparse_moe_names import EXPERT_SIZE_RULES
 from porter.format.sizes import Count, Dim, fields_of
 
 _L = r"model\.layers\.\d+\."
 _ATTN = _L + r"self_attn\."
-_EXPERTS = _L + r"block_sparse_moe\.experts\."
 
 SIZE_RULES = (
     # decoder blocks (an MTP module may hold one too: up to num_mtp_modules more)
@@ -27,17 +27,6 @@ SIZE_RULES = (
     Dim(("num_attention_heads", "head_dim"), _ATTN + r"(q_proj|q_norm)\.weight", 0),  # q_norm: all heads
     Dim(("num_attention_heads", "head_dim"), _ATTN + r"o_proj\.weight", 1),
     Dim(("num_key_value_heads", "head_dim"), _ATTN + r"(k_proj|v_proj|k_norm)\.weight", 0),
-    Count(
-        "num_local_experts",
-        r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w[123]\.weight",
-        "experts",
-        "layer",
-    ),
-    Dim(("num_local_experts",), _EXPERTS + r"(w13_weight|w2_weight|gate_up_proj|down_proj)", 0),
-    Dim(("num_local_experts",), _L + r"block_sparse_moe\.(gate\.weight|e_score_correction_bias)", 0),
-    Dim(("intermediate_size",), _EXPERTS + r"\d+\.w[13]\.weight", 0),
-    Dim(("intermediate_size",), _EXPERTS + r"\d+\.w2\.weight", 1),
-    Dim(("intermediate_size",), _EXPERTS + r"(w13_weight|gate_up_proj)", 1, factor=2),
-    Dim(("intermediate_size",), _EXPERTS + r"(w2_weight|down_proj)", 2),
+    *EXPERT_SIZE_RULES,
 )
 SIZE_FIELDS = fields_of(SIZE_RULES)

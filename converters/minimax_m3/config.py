@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from converters.config_fields import (
+    DECODER_POSITIVE_FIELDS,
+    DECODER_SHAPE_FIELDS,
     ResolvedConfig,
     check_fixed,
     check_positive,
@@ -67,17 +69,10 @@ class TextConfig(ResolvedConfig):
 
     # fields that fix tensor shapes: a verify reference that differs here is not the source
     STRUCTURAL: ClassVar[tuple] = (
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "intermediate_size",
+        *DECODER_SHAPE_FIELDS,
         "dense_intermediate_size",
         "shared_intermediate_size",
         "n_shared_experts",
-        "num_local_experts",
         "layer_types",
         "mlp_layer_types",
         "index_n_heads",
@@ -315,22 +310,13 @@ def _resolve_fixed_semantics(text, prefix, layer_types):
 
 
 def _validate(c: TextConfig) -> None:
-    positive = [
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "intermediate_size",
-        "num_local_experts",
-        "num_experts_per_tok",
+    positive = (
+        *DECODER_POSITIVE_FIELDS,
         "index_n_heads",
         "index_head_dim",
         "index_block_size",
         "index_topk_blocks",
-        "max_position_embeddings",
-    ]
+    )
     check_positive(c, positive)
     rules = [
         *head_and_expert_rules(c),

@@ -6,11 +6,11 @@ layout's per-expert tensors. porter/format/sizes.py runs them; docs/architecture
 
 from __future__ import annotations
 
+from converters.block_sparse_moe_names import EXPERT_SIZE_RULES
 from porter.format.sizes import Count, Dim, fields_of
 
 _L = r"model\.layers\.\d+\."
 _ATTN = _L + r"self_attn\."
-_EXPERTS = _L + r"block_sparse_moe\.experts\."
 _SHARED = _L + r"block_sparse_moe\.shared_experts\."
 
 SIZE_RULES = (
@@ -30,17 +30,6 @@ SIZE_RULES = (
     Dim(("shared_intermediate_size",), _SHARED + r"(gate|up)_proj\.weight", 0),
     Dim(("shared_intermediate_size",), _SHARED + r"down_proj\.weight", 1),
     Dim(("shared_intermediate_size",), _SHARED + r"gate_up_proj\.weight", 0, factor=2),
-    Count(
-        "num_local_experts",
-        r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w[123]\.weight",
-        "experts",
-        "layer",
-    ),
-    Dim(("num_local_experts",), _EXPERTS + r"(w13_weight|w2_weight|gate_up_proj|down_proj)", 0),
-    Dim(("num_local_experts",), _L + r"block_sparse_moe\.(gate\.weight|e_score_correction_bias)", 0),
-    Dim(("intermediate_size",), _EXPERTS + r"\d+\.w[13]\.weight", 0),
-    Dim(("intermediate_size",), _EXPERTS + r"\d+\.w2\.weight", 1),
-    Dim(("intermediate_size",), _EXPERTS + r"(w13_weight|gate_up_proj)", 1, factor=2),
-    Dim(("intermediate_size",), _EXPERTS + r"(w2_weight|down_proj)", 2),
+    *EXPERT_SIZE_RULES,
 )
 SIZE_FIELDS = fields_of(SIZE_RULES)

@@ -231,6 +231,29 @@ def keep_mask(top_i: torch.Tensor, S: int, block: int) -> torch.Tensor:
     return sel[..., torch.arange(S, device=top_i.device) // block]
 
 
+def causal_attention(q, k, v, cache, step, keep=None) -> torch.Tensor:
+    """Prefill (and padded-batch) attention of a grouped-query layer: q [B, T, nq, d] and this step's k / v
+    [B, T, nkv, d] -> [B, T, nq*d], over the cache's first kv_len slots (already holding k / v) or, fresh
+    without a cache, over the new keys. keep(S) -> bool [B, nkv|1, T, S] narrows the causal mask (sparse
+    attention's selected blocks); without it a fresh step takes SDPA's own causal path."""
+    B, T, nq, d = q.shape
+    S = step.kv_len
+    if cache is None:  # fresh, no cache: the new keys are slots 0..T-1
+        keys, vals = k.transpose(1, 2), v.transpose(1, 2)  # [B, nkv, T, d]
+    else:
+        keys, vals = cache.k[:, :, :S], cache.v[:, :, :S]  # [B, nkv, S, d]
+    q = q.transpose(1, 2)  # [B, nq, T, d]
+    if keep is None and step.fresh:
+        out = F.scaled_dot_product_attention(q, keys, vals, is_causal=True, scale=d**-0.5, enable_gqa=True)
+    else:
+        causal = lambda: (torch.arange(S, device=q.device) <= step.pos[..., None])[:, None]  # [B, 1, T, S]
+        mask = step.memo(("causal", S), causal)  # made once per forward, shared by the layers
+        if keep is not None:
+            mask = mask & keep(S)  # [B, nkv, T, S]
+        out = gqa_attention(q, keys, vals, mask, d**-0.5)  # [B, nq, T, d]
+    return out.transpose(1, 2).reshape(B, T, nq * d)
+
+
 def gqa_attention(q, k, v, mask, scale) -> torch.Tensor:
     """q [B, nq, T, d], k/v [B, nkv, S, d], mask bool [B, nkv|1, T, S] -> [B, nq, T, d] (no K/V repeat)."""
     B, nq, T, d = q.shape

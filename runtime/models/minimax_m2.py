@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from converters.minimax_m2 import TextConfig
 from porter.format.layout import scale_name
@@ -29,7 +28,7 @@ from runtime.models.layers import (
     Getter,
     Rope,
     apply_rope,
-    gqa_attention,
+    causal_attention,
     linear,
     rms_norm,
     stack_linears,
@@ -74,22 +73,7 @@ class Attention:
         if step.decode:
             out = decode_attention(q[:, 0], cache.k, cache.v, step.pos[:, 0], step.kv_len, None, 1, d**-0.5)
             return out.reshape(B, 1, nq * d)  # [B, nq, d] -> [B, 1, nq*d]
-        S = step.kv_len
-        if cache is None:  # fresh, no cache: the new keys are slots 0..T-1
-            keys, vals = k.transpose(1, 2), v.transpose(1, 2)  # [B, nkv, T, d]
-        else:
-            keys, vals = cache.k[:, :, :S], cache.v[:, :, :S]  # [B, nkv, S, d]
-        q = q.transpose(1, 2)  # [B, nq, T, d]
-        if step.fresh:
-            out = F.scaled_dot_product_attention(
-                q, keys, vals, is_causal=True, scale=d**-0.5, enable_gqa=True
-            )
-        else:
-            causal = lambda: (torch.arange(S, device=x.device) <= step.pos[..., None])[
-                :, None
-            ]  # [B, 1, T, S]
-            out = gqa_attention(q, keys, vals, step.memo(("causal", S), causal), d**-0.5)  # [B, nq, T, d]
-        return out.transpose(1, 2).reshape(B, T, nq * d)
+        return causal_attention(q, k, v, cache, step)
 
 
 class MoE:

@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from converters.minimax_m3 import TextConfig
 from porter.format.layout import scale_name
@@ -38,8 +37,8 @@ from runtime.models.layers import (
     Getter,
     Rope,
     add_in_order,
+    causal_attention,
     fork,
-    gqa_attention,
     join,
     keep_mask,
     linear,
@@ -140,25 +139,8 @@ class Attention:
                 q[:, 0], cache.k, cache.v, step.pos[:, 0], step.kv_len, blocks, cfg.index_block_size, d**-0.5
             )  # [B, nq, d]
             return self.o_proj(out.reshape(B, 1, nq * d))
-        S = step.kv_len
-        if cache is None:  # fresh, no cache: the new keys are slots 0..T-1
-            keys, vals = k.transpose(1, 2), v.transpose(1, 2)  # [B, nkv, T, d]
-        else:
-            keys, vals = cache.k[:, :, :S], cache.v[:, :, :S]  # [B, nkv, S, d]
-        q = q.transpose(1, 2)  # [B, nq, T, d]
-        if top is None and step.fresh:
-            out = F.scaled_dot_product_attention(
-                q, keys, vals, is_causal=True, scale=d**-0.5, enable_gqa=True
-            )
-        else:
-            causal = lambda: (torch.arange(S, device=x.device) <= step.pos[..., None])[
-                :, None
-            ]  # [B, 1, T, S]
-            mask = step.memo(("causal", S), causal)  # made once per forward, shared by the layers
-            if top is not None:
-                mask = mask & keep_mask(top, S, cfg.index_block_size)  # [B, ni, T, S]
-            out = gqa_attention(q, keys, vals, mask, d**-0.5)  # [B, nq, T, d]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, nq * d))
+        keep = None if top is None else (lambda S: keep_mask(top, S, cfg.index_block_size))  # [B, ni, T, S]
+        return self.o_proj(causal_attention(q, k, v, cache, step, keep))
 
 
 class MLP:

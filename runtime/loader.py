@@ -33,7 +33,6 @@ import converters
 from porter.errors import LoadError, PorterError
 from porter.format import journal, manifest
 from porter.format.checked import CheckedShards
-from porter.format.digest import CHUNK_HASHES
 from porter.format.layout import layer_of
 from porter.format.safe_files import inside, read_json_object, regular_file
 from porter.format.safetensors_io import ST_DTYPES, chunk_hash_of, parse_header
@@ -208,7 +207,7 @@ class ArtifactStore:
         if name is None or type(n) is not int or n < 4096:
             log.warning("%s: porter.json names no digest rule porter reads; tensors not checked", self.path)
             return None
-        return DigestRule(n, CHUNK_HASHES[name], name)
+        return DigestRule(n, name)
 
     def _check_shard_records(self, shards: set) -> None:
         """Each shard's size and header bytes are what porter.json recorded (the tensors' digests are

@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from porter.cores import available_cores
 from porter.errors import LoadError, PorterError
+from porter.format.digest import CHUNK_HASHES
 from porter.format.safetensors_io import ST_DTYPES, parse_header, pread_into, tensor_digest
 
 log = logging.getLogger("porter.runtime")
@@ -71,12 +72,13 @@ class Span:
 
 @dataclass(frozen=True)
 class DigestRule:
-    """porter.json's digest rule: the chunk size, a constructor of the chunk hash and its name
-    (porter.format.digest.CHUNK_HASHES)."""
+    """porter.json's digest rule: the chunk size and the chunk hash's name (porter.format.digest.CHUNK_HASHES)."""
 
     chunk_bytes: int
-    new_hash: Callable
-    name: str = ""
+    name: str
+
+    def new_hash(self):
+        return CHUNK_HASHES[self.name]()
 
 
 @dataclass

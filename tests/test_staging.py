@@ -17,7 +17,6 @@ import porter
 import runtime
 from porter.cli import main as cli
 from porter.errors import LoadError
-from porter.format.digest import CHUNK_HASHES
 from porter.format.safetensors_io import file_digests, parse_header
 from runtime import staging
 from runtime.loader import ArtifactStore, open_store
@@ -102,7 +101,7 @@ def test_whole_chunks_hashed_as_read(artifact, monkeypatch, read_block):
     made = []
     new = Staging._new_buffer
     monkeypatch.setattr(Staging, "_new_buffer", lambda self: made.append(self.buffer_bytes) or new(self))
-    s = Staging(spans, DigestRule(4096, CHUNK_HASHES["xxh3-128"]), threads=3, buffer_bytes=3 * 4096).start()
+    s = Staging(spans, DigestRule(4096, "xxh3-128"), threads=3, buffer_bytes=3 * 4096).start()
     got = {sp.name: s.take(sp.name).clone() for sp in spans}
     s.finish()
     for sp in spans:

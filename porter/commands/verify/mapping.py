@@ -384,7 +384,7 @@ class ArtifactReader:
         if self.digests is not None:  # hashed as they are read, porter.json's digests to compare
             spans = [replace(s, digest=self.tensors[s.name].get("digest", "")) for s in spans]
             d = self.digests
-            rule, checked = DigestRule(d.chunk_bytes, d.new_hash, d.chunk_hash), d.staged
+            rule, checked = DigestRule(d.chunk_bytes, d.chunk_hash), d.staged
         on_gpu = gpu_digests(rule, {device})  # the digests computed on the GPU where the loader's are
         staging = Staging(
             spans, rule, allocate_now=True, log_level=logging.DEBUG, checked=checked, hash_on_device=on_gpu
